@@ -1,0 +1,81 @@
+"""Namespaces and chained block hashes: the address of every KV block in every tier.
+
+    namespace = sha256(b"kvserve-ns" || format_version || model_fingerprint || kv_dtype
+                       || block_size || tenant_salt)          (length-prefixed fields)
+    h_0 = sha256(namespace || uint32_le(tokens[0:B]))
+    h_i = sha256(h_{i-1}  || uint32_le(tokens[i*B:(i+1)*B]))
+
+Only full blocks are keyed. Everything here is deterministic across processes and
+machines: no ``hash()``, no seeds. A match is decided by digest equality alone, so the
+hash is cryptographic (SHA-256), and the namespace covers the weights and the tenant,
+so KV from other weights or another tenant can never be addressed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NewType, Sequence
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+Namespace = NewType("Namespace", bytes)  # 32 bytes
+BlockHash = NewType("BlockHash", bytes)  # 32 bytes
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def make_namespace(
+    model_fingerprint: str,
+    kv_dtype: str,
+    block_size: int,
+    tenant_salt: str = "",
+    format_version: int = FORMAT_VERSION,
+) -> Namespace:
+    """The root of every block chain for one (weights, dtype, block size, tenant)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    h = hashlib.sha256(b"kvserve-ns")
+    h.update(struct.pack("<I", format_version))
+    h.update(_field(model_fingerprint.encode()))
+    h.update(_field(kv_dtype.encode()))
+    h.update(struct.pack("<I", block_size))
+    h.update(_field(tenant_salt.encode()))
+    return Namespace(h.digest())
+
+
+def hash_block_tokens(parent: bytes, tokens: Sequence[int]) -> BlockHash:
+    """One link of the chain: sha256(parent || uint32_le(tokens))."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return BlockHash(hashlib.sha256(parent + arr.astype("<u4").tobytes()).digest())
+
+
+def block_hashes(
+    namespace: Namespace,
+    tokens: Sequence[int],
+    block_size: int,
+    parent_hashes: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of ``tokens``.
+
+    ``parent_hashes`` may hold hashes already computed for a prefix of ``tokens``
+    (e.g. the previous turn of a session); they are reused, not recomputed.
+    """
+    n_full = len(tokens) // block_size
+    out = list(parent_hashes[:n_full])
+    parent: bytes = out[-1] if out else namespace
+    for i in range(len(out), n_full):
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def redis_key(prefix: str, block_hash: BlockHash) -> str:
+    """The Redis key of a block. The namespace is already inside the hash chain."""
+    return f"{prefix}blk:{block_hash.hex()}"
