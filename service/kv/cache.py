@@ -1,0 +1,347 @@
+"""Paged KV storage on the device, and the batch layout the model attends with.
+
+``KVPool`` holds every block of every layer in ONE tensor::
+
+    data: (num_blocks, num_layers, 2, block_size, n_kv, head_dim)    # 2 = (K, V)
+
+Block-major, so one block (all layers, K and V) is one contiguous span: exporting or
+importing a block is a single memcpy, the unit the cache store moves between tiers.
+Block 0 is the null block: padding tokens write there and the block manager never
+hands it out.
+
+``BatchLayout`` is the attention metadata of one forward pass, built once and shared
+by every layer: padded input ids, positions, where each new token's K/V goes, which
+blocks hold each sequence's context, and the mask. The model calls
+``KVPool.update(layer, layout, k, v)`` in each layer (the gpt-fast ``KVCache.update``
+manner): it writes the new K/V into the pool and returns the K/V to attend over.
+
+Nothing in the per-layer path reads a tensor back to the host: every index is built on
+the target device when the layout is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+NULL_BLOCK = 0
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical short name ("float32", ...) of a KV dtype (used in the key namespace)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """2 (K and V) * layers * kv heads * head_dim * element size."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    """The device block pool: ``data`` of shape (num_blocks, L, 2, block_size, n_kv, hd).
+
+    ``k(layer)`` / ``v(layer)`` are views of shape (num_blocks, block_size, n_kv, hd).
+    The pool knows nothing of which block belongs to whom (that is the block manager's
+    job); it stores, gathers and copies blocks.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
+        if min(num_layers, block_size, num_kv_heads, head_dim) < 1:
+            raise ValueError("num_layers, block_size, num_kv_heads and head_dim must be >= 1")
+        self.num_blocks = num_blocks
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # zeros, not empty: every page is touched now, so nbytes is the real footprint
+        # and the first forward pays no page faults.
+        self.data = torch.zeros(
+            num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device
+        )  # (N, L, 2, bs, n_kv, hd)
+        self._k = [self.data[:, layer, 0] for layer in range(num_layers)]  # (N, bs, n_kv, hd) views
+        self._v = [self.data[:, layer, 1] for layer in range(num_layers)]
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "KVPool":
+        """As many blocks as fit in ``budget_bytes`` (including the null block)."""
+        per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; need >= 2"
+            )
+        return cls(num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype, device)
+
+    @classmethod
+    def for_model(cls, config, budget_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> "KVPool":
+        """``from_budget`` with the layer/head geometry of a ``ModelConfig``."""
+        return cls.from_budget(budget_bytes, config.num_layers, block_size, config.num_kv_heads,
+                               config.head_dim, dtype, device)
+
+    # ---- geometry -------------------------------------------------------------------
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes really allocated for the pool's storage."""
+        return self.data.untyped_storage().nbytes()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one exported block: (L, 2, block_size, n_kv, hd)."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    def k(self, layer: int) -> Tensor:
+        return self._k[layer]  # (N, bs, n_kv, hd)
+
+    def v(self, layer: int) -> Tensor:
+        return self._v[layer]  # (N, bs, n_kv, hd)
+
+    # ---- the model's per-layer call -------------------------------------------------
+
+    def update(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new K/V of ``layer`` at the layout's slots; return the K/V to attend over.
+
+        k, v: (B, T, n_kv, hd) for the batch's new tokens. Returns (k_ctx, v_ctx) of shape
+        (B, C, n_kv, hd): the new K/V themselves when the layout is ``fresh`` (no cached
+        context), else each sequence's gathered context (C = ``layout.ctx_len``).
+        """
+        k_cache, v_cache = self._k[layer], self._v[layer]
+        k_cache.index_put_((layout.slot_blocks, layout.slot_offsets), k.reshape(-1, self.num_kv_heads, self.head_dim))
+        v_cache.index_put_((layout.slot_blocks, layout.slot_offsets), v.reshape(-1, self.num_kv_heads, self.head_dim))
+        if layout.fresh:
+            return k, v
+        # (B, nb, bs, n_kv, hd) -> (B, nb*bs, n_kv, hd) -> (B, C, n_kv, hd)
+        k_ctx = k_cache[layout.ctx_blocks].flatten(1, 2)[:, : layout.ctx_len]
+        v_ctx = v_cache[layout.ctx_blocks].flatten(1, 2)[:, : layout.ctx_len]
+        return k_ctx, v_ctx
+
+    # ---- export / import (the cache store's unit) -----------------------------------
+
+    def export_block(self, block_id: int, out: Tensor | None = None) -> Tensor:
+        """A contiguous copy of one block, shape (L, 2, bs, n_kv, hd).
+
+        With ``out`` (e.g. pinned host memory) the copy goes there (non-blocking from a
+        CUDA pool into pinned memory: synchronize before reading it).
+        """
+        self._check_id(block_id)
+        src = self.data[block_id]
+        if out is None:
+            return src.clone()
+        self._check_tensor(out, self.block_shape, "out")
+        out.copy_(src, non_blocking=self._async(out))
+        return out
+
+    def import_block(self, block_id: int, tensor: Tensor) -> None:
+        """Copy one block's K/V (L, 2, bs, n_kv, hd) into ``block_id``.
+
+        Non-blocking when the source is pinned and the pool is on CUDA; the copy is
+        ordered before any later kernel on the current stream, but the caller must not
+        overwrite the source until the stream has passed it.
+        """
+        self._check_id(block_id)
+        self._check_tensor(tensor, self.block_shape, "tensor")
+        self.data[block_id].copy_(tensor, non_blocking=self._async(tensor))
+
+    def export_blocks(self, block_ids: Sequence[int], out: Tensor | None = None) -> Tensor:
+        """Contiguous copies of several blocks, shape (n, L, 2, bs, n_kv, hd)."""
+        idx = self._index(block_ids)
+        if out is None:
+            return self.data.index_select(0, idx)
+        self._check_tensor(out, (len(block_ids), *self.block_shape), "out")
+        if out.device == self.device:
+            torch.index_select(self.data, 0, idx, out=out)
+        else:
+            out.copy_(self.data.index_select(0, idx), non_blocking=self._async(out))
+        return out
+
+    def import_blocks(self, block_ids: Sequence[int], tensor: Tensor) -> None:
+        """Copy (n, L, 2, bs, n_kv, hd) into the given blocks, in order."""
+        idx = self._index(block_ids)
+        self._check_tensor(tensor, (len(block_ids), *self.block_shape), "tensor")
+        if tensor.device != self.device:
+            tensor = tensor.to(self.device, non_blocking=self._async(tensor))
+        self.data.index_copy_(0, idx, tensor)
+
+    def _async(self, host: Tensor) -> bool:
+        return self.device.type == "cuda" and host.device.type == "cpu" and host.is_pinned()
+
+    def _index(self, block_ids: Sequence[int]) -> Tensor:
+        for b in block_ids:
+            self._check_id(b)
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 < block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} outside 1..{self.num_blocks - 1} (0 is the null block)")
+
+    def _check_tensor(self, t: Tensor, shape: tuple[int, ...], name: str) -> None:
+        if tuple(t.shape) != tuple(shape) or t.dtype != self.dtype:
+            raise ValueError(f"{name}: expected {tuple(shape)} {self.dtype}, got {tuple(t.shape)} {t.dtype}")
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """Run ``token_ids`` at positions ``start_pos .. start_pos + len - 1``.
+
+    The KV of positions < ``start_pos`` is already in the pool, in ``block_table``'s
+    blocks; ``block_table`` covers at least ``start_pos + len(token_ids)`` positions.
+    """
+
+    block_table: Sequence[int]
+    start_pos: int
+    token_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BatchLayout:
+    """Attention metadata of one forward pass over B sequences of up to T new tokens.
+
+    Padding (sequences shorter than T) repeats the sequence's last position, writes its
+    K/V into the null block and is never attended to by real tokens.
+    """
+
+    input_ids: Tensor  # (B, T) long, padded with 0
+    positions: Tensor  # (B, T) long
+    slot_blocks: Tensor  # (B*T,) long: block receiving each new token's K/V (padding: NULL_BLOCK)
+    slot_offsets: Tensor  # (B*T,) long: offset inside that block
+    ctx_blocks: Tensor | None  # (B, nb) long: blocks holding each sequence's context; None if fresh
+    ctx_len: int  # C: key length attended over (T when fresh)
+    attn_mask: Tensor | None  # (B, 1, T, C) additive (0 / -inf) in the model dtype; None: no mask
+    is_causal: bool  # use SDPA's causal mask (fresh, equal lengths, T > 1)
+    fresh: bool  # every start_pos == 0: attend over the new K/V directly, no gather
+    last_index: Tensor  # (B,) long: flat index (b*T + t) of each sequence's last new token
+    seq_lens: tuple[int, ...]  # start_pos + new tokens, per sequence
+    num_new_tokens: tuple[int, ...]  # new (real) tokens per sequence
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens run through the model by this forward (padding excluded)."""
+        return sum(self.num_new_tokens)
+
+    @classmethod
+    def build(
+        cls,
+        seqs: Sequence[SeqSlice],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "BatchLayout":
+        """Lay out ``seqs`` for one forward; ``dtype`` is the model's (for the additive mask)."""
+        if not seqs:
+            raise ValueError("BatchLayout.build needs at least one sequence")
+        device = torch.device(device)
+        lens = [len(s.token_ids) for s in seqs]
+        starts = [int(s.start_pos) for s in seqs]
+        totals = [s + n for s, n in zip(starts, lens)]
+        for i, s in enumerate(seqs):
+            if lens[i] < 1 or starts[i] < 0:
+                raise ValueError(f"sequence {i}: needs >= 1 new token and start_pos >= 0")
+            if len(s.block_table) * block_size < totals[i]:
+                raise ValueError(
+                    f"sequence {i}: block table of {len(s.block_table)} blocks covers "
+                    f"{len(s.block_table) * block_size} positions, needs {totals[i]}"
+                )
+        B, T = len(seqs), max(lens)
+        num_blocks = max(math.ceil(t / block_size) for t in totals)
+        ids = [list(s.token_ids) + [0] * (T - n) for s, n in zip(seqs, lens)]
+        tables = [list(s.block_table[:num_blocks]) + [NULL_BLOCK] * (num_blocks - len(s.block_table[:num_blocks]))
+                  for s in seqs]
+
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (B, T)
+        table = torch.tensor(tables, dtype=torch.long, device=device)  # (B, nb)
+        start_t = torch.tensor(starts, dtype=torch.long, device=device)  # (B,)
+        len_t = torch.tensor(lens, dtype=torch.long, device=device)  # (B,)
+        t_idx = torch.arange(T, device=device)  # (T,)
+        real = t_idx[None, :] < len_t[:, None]  # (B, T)
+        positions = start_t[:, None] + torch.minimum(t_idx[None, :], len_t[:, None] - 1)  # (B, T)
+        blocks = table.gather(1, positions // block_size)  # (B, T)
+        slot_blocks = torch.where(real, blocks, NULL_BLOCK).reshape(-1)
+        slot_offsets = (positions % block_size).reshape(-1)
+        last_index = torch.arange(B, device=device) * T + len_t - 1
+
+        fresh = all(s == 0 for s in starts)
+        ctx_blocks = None
+        mask = None
+        is_causal = False
+        if fresh:
+            ctx_len = T
+            if all(n == T for n in lens):
+                is_causal = T > 1
+            else:  # causal within each sequence, cut at its length
+                allowed = (t_idx[None, None, :] <= t_idx[None, :, None]) & (t_idx[None, None, :] < len_t[:, None, None])
+                mask = allowed  # (B, T, T)
+        else:
+            ctx_len = max(totals)
+            ctx_blocks = table[:, : math.ceil(ctx_len / block_size)]
+            if not (B == 1 and T == 1):  # a lone decode token sees its whole (sliced) context
+                c_idx = torch.arange(ctx_len, device=device)
+                mask = c_idx[None, None, :] <= positions[:, :, None]  # (B, T, C)
+        attn_mask = None
+        if mask is not None:
+            attn_mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+            attn_mask = attn_mask.unsqueeze(1)  # (B, 1, T, C)
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            slot_blocks=slot_blocks,
+            slot_offsets=slot_offsets,
+            ctx_blocks=ctx_blocks,
+            ctx_len=ctx_len,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            fresh=fresh,
+            last_index=last_index,
+            seq_lens=tuple(totals),
+            num_new_tokens=tuple(lens),
+            block_size=block_size,
+        )

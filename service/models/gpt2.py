@@ -1,0 +1,145 @@
+"""GPT-2, top to bottom.
+
+    x = wte(ids) + wpe(positions)
+    for each block:
+        x = x + Attention(LayerNorm(x))    # multi-head, paged KV
+        x = x + MLP(LayerNorm(x))          # c_fc -> gelu_new -> c_proj
+    logits = LayerNorm(x) @ wte.T          # tied lm_head
+
+Names follow the HF checkpoint (``transformer.h.0.attn.c_attn``). HF stores GPT-2's
+projections as ``Conv1D`` (weight (in, out)); here they are ``nn.Linear`` (weight
+(out, in)), so the loader transposes the tensors listed in ``transposed`` (nanoGPT's
+manner). The forward contract is the one in llama.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.kv.cache import BatchLayout, KVPool
+from service.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim = config.num_heads, config.head_dim
+        d = config.hidden_size
+        self.c_attn = nn.Linear(d, 3 * d)  # q, k, v stacked
+        self.c_proj = nn.Linear(d, d)
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, D = x.shape
+        q, k, v = self.c_attn(x).split(D, dim=-1)
+        shape = (B, T, self.n_heads, self.head_dim)
+        return q.view(shape), k.view(shape), v.view(shape)  # (B, T, nh, hd)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        B, T = q.shape[:2]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, nh, T|C, hd)
+            attn_mask=mask, is_causal=is_causal,
+        )  # (B, nh, T, hd)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def forward(self, x: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        q, k, v = self.qkv(x)
+        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, nh, hd)
+        return self.attend(q, k, v, layout.attn_mask, layout.is_causal)
+
+    def forward_nocache(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x)
+        return self.attend(q, k, v, None, x.shape[1] > 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.approximate = "none" if config.hidden_act == "gelu" else "tanh"  # gelu_new = tanh approximation
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        x = x + self.attn(self.ln_1(x), layout, kv)
+        return x + self.mlp(self.ln_2(x))
+
+    def forward_nocache(self, x: Tensor) -> Tensor:
+        x = x + self.attn.forward_nocache(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+class GPT2LMHeadModel(nn.Module):
+    # Conv1D weights, stored (in, out) in the checkpoint: transposed on load
+    transposed: tuple[str, ...] = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    # causal-mask buffers some checkpoints carry (h.0.attn.bias, h.0.attn.masked_bias): not weights
+    _mask_buffer = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """GPT-2 always ties lm_head to wte (again after to_empty)."""
+        self.lm_head.weight = self.transformer.wte.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "transformer.wte.weight"}
+
+    @classmethod
+    def checkpoint_name(cls, key: str) -> str | None:
+        """Our parameter name for a checkpoint tensor name; None for tensors to skip.
+
+        The original OpenAI-converted checkpoints omit the ``transformer.`` prefix.
+        """
+        if cls._mask_buffer.match(key):
+            return None
+        return key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
+
+    def reset_buffers(self) -> None:
+        """No non-persistent buffers."""
+
+    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
+        x = self.transformer.wte(layout.input_ids) + self.transformer.wpe(layout.positions)  # (B, T, D)
+        for block in self.transformer.h:
+            x = block(x, layout, kv)
+        if not all_logits:
+            x = x.flatten(0, 1).index_select(0, layout.last_index)  # (B, D)
+        return self.lm_head(self.transformer.ln_f(x)).float()  # (B, V) or (B, T, V)
+
+    def forward_nocache(self, input_ids: Tensor) -> Tensor:
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device)
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)[None]  # (B, T, D)
+        for block in self.transformer.h:
+            x = block.forward_nocache(x)
+        return self.lm_head(self.transformer.ln_f(x)).float()  # (B, T, V)

@@ -1,0 +1,214 @@
+"""Llama-family decoder (Llama 2/3, TinyLlama, Mistral-style, Qwen2), top to bottom.
+
+    x = embed(ids)
+    for each layer:
+        x = x + Attention(RMSNorm(x))      # RoPE on q/k, grouped-query attention, paged KV
+        x = x + SwiGLU(RMSNorm(x))
+    logits = lm_head(RMSNorm(x))
+
+Module and parameter names follow the HF checkpoint (``model.layers.0.self_attn.q_proj``,
+...), so a state dict loads by name with no renaming. The forward contract shared with
+gpt2.py::
+
+    model(layout, kv, all_logits=False) -> logits (B, V) at each sequence's last new token
+                                           ((B, T, V) when all_logits), float32
+    model.forward_nocache(input_ids (B, T)) -> logits (B, T, V): plain causal attention
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.kv.cache import BatchLayout, KVPool
+from service.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalize in float32 (as the reference does), scale in the model dtype
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies (head_dim/2,) in float32, with rope_scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: leave high frequencies, divide low ones by factor, interpolate in between
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for given positions; computed per forward, so no max-length table."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, hd): broadcast over heads
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin  # x: (B, T, nh, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = self.head_dim**-0.5
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, config.q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, config.kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, d, bias=config.attention_out_bias)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, nh, hd)
+        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)  # (B, T, n_kv, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
+        return q, k, v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        B, T = q.shape[:2]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, nh, T, hd), (B, n_kv, C, hd)
+            attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
+        )  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
+        return self.attend(q, k, v, layout.attn_mask, layout.is_causal)
+
+    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.attend(q, k, v, None, x.shape[1] > 1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, h, bias=bias)
+        self.up_proj = nn.Linear(d, h, bias=bias)
+        self.down_proj = nn.Linear(h, d, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn.forward_nocache(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint tensor names that the loader must transpose (none: HF Linear layout)
+    transposed: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config says so (again after to_empty)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """Parameter names that share storage with another one (alias -> source)."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    @staticmethod
+    def checkpoint_name(key: str) -> str | None:
+        """Our parameter name for a checkpoint tensor name (identical); None to skip it."""
+        return None if key.endswith("rotary_emb.inv_freq") else key  # old checkpoints saved it
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after construction on the meta device)."""
+        self.model.rotary_emb.reset_buffers()
+
+    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
+        x = self.model.embed_tokens(layout.input_ids)  # (B, T, D)
+        cos, sin = self.model.rotary_emb(layout.positions, x.dtype)  # (B, T, 1, hd)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, layout, kv)
+        if not all_logits:
+            x = x.flatten(0, 1).index_select(0, layout.last_index)  # (B, D)
+        return self.lm_head(self.model.norm(x)).float()  # (B, V) or (B, T, V)
+
+    def forward_nocache(self, input_ids: Tensor) -> Tensor:
+        B, T = input_ids.shape
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer.forward_nocache(x, cos, sin)
+        return self.lm_head(self.model.norm(x)).float()  # (B, T, V)

@@ -1,0 +1,219 @@
+"""Load an HF-format model directory: config, weights, tokenizer, eos ids, fingerprint.
+
+    loaded = load_model("path/to/model", dtype="float32", device="auto")
+    loaded.model(layout, kv)          # see llama.py for the forward contract
+
+Weights are read memory-mapped (safetensors ``safe_open``) one tensor at a time and
+copied into a model whose parameters were allocated once, on the target device and in
+the target dtype, so a 7B checkpoint never needs twice its size in RAM. Weight loading
+is data plus checks (nanoGPT's manner): every checkpoint tensor must name a parameter,
+every parameter must be found, every shape must match; anything else raises
+``ModelLoadError`` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from service.kv.cache import KVPool
+from service.models.config import ModelConfig, ModelLoadError
+from service.models.gpt2 import GPT2LMHeadModel
+from service.models.llama import LlamaForCausalLM
+from service.models.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FINGERPRINT_VERSION = b"kvserve-model-fingerprint-v1"
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    config: ModelConfig
+    model: nn.Module  # eval mode, requires_grad False
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]  # config.json + generation_config.json (+ tokenizer if both empty)
+    fingerprint: str  # hex sha256 of the canonical config.json and every weight file's bytes
+    dtype: torch.dtype
+    device: torch.device
+    path: Path
+
+    def new_kv_pool(self, budget_bytes: int, block_size: int) -> KVPool:
+        """A KV pool for this model (its geometry, dtype and device) within ``budget_bytes``."""
+        return KVPool.for_model(self.config, budget_bytes, block_size, self.dtype, self.device)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose one of {list(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda when available, else cpu."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device}; choose cpu, cuda or auto")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but CUDA is not available")
+    return device
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    progress: bool | None = None,
+) -> LoadedModel:
+    """Load the model directory at ``path``. ``progress`` None: a bar over shards on a TTY."""
+    path = Path(path)
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: model directory does not exist")
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{path}: missing config.json")
+    raw_config = _read_json(config_path)
+    config = ModelConfig.from_hf(raw_config, source=str(config_path))
+    weight_files = _weight_files(path)
+    tokenizer = Tokenizer.from_dir(path)
+    eos = _eos_token_ids(path, config, tokenizer)
+
+    cls = MODEL_CLASSES[config.architecture]
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=torch_dtype).to_empty(device=torch_device)  # allocate once, uninitialized
+    model.tie_weights()
+    model.reset_buffers()
+    if progress is None:
+        progress = sys.stderr.isatty()
+    _load_weights(model, weight_files, path, progress)
+    model.eval().requires_grad_(False)
+    return LoadedModel(
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        fingerprint=model_fingerprint(raw_config, weight_files),
+        dtype=torch_dtype,
+        device=torch_device,
+        path=path,
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot parse JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files to read: the shards of the index, or model.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: no weight_map")
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f"{index}: lists shard {f.name}, which does not exist")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    hint = " (only safetensors weights are supported)" if any(path.glob("*.bin")) else ""
+    raise ModelLoadError(f"{path}: no weights: expected model.safetensors or model.safetensors.index.json{hint}")
+
+
+def _load_weights(model: nn.Module, files: list[Path], path: Path, progress: bool) -> None:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    params = dict(model.named_parameters())  # tied aliases appear once, under their source name
+    aliases = model.tied_weights
+    transposed = model.transposed
+    found: dict[str, str] = {}
+    for file in tqdm(files, desc="loading shards", unit="shard", disable=not progress or len(files) < 2):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            for key in f.keys():
+                name = model.checkpoint_name(key)
+                if name is None:
+                    continue
+                if name in aliases:  # e.g. lm_head.weight written next to a tied embedding
+                    continue
+                if name not in params:
+                    raise ModelLoadError(f"{file}: unexpected tensor {key!r} (no such parameter in the model)")
+                if name in found:
+                    raise ModelLoadError(f"{file}: tensor {key!r} also present in {found[name]}")
+                flip = name.endswith(transposed) if transposed else False
+                shape = tuple(f.get_slice(key).get_shape())
+                want = tuple(params[name].shape)
+                if flip:
+                    want = want[::-1]
+                if shape != want:
+                    raise ModelLoadError(
+                        f"{file}: tensor {key!r} has shape {list(shape)}, expected {list(want)}"
+                    )
+                tensor = f.get_tensor(key)
+                params[name].data.copy_(tensor.t() if flip else tensor)
+                found[name] = file.name
+    missing = [n for n in params if n not in found]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        where = files[0] if len(files) == 1 else path / "model.safetensors.index.json"
+        raise ModelLoadError(f"{where}: missing tensor(s) {shown}")
+
+
+def _eos_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = list(config.eos_token_ids)
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():
+        gen = _read_json(gen_path).get("eos_token_id")
+        ids += [gen] if isinstance(gen, int) else list(gen or [])
+    if not ids:
+        ids = list(tokenizer.eos_token_ids)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def model_fingerprint(raw_config: dict, weight_files: list[Path]) -> str:
+    """Hex sha256 over the canonical config.json and every weight file's bytes (streamed).
+
+    Deterministic across processes and machines; any change to the architecture config
+    or to a single weight byte gives another fingerprint (and so another KV namespace).
+    """
+    h = hashlib.sha256(_FINGERPRINT_VERSION)
+    # bookkeeping keys that vary with the writing tool, not with the model, are left out
+    stable = {k: v for k, v in raw_config.items() if not k.startswith("_") and k != "transformers_version"}
+    canonical = json.dumps(stable, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    h.update(len(canonical).to_bytes(8, "little") + canonical)
+    for file in sorted(weight_files, key=lambda p: p.name):
+        h.update(len(file.name).to_bytes(8, "little") + file.name.encode())
+        h.update(file.stat().st_size.to_bytes(8, "little"))
+        with open(file, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,300 @@
+"""Text <-> token ids for a model directory, chat templates, incremental detokenization.
+
+One ``Tokenizer`` over whichever the checkpoint ships (first found wins):
+
+- ``tokenizer.json``: a Hugging Face ``tokenizers`` tokenizer (Llama 3, Qwen2, GPT-2 ...);
+- ``tokenizer.model``: sentencepiece (Llama 2, TinyLlama, Mistral), byte fallback included;
+- ``vocab.json`` + ``merges.txt``: GPT-2 byte-level BPE.
+
+``tokenizer_config.json`` supplies the bos/eos tokens, whether to add bos, added special
+tokens and the ``chat_template`` (or a ``chat_template.jinja`` file next to it), rendered
+in a sandboxed jinja2 environment. ``IncrementalDetokenizer`` streams text that is final:
+never half a UTF-8 character, correct across sentencepiece word boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
+
+from service.models.config import ModelLoadError
+
+DEFAULT_ROLES = ("system", "user", "assistant")
+# Used when the checkpoint has no chat template: "<role>: <content>" lines, then "assistant:".
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+
+
+class _Backend(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+class _SentencePieceBackend:
+    """sentencepiece ``tokenizer.model``; special token strings in text map to their ids."""
+
+    def __init__(self, path: Path, special_tokens: Iterable[str]) -> None:
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self.sp.get_piece_size()
+        self._special = {t: i for t in special_tokens if t and (i := self.token_to_id(t)) is not None}
+        self._special_re = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(self._special, key=len, reverse=True)) + ")")
+            if self._special else None
+        )
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.piece_to_id(token)
+        return i if (i != self.sp.unk_id() or token == self.sp.id_to_piece(i)) else None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = [self.sp.bos_id()] if add_special_tokens and self.sp.bos_id() >= 0 else []
+        parts = self._special_re.split(text) if self._special_re else [text]
+        for i, part in enumerate(parts):
+            if i % 2:  # a special token string
+                ids.append(self._special[part])
+            elif part:
+                ids.extend(self.sp.encode(part))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode(list(ids))  # control tokens (bos/eos) decode to ""
+
+
+class _HFBackend:
+    """A ``tokenizers.Tokenizer`` (from tokenizer.json, or GPT-2 vocab.json + merges.txt)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_json(cls, path: Path) -> "_HFBackend":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_vocab_merges(cls, vocab: Path, merges: Path, special_tokens: Iterable[str]) -> "_HFBackend":
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+        tok = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        present = [t for t in dict.fromkeys(special_tokens) if t and tok.token_to_id(t) is not None]
+        tok.add_special_tokens(present)
+        return cls(tok)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config stores tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON ({e})") from None
+
+
+class Tokenizer:
+    """Encode/decode for one model, its special tokens and its chat template."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_token: str | None = None,
+        eos_tokens: Sequence[str] = (),
+        add_bos: bool = True,
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self.bos_token = bos_token
+        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        ids = (backend.token_to_id(t) for t in eos_tokens)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
+        self.eos_token = eos_tokens[0] if eos_tokens else None
+        # sentencepiece: we add bos; tokenizer.json: its post-processor adds it
+        self._add_bos = add_bos and (self.bos_token_id is not None or isinstance(backend, _HFBackend))
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template or BUILTIN_CHAT_TEMPLATE)
+
+    # ---- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load the tokenizer files of an HF model directory; ModelLoadError if none."""
+        path = Path(path)
+        cfg_path = path / "tokenizer_config.json"
+        cfg = _read_json(cfg_path) if cfg_path.exists() else {}
+        bos = _token_str(cfg.get("bos_token"))
+        eos = _token_str(cfg.get("eos_token"))
+        unk = _token_str(cfg.get("unk_token"))
+        added = [_token_str(v) for v in (cfg.get("added_tokens_decoder") or {}).values()]
+        specials = [t for t in (bos, eos, unk, *added) if t]
+        add_bos = cfg.get("add_bos_token")
+
+        if (path / "tokenizer.json").exists():
+            backend: _Backend = _HFBackend.from_json(path / "tokenizer.json")
+            # its post-processor decides about bos (as HF fast tokenizers do); add_bos_token
+            # only vetoes
+            add_bos = add_bos is not False
+        elif (path / "tokenizer.model").exists():
+            backend = _SentencePieceBackend(path / "tokenizer.model", specials)
+            sp = backend.sp
+            bos = bos or (sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None)
+            eos = eos or (sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None)
+            add_bos = add_bos is not False
+        elif (path / "vocab.json").exists() and (path / "merges.txt").exists():
+            bos = bos or "<|endoftext|>"
+            eos = eos or "<|endoftext|>"
+            backend = _HFBackend.from_vocab_merges(path / "vocab.json", path / "merges.txt", [bos, eos, *specials])
+            add_bos = bool(add_bos)  # GPT-2 adds no bos unless told to
+        else:
+            raise ModelLoadError(
+                f"{path}: no tokenizer (expected tokenizer.json, tokenizer.model, or vocab.json + merges.txt)"
+            )
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        try:
+            return cls(backend, bos_token=bos, eos_tokens=[eos] if eos else [], add_bos=add_bos,
+                       chat_template=template)
+        except Exception as e:  # a template that does not compile
+            raise ModelLoadError(f"{cfg_path}: invalid chat_template ({e})") from None
+
+    # ---- encode / decode ------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_bos``, the model's bos (if it uses one) first.
+
+        Special token strings in ``text`` (bos, eos, added tokens) become their ids.
+        """
+        return self._backend.encode(text, add_special_tokens=add_bos and self._add_bos)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; special tokens (bos, eos, ...) are skipped."""
+        return self._backend.decode(ids)
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self)
+
+    # ---- chat -----------------------------------------------------------------------
+
+    @property
+    def known_roles(self) -> tuple[str, ...]:
+        """Roles the chat template names explicitly (system/user/assistant if it names none)."""
+        found = re.findall(r"role['\"]?\]?\s*==\s*['\"](\w+)['\"]", self.chat_template or "")
+        return tuple(dict.fromkeys(found)) or DEFAULT_ROLES
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) as the prompt text.
+
+        A template's ``raise_exception(msg)`` surfaces as ValueError(msg).
+        """
+        return self._template.render(
+            messages=messages,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render then encode; bos is added only if the rendered text does not start with it."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        starts_with_bos = bool(self.bos_token) and text.startswith(self.bos_token)
+        return self.encode(text, add_bos=not starts_with_bos)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def _compile_template(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    """Streams the text of a growing token sequence, emitting only final text.
+
+    The prefix/read-offset method of vLLM and TGI: decode a short window that starts a
+    few tokens back (so a sentencepiece word boundary or byte run is decoded in context)
+    and emit what it adds beyond the already-emitted part, unless it ends in an
+    incomplete UTF-8 character. ``"".join(pushes) + flush() == tokenizer.decode(ids)``.
+    """
+
+    tokenizer: Tokenizer
+    token_ids: list[int] = None  # type: ignore[assignment]
+    text: str = ""
+    _prefix: int = 0  # window start
+    _read: int = 0  # tokens [_prefix, _read) decode to text already emitted
+
+    def __post_init__(self) -> None:
+        self.token_ids = []
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the new text that is now final (may be "")."""
+        self.token_ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """End of stream: return whatever is left, incomplete characters included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        ids = self.token_ids
+        if self._read == len(ids):
+            return ""
+        prefix_text = self.tokenizer.decode(ids[self._prefix : self._read])
+        window_text = self.tokenizer.decode(ids[self._prefix :])
+        if not final and (len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT)):
+            return ""  # nothing new yet, or mid-character: wait for more tokens
+        delta = window_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(ids)
+        self.text += delta
+        return delta
