@@ -1,0 +1,73 @@
+"""``kvserve``: the server's command line.
+
+    kvserve serve [flags]          run the gRPC server (every flag also reads KVSERVE_*)
+    kvserve config [flags]         print the effective settings (flags + environment)
+    kvserve config --markdown      print the settings table (docs/configuration.md)
+
+``python -m service [flags]`` is ``kvserve serve [flags]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Mapping, Sequence
+
+from service.config import ConfigError, ServerConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve",
+        description="Streaming gRPC text generation with a durable, tiered KV cache.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the gRPC server",
+        description="Run the kvserve gRPC server. Every flag can also be set with the "
+        "KVSERVE_* environment variable named in its help; a flag wins over the variable.",
+    )
+    ServerConfig.argument_parser(serve)
+    config = sub.add_parser("config", help="print the effective settings, or the settings table")
+    config.add_argument("--markdown", action="store_true", help="print the settings table as Markdown")
+    ServerConfig.argument_parser(config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if environ is None else environ
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "config" and args.markdown:
+        print(ServerConfig.markdown_table(), end="")
+        return 0
+    settings = [a for a in argv[1:] if a != "--markdown"]
+    try:
+        config = ServerConfig.from_args(settings, environ)
+    except ConfigError as e:
+        parser.error(str(e))  # exits 2
+    if args.command == "config":
+        print(config.describe())
+        return 0
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger(__name__).info("settings:\n%s", config.describe())
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: ServerConfig) -> int:
+    from service.server import run
+
+    return await run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Every server setting in one table, read from flags and ``KVSERVE_*`` variables in one place.
+
+The table is the ``ServerConfig`` dataclass itself: each field is declared with
+``setting(default, help, parse)``, and its flag (``--kv-cache-memory``) and environment
+variable (``KVSERVE_KV_CACHE_MEMORY``) are derived from the field name. Adding a
+setting is one line here; the CLI, ``--help``, the environment and the generated docs
+(``kvserve config --markdown`` -> docs/configuration.md) follow.
+
+Precedence: command-line flag, then environment variable, then the default.
+Nothing else in the code reads the environment: ``ServerConfig.from_args`` is called
+once by the CLI and the resulting object is passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from service.engine import EngineConfig
+
+ENV_PREFIX = "KVSERVE_"
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot be used; the message names the flag or variable."""
+
+
+# ----------------------------------------------------------------------------- parsers
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}  # fmt: skip
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"1048576"`` -> bytes (binary and decimal units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 2GiB, 1.5GB)")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float:
+    """``"30"``, ``"30s"``, ``"500ms"``, ``"5m"``, ``"1h"`` -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _DURATION_UNITS:
+        raise ValueError(f"not a duration: {text!r} (examples: 30, 30s, 500ms, 5m)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def parse_optional_int(text: str) -> int | None:
+    """An int, or ``""``/``"none"``/``"auto"`` for None (use the model's value)."""
+    return None if text.strip().lower() in ("", "none", "auto") else int(text)
+
+
+def parse_optional_str(text: str) -> str | None:
+    return text or None
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (true/false, 1/0, yes/no, on/off)")
+
+
+def choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        t = text.strip().lower()
+        if t not in options:
+            raise ValueError(f"{text!r} is not one of {', '.join(options)}")
+        return t
+
+    parse.__name__ = "|".join(options)
+    return parse
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def setting(
+    default: Any,
+    help: str,
+    parse: Callable[[str], Any],
+    *,
+    fmt: Callable[[Any], str] = str,
+    metavar: str | None = None,
+) -> Any:
+    """Declare one setting: a dataclass field carrying its help text and string parser."""
+    return field(default=default, metadata={"help": help, "parse": parse, "fmt": fmt, "metavar": metavar})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """All settings of ``kvserve serve``. One field = one flag + one env variable."""
+
+    # fmt: off
+    model: str | None = setting(None, "Model directory (Hugging Face checkpoint: config.json, safetensors, tokenizer). Default: the packaged default model.", parse_optional_str, metavar="DIR")
+    host: str = setting("0.0.0.0", "Address the gRPC server binds.", str)
+    port: int = setting(50051, "gRPC port (0 = pick a free port).", int)
+    device: str = setting("auto", "Compute device: cpu, cuda or auto (cuda when available).", choice("auto", "cpu", "cuda"))
+    dtype: str = setting("auto", "Compute and KV dtype: float32, bfloat16, float16 or auto (float32 on CPU, bfloat16 on CUDA).", choice("auto", "float32", "bfloat16", "float16"))
+    kv_cache_memory: int = setting(1 << 30, "Bytes for the device KV block pool (512MiB, 2GiB, or plain bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    block_size: int = setting(16, "Tokens per KV block (the unit of caching).", int)
+    max_num_seqs: int = setting(32, "Most sequences running in one engine step.", int)
+    max_num_batched_tokens: int = setting(512, "Prefill token budget per engine step (long prompts are chunked).", int)
+    max_model_len: int | None = setting(None, "Context length limit in tokens (default: the model's).", parse_optional_int, metavar="TOKENS")
+    max_new_tokens_limit: int = setting(4096, "Largest max_new_tokens a request may ask for.", int)
+    default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not set it (capped to the context left).", int)
+    max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
+    metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
+    drain_timeout: float = setting(30.0, "On SIGTERM/SIGINT, seconds in-flight streams get to finish (30, 30s, 500ms, 2m).", parse_duration, metavar="SECONDS")
+    log_level: str = setting("info", "Log level: debug, info, warning or error.", choice("debug", "info", "warning", "error"))
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("port", 0 <= self.port <= 65535, "must be in 0..65535"),
+            ("metrics_port", 0 <= self.metrics_port <= 65535, "must be in 0..65535"),
+            ("kv_cache_memory", self.kv_cache_memory > 0, "must be > 0"),
+            ("block_size", self.block_size > 0, "must be > 0"),
+            ("max_num_seqs", self.max_num_seqs > 0, "must be > 0"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens > 0, "must be > 0"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len > 0, "must be > 0"),
+            ("max_new_tokens_limit", self.max_new_tokens_limit > 0, "must be > 0"),
+            ("default_max_new_tokens", 0 < self.default_max_new_tokens <= self.max_new_tokens_limit,
+             f"must be in 1..max_new_tokens_limit ({self.max_new_tokens_limit})"),
+            ("max_queue", self.max_queue >= 0, "must be >= 0"),
+            ("drain_timeout", math.isfinite(self.drain_timeout) and self.drain_timeout >= 0, "must be >= 0"),
+        ]  # fmt: skip
+        for name, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{flag_name(name)} / {env_name(name)} {why}, got {getattr(self, name)!r}")
+
+    # -- building --------------------------------------------------------------------
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> ServerConfig:
+        """Flags in ``argv`` (without the subcommand), then ``KVSERVE_*`` in ``environ``, then defaults.
+
+        Raises ConfigError naming the flag or variable on a bad value; argparse exits
+        (status 2) on an unknown flag.
+        """
+        environ = {} if environ is None else environ
+        ns = cls.argument_parser().parse_args(list(argv))
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if hasattr(ns, f.name):
+                values[f.name] = getattr(ns, f.name)
+            elif env_name(f.name) in environ:
+                raw = environ[env_name(f.name)]
+                try:
+                    values[f.name] = f.metadata["parse"](raw)
+                except ValueError as e:
+                    raise ConfigError(f"{env_name(f.name)}={raw!r}: {e}") from None
+        return cls(**values)
+
+    @classmethod
+    def argument_parser(cls, parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+        """Add one flag per setting to ``parser`` (flags left out stay absent from the namespace)."""
+        parser = parser or argparse.ArgumentParser(prog="kvserve serve")
+        for f in dataclasses.fields(cls):
+            md = f.metadata
+            parser.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                type=_argparse_type(md["parse"]),
+                default=argparse.SUPPRESS,
+                metavar=md["metavar"] or f.name.upper(),
+                help=f"{md['help']} [env {env_name(f.name)}; default {_fmt_default(f)}]",
+            )
+        return parser
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings derived from these."""
+        from service.engine import EngineConfig
+
+        return EngineConfig(
+            model_path=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            kv_cache_memory=self.kv_cache_memory,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_new_tokens_limit=self.max_new_tokens_limit,
+            max_queue=self.max_queue,
+        )
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+    # -- docs ------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """The effective settings, one ``name = value`` line each (for logs and ``kvserve config``)."""
+        width = max(len(f.name) for f in dataclasses.fields(self))
+        return "\n".join(
+            f"{f.name:<{width}} = {f.metadata['fmt'](getattr(self, f.name)) if getattr(self, f.name) is not None else '(auto)'}"
+            for f in dataclasses.fields(self)
+        )
+
+    @classmethod
+    def markdown_table(cls) -> str:
+        """The settings table of docs/configuration.md, generated from the fields."""
+        rows = ["| flag | environment variable | default | description |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            help_text = f.metadata["help"].replace("|", "\\|")
+            rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{_fmt_default(f)}` | {help_text} |")
+        return "\n".join(rows) + "\n"
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _fmt_default(f: dataclasses.Field) -> str:
+    return "(model's)" if f.default is None and f.name == "max_model_len" else (
+        "(packaged)" if f.default is None else f.metadata["fmt"](f.default)
+    )
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse prints ``invalid <__name__> value`` on ValueError; keep our precise message instead."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
