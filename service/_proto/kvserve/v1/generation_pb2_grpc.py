@@ -93,7 +93,7 @@ class GenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListSessions(self, request, context):
-        """ListSessions pages through the caller's sessions, most recently used first.
+        """ListSessions pages through the caller's sessions, ordered by session id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,120 @@
+"""Prometheus metrics of the service, on a registry of their own (no module globals).
+
+``ServiceMetrics`` owns a ``CollectorRegistry``. Request-path metrics are counters and
+histograms updated by the servicer; engine state (running/waiting sequences, KV
+blocks, prefill/decode token counters) is read from ``engine.stats()`` at scrape time
+by ``EngineStatsCollector``, so it is never stale and costs nothing between scrapes.
+
+Other parts add theirs with ``metrics.register(collector)`` (any object with a
+``collect()`` yielding metric families, e.g. the cache store's per-tier statistics in
+issue 4) or by creating metrics with ``registry=metrics.registry``.
+
+Cached prompt tokens are reported per tier next to the prompt-token total (the
+denominator), so a hit rate is ``sum(cached_prompt_tokens) / prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from service.engine.types import EngineStats
+
+# seconds; TTFT spans sub-millisecond device hits to multi-second cold prefills
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+TIERS = ("device", "host", "redis")
+
+
+class EngineStatsCollector:
+    """Gauges and counters read from ``stats()`` (an ``EngineStats``) on every scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], prefix: str = "kvserve") -> None:
+        self._stats = stats
+        self._p = prefix
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families are created at collect time; nothing to pre-register
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        p = self._p
+        yield GaugeMetricFamily(f"{p}_running_sequences", "Sequences in the running batch.", value=s.running)
+        yield GaugeMetricFamily(f"{p}_waiting_sequences", "Requests waiting for admission.", value=s.waiting)
+        blocks = GaugeMetricFamily(
+            f"{p}_kv_blocks", "Device KV blocks by state (used: held by running sequences; "
+            "free: allocatable now, including cached; cached: evictable blocks holding a hash).",
+            labels=["state"],
+        )  # fmt: skip
+        blocks.add_metric(["used"], s.blocks_total - s.blocks_free)
+        blocks.add_metric(["free"], s.blocks_free)
+        blocks.add_metric(["cached"], s.blocks_cached)
+        yield blocks
+        yield GaugeMetricFamily(f"{p}_kv_blocks_total", "Device KV blocks in the pool.", value=s.blocks_total)
+        yield CounterMetricFamily(
+            f"{p}_engine_prefill_tokens", "Tokens run through the model as prompt.", value=s.prefill_tokens
+        )
+        yield CounterMetricFamily(
+            f"{p}_engine_decode_tokens", "Tokens run through the model as decode steps.", value=s.decode_tokens
+        )
+
+
+class ServiceMetrics:
+    """The service's metrics. Create one per server; pass it to the servicer."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "kvserve") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r, p = self.registry, prefix
+        self.requests = Counter(
+            f"{p}_requests", "Finished RPCs by method and gRPC status code.", ["method", "code"], registry=r
+        )
+        self.active_streams = Gauge(f"{p}_active_streams", "Generate streams in flight.", registry=r)
+        self.time_to_first_token = Histogram(
+            f"{p}_time_to_first_token_seconds", "Arrival at the server to the first generated token sent.",
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.inter_token_latency = Histogram(
+            f"{p}_inter_token_latency_seconds", "Time between consecutive generated tokens sent to a client.",
+            buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens generated and sent.", registry=r)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            f"{p}_cached_prompt_tokens", "Prompt tokens served from a cache tier instead of recomputed.",
+            ["tier"], registry=r,
+        )  # fmt: skip
+        for tier in TIERS:
+            self.cached_prompt_tokens.labels(tier)  # export zeros so rates exist from the start
+        self.finished = Counter(f"{p}_finished_streams", "Generate streams by finish reason.", ["reason"], registry=r)
+        self._http: tuple[object, threading.Thread] | None = None
+
+    def register(self, collector: object) -> None:
+        """Add a collector (an object with ``collect()``) to this registry."""
+        self.registry.register(collector)  # type: ignore[arg-type]
+
+    def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
+        """Export the engine's running/waiting/KV-block figures, read at scrape time."""
+        self.register(EngineStatsCollector(stats))
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (what /metrics returns)."""
+        return generate_latest(self.registry)
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Serve /metrics on ``host:port`` from a daemon thread; returns the bound port."""
+        from prometheus_client import start_http_server
+
+        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (httpd, thread)
+        return httpd.server_address[1]
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            httpd, thread = self._http
+            httpd.shutdown()  # type: ignore[attr-defined]
+            httpd.server_close()  # type: ignore[attr-defined]
+            thread.join(timeout=5)
+            self._http = None

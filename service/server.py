@@ -1,0 +1,188 @@
+"""Builds and runs everything: engine, session table, servicer, gRPC server, health,
+reflection, metrics endpoint, signal handling and drain.
+
+Two entries:
+
+* ``async with serve(config) as running:`` runs a server in the current event loop
+  (tests, benchmarks, embedding). ``running.port`` is the bound port (``port=0``
+  picks a free one). Leaving the block drains and stops it.
+* ``run(config)`` is what ``kvserve serve`` calls: serve until SIGTERM or SIGINT,
+  then drain and return exit status 0.
+
+Drain (``RunningServer.shutdown``): health turns NOT_SERVING for every service, new
+calls get UNAVAILABLE, in-flight streams get up to ``drain_timeout`` seconds to finish;
+streams still running then are stopped and end with UNAVAILABLE ("the server shut
+down before this stream finished"); then the engine stops and the port closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from service.config import ServerConfig
+from service.metrics import ServiceMetrics
+from service.servicer import SERVICE_NAME, GenerationServicer
+from service.sessions import InMemorySessionStore, SessionManager, SessionStore
+
+log = logging.getLogger(__name__)
+
+# Handlers cancelled by server.stop() need a moment to send their final status.
+_STOP_GRACE_S = 2.0
+
+
+@dataclass
+class RunningServer:
+    """A started server. ``address`` is ``host:port`` suitable for a client channel."""
+
+    config: ServerConfig
+    port: int
+    address: str
+    engine: Any
+    servicer: GenerationServicer
+    sessions: SessionManager
+    metrics: ServiceMetrics
+    health: health.aio.HealthServicer
+    server: grpc.aio.Server
+    metrics_port: int | None = None
+    owns_engine: bool = True
+    _stopped: bool = field(default=False, repr=False)
+
+    async def shutdown(self, drain_timeout_s: float | None = None) -> None:
+        """Drain and stop (idempotent). Default timeout: ``config.drain_timeout``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.drain_timeout if drain_timeout_s is None else drain_timeout_s
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
+        self.servicer.start_draining()  # new calls: UNAVAILABLE
+        if self.servicer.inflight:
+            log.info("draining %d stream(s) for up to %.1f s", self.servicer.inflight, grace)
+        if not await self.servicer.wait_idle(grace):
+            log.warning("drain timeout: stopping %d stream(s) still in flight", self.servicer.inflight)
+            self.servicer.abort_inflight()
+            await self.servicer.wait_idle(_STOP_GRACE_S)
+        if self.owns_engine:
+            await self.engine.shutdown(0.0)
+        await self.server.stop(_STOP_GRACE_S)
+        self.metrics.stop_http()
+        await self.sessions.store.close()
+        log.info("stopped")
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _client_address(host: str, port: int) -> str:
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    return _bind_address(host, port)
+
+
+@asynccontextmanager
+async def serve(
+    config: ServerConfig,
+    *,
+    engine: Any = None,
+    session_store: SessionStore | None = None,
+    metrics: ServiceMetrics | None = None,
+) -> AsyncIterator[RunningServer]:
+    """Start a server for ``config`` in this event loop; drain and stop it on exit.
+
+    ``engine``: an already built ``AsyncEngine`` to serve (it is not shut down on exit);
+    by default one is built from ``config.engine_config()`` and owned by the server.
+    ``session_store``: where sessions live (default: in this process's memory).
+    """
+    owns_engine = engine is None
+    if engine is None:
+        from service.engine import build_engine
+
+        engine = await build_engine(config.engine_config())
+    running: RunningServer | None = None
+    try:
+        metrics = metrics or ServiceMetrics()
+        metrics.watch_engine(engine.stats)
+        sessions = SessionManager(session_store or InMemorySessionStore())
+        servicer = GenerationServicer(
+            engine,
+            sessions,
+            metrics,
+            default_max_new_tokens=config.default_max_new_tokens,
+            max_new_tokens_limit=config.max_new_tokens_limit,
+        )
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(_bind_address(config.host, config.port))
+        if port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port else None
+        running = RunningServer(
+            config=config,
+            port=port,
+            address=_client_address(config.host, port),
+            engine=engine,
+            servicer=servicer,
+            sessions=sessions,
+            metrics=metrics,
+            health=health_servicer,
+            server=server,
+            metrics_port=metrics_port,
+            owns_engine=owns_engine,
+        )
+        log.info(
+            "serving %s on %s (model %s, %s, %s)%s",
+            SERVICE_NAME, _bind_address(config.host, port), engine.model_info.architecture,
+            engine.model_info.device, engine.model_info.dtype,
+            f"; metrics on :{metrics_port}/metrics" if metrics_port else "",
+        )  # fmt: skip
+        yield running
+    finally:
+        if running is not None:
+            await running.shutdown()
+        elif owns_engine:
+            await engine.shutdown(0.0)
+
+
+async def run(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT, drain for ``config.drain_timeout``, return 0."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    try:
+        async with serve(config) as running:
+            await stop.wait()
+            log.info("shutting down: draining for up to %.1f s", config.drain_timeout)
+            await running.shutdown()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    if stop.is_set():
+        log.info("%s again: already draining", sig.name)
+    else:
+        log.info("received %s", sig.name)
+    stop.set()

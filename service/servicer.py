@@ -1,0 +1,521 @@
+"""The gRPC servicer: protobuf <-> domain objects, statuses, sessions, cancellation.
+
+Thin on purpose: no tensors, no model code. Each RPC validates its request, calls the
+engine or the session table, and maps every error to a precise gRPC status:
+
+==============================================  ===================
+empty input, unknown role, token id outside      INVALID_ARGUMENT
+the vocabulary, bad sampling field, prompt or
+session turn longer than the context, bad id
+unknown session (Get/Delete)                     NOT_FOUND
+session has a turn in flight                     FAILED_PRECONDITION
+engine queue full                                RESOURCE_EXHAUSTED
+server draining / engine stopped                 UNAVAILABLE
+anything unexpected                              INTERNAL "... (request id R)", traceback logged with R
+==============================================  ===================
+
+Cancellation: ``Generate`` is an async generator that iterates the engine's event
+stream inside ``aclosing``. When the client cancels, disconnects or passes its
+deadline, grpc.aio cancels the handler task; the CancelledError unwinds through
+``aclosing``, which closes the engine iterator, and the engine aborts the request
+on its next step (its blocks are released and stay cached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+
+from service._proto.kvserve.v1 import generation_pb2 as pb
+from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from service.engine.types import (
+    Delta,
+    EngineStopped,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    QueueFull,
+    SamplingParams,
+    Started,
+    Tier,
+    Timings,
+)
+from service.metrics import ServiceMetrics
+from service.sessions import (
+    InvalidSessionId,
+    SessionBusy,
+    SessionManager,
+    SessionNotFound,
+    SessionRecord,
+    Turn,
+    TurnInputError,
+    chat_tokens,
+    text_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # kvserve.v1.GenerationService
+DEFAULT_ROLES = ("system", "user", "assistant")
+
+_TIER_TO_PB = {
+    Tier.NONE: pb.CACHE_TIER_NONE,
+    Tier.DEVICE: pb.CACHE_TIER_DEVICE,
+    Tier.HOST: pb.CACHE_TIER_HOST,
+    Tier.REDIS: pb.CACHE_TIER_REDIS,
+}
+_FINISH_TO_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+class RpcStatus(Exception):
+    """Raised inside a handler to end the call with ``code`` and ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def _status_of(exc: BaseException) -> RpcStatus | None:
+    """The status of a known domain error, None for an unexpected one."""
+    if isinstance(exc, RpcStatus):
+        return exc
+    table: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+        (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+        (TurnInputError, grpc.StatusCode.INVALID_ARGUMENT),
+        (InvalidSessionId, grpc.StatusCode.INVALID_ARGUMENT),
+        (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+        (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+        (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (EngineStopped, grpc.StatusCode.UNAVAILABLE),
+    )
+    for kind, code in table:
+        if isinstance(exc, kind):
+            return RpcStatus(code, str(exc))
+    return None
+
+
+def _f32(x: float) -> float:
+    """A proto float32 as the short decimal the client most likely typed (0.9, not 0.899999976)."""
+    return float(f"{x:.7g}")
+
+
+def _duration(seconds: float) -> Any:
+    from google.protobuf.duration_pb2 import Duration
+
+    d = Duration()
+    d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
+    return d
+
+
+def _timestamp(unix_s: float) -> Any:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    t = Timestamp()
+    t.FromNanoseconds(int(unix_s * 1e9))
+    return t
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """Implements ``kvserve.v1.GenerationService`` over an ``AsyncEngine`` and a ``SessionManager``.
+
+    ``tenant_of(context)`` names the caller's tenant (the owner of its sessions); it
+    returns "" until authentication exists (issue 6).
+    """
+
+    def __init__(
+        self,
+        engine: Any,  # service.engine.AsyncEngine (duck-typed so tests may wrap it)
+        sessions: SessionManager,
+        metrics: ServiceMetrics,
+        *,
+        default_max_new_tokens: int,
+        max_new_tokens_limit: int,
+        tenant_of: Callable[[grpc.aio.ServicerContext], str] = lambda context: "",
+    ) -> None:
+        self.engine = engine
+        self.sessions = sessions
+        self.metrics = metrics
+        self.default_max_new_tokens = default_max_new_tokens
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self._tenant_of = tenant_of
+        self._draining = False
+        self._inflight: set[str] = set()  # request ids of Generate streams being served
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def start_draining(self) -> None:
+        """From now on new calls get UNAVAILABLE; calls in flight continue."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def inflight(self) -> int:
+        """Generate streams in flight."""
+        return len(self._inflight)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no Generate stream is in flight; False if ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def abort_inflight(self) -> None:
+        """Ask the engine to stop every stream in flight; while draining they end UNAVAILABLE."""
+        for request_id in list(self._inflight):
+            self.engine.abort(request_id)
+
+    def _check_serving(self) -> None:
+        if self._draining:
+            raise RpcStatus(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = new_request_id()
+        code = grpc.StatusCode.OK
+        failure: RpcStatus | None = None
+        self.metrics.active_streams.inc()
+        self._inflight.add(request_id)
+        self._idle.clear()
+        try:
+            async for response in self._generate(request, context, request_id):
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            failure = self._failure(exc, "Generate", request_id)
+            code = failure.code
+        finally:
+            self._inflight.discard(request_id)
+            if not self._inflight:
+                self._idle.set()
+            self.metrics.active_streams.dec()
+            self.metrics.requests.labels("Generate", code.name).inc()
+        if failure is not None:
+            await context.abort(failure.code, failure.details)
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.perf_counter()
+        self._check_serving()
+        sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
+        owner = self._tenant_of(context)
+        session_id = request.session_id
+        turn: Turn | None = await self.sessions.begin_turn(owner, session_id) if session_id else None
+        try:
+            transcript = turn.record.token_ids if turn else []
+            new_tokens = self._input_tokens(request, transcript)
+            prompt = transcript + new_tokens
+            sampling = self._fit_to_context(sampling, request.sampling, transcript, new_tokens, session_id)
+            req = GenerationRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                cache_salt=request.cache_salt,
+                session_id=session_id or None,
+            )
+            self.engine.validate(req)
+            last_token_at: float | None = None
+            async with aclosing(self.engine.generate(req)) as events:
+                async for event in events:
+                    if isinstance(event, Started):
+                        self._observe_start(event)
+                        yield pb.GenerateResponse(start=self._start_pb(event, session_id))
+                    elif isinstance(event, Delta):
+                        if not event.token_ids and not event.text:
+                            continue
+                        now = time.perf_counter()
+                        n = len(event.token_ids)
+                        if last_token_at is None:
+                            self.metrics.time_to_first_token.observe(now - arrival)
+                        elif n:
+                            for _ in range(n):
+                                self.metrics.inter_token_latency.observe((now - last_token_at) / n)
+                        if n:
+                            last_token_at = now
+                        self.metrics.generated_tokens.inc(n)
+                        yield pb.GenerateResponse(delta=pb.DeltaEvent(text=event.text, token_ids=event.token_ids))
+                    elif isinstance(event, Finished):
+                        self.metrics.finished.labels(event.finish_reason.value).inc()
+                        # Commit and unlock the session before the client sees the end of
+                        # the stream, so its next turn never finds the session busy.
+                        if turn is not None:
+                            if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                                await self.sessions.commit_turn(turn, prompt, event.output_token_ids)
+                            await self.sessions.end_turn(turn)
+                            turn = None
+                        self._check_finish(event, request_id)
+                        yield pb.GenerateResponse(final=self._final_pb(event))
+                        return
+        finally:
+            if turn is not None:  # cancelled or failed: the transcript stays as before the turn
+                await asyncio.shield(self.sessions.end_turn(turn))
+
+    def _check_finish(self, event: Finished, request_id: str) -> None:
+        if event.finish_reason == FinishReason.ERROR:
+            log.error("request %s failed in the engine: %s", request_id, event.error)
+            raise RpcStatus(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
+        if event.finish_reason == FinishReason.CANCELLED and self._draining:
+            raise RpcStatus(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the server shut down before this stream finished (drain timeout passed) after "
+                f"{event.completion_tokens} tokens; request id {request_id}",
+            )
+
+    def _input_tokens(self, request: pb.GenerateRequest, transcript: list[int]) -> list[int]:
+        """The new input as token ids (appended to ``transcript``), checked."""
+        kind = request.WhichOneof("input")
+        tok = self.engine.tokenizer
+        vocab = self.engine.model_info.vocab_size
+        if kind is None:
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "empty input: set one of text, chat or tokens")
+        if kind == "text":
+            if not request.text:
+                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "empty input: text is empty")
+            return text_tokens(tok, transcript, request.text)
+        if kind == "chat":
+            messages = request.chat.messages
+            if not messages:
+                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "empty input: chat.messages is empty")
+            roles = tuple(getattr(tok, "known_roles", DEFAULT_ROLES))
+            for i, m in enumerate(messages):
+                if m.role not in roles:
+                    raise RpcStatus(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}",
+                    )
+            return chat_tokens(tok, transcript, [{"role": m.role, "content": m.content} for m in messages])
+        ids = list(request.tokens.ids)
+        if not ids:
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "empty input: tokens.ids is empty")
+        for i, t in enumerate(ids):
+            if t >= vocab:
+                raise RpcStatus(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"tokens.ids[{i}] = {t} is outside the vocabulary (ids must be < {vocab})",
+                )
+        return ids
+
+    def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
+        """Domain sampling params from the proto; max_new_tokens is settled by _fit_to_context."""
+        params = SamplingParams(
+            max_new_tokens=s.max_new_tokens if s.HasField("max_new_tokens") else self.default_max_new_tokens,
+            temperature=_f32(s.temperature) if s.HasField("temperature") else 0.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            top_p=_f32(s.top_p) if s.HasField("top_p") else 1.0,
+            repetition_penalty=_f32(s.repetition_penalty) if s.HasField("repetition_penalty") else 1.0,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+        params.validate(self.max_new_tokens_limit)  # InvalidRequest with the field and value
+        vocab = self.engine.model_info.vocab_size
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= vocab:
+                raise InvalidRequest(f"sampling.stop_token_ids[{i}] = {t} is outside the vocabulary (ids must be < {vocab})")
+        return params
+
+    def _fit_to_context(
+        self,
+        params: SamplingParams | None,
+        s: pb.SamplingParams,
+        transcript: list[int],
+        new_tokens: list[int],
+        session_id: str,
+    ) -> SamplingParams:
+        """Check the prompt against the context; an unset max_new_tokens fills what is left."""
+        import dataclasses
+
+        ctx = self.engine.model_info.context_length
+        n_prompt = len(transcript) + len(new_tokens)
+        explicit = params is not None and s.HasField("max_new_tokens")
+        want = params.max_new_tokens if explicit else self.default_max_new_tokens  # type: ignore[union-attr]
+        room = ctx - n_prompt
+        if room < 1 or (explicit and want > room):
+            asked = f"up to {want} new tokens" if explicit else "at least 1 new token"
+            need = n_prompt + (want if explicit else 1)
+            if session_id:
+                msg = (
+                    f"session {session_id!r} would exceed the context: its transcript has "
+                    f"{len(transcript)} tokens, this turn adds {len(new_tokens)} and asks for {asked}: "
+                    f"{need} > context length {ctx}"
+                )
+            elif explicit:
+                msg = (f"prompt ({n_prompt} tokens) + max_new_tokens ({want}) = {need} exceeds the "
+                       f"context length {ctx}")  # fmt: skip
+            else:
+                msg = f"prompt has {n_prompt} tokens; the context length is {ctx} (room for at least 1 new token needed)"
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, msg)
+        base = params if params is not None else SamplingParams(max_new_tokens=self.default_max_new_tokens)
+        return dataclasses.replace(base, max_new_tokens=want if explicit else min(want, room))
+
+    def _observe_start(self, ev: Started) -> None:
+        self.metrics.prompt_tokens.inc(ev.prompt_tokens)
+        for tier, n in ev.cached_by_tier.items():
+            if n and tier != Tier.NONE:
+                self.metrics.cached_prompt_tokens.labels(tier.value).inc(n)
+
+    @staticmethod
+    def _start_pb(ev: Started, session_id: str) -> pb.StartEvent:
+        by_tier = ev.cached_by_tier
+        return pb.StartEvent(
+            request_id=ev.request_id,
+            session_id=session_id,
+            prompt_tokens=ev.prompt_tokens,
+            cached_tokens=ev.cached_tokens,
+            cached_tier=_TIER_TO_PB[ev.cached_tier if ev.cached_tokens else Tier.NONE],
+            cached_by_tier=pb.TierCounts(
+                device=by_tier.get(Tier.DEVICE, 0), host=by_tier.get(Tier.HOST, 0), redis=by_tier.get(Tier.REDIS, 0)
+            ),
+        )
+
+    @staticmethod
+    def _final_pb(ev: Finished) -> pb.FinalEvent:
+        t: Timings = ev.timings
+        return pb.FinalEvent(
+            finish_reason=_FINISH_TO_PB[ev.finish_reason],
+            usage=pb.Usage(
+                prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
+            ),
+            timings=pb.Timings(
+                queue=_duration(t.queue_s),
+                restore=_duration(t.restore_s),
+                prefill=_duration(t.prefill_s),
+                time_to_first_token=_duration(t.ttft_s),
+                decode=_duration(t.decode_s),
+                decode_tokens_per_second=t.decode_tokens_per_s,
+            ),
+        )
+
+    # ------------------------------------------------------------------ sessions
+
+    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.GetSessionResponse:
+        async def handle() -> pb.GetSessionResponse:
+            rec, busy = await self.sessions.get(self._tenant_of(context), request.session_id)
+            return pb.GetSessionResponse(session=self._session_pb(rec, busy, request.include_token_ids))
+
+        return await self._unary("GetSession", context, handle)
+
+    async def DeleteSession(
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSessionResponse:
+        async def handle() -> pb.DeleteSessionResponse:
+            await self.sessions.delete(self._tenant_of(context), request.session_id)
+            return pb.DeleteSessionResponse()
+
+        return await self._unary("DeleteSession", context, handle)
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        async def handle() -> pb.ListSessionsResponse:
+            try:
+                page, next_token = await self.sessions.list(
+                    self._tenant_of(context), request.page_size, request.page_token
+                )
+            except InvalidSessionId:
+                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued")
+            except ValueError as e:
+                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return pb.ListSessionsResponse(
+                sessions=[self._session_pb(rec, busy, False) for rec, busy in page], next_page_token=next_token
+            )
+
+        return await self._unary("ListSessions", context, handle)
+
+    def _session_pb(self, rec: SessionRecord, busy: bool, include_tokens: bool) -> pb.Session:
+        # Where the blocks are (cached_blocks) is filled in once the cache store can be
+        # asked (issue 4); full_blocks is the denominator.
+        return pb.Session(
+            session_id=rec.session_id,
+            token_count=len(rec.token_ids),
+            turns=rec.turns,
+            create_time=_timestamp(rec.created_at),
+            last_use_time=_timestamp(rec.last_used_at),
+            state=pb.SESSION_STATE_BUSY if busy else pb.SESSION_STATE_IDLE,
+            cached_blocks=pb.TierCounts(),
+            full_blocks=len(rec.token_ids) // self.engine.model_info.block_size,
+            token_ids=rec.token_ids if include_tokens else (),
+        )
+
+    # ------------------------------------------------------------------ model info
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        async def handle() -> pb.GetModelInfoResponse:
+            m = self.engine.model_info
+            return pb.GetModelInfoResponse(
+                model=pb.ModelInfo(
+                    architecture=m.architecture,
+                    model_type=m.model_type,
+                    model_fingerprint=m.model_fingerprint,
+                    context_length=m.context_length,
+                    vocab_size=m.vocab_size,
+                    block_size=m.block_size,
+                    dtype=m.dtype,
+                    device=m.device,
+                    tiers=[_TIER_TO_PB[Tier(t)] for t in m.tiers],
+                    bytes_per_token=m.bytes_per_token,
+                    num_layers=m.num_layers,
+                    num_kv_heads=m.num_kv_heads,
+                    head_dim=m.head_dim,
+                    eos_token_ids=list(m.eos_token_ids),
+                    max_new_tokens_limit=self.max_new_tokens_limit,
+                )
+            )
+
+        return await self._unary("GetModelInfo", context, handle)
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _unary(self, method: str, context: grpc.aio.ServicerContext, handle: Callable[[], Any]) -> Any:
+        """Run ``handle`` and map its errors to a status; count the call by code."""
+        code = grpc.StatusCode.OK
+        failure: RpcStatus | None = None
+        try:
+            self._check_serving()
+            return await handle()
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            failure = self._failure(exc, method, new_request_id())
+            code = failure.code
+        finally:
+            self.metrics.requests.labels(method, code.name).inc()
+        await context.abort(failure.code, failure.details)
+
+    @staticmethod
+    def _failure(exc: Exception, method: str, request_id: str) -> RpcStatus:
+        status = _status_of(exc)
+        if status is not None:
+            return status
+        log.error("%s request %s failed with an unexpected error", method, request_id, exc_info=exc)
+        return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")

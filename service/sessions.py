@@ -1,0 +1,538 @@
+"""Server-side sessions: the exact token transcript of each conversation.
+
+A session is a token transcript plus bookkeeping (owner, timestamps, completed turns).
+The next turn's prompt is ``transcript + new input tokens``: the exact tokens the
+model saw and generated, never a re-tokenization of decoded text, so every earlier
+block of the conversation hashes the same and is found in the cache.
+
+Turns and the transcript
+------------------------
+* One turn at a time: ``SessionManager.begin_turn`` takes the session's lock (a lease
+  in the store, renewed while the turn runs); a second turn gets ``SessionBusy``.
+* A session is created by its first turn and stored right away (empty transcript), so
+  it is visible (busy) while that turn runs; if that first turn does not complete
+  (bad input, cancelled, failed) the session is removed again.
+* A turn that completes (finish reason stop or length) commits
+  ``prompt + generated tokens`` as the new transcript and counts one turn.
+* **A cancelled or failed turn leaves the transcript as it was before the turn**: the
+  new input and any tokens generated before the cancel are dropped. The KV blocks the
+  turn computed stay in the cache (they are keyed by content), so retrying the same
+  input finds the old transcript's blocks and, for full blocks of the new input, its
+  own. Only ``last_used_at`` changes.
+
+How input is appended (see ``continuation_tokens``)
+----------------------------------------------------
+* Token ids: appended as given.
+* Text: the first turn is encoded with BOS; later turns are encoded standalone
+  without BOS and appended.
+* Chat messages: the first turn renders the messages with the chat template and a
+  generation prompt. Later turns render **only the new messages, as a continuation**:
+  the template is applied to a fixed placeholder exchange (user, assistant) with and
+  without the new messages, and the text the new messages add is taken as the
+  difference. What the template writes after an assistant message (its end-of-turn
+  marker) is added first unless the transcript already ends with an end-of-sequence
+  token (the usual case: the model emitted it and it is in the transcript). The
+  transcript therefore stays a strict prefix of the conversation, turn after turn.
+
+Storage
+-------
+``SessionStore`` is the small async protocol behind the table (get / put / delete /
+list, plus the per-session turn lock). ``InMemorySessionStore`` keeps records in the
+process; ``RedisSessionStore`` keeps one compact binary record per session
+(``encode_record``: magic, version, JSON metadata, token ids as little-endian
+uint32, CRC-32) with an optional TTL, so sessions survive restarts and move between
+replicas. Sessions are keyed by ``(owner, session_id)``: another owner's session id is
+simply not found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import struct
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+from urllib.parse import quote
+
+log = logging.getLogger(__name__)
+
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+class SessionError(Exception):
+    """Base of the session table's errors; the servicer maps each to a status."""
+
+
+class SessionNotFound(SessionError):
+    """No such session for this owner (NOT_FOUND)."""
+
+
+class SessionBusy(SessionError):
+    """The session has a turn in flight (FAILED_PRECONDITION)."""
+
+
+class InvalidSessionId(SessionError):
+    """The id is not 1-128 characters of [A-Za-z0-9._:-] (INVALID_ARGUMENT)."""
+
+
+class SessionRecordError(ValueError):
+    """A stored session record failed to decode (bad magic, version, length or checksum)."""
+
+
+def check_session_id(session_id: str) -> None:
+    if not SESSION_ID_RE.fullmatch(session_id):
+        raise InvalidSessionId(
+            f"session_id must be 1 to 128 characters of [A-Za-z0-9._:-], got {session_id[:140]!r}"
+        )
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """What is stored per session."""
+
+    session_id: str
+    owner: str = ""  # the tenant ("" when auth is off)
+    token_ids: list[int] = field(default_factory=list)  # the transcript
+    created_at: float = 0.0  # unix seconds
+    last_used_at: float = 0.0  # unix seconds: last turn started or finished
+    turns: int = 0  # completed turns
+
+
+# ----------------------------------------------------------------------------- record codec
+
+_MAGIC = b"KVSS"
+_VERSION = 1
+_HEAD = struct.Struct("<4sHI")  # magic, version, metadata length
+_COUNT = struct.Struct("<I")
+_CRC = struct.Struct("<I")
+_MAX_META = 1 << 16
+
+
+def encode_record(rec: SessionRecord) -> bytes:
+    """``magic | u16 version | u32 n | n bytes JSON meta | u32 t | t * u32le tokens | u32 crc32``."""
+    meta = json.dumps(
+        {
+            "session_id": rec.session_id,
+            "owner": rec.owner,
+            "created_at": rec.created_at,
+            "last_used_at": rec.last_used_at,
+            "turns": rec.turns,
+        },
+        separators=(",", ":"),
+    ).encode()
+    tokens = struct.pack(f"<{len(rec.token_ids)}I", *rec.token_ids)
+    body = _HEAD.pack(_MAGIC, _VERSION, len(meta)) + meta + _COUNT.pack(len(rec.token_ids)) + tokens
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_record(data: bytes) -> SessionRecord:
+    """Inverse of ``encode_record``; raises SessionRecordError on any inconsistency."""
+    if len(data) < _HEAD.size + _COUNT.size + _CRC.size:
+        raise SessionRecordError(f"record too short ({len(data)} bytes)")
+    body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
+    magic, version, meta_len = _HEAD.unpack_from(body)
+    if magic != _MAGIC:
+        raise SessionRecordError(f"bad magic {magic!r}")
+    if version != _VERSION:
+        raise SessionRecordError(f"unsupported record version {version}")
+    if zlib.crc32(body) != crc:
+        raise SessionRecordError("checksum mismatch")
+    if meta_len > _MAX_META or _HEAD.size + meta_len + _COUNT.size > len(body):
+        raise SessionRecordError(f"bad metadata length {meta_len}")
+    pos = _HEAD.size + meta_len
+    (n_tokens,) = _COUNT.unpack_from(body, pos)
+    pos += _COUNT.size
+    if pos + 4 * n_tokens != len(body):
+        raise SessionRecordError(f"token count {n_tokens} does not match the record length")
+    try:
+        meta = json.loads(body[_HEAD.size : _HEAD.size + meta_len])
+        rec = SessionRecord(
+            session_id=str(meta["session_id"]),
+            owner=str(meta["owner"]),
+            token_ids=list(struct.unpack_from(f"<{n_tokens}I", body, pos)),
+            created_at=float(meta["created_at"]),
+            last_used_at=float(meta["last_used_at"]),
+            turns=int(meta["turns"]),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise SessionRecordError(f"bad metadata: {e}") from None
+    return rec
+
+
+# ----------------------------------------------------------------------------- stores
+
+
+class SessionStore(Protocol):
+    """Where session records live. All methods are coroutines.
+
+    Contract: ``get`` returns None when the session does not exist (or its record is
+    unreadable: that is logged); ``delete`` returns whether it existed; ``list`` pages
+    through one owner's sessions ordered by session id, ``page_token`` being the
+    ``next_page_token`` of the previous page ("" at the end). The lock is a lease:
+    ``try_lock`` takes it for ``ttl_s`` seconds unless another holder has it,
+    ``refresh_lock`` extends it (False if it was lost), ``unlock`` releases it if
+    ``holder`` still has it.
+    """
+
+    async def get(self, owner: str, session_id: str) -> SessionRecord | None: ...
+    async def put(self, rec: SessionRecord) -> None: ...
+    async def delete(self, owner: str, session_id: str) -> bool: ...
+    async def list(
+        self, owner: str, page_size: int, page_token: str = ""
+    ) -> tuple[list[SessionRecord], str]: ...
+    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool: ...
+    async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool: ...
+    async def unlock(self, owner: str, session_id: str, holder: str) -> None: ...
+    async def is_locked(self, owner: str, session_id: str) -> bool: ...
+    async def close(self) -> None: ...
+
+
+class InMemorySessionStore:
+    """Session records in a dict of this process (lost on restart)."""
+
+    def __init__(self) -> None:
+        self._records: dict[tuple[str, str], SessionRecord] = {}
+        self._locks: dict[tuple[str, str], tuple[str, float]] = {}  # key -> (holder, expiry)
+
+    @staticmethod
+    def _copy(rec: SessionRecord) -> SessionRecord:
+        return SessionRecord(
+            rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns
+        )
+
+    async def get(self, owner: str, session_id: str) -> SessionRecord | None:
+        rec = self._records.get((owner, session_id))
+        return None if rec is None else self._copy(rec)
+
+    async def put(self, rec: SessionRecord) -> None:
+        self._records[(rec.owner, rec.session_id)] = self._copy(rec)
+
+    async def delete(self, owner: str, session_id: str) -> bool:
+        return self._records.pop((owner, session_id), None) is not None
+
+    async def list(
+        self, owner: str, page_size: int, page_token: str = ""
+    ) -> tuple[list[SessionRecord], str]:
+        ids = sorted(sid for (o, sid) in self._records if o == owner and sid > page_token)
+        page = ids[:page_size]
+        next_token = page[-1] if len(ids) > page_size else ""
+        return [self._copy(self._records[(owner, sid)]) for sid in page], next_token
+
+    def _live_holder(self, key: tuple[str, str]) -> str | None:
+        held = self._locks.get(key)
+        if held is None or held[1] <= time.monotonic():
+            return None
+        return held[0]
+
+    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+        key = (owner, session_id)
+        if self._live_holder(key) is not None:
+            return False
+        self._locks[key] = (holder, time.monotonic() + ttl_s)
+        return True
+
+    async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+        key = (owner, session_id)
+        if self._live_holder(key) != holder:
+            return False
+        self._locks[key] = (holder, time.monotonic() + ttl_s)
+        return True
+
+    async def unlock(self, owner: str, session_id: str, holder: str) -> None:
+        key = (owner, session_id)
+        if self._live_holder(key) == holder:
+            del self._locks[key]
+
+    async def is_locked(self, owner: str, session_id: str) -> bool:
+        return self._live_holder((owner, session_id)) is not None
+
+    async def close(self) -> None:
+        pass
+
+
+_UNLOCK_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_REFRESH_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+class RedisSessionStore:
+    """Session records in Redis, shared by every replica using the same key prefix.
+
+    Keys (``owner`` is percent-encoded so it cannot contain ``:``)::
+
+        {prefix}sess:{owner}:{session_id}       the record (encode_record), TTL ttl_s
+        {prefix}sess-lock:{owner}:{session_id}  the turn lock (holder id), PX lease
+        {prefix}sess-ids:{owner}                sorted set of the owner's ids (score 0,
+                                                so ZRANGEBYLEX pages them in id order)
+
+    An expired record leaves its id in the index until a ``list`` finds it gone and
+    removes it. ``client`` is a ``redis.asyncio`` client (or cluster client) with
+    ``decode_responses=False``; the store does not own it unless built by ``from_url``.
+    """
+
+    def __init__(
+        self, client: Any, *, key_prefix: str = "kvserve:", ttl_s: float | None = None, owns_client: bool = False
+    ) -> None:
+        self._r = client
+        self._prefix = key_prefix
+        self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._owns_client = owns_client
+        self._unlock = client.register_script(_UNLOCK_LUA)
+        self._refresh = client.register_script(_REFRESH_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, *, key_prefix: str = "kvserve:", ttl_s: float | None = None,
+                 socket_timeout_s: float = 5.0) -> RedisSessionStore:  # fmt: skip
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
+        return cls(client, key_prefix=key_prefix, ttl_s=ttl_s, owns_client=True)
+
+    def _key(self, kind: str, owner: str, session_id: str = "") -> str:
+        base = f"{self._prefix}{kind}:{quote(owner, safe='')}"
+        return f"{base}:{session_id}" if session_id else base
+
+    async def get(self, owner: str, session_id: str) -> SessionRecord | None:
+        data = await self._r.get(self._key("sess", owner, session_id))
+        if data is None:
+            return None
+        try:
+            rec = decode_record(data)
+        except SessionRecordError as e:
+            log.error("session %r of owner %r has an unreadable record: %s", session_id, owner, e)
+            return None
+        if rec.session_id != session_id or rec.owner != owner:
+            log.error("session record %r/%r names another session; ignored", owner, session_id)
+            return None
+        return rec
+
+    async def put(self, rec: SessionRecord) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        pipe.set(self._key("sess", rec.owner, rec.session_id), encode_record(rec), px=self._ttl_ms)
+        pipe.zadd(self._key("sess-ids", rec.owner), {rec.session_id: 0})
+        await pipe.execute()
+
+    async def delete(self, owner: str, session_id: str) -> bool:
+        pipe = self._r.pipeline(transaction=False)
+        pipe.delete(self._key("sess", owner, session_id))
+        pipe.zrem(self._key("sess-ids", owner), session_id)
+        deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    async def list(
+        self, owner: str, page_size: int, page_token: str = ""
+    ) -> tuple[list[SessionRecord], str]:
+        index = self._key("sess-ids", owner)
+        out: list[SessionRecord] = []
+        cursor = page_token
+        while len(out) < page_size:
+            want = page_size - len(out) + 1  # one more tells whether a next page exists
+            lo = f"({cursor}" if cursor else "-"
+            ids = [i.decode() for i in await self._r.zrangebylex(index, lo, "+", start=0, num=want)]
+            if not ids:
+                return out, ""
+            recs = await asyncio.gather(*(self.get(owner, sid) for sid in ids))
+            gone = [sid for sid, rec in zip(ids, recs) if rec is None]
+            if gone:
+                await self._r.zrem(index, *gone)
+            for sid, rec in zip(ids, recs):
+                if rec is None:
+                    continue
+                if len(out) == page_size:
+                    return out, out[-1].session_id
+                out.append(rec)
+            if len(ids) < want:
+                return out, ""
+            cursor = ids[-1]
+        # the page is full; is there anything after it?
+        more = await self._r.zrangebylex(index, f"({out[-1].session_id}", "+", start=0, num=1)
+        return out, (out[-1].session_id if more else "")
+
+    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+        key = self._key("sess-lock", owner, session_id)
+        return bool(await self._r.set(key, holder, nx=True, px=max(1, int(ttl_s * 1000))))
+
+    async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+        key = self._key("sess-lock", owner, session_id)
+        return bool(await self._refresh(keys=[key], args=[holder, max(1, int(ttl_s * 1000))]))
+
+    async def unlock(self, owner: str, session_id: str, holder: str) -> None:
+        await self._unlock(keys=[self._key("sess-lock", owner, session_id)], args=[holder])
+
+    async def is_locked(self, owner: str, session_id: str) -> bool:
+        return bool(await self._r.exists(self._key("sess-lock", owner, session_id)))
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._r.aclose()
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn in flight: the record as it was at the start, and the lock lease."""
+
+    record: SessionRecord
+    holder: str
+    created: bool  # this turn created the session
+    _renewal: asyncio.Task | None = None
+    committed: bool = False
+
+
+class SessionManager:
+    """The session table used by the servicer: one turn at a time per session.
+
+    ``lock_ttl_s`` is the lease of a turn's lock; it is renewed every third of it while
+    the turn runs, so a crashed replica's lock frees itself after at most that long.
+    """
+
+    def __init__(self, store: SessionStore, *, lock_ttl_s: float = 30.0, clock=time.time) -> None:
+        self.store = store
+        self._lock_ttl_s = lock_ttl_s
+        self._clock = clock
+
+    async def begin_turn(self, owner: str, session_id: str) -> Turn:
+        """Lock the session (creating it if new) and return its record as of now.
+
+        Raises InvalidSessionId or SessionBusy.
+        """
+        check_session_id(session_id)
+        holder = uuid.uuid4().hex
+        if not await self.store.try_lock(owner, session_id, holder, self._lock_ttl_s):
+            raise SessionBusy(f"session {session_id!r} already has a turn in flight; retry when it finishes")
+        try:
+            now = self._clock()
+            rec = await self.store.get(owner, session_id)
+            created = rec is None
+            if rec is None:
+                rec = SessionRecord(session_id=session_id, owner=owner, created_at=now)
+            rec.last_used_at = now
+            await self.store.put(rec)
+        except BaseException:
+            await self.store.unlock(owner, session_id, holder)
+            raise
+        turn = Turn(record=rec, holder=holder, created=created)
+        turn._renewal = asyncio.create_task(self._renew(turn), name=f"session-lock-{session_id}")
+        return turn
+
+    async def commit_turn(self, turn: Turn, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> SessionRecord:
+        """The turn completed: the transcript becomes prompt + output, one more turn."""
+        rec = turn.record
+        if list(prompt_token_ids[: len(rec.token_ids)]) != rec.token_ids:
+            raise RuntimeError("turn prompt does not extend the session transcript")
+        rec.token_ids = list(prompt_token_ids) + list(output_token_ids)
+        rec.turns += 1
+        rec.last_used_at = self._clock()
+        await self.store.put(rec)
+        turn.committed = True
+        return rec
+
+    async def end_turn(self, turn: Turn) -> None:
+        """Release the lock. Without a commit the transcript stays as before the turn
+        (a session whose first turn did not complete is removed again)."""
+        if turn._renewal is not None:
+            turn._renewal.cancel()
+        rec = turn.record
+        try:
+            if turn.created and not turn.committed:
+                await self.store.delete(rec.owner, rec.session_id)
+        finally:
+            await self.store.unlock(rec.owner, rec.session_id, turn.holder)
+
+    async def _renew(self, turn: Turn) -> None:
+        rec = turn.record
+        while True:
+            await asyncio.sleep(self._lock_ttl_s / 3)
+            try:
+                if not await self.store.refresh_lock(rec.owner, rec.session_id, turn.holder, self._lock_ttl_s):
+                    log.warning("lost the turn lock of session %r", rec.session_id)
+                    return
+            except Exception:  # the store may be briefly unreachable; the lease covers it
+                log.warning("could not renew the turn lock of session %r", rec.session_id, exc_info=True)
+
+    async def get(self, owner: str, session_id: str) -> tuple[SessionRecord, bool]:
+        """The record and whether a turn is in flight. Raises SessionNotFound."""
+        check_session_id(session_id)
+        rec = await self.store.get(owner, session_id)
+        if rec is None:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        return rec, await self.store.is_locked(owner, session_id)
+
+    async def delete(self, owner: str, session_id: str) -> None:
+        """Remove the session. Raises SessionNotFound, or SessionBusy while a turn runs."""
+        check_session_id(session_id)
+        if await self.store.is_locked(owner, session_id):
+            raise SessionBusy(f"session {session_id!r} has a turn in flight; cancel it first")
+        if not await self.store.delete(owner, session_id):
+            raise SessionNotFound(f"session {session_id!r} not found")
+
+    async def list(self, owner: str, page_size: int, page_token: str) -> tuple[list[tuple[SessionRecord, bool]], str]:
+        """One page of the owner's sessions (with their busy flags), ordered by id."""
+        if page_size < 0 or page_size > MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in 0..{MAX_PAGE_SIZE}, got {page_size}")
+        if page_token:
+            check_session_id(page_token)
+        recs, next_token = await self.store.list(owner, page_size or DEFAULT_PAGE_SIZE, page_token)
+        busy = await asyncio.gather(*(self.store.is_locked(owner, r.session_id) for r in recs))
+        return list(zip(recs, busy)), next_token
+
+
+# ----------------------------------------------------------------------------- turn input
+
+
+class TurnInputError(ValueError):
+    """The new input cannot be turned into tokens (INVALID_ARGUMENT)."""
+
+
+_PLACEHOLDER_USER = "kvserve placeholder user message"
+_PLACEHOLDER_ASSISTANT = "kvserve placeholder assistant message"
+
+
+def text_tokens(tokenizer: Any, transcript: Sequence[int], text: str) -> list[int]:
+    """Tokens of a text turn: with BOS on an empty transcript, standalone without BOS after."""
+    return list(tokenizer.encode(text, add_bos=not transcript))
+
+
+def chat_tokens(tokenizer: Any, transcript: Sequence[int], messages: list[dict[str, str]]) -> list[int]:
+    """Tokens of a chat turn, as described in the module docstring.
+
+    With an empty transcript the messages are the whole conversation so far; otherwise
+    they are only the new messages and are rendered as a continuation of it.
+    """
+    try:
+        if not transcript:
+            return list(tokenizer.encode_chat(messages, add_generation_prompt=True))
+        before = [
+            {"role": "user", "content": _PLACEHOLDER_USER},
+            {"role": "assistant", "content": _PLACEHOLDER_ASSISTANT},
+        ]
+        base = tokenizer.apply_chat_template(before, add_generation_prompt=False)
+        full = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True)
+    except Exception as e:  # a template may reject a message order (e.g. roles must alternate)
+        raise TurnInputError(f"the chat template cannot render these messages: {e}") from None
+    if not full.startswith(base) or _PLACEHOLDER_ASSISTANT not in base:
+        raise TurnInputError("the chat template cannot render these messages as a continuation of the session")
+    # what the template writes after an assistant message's content: its end-of-turn marker
+    closing = base[base.rindex(_PLACEHOLDER_ASSISTANT) + len(_PLACEHOLDER_ASSISTANT) :]
+    eos_token = getattr(tokenizer, "eos_token", None)
+    eos_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+    if eos_token and eos_ids and transcript[-1] in eos_ids and closing.startswith(eos_token):
+        closing = closing[len(eos_token) :]  # the model already wrote the eos; keep what follows it
+    # Special token strings (eos, bos, added tokens) in the text encode to their ids.
+    return list(tokenizer.encode(closing + full[len(base) :], add_bos=False))
