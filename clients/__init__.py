@@ -1,0 +1,33 @@
+"""Python clients of kvserve (sync and asyncio) and the ``kvserve-chat`` console command."""
+
+from clients.client import (
+    AsyncGenerateStream,
+    AsyncKVServeClient,
+    Completion,
+    GenerateStream,
+    KVServeClient,
+    KVServeError,
+    SessionInfo,
+    StreamEnd,
+    StreamStart,
+    TextDelta,
+    Timings,
+    TLSConfig,
+    build_request,
+)
+
+__all__ = [
+    "AsyncGenerateStream",
+    "AsyncKVServeClient",
+    "Completion",
+    "GenerateStream",
+    "KVServeClient",
+    "KVServeError",
+    "SessionInfo",
+    "StreamEnd",
+    "StreamStart",
+    "TLSConfig",
+    "TextDelta",
+    "Timings",
+    "build_request",
+]

@@ -1,0 +1,520 @@
+"""Python clients of ``kvserve.v1.GenerationService``: ``KVServeClient`` (blocking) and
+``AsyncKVServeClient`` (asyncio). Same methods, same typed results.
+
+    with KVServeClient("localhost:50051") as client:
+        for event in client.generate(text="Once upon a time", max_new_tokens=32):
+            if isinstance(event, TextDelta):
+                print(event.text, end="", flush=True)
+        reply = client.chat("my-session", "Hello!")          # a Completion
+        print(reply.text, reply.start.cached_tokens)
+
+A stream yields ``StreamStart``, then ``TextDelta``s, then ``StreamEnd``. Stop it early
+with ``stream.cancel()`` (sync or async) or by cancelling the task iterating it
+(async); the server stops generating within one engine step. ``timeout`` (seconds)
+is the call's deadline. Failed calls raise ``KVServeError`` carrying the gRPC status
+code and the server's message.
+
+``token`` is sent as ``authorization: Bearer <token>`` metadata. For TLS pass
+``tls=TLSConfig(root_certificates=..., private_key=..., certificate_chain=...)``
+(PEM bytes; all optional: no root certificates means the system's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service._proto.kvserve.v1 import generation_pb2 as pb
+from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+_TIERS = {
+    pb.CACHE_TIER_UNSPECIFIED: "none",
+    pb.CACHE_TIER_NONE: "none",
+    pb.CACHE_TIER_DEVICE: "device",
+    pb.CACHE_TIER_HOST: "host",
+    pb.CACHE_TIER_REDIS: "redis",
+}
+_FINISH = {
+    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+# ----------------------------------------------------------------------------- results
+
+
+class KVServeError(Exception):
+    """A call failed: ``code`` is the gRPC status code, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> KVServeError:
+        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+        details = err.details() if hasattr(err, "details") else str(err)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """First event: the prompt was admitted and its cache looked up."""
+
+    request_id: str
+    session_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tier: str  # "none" | "device" | "host" | "redis"
+    cached_by_tier: dict[str, int]  # {"device": n, "host": n, "redis": n}
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Newly generated tokens and the text they complete."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float
+    restore_s: float
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """Last event: why generation stopped, token counts and timings."""
+
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: Timings
+
+
+Event = StreamStart | TextDelta | StreamEnd
+
+
+@dataclass
+class Completion:
+    """A whole stream gathered: the text, the token ids and the first and last events."""
+
+    text: str
+    token_ids: list[int]
+    start: StreamStart
+    end: StreamEnd
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    token_count: int
+    turns: int
+    created_at: float  # unix seconds
+    last_used_at: float
+    busy: bool
+    cached_blocks: dict[str, int]  # full blocks per tier
+    full_blocks: int
+    token_ids: list[int] | None  # only when asked for
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """PEM-encoded TLS material; ``private_key`` + ``certificate_chain`` for mutual TLS."""
+
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+    server_name_override: str | None = None  # for certificates not naming the address
+
+
+@dataclass
+class _Gather:
+    start: StreamStart | None = None
+    end: StreamEnd | None = None
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, StreamStart):
+            self.start = event
+        elif isinstance(event, TextDelta):
+            self.text.append(event.text)
+            self.token_ids.extend(event.token_ids)
+        else:
+            self.end = event
+
+    def result(self) -> Completion:
+        if self.start is None or self.end is None:
+            raise KVServeError(grpc.StatusCode.UNKNOWN, "stream ended without its first or last event")
+        return Completion("".join(self.text), self.token_ids, self.start, self.end)
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+def build_request(
+    *,
+    text: str | None = None,
+    messages: Sequence[dict[str, str] | tuple[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    session_id: str | None = None,
+    cache_salt: str = "",
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> pb.GenerateRequest:
+    """A ``GenerateRequest`` from keyword arguments; exactly one input must be given.
+
+    Unset sampling fields (None) take the server's defaults (greedy).
+    """
+    given = [name for name, v in (("text", text), ("messages", messages), ("token_ids", token_ids)) if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of text, messages, token_ids (got {', '.join(given) or 'none'})")
+    req = pb.GenerateRequest(session_id=session_id or "", cache_salt=cache_salt)
+    if text is not None:
+        req.text = text
+    elif messages is not None:
+        chat = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+        req.chat.SetInParent()  # an empty list is still "chat" (the server rejects it precisely)
+    else:
+        req.tokens.ids.extend(token_ids or ())
+        req.tokens.SetInParent()
+    s = req.sampling
+    for name, value in (
+        ("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
+        ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
+    ):  # fmt: skip
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(stop)
+    s.stop_token_ids.extend(stop_token_ids)
+    s.ignore_eos = ignore_eos
+    req.sampling.SetInParent()
+    return req
+
+
+def _seconds(d: Any) -> float:
+    return d.seconds + d.nanos * 1e-9
+
+
+def event_from_pb(resp: pb.GenerateResponse) -> Event:
+    kind = resp.WhichOneof("event")
+    if kind == "start":
+        s = resp.start
+        return StreamStart(
+            request_id=s.request_id,
+            session_id=s.session_id,
+            prompt_tokens=s.prompt_tokens,
+            cached_tokens=s.cached_tokens,
+            cached_tier=_TIERS.get(s.cached_tier, "none"),
+            cached_by_tier={
+                "device": s.cached_by_tier.device, "host": s.cached_by_tier.host, "redis": s.cached_by_tier.redis
+            },
+        )
+    if kind == "delta":
+        return TextDelta(text=resp.delta.text, token_ids=list(resp.delta.token_ids))
+    if kind == "final":
+        f, t = resp.final, resp.final.timings
+        return StreamEnd(
+            finish_reason=_FINISH.get(f.finish_reason, "unspecified"),
+            prompt_tokens=f.usage.prompt_tokens,
+            completion_tokens=f.usage.completion_tokens,
+            cached_tokens=f.usage.cached_tokens,
+            timings=Timings(
+                queue_s=_seconds(t.queue),
+                restore_s=_seconds(t.restore),
+                prefill_s=_seconds(t.prefill),
+                ttft_s=_seconds(t.time_to_first_token),
+                decode_s=_seconds(t.decode),
+                decode_tokens_per_s=t.decode_tokens_per_second,
+            ),
+        )
+    raise KVServeError(grpc.StatusCode.UNKNOWN, f"unknown stream event {kind!r}")
+
+
+def session_from_pb(s: pb.Session, with_tokens: bool = False) -> SessionInfo:
+    return SessionInfo(
+        session_id=s.session_id,
+        token_count=s.token_count,
+        turns=s.turns,
+        created_at=s.create_time.seconds + s.create_time.nanos * 1e-9,
+        last_used_at=s.last_use_time.seconds + s.last_use_time.nanos * 1e-9,
+        busy=s.state == pb.SESSION_STATE_BUSY,
+        cached_blocks={"device": s.cached_blocks.device, "host": s.cached_blocks.host, "redis": s.cached_blocks.redis},
+        full_blocks=s.full_blocks,
+        token_ids=list(s.token_ids) if with_tokens else None,
+    )
+
+
+def _credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.root_certificates,
+        private_key=tls.private_key,
+        certificate_chain=tls.certificate_chain,
+    )
+
+
+def _channel_options(tls: TLSConfig | None, options: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    opts = list(options)
+    if tls is not None and tls.server_name_override:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name_override))
+    return opts
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+# ----------------------------------------------------------------------------- sync
+
+
+class GenerateStream:
+    """Iterator of one Generate call's events; ``cancel()`` stops it (server-side too)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = False
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            for resp in self._call:
+                yield event_from_pb(resp)
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise KVServeError.from_rpc_error(e) from None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> GenerateStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class KVServeClient:
+    """Blocking client. ``address`` is ``host:port``; ``timeout`` is the default deadline (s)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
+        timeout: float | None = None,
+        options: Iterable[tuple[str, Any]] = (),
+    ) -> None:
+        opts = _channel_options(tls, options)
+        self._channel = (
+            grpc.secure_channel(address, _credentials(tls), options=opts)
+            if tls is not None
+            else grpc.insecure_channel(address, options=opts)
+        )
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = _metadata(token)
+        self._timeout = timeout
+
+    def _t(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+    def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return method(request, timeout=self._t(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise KVServeError.from_rpc_error(e) from None
+
+    def generate(self, *, timeout: float | None = None, **request: Any) -> GenerateStream:
+        """Start a stream; keyword arguments as in ``build_request``."""
+        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=self._metadata)
+        return GenerateStream(call)
+
+    def complete(self, *, timeout: float | None = None, **request: Any) -> Completion:
+        """Run a stream to its end and return the gathered result."""
+        gather = _Gather()
+        for event in self.generate(timeout=timeout, **request):
+            gather.add(event)
+        return gather.result()
+
+    def chat(self, session_id: str, message: str, *, role: str = "user", timeout: float | None = None,
+             **sampling: Any) -> Completion:  # fmt: skip
+        """One chat turn in a session (created on first use)."""
+        return self.complete(messages=[{"role": role, "content": message}], session_id=session_id,
+                             timeout=timeout, **sampling)  # fmt: skip
+
+    def get_session(self, session_id: str, *, include_token_ids: bool = False, timeout: float | None = None) -> SessionInfo:
+        resp = self._unary(
+            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout
+        )
+        return session_from_pb(resp.session, include_token_ids)
+
+    def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
+        self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout)
+
+    def list_sessions(self, *, page_size: int = 0, page_token: str = "", timeout: float | None = None) -> tuple[list[SessionInfo], str]:
+        """One page: (sessions, next_page_token); the token is "" on the last page."""
+        resp = self._unary(
+            self._stub.ListSessions, pb.ListSessionsRequest(page_size=page_size, page_token=page_token), timeout
+        )
+        return [session_from_pb(s) for s in resp.sessions], resp.next_page_token
+
+    def iter_sessions(self, *, page_size: int = 0) -> Iterator[SessionInfo]:
+        token = ""
+        while True:
+            page, token = self.list_sessions(page_size=page_size, page_token=token)
+            yield from page
+            if not token:
+                return
+
+    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout).model
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The health status name: "SERVING", "NOT_SERVING", ..."""
+        resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> KVServeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- asyncio
+
+
+class AsyncGenerateStream:
+    """Async iterator of one Generate call's events; ``cancel()`` or cancelling the
+    iterating task stops it (server-side too)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        try:
+            async for resp in self._call:
+                yield event_from_pb(resp)
+        except asyncio.CancelledError:
+            self._call.cancel()
+            raise
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise KVServeError.from_rpc_error(e) from None
+        if self._cancelled:
+            return
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+
+class AsyncKVServeClient:
+    """asyncio client; the same methods as ``KVServeClient`` as coroutines."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
+        timeout: float | None = None,
+        options: Iterable[tuple[str, Any]] = (),
+    ) -> None:
+        opts = _channel_options(tls, options)
+        self._channel = (
+            grpc.aio.secure_channel(address, _credentials(tls), options=opts)
+            if tls is not None
+            else grpc.aio.insecure_channel(address, options=opts)
+        )
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = _metadata(token)
+        self._timeout = timeout
+
+    def _t(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return await method(request, timeout=self._t(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise KVServeError.from_rpc_error(e) from None
+
+    def generate(self, *, timeout: float | None = None, **request: Any) -> AsyncGenerateStream:
+        """Start a stream; keyword arguments as in ``build_request``."""
+        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=self._metadata)
+        return AsyncGenerateStream(call)
+
+    async def complete(self, *, timeout: float | None = None, **request: Any) -> Completion:
+        gather = _Gather()
+        async for event in self.generate(timeout=timeout, **request):
+            gather.add(event)
+        return gather.result()
+
+    async def chat(self, session_id: str, message: str, *, role: str = "user", timeout: float | None = None,
+                   **sampling: Any) -> Completion:  # fmt: skip
+        return await self.complete(messages=[{"role": role, "content": message}], session_id=session_id,
+                                   timeout=timeout, **sampling)  # fmt: skip
+
+    async def get_session(self, session_id: str, *, include_token_ids: bool = False,
+                          timeout: float | None = None) -> SessionInfo:  # fmt: skip
+        resp = await self._unary(
+            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout
+        )
+        return session_from_pb(resp.session, include_token_ids)
+
+    async def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
+        await self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout)
+
+    async def list_sessions(self, *, page_size: int = 0, page_token: str = "",
+                            timeout: float | None = None) -> tuple[list[SessionInfo], str]:  # fmt: skip
+        resp = await self._unary(
+            self._stub.ListSessions, pb.ListSessionsRequest(page_size=page_size, page_token=page_token), timeout
+        )
+        return [session_from_pb(s) for s in resp.sessions], resp.next_page_token
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        return (await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)).model
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        resp = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncKVServeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
