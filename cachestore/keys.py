@@ -48,12 +48,19 @@ def make_namespace(
     return Namespace(h.digest())
 
 
-def hash_block_tokens(parent: bytes, tokens: Sequence[int]) -> BlockHash:
-    """One link of the chain: sha256(parent || uint32_le(tokens))."""
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    """``tokens`` as little-endian uint32, refusing ids that do not fit."""
     arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a flat sequence, got shape {arr.shape}")
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in uint32")
-    return BlockHash(hashlib.sha256(parent + arr.astype("<u4").tobytes()).digest())
+    return arr.astype("<u4").tobytes()
+
+
+def hash_block_tokens(parent: bytes, tokens: Sequence[int]) -> BlockHash:
+    """One link of the chain: sha256(parent || uint32_le(tokens))."""
+    return BlockHash(hashlib.sha256(parent + _token_bytes(tokens)).digest())
 
 
 def block_hashes(
@@ -67,11 +74,18 @@ def block_hashes(
     ``parent_hashes`` may hold hashes already computed for a prefix of ``tokens``
     (e.g. the previous turn of a session); they are reused, not recomputed.
     """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
     n_full = len(tokens) // block_size
     out = list(parent_hashes[:n_full])
+    if len(out) == n_full:
+        return out
+    # Convert the not-yet-hashed full blocks once, then slice bytes per block.
+    stride = 4 * block_size
+    data = _token_bytes(tokens[len(out) * block_size : n_full * block_size])
     parent: bytes = out[-1] if out else namespace
-    for i in range(len(out), n_full):
-        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
+    for off in range(0, len(data), stride):
+        parent = BlockHash(hashlib.sha256(parent + data[off : off + stride]).digest())
         out.append(parent)
     return out
 
