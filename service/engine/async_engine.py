@@ -1,0 +1,151 @@
+"""asyncio front of the engine: the LLMEngine runs on its own thread.
+
+``generate()`` is an async generator of events. Closing it early (the gRPC call was
+cancelled, the client went away, the deadline passed) aborts the request: the engine
+finishes it on its next step and releases its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator
+
+from service.engine.config import EngineConfig
+from service.engine.engine import Emitted, LLMEngine
+from service.engine.types import (
+    EngineStats,
+    EngineStopped,
+    Event,
+    Finished,
+    GenerationRequest,
+    ModelInfo,
+)
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_info: ModelInfo = engine.model_info
+        self.tokenizer = engine.tokenizer
+        self._queues: dict[str, asyncio.Queue[Event]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.loop_error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            if not eng.has_work():
+                eng.work_ready.wait(timeout=0.05)
+                eng.work_ready.clear()
+                if eng.restoring:  # poll restore futures while otherwise idle
+                    time.sleep(0.0005)
+                continue
+            try:
+                emitted = eng.step()
+            except Exception as exc:  # a bug in a step must not kill the server
+                log.exception("engine step failed; failing the requests in flight")
+                self.loop_error = exc
+                emitted = eng.fail_all(f"internal engine error: {type(exc).__name__}")
+            if emitted:
+                self._dispatch_threadsafe(emitted)
+
+    def _dispatch_threadsafe(self, emitted: Emitted) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, emitted)
+        except RuntimeError:  # the event loop is closed (process exiting)
+            pass
+
+    def _dispatch(self, emitted: Emitted) -> None:
+        for rid, event in emitted:
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(event)
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop admitting, let running requests finish for up to ``grace_s``, then stop."""
+        self.engine.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._queues and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for rid in list(self._queues):
+            self.engine.abort(rid)
+        t_end = time.monotonic() + 2.0
+        while self._queues and time.monotonic() < t_end:
+            await asyncio.sleep(0.01)
+        self._stop.set()
+        self.engine.work_ready.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+        self.engine.close()
+
+    # ---- requests --------------------------------------------------------------------
+
+    def validate(self, req: GenerationRequest) -> None:
+        self.engine.validate(req)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
+        if self._stop.is_set() or not self.engine.accepting:
+            raise EngineStopped("the server is shutting down")
+        if req.request_id in self._queues:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        self._queues[req.request_id] = q
+        finished = False
+        try:
+            self.engine.add_request(req)  # raises InvalidRequest / QueueFull / EngineStopped
+            while True:
+                event = await q.get()
+                yield event
+                if isinstance(event, Finished):
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(req.request_id, None)
+            if not finished:
+                self.engine.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def store(self):
+        return self.engine.store
+
+
+async def build_engine(cfg: EngineConfig) -> AsyncEngine:
+    """Load the model (off the event loop), build the engine and start its thread."""
+    from service.models.loading import load_model
+
+    loaded = await asyncio.to_thread(
+        load_model,
+        str(cfg.resolved_model_path()),
+        dtype=cfg.resolved_dtype(),
+        device=cfg.resolved_device(),
+    )
+    store = None
+    if cfg.host_cache_memory or cfg.redis_url:
+        from service.engine.store import build_store
+
+        store = build_store(cfg, loaded)
+    engine = LLMEngine(loaded, cfg, store=store)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    return aengine

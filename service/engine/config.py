@@ -1,0 +1,47 @@
+"""Engine settings (the server's ServerConfig derives one of these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None  # None = the packaged default model
+    device: str = "auto"  # cpu | cuda | auto
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)
+    kv_cache_memory: int = 1 << 30  # bytes for the device block pool
+    block_size: int = 16
+    max_num_seqs: int = 32  # running sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step (decode rows + prefill chunks)
+    max_model_len: int | None = None  # default: the model's context length
+    max_new_tokens_limit: int = 4096
+    max_queue: int = 256  # waiting requests before QueueFull
+    # --- cache store (issue 4) ---
+    host_cache_memory: int = 0  # bytes of host-memory tier; 0 = off
+    redis_url: str | None = None
+    redis_cluster: bool = False
+    redis_ttl_s: float = 24 * 3600.0
+    redis_key_prefix: str = "kvserve:"
+    spill_after_s: float = 30.0  # idle seconds before a session's blocks are written out
+    spill_to: tuple[str, ...] = ("host", "redis")
+    restore_min_speedup: float = 1.0  # restore only when estimated faster than recompute by this
+
+    def resolved_model_path(self) -> Path:
+        return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        """float32 on CPU (bf16 prefill is slower on CPUs without AMX), bfloat16 on CUDA."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"

@@ -1,0 +1,672 @@
+"""The generation loop: continuous batching over a paged, prefix-cached KV pool.
+
+``LLMEngine`` is synchronous and single-threaded: ``step()`` runs one scheduling
+iteration and returns the events it produced. ``AsyncEngine`` (async_engine.py) runs
+it on its own thread. Everything that other threads hand in (new requests, aborts)
+goes through ``_inbox``; everything the engine hands out is the returned event list.
+
+One step:
+
+1. drain the inbox (new requests join the waiting queue, aborts finish sequences),
+2. finish restores whose host/Redis loads completed on the restore thread,
+3. admit waiting requests while blocks and sequence slots allow: hash the prompt's
+   full blocks, share the device hits, start loading host/Redis hits off this thread,
+4. run one batched decode forward for sequences with one pending token, and prefill
+   chunks (within ``max_num_batched_tokens``) for the rest,
+5. sample, detokenize, stop, register newly full blocks under their hashes, finish.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cachestore.keys import BlockHash, block_hashes, make_namespace
+from service.engine.config import EngineConfig
+from service.engine.output import TextStream
+from service.engine.sampling import make_generator, sample
+from service.engine.types import (
+    Delta,
+    EngineStats,
+    EngineStopped,
+    Event,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    ModelInfo,
+    QueueFull,
+    Started,
+    Tier,
+    Timings,
+)
+from service.kv.block_manager import Block, BlockManager, NoFreeBlocks
+from service.kv.cache import BatchLayout, KVPool, SeqSlice
+
+log = logging.getLogger(__name__)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RESTORING = "restoring"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    namespace: bytes
+    token_ids: list[int]  # prompt + output so far
+    num_prompt: int
+    arrival: float
+    stream: TextStream
+    generator: torch.Generator | None
+    status: SeqStatus = SeqStatus.WAITING
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)  # of full blocks of token_ids
+    num_computed: int = 0  # leading tokens whose KV is in the pool
+    num_registered: int = 0  # leading blocks registered under their hash
+    cached_by_tier: dict[Tier, int] = field(default_factory=dict)
+    started: bool = False
+    cancelled: bool = False
+    restore: Future | None = None
+    restore_plan: list[str] = field(default_factory=list)
+    restore_staging: list[torch.Tensor] = field(default_factory=list)
+    t_admit: float = 0.0
+    t_restore0: float = 0.0
+    restore_s: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_by_tier.values())
+
+
+Emitted = list[tuple[str, Event]]
+
+
+class LLMEngine:
+    def __init__(self, loaded: Any, cfg: EngineConfig, store: Any | None = None) -> None:
+        self.cfg = cfg
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.mcfg = loaded.config
+        self.device = loaded.device
+        self.store = store
+        self.block_size = cfg.block_size
+        self.max_model_len = min(
+            cfg.max_model_len or self.mcfg.max_position_embeddings,
+            self.mcfg.max_position_embeddings,
+        )
+        self.pool = KVPool.from_budget(
+            cfg.kv_cache_memory,
+            num_layers=self.mcfg.num_layers,
+            block_size=cfg.block_size,
+            num_kv_heads=self.mcfg.num_kv_heads,
+            head_dim=self.mcfg.head_dim,
+            dtype=loaded.dtype,
+            device=self.device,
+        )
+        self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
+        self.kv_dtype = str(loaded.dtype).removeprefix("torch.")
+        self.eos_ids = frozenset(loaded.eos_token_ids)
+        self._namespaces: dict[str, bytes] = {}
+
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.restoring: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._calls: list[Callable[[], None]] = []  # run on the engine thread between steps
+        self._lock = threading.Lock()
+        self.work_ready = threading.Event()
+        self._restorer = ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+        self.accepting = True
+
+        # counters: tokens actually run through the model
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_seal_tokens = 0
+        self.num_preempted = 0
+        # measured prefill rate (tokens/s), for the restore-or-recompute decision
+        self.prefill_tokens_per_s: float | None = None
+
+        self.model_info = ModelInfo(
+            architecture=self.mcfg.architecture,
+            model_type=self.mcfg.model_type,
+            model_fingerprint=loaded.fingerprint,
+            context_length=self.max_model_len,
+            vocab_size=self.mcfg.vocab_size,
+            block_size=self.block_size,
+            dtype=self.kv_dtype,
+            device=str(self.device),
+            num_layers=self.mcfg.num_layers,
+            num_kv_heads=self.mcfg.num_kv_heads,
+            head_dim=self.mcfg.head_dim,
+            bytes_per_token=self.pool.bytes_per_token,
+            eos_token_ids=tuple(loaded.eos_token_ids),
+            tiers=("device",) + (tuple(store.tier_names) if store is not None else ()),
+        )
+
+    # ---- called from other threads ---------------------------------------------------
+
+    def namespace(self, cache_salt: str) -> bytes:
+        ns = self._namespaces.get(cache_salt)
+        if ns is None:
+            ns = make_namespace(
+                self.loaded.fingerprint, self.kv_dtype, self.block_size, cache_salt
+            )
+            if len(self._namespaces) < 65536:
+                self._namespaces[cache_salt] = ns
+        return ns
+
+    def validate(self, req: GenerationRequest) -> None:
+        """Raise InvalidRequest with a precise message; pure, thread-safe."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.mcfg.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        req.sampling.validate(self.cfg.max_new_tokens_limit)
+        bad = next((t for t in req.sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt has {n} tokens; the context is {self.max_model_len} tokens "
+                f"(at most {self.max_model_len - 1} prompt tokens leave room for one new token)"
+            )
+        need = -(-min(n + req.sampling.max_new_tokens, self.max_model_len) // self.block_size)
+        if need > self.blocks.num_usable:
+            raise InvalidRequest(
+                f"prompt + max_new_tokens needs {need} KV blocks; the KV cache holds "
+                f"{self.blocks.num_usable} (raise --kv-cache-memory or lower max_new_tokens)"
+            )
+
+    def add_request(self, req: GenerationRequest) -> None:
+        self.validate(req)
+        if not self.accepting:
+            raise EngineStopped("the server is shutting down")
+        seq = Sequence(
+            request=req,
+            namespace=self.namespace(req.cache_salt),
+            token_ids=list(req.prompt_token_ids),
+            num_prompt=len(req.prompt_token_ids),
+            arrival=time.monotonic(),
+            stream=TextStream(self.tokenizer.detokenizer(), req.sampling.stop),
+            generator=make_generator(req.sampling, self.device),
+        )
+        with self._lock:
+            if len(self.waiting) + len(self._inbox) >= self.cfg.max_queue:
+                raise QueueFull(
+                    f"the queue is full ({self.cfg.max_queue} waiting requests); retry later"
+                )
+            self._inbox.append(seq)
+        self.work_ready.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self.work_ready.set()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.running) + len(self.restoring),
+            waiting=len(self.waiting) + len(self._inbox),
+            blocks_total=self.blocks.num_usable,
+            blocks_free=self.blocks.num_free,
+            blocks_cached=self.blocks.num_cached_idle,
+            prefill_tokens=self.num_prefill_tokens,
+            decode_tokens=self.num_decode_tokens,
+        )
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread before the next step (the only safe place
+        to touch block refcounts and pool contents)."""
+        with self._lock:
+            self._calls.append(fn)
+        self.work_ready.set()
+
+    def has_work(self) -> bool:
+        return bool(
+            self.waiting
+            or self.running
+            or self.restoring
+            or self._inbox
+            or self._aborts
+            or self._calls
+        )
+
+    # ---- the loop --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> Emitted:
+        out: Emitted = []
+        self._drain_inbox(out)
+        self._poll_restores(out)
+        self._admit(out)
+        self._run(out)
+        return out
+
+    def _drain_inbox(self, out: Emitted) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for fn in calls:
+            try:
+                fn()
+            except Exception:
+                log.exception("engine call failed")
+        for seq in new:
+            self._by_id[seq.request_id] = seq
+            self.waiting.append(seq)
+        for rid in aborts:
+            seq = self._by_id.get(rid)
+            if seq is None or seq.status is SeqStatus.FINISHED:
+                continue
+            if seq.status is SeqStatus.RESTORING:
+                seq.cancelled = True  # its blocks are being written; finished at poll time
+                continue
+            if seq.status is SeqStatus.WAITING:
+                self.waiting.remove(seq)
+            self._finish(seq, FinishReason.CANCELLED, out)
+
+    # ---- admission -------------------------------------------------------------------
+
+    def _admit(self, out: Emitted) -> None:
+        while self.waiting and len(self.running) + len(self.restoring) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._try_allocate(seq):
+                if not self.running and not self.restoring:
+                    # nothing will ever free blocks for it (validate() should prevent this)
+                    self.waiting.popleft()
+                    self._finish(seq, FinishReason.ERROR, out, error="not enough KV blocks")
+                    continue
+                break
+            self.waiting.popleft()
+            if seq.restore is None:
+                self._start_running(seq, out)
+
+    def _try_allocate(self, seq: Sequence) -> bool:
+        bs = self.block_size
+        n_tokens = len(seq.token_ids)
+        seq.hashes = block_hashes(seq.namespace, seq.token_ids, bs, seq.hashes)
+        # the last token is always recomputed (its logits are needed)
+        reusable = (n_tokens - 1) // bs
+        device_hits = self.blocks.match_prefix(seq.hashes[:reusable])
+        n_dev = len(device_hits)
+        plan: list[str] = []
+        if self.store is not None and n_dev < reusable:
+            plan = self._plan_restore(seq, n_dev, reusable)
+        n_needed = -(-n_tokens // bs)
+        idle_hits = sum(1 for b in device_hits if b.ref_count == 0)
+        if self.blocks.num_free - idle_hits < n_needed - n_dev:
+            return False
+        self.blocks.touch(device_hits)
+        fresh = self.blocks.allocate(n_needed - n_dev)
+        seq.blocks = device_hits + fresh
+        seq.num_computed = n_dev * bs
+        seq.num_registered = n_dev
+        seq.cached_by_tier = {Tier.DEVICE: n_dev * bs} if n_dev else {}
+        seq.t_admit = time.monotonic()
+        if plan:
+            self._start_restore(seq, n_dev, plan, fresh[: len(plan)])
+        return True
+
+    def _plan_restore(self, seq: Sequence, start: int, end: int) -> list[str]:
+        """Tiers of the blocks [start, end) found in host/Redis, cut where restoring
+        would be slower than recomputing (by the measured rates)."""
+        try:
+            tiers = self.store.match_prefix(seq.namespace, seq.hashes[start:end])
+        except Exception:  # the store promises not to raise; a bug there must not kill us
+            log.exception("cache store lookup failed")
+            return []
+        rate = self.prefill_tokens_per_s
+        if not tiers or rate is None:
+            return list(tiers)
+        plan = list(tiers)
+        while plan:
+            counts: dict[str, int] = {}
+            for t in plan:
+                counts[t] = counts.get(t, 0) + 1
+            restore_s = sum(self.store.estimated_restore_seconds(t, n) for t, n in counts.items())
+            recompute_s = len(plan) * self.block_size / rate
+            if restore_s * self.cfg.restore_min_speedup <= recompute_s:
+                break
+            # drop the slowest tier's blocks from the tail (they are the latest in the chain)
+            worst = plan[-1]
+            while plan and plan[-1] == worst:
+                plan.pop()
+        return plan
+
+    def _start_restore(self, seq: Sequence, start: int, plan: list[str], blocks: list[Block]) -> None:
+        seq.status = SeqStatus.RESTORING
+        seq.restore_plan = plan
+        hashes = seq.hashes[start : start + len(plan)]
+        if self.device.type == "cpu":
+            outs = [self.pool.data[b.block_id] for b in blocks]
+        else:
+            outs = [self.store.staging_buffer() for _ in blocks]
+            seq.restore_staging = outs
+        seq.t_restore0 = time.monotonic()
+        seq.restore = self._restorer.submit(
+            self.store.fetch_into, seq.namespace, hashes, plan, outs
+        )
+        self.restoring.append(seq)
+
+    def _poll_restores(self, out: Emitted) -> None:
+        for seq in [s for s in self.restoring if s.restore is not None and s.restore.done()]:
+            self.restoring.remove(seq)
+            try:
+                n_ok = int(seq.restore.result())
+            except Exception:
+                log.exception("restore of %s failed", seq.request_id)
+                n_ok = 0
+            seq.restore = None
+            seq.restore_s = time.monotonic() - seq.t_restore0
+            start = seq.num_registered
+            if seq.restore_staging:
+                ids = [b.block_id for b in seq.blocks[start : start + n_ok]]
+                for bid, buf in zip(ids, seq.restore_staging[:n_ok]):
+                    self.pool.import_block(bid, buf)
+                for buf in seq.restore_staging:
+                    self.store.release_staging_buffer(buf)
+                seq.restore_staging = []
+            for i in range(start, start + n_ok):
+                self.blocks.register(seq.blocks[i], seq.hashes[i], seq.namespace)
+                tier = Tier(seq.restore_plan[i - start])
+                seq.cached_by_tier[tier] = seq.cached_by_tier.get(tier, 0) + self.block_size
+            seq.num_registered = start + n_ok
+            seq.num_computed = seq.num_registered * self.block_size
+            if seq.cancelled:
+                self._finish(seq, FinishReason.CANCELLED, out)
+            else:
+                self._start_running(seq, out)
+
+    def _start_running(self, seq: Sequence, out: Emitted) -> None:
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        if not seq.started:
+            seq.started = True
+            tiers = [t for t in (Tier.REDIS, Tier.HOST, Tier.DEVICE) if seq.cached_by_tier.get(t)]
+            out.append(
+                (
+                    seq.request_id,
+                    Started(
+                        request_id=seq.request_id,
+                        prompt_tokens=seq.num_prompt,
+                        cached_tokens=seq.cached_tokens,
+                        cached_tier=tiers[0] if tiers else Tier.NONE,
+                        cached_by_tier=dict(seq.cached_by_tier),
+                    ),
+                )
+            )
+
+    # ---- running ---------------------------------------------------------------------
+
+    def _ensure_blocks(self, seq: Sequence, n_tokens: int) -> bool:
+        need = -(-n_tokens // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        try:
+            seq.blocks.extend(self.blocks.allocate(need))
+            return True
+        except NoFreeBlocks:
+            return False
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Free a running sequence's blocks and send it back to wait (recompute later)."""
+        self.running.remove(victim)
+        self.blocks.free(victim.blocks)
+        victim.blocks = []
+        victim.num_computed = 0
+        victim.num_registered = 0
+        victim.status = SeqStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preempted += 1
+
+    def _run(self, out: Emitted) -> None:
+        if not self.running:
+            return
+        budget = self.cfg.max_num_batched_tokens
+        decode: list[Sequence] = []
+        prefill: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below
+                continue
+            pending = len(seq.token_ids) - seq.num_computed
+            n = 1 if pending == 1 else min(pending, max(budget - len(decode), 0))
+            if n == 0:
+                continue
+            while not self._ensure_blocks(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            if pending == 1:
+                decode.append(seq)
+                budget -= 1
+            else:
+                prefill.append((seq, n))
+                budget -= n
+        # a preemption may have removed a sequence scheduled earlier in this loop
+        decode = [s for s in decode if s in self.running]
+        prefill = [(s, n) for s, n in prefill if s in self.running]
+
+        to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        if decode:
+            logits = self._forward([(s, 1) for s in decode])
+            self.num_decode_tokens += len(decode)
+            to_sample.extend((s, logits[i]) for i, s in enumerate(decode))
+        for seq, n in prefill:
+            t0 = time.perf_counter()
+            logits = self._forward([(seq, n)])
+            dt = time.perf_counter() - t0
+            self.num_prefill_tokens += n
+            if n >= 32:  # EWMA of prefill tokens/s, for restore-vs-recompute
+                r = n / dt
+                p = self.prefill_tokens_per_s
+                self.prefill_tokens_per_s = r if p is None else 0.8 * p + 0.2 * r
+            if seq.num_computed == len(seq.token_ids):
+                to_sample.append((seq, logits[0]))
+        if to_sample:
+            self._sample_and_emit(to_sample, out)
+
+    def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        slices = [
+            SeqSlice(
+                block_table=[b.block_id for b in seq.blocks],
+                start_pos=seq.num_computed,
+                token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
+            )
+            for seq, n in work
+        ]
+        layout = BatchLayout.build(slices, self.block_size, self.device)
+        logits = self.model(layout, self.pool)
+        for seq, n in work:
+            seq.num_computed += n
+            self._register_full_blocks(seq)
+        return logits
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed // self.block_size
+        if full <= seq.num_registered:
+            return
+        if len(seq.hashes) < full:
+            seq.hashes = block_hashes(
+                seq.namespace, seq.token_ids[: full * self.block_size], self.block_size, seq.hashes
+            )
+        for i in range(seq.num_registered, full):
+            self.blocks.register(seq.blocks[i], seq.hashes[i], seq.namespace)
+        seq.num_registered = full
+
+    def _sample_and_emit(self, rows: list[tuple[Sequence, torch.Tensor]], out: Emitted) -> None:
+        logits = torch.stack([r for _, r in rows]).float()
+        seqs = [s for s, _ in rows]
+        tokens = sample(
+            logits,
+            [s.request.sampling for s in seqs],
+            [s.generator for s in seqs],
+            [s.token_ids if s.request.sampling.repetition_penalty != 1.0 else () for s in seqs],
+        )
+        now = time.monotonic()
+        finished: list[tuple[Sequence, FinishReason]] = []
+        for seq, tok in zip(seqs, tokens):
+            p = seq.request.sampling
+            seq.token_ids.append(tok)
+            if not seq.t_first:
+                seq.t_first = now
+            seq.t_last = now
+            is_stop_token = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+            text = "" if is_stop_token else seq.stream.push([tok])
+            reason = None
+            if is_stop_token or seq.stream.stopped:
+                reason = FinishReason.STOP
+            elif seq.num_output >= p.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                text += seq.stream.finish()  # "" when a stop string ended it
+            out.append((seq.request_id, Delta(token_ids=[tok], text=text)))
+            if reason is not None:
+                finished.append((seq, reason))
+        if finished:
+            self._seal([s for s, _ in finished])
+            for seq, reason in finished:
+                self._finish(seq, reason, out)
+
+    def _seal(self, seqs: list[Sequence]) -> None:
+        """Compute the KV of a finished sequence's last token when that token completes
+        a block, so the whole transcript is cached for the session's next turn."""
+        work = [
+            (s, 1)
+            for s in seqs
+            if len(s.token_ids) % self.block_size == 0
+            and len(s.token_ids) - s.num_computed == 1
+            and len(s.blocks) * self.block_size >= len(s.token_ids)
+        ]
+        if work:
+            self._forward(work)
+            self.num_seal_tokens += len(work)
+
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, out: Emitted, error: str = ""
+    ) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        if seq.blocks:
+            self.blocks.free(seq.blocks)
+            seq.blocks = []
+        self._by_id.pop(seq.request_id, None)
+        now = time.monotonic()
+        t_first = seq.t_first or now
+        decode_s = (seq.t_last - seq.t_first) if seq.t_first else 0.0
+        timings = Timings(
+            queue_s=(seq.t_admit or now) - seq.arrival,
+            restore_s=seq.restore_s,
+            prefill_s=max(t_first - (seq.t_admit or t_first) - seq.restore_s, 0.0)
+            if seq.t_first
+            else 0.0,
+            ttft_s=t_first - seq.arrival if seq.t_first else 0.0,
+            decode_s=decode_s,
+            decode_tokens_per_s=(seq.num_output - 1) / decode_s if decode_s > 0 else 0.0,
+        )
+        out.append(
+            (
+                seq.request_id,
+                Finished(
+                    finish_reason=reason,
+                    prompt_tokens=seq.num_prompt,
+                    completion_tokens=seq.num_output,
+                    cached_tokens=seq.cached_tokens,
+                    output_token_ids=seq.output_ids,
+                    text=seq.stream.text,
+                    timings=timings,
+                    error=error,
+                ),
+            )
+        )
+
+    # ---- cache store hooks -----------------------------------------------------------
+
+    def _on_evict(self, block: Block) -> None:
+        """Device eviction demotes the block to the host tier (if it is not there)."""
+        if self.store is None or block.block_hash is None or block.namespace is None:
+            return
+        try:
+            self.store.demote(block.namespace, block.block_hash, self.pool.data[block.block_id])
+        except Exception:
+            log.exception("demoting block %d failed", block.block_id)
+
+    def device_blocks_for(self, token_ids: list[int], cache_salt: str) -> int:
+        """How many leading full blocks of ``token_ids`` are on the device now."""
+        ns = self.namespace(cache_salt)
+        return len(self.blocks.match_prefix(block_hashes(ns, token_ids, self.block_size)))
+
+    def spill(
+        self, token_ids: list[int], cache_salt: str, tiers: tuple[str, ...], done: Callable[[int], None]
+    ) -> None:
+        """Write the device blocks of this transcript to ``tiers`` in the background.
+        Must run on the engine thread (use ``call_soon``). The blocks are pinned (a
+        reference is taken) until the store has copied them, so they cannot be evicted
+        or overwritten meanwhile. ``done(n_submitted)`` is called on the engine thread."""
+        if self.store is None:
+            done(0)
+            return
+        ns = self.namespace(cache_salt)
+        hashes = block_hashes(ns, token_ids, self.block_size)
+        held = self.blocks.match_prefix(hashes)
+        if not held:
+            done(0)
+            return
+        self.blocks.touch(held)
+        items = [(ns, b.block_hash, self.pool.data[b.block_id]) for b in held]
+
+        def release(_ok: bool = True) -> None:
+            self.call_soon(lambda: self.blocks.free(held))
+
+        if not self.store.submit_spill(items, tiers, on_done=release):
+            self.blocks.free(held)
+            done(0)
+            return
+        done(len(held))
+
+    def fail_all(self, error: str) -> Emitted:
+        """Finish every sequence with an error (the engine loop hit a bug)."""
+        out: Emitted = []
+        for seq in list(self.running) + list(self.waiting):
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+            self._finish(seq, FinishReason.ERROR, out, error=error)
+        return out
+
+    def close(self) -> None:
+        self._restorer.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,237 @@
+"""The engine on a random tiny Llama: continuous batching, prefix caching, preemption,
+chunked prefill, cancellation. References are computed without the pool
+(``forward_nocache``) so a wrong block table or a stale block cannot agree by accident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.engine.config import EngineConfig
+from service.engine.engine import LLMEngine
+from service.engine.types import (
+    Delta,
+    FinishReason,
+    Finished,
+    GenerationRequest,
+    InvalidRequest,
+    QueueFull,
+    SamplingParams,
+    Started,
+    Tier,
+)
+from service.models.loading import load_model
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+
+
+def make_engine(loaded, **kw) -> LLMEngine:
+    base = dict(
+        model_path="unused",
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=64 * BS * loaded.config.num_layers * 2
+        * loaded.config.num_kv_heads * loaded.config.head_dim * 4,  # 64 blocks
+        block_size=BS,
+    )
+    base.update(kw)
+    return LLMEngine(loaded, EngineConfig(**base))
+
+
+def run(engine: LLMEngine, reqs: list[GenerationRequest], max_steps=10_000, on_step=None):
+    events: dict[str, list] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    done: set[str] = set()
+    for i in range(max_steps):
+        for rid, ev in engine.step():
+            events[rid].append(ev)
+            if isinstance(ev, Finished):
+                done.add(rid)
+        if on_step:
+            on_step(i, events)
+        if done == set(events):
+            return events
+    raise AssertionError("engine did not finish")
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model.forward_nocache(torch.tensor([ids]))
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def req(rid, prompt, n=8, **sp) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        sampling=SamplingParams(max_new_tokens=n, ignore_eos=True, **sp),
+    )
+
+
+def finished(evs) -> Finished:
+    assert isinstance(evs[-1], Finished)
+    return evs[-1]
+
+
+def prompts(vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_single_request_matches_uncached_reference(loaded):
+    eng = make_engine(loaded)
+    (p,) = prompts(loaded.config.vocab_size, [11])
+    evs = run(eng, [req("a", p, n=12)])["a"]
+    assert isinstance(evs[0], Started) and evs[0].prompt_tokens == 11 and evs[0].cached_tokens == 0
+    deltas = [e for e in evs if isinstance(e, Delta)]
+    fin = finished(evs)
+    assert fin.output_token_ids == greedy_reference(loaded.model, p, 12)
+    assert [t for d in deltas for t in d.token_ids] == fin.output_token_ids
+    assert "".join(d.text for d in deltas) == fin.text
+    assert fin.finish_reason is FinishReason.LENGTH
+    assert eng.num_prefill_tokens == 11 and eng.num_decode_tokens == 11
+
+
+def test_batched_requests_of_different_lengths_each_match_alone(loaded):
+    ps = prompts(loaded.config.vocab_size, [3, 9, 14, 22], seed=1)
+    alone = [finished(run(make_engine(loaded), [req("x", p)])["x"]).output_token_ids for p in ps]
+    eng = make_engine(loaded)
+    batch_sizes = []
+    evs = run(
+        eng,
+        [req(f"r{i}", p) for i, p in enumerate(ps)],
+        on_step=lambda i, e: batch_sizes.append(len(eng.running)),
+    )
+    assert max(batch_sizes) == 4  # they really ran together
+    for i, p in enumerate(ps):
+        assert finished(evs[f"r{i}"]).output_token_ids == alone[i]
+
+
+def test_chunked_prefill_gives_the_same_tokens(loaded):
+    (p,) = prompts(loaded.config.vocab_size, [30], seed=2)
+    ref = greedy_reference(loaded.model, p, 6)
+    eng = make_engine(loaded, max_num_batched_tokens=7)
+    assert finished(run(eng, [req("a", p, n=6)])["a"]).output_token_ids == ref
+
+
+def test_shared_prefix_is_served_from_device_blocks(loaded):
+    (system, q1, q2) = prompts(loaded.config.vocab_size, [12, 5, 6], seed=3)
+    eng = make_engine(loaded)
+    run(eng, [req("a", system + q1, n=4)])
+    prefill_before = eng.num_prefill_tokens
+    evs = run(eng, [req("b", system + q2, n=6)])["b"]
+    start = evs[0]
+    assert start.cached_tokens == 12 and start.cached_tier is Tier.DEVICE
+    assert eng.num_prefill_tokens - prefill_before == len(q2)  # the 3 shared blocks were not rerun
+    assert finished(evs).output_token_ids == greedy_reference(loaded.model, system + q2, 6)
+
+
+def test_two_running_sequences_share_a_prefix_block(loaded):
+    (system, q1, q2) = prompts(loaded.config.vocab_size, [8, 3, 7], seed=4)
+    eng = make_engine(loaded)
+    run(eng, [req("warm", system + [5], n=1)])
+    seen_shared = []
+
+    def check(i, events):
+        if len(eng.running) == 2:
+            a, b = eng.running
+            ids_a = [blk.block_id for blk in a.blocks[:2]]
+            seen_shared.append(ids_a == [blk.block_id for blk in b.blocks[:2]]
+                               and all(blk.ref_count == 2 for blk in a.blocks[:2]))
+
+    evs = run(eng, [req("a", system + q1), req("b", system + q2)], on_step=check)
+    assert seen_shared and all(seen_shared)
+    for rid, q in (("a", q1), ("b", q2)):
+        assert evs[rid][0].cached_tokens == 8
+        assert finished(evs[rid]).output_token_ids == greedy_reference(loaded.model, system + q, 8)
+
+
+def test_multi_turn_transcript_is_fully_cached_including_the_last_token(loaded):
+    (turn1,) = prompts(loaded.config.vocab_size, [10], seed=5)
+    eng = make_engine(loaded)
+    for n_new in (6, 5, 7):  # 10 + 6 = 16 tokens: the last sampled token completes a block
+        fin = finished(run(eng, [req("t1", turn1, n=n_new)])["t1"])
+        transcript = turn1 + fin.output_token_ids
+        nxt = transcript + [7, 8, 9]
+        evs = run(eng, [req("t2", nxt, n=3)])["t2"]
+        assert evs[0].cached_tokens == (len(transcript) // BS) * BS
+        assert finished(evs).output_token_ids == greedy_reference(loaded.model, nxt, 3)
+
+
+def test_preemption_under_a_small_pool_keeps_outputs_exact(loaded):
+    ps = prompts(loaded.config.vocab_size, [10, 11, 12, 13], seed=6)
+    alone = [greedy_reference(loaded.model, p, 12) for p in ps]
+    bpt = loaded.config.num_layers * 2 * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+    eng = make_engine(loaded, kv_cache_memory=15 * BS * bpt)  # 14 usable blocks, 24 wanted
+    evs = run(eng, [req(f"r{i}", p, n=12) for i, p in enumerate(ps)])
+    assert eng.num_preempted > 0
+    for i in range(4):
+        assert finished(evs[f"r{i}"]).output_token_ids == alone[i]
+    assert eng.blocks.num_free == eng.blocks.num_usable
+
+
+def test_abort_releases_every_block(loaded):
+    eng = make_engine(loaded)
+    ps = prompts(loaded.config.vocab_size, [9, 17], seed=7)
+    for i, p in enumerate(ps):
+        eng.add_request(req(f"r{i}", p, n=50))
+    for _ in range(3):
+        eng.step()
+    assert eng.blocks.num_free < eng.blocks.num_usable
+    eng.abort("r0")
+    eng.abort("r1")
+    out = eng.step()
+    reasons = {rid: ev.finish_reason for rid, ev in out if isinstance(ev, Finished)}
+    assert reasons == {"r0": FinishReason.CANCELLED, "r1": FinishReason.CANCELLED}
+    assert eng.blocks.num_free == eng.blocks.num_usable and not eng.running
+
+
+def test_seeded_sampling_is_reproducible_through_the_engine(loaded):
+    (p,) = prompts(loaded.config.vocab_size, [6], seed=8)
+    outs = []
+    for other in ([], [5, 6, 7]):  # with and without a neighbour in the batch
+        eng = make_engine(loaded)
+        reqs = [req("s", p, n=16, temperature=1.0, top_p=0.9, seed=42)]
+        if other:
+            reqs.append(req("o", other, n=16, temperature=1.0))
+        outs.append(finished(run(eng, reqs)["s"]).output_token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_eos_and_stop_token_ids_end_generation(loaded):
+    (p,) = prompts(loaded.config.vocab_size, [6], seed=9)
+    ref = greedy_reference(loaded.model, p, 8)
+    eng = make_engine(loaded)
+    r = GenerationRequest("a", p, SamplingParams(max_new_tokens=8, stop_token_ids=(ref[3],)))
+    fin = finished(run(eng, [r])["a"])
+    assert fin.finish_reason is FinishReason.STOP
+    assert fin.output_token_ids == ref[: ref.index(ref[3]) + 1]
+
+
+def test_invalid_requests_are_rejected_with_precise_messages(loaded):
+    eng = make_engine(loaded)
+    V = loaded.config.vocab_size
+    with pytest.raises(InvalidRequest, match="prompt is empty"):
+        eng.add_request(req("a", []))
+    with pytest.raises(InvalidRequest, match=f"token id {V} is outside the vocabulary"):
+        eng.add_request(req("a", [1, V]))
+    ctx = eng.max_model_len
+    with pytest.raises(InvalidRequest, match=f"prompt has {ctx} tokens; the context is {ctx}"):
+        eng.add_request(req("a", [3] * ctx))
+
+
+def test_queue_full(loaded):
+    eng = make_engine(loaded, max_queue=2)
+    eng.add_request(req("a", [3, 4]))
+    eng.add_request(req("b", [3, 4]))
+    with pytest.raises(QueueFull, match="queue is full"):
+        eng.add_request(req("c", [3, 4]))
