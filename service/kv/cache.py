@@ -22,7 +22,7 @@ the target device when the layout is built.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -258,6 +258,16 @@ class BatchLayout:
     seq_lens: tuple[int, ...]  # start_pos + new tokens, per sequence
     num_new_tokens: tuple[int, ...]  # new (real) tokens per sequence
     block_size: int
+    _bias: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
+
+    def attn_bias(self, dtype: torch.dtype) -> Tensor | None:
+        """``attn_mask`` in ``dtype`` (converted once per layout, then shared by every layer)."""
+        mask = self.attn_mask
+        if mask is None or mask.dtype == dtype:
+            return mask
+        if dtype not in self._bias:
+            self._bias[dtype] = mask.to(dtype)
+        return self._bias[dtype]
 
     @property
     def batch_size(self) -> int:

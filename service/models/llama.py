@@ -118,7 +118,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
         k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
-        return self.attend(q, k, v, layout.attn_mask, layout.is_causal)
+        return self.attend(q, k, v, layout.attn_bias(q.dtype), layout.is_causal)
 
     def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)

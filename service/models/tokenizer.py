@@ -48,7 +48,10 @@ class _SentencePieceBackend:
     def __init__(self, path: Path, special_tokens: Iterable[str]) -> None:
         import sentencepiece as spm
 
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        proto = path.read_bytes()
+        self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        # text that follows a special token gets no dummy "▁" prefix (HF's legacy=False)
+        self.sp_cont = spm.SentencePieceProcessor(model_proto=_without_dummy_prefix(proto))
         self.vocab_size = self.sp.get_piece_size()
         self._special = {t: i for t in special_tokens if t and (i := self.token_to_id(t)) is not None}
         self._special_re = (
@@ -67,11 +70,20 @@ class _SentencePieceBackend:
             if i % 2:  # a special token string
                 ids.append(self._special[part])
             elif part:
-                ids.extend(self.sp.encode(part))
+                ids.extend((self.sp if i == 0 else self.sp_cont).encode(part))
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))  # control tokens (bos/eos) decode to ""
+
+
+def _without_dummy_prefix(proto: bytes) -> bytes:
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(proto)
+    model.normalizer_spec.add_dummy_prefix = False
+    return model.SerializeToString()
 
 
 class _HFBackend:

@@ -1,0 +1,197 @@
+"""KVPool (allocation, views, export/import) and BatchLayout (slots, positions, masks)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.kv.cache import NULL_BLOCK, BatchLayout, KVPool, SeqSlice, kv_bytes_per_token
+from service.models.loading import load_model
+
+ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+# ---- pool geometry ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layers,block_size,kv_heads,head_dim", [(2, 4, 2, 16), (3, 16, 1, 8), (1, 1, 4, 2)])
+def test_pool_allocation_equals_bytes_per_token_formula(dtype, layers, block_size, kv_heads, head_dim) -> None:
+    num_blocks = 7
+    pool = KVPool(num_blocks, layers, block_size, kv_heads, head_dim, dtype)
+    formula = 2 * layers * kv_heads * head_dim * ELEMENT_SIZE[dtype]
+    assert pool.bytes_per_token == formula == kv_bytes_per_token(layers, kv_heads, head_dim, dtype)
+    assert pool.bytes_per_block == block_size * formula
+    assert pool.nbytes == num_blocks * block_size * formula  # the real allocation, no overhead
+    assert pool.data.untyped_storage().nbytes() == pool.nbytes
+
+
+def test_pool_from_budget_fills_the_budget() -> None:
+    per_block = 4 * kv_bytes_per_token(2, 2, 16, torch.float32)
+    pool = KVPool.from_budget(10 * per_block + per_block - 1, 2, 4, 2, 16)
+    assert pool.num_blocks == 10 and pool.nbytes <= 11 * per_block - 1
+    with pytest.raises(ValueError, match="need >= 2"):
+        KVPool.from_budget(per_block, 2, 4, 2, 16)
+
+
+def test_k_and_v_are_views_of_the_one_tensor() -> None:
+    pool = KVPool(5, 3, 4, 2, 8)
+    assert pool.k(1).shape == pool.v(1).shape == (5, 4, 2, 8)
+    pool.k(1)[3].fill_(1.0)
+    pool.v(2)[4, 1].fill_(2.0)
+    assert pool.data[3, 1, 0].eq(1.0).all() and pool.data[3, 1, 1].eq(0).all()
+    assert pool.data[4, 2, 1, 1].eq(2.0).all()
+    assert pool.data.sum() == 4 * 2 * 8 + 2 * 2 * 8  # nothing else was touched
+    assert pool.data[3].is_contiguous()  # one block is one contiguous span
+
+
+# ---- export / import ----------------------------------------------------------------
+
+
+def test_export_import_round_trip_single_and_batched() -> None:
+    pool = KVPool(9, 2, 4, 2, 8)
+    torch.manual_seed(0)
+    pool.data.normal_()
+    block = pool.export_block(3)
+    assert block.shape == pool.block_shape and block.is_contiguous()
+    assert block.data_ptr() != pool.data[3].data_ptr()  # a copy, not a view
+    out = torch.empty(pool.block_shape)
+    assert pool.export_block(4, out=out) is out and torch.equal(out, pool.data[4])
+
+    other = KVPool(9, 2, 4, 2, 8)
+    other.import_block(7, block)
+    assert torch.equal(other.data[7], pool.data[3])
+    many = pool.export_blocks([5, 1, 8])
+    assert many.shape == (3, *pool.block_shape)
+    other.import_blocks([2, 6, 1], many)
+    for dst, src in [(2, 5), (6, 1), (1, 8)]:
+        assert torch.equal(other.data[dst], pool.data[src])
+    buf = torch.empty(3, *pool.block_shape)
+    assert torch.equal(pool.export_blocks([5, 1, 8], out=buf), many)
+
+
+def test_export_import_reject_bad_ids_and_shapes() -> None:
+    pool = KVPool(4, 2, 4, 2, 8)
+    for bad in (NULL_BLOCK, 4, -1):
+        with pytest.raises(IndexError):
+            pool.export_block(bad)
+    with pytest.raises(ValueError, match="expected"):
+        pool.import_block(1, torch.zeros(2, 2, 4, 2, 7))
+    with pytest.raises(ValueError, match="expected"):
+        pool.import_block(1, torch.zeros(pool.block_shape, dtype=torch.float16))
+    with pytest.raises(ValueError, match="expected"):
+        pool.import_blocks([1, 2], torch.zeros(1, *pool.block_shape))
+
+
+def test_export_then_import_into_other_blocks_gives_bit_identical_logits(tiny_llama_dir) -> None:
+    lm = load_model(tiny_llama_dir, progress=False)
+    cfg, bs = lm.config, 4
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, cfg.vocab_size, (13,), generator=g).tolist()  # 3 full blocks + 1 token
+    src_table, dst_table = [2, 5, 3, 4], [8, 1, 6, 7]
+    with torch.inference_mode():
+        src = lm.new_kv_pool(1 << 20, bs)
+        lm.model(BatchLayout.build([SeqSlice(src_table, 0, prompt[:12])], bs), src)
+        want = lm.model(BatchLayout.build([SeqSlice(src_table, 12, prompt[12:])], bs), src)
+
+        dst = lm.new_kv_pool(1 << 20, bs)
+        dst.data.normal_()  # stale garbage everywhere: only imported blocks may matter
+        exported = [src.export_block(b) for b in src_table[:3]]
+        for b, t in zip(dst_table[:3], exported):
+            dst.import_block(b, t)
+        got = lm.model(BatchLayout.build([SeqSlice(dst_table, 12, prompt[12:])], bs), dst)
+        # the batched form lands the same bytes
+        dst2 = lm.new_kv_pool(1 << 20, bs)
+        dst2.import_blocks(dst_table[:3], src.export_blocks(src_table[:3]))
+        got2 = lm.model(BatchLayout.build([SeqSlice(dst_table, 12, prompt[12:])], bs), dst2)
+    assert torch.equal(got, want)
+    assert torch.equal(got2, want)
+
+
+def test_padding_writes_only_into_the_null_block(tiny_llama_dir) -> None:
+    lm = load_model(tiny_llama_dir, progress=False)
+    bs = 4
+    pool = lm.new_kv_pool(1 << 20, bs)
+    tables = [[3, 4], [6, 7, 8]]
+    with torch.inference_mode():
+        lm.model(BatchLayout.build([SeqSlice(tables[0], 0, [5, 6]), SeqSlice(tables[1], 0, list(range(5, 16)))], bs),
+                 pool)
+    touched = {b for b in range(pool.num_blocks) if pool.data[b].abs().sum() > 0}
+    assert touched - {NULL_BLOCK} == {3, 6, 7, 8}  # block 4 was in a table but no token reached it
+
+
+# ---- batch layout -------------------------------------------------------------------
+
+
+def _reference_slots(seqs: list[SeqSlice], bs: int) -> list[tuple[int, int, int]]:
+    """(block, offset, position) of every real new token, computed token by token."""
+    out = []
+    for s in seqs:
+        for i in range(len(s.token_ids)):
+            pos = s.start_pos + i
+            out.append((s.block_table[pos // bs], pos % bs, pos))
+    return out
+
+
+_seq = st.tuples(st.integers(0, 40), st.integers(1, 12), st.integers(0, 3))  # start, new tokens, spare blocks
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=st.lists(_seq, min_size=1, max_size=5), bs=st.sampled_from([1, 2, 4, 16]))
+def test_layout_slots_positions_and_last_index(specs, bs: int) -> None:
+    seqs, nxt = [], 1
+    for start, n, spare in specs:
+        nb = math.ceil((start + n) / bs) + spare
+        seqs.append(SeqSlice(list(range(nxt + nb - 1, nxt - 1, -1)), start, list(range(100, 100 + n))))
+        nxt += nb
+    lay = BatchLayout.build(seqs, bs)
+    B, T = lay.input_ids.shape
+    lens = [len(s.token_ids) for s in seqs]
+    assert (B, T) == (len(seqs), max(lens))
+    real = [(b, t) for b in range(B) for t in range(lens[b])]
+    got = [(int(lay.slot_blocks[b * T + t]), int(lay.slot_offsets[b * T + t]), int(lay.positions[b, t])) for b, t in real]
+    assert got == _reference_slots(seqs, bs)
+    pads = [b * T + t for b in range(B) for t in range(lens[b], T)]
+    assert all(int(lay.slot_blocks[i]) == NULL_BLOCK for i in pads)
+    assert lay.last_index.tolist() == [b * T + lens[b] - 1 for b in range(B)]
+    assert lay.seq_lens == tuple(s.start_pos + n for s, n in zip(seqs, lens)) and lay.num_tokens == sum(lens)
+    assert lay.fresh == all(s.start_pos == 0 for s in seqs)
+    if lay.attn_mask is not None:  # every real query sees exactly positions 0..its own
+        allowed = lay.attn_mask[:, 0] == 0  # (B, T, C)
+        for b, t in real:
+            pos = int(lay.positions[b, t])
+            if lay.fresh:
+                assert allowed[b, t].nonzero().flatten().tolist() == list(range(t + 1))
+            else:
+                assert allowed[b, t].nonzero().flatten().tolist() == list(range(pos + 1))
+        assert allowed.any(-1).all()  # no fully masked row (would be NaN), padding included
+
+
+def test_layout_fast_paths() -> None:
+    one = BatchLayout.build([SeqSlice([1, 2], 0, [5, 6, 7])], 4)
+    assert one.fresh and one.is_causal and one.attn_mask is None and one.ctx_blocks is None
+    decode = BatchLayout.build([SeqSlice([1, 2], 5, [9])], 4)
+    assert not decode.fresh and decode.attn_mask is None and decode.ctx_len == 6
+    batch_decode = BatchLayout.build([SeqSlice([1, 2], 5, [9]), SeqSlice([3], 2, [9])], 4)
+    assert batch_decode.attn_mask.shape == (2, 1, 1, 6)
+
+
+def test_layout_mask_dtype_follows_the_model() -> None:
+    lay = BatchLayout.build([SeqSlice([1, 2], 5, [9]), SeqSlice([3], 2, [9])], 4)
+    assert lay.attn_mask.dtype == torch.float32
+    bf = lay.attn_bias(torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and lay.attn_bias(torch.bfloat16) is bf
+    assert torch.equal(bf.float(), lay.attn_mask)
+
+
+def test_layout_rejects_short_block_tables_and_empty_input() -> None:
+    with pytest.raises(ValueError, match="covers 4 positions, needs 6"):
+        BatchLayout.build([SeqSlice([1], 3, [1, 2, 3])], 4)
+    with pytest.raises(ValueError, match=">= 1 new token"):
+        BatchLayout.build([SeqSlice([1], 0, [])], 4)
+    with pytest.raises(ValueError):
+        BatchLayout.build([], 4)
