@@ -1,0 +1,187 @@
+"""The storage protocol every cache tier follows, and its statistics.
+
+Contract (every tier, every method):
+
+- ``get(ref) -> T | None``: the value, or None on a miss. Never raises for a miss or a
+  backend failure (a down Redis is a miss). A stored value that fails verification is
+  a miss and is counted under its reason in ``stats().failures``.
+- ``put(ref, value) -> bool``: True when the tier holds ``ref`` afterwards (stored now,
+  or already there: puts are idempotent, the same ref is stored once). False when it
+  could not (no room, backend failure, breaker open). Never raises for those.
+- ``contains(ref) -> bool``: whether a ``get`` would probably hit now (a later ``get``
+  may still miss: eviction, TTL, corruption). False on backend failure.
+- ``delete(ref) -> bool``: True when a value was removed. False on a miss or failure.
+- The batched forms ``get_many / put_many / contains_many / delete_many`` answer one
+  entry per ref, in order, with the same meaning. They are defined here from the
+  single forms; tiers override them with real batching (one pipeline, one lock).
+
+Block tiers (values are KV block tensors) add destination-passing reads, which is what
+the engine uses to restore straight into device-pool blocks:
+
+- ``get_into(ref, out) -> bool``: load and verify ``ref`` into ``out``; False on a miss.
+- ``get_many_into(refs, outs) -> int``: load ``refs[i]`` into ``outs[i]`` in order and
+  return how many leading blocks are loaded and verified, stopping at the first that
+  is not. ``outs[i]`` for ``i >= returned`` (the failing block included) may be partly
+  written and must not be used: restores are all-or-nothing per block.
+
+Thread safety: tiers are safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, Sequence, TypeVar
+
+import torch
+
+from cachestore.keys import BlockHash, Namespace
+
+T = TypeVar("T")
+
+# Breaker states, also used by tiers that have no breaker ("closed").
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
+
+# Failure reasons shared by tiers (the codec adds its own, see ``codec.REASONS``).
+NOT_FOUND = "not_found"  # the block is not in the tier
+BACKEND_ERROR = "backend_error"  # connection refused, reset, server error
+TIMEOUT = "timeout"  # socket connect/read timeout
+BREAKER_OPEN = "breaker_open"  # skipped: the circuit breaker is open
+
+
+class BlockRef(NamedTuple):
+    """The address of one block in every tier: the namespace and the chained hash."""
+
+    namespace: Namespace
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A point-in-time snapshot of one tier's counters (all cumulative since start,
+    except ``blocks_held``, ``bytes_held`` and ``breaker_state``)."""
+
+    name: str
+    hits: int = 0  # blocks found (and verified) by get / get_into
+    misses: int = 0  # blocks not found or failing verification
+    puts: int = 0  # blocks newly stored
+    put_skips: int = 0  # puts of blocks that were already there (idempotence)
+    bytes_in: int = 0  # bytes written into the tier
+    bytes_out: int = 0  # bytes read out of the tier (hits)
+    read_seconds: float = 0.0  # wall time spent in reads
+    write_seconds: float = 0.0  # wall time spent in writes
+    errors: int = 0  # backend errors (connection, timeout, server error)
+    evictions: int = 0  # blocks the tier dropped to make room
+    failures: dict[str, int] = field(default_factory=dict)  # misses/errors by reason
+    blocks_held: int | None = None  # None when the tier cannot know cheaply
+    bytes_held: int | None = None
+    breaker_state: str = CLOSED
+    breaker_opens: int = 0
+
+
+class TierCounters:
+    """Thread-safe mutable counters behind ``TierStats`` snapshots."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._n = Counter[str]()
+        self._seconds = Counter[str]()
+        self._failures = Counter[str]()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            self._n.update(counts)
+
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[kind] += seconds
+
+    def fail(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._failures[reason] += n
+
+    def snapshot(self, **extra: object) -> TierStats:
+        with self._lock:
+            n, failures = dict(self._n), dict(self._failures)
+            read_s, write_s = self._seconds["read"], self._seconds["write"]
+        return TierStats(
+            name=self.name,
+            hits=n.get("hits", 0),
+            misses=n.get("misses", 0),
+            puts=n.get("puts", 0),
+            put_skips=n.get("put_skips", 0),
+            bytes_in=n.get("bytes_in", 0),
+            bytes_out=n.get("bytes_out", 0),
+            read_seconds=read_s,
+            write_seconds=write_s,
+            errors=n.get("errors", 0),
+            evictions=n.get("evictions", 0),
+            failures=failures,
+            **extra,  # type: ignore[arg-type]
+        )
+
+
+class Tier(ABC, Generic[T]):
+    """One storage tier. See the module docstring for the contract."""
+
+    name: str
+
+    @abstractmethod
+    def get(self, ref: BlockRef) -> T | None: ...
+
+    @abstractmethod
+    def put(self, ref: BlockRef, value: T) -> bool: ...
+
+    @abstractmethod
+    def contains(self, ref: BlockRef) -> bool: ...
+
+    @abstractmethod
+    def delete(self, ref: BlockRef) -> bool: ...
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    def get_many(self, refs: Sequence[BlockRef]) -> list[T | None]:
+        return [self.get(r) for r in refs]
+
+    def put_many(self, refs: Sequence[BlockRef], values: Sequence[T]) -> list[bool]:
+        if len(refs) != len(values):
+            raise ValueError(f"{len(refs)} refs but {len(values)} values")
+        return [self.put(r, v) for r, v in zip(refs, values)]
+
+    def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        return [self.contains(r) for r in refs]
+
+    def delete_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        return [self.delete(r) for r in refs]
+
+
+class BlockTier(Tier[torch.Tensor]):
+    """A tier whose values are KV blocks ``(L, 2, block_size, n_kv, head_dim)``, with
+    destination-passing reads (see the module docstring)."""
+
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def block_nbytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    @abstractmethod
+    def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool: ...
+
+    def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        for i, (ref, out) in enumerate(zip(refs, outs)):
+            if not self.get_into(ref, out):
+                return i
+        return len(refs)

@@ -1,0 +1,181 @@
+"""Host-memory tier: an LRU of KV blocks, bounded by bytes, in one preallocated slab.
+
+The slab holds ``capacity_bytes // block_nbytes`` block buffers, allocated once (pinned
+when the device is CUDA, so host <-> device copies are DMA) and reused: a put copies
+into a free slot or into the least recently used one, never allocating (fresh
+allocations are ~4x slower than memcpy into warm memory). Reads copy out of the slot
+into a destination the caller owns (``get_into``: e.g. a device-pool block), so a block
+is never visible half-written and a slot is never read while it is reused.
+
+Eviction calls ``on_evict(ref, block)`` with a view of the slot *before* it is reused;
+the view is valid only during the call, so the callback copies or encodes it (the
+tiered store encodes it for Redis). The callback runs without the tier's lock held and
+must not raise (exceptions are counted and swallowed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+
+from cachestore.base import NOT_FOUND, BlockRef, BlockTier, TierCounters, TierStats
+
+log = logging.getLogger(__name__)
+
+EvictCallback = Callable[[BlockRef, torch.Tensor], None]
+
+
+class HostTier(BlockTier):
+    """LRU of blocks in host memory. See the module docstring and ``cachestore.base``."""
+
+    name = "host"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+        on_evict: EvictCallback | None = None,
+    ) -> None:
+        """``pin_memory`` asks for page-locked memory (only when the device is CUDA;
+        raises ValueError if CUDA is not available)."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA, which is not available")
+        self.block_shape = tuple(int(d) for d in block_shape)
+        self.dtype = dtype
+        self.pinned = pin_memory
+        self.capacity_blocks = capacity_bytes // self.block_nbytes
+        self.capacity_bytes = self.capacity_blocks * self.block_nbytes
+        # (capacity_blocks, L, 2, B, n_kv, hd); pages are touched on first write.
+        self._slab = torch.empty(
+            (self.capacity_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory
+        )
+        self._slots: list[torch.Tensor] = list(self._slab.unbind(0))
+        self._free: list[int] = list(range(self.capacity_blocks - 1, -1, -1))
+        self._lru: OrderedDict[BlockRef, int] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+        self._on_evict = on_evict
+        self._counters = TierCounters(self.name)
+
+    def set_on_evict(self, on_evict: EvictCallback | None) -> None:
+        """Install the eviction callback (the tiered store installs its demotion)."""
+        self._on_evict = on_evict
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    # ---- reads ---------------------------------------------------------------------
+
+    def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool:
+        """Copy the block into ``out`` (same shape and dtype, any device). Refreshes its
+        LRU position. False on a miss."""
+        return self.get_many_into([ref], [out]) == 1
+
+    def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        t0 = time.perf_counter()
+        n = 0
+        for ref, out in zip(refs, outs):
+            self._check_block(out, "out")
+            with self._lock:
+                slot = self._lru.get(ref)
+                if slot is None:
+                    break
+                self._lru.move_to_end(ref)
+                # Copy under the lock: the slot cannot be evicted and reused meanwhile.
+                out.copy_(self._slots[slot])
+            n += 1
+        self._counters.add(hits=n, bytes_out=n * self.block_nbytes)
+        if n < len(refs):
+            self._counters.add(misses=1)
+            self._counters.fail(NOT_FOUND)
+        self._counters.add_seconds("read", time.perf_counter() - t0)
+        return n
+
+    def get(self, ref: BlockRef) -> torch.Tensor | None:
+        """A fresh copy of the block (allocates; the engine uses ``get_into``)."""
+        out = torch.empty(self.block_shape, dtype=self.dtype)
+        return out if self.get_into(ref, out) else None
+
+    def contains(self, ref: BlockRef) -> bool:
+        with self._lock:
+            return ref in self._lru
+
+    def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        with self._lock:
+            return [r in self._lru for r in refs]
+
+    # ---- writes --------------------------------------------------------------------
+
+    def put(self, ref: BlockRef, value: torch.Tensor) -> bool:
+        """Store a copy of ``value`` (any device). Idempotent: a ref already held is only
+        refreshed in the LRU. Evicts the least recently used block when full (calling
+        ``on_evict`` first). False only when the tier has no capacity at all."""
+        self._check_block(value, "value")
+        t0 = time.perf_counter()
+        with self._lock:
+            if ref in self._lru:
+                self._lru.move_to_end(ref)
+                self._counters.add(put_skips=1)
+                return True
+            if self._free:
+                slot, victim = self._free.pop(), None
+            elif self._lru:
+                victim, slot = self._lru.popitem(last=False)
+            else:
+                return False
+        # The slot is private now: not in the LRU, not in the free list.
+        if victim is not None:
+            self._counters.add(evictions=1)
+            if self._on_evict is not None:
+                try:
+                    self._on_evict(victim, self._slots[slot])
+                except Exception:  # noqa: BLE001 - a demotion failure must not fail the put
+                    log.exception("host tier on_evict callback failed")
+                    self._counters.fail("evict_callback")
+        self._slots[slot].copy_(value)
+        with self._lock:
+            if ref in self._lru:  # another thread stored it meanwhile: keep theirs
+                self._free.append(slot)
+                self._counters.add(put_skips=1)
+                return True
+            self._lru[ref] = slot
+        self._counters.add(puts=1, bytes_in=self.block_nbytes)
+        self._counters.add_seconds("write", time.perf_counter() - t0)
+        return True
+
+    def delete(self, ref: BlockRef) -> bool:
+        with self._lock:
+            slot = self._lru.pop(ref, None)
+            if slot is None:
+                return False
+            self._free.append(slot)
+            return True
+
+    def clear(self) -> None:
+        """Drop every block (no eviction callbacks)."""
+        with self._lock:
+            self._lru.clear()
+            self._free = list(range(self.capacity_blocks - 1, -1, -1))
+
+    # ---- stats ---------------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        n = len(self)
+        return self._counters.snapshot(blocks_held=n, bytes_held=n * self.block_nbytes)
+
+    def _check_block(self, t: torch.Tensor, what: str) -> None:
+        if tuple(t.shape) != self.block_shape or t.dtype != self.dtype:
+            raise ValueError(
+                f"{what} must be {self.block_shape} {self.dtype}, got {tuple(t.shape)} {t.dtype}"
+            )
