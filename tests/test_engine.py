@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.config import EngineConfig
-from service.engine.engine import LLMEngine
 from service.engine.types import (
     Delta,
     FinishReason,
@@ -21,70 +19,11 @@ from service.engine.types import (
     Tier,
 )
 from service.models.loading import load_model
-
-BS = 4
-
+from tests.engine_util import BS, finished, greedy_reference, make_engine, prompts, req, run
 
 @pytest.fixture(scope="module")
 def loaded(tiny_llama_dir):
     return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
-
-
-def make_engine(loaded, **kw) -> LLMEngine:
-    base = dict(
-        model_path="unused",
-        device="cpu",
-        dtype="float32",
-        kv_cache_memory=64 * BS * loaded.config.num_layers * 2
-        * loaded.config.num_kv_heads * loaded.config.head_dim * 4,  # 64 blocks
-        block_size=BS,
-    )
-    base.update(kw)
-    return LLMEngine(loaded, EngineConfig(**base))
-
-
-def run(engine: LLMEngine, reqs: list[GenerationRequest], max_steps=10_000, on_step=None):
-    events: dict[str, list] = {r.request_id: [] for r in reqs}
-    for r in reqs:
-        engine.add_request(r)
-    done: set[str] = set()
-    for i in range(max_steps):
-        for rid, ev in engine.step():
-            events[rid].append(ev)
-            if isinstance(ev, Finished):
-                done.add(rid)
-        if on_step:
-            on_step(i, events)
-        if done == set(events):
-            return events
-    raise AssertionError("engine did not finish")
-
-
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            logits = model.forward_nocache(torch.tensor([ids]))
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-def req(rid, prompt, n=8, **sp) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=rid,
-        prompt_token_ids=list(prompt),
-        sampling=SamplingParams(max_new_tokens=n, ignore_eos=True, **sp),
-    )
-
-
-def finished(evs) -> Finished:
-    assert isinstance(evs[-1], Finished)
-    return evs[-1]
-
-
-def prompts(vocab, lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def test_single_request_matches_uncached_reference(loaded):

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 from service.engine.config import EngineConfig
 from service.engine.engine import Emitted, LLMEngine
+from service.engine.store import build_store
 from service.engine.types import (
     EngineStats,
     EngineStopped,
@@ -129,6 +130,41 @@ class AsyncEngine:
     def store(self):
         return self.engine.store
 
+    # ---- the cache store -------------------------------------------------------------
+
+    async def spill(self, token_ids: list[int], cache_salt: str, tiers: tuple[str, ...]) -> int:
+        """Queue the device blocks of a transcript for writing to ``tiers`` (background);
+        returns how many blocks were queued."""
+        if self.engine.store is None:
+            return 0
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+
+        def done(n: int) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(n))
+
+        self.engine.call_soon(lambda: self.engine.spill(token_ids, cache_salt, tiers, done))
+        return await fut
+
+    async def flush_store(self, timeout_s: float) -> bool:
+        """Wait for queued writes to reach their tiers (bounded)."""
+        store = self.engine.store
+        if store is None:
+            return True
+        return await asyncio.to_thread(store.flush, timeout_s)
+
+    async def block_locations(self, token_ids: list[int], cache_salt: str) -> dict[str, int]:
+        """How many of the transcript's full blocks each tier holds now."""
+        out = {"device": self.engine.device_blocks_for(token_ids, cache_salt)}
+        store = self.engine.store
+        if store is not None:
+            from cachestore.keys import block_hashes
+
+            ns = self.engine.namespace(cache_salt)
+            hashes = block_hashes(ns, token_ids, self.engine.block_size)
+            out.update(await asyncio.to_thread(store.location, ns, hashes))
+        return out
+
 
 async def build_engine(cfg: EngineConfig) -> AsyncEngine:
     """Load the model (off the event loop), build the engine and start its thread."""
@@ -140,11 +176,7 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         dtype=cfg.resolved_dtype(),
         device=cfg.resolved_device(),
     )
-    store = None
-    if cfg.host_cache_memory or cfg.redis_url:
-        from service.engine.store import build_store
-
-        store = build_store(cfg, loaded)
+    store = build_store(cfg, loaded)
     engine = LLMEngine(loaded, cfg, store=store)
     aengine = AsyncEngine(engine)
     aengine.start()

@@ -79,8 +79,6 @@ class Sequence:
     started: bool = False
     cancelled: bool = False
     restore: Future | None = None
-    restore_plan: list[str] = field(default_factory=list)
-    restore_staging: list[torch.Tensor] = field(default_factory=list)
     t_admit: float = 0.0
     t_restore0: float = 0.0
     restore_s: float = 0.0
@@ -152,6 +150,7 @@ class LLMEngine:
         self.num_decode_tokens = 0
         self.num_seal_tokens = 0
         self.num_preempted = 0
+        self.num_restores_skipped = 0  # restores cut because recomputing was faster
         # measured prefill rate (tokens/s), for the restore-or-recompute decision
         self.prefill_tokens_per_s: float | None = None
 
@@ -169,7 +168,7 @@ class LLMEngine:
             head_dim=self.mcfg.head_dim,
             bytes_per_token=self.pool.bytes_per_token,
             eos_token_ids=tuple(loaded.eos_token_ids),
-            tiers=("device",) + (tuple(store.tier_names) if store is not None else ()),
+            tiers=("device",) + (tuple(store.tiers) if store is not None else ()),
         )
 
     # ---- called from other threads ---------------------------------------------------
@@ -322,9 +321,6 @@ class LLMEngine:
         reusable = (n_tokens - 1) // bs
         device_hits = self.blocks.match_prefix(seq.hashes[:reusable])
         n_dev = len(device_hits)
-        plan: list[str] = []
-        if self.store is not None and n_dev < reusable:
-            plan = self._plan_restore(seq, n_dev, reusable)
         n_needed = -(-n_tokens // bs)
         idle_hits = sum(1 for b in device_hits if b.ref_count == 0)
         if self.blocks.num_free - idle_hits < n_needed - n_dev:
@@ -336,23 +332,44 @@ class LLMEngine:
         seq.num_registered = n_dev
         seq.cached_by_tier = {Tier.DEVICE: n_dev * bs} if n_dev else {}
         seq.t_admit = time.monotonic()
-        if plan:
-            self._start_restore(seq, n_dev, plan, fresh[: len(plan)])
+        if self.store is not None and n_dev < reusable:
+            self._start_restore(seq, seq.hashes[n_dev:reusable], fresh[: reusable - n_dev])
         return True
 
-    def _plan_restore(self, seq: Sequence, start: int, end: int) -> list[str]:
-        """Tiers of the blocks [start, end) found in host/Redis, cut where restoring
-        would be slower than recomputing (by the measured rates)."""
-        try:
-            tiers = self.store.match_prefix(seq.namespace, seq.hashes[start:end])
-        except Exception:  # the store promises not to raise; a bug there must not kill us
-            log.exception("cache store lookup failed")
-            return []
+    def _start_restore(self, seq: Sequence, hashes: list[BlockHash], blocks: list[Block]) -> None:
+        """Look the blocks up in host/Redis and load the hits into ``blocks``, all on
+        the restore thread: the decode loop never waits on the store."""
+        seq.status = SeqStatus.RESTORING
+        seq.t_restore0 = time.monotonic()
+        if self.device.type == "cpu":
+            outs = [self.pool.data[b.block_id] for b in blocks]  # written in place
+        else:
+            outs = None  # pinned staging buffers, allocated by the job
+        seq.restore = self._restorer.submit(self._restore_job, seq.namespace, hashes, outs)
+        self.restoring.append(seq)
+
+    def _restore_job(
+        self, namespace: bytes, hashes: list[BlockHash], outs: list[torch.Tensor] | None
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        """Runs on the restore thread. Returns the tier of each leading block that was
+        loaded and verified, and the staging buffers (CUDA) holding them."""
+        plan = self._plan_restore(namespace, hashes)
+        if not plan:
+            return [], []
+        if outs is None:
+            outs = [
+                torch.empty(self.pool.block_shape, dtype=self.pool.dtype, pin_memory=True)
+                for _ in plan
+            ]
+        n_ok = self.store.fetch_into(namespace, hashes[: len(plan)], plan, outs)
+        return plan[:n_ok], (outs[:n_ok] if self.device.type != "cpu" else [])
+
+    def _plan_restore(self, namespace: bytes, hashes: list[BlockHash]) -> list[str]:
+        """Tiers of the leading blocks found in host/Redis, cut where restoring would be
+        slower than recomputing those tokens (by the measured rates)."""
+        plan = list(self.store.match_prefix(namespace, hashes))
         rate = self.prefill_tokens_per_s
-        if not tiers or rate is None:
-            return list(tiers)
-        plan = list(tiers)
-        while plan:
+        while plan and rate is not None:
             counts: dict[str, int] = {}
             for t in plan:
                 counts[t] = counts.get(t, 0) + 1
@@ -360,50 +377,31 @@ class LLMEngine:
             recompute_s = len(plan) * self.block_size / rate
             if restore_s * self.cfg.restore_min_speedup <= recompute_s:
                 break
-            # drop the slowest tier's blocks from the tail (they are the latest in the chain)
+            # drop the slowest tier's blocks from the tail (the latest in the chain)
             worst = plan[-1]
             while plan and plan[-1] == worst:
                 plan.pop()
+            self.num_restores_skipped += 1
         return plan
-
-    def _start_restore(self, seq: Sequence, start: int, plan: list[str], blocks: list[Block]) -> None:
-        seq.status = SeqStatus.RESTORING
-        seq.restore_plan = plan
-        hashes = seq.hashes[start : start + len(plan)]
-        if self.device.type == "cpu":
-            outs = [self.pool.data[b.block_id] for b in blocks]
-        else:
-            outs = [self.store.staging_buffer() for _ in blocks]
-            seq.restore_staging = outs
-        seq.t_restore0 = time.monotonic()
-        seq.restore = self._restorer.submit(
-            self.store.fetch_into, seq.namespace, hashes, plan, outs
-        )
-        self.restoring.append(seq)
 
     def _poll_restores(self, out: Emitted) -> None:
         for seq in [s for s in self.restoring if s.restore is not None and s.restore.done()]:
             self.restoring.remove(seq)
             try:
-                n_ok = int(seq.restore.result())
+                loaded, staging = seq.restore.result()
             except Exception:
-                log.exception("restore of %s failed", seq.request_id)
-                n_ok = 0
+                log.exception("restore of %s failed; recomputing", seq.request_id)
+                loaded, staging = [], []
             seq.restore = None
             seq.restore_s = time.monotonic() - seq.t_restore0
             start = seq.num_registered
-            if seq.restore_staging:
-                ids = [b.block_id for b in seq.blocks[start : start + n_ok]]
-                for bid, buf in zip(ids, seq.restore_staging[:n_ok]):
-                    self.pool.import_block(bid, buf)
-                for buf in seq.restore_staging:
-                    self.store.release_staging_buffer(buf)
-                seq.restore_staging = []
-            for i in range(start, start + n_ok):
-                self.blocks.register(seq.blocks[i], seq.hashes[i], seq.namespace)
-                tier = Tier(seq.restore_plan[i - start])
+            for i, buf in enumerate(staging):
+                self.pool.import_block(seq.blocks[start + i].block_id, buf)
+            for i, tier_name in enumerate(loaded):
+                self.blocks.register(seq.blocks[start + i], seq.hashes[start + i], seq.namespace)
+                tier = Tier(tier_name)
                 seq.cached_by_tier[tier] = seq.cached_by_tier.get(tier, 0) + self.block_size
-            seq.num_registered = start + n_ok
+            seq.num_registered = start + len(loaded)
             seq.num_computed = seq.num_registered * self.block_size
             if seq.cancelled:
                 self._finish(seq, FinishReason.CANCELLED, out)
@@ -619,11 +617,19 @@ class LLMEngine:
     # ---- cache store hooks -----------------------------------------------------------
 
     def _on_evict(self, block: Block) -> None:
-        """Device eviction demotes the block to the host tier (if it is not there)."""
+        """Device eviction demotes the block to the next tier instead of dropping it:
+        a memcpy into the host tier (whose own eviction demotes on to Redis), or, with
+        Redis alone, a copy queued for the background writer."""
         if self.store is None or block.block_hash is None or block.namespace is None:
             return
+        data = self.pool.data[block.block_id]
         try:
-            self.store.demote(block.namespace, block.block_hash, self.pool.data[block.block_id])
+            if "host" in self.store.tiers:
+                self.store.put(block.namespace, block.block_hash, data, ("host",))
+            else:
+                self.store.submit_spill(
+                    [(block.namespace, block.block_hash, data.to("cpu", copy=True))], ("redis",)
+                )
         except Exception:
             log.exception("demoting block %d failed", block.block_id)
 
@@ -670,3 +676,5 @@ class LLMEngine:
 
     def close(self) -> None:
         self._restorer.shutdown(wait=True, cancel_futures=True)
+        if self.store is not None:
+            self.store.close()

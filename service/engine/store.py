@@ -1,0 +1,37 @@
+"""Builds the host/Redis cache store for a loaded model from the engine settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachestore.host import HostTier
+from cachestore.redis import RedisTier
+from cachestore.tiered import TieredStore
+from service.engine.config import EngineConfig
+
+
+def build_store(cfg: EngineConfig, loaded: Any) -> TieredStore | None:
+    """None when neither a host budget nor a Redis URL is configured."""
+    if not cfg.host_cache_memory and not cfg.redis_url:
+        return None
+    c = loaded.config
+    block_shape = (c.num_layers, 2, cfg.block_size, c.num_kv_heads, c.head_dim)
+    on_cuda = loaded.device.type == "cuda"
+    host = (
+        HostTier(cfg.host_cache_memory, block_shape, loaded.dtype, pin_memory=on_cuda)
+        if cfg.host_cache_memory
+        else None
+    )
+    redis = (
+        RedisTier(
+            cfg.redis_url,
+            block_shape=block_shape,
+            dtype=loaded.dtype,
+            cluster=cfg.redis_cluster,
+            ttl_s=cfg.redis_ttl_s or None,
+            key_prefix=cfg.redis_key_prefix,
+        )
+        if cfg.redis_url
+        else None
+    )
+    return TieredStore(block_shape, loaded.dtype, host=host, redis=redis)

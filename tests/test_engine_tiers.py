@@ -1,0 +1,214 @@
+"""The engine with the host and Redis tiers (a real redis-server): returning sessions
+restore their blocks instead of recomputing them, and nothing untrustworthy is ever
+loaded. Every output is compared with an uncached reference computed without the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachestore import codec
+from cachestore.keys import block_hashes, make_namespace
+from cachestore.redis import RedisTier
+from service.engine.config import EngineConfig
+from service.engine.store import build_store
+from service.engine.types import Tier
+from service.models.loading import load_model
+from tests.engine_util import (
+    BS,
+    bytes_per_token,
+    finished,
+    greedy_reference,
+    make_engine,
+    prompts,
+    req,
+    run,
+)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+
+
+def store_for(loaded, *, host_blocks=0, redis_url=None):
+    cfg = EngineConfig(
+        block_size=BS,
+        host_cache_memory=host_blocks * BS * bytes_per_token(loaded),
+        redis_url=redis_url,
+    )
+    return build_store(cfg, loaded)
+
+
+def spill_now(engine, tokens, tiers=("redis",)):
+    """Write a transcript's device blocks out and wait for the writer."""
+    got = []
+    engine.spill(tokens, "", tiers, got.append)
+    assert engine.store.flush(30)
+    engine.step()  # releases the references the spill held
+    return got[0]
+
+
+def two_turns(loaded, engine_a, engine_b, seed, n1=6, n2=5):
+    """Turn 1 on engine_a, turn 2 (transcript + 3 new tokens) on engine_b."""
+    (p1,) = prompts(loaded.config.vocab_size, [13], seed=seed)
+    fin = finished(run(engine_a, [req("t1", p1, n=n1)])["t1"])
+    transcript = p1 + fin.output_token_ids
+    return transcript, transcript + [5, 6, 7], n2
+
+
+def check_turn2(loaded, engine, prompt, n, tier, expect_cached, exact_tier=True):
+    """Turn 2 reports ``expect_cached`` tokens (from ``tier`` alone when ``exact_tier``,
+    else with ``tier`` among them), prefill skips them, and the output is right."""
+    before = engine.num_prefill_tokens
+    evs = run(engine, [req("t2", prompt, n=n)])["t2"]
+    start, fin = evs[0], finished(evs)
+    assert start.cached_tokens == expect_cached
+    assert sum(start.cached_by_tier.values()) == expect_cached
+    if expect_cached and exact_tier:
+        assert start.cached_by_tier.get(tier, 0) == expect_cached
+    elif expect_cached:
+        assert start.cached_by_tier.get(tier, 0) > 0
+    assert engine.num_prefill_tokens - before == len(prompt) - expect_cached
+    assert fin.output_token_ids == greedy_reference(loaded.model, prompt, n)
+    return start
+
+
+def test_redis_restore_after_restart(loaded, redis_url):
+    a = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+    transcript, prompt, n = two_turns(loaded, a, a, seed=1)
+    assert spill_now(a, transcript) == len(transcript) // BS
+    a.close()
+    b = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))  # a new process
+    check_turn2(loaded, b, prompt, n, Tier.REDIS, (len(transcript) // BS) * BS)
+    b.close()
+
+
+def test_device_eviction_demotes_to_host_and_restores(loaded):
+    # 10 usable blocks: the second conversation evicts the first one's blocks
+    eng = make_engine(
+        loaded, store=store_for(loaded, host_blocks=64), kv_cache_memory=11 * BS * bytes_per_token(loaded)
+    )
+    transcript, prompt, n = two_turns(loaded, eng, eng, seed=2)
+    (other,) = prompts(loaded.config.vocab_size, [30], seed=99)
+    run(eng, [req("other", other, n=4)])
+    assert eng.blocks.num_evicted > 0
+    start = check_turn2(
+        loaded, eng, prompt, n, Tier.HOST, (len(transcript) // BS) * BS, exact_tier=False
+    )
+    assert start.cached_tier is Tier.HOST
+    eng.close()
+
+
+def test_host_eviction_demotes_to_redis(loaded, redis_url):
+    eng = make_engine(
+        loaded,
+        store=store_for(loaded, host_blocks=2, redis_url=redis_url),
+        kv_cache_memory=11 * BS * bytes_per_token(loaded),
+    )
+    transcript, prompt, n = two_turns(loaded, eng, eng, seed=3)
+    for i in range(3):  # push the first conversation out of the device and the host
+        (other,) = prompts(loaded.config.vocab_size, [30], seed=100 + i)
+        run(eng, [req(f"o{i}", other, n=4)])
+    assert eng.store.flush(30)
+    start = check_turn2(
+        loaded, eng, prompt, n, Tier.REDIS, (len(transcript) // BS) * BS, exact_tier=False
+    )
+    assert start.cached_tier is Tier.REDIS
+    eng.close()
+
+
+def test_pressure_three_times_the_device_pool(loaded, redis_url):
+    usable = 12
+    eng = make_engine(
+        loaded,
+        store=store_for(loaded, host_blocks=8, redis_url=redis_url),
+        kv_cache_memory=(usable + 1) * BS * bytes_per_token(loaded),
+    )
+    convs = prompts(loaded.config.vocab_size, [14, 15, 13, 14, 15, 16], seed=4)  # ~3x the pool
+    transcripts = []
+    for i, p in enumerate(convs):
+        fin = finished(run(eng, [req(f"c{i}", p, n=4)])[f"c{i}"])
+        transcripts.append(p + fin.output_token_ids)
+    assert eng.store.flush(30)
+    restored = 0
+    for i, t in enumerate(transcripts):
+        nxt = t + [9, 10]
+        evs = run(eng, [req(f"r{i}", nxt, n=3)])[f"r{i}"]
+        restored += evs[0].cached_by_tier.get(Tier.HOST, 0) + evs[0].cached_by_tier.get(Tier.REDIS, 0)
+        assert finished(evs).output_token_ids == greedy_reference(loaded.model, nxt, 3)
+    assert restored > 0
+    assert eng.blocks.num_free == eng.blocks.num_usable
+    eng.close()
+
+
+def _keys_of(loaded, tokens, redis_tier):
+    from cachestore.base import BlockRef
+
+    ns = make_namespace(loaded.fingerprint, "float32", BS, "")
+    return ns, [redis_tier.key(BlockRef(ns, h)) for h in block_hashes(ns, tokens, BS)]
+
+
+@pytest.mark.parametrize("fault", ["flipped_byte", "truncated", "other_weights"])
+def test_untrustworthy_value_is_a_miss_and_the_answer_is_right(loaded, redis_server, redis_url, fault):
+    a = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+    transcript, prompt, n = two_turns(loaded, a, a, seed=5)
+    spill_now(a, transcript)
+    a.close()
+    ns, keys = _keys_of(loaded, transcript, a.store.redis)
+    bad = 1  # the second block goes bad: only the first may be restored
+    with redis_server.client() as c:
+        value = bytearray(c.get(keys[bad]))
+        if fault == "flipped_byte":
+            value[len(value) // 2] ^= 0x01
+        elif fault == "truncated":
+            value = value[: len(value) - 7]
+        else:  # a value written by a model with other weights, stored under this key
+            other_ns = make_namespace("f" * 64, "float32", BS, "")
+            tensor = a.pool.data[1].clone()
+            value = bytearray(codec.encode(other_ns, block_hashes(ns, transcript, BS)[bad], tensor))
+        c.set(keys[bad], bytes(value))
+    b = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+    check_turn2(loaded, b, prompt, n, Tier.REDIS, bad * BS)
+    assert b.store.redis.stats().failures  # the reason was counted
+    b.close()
+
+
+def test_redis_down_mid_conversation_then_back(loaded, redis_server, redis_url):
+    eng = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+    transcript, prompt, n = two_turns(loaded, eng, eng, seed=6)
+    redis_server.stop()
+    try:
+        spill_now(eng, transcript)  # writes fail quietly
+        fresh = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+        check_turn2(loaded, fresh, prompt, n, Tier.REDIS, 0)  # a miss, a right answer
+        fresh.close()
+    finally:
+        redis_server.start()
+    eng2 = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+    t2, p2, n2 = two_turns(loaded, eng2, eng2, seed=7)
+    spill_now(eng2, t2)
+    eng3 = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+    check_turn2(loaded, eng3, p2, n2, Tier.REDIS, (len(t2) // BS) * BS)
+    for e in (eng, eng2, eng3):
+        e.close()
+
+
+def test_redis_at_maxmemory_evicting_keys(loaded, make_redis_server):
+    server = make_redis_server(maxmemory="1mb", maxmemory_policy="allkeys-lru")
+    url = server.url
+    a = make_engine(loaded, store=store_for(loaded, redis_url=url))
+    convs = prompts(loaded.config.vocab_size, [40] * 12, seed=8)
+    transcripts = []
+    for i, p in enumerate(convs):
+        fin = finished(run(a, [req(f"c{i}", p, n=4)])[f"c{i}"])
+        transcripts.append(p + fin.output_token_ids)
+        spill_now(a, transcripts[-1])
+    with server.client() as c:
+        assert int(c.info("stats")["evicted_keys"]) > 0
+    a.close()
+    b = make_engine(loaded, store=store_for(loaded, redis_url=url))
+    for i in (0, len(transcripts) - 1):  # the oldest was evicted, the newest is there
+        nxt = transcripts[i] + [11]
+        evs = run(b, [req(f"r{i}", nxt, n=3)])[f"r{i}"]
+        assert finished(evs).output_token_ids == greedy_reference(loaded.model, nxt, 3)
+    b.close()
