@@ -1,0 +1,357 @@
+"""Redis tier: one atomic, self-verifying value per block, with a TTL.
+
+Layout: key ``{key_prefix}blk:{block_hash hex}`` -> ``codec.encode(...)`` bytes, written
+with ``SET key value PX ttl``. The namespace is inside the hash chain and inside the
+value's header, so a value is only ever decoded as the block it was written for; any
+doubt (missing key, corrupted bytes, other namespace or weights, evicted by
+``maxmemory``) is a miss with a counted reason, never wrong KV.
+
+Round trips: batched reads and lookups are pipelines (``GET`` / ``EXISTS`` per key),
+split into batches of at most ``max_batch_bytes`` of values so a huge restore neither
+buffers gigabytes nor holds one socket for long. In cluster mode the same pipelines
+are used (``redis.cluster.RedisCluster`` groups their single-key commands by node), and
+no multi-key command is ever sent, so batches work across hash slots.
+
+Sizing: the replies of a pipelined read sit in Redis' client output buffer, which
+counts toward ``maxmemory``; under a tight ``maxmemory`` with ``allkeys-lru`` a big batch
+makes Redis evict other blocks while it answers (clean misses, but misses). Keep
+``max_batch_bytes`` well under the server's memory headroom.
+
+Writes are idempotent and skip the transfer when the block is already there: one
+pipelined ``PEXPIRE key ttl`` per batch answers "is it there?" and refreshes the TTL of
+the blocks that are (a block being written again is in use); only the missing ones are
+encoded and ``SET``. Measured in ``bench/bench_cachestore.py``: the check costs one
+small round trip per batch of new blocks and saves the whole value for known ones.
+
+Failures: sockets have connect and read timeouts, redis-py's own retries are off, and
+a circuit breaker (``cachestore.breaker``) opens after ``breaker_failures`` consecutive
+errors: while open every call is an immediate miss / no-op; after ``breaker_reset_s`` one
+call probes. No method raises for a Redis failure.
+
+URLs: ``redis://[[user]:password@]host:port[/db]``, ``rediss://`` for TLS (pass
+``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` / ``ssl_cert_reqs`` for a private CA
+or client certificates), and ``cluster=True`` for Redis Cluster (any node's URL).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence, TypeVar
+
+import redis
+import redis.cluster
+import redis.exceptions
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cachestore import codec
+from cachestore.base import (
+    BACKEND_ERROR,
+    BREAKER_OPEN,
+    NOT_FOUND,
+    TIMEOUT,
+    BlockRef,
+    BlockTier,
+    TierCounters,
+    TierStats,
+)
+from cachestore.breaker import CircuitBreaker
+from cachestore.keys import redis_key
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+_BACKEND_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+def _is_timeout(e: BaseException) -> bool:
+    return isinstance(e, (redis.exceptions.TimeoutError, TimeoutError))
+
+
+class RedisTier(BlockTier):
+    """KV blocks in Redis. See the module docstring and ``cachestore.base``."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        cluster: bool = False,
+        ttl_s: float | None = 24 * 3600.0,
+        key_prefix: str = "kvserve:",
+        socket_timeout_s: float = 2.0,
+        socket_connect_timeout_s: float = 1.0,
+        compression: str | None = None,
+        storage_dtype: torch.dtype | None = None,
+        breaker_failures: int = 3,
+        breaker_reset_s: float = 5.0,
+        max_batch_bytes: int = 32 << 20,
+        ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_cert_reqs: str = "required",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``ttl_s`` None means no expiry (rely on ``maxmemory``); ``compression`` and
+        ``storage_dtype`` are the codec options (see ``cachestore.codec``: the latter is
+        lossy). The client connects lazily: a Redis that is down at startup is a miss,
+        not an error."""
+        self.block_shape = tuple(int(d) for d in block_shape)
+        self.dtype = dtype
+        self.url = url
+        self.cluster = cluster
+        self.key_prefix = key_prefix
+        self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
+        self.compression = compression
+        self.storage_dtype = storage_dtype
+        self.value_nbytes = codec.encoded_size(self.block_shape, dtype, storage_dtype)
+        self.batch_blocks = max(1, max_batch_bytes // self.value_nbytes)
+        self._client_kwargs: dict[str, Any] = dict(
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again
+        )
+        if url.startswith("rediss://"):
+            self._client_kwargs.update(
+                ssl_ca_certs=ssl_ca_certs,
+                ssl_certfile=ssl_certfile,
+                ssl_keyfile=ssl_keyfile,
+                ssl_cert_reqs=ssl_cert_reqs,
+            )
+        self._client: redis.Redis | redis.cluster.RedisCluster | None = None
+        self._client_lock = threading.Lock()
+        self._breaker = CircuitBreaker(breaker_failures, breaker_reset_s, clock=clock)
+        self._counters = TierCounters(self.name)
+
+    # ---- plumbing ------------------------------------------------------------------
+
+    def key(self, ref: BlockRef) -> str:
+        """The Redis key holding ``ref``."""
+        return redis_key(self.key_prefix, ref.block_hash)
+
+    def _get_client(self) -> redis.Redis | redis.cluster.RedisCluster:
+        with self._client_lock:
+            if self._client is None:
+                if self.cluster:
+                    # RedisCluster connects (fetches the slot map) right here.
+                    self._client = redis.cluster.RedisCluster.from_url(self.url, **self._client_kwargs)
+                else:
+                    self._client = redis.Redis.from_url(self.url, **self._client_kwargs)
+            return self._client
+
+    def _call(self, fn: Callable[[Any], R], what: str) -> R | None:
+        """Run ``fn(client)`` behind the breaker. None when skipped or failed."""
+        if not self._breaker.allow():
+            self._counters.fail(BREAKER_OPEN)
+            return None
+        try:
+            result = fn(self._get_client())
+        except _BACKEND_ERRORS as e:
+            self._breaker.record_failure()
+            self._counters.add(errors=1)
+            self._counters.fail(TIMEOUT if _is_timeout(e) else BACKEND_ERROR)
+            log.debug("redis %s failed: %r (breaker %s)", what, e, self._breaker.state)
+            return None
+        self._breaker.record_success()
+        return result
+
+    def _pipeline(self, client: Any, command: str, keys: Sequence[str], *args: Any) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            getattr(pipe, command)(k, *args)
+        return pipe.execute(raise_on_error=False)
+
+    def _batches(self, n: int) -> range:
+        return range(0, n, self.batch_blocks)
+
+    # ---- reads ---------------------------------------------------------------------
+
+    def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
+        """Pipelined GETs (``batch_blocks`` per round trip), each value verified and
+        copied into ``outs[i]``; stops at the first miss / error / bad value."""
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        t0 = time.perf_counter()
+        n, nbytes, failed = 0, 0, False
+        for start in self._batches(len(refs)):
+            batch = refs[start : start + self.batch_blocks]
+            keys = [self.key(r) for r in batch]
+            values = self._call(lambda c: self._pipeline(c, "get", keys), "get")
+            if values is None:
+                failed = True
+                break
+            for ref, value, out in zip(batch, values, outs[start:]):
+                reason = self._load(ref, value, out)
+                if reason is not None:
+                    self._counters.fail(reason)
+                    failed = True
+                    break
+                n += 1
+                nbytes += len(value)
+            if failed:
+                break
+        self._counters.add(hits=n, bytes_out=nbytes, misses=int(failed))
+        self._counters.add_seconds("read", time.perf_counter() - t0)
+        return n
+
+    def _load(self, ref: BlockRef, value: Any, out: torch.Tensor) -> str | None:
+        """Verify ``value`` as ``ref`` into ``out``; the failure reason, or None if ok."""
+        if value is None:
+            return NOT_FOUND
+        if isinstance(value, Exception):
+            self._counters.add(errors=1)
+            return BACKEND_ERROR
+        result = codec.decode_into(value, ref.namespace, ref.block_hash, out)
+        return None if result.ok else result.reason
+
+    def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool:
+        return self.get_many_into([ref], [out]) == 1
+
+    def get(self, ref: BlockRef) -> torch.Tensor | None:
+        out = torch.empty(self.block_shape, dtype=self.dtype)
+        return out if self.get_into(ref, out) else None
+
+    def get_encoded(self, ref: BlockRef) -> bytes | None:
+        """The raw stored value (unverified; for tools and tests)."""
+        value = self._call(lambda c: c.get(self.key(ref)), "get")
+        return value if isinstance(value, bytes) else None
+
+    def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        """One pipelined EXISTS round trip for all refs (all False on failure)."""
+        if not refs:
+            return []
+        keys = [self.key(r) for r in refs]
+        found = self._call(lambda c: self._pipeline(c, "exists", keys), "exists")
+        if found is None:
+            return [False] * len(refs)
+        return [f is True or (isinstance(f, int) and f > 0) for f in found]
+
+    def contains(self, ref: BlockRef) -> bool:
+        return self.contains_many([ref])[0]
+
+    # ---- writes --------------------------------------------------------------------
+
+    def put_many(
+        self, refs: Sequence[BlockRef], values: Sequence[torch.Tensor], *, if_missing: bool = True
+    ) -> list[bool]:
+        """Store blocks; True for each block Redis holds afterwards. With ``if_missing``
+        (default) blocks already there are not re-sent, only their TTL is refreshed."""
+        if len(refs) != len(values):
+            raise ValueError(f"{len(refs)} refs but {len(values)} values")
+        return self._store(
+            refs,
+            lambda i: codec.encode(
+                refs[i].namespace,
+                refs[i].block_hash,
+                values[i],
+                compression=self.compression,
+                storage_dtype=self.storage_dtype,
+            ),
+            if_missing,
+        )
+
+    def put_encoded_many(
+        self, refs: Sequence[BlockRef], blobs: Sequence[bytes], *, if_missing: bool = True
+    ) -> list[bool]:
+        """Like ``put_many`` for values already encoded with ``codec.encode`` (the
+        demotion path encodes when the host slot is evicted)."""
+        if len(refs) != len(blobs):
+            raise ValueError(f"{len(refs)} refs but {len(blobs)} values")
+        return self._store(refs, lambda i: blobs[i], if_missing)
+
+    def put(self, ref: BlockRef, value: torch.Tensor) -> bool:
+        return self.put_many([ref], [value])[0]
+
+    def _store(
+        self, refs: Sequence[BlockRef], encode_at: Callable[[int], bytes], if_missing: bool
+    ) -> list[bool]:
+        held = [False] * len(refs)
+        t0 = time.perf_counter()
+        n_put = n_skip = nbytes = 0
+        for start in self._batches(len(refs)):
+            idx = range(start, min(start + self.batch_blocks, len(refs)))
+            keys = [self.key(refs[i]) for i in idx]
+            todo = list(idx)
+            if if_missing:
+                if self.ttl_ms is not None:  # refreshes the TTL of the blocks that are there
+                    present = self._call(lambda c: self._pipeline(c, "pexpire", keys, self.ttl_ms), "pexpire")
+                else:
+                    present = self._call(lambda c: self._pipeline(c, "exists", keys), "exists")
+                if present is None:
+                    break
+                todo = []
+                for i, p in zip(idx, present):
+                    if p is True or (isinstance(p, int) and not isinstance(p, bool) and p > 0):
+                        held[i] = True
+                        n_skip += 1
+                    else:
+                        todo.append(i)
+            if not todo:
+                continue
+            blobs = [encode_at(i) for i in todo]
+            set_keys = [self.key(refs[i]) for i in todo]
+
+            def set_batch(c: Any) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                for k, b in zip(set_keys, blobs):
+                    pipe.set(k, b, px=self.ttl_ms)
+                return pipe.execute(raise_on_error=False)
+
+            results = self._call(set_batch, "set")
+            if results is None:
+                break
+            for i, b, r in zip(todo, blobs, results):
+                if r is True:
+                    held[i] = True
+                    n_put += 1
+                    nbytes += len(b)
+                else:  # e.g. OOM with maxmemory-policy noeviction
+                    self._counters.add(errors=1)
+                    self._counters.fail(BACKEND_ERROR)
+        self._counters.add(puts=n_put, put_skips=n_skip, bytes_in=nbytes)
+        self._counters.add_seconds("write", time.perf_counter() - t0)
+        return held
+
+    def delete_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        if not refs:
+            return []
+        keys = [self.key(r) for r in refs]
+        removed = self._call(lambda c: self._pipeline(c, "delete", keys), "delete")
+        if removed is None:
+            return [False] * len(refs)
+        return [isinstance(r, int) and r > 0 for r in removed]
+
+    def delete(self, ref: BlockRef) -> bool:
+        return self.delete_many([ref])[0]
+
+    # ---- health and stats ----------------------------------------------------------
+
+    @property
+    def breaker_state(self) -> str:
+        return self._breaker.state
+
+    def ping(self) -> bool:
+        """True when Redis answers (goes through the breaker like every call)."""
+        return bool(self._call(lambda c: c.ping(), "ping"))
+
+    def stats(self) -> TierStats:
+        return self._counters.snapshot(
+            breaker_state=self._breaker.state, breaker_opens=self._breaker.opens
+        )
+
+    def close(self) -> None:
+        """Close the connection pool (a later call reconnects)."""
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except _BACKEND_ERRORS:
+                pass

@@ -1,0 +1,408 @@
+"""Redis tier against a real redis-server: round trips, TTLs, pipelines, verification
+misses, eviction, the circuit breaker across a restart, timeouts, auth, TLS, cluster."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import redis
+import torch
+
+from cachestore import codec
+from cachestore.base import BACKEND_ERROR, BREAKER_OPEN, CLOSED, HALF_OPEN, NOT_FOUND, OPEN, TIMEOUT, BlockRef
+from cachestore.breaker import CircuitBreaker
+from cachestore.keys import block_hashes, make_namespace
+from cachestore.redis import RedisTier
+
+SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
+NS = make_namespace("weights-a", "float32", 4)
+NS_OTHER = make_namespace("weights-b", "float32", 4)
+REFS = [BlockRef(NS, h) for h in block_hashes(NS, list(range(4 * 40)), 4)]
+
+
+def value(i: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(i))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_tier(url: str, **kw: Any) -> RedisTier:
+    kw.setdefault("block_shape", SHAPE)
+    kw.setdefault("dtype", torch.float32)
+    kw.setdefault("key_prefix", "test:")
+    return RedisTier(url, **kw)
+
+
+@pytest.fixture
+def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
+    """Counts pipeline executions (one round trip each) on standalone clients."""
+    calls = [0]
+    original = redis.client.Pipeline.execute
+
+    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+    return lambda: calls[0]
+
+
+# ---- the breaker on its own ------------------------------------------------------------
+
+
+def test_breaker_opens_after_consecutive_failures_and_probes() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(failure_threshold=3, reset_timeout_s=5.0, clock=clock)
+    assert b.state == CLOSED and b.allow()
+    b.record_failure()
+    b.record_failure()
+    b.record_success()  # resets the run of failures
+    b.record_failure()
+    b.record_failure()
+    assert b.state == CLOSED
+    b.record_failure()
+    assert b.state == OPEN and b.opens == 1
+    assert not b.allow()
+    clock.t += 4.9
+    assert not b.allow()
+    clock.t += 0.2
+    assert b.state == HALF_OPEN
+    assert b.allow()  # the probe
+    assert not b.allow()  # only one
+    b.record_failure()  # probe failed: open again, timer restarted
+    assert b.state == OPEN and b.opens == 2 and not b.allow()
+    clock.t += 5.0
+    assert b.allow()
+    b.record_success()
+    assert b.state == CLOSED and b.allow() and b.allow()
+
+
+def test_breaker_recovers_from_a_lost_probe() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(failure_threshold=1, reset_timeout_s=1.0, clock=clock)
+    b.record_failure()
+    clock.t += 1.0
+    assert b.allow()  # probe sent, its caller never reports
+    clock.t += 0.5
+    assert not b.allow()
+    clock.t += 0.5
+    assert b.allow()  # a new probe
+    b.record_success()
+    assert b.state == CLOSED
+
+
+def test_breaker_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError):
+        CircuitBreaker(failure_threshold=0)
+    with pytest.raises(ValueError):
+        CircuitBreaker(reset_timeout_s=-1)
+
+
+# ---- round trips, layout, TTL ------------------------------------------------------------
+
+
+def test_round_trip_layout_and_ttl(redis_url: str, redis_server: Any) -> None:
+    tier = make_tier(redis_url, ttl_s=60)
+    assert tier.put(REFS[0], value(0))
+    out = torch.empty(SHAPE)
+    assert tier.get_into(REFS[0], out)
+    assert torch.equal(out, value(0))
+    got = tier.get(REFS[0])
+    assert got is not None and torch.equal(got, value(0))
+    with redis_server.client() as c:
+        key = "test:blk:" + REFS[0].block_hash.hex()
+        assert tier.key(REFS[0]) == key
+        assert c.keys("test:*") == [key.encode()]  # one atomic value per block
+        assert 0 < c.pttl(key) <= 60_000
+        raw = c.get(key)
+    assert raw == tier.get_encoded(REFS[0])
+    check = torch.empty(SHAPE)
+    assert codec.decode_into(raw, NS, REFS[0].block_hash, check).ok
+    s = tier.stats()
+    assert s.hits == 2 and s.puts == 1 and s.bytes_in == len(raw) and s.bytes_out == 2 * len(raw)
+    assert s.breaker_state == CLOSED
+
+
+def test_no_ttl(redis_url: str, redis_server: Any) -> None:
+    tier = make_tier(redis_url, ttl_s=None)
+    tier.put(REFS[0], value(0))
+    with redis_server.client() as c:
+        assert c.pttl(tier.key(REFS[0])) == -1
+    # and an idempotent rewrite checks with EXISTS instead of PEXPIRE
+    assert tier.put(REFS[0], value(0))
+    assert tier.stats().put_skips == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(compression="zstd"), dict(compression="lz4"), dict(storage_dtype=torch.bfloat16)],
+)
+def test_codec_options(redis_url: str, options: dict[str, Any]) -> None:
+    tier = make_tier(redis_url, **options)
+    tier.put_many(REFS[:3], [value(i) for i in range(3)])
+    outs = [torch.empty(SHAPE) for _ in range(3)]
+    assert tier.get_many_into(REFS[:3], outs) == 3
+    expected = [value(i) for i in range(3)]
+    if "storage_dtype" in options:  # lossy: exactly the rounded block
+        expected = [e.to(torch.bfloat16).float() for e in expected]
+    assert all(torch.equal(o, e) for o, e in zip(outs, expected))
+
+
+def test_miss_is_a_counted_none(redis_url: str) -> None:
+    tier = make_tier(redis_url)
+    out = torch.full(SHAPE, 7.0)
+    assert tier.get(REFS[5]) is None
+    assert not tier.get_into(REFS[5], out)
+    assert torch.equal(out, torch.full(SHAPE, 7.0))
+    assert not tier.contains(REFS[5]) and not tier.delete(REFS[5])
+    s = tier.stats()
+    assert s.misses == 2 and s.failures == {NOT_FOUND: 2} and s.errors == 0
+
+
+# ---- batching ----------------------------------------------------------------------------
+
+
+def test_batched_pipelines(redis_url: str, count_round_trips: Callable[[], int]) -> None:
+    per_value = codec.encoded_size(SHAPE, torch.float32)
+    tier = make_tier(redis_url, max_batch_bytes=3 * per_value)  # 3 blocks per round trip
+    assert tier.batch_blocks == 3
+    n = 10
+    start = count_round_trips()
+    assert tier.put_many(REFS[:n], [value(i) for i in range(n)]) == [True] * n
+    assert count_round_trips() - start == 2 * 4  # per batch: PEXPIRE check + SET
+
+    start = count_round_trips()
+    assert tier.contains_many(REFS[: n + 2]) == [True] * n + [False, False]
+    assert count_round_trips() - start == 1  # one round trip whatever the count
+
+    start = count_round_trips()
+    outs = [torch.empty(SHAPE) for _ in range(n)]
+    assert tier.get_many_into(REFS[:n], outs) == n
+    assert count_round_trips() - start == 4
+    assert all(torch.equal(outs[i], value(i)) for i in range(n))
+
+    assert tier.delete_many(REFS[: n + 1]) == [True] * n + [False]
+    assert tier.contains_many(REFS[:n]) == [False] * n
+
+
+def test_rewrite_skips_the_transfer_and_refreshes_ttl(redis_url: str, redis_server: Any) -> None:
+    tier = make_tier(redis_url, ttl_s=100)
+    tier.put_many(REFS[:4], [value(i) for i in range(4)])
+    with redis_server.client() as c:
+        for r in REFS[:4]:
+            c.pexpire(tier.key(r), 5_000)
+        sets_before = _cmd_calls(c, "set")
+        assert tier.put_many(REFS[:6], [value(i) for i in range(6)]) == [True] * 6
+        assert _cmd_calls(c, "set") - sets_before == 2  # only the two new blocks
+        assert all(c.pttl(tier.key(r)) > 50_000 for r in REFS[:6])  # TTL refreshed
+    s = tier.stats()
+    assert s.puts == 6 and s.put_skips == 4
+
+
+def _cmd_calls(c: redis.Redis, cmd: str) -> int:
+    return int(c.info("commandstats").get(f"cmdstat_{cmd}", {}).get("calls", 0))
+
+
+# ---- verification: corrupted, truncated, foreign values are misses ----------------------
+
+
+def _corrupt(c: redis.Redis, key: str, how: str) -> None:
+    raw = bytearray(c.get(key))
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0x10
+    elif how == "truncate":
+        raw = raw[: len(raw) - 100]
+    elif how == "garbage":
+        raw = bytearray(b"hello world")
+    c.set(key, bytes(raw))
+
+
+@pytest.mark.parametrize(
+    "how, reason",
+    [("flip", codec.BAD_CHECKSUM), ("truncate", codec.TRUNCATED), ("garbage", codec.BAD_MAGIC)],
+)
+def test_corrupted_value_is_a_miss(redis_url: str, redis_server: Any, how: str, reason: str) -> None:
+    tier = make_tier(redis_url)
+    tier.put_many(REFS[:4], [value(i) for i in range(4)])
+    with redis_server.client() as c:
+        _corrupt(c, tier.key(REFS[2]), how)
+    outs = [torch.empty(SHAPE) for _ in range(4)]
+    assert tier.get_many_into(REFS[:4], outs) == 2  # stops at the first bad block
+    assert tier.get(REFS[2]) is None
+    assert tier.get(REFS[3]) is not None  # the others are fine
+    s = tier.stats()
+    assert s.failures == {reason: 2}
+    assert s.errors == 0 and s.breaker_state == CLOSED  # bad data is not a backend failure
+
+
+def test_value_from_other_weights_is_a_miss(redis_url: str, redis_server: Any) -> None:
+    tier = make_tier(redis_url)
+    # Other weights hash the same tokens to other keys: a plain miss...
+    other = [BlockRef(NS_OTHER, h) for h in block_hashes(NS_OTHER, list(range(8)), 4)]
+    tier.put_many(other, [value(0), value(1)])
+    assert tier.get_many_into(REFS[:2], [torch.empty(SHAPE)] * 2) == 0
+    # ...and a foreign value planted under our key is refused by its header.
+    with redis_server.client() as c:
+        c.set(tier.key(REFS[0]), codec.encode(NS_OTHER, REFS[0].block_hash, value(0)))
+        c.set(tier.key(REFS[1]), codec.encode(NS, REFS[2].block_hash, value(1)))
+    assert tier.get(REFS[0]) is None
+    assert tier.get(REFS[1]) is None
+    assert tier.stats().failures == {NOT_FOUND: 1, codec.WRONG_NAMESPACE: 1, codec.WRONG_HASH: 1}
+
+
+def test_value_of_another_shape_is_a_miss(redis_url: str) -> None:
+    deeper = make_tier(redis_url, block_shape=(3, 2, 4, 2, 8))
+    deeper.put(REFS[0], value(0, (3, 2, 4, 2, 8)))
+    reader = make_tier(redis_url)
+    assert reader.get(REFS[0]) is None
+    make_tier(redis_url, block_shape=(2, 2, 4, 2, 4)).put(REFS[1], value(1, (2, 2, 4, 2, 4)))
+    assert reader.get(REFS[1]) is None
+    make_tier(redis_url).put(REFS[2], value(2))
+    assert make_tier(redis_url, dtype=torch.bfloat16).get(REFS[2]) is None
+    assert reader.stats().failures == {codec.WRONG_LAYERS: 1, codec.WRONG_SHAPE: 1}
+
+
+def test_maxmemory_eviction_is_a_clean_miss(make_redis_server: Callable[..., Any]) -> None:
+    server = make_redis_server(maxmemory="4mb", maxmemory_policy="allkeys-lru")
+    shape = (4, 2, 16, 4, 32)  # 256 KiB per block
+    tier = make_tier(server.url, block_shape=shape)
+    n = 40  # 10 MiB into a 4 MiB Redis
+    for i in range(n):
+        tier.put(REFS[i], value(i, shape))
+    held = tier.contains_many(REFS[:n])
+    assert not all(held) and any(held)
+    # Redis' LRU is approximate, and the output buffers of a pipelined read count
+    # toward maxmemory (so reading can evict more). Whichever keys went: a restore stops
+    # at the first missing block, each miss is clean, each survivor intact.
+    outs = [torch.empty(shape) for _ in range(n)]
+    good = tier.get_many_into(REFS[:n], outs)
+    assert good <= held.index(False)
+    assert all(torch.equal(outs[i], value(i, shape)) for i in range(good))
+    survivors = 0
+    for i in reversed(range(n)):  # newest first: the most likely survivors
+        got = tier.get(REFS[i])
+        assert got is None or torch.equal(got, value(i, shape))
+        survivors += got is not None
+    assert survivors > 0
+    s = tier.stats()
+    assert s.errors == 0 and set(s.failures) == {NOT_FOUND}
+
+
+def test_full_redis_without_eviction_refuses_writes_cleanly(make_redis_server: Callable[..., Any]) -> None:
+    server = make_redis_server(maxmemory="4mb", maxmemory_policy="noeviction")
+    shape = (4, 2, 16, 4, 32)
+    tier = make_tier(server.url, block_shape=shape)
+    held = tier.put_many(REFS[:40], [value(i, shape) for i in range(40)])
+    assert any(held) and not all(held)  # OOM answers are per-command, not exceptions
+    assert tier.stats().failures.get(BACKEND_ERROR, 0) >= 1
+    assert tier.stats().breaker_state == CLOSED
+
+
+# ---- failures: a stopped Redis, timeouts, nothing listening ------------------------------
+
+
+def test_breaker_opens_when_redis_stops_and_closes_after_restart(redis_url: str, redis_server: Any) -> None:
+    clock = FakeClock()
+    tier = make_tier(redis_url, breaker_failures=2, breaker_reset_s=5.0, clock=clock, socket_timeout_s=1.0)
+    tier.put_many(REFS[:3], [value(i) for i in range(3)])
+    out = torch.empty(SHAPE)
+    redis_server.stop()
+    try:
+        # Every kind of call answers a miss / False, never raises.
+        assert tier.get(REFS[0]) is None
+        assert not tier.get_into(REFS[0], out)
+        assert tier.breaker_state == OPEN
+        assert tier.contains_many(REFS[:3]) == [False] * 3
+        assert tier.put_many(REFS[3:5], [value(3), value(4)]) == [False, False]
+        assert tier.get_many_into(REFS[:3], [out] * 3) == 0
+        assert tier.delete_many(REFS[:2]) == [False, False]
+        assert not tier.ping()
+        s = tier.stats()
+        assert s.errors == 2 and s.failures[BACKEND_ERROR] == 2
+        assert s.failures[BREAKER_OPEN] == 5  # refused without touching the network
+        assert s.breaker_state == OPEN and s.breaker_opens == 1
+        clock.t += 5.0  # still down: the probe fails and the breaker opens again
+        assert tier.get(REFS[0]) is None
+        assert tier.stats().breaker_opens == 2
+    finally:
+        redis_server.start()
+    assert tier.get(REFS[0]) is None  # open until the timer runs out
+    clock.t += 5.0
+    assert tier.put(REFS[0], value(0))  # the probe succeeds: closed again
+    assert tier.breaker_state == CLOSED
+    assert tier.get_into(REFS[0], out) and torch.equal(out, value(0))  # a fresh server: re-put
+
+
+def test_nothing_listening_at_construction(redis_server: Any) -> None:
+    from tests.fixtures.redis_server import free_port
+
+    tier = make_tier(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout_s=0.5)
+    assert tier.get(REFS[0]) is None
+    assert not tier.put(REFS[0], value(0))
+    assert tier.contains_many(REFS[:2]) == [False, False]
+    assert tier.stats().errors >= 1
+
+
+def test_read_timeout_is_a_miss(redis_url: str, redis_server: Any) -> None:
+    tier = make_tier(redis_url, socket_timeout_s=0.1, breaker_failures=5)
+    tier.put(REFS[0], value(0))
+    with redis_server.client() as admin:
+        admin.execute_command("CLIENT", "PAUSE", "500", "ALL")  # answers nothing for 0.5 s
+        assert tier.get(REFS[0]) is None
+        admin.ping()  # returns once the pause is over
+    s = tier.stats()
+    assert s.failures.get(TIMEOUT) == 1 and s.errors == 1
+    out = torch.empty(SHAPE)
+    assert tier.get_into(REFS[0], out) and torch.equal(out, value(0))  # and it recovers
+
+
+# ---- URLs: password, TLS, cluster --------------------------------------------------------
+
+
+def test_password_url(make_redis_server: Callable[..., Any]) -> None:
+    server = make_redis_server(password="s3cret")
+    tier = make_tier(server.url)
+    assert "s3cret@" in server.url
+    assert tier.put(REFS[0], value(0)) and tier.get(REFS[0]) is not None
+    wrong = make_tier(server.url.replace("s3cret", "wrong"))
+    assert wrong.get(REFS[0]) is None
+    assert wrong.stats().errors == 1
+
+
+def test_tls_url(make_redis_server: Callable[..., Any]) -> None:
+    server = make_redis_server(tls=True)
+    assert server.url.startswith("rediss://")
+    tier = make_tier(server.url, ssl_ca_certs=str(server.tls.ca_cert))
+    assert tier.put(REFS[0], value(0))
+    out = torch.empty(SHAPE)
+    assert tier.get_into(REFS[0], out) and torch.equal(out, value(0))
+    untrusted = make_tier(server.url)  # the system CAs do not know this server
+    assert untrusted.get(REFS[0]) is None and untrusted.stats().errors == 1
+
+
+def test_cluster(make_redis_cluster: Callable[..., Any]) -> None:
+    cluster = make_redis_cluster(masters=3)
+    per_value = codec.encoded_size(SHAPE, torch.float32)
+    tier = make_tier(cluster.url, cluster=True, max_batch_bytes=8 * per_value)
+    n = 24
+    assert tier.put_many(REFS[:n], [value(i) for i in range(n)]) == [True] * n
+    keys_per_node = []
+    for node in cluster.nodes:
+        with node.client() as c:
+            keys_per_node.append(c.dbsize())
+    assert sum(keys_per_node) == n and sum(k > 0 for k in keys_per_node) >= 2  # across slots
+    assert tier.contains_many(REFS[: n + 1]) == [True] * n + [False]
+    outs = [torch.empty(SHAPE) for _ in range(n)]
+    assert tier.get_many_into(REFS[:n], outs) == n
+    assert all(torch.equal(outs[i], value(i)) for i in range(n))
+    assert tier.put_many(REFS[:n], [value(i) for i in range(n)]) == [True] * n
+    assert tier.stats().put_skips == n
+    assert tier.delete_many(REFS[:n]) == [True] * n
+    assert tier.contains_many(REFS[:n]) == [False] * n
