@@ -1,0 +1,440 @@
+"""The tiered store the engine talks to: host memory and Redis behind one object.
+
+The engine keeps the device tier itself (its block pool); this store answers, for the
+blocks past the device hits, where each one is (``match_prefix``), loads them into
+device blocks (``fetch_into``), stores copies (``put`` / ``put_many`` synchronously,
+``submit_spill`` in the background), and says how fast each tier restores so the
+engine can skip a tier that would lose to recomputing (``estimated_restore_seconds``).
+
+Guarantees:
+
+- No wrong KV: every Redis value is verified (``cachestore.codec``); host blocks are
+  copies made under their address and never handed out while being rewritten.
+  ``fetch_into`` returns the number of leading blocks loaded and verified; a block
+  that fails ends the restore there and never counts, even if partly written.
+- Stored once: the same ``(namespace, block_hash)`` is one host slot and one Redis key
+  whichever session made it; writing a block Redis already holds only refreshes its TTL.
+- Never blocks decoding: ``submit_spill`` and host->Redis demotion go through one
+  bounded queue drained by one writer thread; a full queue drops (counted) instead of
+  waiting. ``match_prefix`` / ``fetch_into`` / ``put`` do I/O and are meant for a worker
+  thread, not the decode loop.
+- Demotion: a block the host tier evicts is encoded at eviction time (the host slot is
+  reused right after) and queued for Redis, which stores it only if it is not there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from cachestore import codec
+from cachestore.base import BlockRef, BlockTier, TierStats
+from cachestore.host import HostTier
+from cachestore.keys import BlockHash, Namespace
+from cachestore.redis import RedisTier
+
+log = logging.getLogger(__name__)
+
+HOST = "host"
+REDIS = "redis"
+TIER_NAMES = (HOST, REDIS)
+
+# Optimistic until measured, so that a tier is tried (and measured) at least once.
+DEFAULT_RESTORE_RATES: Mapping[str, float] = {HOST: 5e9, REDIS: 1e9}  # bytes/s
+
+
+@dataclass(frozen=True, slots=True)
+class SpillResult:
+    """What a background spill achieved: per requested tier, how many of its
+    ``n_blocks`` blocks the tier holds afterwards."""
+
+    n_blocks: int
+    held: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class WriterStats:
+    queued_blocks: int  # waiting or being written now
+    submitted_blocks: int  # accepted by submit_spill
+    dropped_blocks: int  # refused by submit_spill (queue full or closed)
+    demoted_blocks: int  # host evictions queued for Redis
+    demotions_dropped: int  # host evictions not queued (queue full, breaker open)
+    written_blocks: int  # blocks the writer processed
+    errors: int  # unexpected exceptions in the writer (bugs; logged)
+
+
+@dataclass(frozen=True, slots=True)
+class TieredStats:
+    tiers: dict[str, TierStats]
+    restore_rates: dict[str, float]  # bytes/s, EWMA of measured restores (or the prior)
+    writer: WriterStats
+
+
+@dataclass(slots=True)
+class _Job:
+    refs: list[BlockRef]
+    tiers: tuple[str, ...]
+    blocks: list[torch.Tensor] | None = None  # a spill: tensors read by the writer
+    blobs: list[bytes] | None = None  # a demotion: values already encoded
+    on_done: Callable[[SpillResult], None] | None = None
+
+
+class _Ewma:
+    """Exponentially weighted mean of measured rates, starting from a prior."""
+
+    def __init__(self, prior: float, alpha: float) -> None:
+        self.value = prior
+        self.alpha = alpha
+        self.measured = False
+
+    def update(self, rate: float) -> None:
+        self.value = rate if not self.measured else self.alpha * rate + (1 - self.alpha) * self.value
+        self.measured = True
+
+
+class TieredStore:
+    """Host and Redis tiers behind one interface. See the module docstring."""
+
+    def __init__(
+        self,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        host: HostTier | None = None,
+        redis: RedisTier | None = None,
+        max_pending_blocks: int = 4096,
+        rate_alpha: float = 0.3,
+        initial_restore_rates: Mapping[str, float] = DEFAULT_RESTORE_RATES,
+    ) -> None:
+        """``max_pending_blocks`` bounds the writer queue (in blocks); ``rate_alpha`` is
+        the EWMA weight of each new restore measurement."""
+        self.block_shape = tuple(int(d) for d in block_shape)
+        self.dtype = dtype
+        for tier in (host, redis):
+            if tier is not None and (tier.block_shape != self.block_shape or tier.dtype != dtype):
+                raise ValueError(
+                    f"{tier.name} tier holds {tier.block_shape} {tier.dtype}, "
+                    f"store expects {self.block_shape} {dtype}"
+                )
+        self.host = host
+        self.redis = redis
+        self.block_nbytes = int(torch.Size(self.block_shape).numel()) * dtype.itemsize
+        self._tiers: dict[str, BlockTier] = {
+            name: t for name, t in ((HOST, host), (REDIS, redis)) if t is not None
+        }
+        self._rates_lock = threading.Lock()
+        self._rates = {
+            name: _Ewma(initial_restore_rates.get(name, DEFAULT_RESTORE_RATES[name]), rate_alpha)
+            for name in self._tiers
+        }
+
+        # The writer: a bounded deque of jobs, counted in blocks.
+        self.max_pending_blocks = max_pending_blocks
+        self._cv = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._pending_blocks = 0
+        self._closed = False
+        self._w = dict(submitted=0, dropped=0, demoted=0, demotions_dropped=0, written=0, errors=0)
+        self._writer = threading.Thread(target=self._writer_loop, name="cachestore-writer", daemon=True)
+        self._writer.start()
+
+        if host is not None and redis is not None:
+            host.set_on_evict(self._demote)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Names of the configured tiers, fastest first."""
+        return tuple(self._tiers)
+
+    # ---- lookups and restores (blocking: call from a worker thread) ------------------
+
+    def match_prefix(self, namespace: Namespace, hashes: Sequence[BlockHash]) -> list[str]:
+        """For each leading block, the tier that holds it ("host" preferred, else
+        "redis"), stopping at the first block held by neither. Redis is asked once, in
+        one pipelined round trip, about every block the host does not hold."""
+        refs = [BlockRef(namespace, h) for h in hashes]
+        in_host = self.host.contains_many(refs) if self.host else [False] * len(refs)
+        if all(in_host):
+            return [HOST] * len(refs)
+        first_miss = in_host.index(False)
+        ask = [i for i in range(first_miss, len(refs)) if not in_host[i]]
+        in_redis: dict[int, bool] = {}
+        if self.redis is not None:
+            in_redis = dict(zip(ask, self.redis.contains_many([refs[i] for i in ask])))
+        where = [HOST] * first_miss
+        for i in range(first_miss, len(refs)):
+            if in_host[i]:
+                where.append(HOST)
+            elif in_redis.get(i, False):
+                where.append(REDIS)
+            else:
+                break
+        return where
+
+    def fetch_into(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[BlockHash],
+        tiers: Sequence[str],
+        outs: Sequence[torch.Tensor],
+    ) -> int:
+        """Load ``hashes[i]`` from ``tiers[i]`` into ``outs[i]``, in order, verifying
+        each; return how many leading blocks are good. Stops at the first block that
+        misses, errs or fails verification; ``outs`` from there on must not be used."""
+        if not len(hashes) == len(tiers) <= len(outs):
+            raise ValueError(f"{len(hashes)} hashes, {len(tiers)} tiers, {len(outs)} destinations")
+        i = 0
+        while i < len(hashes):
+            name = tiers[i]
+            j = i
+            while j < len(hashes) and tiers[j] == name:
+                j += 1
+            tier = self._tiers.get(name)
+            if tier is None:
+                return i
+            refs = [BlockRef(namespace, h) for h in hashes[i:j]]
+            t0 = time.perf_counter()
+            got = tier.get_many_into(refs, outs[i:j])
+            seconds = time.perf_counter() - t0
+            if got:
+                self.record_restore(name, got * self.block_nbytes, seconds)
+            i += got
+            if i < j:
+                return i
+        return i
+
+    def location(self, namespace: Namespace, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """How many of these blocks each configured tier holds (one Redis round trip)."""
+        refs = [BlockRef(namespace, h) for h in hashes]
+        return {name: sum(t.contains_many(refs)) for name, t in self._tiers.items()}
+
+    # ---- restore rates -----------------------------------------------------------------
+
+    def record_restore(self, tier: str, nbytes: int, seconds: float) -> None:
+        """Feed one measured restore into the tier's rate (done by ``fetch_into``)."""
+        if seconds > 0 and nbytes > 0 and tier in self._rates:
+            with self._rates_lock:
+                self._rates[tier].update(nbytes / seconds)
+
+    def restore_rate(self, tier: str) -> float:
+        """Bytes/s the tier restores at (EWMA of measurements; the prior until then)."""
+        with self._rates_lock:
+            return self._rates[tier].value
+
+    def estimated_restore_seconds(self, tier: str, n_blocks: int) -> float:
+        """Expected seconds to restore ``n_blocks`` from ``tier`` (inf if not
+        configured). The engine compares this with its prefill time for those tokens."""
+        if tier not in self._rates:
+            return float("inf")
+        return n_blocks * self.block_nbytes / self.restore_rate(tier)
+
+    # ---- synchronous writes -----------------------------------------------------------
+
+    def put(self, namespace: Namespace, block_hash: BlockHash, block: torch.Tensor, tiers: Sequence[str]) -> bool:
+        """Store a copy of one block in each of ``tiers`` now; True if all hold it."""
+        return self.put_many(namespace, [block_hash], [block], tiers)[0]
+
+    def put_many(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[BlockHash],
+        blocks: Sequence[torch.Tensor],
+        tiers: Sequence[str],
+    ) -> list[bool]:
+        """Store copies of blocks in each of ``tiers`` now (idempotent); per block, True
+        if every requested tier holds it afterwards."""
+        if len(hashes) != len(blocks):
+            raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
+        refs = [BlockRef(namespace, h) for h in hashes]
+        held = self._write(refs, list(blocks), None, self._check_tiers(tiers))
+        return [all(held[t][i] for t in held) for i in range(len(refs))]
+
+    # ---- background writes ------------------------------------------------------------
+
+    def submit_spill(
+        self,
+        items: Sequence[tuple[Namespace, BlockHash, torch.Tensor]],
+        tiers: Sequence[str],
+        on_done: Callable[[SpillResult], None] | None = None,
+    ) -> bool:
+        """Queue ``(namespace, block_hash, block)`` items to be stored in ``tiers`` by the
+        writer thread. Never blocks: False (and the blocks counted as dropped) when the
+        queue is full or the store is closed; then ``on_done`` is never called.
+
+        The writer reads each ``block`` later: the caller keeps those tensors unchanged
+        until ``on_done`` runs (e.g. holds a reference on the device blocks), or passes
+        copies. ``on_done`` runs on the writer thread and must be quick.
+        """
+        job = _Job(
+            refs=[BlockRef(ns, h) for ns, h, _ in items],
+            tiers=self._check_tiers(tiers),
+            blocks=[b for _, _, b in items],
+            on_done=on_done,
+        )
+        for b in job.blocks or ():
+            if tuple(b.shape) != self.block_shape or b.dtype != self.dtype:
+                raise ValueError(f"block must be {self.block_shape} {self.dtype}, got {tuple(b.shape)} {b.dtype}")
+        if self._enqueue(job):
+            self._bump(submitted=len(job.refs))
+            return True
+        self._bump(dropped=len(job.refs))
+        return False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done; False if ``timeout`` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._pending_blocks > 0:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+        return True
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Drain the queue (up to ``timeout``), stop the writer and close Redis. Writes
+        still queued after the timeout are dropped. True if everything was written."""
+        drained = self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._writer.join(timeout)
+        if self.redis is not None:
+            self.redis.close()
+        return drained
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> TieredStats:
+        with self._cv:
+            w = dict(self._w)
+            queued = self._pending_blocks
+        with self._rates_lock:
+            rates = {name: r.value for name, r in self._rates.items()}
+        return TieredStats(
+            tiers={name: t.stats() for name, t in self._tiers.items()},
+            restore_rates=rates,
+            writer=WriterStats(
+                queued_blocks=queued,
+                submitted_blocks=w["submitted"],
+                dropped_blocks=w["dropped"],
+                demoted_blocks=w["demoted"],
+                demotions_dropped=w["demotions_dropped"],
+                written_blocks=w["written"],
+                errors=w["errors"],
+            ),
+        )
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _check_tiers(self, tiers: Sequence[str]) -> tuple[str, ...]:
+        """Validate names; keep the configured ones, host first (a tier asked for but
+        not configured holds nothing)."""
+        if isinstance(tiers, str):
+            raise TypeError("tiers must be a sequence of names, e.g. ('host', 'redis')")
+        unknown = set(tiers) - set(TIER_NAMES)
+        if unknown:
+            raise ValueError(f"unknown tiers {sorted(unknown)}; known: {TIER_NAMES}")
+        return tuple(t for t in TIER_NAMES if t in tiers)
+
+    def _write(
+        self,
+        refs: list[BlockRef],
+        blocks: list[torch.Tensor] | None,
+        blobs: list[bytes] | None,
+        tiers: tuple[str, ...],
+    ) -> dict[str, list[bool]]:
+        held: dict[str, list[bool]] = {}
+        for name in tiers:
+            tier = self._tiers.get(name)
+            if tier is None:
+                held[name] = [False] * len(refs)
+            elif blobs is not None:
+                assert isinstance(tier, RedisTier)
+                held[name] = tier.put_encoded_many(refs, blobs)
+            else:
+                assert blocks is not None
+                held[name] = tier.put_many(refs, blocks)
+        return held
+
+    def _demote(self, ref: BlockRef, block: torch.Tensor) -> None:
+        """Host eviction callback: encode now (the slot is reused after we return) and
+        queue the value for Redis, which stores it only if it is not there yet."""
+        assert self.redis is not None
+        if self.redis.breaker_state == "open":
+            self._bump(demotions_dropped=1)
+            return
+        blob = codec.encode(
+            ref.namespace,
+            ref.block_hash,
+            block,
+            compression=self.redis.compression,
+            storage_dtype=self.redis.storage_dtype,
+        )
+        if self._enqueue(_Job(refs=[ref], tiers=(REDIS,), blobs=[blob])):
+            self._bump(demoted=1)
+        else:
+            self._bump(demotions_dropped=1)
+
+    def _enqueue(self, job: _Job) -> bool:
+        with self._cv:
+            if self._closed or self._pending_blocks + len(job.refs) > self.max_pending_blocks:
+                return False
+            self._jobs.append(job)
+            self._pending_blocks += len(job.refs)
+            self._cv.notify_all()
+        return True
+
+    def _bump(self, **counts: int) -> None:
+        with self._cv:
+            for k, v in counts.items():
+                self._w[k] += v
+
+    def _next_job(self) -> _Job | None:
+        """The next job, with consecutive demotions merged into one pipeline. None when
+        closed and empty."""
+        with self._cv:
+            while not self._jobs and not self._closed:
+                self._cv.wait()
+            if self._closed:  # close() already waited for the drain: drop the rest
+                dropped = sum(len(j.refs) for j in self._jobs)
+                self._jobs.clear()
+                self._pending_blocks -= dropped
+                self._w["dropped"] += dropped
+                self._cv.notify_all()
+                return None
+            job = self._jobs.popleft()
+            if job.blobs is not None and self.redis is not None:
+                while (
+                    self._jobs
+                    and self._jobs[0].blobs is not None
+                    and len(job.refs) < self.redis.batch_blocks
+                ):
+                    nxt = self._jobs.popleft()
+                    job = _Job(refs=job.refs + nxt.refs, tiers=job.tiers, blobs=job.blobs + (nxt.blobs or []))
+            return job
+
+    def _writer_loop(self) -> None:
+        while (job := self._next_job()) is not None:
+            try:
+                held = self._write(job.refs, job.blocks, job.blobs, job.tiers)
+                if job.on_done is not None:
+                    job.on_done(SpillResult(len(job.refs), {t: sum(h) for t, h in held.items()}))
+            except Exception:  # noqa: BLE001 - the writer must outlive any one job
+                log.exception("cachestore writer job failed")
+                self._bump(errors=1)
+            finally:
+                with self._cv:
+                    self._pending_blocks -= len(job.refs)
+                    self._w["written"] += len(job.refs)
+                    self._cv.notify_all()

@@ -1,0 +1,275 @@
+"""Tiered store against a real redis-server: longest-prefix lookup, verified restores
+that stop at the first bad block, background spills, demotion, restore rates."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import pytest
+import redis
+import torch
+
+from cachestore import codec
+from cachestore.base import BlockRef
+from cachestore.host import HostTier
+from cachestore.keys import block_hashes, make_namespace
+from cachestore.redis import RedisTier
+from cachestore.tiered import HOST, REDIS, SpillResult, TieredStore
+
+SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4
+NS = make_namespace("weights-a", "float32", 4)
+HASHES = block_hashes(NS, list(range(4 * 24)), 4)
+
+
+def value(i: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(i))
+
+
+def pool(n: int) -> torch.Tensor:
+    """A stand-in for the engine's device pool: (num_blocks, L, 2, B, n_kv, hd)."""
+    return torch.full((n, *SHAPE), 7.0)
+
+
+@pytest.fixture
+def make_store(redis_url: str) -> Any:
+    stores: list[TieredStore] = []
+
+    def make(host_blocks: int | None = 8, with_redis: bool = True, **kw: Any) -> TieredStore:
+        host = HostTier(host_blocks * BLOCK_BYTES, SHAPE, torch.float32) if host_blocks is not None else None
+        rt = RedisTier(redis_url, block_shape=SHAPE, dtype=torch.float32, key_prefix="t:") if with_redis else None
+        store = TieredStore(SHAPE, torch.float32, host=host, redis=rt, **kw)
+        stores.append(store)
+        return store
+
+    yield make
+    for s in stores:
+        s.close(timeout=5)
+
+
+@pytest.fixture
+def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
+    calls = [0]
+    original = redis.client.Pipeline.execute
+
+    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+    return lambda: calls[0]
+
+
+def test_match_prefix_prefers_host_and_asks_redis_once(make_store: Any, count_round_trips: Callable[[], int]) -> None:
+    store = make_store()
+    store.put_many(NS, HASHES[0:2], [value(0), value(1)], [HOST])
+    store.put_many(NS, HASHES[1:4], [value(1), value(2), value(3)], [REDIS])
+    store.put(NS, HASHES[5], value(5), [HOST])
+    start = count_round_trips()
+    assert store.match_prefix(NS, HASHES[:8]) == [HOST, HOST, REDIS, REDIS]
+    assert count_round_trips() - start == 1
+    # All in host: Redis is not asked at all.
+    start = count_round_trips()
+    assert store.match_prefix(NS, HASHES[:2]) == [HOST, HOST]
+    assert count_round_trips() == start
+    assert store.match_prefix(NS, []) == []
+    assert store.match_prefix(NS, HASHES[10:12]) == []
+    assert store.location(NS, HASHES[:8]) == {HOST: 3, REDIS: 3}
+
+
+def test_host_only_and_redis_only(make_store: Any) -> None:
+    host_only = make_store(with_redis=False)
+    host_only.put(NS, HASHES[0], value(0), [HOST, REDIS])  # an unconfigured tier holds nothing
+    assert host_only.match_prefix(NS, HASHES[:2]) == [HOST]
+    assert host_only.tiers == (HOST,)
+    redis_only = make_store(host_blocks=None)
+    redis_only.put(NS, HASHES[0], value(0), [REDIS])
+    assert redis_only.match_prefix(NS, HASHES[:2]) == [REDIS]
+    assert redis_only.estimated_restore_seconds(HOST, 4) == float("inf")
+
+
+def test_fetch_into_restores_each_tier(make_store: Any) -> None:
+    store = make_store()
+    store.put_many(NS, HASHES[0:3], [value(i) for i in range(3)], [HOST])
+    store.put_many(NS, HASHES[3:6], [value(i) for i in range(3, 6)], [REDIS])
+    tiers = store.match_prefix(NS, HASHES[:6])
+    assert tiers == [HOST] * 3 + [REDIS] * 3
+    p = pool(8)
+    dest = [4, 0, 7, 1, 6, 2]  # any free device blocks
+    assert store.fetch_into(NS, HASHES[:6], tiers, [p[d] for d in dest]) == 6
+    for i, d in enumerate(dest):
+        assert torch.equal(p[d], value(i))
+    assert torch.equal(p[3], torch.full(SHAPE, 7.0)) and torch.equal(p[5], torch.full(SHAPE, 7.0))
+    s = store.stats()
+    assert s.tiers[HOST].hits == 3 and s.tiers[REDIS].hits == 3
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete", "other_namespace"])
+def test_fetch_stops_at_the_first_bad_block(make_store: Any, redis_url: str, how: str) -> None:
+    store = make_store()
+    store.put_many(NS, HASHES[:6], [value(i) for i in range(6)], [REDIS])
+    tiers = store.match_prefix(NS, HASHES[:6])
+    assert tiers == [REDIS] * 6
+    key = store.redis.key(BlockRef(NS, HASHES[3]))
+    with redis.Redis.from_url(redis_url) as c:
+        raw = bytearray(c.get(key))
+        if how == "flip":
+            raw[200] ^= 0x04
+            c.set(key, bytes(raw))
+        elif how == "truncate":
+            c.set(key, bytes(raw[:-1]))
+        elif how == "delete":
+            c.delete(key)
+        else:
+            c.set(key, codec.encode(make_namespace("weights-b", "float32", 4), HASHES[3], value(3)))
+    p = pool(6)
+    assert store.fetch_into(NS, HASHES[:6], tiers, list(p)) == 3
+    assert all(torch.equal(p[i], value(i)) for i in range(3))
+    assert all(torch.equal(p[i], torch.full(SHAPE, 7.0)) for i in (4, 5))  # never reached
+    failures = store.stats().tiers[REDIS].failures
+    reason = {
+        "flip": codec.BAD_CHECKSUM, "truncate": codec.TRUNCATED,
+        "delete": "not_found", "other_namespace": codec.WRONG_NAMESPACE,
+    }[how]  # fmt: skip
+    assert failures == {reason: 1}
+
+
+def test_fetch_stops_when_a_host_block_went_away(make_store: Any) -> None:
+    store = make_store()
+    store.put_many(NS, HASHES[:4], [value(i) for i in range(4)], [HOST])
+    tiers = store.match_prefix(NS, HASHES[:4])
+    store.host.delete(BlockRef(NS, HASHES[1]))  # evicted between lookup and restore
+    assert store.fetch_into(NS, HASHES[:4], tiers, list(pool(4))) == 1
+    assert store.fetch_into(NS, HASHES[:2], ["nowhere", HOST], list(pool(2))) == 0
+    with pytest.raises(ValueError):
+        store.fetch_into(NS, HASHES[:2], [HOST], list(pool(2)))
+
+
+def test_put_is_idempotent_across_sessions(make_store: Any) -> None:
+    store = make_store()
+    for _ in range(3):  # three sessions share the same system prompt blocks
+        assert store.put_many(NS, HASHES[:3], [value(i) for i in range(3)], [HOST, REDIS]) == [True] * 3
+    s = store.stats().tiers
+    assert s[HOST].puts == 3 and s[HOST].put_skips == 6
+    assert s[REDIS].puts == 3 and s[REDIS].put_skips == 6
+    assert len(store.host) == 3
+
+
+def test_spill_in_the_background(make_store: Any) -> None:
+    store = make_store()
+    p = torch.stack([value(i) for i in range(5)])  # the session's device blocks
+    done: list[SpillResult] = []
+    released = threading.Event()
+
+    def on_done(result: SpillResult) -> None:
+        done.append(result)
+        released.set()  # the engine would drop its reference on the blocks here
+
+    items = [(NS, HASHES[i], p[i]) for i in range(5)]
+    assert store.submit_spill(items, [HOST, REDIS], on_done=on_done)
+    assert store.flush(timeout=10)
+    assert released.is_set()
+    assert done == [SpillResult(5, {HOST: 5, REDIS: 5})]
+    assert store.location(NS, HASHES[:5]) == {HOST: 5, REDIS: 5}
+    store.host.clear()
+    outs = list(pool(5))
+    assert store.fetch_into(NS, HASHES[:5], store.match_prefix(NS, HASHES[:5]), outs) == 5
+    assert all(torch.equal(outs[i], p[i]) for i in range(5))
+    w = store.stats().writer
+    assert w.submitted_blocks == 5 and w.written_blocks == 5 and w.queued_blocks == 0
+
+
+def test_full_queue_drops_instead_of_blocking(make_store: Any) -> None:
+    store = make_store(max_pending_blocks=4)
+    gate = threading.Event()
+    # The first job's callback holds the writer busy until we open the gate.
+    assert store.submit_spill([(NS, HASHES[0], value(0))], [HOST], on_done=lambda r: gate.wait(10))
+    assert store.submit_spill([(NS, HASHES[i], value(i)) for i in (1, 2, 3)], [HOST])
+    assert not store.submit_spill([(NS, HASHES[4], value(4))], [HOST])  # full: refused at once
+    assert not store.flush(timeout=0.05)
+    gate.set()
+    assert store.flush(timeout=10)
+    assert store.submit_spill([(NS, HASHES[4], value(4))], [HOST])  # room again
+    assert store.flush(timeout=10)
+    w = store.stats().writer
+    assert w.dropped_blocks == 1 and w.submitted_blocks == 5 and w.written_blocks == 5
+
+
+def test_host_eviction_demotes_to_redis(make_store: Any) -> None:
+    store = make_store(host_blocks=2)
+    store.put_many(NS, HASHES[:5], [value(i) for i in range(5)], [HOST])  # evicts 0, 1, 2
+    assert store.flush(timeout=10)
+    assert store.match_prefix(NS, HASHES[:5]) == [REDIS, REDIS, REDIS, HOST, HOST]
+    outs = list(pool(5))
+    assert store.fetch_into(NS, HASHES[:5], store.match_prefix(NS, HASHES[:5]), outs) == 5
+    assert all(torch.equal(outs[i], value(i)) for i in range(5))
+    s = store.stats()
+    assert s.writer.demoted_blocks == 3 and s.tiers[HOST].evictions == 3
+    assert s.tiers[REDIS].puts == 3
+
+
+def test_demotion_skips_blocks_redis_already_has(make_store: Any, redis_url: str) -> None:
+    store = make_store(host_blocks=2)
+    store.put_many(NS, HASHES[:2], [value(0), value(1)], [HOST, REDIS])
+    with redis.Redis.from_url(redis_url) as c:
+        sets = int(c.info("commandstats")["cmdstat_set"]["calls"])
+        store.put_many(NS, HASHES[2:4], [value(2), value(3)], [HOST])  # evicts 0 and 1
+        assert store.flush(timeout=10)
+        assert int(c.info("commandstats")["cmdstat_set"]["calls"]) == sets  # nothing re-sent
+    s = store.stats()
+    assert s.writer.demoted_blocks == 2 and s.tiers[REDIS].put_skips == 2
+
+
+def test_restore_rates_are_measured(make_store: Any) -> None:
+    store = make_store(initial_restore_rates={HOST: 1.0, REDIS: 1.0})  # absurd priors
+    assert store.estimated_restore_seconds(HOST, 2) == 2 * BLOCK_BYTES
+    store.put_many(NS, HASHES[:8], [value(i) for i in range(8)], [HOST, REDIS])
+    store.fetch_into(NS, HASHES[:8], [HOST] * 8, list(pool(8)))
+    store.fetch_into(NS, HASHES[:8], [REDIS] * 8, list(pool(8)))
+    for tier in (HOST, REDIS):
+        assert store.restore_rate(tier) > 1.0  # replaced by the measurement
+        assert 0 < store.estimated_restore_seconds(tier, 8) < 8 * BLOCK_BYTES
+        assert store.estimated_restore_seconds(tier, 16) == pytest.approx(2 * store.estimated_restore_seconds(tier, 8))
+    rates = store.stats().restore_rates
+    assert set(rates) == {HOST, REDIS} and all(r > 1.0 for r in rates.values())
+    store.record_restore(HOST, 1000, 1.0)  # EWMA: moves toward a new measurement
+    assert store.restore_rate(HOST) < rates[HOST]
+
+
+def test_redis_down_degrades_to_host(make_store: Any, redis_server: Any) -> None:
+    store = make_store()
+    store.put_many(NS, HASHES[:4], [value(i) for i in range(4)], [REDIS])
+    store.put_many(NS, HASHES[:2], [value(0), value(1)], [HOST])
+    redis_server.stop()
+    try:
+        assert store.match_prefix(NS, HASHES[:4]) == [HOST, HOST]
+        assert store.fetch_into(NS, HASHES[:4], [HOST, HOST, REDIS, REDIS], list(pool(4))) == 2
+        assert store.submit_spill([(NS, HASHES[5], value(5))], [HOST, REDIS])
+        assert store.flush(timeout=10)
+        assert store.location(NS, HASHES[:6]) == {HOST: 3, REDIS: 0}
+        assert store.stats().writer.errors == 0
+    finally:
+        redis_server.start()
+
+
+def test_close_drains_then_refuses(make_store: Any) -> None:
+    store = make_store()
+    assert store.submit_spill([(NS, HASHES[i], value(i)) for i in range(3)], [REDIS])
+    assert store.close(timeout=10)
+    assert not store.submit_spill([(NS, HASHES[3], value(3))], [REDIS])
+    assert store.stats().writer.dropped_blocks == 1
+    check = RedisTier(store.redis.url, block_shape=SHAPE, dtype=torch.float32, key_prefix="t:")
+    assert check.contains_many([BlockRef(NS, h) for h in HASHES[:3]]) == [True] * 3
+
+
+def test_bad_arguments(make_store: Any) -> None:
+    store = make_store()
+    with pytest.raises(ValueError):
+        store.put(NS, HASHES[0], value(0), ["disk"])
+    with pytest.raises(TypeError):
+        store.put(NS, HASHES[0], value(0), "host")
+    with pytest.raises(ValueError):
+        store.submit_spill([(NS, HASHES[0], torch.zeros(3))], [HOST])
+    with pytest.raises(ValueError):
+        TieredStore((1, 2, 3), torch.float32, host=store.host)
