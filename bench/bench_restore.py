@@ -1,0 +1,270 @@
+"""Time to first token of a returning session: cold prefill vs restore from each tier.
+
+For each model shape and history length H, a session has H tokens of history and sends
+a 16-token new turn. We time the new turn's first token (``Timings.ttft_s``: arrival to
+first sampled token, queue + restore + prefill of the unmatched tokens) when:
+
+* cold:   nothing cached; the whole H + 16 tokens are prefilled,
+* device: the history's blocks are still in the device pool,
+* host:   they were spilled to the host tier and the device pool is new,
+* redis:  they were spilled to Redis and both the pool and the host tier are new
+          (as on another replica or after a restart).
+
+In the same run it measures the raw ceilings: memcpy GB/s into a preallocated buffer
+and redis-py GET GB/s for values of one block, and reports each restore's throughput
+as a fraction of them.
+
+    python bench/bench_restore.py                 # ~110M and TinyLlama-1.1B shapes
+    python bench/bench_restore.py --quick         # tiny shape, short histories
+    python bench/bench_restore.py --shapes 110m --histories 256,1024,2048
+
+Random weights, float32, CPU. Prints a table and writes bench/out/restore_ttft.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cachestore.keys import block_hashes  # noqa: E402
+from service.engine.config import EngineConfig  # noqa: E402
+from service.engine.engine import LLMEngine  # noqa: E402
+from service.engine.store import build_store  # noqa: E402
+from service.engine.types import Finished, GenerationRequest, SamplingParams  # noqa: E402
+from service.models.loading import load_model  # noqa: E402
+from tests.fixtures.models import make_tiny_llama  # noqa: E402
+from tests.fixtures.redis_server import start_redis_server  # noqa: E402
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=32000),
+    "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                      num_key_value_heads=4, vocab_size=32000),
+}  # fmt: skip
+NEW_TURN = 16
+BLOCK = 16
+
+
+def checkpoint(shape: str, max_pos: int, cache: Path) -> Path:
+    path = cache / f"{shape}-{max_pos}"
+    if not (path / "config.json").exists():
+        print(f"  building random {shape} checkpoint in {path} ...", flush=True)
+        make_tiny_llama(path, max_position_embeddings=max_pos, **SHAPES[shape])
+    return path
+
+
+def engine(loaded, store=None) -> LLMEngine:
+    cfg = EngineConfig(
+        block_size=BLOCK,
+        kv_cache_memory=1 << 30 if loaded.config.num_layers > 4 else 64 << 20,
+        max_num_batched_tokens=4096,
+        max_model_len=loaded.config.max_position_embeddings,
+    )
+    return LLMEngine(loaded, cfg, store=store)
+
+
+def run_once(eng: LLMEngine, tokens: list[int], rid: str) -> Finished:
+    eng.add_request(
+        GenerationRequest(rid, tokens, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    )
+    while True:
+        for _, ev in eng.step():
+            if isinstance(ev, Finished):
+                return ev
+
+
+def spill(eng: LLMEngine, tokens: list[int], tier: str) -> None:
+    got: list[int] = []
+    eng.spill(tokens, "", (tier,), got.append)
+    assert eng.store.flush(120), "spill did not finish"
+    eng.step()
+
+
+def store(loaded, *, host: bool = False, redis_url: str | None = None):
+    cfg = EngineConfig(
+        block_size=BLOCK,
+        host_cache_memory=(2 << 30) if host else 0,
+        redis_url=redis_url,
+    )
+    return build_store(cfg, loaded)
+
+
+def raw_memcpy_gbps(nbytes: int, reps: int = 20) -> float:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+def raw_redis_get_gbps(url: str, value_bytes: int, n: int) -> float:
+    import redis
+
+    c = redis.Redis.from_url(url)
+    payload = bytes(value_bytes)
+    keys = [f"raw:{i}" for i in range(n)]
+    with c.pipeline(transaction=False) as p:
+        for k in keys:
+            p.set(k, payload)
+        p.execute()
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with c.pipeline(transaction=False) as p:
+            for k in keys:
+                p.get(k)
+            p.execute()
+        best = max(best, value_bytes * n / (time.perf_counter() - t0) / 1e9)
+    c.delete(*keys)
+    c.close()
+    return best
+
+
+def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps: int) -> list[dict]:
+    max_pos = max(histories) + NEW_TURN + 16
+    loaded = load_model(str(checkpoint(shape, max_pos, cache)), dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(0)
+    block_bytes = BLOCK * loaded.config.num_layers * 2 * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+    rows = []
+    for H in histories:
+        history = torch.randint(3, loaded.config.vocab_size, (H,), generator=g).tolist()
+        turn = history + torch.randint(3, loaded.config.vocab_size, (NEW_TURN,), generator=g).tolist()
+        n_blocks = len(block_hashes(b"\0" * 32, history, BLOCK))
+        res: dict[str, list[Finished]] = {k: [] for k in ("cold", "device", "host", "redis")}
+        for r in range(reps):
+            e = engine(loaded)
+            res["cold"].append(run_once(e, turn, f"cold{r}"))
+            e.close()
+
+            e = engine(loaded)
+            run_once(e, history, "h")
+            res["device"].append(run_once(e, turn, f"dev{r}"))
+            e.close()
+
+            shared = store(loaded, host=True)
+            a = engine(loaded, shared)
+            run_once(a, history, "h")
+            spill(a, history, "host")
+            b = engine(loaded, shared)  # a new device pool, the same host tier
+            res["host"].append(run_once(b, turn, f"host{r}"))
+            shared.close()
+
+            import redis
+
+            redis.Redis.from_url(redis_url).flushall()
+            a = engine(loaded, store(loaded, redis_url=redis_url))
+            run_once(a, history, "h")
+            spill(a, history, "redis")
+            a.close()
+            b = engine(loaded, store(loaded, redis_url=redis_url))  # "another replica"
+            res["redis"].append(run_once(b, turn, f"redis{r}"))
+            b.close()
+        row = dict(shape=shape, history=H, kv_mb=n_blocks * block_bytes / 1e6, block_bytes=block_bytes)
+        for k, fins in res.items():
+            row[f"{k}_ms"] = statistics.median(f.timings.ttft_s for f in fins) * 1000
+            row[f"{k}_cached"] = fins[-1].cached_tokens
+            if k in ("host", "redis"):
+                rs = statistics.median(f.timings.restore_s for f in fins)
+                row[f"{k}_restore_ms"] = rs * 1000
+                row[f"{k}_gbps"] = (fins[-1].cached_tokens // BLOCK) * block_bytes / rs / 1e9 if rs else 0.0
+        rows.append(row)
+        print(
+            f"  {shape:9s} H={H:5d}  cold {row['cold_ms']:8.1f} ms  device {row['device_ms']:7.1f}  "
+            f"host {row['host_ms']:7.1f}  redis {row['redis_ms']:7.1f}  "
+            f"(cached {row['redis_cached']}/{H + NEW_TURN})",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="110m,tinyllama")
+    ap.add_argument("--histories", default="256,1024,2048")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny shape, histories 64,256, 1 rep")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    args = ap.parse_args()
+    if args.quick:
+        args.shapes, args.histories, args.reps = "tiny", "64,256", 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    histories = [int(h) for h in args.histories.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_redis_server(Path(tmp) / "redis")
+        try:
+            rows = []
+            ceilings = {}
+            for shape in args.shapes.split(","):
+                rows += measure(shape, histories, server.url, out / "models", args.reps)
+                bb = rows[-1]["block_bytes"]
+                ceilings[shape] = (raw_memcpy_gbps(bb * 64), raw_redis_get_gbps(server.url, bb, 64))
+        finally:
+            server.stop()
+
+    print()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 CPU, block {BLOCK} tokens, "
+          f"new turn {NEW_TURN} tokens, median of {args.reps}")
+    print()
+    hdr = ("| shape | history | KV MB | cold ms | device ms | host ms | redis ms | cold/redis "
+           "| host GB/s (% memcpy) | redis GB/s (% raw GET) |")
+    print(hdr)
+    print("|---" * 10 + "|")
+    for r in rows:
+        memcpy, rawget = ceilings[r["shape"]]
+        print(
+            f"| {r['shape']} | {r['history']} | {r['kv_mb']:.1f} | {r['cold_ms']:.1f} | {r['device_ms']:.1f} "
+            f"| {r['host_ms']:.1f} | {r['redis_ms']:.1f} | {r['cold_ms'] / r['redis_ms']:.1f}x "
+            f"| {r['host_gbps']:.2f} ({100 * r['host_gbps'] / memcpy:.0f}%) "
+            f"| {r['redis_gbps']:.2f} ({100 * r['redis_gbps'] / rawget:.0f}%) |"
+        )
+    print()
+    for shape, (memcpy, rawget) in ceilings.items():
+        print(f"raw ceilings at {shape} block size: memcpy {memcpy:.2f} GB/s, redis-py GET {rawget:.2f} GB/s")
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        shapes = list(dict.fromkeys(r["shape"] for r in rows))
+        fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+        for ax, shape in zip(axes[0], shapes):
+            rs = [r for r in rows if r["shape"] == shape]
+            xs = [r["history"] for r in rs]
+            for path in ("cold", "device", "host", "redis"):
+                ax.plot(xs, [r[f"{path}_ms"] for r in rs], marker="o", label=path)
+            ax.set_yscale("log")
+            ax.set_xlabel("history tokens (+16 new)")
+            ax.set_ylabel("time to first token (ms)")
+            ax.set_title(f"{shape}: returning session TTFT")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        png = out / "restore_ttft.png"
+        fig.savefig(png, dpi=110)
+        print(f"plot: {png}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
