@@ -119,7 +119,7 @@ async def serve(
             engine,
             sessions,
             metrics,
-            default_max_new_tokens=config.default_max_new_tokens,
+            default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens_limit),
             max_new_tokens_limit=config.max_new_tokens_limit,
         )
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

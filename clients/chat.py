@@ -1,0 +1,125 @@
+"""``kvserve-chat``: chat with a kvserve server in a server-side session.
+
+    kvserve-chat --address localhost:50051 [--session NAME]
+
+Each line read from stdin is one user message; the reply is streamed as it is
+generated, then a line with the cache and timing figures of the turn::
+
+    [cached 48/61 prompt tokens (device) · ttft 12 ms · 35.2 tok/s]
+
+Commands: ``/reset`` deletes the session and starts a new one, ``/quit`` (or end of
+input) exits. ``--session NAME`` resumes that session (default: a new random id).
+Works with stdin from a pipe (no prompt is printed when stdin is not a terminal).
+Ctrl-C during a reply cancels that turn (the session is left as before the turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from typing import Sequence, TextIO
+
+import grpc
+
+from clients.client import KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
+
+
+def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str:
+    tier = f" ({start.cached_tier})" if start.cached_tokens else ""
+    parts = [f"cached {start.cached_tokens}/{start.prompt_tokens} prompt tokens{tier}"]
+    if ttft_s is not None:
+        parts.append(f"ttft {ttft_s * 1000:.0f} ms")
+    parts.append(f"{end.timings.decode_tokens_per_s:.1f} tok/s")
+    if end.finish_reason != "stop":
+        parts.append(end.finish_reason)
+    return "[" + " · ".join(parts) + "]"
+
+
+def _turn(client: KVServeClient, session: str, message: str, args: argparse.Namespace, out: TextIO) -> None:
+    sent = time.perf_counter()
+    ttft: float | None = None
+    start: StreamStart | None = None
+    stream = client.generate(
+        messages=[{"role": "user", "content": message}],
+        session_id=session,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        timeout=args.timeout,
+    )
+    try:
+        for event in stream:
+            if isinstance(event, StreamStart):
+                start = event
+            elif isinstance(event, TextDelta):
+                if ttft is None and event.token_ids:
+                    ttft = time.perf_counter() - sent
+                out.write(event.text)
+                out.flush()
+            elif start is not None:
+                out.write("\n" + _stats_line(start, event, ttft) + "\n")
+                out.flush()
+    except KeyboardInterrupt:
+        stream.cancel()
+        out.write("\n[cancelled]\n")
+        out.flush()
+
+
+def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve-chat", description=__doc__.splitlines()[0])
+    parser.add_argument("--address", default="localhost:50051", help="server host:port (default: %(default)s)")
+    parser.add_argument("--session", default=None, help="session to resume or create (default: a new random id)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="reply length limit (default: the server's)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline of each turn in seconds")
+    parser.add_argument("--token", default=None, help="API key, sent as a bearer token")
+    args = parser.parse_args(argv)
+    stdin = stdin or sys.stdin
+    out = stdout or sys.stdout
+    err = sys.stderr
+    interactive = stdin.isatty()
+    session = args.session or f"chat-{uuid.uuid4().hex[:12]}"
+
+    with KVServeClient(args.address, token=args.token) as client:
+        try:
+            info = client.get_session(session)
+            out.write(f"[session {session}: resumed, {info.turns} turns, {info.token_count} tokens]\n")
+        except KVServeError as e:
+            if e.code != grpc.StatusCode.NOT_FOUND:
+                err.write(f"[error {e.code.name}: {e.details}]\n")
+                return 1
+            out.write(f"[session {session}: new]\n")
+        out.flush()
+        while True:
+            if interactive:
+                out.write("you> ")
+                out.flush()
+            line = stdin.readline()
+            if not line:
+                break
+            message = line.strip()
+            if not message:
+                continue
+            if message == "/quit":
+                break
+            if message == "/reset":
+                try:
+                    client.delete_session(session)
+                except KVServeError as e:
+                    if e.code != grpc.StatusCode.NOT_FOUND:
+                        err.write(f"[error {e.code.name}: {e.details}]\n")
+                session = f"chat-{uuid.uuid4().hex[:12]}"
+                out.write(f"[session {session}: new]\n")
+                out.flush()
+                continue
+            try:
+                _turn(client, session, message, args, out)
+            except KVServeError as e:
+                err.write(f"[error {e.code.name}: {e.details}]\n")
+                err.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""kvserve-chat driven through its stdin (a pipe) against a live server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from clients import KVServeClient
+from tests.serving import BLOCK_SIZE, REPO, ServerThread, subprocess_env, tiny_config
+
+STATS = re.compile(r"\[cached (\d+)/(\d+) prompt tokens(?: \((\w+)\))? · ttft (\d+) ms · ([\d.]+) tok/s(?: · (\w+))?\]")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    with ServerThread(tiny_config(tiny_llama_dir)) as s:
+        yield s
+
+
+def _chat(address: str, stdin: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "clients.chat", "--address", address, "--max-new-tokens", "10", *args],
+        input=stdin, capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert not proc.stderr.strip(), proc.stderr
+    return proc
+
+
+def test_two_turn_session_through_stdin_then_resume(server):
+    out = _chat(server.address, "hello there\ntell me about the fox\n/quit\nnever sent\n", "--session", "cli-1").stdout
+    assert out.startswith("[session cli-1: new]\n")
+    stats = STATS.findall(out)
+    assert len(stats) == 2, out
+    (c1, p1, tier1, *_), (c2, p2, tier2, *_) = stats
+    assert int(c1) == 0 and tier1 == ""
+    with KVServeClient(server.address) as client:
+        info = client.get_session("cli-1", include_token_ids=True)
+    assert info.turns == 2
+    # turn 2 found turn 1's whole transcript (its full blocks) on the device
+    assert tier2 == "device" and int(c2) > 0 and int(c2) % BLOCK_SIZE == 0 and int(p2) > int(p1)
+    # the streamed reply text is printed between the stats lines
+    assert out.count("\n[cached") == 2
+
+    resumed = _chat(server.address, "and the dog?\n", "--session", "cli-1").stdout
+    assert resumed.startswith(f"[session cli-1: resumed, 2 turns, {info.token_count} tokens]\n")
+    ((c3, p3, tier3, *_),) = STATS.findall(resumed)
+    assert tier3 == "device" and int(c3) == info.token_count // BLOCK_SIZE * BLOCK_SIZE and int(p3) > info.token_count
+
+
+def test_reset_starts_a_new_session_and_deletes_the_old(server):
+    out = _chat(server.address, "first\n/reset\nsecond\n", "--session", "cli-reset").stdout
+    sessions = re.findall(r"\[session (\S+): new\]", out)
+    assert sessions[0] == "cli-reset" and len(sessions) == 2 and sessions[1] != "cli-reset"
+    with KVServeClient(server.address) as client:
+        ids = {s.session_id for s in client.iter_sessions()}
+    assert "cli-reset" not in ids and sessions[1] in ids
