@@ -41,10 +41,10 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         B, T = q.shape[:2]
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, nh, T|C, hd)
-            attn_mask=mask, is_causal=is_causal,
-        )  # (B, nh, T, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T|C, hd)
+        if T > 1:  # prefill: the flash kernel runs markedly faster on contiguous heads
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # (B, nh, T, hd)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def forward(self, x: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:

@@ -109,9 +109,11 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         B, T = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), (B, n_kv, C, hd)
+        if T > 1:  # prefill: the flash kernel runs markedly faster on contiguous heads
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, nh, T, hd), (B, n_kv, C, hd)
-            attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
         )  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -136,7 +138,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(h, d, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # in place: no extra (B, T, intermediate) temporaries (each a page-faulting allocation when large)
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class Block(nn.Module):
@@ -149,11 +152,11 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))  # x is this block's own tensor
 
     def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn.forward_nocache(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
