@@ -147,6 +147,12 @@ def test_no_tokenizer(llama_copy: Path) -> None:
         load_model(llama_copy)
 
 
+def test_tokenizer_larger_than_the_embedding(llama_copy: Path) -> None:
+    _edit_config(llama_copy, vocab_size=300)  # the fixture's tokenizer has 400 tokens
+    with pytest.raises(ModelLoadError, match="tokenizer has 400 tokens but config.json's vocab_size is 300"):
+        load_model(llama_copy)
+
+
 def test_bad_dtype_and_device(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         load_model(tiny_llama_dir, dtype="int8")

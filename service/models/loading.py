@@ -92,6 +92,11 @@ def load_model(
     config = ModelConfig.from_hf(raw_config, source=str(config_path))
     weight_files = _weight_files(path)
     tokenizer = Tokenizer.from_dir(path)
+    if tokenizer.vocab_size > config.vocab_size:  # its ids would index past the embedding
+        raise ModelLoadError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
+            f"{config.vocab_size}"
+        )
     eos = _eos_token_ids(path, config, tokenizer)
 
     cls = MODEL_CLASSES[config.architecture]

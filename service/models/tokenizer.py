@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
@@ -274,20 +274,18 @@ def _compile_template(source: str):
 class IncrementalDetokenizer:
     """Streams the text of a growing token sequence, emitting only final text.
 
-    The prefix/read-offset method of vLLM and TGI: decode a short window that starts a
-    few tokens back (so a sentencepiece word boundary or byte run is decoded in context)
-    and emit what it adds beyond the already-emitted part, unless it ends in an
-    incomplete UTF-8 character. ``"".join(pushes) + flush() == tokenizer.decode(ids)``.
+    The prefix/read-offset method of vLLM and TGI: decode a window that starts at the
+    previous emission (so a sentencepiece word boundary is decoded in context: both the
+    window and its already-emitted part lose the same leading space) and emit what it
+    adds beyond the already-emitted part, unless it ends in an incomplete UTF-8
+    character (U+FFFD from the decoder), which waits for the next tokens. ``"".join(pushes) + flush() == tokenizer.decode(ids)``.
     """
 
     tokenizer: Tokenizer
-    token_ids: list[int] = None  # type: ignore[assignment]
-    text: str = ""
-    _prefix: int = 0  # window start
+    token_ids: list[int] = field(default_factory=list)  # everything pushed so far
+    text: str = ""  # everything emitted so far
+    _prefix: int = 0  # window start: the first token of the previous emission
     _read: int = 0  # tokens [_prefix, _read) decode to text already emitted
-
-    def __post_init__(self) -> None:
-        self.token_ids = []
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the new text that is now final (may be "")."""
