@@ -1,0 +1,73 @@
+"""The Node.js example client (clients/node, @grpc/grpc-js + @grpc/proto-loader) against a
+live server: it streams a two-turn session and the second turn reports cached tokens."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from clients import KVServeClient
+from tests.serving import REPO, ServerThread, tiny_config
+
+NODE_DIR = REPO / "clients" / "node"
+TURN_FIGURES = re.compile(r"^\[turn (\d+)\] (cached_tokens=.*)$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def node_client() -> list[str]:
+    """``npm install`` in clients/node (a no-op when node_modules is current); the argv to run it."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node / npm not installed")
+    result = subprocess.run(
+        [npm, "install", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, f"npm install failed:\n{result.stdout}\n{result.stderr}"
+    return [node, str(NODE_DIR / "index.js")]
+
+
+def _figures(stdout: str) -> dict[int, dict[str, str]]:
+    return {int(n): dict(kv.split("=", 1) for kv in line.split()) for n, line in TURN_FIGURES.findall(stdout)}
+
+
+def test_node_client_streams_a_two_turn_session_whose_second_turn_is_cached(node_client, tiny_llama_dir):
+    session = f"node-test-{uuid.uuid4().hex[:8]}"
+    with ServerThread(tiny_config(tiny_llama_dir)) as server:
+        result = subprocess.run(
+            [*node_client, "--address", server.address, "--session", session, "--max-new-tokens", "8"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        turns = _figures(result.stdout)
+        assert sorted(turns) == [1, 2], result.stdout
+        first, second = turns[1], turns[2]
+
+        assert int(first["cached_tokens"]) == 0 and first["cached_tier"] == "none"
+        assert int(second["cached_tokens"]) > 0 and second["cached_tier"] == "device"
+        assert int(second["cached_tokens"]) == int(second["cached_device"])
+        # Turn 2 sees turn 1's whole exchange; what was cached is (at most) that prefix.
+        history = int(first["prompt_tokens"]) + int(first["completion_tokens"])
+        assert int(second["prompt_tokens"]) > history >= int(second["cached_tokens"])
+        assert all(int(t["completion_tokens"]) == 8 or t["finish_reason"] == "stop" for t in turns.values())
+        assert f"session {session} on {server.address}" in result.stdout
+
+        # The server agrees: one session, two turns, the transcript the client's figures imply.
+        with KVServeClient(server.address, timeout=60) as client:
+            info = client.get_session(session)
+        assert info.turns == 2
+        assert info.token_count == int(second["prompt_tokens"]) + int(second["completion_tokens"])
+
+
+def test_node_client_reports_an_unreachable_server_with_its_grpc_status(node_client):
+    from tests.fixtures.redis_server import free_port
+
+    result = subprocess.run(
+        [*node_client, "--address", f"127.0.0.1:{free_port()}", "--timeout", "3"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
