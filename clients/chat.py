@@ -95,7 +95,11 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
             if interactive:
                 out.write("you> ")
                 out.flush()
-            line = stdin.readline()
+            try:
+                line = stdin.readline()
+            except KeyboardInterrupt:
+                out.write("\n")
+                break
             if not line:
                 break
             message = line.strip()

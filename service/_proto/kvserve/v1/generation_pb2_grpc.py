@@ -69,7 +69,9 @@ class GenerationServiceServicer:
     def Generate(self, request, context):
         """Generate streams one completion: a StartEvent, then DeltaEvents, then a
         FinalEvent. With a session_id the input is appended to the session's token
-        transcript and the generated tokens join it when the turn completes.
+        transcript and the generated tokens join it when the turn completes. A turn
+        that does not complete (cancelled, failed) leaves the transcript as it was
+        before the turn; the KV blocks it computed stay cached, so a retry is cheap.
         Cancelling the call (or its deadline passing) stops generation within one
         engine step.
         """
