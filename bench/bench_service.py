@@ -27,7 +27,6 @@ import asyncio
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile

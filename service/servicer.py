@@ -24,6 +24,7 @@ on its next step (its blocks are released and stay cached).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -31,6 +32,8 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
 import grpc
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from service._proto.kvserve.v1 import generation_pb2 as pb
 from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
@@ -111,17 +114,13 @@ def _f32(x: float) -> float:
     return float(f"{x:.7g}")
 
 
-def _duration(seconds: float) -> Any:
-    from google.protobuf.duration_pb2 import Duration
-
+def _duration(seconds: float) -> Duration:
     d = Duration()
     d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
     return d
 
 
-def _timestamp(unix_s: float) -> Any:
-    from google.protobuf.timestamp_pb2 import Timestamp
-
+def _timestamp(unix_s: float) -> Timestamp:
     t = Timestamp()
     t.FromNanoseconds(int(unix_s * 1e9))
     return t
@@ -350,8 +349,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         session_id: str,
     ) -> SamplingParams:
         """Check the prompt against the context; an unset max_new_tokens fills what is left."""
-        import dataclasses
-
         ctx = self.engine.model_info.context_length
         n_prompt = len(transcript) + len(new_tokens)
         explicit = params is not None and s.HasField("max_new_tokens")
@@ -440,9 +437,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     self._tenant_of(context), request.page_size, request.page_token
                 )
             except InvalidSessionId:
-                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued")
+                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
             except ValueError as e:
-                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             return pb.ListSessionsResponse(
                 sessions=[self._session_pb(rec, busy, False) for rec, busy in page], next_page_token=next_token
             )

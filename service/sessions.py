@@ -349,7 +349,7 @@ class RedisSessionStore:
             gone = [sid for sid, rec in zip(ids, recs) if rec is None]
             if gone:
                 await self._r.zrem(index, *gone)
-            for sid, rec in zip(ids, recs):
+            for rec in recs:
                 if rec is None:
                     continue
                 if len(out) == page_size:
