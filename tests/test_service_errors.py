@@ -76,13 +76,13 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("kwargs,code,message", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
-def test_bad_request_gets_its_status_then_a_good_request_succeeds(client, kwargs, code, message):
+def test_bad_request_gets_its_status_then_a_good_request_succeeds(server, client, kwargs, code, message):
     if kwargs.get("text") is None and kwargs.get("token_ids") is None and "messages" not in kwargs:
         from service._proto.kvserve.v1 import generation_pb2 as pb
         from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 
         # the client refuses to build a request without input; send a raw empty one
-        with grpc.insecure_channel(client._channel._channel.target().decode()) as ch:  # noqa: SLF001
+        with grpc.insecure_channel(server.address) as ch:
             with pytest.raises(grpc.RpcError) as raw:
                 list(pb_grpc.GenerationServiceStub(ch).Generate(pb.GenerateRequest(), timeout=30))
         err = KVServeError.from_rpc_error(raw.value)
