@@ -69,17 +69,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: torch.device, repeats: int, setup=None) -> float:
-    """Median seconds of ``fn(state)`` over ``repeats`` runs; ``setup()`` makes each
-    run's state outside the timing (after the caller's warm-up)."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn, device: torch.device, repeats: int, now=time.perf_counter, setup=None) -> float:
+    """Median seconds (by the clock ``now``) of ``fn(state)`` over ``repeats`` runs;
+    ``setup()`` makes each run's state outside the timing (after the caller's warm-up)."""
     times = []
     for _ in range(repeats):
         state = setup() if setup else None
         sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         fn(state) if setup else fn()
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times)
 
 
@@ -171,6 +174,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
     ours = Ours(loaded, max(max(prompt_lens), args.decode_prompt + args.decode_tokens + 1))
     ref = Reference(ref_model, device)
     repeats = args.repeats if args.repeats else (1 if name == "1.1b" else 3)
+    now = CLOCKS[args.clock]
     rows: list[Row] = []
 
     # warm-up both (allocator, thread pools, kernels)
@@ -180,8 +184,8 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
     for n in prompt_lens:
         p = prompts(1, n)
-        t_ours = timed(lambda: ours.prefill(p), device, repeats)
-        t_ref = timed(lambda: ref.prefill(p), device, repeats)
+        t_ours = timed(lambda: ours.prefill(p), device, repeats, now)
+        t_ref = timed(lambda: ref.prefill(p), device, repeats, now)
         rows.append(Row(name, f"prefill {n} tok", "ms", t_ours * 1e3, t_ref * 1e3, False))
         print(f"[{name}] prefill {n}: ours {t_ours * 1e3:.1f} ms, transformers {t_ref * 1e3:.1f} ms", file=sys.stderr)
 
@@ -192,8 +196,8 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
         agree = ours.decode(p, first_ours, steps) == ref.decode(first_ref, steps)
         # Decode only is timed. Ours rewrites the same slots after the intact prompt blocks;
         # transformers' cache grows in place, so each run gets a fresh copy (made untimed).
-        t_ours = timed(lambda: ours.decode(p, first_ours, steps), device, repeats)
-        t_ref = timed(lambda st: ref.decode(st, steps), device, repeats, setup=lambda: ref.prefill(p))
+        t_ours = timed(lambda: ours.decode(p, first_ours, steps), device, repeats, now)
+        t_ref = timed(lambda st: ref.decode(st, steps), device, repeats, now, setup=lambda: ref.prefill(p))
         label = "decode single-stream" if batch == 1 else f"decode batch {batch}"
         rows.append(Row(name, label, "tok/s", batch * steps / t_ours, batch * steps / t_ref, True))
         print(f"[{name}] {label}: ours {batch * steps / t_ours:.1f} tok/s, transformers "
@@ -206,6 +210,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
 def print_table(rows: list[Row], args, device: torch.device) -> None:
     print(f"\ndevice {device}, float32, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"clock {args.clock}, "
           f"block size {BLOCK_SIZE}, decode: {args.decode_tokens} steps after a {args.decode_prompt}-token prompt\n")
     print("| shape | metric | kvserve | transformers | ratio (>1: kvserve better) |")
     print("|---|---|---:|---:|---:|")
@@ -230,6 +235,9 @@ def main() -> None:
     ap.add_argument("--decode-prompt", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=0, help="timed runs per figure (median); 0: 3, or 1 at 1.1B")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, a fair "
+                         "measure on a machine shared with other jobs; CPU device only)")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.prompt_lens, args.batches, args.decode_tokens, args.decode_prompt = "tiny", "16,64", "1,4", 8, 16
