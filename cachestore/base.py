@@ -18,7 +18,9 @@ Contract (every tier, every method):
 Block tiers (values are KV block tensors) add destination-passing reads, which is what
 the engine uses to restore straight into device-pool blocks:
 
-- ``get_into(ref, out) -> bool``: load and verify ``ref`` into ``out``; False on a miss.
+- ``get_into(ref, out) -> bool``: load and verify ``ref`` into ``out``; False on a miss
+  (then ``out`` may have been partly written: a tier may receive straight into it and
+  verify afterwards; it is only trusted when True).
 - ``get_many_into(refs, outs) -> int``: load ``refs[i]`` into ``outs[i]`` in order and
   return how many leading blocks are loaded and verified, stopping at the first that
   is not. ``outs[i]`` for ``i >= returned`` (the failing block included) may be partly
@@ -29,6 +31,7 @@ Thread safety: tiers are safe to call from several threads at once.
 
 from __future__ import annotations
 
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -167,13 +170,12 @@ class BlockTier(Tier[torch.Tensor]):
 
     block_shape: tuple[int, ...]
     dtype: torch.dtype
+    block_nbytes: int  # bytes of one block in memory
 
-    @property
-    def block_nbytes(self) -> int:
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * self.dtype.itemsize
+    def _init_block(self, block_shape: Sequence[int], dtype: torch.dtype) -> None:
+        self.block_shape = tuple(int(d) for d in block_shape)
+        self.dtype = dtype
+        self.block_nbytes = math.prod(self.block_shape) * dtype.itemsize
 
     @abstractmethod
     def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool: ...

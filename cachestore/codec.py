@@ -55,7 +55,9 @@ Options, both off by default:
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import struct
 import warnings
 from dataclasses import dataclass
@@ -86,6 +88,7 @@ _DTYPES: Final[dict[torch.dtype, tuple[int, str]]] = {
     torch.float8_e5m2: (6, "F8_E5M2"),
 }
 _DTYPE_BY_CODE: Final = {code: dt for dt, (code, _) in _DTYPES.items()}
+_NUMPY_DTYPES: Final = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
 _COMPRESSION: Final[dict[str | None, int]] = {None: 0, "zstd": 1, "lz4": 2}
 _COMPRESSION_BY_CODE: Final = {code: name for name, code in _COMPRESSION.items()}
 _ZSTD_LEVEL: Final = 1
@@ -138,6 +141,7 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(_DTYPES)
 
 
+@functools.lru_cache(maxsize=64)
 def _st_header(storage_dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
     """The safetensors prefix (u64 length + JSON, space-padded to 8 bytes) for one tensor,
     formatted exactly as ``safetensors.torch.save`` formats it."""
@@ -158,8 +162,26 @@ def encoded_size(
 ) -> int:
     """Size in bytes of an uncompressed encoded block of this shape (for batch sizing)."""
     sdt = storage_dtype or dtype
-    nbytes = int(np.prod(block_shape)) * sdt.itemsize
+    nbytes = math.prod(block_shape) * sdt.itemsize
     return HEADER_SIZE + len(_st_header(sdt, tuple(block_shape), nbytes)) + nbytes + CHECKSUM_SIZE
+
+
+def plain_prefix(
+    namespace: Namespace, block_hash: BlockHash, shape: tuple[int, ...], dtype: torch.dtype
+) -> bytes:
+    """The exact bytes that precede the tensor data in ``encode(namespace, block_hash,
+    block)`` of an uncompressed block stored in its own dtype (after the tensor come
+    ``CHECKSUM_SIZE`` bytes: xxh3_128 of prefix || tensor bytes). Lets a reader receive
+    the tensor bytes straight into their destination and verify afterwards
+    (``RedisTier``'s direct reads)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    st_header = _st_header(dtype, tuple(shape), nbytes)
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, HEADER_SIZE, namespace, block_hash,
+        _DTYPES[dtype][0], _DTYPES[dtype][0], _COMPRESSION[None], len(shape), shape[0],
+        *shape, *([0] * (MAX_DIMS - len(shape))), len(st_header) + nbytes, len(st_header) + nbytes,
+    )  # fmt: skip
+    return header + st_header
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
@@ -377,14 +399,21 @@ def decode_into(
         payload = memoryview(decompressed)
     elif raw_size != payload_size:
         return _fail(BAD_HEADER)
-    offset = _parse_st_header(payload, sdtype, shape, nbytes)
-    if offset is None:
-        return _fail(BAD_PAYLOAD)
+    # The safetensors header we write is a pure function of (dtype, shape): compare
+    # bytes (fast); anything else (another writer's formatting) is parsed strictly.
+    expected = _st_header(sdtype, shape, nbytes)
+    if len(payload) == len(expected) + nbytes and payload[: len(expected)] == expected:
+        offset: int | None = len(expected)
+    else:
+        offset = _parse_st_header(payload, sdtype, shape, nbytes)
+        if offset is None:
+            return _fail(BAD_PAYLOAD)
 
     # Verified. Copy straight from the received buffer into the destination.
-    if out.device.type == "cpu" and sdtype == out.dtype:
-        np.copyto(_byte_view(out), np.frombuffer(payload, dtype=np.uint8, count=nbytes, offset=offset))
+    np_dtype = _NUMPY_DTYPES.get(sdtype)
+    if np_dtype is not None and sdtype == out.dtype and out.device.type == "cpu":
+        src = np.frombuffer(payload, dtype=np_dtype, count=numel, offset=offset).reshape(shape)
+        np.copyto(out.numpy(), src)
     else:
-        src = _readonly_tensor(payload, sdtype, offset, numel).view(out.shape)
-        out.copy_(src)
+        out.copy_(_readonly_tensor(payload, sdtype, offset, numel).view(shape))
     return _OK_RESULT

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from cachestore.base import NOT_FOUND, BlockRef, BlockTier, TierCounters, TierStats
@@ -28,6 +29,26 @@ from cachestore.base import NOT_FOUND, BlockRef, BlockTier, TierCounters, TierSt
 log = logging.getLogger(__name__)
 
 EvictCallback = Callable[[BlockRef, torch.Tensor], None]
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; between contiguous CPU tensors a plain memcpy through numpy,
+    which skips torch's intra-op thread pool (slower than one thread for blocks of a
+    few hundred KB, and much slower when the cores are busy) and releases the GIL."""
+    if (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
+        np.copyto(_byte_view(dst), _byte_view(src))
+    else:
+        dst.copy_(src)
 
 
 class HostTier(BlockTier):
@@ -49,8 +70,7 @@ class HostTier(BlockTier):
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
-        self.block_shape = tuple(int(d) for d in block_shape)
-        self.dtype = dtype
+        self._init_block(block_shape, dtype)
         self.pinned = pin_memory
         self.capacity_blocks = capacity_bytes // self.block_nbytes
         self.capacity_bytes = self.capacity_blocks * self.block_nbytes
@@ -93,7 +113,7 @@ class HostTier(BlockTier):
                     break
                 self._lru.move_to_end(ref)
                 # Copy under the lock: the slot cannot be evicted and reused meanwhile.
-                out.copy_(self._slots[slot])
+                _copy_block(out, self._slots[slot])
             n += 1
         self._counters.add(hits=n, bytes_out=n * self.block_nbytes)
         if n < len(refs):
@@ -143,7 +163,7 @@ class HostTier(BlockTier):
                 except Exception:  # noqa: BLE001 - a demotion failure must not fail the put
                     log.exception("host tier on_evict callback failed")
                     self._counters.fail("evict_callback")
-        self._slots[slot].copy_(value)
+        _copy_block(self._slots[slot], value)
         with self._lock:
             if ref in self._lru:  # another thread stored it meanwhile: keep theirs
                 self._free.append(slot)

@@ -6,11 +6,20 @@ value's header, so a value is only ever decoded as the block it was written for;
 doubt (missing key, corrupted bytes, other namespace or weights, evicted by
 ``maxmemory``) is a miss with a counted reason, never wrong KV.
 
-Round trips: batched reads and lookups are pipelines (``GET`` / ``EXISTS`` per key),
-split into batches of at most ``max_batch_bytes`` of values so a huge restore neither
-buffers gigabytes nor holds one socket for long. In cluster mode the same pipelines
-are used (``redis.cluster.RedisCluster`` groups their single-key commands by node), and
-no multi-key command is ever sent, so batches work across hash slots.
+Round trips: a restore of N blocks is one streamed pipeline on one connection: up to
+``max_batch_bytes`` of GET replies are in flight while the client verifies and copies
+the ones that arrived, so reading, checking and copying overlap and memory stays
+bounded on both ends. Lookups (``EXISTS``) and writes (``PEXPIRE`` / ``SET``) are plain
+pipelines of at most ``max_batch_bytes`` of values. In cluster mode reads are pipelined
+batches too (``redis.cluster.RedisCluster`` groups their single-key commands by node),
+and no multi-key command is ever sent, so batches work across hash slots.
+
+Direct reads (standalone, plain layout, CPU destinations; ``direct_reads=True``): the
+tensor bytes of each GET reply are received from the socket straight into the
+destination block and verified there (prefix compared, xxh3_128 recomputed), skipping
+the three copies of redis-py's reply path and our own. Measured in
+``bench/bench_cachestore.py`` against raw redis-py GETs. A block that fails is reported
+as not loaded; its destination may hold a partial write (see ``cachestore.base``).
 
 Sizing: the replies of a pipelined read sit in Redis' client output buffer, which
 counts toward ``maxmemory``; under a tight ``maxmemory`` with ``allkeys-lru`` a big batch
@@ -38,12 +47,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
 import redis
 import redis.cluster
 import redis.exceptions
 import torch
+import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -66,6 +77,41 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 _BACKEND_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+def _recv_exact_into(sock: Any, buf: memoryview) -> None:
+    while len(buf):
+        n = sock.recv_into(buf)
+        if n == 0:
+            raise redis.exceptions.ConnectionError("connection closed by server")
+        buf = buf[n:]
+
+
+def _recv_exact(sock: Any, n: int) -> bytearray:
+    buf = bytearray(n)
+    _recv_exact_into(sock, memoryview(buf))
+    return buf
+
+
+def _finish_line(sock: Any, start: bytearray, limit: int = 4096) -> tuple[bytearray, bytearray]:
+    """Complete a RESP header line from its first bytes ``start``: (the line with its
+    CRLF, any bytes of ``start`` past it). Reads byte by byte: never past the line."""
+    line = bytearray(start)
+    while (end := line.find(b"\r\n")) < 0:
+        if len(line) >= limit:
+            raise redis.exceptions.InvalidResponse(f"RESP line too long: {bytes(line[:32])!r}")
+        line += _recv_exact(sock, 1)
+    return line[: end + 2], line[end + 2 :]
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far a multi-block read got: leading good blocks, their bytes, and why it
+    stopped (a failure reason, or None)."""
+
+    n: int = 0
+    nbytes: int = 0
+    failure: str | None = None
 
 
 def _is_timeout(e: BaseException) -> bool:
@@ -92,19 +138,20 @@ class RedisTier(BlockTier):
         storage_dtype: torch.dtype | None = None,
         breaker_failures: int = 3,
         breaker_reset_s: float = 5.0,
-        max_batch_bytes: int = 32 << 20,
+        max_batch_bytes: int = 8 << 20,
         ssl_ca_certs: str | None = None,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
         ssl_cert_reqs: str = "required",
+        direct_reads: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``ttl_s`` None means no expiry (rely on ``maxmemory``); ``compression`` and
         ``storage_dtype`` are the codec options (see ``cachestore.codec``: the latter is
         lossy). The client connects lazily: a Redis that is down at startup is a miss,
         not an error."""
-        self.block_shape = tuple(int(d) for d in block_shape)
-        self.dtype = dtype
+        self._init_block(block_shape, dtype)
+        self._torch_shape = torch.Size(self.block_shape)
         self.url = url
         self.cluster = cluster
         self.key_prefix = key_prefix
@@ -113,6 +160,10 @@ class RedisTier(BlockTier):
         self.storage_dtype = storage_dtype
         self.value_nbytes = codec.encoded_size(self.block_shape, dtype, storage_dtype)
         self.batch_blocks = max(1, max_batch_bytes // self.value_nbytes)
+        # Direct reads need the plain layout: no compression, stored in its own dtype.
+        self._direct_layout = (
+            direct_reads and not cluster and compression is None and storage_dtype in (None, dtype)
+        )
         self._client_kwargs: dict[str, Any] = dict(
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_connect_timeout_s,
@@ -174,32 +225,146 @@ class RedisTier(BlockTier):
     # ---- reads ---------------------------------------------------------------------
 
     def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
-        """Pipelined GETs (``batch_blocks`` per round trip), each value verified and
-        copied into ``outs[i]``; stops at the first miss / error / bad value."""
+        """Load ``refs[i]`` into ``outs[i]`` in order, each value verified before it is
+        copied; stops at the first miss / error / bad value. Standalone: one streamed
+        pipeline (see ``_stream_into``); cluster: pipelined batches of ``batch_blocks``."""
         if len(refs) > len(outs):
             raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        if not all(out.is_contiguous() for out in outs[: len(refs)]):
+            raise ValueError("destinations must be contiguous")
         t0 = time.perf_counter()
-        n, nbytes, failed = 0, 0, False
+        progress = _Progress()
+        complete = True
+        if refs:
+            read = self._batches_into if self.cluster else self._stream_into
+            result = self._call(lambda c: read(c, refs, outs, progress), "get")
+            complete = bool(result)
+            if result is False:  # stopped at a missing or bad value (errors: counted by _call)
+                assert progress.failure is not None
+                self._counters.fail(progress.failure)
+        self._counters.add(hits=progress.n, bytes_out=progress.nbytes, misses=int(not complete))
+        self._counters.add_seconds("read", time.perf_counter() - t0)
+        return progress.n
+
+    def _stream_into(
+        self, client: redis.Redis, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress
+    ) -> bool:
+        """GETs streamed on one connection with up to ``batch_blocks`` replies in flight:
+        each reply is verified and copied while the next ones are on the wire, in one
+        round trip, with bounded memory on both ends. A connection left with unread
+        replies (early stop, error) is closed rather than returned to the pool."""
+        keys = [self.key(r) for r in refs]
+        window = self.batch_blocks
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        clean = False
+        try:
+            sock = self._direct_socket(conn)
+            sent = min(window, len(keys))
+            conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys[:sent]]))
+            for i, (ref, out) in enumerate(zip(refs, outs)):
+                if sent < len(keys) and sent - i <= window // 2:  # top the window up
+                    more = keys[sent : sent + window - (sent - i)]
+                    conn.send_packed_command(conn.pack_commands([("GET", k) for k in more]))
+                    sent += len(more)
+                if sock is not None and self._direct_target(out):
+                    nbytes, failure = self._read_direct(sock, ref, out)
+                else:
+                    nbytes, failure = self._read_parsed(conn, ref, out)
+                if failure is not None:
+                    progress.failure = failure
+                    clean = i + 1 == sent  # every reply sent for was read
+                    return False
+                progress.n += 1
+                progress.nbytes += nbytes
+            clean = True
+            return True
+        finally:
+            if not clean:
+                conn.disconnect()
+            pool.release(conn)
+
+    def _read_parsed(self, conn: Any, ref: BlockRef, out: torch.Tensor) -> tuple[int, str | None]:
+        """One GET reply through redis-py's parser, then ``codec.decode_into``."""
+        try:
+            value = conn.read_response()
+        except redis.exceptions.ResponseError:  # an error reply: the connection is fine
+            self._counters.add(errors=1)
+            return 0, BACKEND_ERROR
+        return (len(value) if isinstance(value, bytes) else 0), self._load(ref, value, out)
+
+    # -- direct reads: the tensor bytes go from the socket straight into ``out``
+    #
+    # For the plain layout (no compression, stored in its own dtype) everything before
+    # the tensor bytes is known in advance (``codec.plain_prefix``). We read the RESP
+    # bulk header and that prefix, compare, ``recv_into`` the destination block itself,
+    # then read the checksum and verify xxh3_128(prefix || out bytes). This skips the
+    # three copies of redis-py's reply path (parser buffer, hiredis buffer, ``bytes``)
+    # and our own copy out of the ``bytes``. A block that fails may be partly written
+    # (the ``get_many_into`` contract). Anything unexpected (nil, an error reply, another
+    # length or prefix) is read whole and handed to ``codec.decode_into`` for its reason,
+    # so the connection stays in step with the protocol. Used with RESP2 or RESP3 on a
+    # standalone server, for contiguous CPU destinations; a RESP3 push message in the
+    # middle of the replies is a protocol error (the connection is dropped).
+
+    def _direct_socket(self, conn: Any) -> Any:
+        if not self._direct_layout or str(getattr(conn, "protocol", None)) not in ("2", "3"):
+            return None
+        return getattr(conn, "_sock", None)
+
+    def _direct_target(self, out: torch.Tensor) -> bool:
+        return out.is_cpu and out.dtype == self.dtype and out.shape == self._torch_shape and out.is_contiguous()
+
+    def _read_direct(self, sock: Any, ref: BlockRef, out: torch.Tensor) -> tuple[int, str | None]:
+        prefix = codec.plain_prefix(ref.namespace, ref.block_hash, self.block_shape, self.dtype)
+        value_len = len(prefix) + self.block_nbytes + codec.CHECKSUM_SIZE
+        expected = b"$%d\r\n" % value_len
+        line = _recv_exact(sock, 3)  # the shortest reply, RESP3's null "_\r\n", is 3 bytes
+        if line == expected[:3]:
+            # "$" and two digits: the reply is longer than ``expected``, safe to read on.
+            line += _recv_exact(sock, len(expected) - 3)
+            if line == expected:
+                head = _recv_exact(sock, len(prefix))
+                if head != prefix:  # another block, namespace, layout: let the codec say
+                    value = head + _recv_exact(sock, value_len - len(prefix) + 2)[:-2]
+                    return value_len, self._load(ref, bytes(value), out)
+                data = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # (nbytes,) of out
+                _recv_exact_into(sock, data)
+                trailer = _recv_exact(sock, codec.CHECKSUM_SIZE + 2)
+                if trailer[-2:] != b"\r\n":
+                    raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
+                checksum = xxhash.xxh3_128(prefix)
+                checksum.update(data)
+                if checksum.digest() != trailer[: codec.CHECKSUM_SIZE]:
+                    return value_len, codec.BAD_CHECKSUM
+                return value_len, None
+        # Anything else: finish the header line and take the reply whole.
+        line, payload = _finish_line(sock, line)
+        if line in (b"$-1\r\n", b"_\r\n"):  # nil (RESP2), null (RESP3)
+            return 0, NOT_FOUND
+        kind, size = line[:1], line[1:-2]
+        if kind in (b"$", b"!") and size.isdigit():  # a bulk string, a RESP3 blob error
+            body = payload + _recv_exact(sock, int(size) + 2 - len(payload))
+            if kind == b"$":
+                return int(size), self._load(ref, bytes(body[:-2]), out)
+        elif kind != b"-":  # not a simple error either (e.g. a RESP3 push): out of step
+            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:32]!r}")
+        self._counters.add(errors=1)
+        return 0, BACKEND_ERROR
+
+    def _batches_into(self, client: Any, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress) -> bool:
+        """Pipelined GETs in batches of ``batch_blocks`` (cluster mode: each batch is
+        split by node by redis-py)."""
         for start in self._batches(len(refs)):
             batch = refs[start : start + self.batch_blocks]
-            keys = [self.key(r) for r in batch]
-            values = self._call(lambda c: self._pipeline(c, "get", keys), "get")
-            if values is None:
-                failed = True
-                break
+            values = self._pipeline(client, "get", [self.key(r) for r in batch])
             for ref, value, out in zip(batch, values, outs[start:]):
-                reason = self._load(ref, value, out)
-                if reason is not None:
-                    self._counters.fail(reason)
-                    failed = True
-                    break
-                n += 1
-                nbytes += len(value)
-            if failed:
-                break
-        self._counters.add(hits=n, bytes_out=nbytes, misses=int(failed))
-        self._counters.add_seconds("read", time.perf_counter() - t0)
-        return n
+                progress.failure = self._load(ref, value, out)
+                if progress.failure is not None:
+                    return False
+                progress.n += 1
+                progress.nbytes += len(value)
+        return True
 
     def _load(self, ref: BlockRef, value: Any, out: torch.Tensor) -> str | None:
         """Verify ``value`` as ``ref`` into ``out``; the failure reason, or None if ok."""

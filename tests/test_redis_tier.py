@@ -185,11 +185,73 @@ def test_batched_pipelines(redis_url: str, count_round_trips: Callable[[], int])
     start = count_round_trips()
     outs = [torch.empty(SHAPE) for _ in range(n)]
     assert tier.get_many_into(REFS[:n], outs) == n
-    assert count_round_trips() - start == 4
+    assert count_round_trips() == start  # reads are streamed, not batched pipelines
     assert all(torch.equal(outs[i], value(i)) for i in range(n))
 
     assert tier.delete_many(REFS[: n + 1]) == [True] * n + [False]
     assert tier.contains_many(REFS[:n]) == [False] * n
+
+
+@pytest.fixture
+def track_in_flight(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts GETs sent and replies read (by the direct reader or through redis-py's
+    parser) and records the most replies ever outstanding (tests using it read on one
+    connection at a time)."""
+    stats = {"in_flight": 0, "max_in_flight": 0, "direct_replies": 0}
+    Conn = redis.connection.Connection
+    send = Conn.send_packed_command
+    read_direct, read_parsed = RedisTier._read_direct, RedisTier._read_parsed
+
+    def send_packed_command(self: Any, command: Any, *a: Any, **kw: Any) -> Any:
+        chunks = command if isinstance(command, list) else [command]
+        stats["in_flight"] += sum(bytes(c).count(b"\r\nGET\r\n") for c in chunks)
+        stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+        return send(self, command, *a, **kw)
+
+    def direct(self: RedisTier, *a: Any) -> Any:
+        stats["in_flight"] -= 1
+        stats["direct_replies"] += 1
+        return read_direct(self, *a)
+
+    def parsed(self: RedisTier, *a: Any) -> Any:
+        stats["in_flight"] -= 1
+        return read_parsed(self, *a)
+
+    monkeypatch.setattr(Conn, "send_packed_command", send_packed_command)
+    monkeypatch.setattr(RedisTier, "_read_direct", direct)
+    monkeypatch.setattr(RedisTier, "_read_parsed", parsed)
+    return stats
+
+
+def test_streamed_reads_keep_a_bounded_window(redis_url: str, track_in_flight: dict[str, int]) -> None:
+    per_value = codec.encoded_size(SHAPE, torch.float32)
+    tier = make_tier(redis_url, max_batch_bytes=4 * per_value)
+    n = 30
+    tier.put_many(REFS[:n], [value(i) for i in range(n)])
+    outs = [torch.empty(SHAPE) for _ in range(n)]
+    track_in_flight.update(in_flight=0, max_in_flight=0, direct_replies=0)
+    assert tier.get_many_into(REFS[:n], outs) == n
+    assert all(torch.equal(outs[i], value(i)) for i in range(n))
+    assert 2 <= track_in_flight["max_in_flight"] <= 4
+    assert track_in_flight["in_flight"] == 0
+    assert track_in_flight["direct_replies"] == n  # the direct reader took every reply
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "parsed"])
+def test_early_stop_leaves_no_stale_replies(redis_url: str, redis_server: Any, direct: bool) -> None:
+    """A read that stops with replies still in flight must not hand them to the next
+    read on a pooled connection."""
+    per_value = codec.encoded_size(SHAPE, torch.float32)
+    tier = make_tier(redis_url, max_batch_bytes=6 * per_value, direct_reads=direct)
+    tier.put_many(REFS[:12], [value(i) for i in range(12)])
+    with redis_server.client() as c:
+        _corrupt(c, tier.key(REFS[2]), "flip")
+    outs = [torch.empty(SHAPE) for _ in range(12)]
+    assert tier.get_many_into(REFS[:12], outs) == 2
+    for _ in range(3):  # later reads see their own replies, in order
+        assert tier.get_many_into(REFS[5:12], outs[:7]) == 7
+        assert all(torch.equal(outs[i], value(5 + i)) for i in range(7))
+        assert tier.get_many_into(REFS[3:4], outs[:1]) == 1 and torch.equal(outs[0], value(3))
 
 
 def test_rewrite_skips_the_transfer_and_refreshes_ttl(redis_url: str, redis_server: Any) -> None:
@@ -224,22 +286,81 @@ def _corrupt(c: redis.Redis, key: str, how: str) -> None:
     c.set(key, bytes(raw))
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "parsed"])
 @pytest.mark.parametrize(
     "how, reason",
-    [("flip", codec.BAD_CHECKSUM), ("truncate", codec.TRUNCATED), ("garbage", codec.BAD_MAGIC)],
+    [
+        ("flip", codec.BAD_CHECKSUM),  # in the tensor bytes
+        ("flip_header", codec.BAD_CHECKSUM),
+        ("truncate", codec.TRUNCATED),
+        ("garbage", codec.BAD_MAGIC),
+        ("other_namespace", codec.WRONG_NAMESPACE),  # same length, other prefix
+        ("compressed", None),  # another writer's options: a valid value, decoded
+    ],
 )
-def test_corrupted_value_is_a_miss(redis_url: str, redis_server: Any, how: str, reason: str) -> None:
-    tier = make_tier(redis_url)
-    tier.put_many(REFS[:4], [value(i) for i in range(4)])
+def test_corrupted_value_is_a_miss(
+    redis_url: str, redis_server: Any, how: str, reason: str | None, direct: bool
+) -> None:
+    tier = make_tier(redis_url, direct_reads=direct, max_batch_bytes=2 * codec.encoded_size(SHAPE, torch.float32))
+    tier.put_many(REFS[:6], [value(i) for i in range(6)])
+    key = tier.key(REFS[2])
     with redis_server.client() as c:
-        _corrupt(c, tier.key(REFS[2]), how)
-    outs = [torch.empty(SHAPE) for _ in range(4)]
-    assert tier.get_many_into(REFS[:4], outs) == 2  # stops at the first bad block
+        if how == "flip_header":
+            raw = bytearray(c.get(key))
+            raw[10] ^= 0x01
+            c.set(key, bytes(raw))
+        elif how == "other_namespace":
+            c.set(key, codec.encode(NS_OTHER, REFS[2].block_hash, value(2)))
+        elif how == "compressed":
+            c.set(key, codec.encode(NS, REFS[2].block_hash, value(2), compression="lz4"))
+        else:
+            _corrupt(c, key, how)
+    outs = [torch.empty(SHAPE) for _ in range(6)]
+    good = tier.get_many_into(REFS[:6], outs)
+    assert all(torch.equal(outs[i], value(i)) for i in range(good))
+    if reason is None:
+        assert good == 6
+        return
+    assert good == 2  # stops at the first bad block
     assert tier.get(REFS[2]) is None
-    assert tier.get(REFS[3]) is not None  # the others are fine
+    assert tier.get_many_into(REFS[3:6], outs[:3]) == 3  # the others are fine, in step
+    assert all(torch.equal(outs[i], value(3 + i)) for i in range(3))
     s = tier.stats()
     assert s.failures == {reason: 2}
     assert s.errors == 0 and s.breaker_state == CLOSED  # bad data is not a backend failure
+
+
+@pytest.mark.parametrize("protocol", [2, 3], ids=["resp2", "resp3"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "parsed"])
+def test_error_reply_mid_stream(redis_url: str, redis_server: Any, direct: bool, protocol: int) -> None:
+    tier = make_tier(f"{redis_url}?protocol={protocol}", direct_reads=direct)
+    tier.put_many(REFS[:4], [value(i) for i in range(4)])
+    with redis_server.client() as c:
+        c.delete(tier.key(REFS[1]))
+        c.rpush(tier.key(REFS[1]), b"not a string")  # GET answers -WRONGTYPE
+    outs = [torch.empty(SHAPE) for _ in range(4)]
+    assert tier.get_many_into(REFS[:4], outs) == 1
+    assert tier.get_many_into(REFS[2:4], outs[:2]) == 2
+    assert all(torch.equal(outs[i], value(2 + i)) for i in range(2))
+    assert tier.get_many_into([REFS[3], REFS[9], REFS[2]], outs[:3]) == 1  # nil mid-stream
+    assert tier.get_many_into(REFS[2:4], outs[:2]) == 2
+    assert all(torch.equal(outs[i], value(2 + i)) for i in range(2))
+    s = tier.stats()
+    assert s.failures == {BACKEND_ERROR: 1, NOT_FOUND: 1} and s.errors == 1 and s.breaker_state == CLOSED
+
+
+def test_direct_and_parsed_reads_agree(redis_url: str) -> None:
+    direct, parsed = make_tier(redis_url), make_tier(redis_url, direct_reads=False)
+    direct.put_many(REFS[:8], [value(i) for i in range(8)])
+    a, b = torch.full((8, *SHAPE), 7.0), torch.full((8, *SHAPE), 8.0)
+    assert direct.get_many_into(REFS[:10], list(a) + [torch.empty(SHAPE)] * 2) == 8
+    assert parsed.get_many_into(REFS[:10], list(b) + [torch.empty(SHAPE)] * 2) == 8
+    assert torch.equal(a, b)
+    # A destination the direct path cannot take goes through the parser (here: a miss).
+    assert not direct.get_into(REFS[0], torch.empty(SHAPE, dtype=torch.bfloat16))
+    assert direct.stats().failures == {NOT_FOUND: 1, codec.WRONG_DTYPE: 1}
+    with pytest.raises(ValueError):  # a caller bug, refused before any I/O
+        direct.get_into(REFS[0], torch.empty(SHAPE[::-1]).permute(4, 3, 2, 1, 0))
 
 
 def test_value_from_other_weights_is_a_miss(redis_url: str, redis_server: Any) -> None:
