@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from cachestore import codec
-from cachestore.base import BlockRef, BlockTier, TierStats
+from cachestore.base import OPEN, BlockRef, BlockTier, TierStats
 from cachestore.host import HostTier
 from cachestore.keys import BlockHash, Namespace
 from cachestore.redis import RedisTier
@@ -371,7 +371,7 @@ class TieredStore:
         """Host eviction callback: encode now (the slot is reused after we return) and
         queue the value for Redis, which stores it only if it is not there yet."""
         assert self.redis is not None
-        if self.redis.breaker_state == "open":
+        if self.redis.breaker_state == OPEN:
             self._bump(demotions_dropped=1)
             return
         blob = codec.encode(
