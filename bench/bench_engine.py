@@ -72,18 +72,21 @@ def sync(device: torch.device) -> None:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def timed(fn, device: torch.device, repeats: int, now=time.perf_counter, setup=None) -> float:
-    """Median seconds (by the clock ``now``) of ``fn(state)`` over ``repeats`` runs;
-    ``setup()`` makes each run's state outside the timing (after the caller's warm-up)."""
-    times = []
+def timed_pair(ours, ref, device: torch.device, repeats: int, now=time.perf_counter,
+               setup_ours=None, setup_ref=None) -> tuple[float, float]:
+    """Median seconds (by the clock ``now``) of ``ours(state)`` and ``ref(state)``, run
+    alternately ``repeats`` times each so drifting load on the machine hits both alike.
+    ``setup_*()`` makes each run's state outside the timing."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        state = setup() if setup else None
-        sync(device)
-        t0 = now()
-        fn(state) if setup else fn()
-        sync(device)
-        times.append(now() - t0)
-    return statistics.median(times)
+        for fn, setup, out in ((ours, setup_ours, times[0]), (ref, setup_ref, times[1])):
+            state = setup() if setup else None
+            sync(device)
+            t0 = now()
+            fn(state)
+            sync(device)
+            out.append(now() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 class Ours:
@@ -173,7 +176,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
     ours = Ours(loaded, max(max(prompt_lens), args.decode_prompt + args.decode_tokens + 1))
     ref = Reference(ref_model, device)
-    repeats = args.repeats if args.repeats else (1 if name == "1.1b" else 3)
+    repeats = args.repeats if args.repeats else (2 if name == "1.1b" else 5)
     now = CLOCKS[args.clock]
     rows: list[Row] = []
 
@@ -184,8 +187,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
     for n in prompt_lens:
         p = prompts(1, n)
-        t_ours = timed(lambda: ours.prefill(p), device, repeats, now)
-        t_ref = timed(lambda: ref.prefill(p), device, repeats, now)
+        t_ours, t_ref = timed_pair(lambda _: ours.prefill(p), lambda _: ref.prefill(p), device, repeats, now)
         rows.append(Row(name, f"prefill {n} tok", "ms", t_ours * 1e3, t_ref * 1e3, False))
         print(f"[{name}] prefill {n}: ours {t_ours * 1e3:.1f} ms, transformers {t_ref * 1e3:.1f} ms", file=sys.stderr)
 
@@ -196,8 +198,8 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
         agree = ours.decode(p, first_ours, steps) == ref.decode(first_ref, steps)
         # Decode only is timed. Ours rewrites the same slots after the intact prompt blocks;
         # transformers' cache grows in place, so each run gets a fresh copy (made untimed).
-        t_ours = timed(lambda: ours.decode(p, first_ours, steps), device, repeats, now)
-        t_ref = timed(lambda st: ref.decode(st, steps), device, repeats, now, setup=lambda: ref.prefill(p))
+        t_ours, t_ref = timed_pair(lambda _: ours.decode(p, first_ours, steps), lambda st: ref.decode(st, steps),
+                                   device, repeats, now, setup_ref=lambda: ref.prefill(p))
         label = "decode single-stream" if batch == 1 else f"decode batch {batch}"
         rows.append(Row(name, label, "tok/s", batch * steps / t_ours, batch * steps / t_ref, True))
         print(f"[{name}] {label}: ours {batch * steps / t_ours:.1f} tok/s, transformers "
@@ -233,7 +235,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-prompt", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=0, help="timed runs per figure (median); 0: 3, or 1 at 1.1B")
+    ap.add_argument("--repeats", type=int, default=0, help="timed runs per figure (median); 0: 5, or 2 at 1.1B")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, a fair "

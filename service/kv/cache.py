@@ -155,9 +155,12 @@ class KVPool:
         v_cache.index_put_((layout.slot_blocks, layout.slot_offsets), v.reshape(-1, self.num_kv_heads, self.head_dim))
         if layout.fresh:
             return k, v
-        # (B, nb, bs, n_kv, hd) -> (B, nb*bs, n_kv, hd) -> (B, C, n_kv, hd)
-        k_ctx = k_cache[layout.ctx_blocks].flatten(1, 2)[:, : layout.ctx_len]
-        v_ctx = v_cache[layout.ctx_blocks].flatten(1, 2)[:, : layout.ctx_len]
+        # index_select over the flat block list (several times faster on CPU than
+        # advanced indexing): (B*nb, bs, n_kv, hd) -> (B, nb*bs, n_kv, hd) -> (B, C, n_kv, hd)
+        B = layout.ctx_blocks.shape[0]
+        ids = layout.ctx_blocks.view(-1)
+        k_ctx = k_cache.index_select(0, ids).view(B, -1, self.num_kv_heads, self.head_dim)[:, : layout.ctx_len]
+        v_ctx = v_cache.index_select(0, ids).view(B, -1, self.num_kv_heads, self.head_dim)[:, : layout.ctx_len]
         return k_ctx, v_ctx
 
     # ---- export / import (the cache store's unit) -----------------------------------
@@ -332,7 +335,7 @@ class BatchLayout:
                 mask = allowed  # (B, T, T)
         else:
             ctx_len = max(totals)
-            ctx_blocks = table[:, : math.ceil(ctx_len / block_size)]
+            ctx_blocks = table[:, : math.ceil(ctx_len / block_size)].contiguous()
             if not (B == 1 and T == 1):  # a lone decode token sees its whole (sliced) context
                 c_idx = torch.arange(ctx_len, device=device)
                 mask = c_idx[None, None, :] <= positions[:, :, None]  # (B, T, C)
