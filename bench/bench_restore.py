@@ -85,8 +85,7 @@ def run_once(eng: LLMEngine, tokens: list[int], rid: str) -> Finished:
 
 
 def spill(eng: LLMEngine, tokens: list[int], tier: str) -> None:
-    got: list[int] = []
-    eng.spill(tokens, "", (tier,), got.append)
+    eng.spill(tokens, "", (tier,), lambda n, held: None)
     assert eng.store.flush(120), "spill did not finish"
     eng.step()
 

@@ -87,6 +87,15 @@ def choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+def parse_tiers(text: str) -> tuple[str, ...]:
+    """``"host,redis"`` -> ("host", "redis")."""
+    tiers = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in tiers if t not in ("host", "redis")]
+    if bad:
+        raise ValueError(f"unknown tier {bad[0]!r} (choose from host, redis)")
+    return tiers
+
+
 def format_bytes(n: int) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:
@@ -130,6 +139,14 @@ class ServerConfig:
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     drain_timeout: float = setting(30.0, "On SIGTERM/SIGINT, seconds in-flight streams get to finish (30, 30s, 500ms, 2m).", parse_duration, metavar="SECONDS")
     log_level: str = setting("info", "Log level: debug, info, warning or error.", choice("debug", "info", "warning", "error"))
+    torch_threads: int = setting(0, "CPU threads for torch's intra-op work (0 = torch's default, one per core).", int)
+    host_cache_memory: int = setting(1 << 30, "Bytes of host memory for the host KV tier (0 = off; pinned when the device is CUDA).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    redis_url: str | None = setting(None, "Redis for the shared KV tier and session transcripts: redis://[:password@]host:port/db, rediss:// for TLS (empty = off).", parse_optional_str, metavar="URL")
+    redis_cluster: bool = setting(False, "Treat --redis-url as a Redis Cluster seed node.", parse_bool)
+    redis_ttl: float = setting(24 * 3600.0, "Expiry of KV blocks and session records in Redis (0 = none; rely on maxmemory eviction).", parse_duration, metavar="SECONDS")
+    redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
+    spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
+    spill_to: tuple[str, ...] = setting(("host", "redis"), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -145,6 +162,12 @@ class ServerConfig:
             ("default_max_new_tokens", self.default_max_new_tokens > 0, "must be > 0"),
             ("max_queue", self.max_queue >= 0, "must be >= 0"),
             ("drain_timeout", math.isfinite(self.drain_timeout) and self.drain_timeout >= 0, "must be >= 0"),
+            ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
+            ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
+            ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),
+            ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
+            ("redis_url", self.redis_url is None or self.redis_url.split("://")[0] in ("redis", "rediss", "unix"),
+             "must start with redis://, rediss:// or unix://"),
         ]  # fmt: skip
         for name, ok, why in checks:
             if not ok:
@@ -204,6 +227,13 @@ class ServerConfig:
             max_model_len=self.max_model_len,
             max_new_tokens_limit=self.max_new_tokens_limit,
             max_queue=self.max_queue,
+            host_cache_memory=self.host_cache_memory,
+            redis_url=self.redis_url,
+            redis_cluster=self.redis_cluster,
+            redis_ttl_s=self.redis_ttl,
+            redis_key_prefix=self.redis_key_prefix,
+            spill_after_s=self.spill_after,
+            spill_to=self.spill_to,
         )
 
     def replace(self, **changes: Any) -> ServerConfig:

@@ -62,6 +62,85 @@ class EngineStatsCollector:
         )
 
 
+class CacheStoreCollector:
+    """Per-tier cache statistics read from the engine and its store at scrape time:
+    lookups and hits (the denominator is ``kvserve_prompt_tokens``), restore bytes and
+    seconds, writes, spills, evictions, failures by reason, Redis errors and breaker
+    state, and what each tier holds."""
+
+    def __init__(self, engine, prefix: str = "kvserve") -> None:  # engine: AsyncEngine
+        self._engine = engine
+        self._p = prefix
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        p = self._p
+        eng = self._engine.engine
+        st = eng.store.stats() if eng.store is not None else None
+        tiers = st.tiers if st is not None else {}
+
+        def family(kind, name, doc, extra_labels=()):
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            return cls(f"{p}_{name}", doc, labels=["tier", *extra_labels])
+
+        hits = family("counter", "cache_tier_hit_blocks", "Blocks found (and verified) in a tier.")
+        misses = family("counter", "cache_tier_miss_blocks", "Blocks looked for and not usable in a tier.")
+        read_b = family("counter", "cache_restore_bytes", "Bytes restored from a tier.")
+        read_s = family("counter", "cache_restore_seconds", "Seconds spent restoring from a tier.")
+        write_b = family("counter", "cache_write_bytes", "Bytes written into a tier.")
+        puts = family("counter", "cache_put_blocks", "Blocks newly stored in a tier.")
+        evict = family("counter", "cache_evicted_blocks", "Blocks a tier dropped to make room (the device and host demote them).")
+        errors = family("counter", "cache_tier_errors", "Backend errors (connection, timeout, server error).")
+        fails = family("counter", "cache_restore_failures", "Blocks that could not be used, by reason.", ["reason"])
+        held_b = family("gauge", "cache_bytes_held", "Bytes of KV held by a tier (where known cheaply).")
+        held_n = family("gauge", "cache_blocks_held", "KV blocks held by a tier (where known cheaply).")
+        rate = family("gauge", "cache_restore_rate_bytes_per_second", "Measured restore rate (EWMA) per tier.")
+
+        bpb = eng.pool.bytes_per_block
+        used = eng.blocks.num_usable - eng.blocks.num_free + eng.blocks.num_cached_idle
+        held_n.add_metric(["device"], used)
+        held_b.add_metric(["device"], used * bpb)
+        evict.add_metric(["device"], eng.blocks.num_evicted)
+        for name, t in tiers.items():
+            hits.add_metric([name], t.hits)
+            misses.add_metric([name], t.misses)
+            read_b.add_metric([name], t.bytes_out)
+            read_s.add_metric([name], t.read_seconds)
+            write_b.add_metric([name], t.bytes_in)
+            puts.add_metric([name], t.puts)
+            evict.add_metric([name], t.evictions)
+            errors.add_metric([name], t.errors)
+            for reason, n in sorted(t.failures.items()):
+                fails.add_metric([name, reason], n)
+            if t.bytes_held is not None:
+                held_b.add_metric([name], t.bytes_held)
+            if t.blocks_held is not None:
+                held_n.add_metric([name], t.blocks_held)
+            if name in st.restore_rates:
+                rate.add_metric([name], st.restore_rates[name])
+        yield from (hits, misses, read_b, read_s, write_b, puts, evict, errors, fails, held_b, held_n, rate)
+
+        if st is not None:
+            w = st.writer
+            yield GaugeMetricFamily(f"{p}_cache_writer_queued_blocks", "Blocks waiting for the background writer.", value=w.queued_blocks)
+            yield CounterMetricFamily(f"{p}_cache_spilled_blocks", "Blocks accepted for background spill (idle sessions, drain).", value=w.submitted_blocks)
+            yield CounterMetricFamily(f"{p}_cache_spill_dropped_blocks", "Blocks not spilled because the writer queue was full.", value=w.dropped_blocks)
+            yield CounterMetricFamily(f"{p}_cache_demoted_blocks", "Host evictions queued for Redis.", value=w.demoted_blocks)
+            redis = tiers.get("redis")
+            if redis is not None:
+                breaker = GaugeMetricFamily(f"{p}_redis_breaker_open", "1 while the Redis circuit breaker skips Redis.", labels=["state"])
+                for state in ("closed", "open", "half_open"):
+                    breaker.add_metric([state], 1.0 if redis.breaker_state == state else 0.0)
+                yield breaker
+                yield CounterMetricFamily(f"{p}_redis_breaker_opens", "Times the Redis breaker opened.", value=redis.breaker_opens)
+        yield CounterMetricFamily(
+            f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",
+            value=eng.num_restores_skipped,
+        )
+
+
 class ServiceMetrics:
     """The service's metrics. Create one per server; pass it to the servicer."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -32,7 +33,14 @@ from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service.config import ServerConfig
 from service.metrics import ServiceMetrics
 from service.servicer import SERVICE_NAME, GenerationServicer
-from service.sessions import InMemorySessionStore, SessionManager, SessionStore
+from service.sessions import (
+    FallbackSessionStore,
+    InMemorySessionStore,
+    RedisSessionStore,
+    SessionManager,
+    SessionStore,
+)
+from service.spill import SpillScheduler
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ class RunningServer:
     servicer: GenerationServicer
     sessions: SessionManager
     metrics: ServiceMetrics
+    spill: SpillScheduler
     health: health.aio.HealthServicer
     server: grpc.aio.Server
     metrics_port: int | None = None
@@ -67,10 +76,17 @@ class RunningServer:
         self.servicer.start_draining()  # new calls: UNAVAILABLE
         if self.servicer.inflight:
             log.info("draining %d stream(s) for up to %.1f s", self.servicer.inflight, grace)
+        t0 = time.monotonic()
         if not await self.servicer.wait_idle(grace):
             log.warning("drain timeout: stopping %d stream(s) still in flight", self.servicer.inflight)
             self.servicer.abort_inflight()
             await self.servicer.wait_idle(_STOP_GRACE_S)
+        await self.spill.stop()
+        # Write the blocks of sessions this replica served to Redis, so another replica
+        # (or this one restarted) resumes them without prefill; bounded by the time left.
+        left = max(grace - (time.monotonic() - t0), 1.0)
+        if not await self.spill.persist_all(left):
+            log.warning("drain: not every session's blocks reached Redis within %.1f s", left)
         if self.owns_engine:
             await self.engine.shutdown(0.0)
         await self.server.stop(_STOP_GRACE_S)
@@ -109,18 +125,38 @@ async def serve(
     if engine is None:
         from service.engine import build_engine
 
+        if config.torch_threads:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)
         engine = await build_engine(config.engine_config())
     running: RunningServer | None = None
     try:
         metrics = metrics or ServiceMetrics()
         metrics.watch_engine(engine.stats)
+        if engine.store is not None:
+            from service.metrics import CacheStoreCollector
+
+            metrics.register(CacheStoreCollector(engine))
+        if session_store is None and config.redis_url:
+            session_store = FallbackSessionStore(
+                RedisSessionStore.from_url(
+                    config.redis_url,
+                    key_prefix=config.redis_key_prefix,
+                    ttl_s=config.redis_ttl or None,
+                    cluster=config.redis_cluster,
+                )
+            )
         sessions = SessionManager(session_store or InMemorySessionStore())
+        spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
+        spill.start()
         servicer = GenerationServicer(
             engine,
             sessions,
             metrics,
             default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens_limit),
             max_new_tokens_limit=config.max_new_tokens_limit,
+            spill=spill,
         )
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
@@ -144,6 +180,7 @@ async def serve(
             servicer=servicer,
             sessions=sessions,
             metrics=metrics,
+            spill=spill,
             health=health_servicer,
             server=server,
             metrics_port=metrics_port,

@@ -51,6 +51,7 @@ from service.engine.types import (
     Timings,
 )
 from service.metrics import ServiceMetrics
+from service.spill import SpillScheduler
 from service.sessions import (
     InvalidSessionId,
     SessionBusy,
@@ -146,6 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         default_max_new_tokens: int,
         max_new_tokens_limit: int,
         tenant_of: Callable[[grpc.aio.ServicerContext], str] = lambda context: "",
+        spill: SpillScheduler | None = None,
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -153,6 +155,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.default_max_new_tokens = default_max_new_tokens
         self.max_new_tokens_limit = max_new_tokens_limit
         self._tenant_of = tenant_of
+        self._spill = spill
+        self._session_salts: dict[tuple[str, str], str] = {}  # last cache salt per session
         self._draining = False
         self._inflight: set[str] = set()  # request ids of Generate streams being served
         self._idle = asyncio.Event()
@@ -231,11 +235,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             new_tokens = self._input_tokens(request, transcript)
             prompt = transcript + new_tokens
             sampling = self._fit_to_context(sampling, request.sampling, transcript, new_tokens, session_id)
+            cache_salt = self.cache_salt(owner, request.cache_salt)
             req = GenerationRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt,
                 sampling=sampling,
-                cache_salt=request.cache_salt,
+                cache_salt=cache_salt,
                 session_id=session_id or None,
             )
             self.engine.validate(req)
@@ -265,7 +270,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         # the stream, so its next turn never finds the session busy.
                         if turn is not None:
                             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                                await self.sessions.commit_turn(turn, prompt, event.output_token_ids)
+                                rec = await self.sessions.commit_turn(turn, prompt, event.output_token_ids)
+                                self._session_salts[(owner, session_id)] = cache_salt
+                                if self._spill is not None:
+                                    self._spill.touch(owner, session_id, rec.token_ids, cache_salt)
                             await self.sessions.end_turn(turn)
                             turn = None
                         self._check_finish(event, request_id)
@@ -285,6 +293,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 f"the server shut down before this stream finished (drain timeout passed) after "
                 f"{event.completion_tokens} tokens; request id {request_id}",
             )
+
+    @staticmethod
+    def cache_salt(owner: str, request_salt: str) -> str:
+        """The block-hash namespace salt: the tenant always, plus the request's own salt.
+        KV is never shared across tenants or across different request salts."""
+        return f"tenant={owner}\x00salt={request_salt}" if (owner or request_salt) else ""
 
     def _input_tokens(self, request: pb.GenerateRequest, transcript: list[int]) -> list[int]:
         """The new input as token ids (appended to ``transcript``), checked."""
@@ -414,8 +428,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.GetSessionResponse:
         async def handle() -> pb.GetSessionResponse:
-            rec, busy = await self.sessions.get(self._tenant_of(context), request.session_id)
-            return pb.GetSessionResponse(session=self._session_pb(rec, busy, request.include_token_ids))
+            owner = self._tenant_of(context)
+            rec, busy = await self.sessions.get(owner, request.session_id)
+            salt = self._session_salts.get((owner, rec.session_id), self.cache_salt(owner, ""))
+            where = await self.engine.block_locations(rec.token_ids, salt)
+            return pb.GetSessionResponse(
+                session=self._session_pb(rec, busy, request.include_token_ids, where)
+            )
 
         return await self._unary("GetSession", context, handle)
 
@@ -423,7 +442,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSessionResponse:
         async def handle() -> pb.DeleteSessionResponse:
-            await self.sessions.delete(self._tenant_of(context), request.session_id)
+            owner = self._tenant_of(context)
+            await self.sessions.delete(owner, request.session_id)
+            self._session_salts.pop((owner, request.session_id), None)
+            if self._spill is not None:
+                self._spill.forget(owner, request.session_id)
             return pb.DeleteSessionResponse()
 
         return await self._unary("DeleteSession", context, handle)
@@ -446,9 +469,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
         return await self._unary("ListSessions", context, handle)
 
-    def _session_pb(self, rec: SessionRecord, busy: bool, include_tokens: bool) -> pb.Session:
-        # Where the blocks are (cached_blocks) is filled in once the cache store can be
-        # asked (issue 4); full_blocks is the denominator.
+    def _session_pb(
+        self, rec: SessionRecord, busy: bool, include_tokens: bool, where: dict[str, int] | None = None
+    ) -> pb.Session:
+        # cached_blocks: how many of the transcript's full blocks each tier holds
+        # (GetSession asks the engine and the store; listings leave it empty).
         return pb.Session(
             session_id=rec.session_id,
             token_count=len(rec.token_ids),
@@ -456,7 +481,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             create_time=_timestamp(rec.created_at),
             last_use_time=_timestamp(rec.last_used_at),
             state=pb.SESSION_STATE_BUSY if busy else pb.SESSION_STATE_IDLE,
-            cached_blocks=pb.TierCounts(),
+            cached_blocks=pb.TierCounts(**(where or {})),
             full_blocks=len(rec.token_ids) // self.engine.model_info.block_size,
             token_ids=rec.token_ids if include_tokens else (),
         )

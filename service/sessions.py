@@ -294,12 +294,14 @@ class RedisSessionStore:
 
     @classmethod
     def from_url(cls, url: str, *, key_prefix: str = "kvserve:", ttl_s: float | None = None,
-                 socket_timeout_s: float = 5.0) -> RedisSessionStore:  # fmt: skip
+                 socket_timeout_s: float = 2.0, cluster: bool = False) -> RedisSessionStore:  # fmt: skip
         import redis.asyncio as aioredis
 
-        client = aioredis.Redis.from_url(
-            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
-        )
+        kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        if cluster:
+            client = aioredis.RedisCluster.from_url(url, **kwargs)
+        else:
+            client = aioredis.Redis.from_url(url, **kwargs)
         return cls(client, key_prefix=key_prefix, ttl_s=ttl_s, owns_client=True)
 
     def _key(self, kind: str, owner: str, session_id: str = "") -> str:
@@ -379,6 +381,74 @@ class RedisSessionStore:
     async def close(self) -> None:
         if self._owns_client:
             await self._r.aclose()
+
+
+class FallbackSessionStore:
+    """Redis as the source of truth, this process's memory as the fallback.
+
+    Every write goes to both; reads and locks go to Redis and fall back to memory when
+    Redis fails (down, timing out). So while Redis is away, sessions this replica
+    served keep working here (turns are not refused), and a write that missed Redis is
+    written again by the session's next successful turn. What cannot be had while Redis
+    is down: sessions only another replica served.
+    """
+
+    def __init__(self, primary: SessionStore, local: InMemorySessionStore | None = None) -> None:
+        self.primary = primary
+        self.local = local or InMemorySessionStore()
+        self.primary_errors = 0
+
+    async def _try(self, what: str, call):
+        try:
+            return True, await call()
+        except Exception as e:  # noqa: BLE001 - any backend failure falls back
+            self.primary_errors += 1
+            log.warning("session store: Redis %s failed (%s); using this replica's copy", what, e)
+            return False, None
+
+    async def get(self, owner: str, session_id: str) -> SessionRecord | None:
+        ok, rec = await self._try("get", lambda: self.primary.get(owner, session_id))
+        if ok and rec is not None:
+            return rec
+        local = await self.local.get(owner, session_id)
+        if ok and local is not None and rec is None:
+            return local  # Redis lost it (eviction, restart); ours is still good
+        return local if not ok else rec
+
+    async def put(self, rec: SessionRecord) -> None:
+        await self.local.put(rec)
+        await self._try("put", lambda: self.primary.put(rec))
+
+    async def delete(self, owner: str, session_id: str) -> bool:
+        here = await self.local.delete(owner, session_id)
+        ok, there = await self._try("delete", lambda: self.primary.delete(owner, session_id))
+        return bool(there) or here
+
+    async def list(self, owner: str, page_size: int, page_token: str = "") -> tuple[list[SessionRecord], str]:
+        ok, page = await self._try("list", lambda: self.primary.list(owner, page_size, page_token))
+        return page if ok else await self.local.list(owner, page_size, page_token)
+
+    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+        ok, got = await self._try("lock", lambda: self.primary.try_lock(owner, session_id, holder, ttl_s))
+        if ok:
+            return bool(got)
+        return await self.local.try_lock(owner, session_id, holder, ttl_s)
+
+    async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+        ok, got = await self._try("lock refresh", lambda: self.primary.refresh_lock(owner, session_id, holder, ttl_s))
+        return bool(got) if ok else await self.local.refresh_lock(owner, session_id, holder, ttl_s)
+
+    async def unlock(self, owner: str, session_id: str, holder: str) -> None:
+        await self.local.unlock(owner, session_id, holder)
+        await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
+
+    async def is_locked(self, owner: str, session_id: str) -> bool:
+        ok, got = await self._try("lock check", lambda: self.primary.is_locked(owner, session_id))
+        return bool(got) if ok else await self.local.is_locked(owner, session_id)
+
+    async def close(self) -> None:
+        await self.primary.close()
+        await self.local.close()
 
 
 # ----------------------------------------------------------------------------- the table

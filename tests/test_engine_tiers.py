@@ -42,7 +42,7 @@ def store_for(loaded, *, host_blocks=0, redis_url=None):
 def spill_now(engine, tokens, tiers=("redis",)):
     """Write a transcript's device blocks out and wait for the writer."""
     got = []
-    engine.spill(tokens, "", tiers, got.append)
+    engine.spill(tokens, "", tiers, lambda n, held: got.append(n))
     assert engine.store.flush(30)
     engine.step()  # releases the references the spill held
     return got[0]

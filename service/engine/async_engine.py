@@ -132,16 +132,18 @@ class AsyncEngine:
 
     # ---- the cache store -------------------------------------------------------------
 
-    async def spill(self, token_ids: list[int], cache_salt: str, tiers: tuple[str, ...]) -> int:
-        """Queue the device blocks of a transcript for writing to ``tiers`` (background);
-        returns how many blocks were queued."""
+    async def spill(
+        self, token_ids: list[int], cache_salt: str, tiers: tuple[str, ...]
+    ) -> tuple[int, dict[str, int]]:
+        """Write the device blocks of a transcript to ``tiers`` (by the store's background
+        writer) and wait until it is through: (blocks, how many each tier now holds)."""
         if self.engine.store is None:
-            return 0
+            return 0, {}
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[int] = loop.create_future()
+        fut: asyncio.Future[tuple[int, dict[str, int]]] = loop.create_future()
 
-        def done(n: int) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(n))
+        def done(n: int, held: dict[str, int]) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((n, held)))
 
         self.engine.call_soon(lambda: self.engine.spill(token_ids, cache_salt, tiers, done))
         return await fut

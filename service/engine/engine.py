@@ -639,32 +639,38 @@ class LLMEngine:
         return len(self.blocks.match_prefix(block_hashes(ns, token_ids, self.block_size)))
 
     def spill(
-        self, token_ids: list[int], cache_salt: str, tiers: tuple[str, ...], done: Callable[[int], None]
+        self,
+        token_ids: list[int],
+        cache_salt: str,
+        tiers: tuple[str, ...],
+        done: Callable[[int, dict[str, int]], None],
     ) -> None:
         """Write the device blocks of this transcript to ``tiers`` in the background.
+
         Must run on the engine thread (use ``call_soon``). The blocks are pinned (a
-        reference is taken) until the store has copied them, so they cannot be evicted
-        or overwritten meanwhile. ``done(n_submitted)`` is called on the engine thread."""
+        reference is taken) until the store's writer has copied them, so they cannot be
+        evicted or overwritten meanwhile. ``done(n_blocks, held)`` is called once the
+        writer is through (on its thread), with how many of the blocks each tier holds
+        afterwards (``{}`` when nothing could be queued).
+        """
         if self.store is None:
-            done(0)
+            done(0, {})
             return
         ns = self.namespace(cache_salt)
-        hashes = block_hashes(ns, token_ids, self.block_size)
-        held = self.blocks.match_prefix(hashes)
+        held = self.blocks.match_prefix(block_hashes(ns, token_ids, self.block_size))
         if not held:
-            done(0)
+            done(0, {})
             return
         self.blocks.touch(held)
         items = [(ns, b.block_hash, self.pool.data[b.block_id]) for b in held]
 
-        def release(_ok: bool = True) -> None:
+        def written(result) -> None:
             self.call_soon(lambda: self.blocks.free(held))
+            done(len(held), dict(result.held))
 
-        if not self.store.submit_spill(items, tiers, on_done=release):
+        if not self.store.submit_spill(items, tiers, on_done=written):
             self.blocks.free(held)
-            done(0)
-            return
-        done(len(held))
+            done(len(held), {})
 
     def fail_all(self, error: str) -> Emitted:
         """Finish every sequence with an error (the engine loop hit a bug)."""
