@@ -31,24 +31,14 @@ log = logging.getLogger(__name__)
 EvictCallback = Callable[[BlockRef, torch.Tensor], None]
 
 
-def _byte_view(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; between contiguous CPU tensors a plain memcpy through numpy,
-    which skips torch's intra-op thread pool (slower than one thread for blocks of a
-    few hundred KB, and much slower when the cores are busy) and releases the GIL."""
-    if (
-        dst.device.type == "cpu"
-        and src.device.type == "cpu"
-        and dst.dtype == src.dtype
-        and dst.is_contiguous()
-        and src.is_contiguous()
-    ):
-        np.copyto(_byte_view(dst), _byte_view(src))
-    else:
-        dst.copy_(src)
+def _cpu_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """A uint8 numpy view of a contiguous CPU tensor (last dim in bytes), or None when
+    the tensor is elsewhere or strided. Copies between such views are plain memcpy,
+    skipping torch's intra-op thread pool (slower than one thread for blocks of a few
+    hundred KB, and far slower when the cores are busy) and releasing the GIL."""
+    if not (t.is_cpu and t.is_contiguous()):
+        return None
+    return t.view(torch.uint8).numpy()
 
 
 class HostTier(BlockTier):
@@ -79,6 +69,8 @@ class HostTier(BlockTier):
             (self.capacity_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory
         )
         self._slots: list[torch.Tensor] = list(self._slab.unbind(0))
+        self._slot_bytes: list[np.ndarray] = [t.view(torch.uint8).numpy() for t in self._slots]
+        self._torch_shape = torch.Size(self.block_shape)
         self._free: list[int] = list(range(self.capacity_blocks - 1, -1, -1))
         self._lru: OrderedDict[BlockRef, int] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
@@ -107,13 +99,17 @@ class HostTier(BlockTier):
         n = 0
         for ref, out in zip(refs, outs):
             self._check_block(out, "out")
+            dst = _cpu_bytes(out)
             with self._lock:
                 slot = self._lru.get(ref)
                 if slot is None:
                     break
                 self._lru.move_to_end(ref)
                 # Copy under the lock: the slot cannot be evicted and reused meanwhile.
-                _copy_block(out, self._slots[slot])
+                if dst is not None:
+                    np.copyto(dst, self._slot_bytes[slot])
+                else:
+                    out.copy_(self._slots[slot])
             n += 1
         self._counters.add(hits=n, bytes_out=n * self.block_nbytes)
         if n < len(refs):
@@ -163,7 +159,11 @@ class HostTier(BlockTier):
                 except Exception:  # noqa: BLE001 - a demotion failure must not fail the put
                     log.exception("host tier on_evict callback failed")
                     self._counters.fail("evict_callback")
-        _copy_block(self._slots[slot], value)
+        src = _cpu_bytes(value)
+        if src is not None:
+            np.copyto(self._slot_bytes[slot], src)
+        else:
+            self._slots[slot].copy_(value)
         with self._lock:
             if ref in self._lru:  # another thread stored it meanwhile: keep theirs
                 self._free.append(slot)
@@ -195,7 +195,7 @@ class HostTier(BlockTier):
         return self._counters.snapshot(blocks_held=n, bytes_held=n * self.block_nbytes)
 
     def _check_block(self, t: torch.Tensor, what: str) -> None:
-        if tuple(t.shape) != self.block_shape or t.dtype != self.dtype:
+        if t.shape != self._torch_shape or t.dtype != self.dtype:
             raise ValueError(
                 f"{what} must be {self.block_shape} {self.dtype}, got {tuple(t.shape)} {t.dtype}"
             )

@@ -282,15 +282,17 @@ def test_fuzz_random_bytes_behind_a_valid_prefix(tail: bytes) -> None:
 
 @st.composite
 def mutations(draw: st.DrawFn, data: bytes, limit: int | None = None) -> bytes:
-    """One random edit of ``data`` starting before ``limit`` (default: anywhere)."""
+    """One random edit of ``data`` that changes no byte at or past ``limit`` (default:
+    anywhere); insertions and deletions before it still shift what follows."""
     kind = draw(st.sampled_from(["flip", "set", "truncate", "insert", "delete", "splice"]))
     n = len(data)
-    pos = draw(st.integers(0, min(n, limit or n) - 1))
+    hi = min(n, limit or n)
+    pos = draw(st.integers(0, hi - 1))
     if kind == "flip":
         bit = draw(st.integers(0, 7))
         return data[:pos] + bytes([data[pos] ^ (1 << bit)]) + data[pos + 1 :]
     if kind == "set":
-        chunk = draw(st.binary(min_size=1, max_size=64))
+        chunk = draw(st.binary(min_size=1, max_size=64))[: hi - pos]
         return data[:pos] + chunk + data[pos + len(chunk) :]
     if kind == "truncate":
         return data[:pos]
@@ -299,7 +301,7 @@ def mutations(draw: st.DrawFn, data: bytes, limit: int | None = None) -> bytes:
     if kind == "delete":
         k = draw(st.integers(1, 64))
         return data[:pos] + data[pos + k :]
-    end = draw(st.integers(pos, n))
+    end = draw(st.integers(pos, hi))
     return data[:pos] + data[pos:end][::-1] + data[end:]
 
 
