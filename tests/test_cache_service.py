@@ -40,7 +40,7 @@ def full(n):
 def test_idle_session_spills_to_host_and_returns_from_it(tiny_llama_dir):
     # a pool of 40 blocks: the other conversation evicts the session's idle blocks
     cfg = tiny_config(tiny_llama_dir, kv_cache_memory=40 * BLOCK_SIZE * 512, host_cache_memory=1 << 20,
-                      spill_after=0.05, spill_to=("host",))
+                      spill_after=0.05, spill_to=("host",), restore_policy="always")
     with ServerThread(cfg) as srv, KVServeClient(srv.address, timeout=60) as c:
         c.chat("s", MSGS[0], max_new_tokens=10)
         t1 = transcript(c, "s")
@@ -59,7 +59,8 @@ def test_idle_session_spills_to_host_and_returns_from_it(tiny_llama_dir):
 def test_restart_resumes_from_redis_after_sigterm(tiny_llama_dir, redis_url):
     args = ["--model", str(tiny_llama_dir), "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
             "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "1MiB",
-            "--redis-url", redis_url, "--spill-after", "1h", "--host-cache-memory", "0"]  # fmt: skip
+            "--redis-url", redis_url, "--spill-after", "1h", "--host-cache-memory", "0",
+            "--restore-policy", "always"]  # fmt: skip
     proc, port, _ = start_server_process(args)
     try:
         with KVServeClient(f"127.0.0.1:{port}", timeout=60) as c:

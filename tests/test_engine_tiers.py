@@ -18,11 +18,18 @@ from tests.engine_util import (
     bytes_per_token,
     finished,
     greedy_reference,
-    make_engine,
     prompts,
     req,
     run,
 )
+from tests.engine_util import make_engine as _make_engine
+
+
+def make_engine(loaded, store=None, **kw):
+    """These tests are about restore mechanics: restore every hit, whatever the rates
+    (the rate-based choice has its own test below)."""
+    kw.setdefault("restore_policy", "always")
+    return _make_engine(loaded, store=store, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -211,4 +218,23 @@ def test_redis_at_maxmemory_evicting_keys(loaded, make_redis_server):
         nxt = transcripts[i] + [11]
         evs = run(b, [req(f"r{i}", nxt, n=3)])[f"r{i}"]
         assert finished(evs).output_token_ids == greedy_reference(loaded.model, nxt, 3)
+    b.close()
+
+
+def test_auto_policy_recomputes_when_the_tier_is_slower(loaded, redis_url):
+    from cachestore.tiered import TieredStore
+
+    a = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
+    transcript, prompt, n = two_turns(loaded, a, a, seed=11)
+    spill_now(a, transcript)
+    a.close()
+    slow = store_for(loaded, redis_url=redis_url)
+    # a Redis that restores at 1 kB/s (as measured) loses to any prefill
+    store = TieredStore(slow.block_shape, slow.dtype, redis=slow.redis, initial_restore_rates={"redis": 1e3})
+    b = make_engine(loaded, store=store, restore_policy="auto")
+    (warm,) = prompts(loaded.config.vocab_size, [40], seed=12)
+    run(b, [req("warm", warm, n=1)])  # measures the prefill rate
+    assert b.prefill_tokens_per_s is not None
+    check_turn2(loaded, b, prompt, n, Tier.REDIS, 0)
+    assert b.num_restores_skipped > 0
     b.close()

@@ -28,7 +28,10 @@ class EngineConfig:
     redis_key_prefix: str = "kvserve:"
     spill_after_s: float = 30.0  # idle seconds before a session's blocks are written out
     spill_to: tuple[str, ...] = ("host", "redis")
-    restore_min_speedup: float = 1.0  # restore only when estimated faster than recompute by this
+    # "auto": restore a tier's blocks only when the measured rates say it beats
+    # recomputing them (by restore_min_speedup); "always": restore every hit.
+    restore_policy: str = "auto"
+    restore_min_speedup: float = 1.0
 
     def resolved_model_path(self) -> Path:
         return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR

@@ -369,6 +369,8 @@ class LLMEngine:
         slower than recomputing those tokens (by the measured rates)."""
         plan = list(self.store.match_prefix(namespace, hashes))
         rate = self.prefill_tokens_per_s
+        if self.cfg.restore_policy == "always":
+            rate = None
         while plan and rate is not None:
             counts: dict[str, int] = {}
             for t in plan:
