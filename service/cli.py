@@ -3,6 +3,8 @@
     kvserve serve [flags]          run the gRPC server (every flag also reads KVSERVE_*)
     kvserve config [flags]         print the effective settings (flags + environment)
     kvserve config --markdown      print the settings table (docs/configuration.md)
+    kvserve hash-key [--tenant T]  print the stored (hashed) form of an API key read
+                                   from stdin; --generate makes a new key
 
 ``python -m service [flags]`` is ``kvserve serve [flags]``.
 """
@@ -35,7 +37,35 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="print the effective settings, or the settings table")
     config.add_argument("--markdown", action="store_true", help="print the settings table as Markdown")
     ServerConfig.argument_parser(config)
+    hash_key = sub.add_parser(
+        "hash-key",
+        help="print the hashed form of an API key (a line of the --api-keys-file)",
+        description="Read an API key from stdin (or --generate a new one) and print the line to put in "
+        "the --api-keys-file: TENANT:SHA256HEX (just the hash without --tenant). The server stores only this hash.",
+    )
+    hash_key.add_argument("--tenant", help="tenant the key belongs to (prints tenant:hash)")
+    hash_key.add_argument("--generate", action="store_true", help="make a new random key and print it first")
     return parser
+
+
+def _hash_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from service.auth import ApiKeysError, check_tenant, generate_key, hash_key
+
+    if args.tenant is not None:
+        try:
+            check_tenant(args.tenant, "--tenant")
+        except ApiKeysError as e:
+            parser.error(str(e))
+    if args.generate:
+        key = generate_key()
+        print(f"# the new API key (give it to the client; only its hash is stored):\n{key}")
+    else:
+        key = sys.stdin.readline().strip()
+        if not key:
+            parser.error("no key on stdin (or use --generate)")
+    digest = hash_key(key)
+    print(f"{args.tenant}:{digest}" if args.tenant is not None else digest)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -43,6 +73,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     environ = os.environ if environ is None else environ
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "hash-key":
+        return _hash_key(args, parser)
     if args.command == "config" and args.markdown:
         print(ServerConfig.markdown_table(), end="")
         return 0
@@ -64,9 +96,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
 
 async def _serve(config: ServerConfig) -> int:
+    from service.auth import ApiKeysError
     from service.server import run
 
-    return await run(config)
+    try:
+        return await run(config)
+    except (ConfigError, ApiKeysError) as e:  # keys file, TLS files: unusable at startup
+        print(f"kvserve serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from urllib.parse import urlencode
 
 if TYPE_CHECKING:
     from service.engine import EngineConfig
@@ -96,6 +97,21 @@ def parse_tiers(text: str) -> tuple[str, ...]:
     return tiers
 
 
+def parse_names(text: str) -> tuple[str, ...]:
+    """``"a,b"`` -> ("a", "b"); surrounding spaces and empty items dropped."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def mask_url_password(url: str | None) -> str:
+    """``redis://:secret@host`` -> ``redis://:***@host`` (for logs)."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url) if url else "(off)"
+
+
+def format_secret_setting(text: str | None) -> str:
+    """Inline key material is never printed, only its size."""
+    return f"({len(text.splitlines())} lines)" if text else "(off)"
+
+
 def format_bytes(n: int) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:
@@ -141,12 +157,31 @@ class ServerConfig:
     log_level: str = setting("info", "Log level: debug, info, warning or error.", choice("debug", "info", "warning", "error"))
     torch_threads: int = setting(0, "CPU threads for torch's intra-op work (0 = torch's default, one per core).", int)
     host_cache_memory: int = setting(1 << 30, "Bytes of host memory for the host KV tier (0 = off; pinned when the device is CUDA).", parse_bytes, fmt=format_bytes, metavar="BYTES")
-    redis_url: str | None = setting(None, "Redis for the shared KV tier and session transcripts: redis://[:password@]host:port/db, rediss:// for TLS (empty = off).", parse_optional_str, metavar="URL")
+    redis_url: str | None = setting(None, "Redis for the shared KV tier and session transcripts: redis://[:password@]host:port/db, rediss:// for TLS (empty = off).", parse_optional_str, fmt=mask_url_password, metavar="URL")
     redis_cluster: bool = setting(False, "Treat --redis-url as a Redis Cluster seed node.", parse_bool)
-    redis_ttl: float = setting(24 * 3600.0, "Expiry of KV blocks and session records in Redis (0 = none; rely on maxmemory eviction).", parse_duration, metavar="SECONDS")
+    redis_ttl: float = setting(24 * 3600.0, "Expiry of KV blocks in Redis (0 = none; rely on maxmemory eviction). Session records expire after --session-ttl.", parse_duration, metavar="SECONDS")
     redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
+    restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
     spill_to: tuple[str, ...] = setting(("host", "redis"), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
+    # --- tenants, auth and TLS (docs/security.md) ---
+    api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
+    api_keys: str | None = setting(None, "API keys inline, in the --api-keys-file format (added to the file's).", parse_optional_str, fmt=format_secret_setting, metavar="KEYS")
+    shared_cache_salts: tuple[str, ...] = setting((), "Request cache_salt values whose KV namespace is shared by all tenants (e.g. public-system-prompt); everything else is per tenant. Sharing reopens the prefix-cache timing side channel among those requests: see docs/security.md.", parse_names, fmt=",".join, metavar="SALTS")
+    tls_cert: str | None = setting(None, "Server certificate chain (PEM) for TLS; with --tls-key (empty = plaintext).", parse_optional_str, metavar="FILE")
+    tls_key: str | None = setting(None, "Server private key (PEM) for TLS.", parse_optional_str, metavar="FILE")
+    tls_client_ca: str | None = setting(None, "CA bundle (PEM) for mutual TLS: clients must present a certificate it signed.", parse_optional_str, metavar="FILE")
+    redis_tls_ca: str | None = setting(None, "CA bundle (PEM) that signed the Redis server's certificate (rediss:// URLs).", parse_optional_str, metavar="FILE")
+    redis_tls_cert: str | None = setting(None, "Client certificate (PEM) for Redis servers that require one (rediss:// URLs).", parse_optional_str, metavar="FILE")
+    redis_tls_key: str | None = setting(None, "Private key (PEM) of --redis-tls-cert.", parse_optional_str, metavar="FILE")
+    # --- limits (over one: RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming the limit) ---
+    max_prompt_tokens: int = setting(0, "Most prompt tokens of one request, a session's transcript included (0 = only the context length limits it).", int)
+    max_streams: int = setting(0, "Most Generate streams in flight at once, all tenants together (0 = no limit).", int)
+    max_streams_per_tenant: int = setting(0, "Most Generate streams in flight at once per tenant (0 = no limit).", int)
+    max_sessions_per_tenant: int = setting(0, "Most sessions a tenant may hold at once (0 = no limit).", int)
+    max_message_size: int = setting(4 << 20, "Largest gRPC message the server accepts or sends (bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    session_ttl: float = setting(24 * 3600.0, "A session unused this long is removed, transcript and KV blocks (0 = never).", parse_duration, metavar="SECONDS")
+    session_lock_ttl: float = setting(30.0, "Lease of a session's turn lock, renewed while the turn runs; a crashed replica's lock frees itself after this long.", parse_duration, metavar="SECONDS")
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -168,6 +203,19 @@ class ServerConfig:
             ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
             ("redis_url", self.redis_url is None or self.redis_url.split("://")[0] in ("redis", "rediss", "unix"),
              "must start with redis://, rediss:// or unix://"),
+            ("tls_key", bool(self.tls_cert) == bool(self.tls_key), "and --tls-cert / KVSERVE_TLS_CERT must be set together"),
+            ("tls_client_ca", not self.tls_client_ca or bool(self.tls_cert), "needs --tls-cert and --tls-key (mutual TLS is TLS)"),
+            ("redis_tls_key", bool(self.redis_tls_cert) == bool(self.redis_tls_key),
+             "and --redis-tls-cert / KVSERVE_REDIS_TLS_CERT must be set together"),
+            ("redis_tls_ca", not (self.redis_tls_ca or self.redis_tls_cert) or (self.redis_url or "").startswith("rediss://"),
+             "needs a rediss:// --redis-url"),
+            ("max_prompt_tokens", self.max_prompt_tokens >= 0, "must be >= 0"),
+            ("max_streams", self.max_streams >= 0, "must be >= 0"),
+            ("max_streams_per_tenant", self.max_streams_per_tenant >= 0, "must be >= 0"),
+            ("max_sessions_per_tenant", self.max_sessions_per_tenant >= 0, "must be >= 0"),
+            ("max_message_size", self.max_message_size >= 256, "must be >= 256 bytes"),
+            ("session_ttl", math.isfinite(self.session_ttl) and self.session_ttl >= 0, "must be >= 0"),
+            ("session_lock_ttl", math.isfinite(self.session_lock_ttl) and self.session_lock_ttl > 0, "must be > 0"),
         ]  # fmt: skip
         for name, ok, why in checks:
             if not ok:
@@ -228,13 +276,34 @@ class ServerConfig:
             max_new_tokens_limit=self.max_new_tokens_limit,
             max_queue=self.max_queue,
             host_cache_memory=self.host_cache_memory,
-            redis_url=self.redis_url,
+            redis_url=self.redis_connection_url(),
             redis_cluster=self.redis_cluster,
             redis_ttl_s=self.redis_ttl,
             redis_key_prefix=self.redis_key_prefix,
             spill_after_s=self.spill_after,
             spill_to=self.spill_to,
+            restore_policy=self.restore_policy,
         )
+
+    def redis_connection_url(self) -> str | None:
+        """``redis_url`` with the Redis TLS files as ``ssl_*`` query arguments, which
+        redis-py's ``from_url`` applies (and which win over keyword arguments), so the
+        KV tier and the session store connect alike."""
+        if not self.redis_url:
+            return None
+        extra = [
+            (name, value)
+            for name, value in (
+                ("ssl_ca_certs", self.redis_tls_ca),
+                ("ssl_certfile", self.redis_tls_cert),
+                ("ssl_keyfile", self.redis_tls_key),
+            )
+            if value
+        ]
+        if not extra:
+            return self.redis_url
+        sep = "&" if "?" in self.redis_url else "?"
+        return self.redis_url + sep + urlencode(extra)
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
@@ -244,10 +313,7 @@ class ServerConfig:
     def describe(self) -> str:
         """The effective settings, one ``name = value`` line each (for logs and ``kvserve config``)."""
         width = max(len(f.name) for f in dataclasses.fields(self))
-        return "\n".join(
-            f"{f.name:<{width}} = {f.metadata['fmt'](getattr(self, f.name)) if getattr(self, f.name) is not None else '(auto)'}"
-            for f in dataclasses.fields(self)
-        )
+        return "\n".join(f"{f.name:<{width}} = {_fmt_value(f, getattr(self, f.name))}" for f in dataclasses.fields(self))
 
     @classmethod
     def markdown_table(cls) -> str:
@@ -267,10 +333,14 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+def _fmt_value(f: dataclasses.Field, value: Any) -> str:
+    if value is None:
+        return {"max_model_len": "(model's)", "model": "(packaged)"}.get(f.name, "(off)")
+    return f.metadata["fmt"](value) if value != () else "(none)"
+
+
 def _fmt_default(f: dataclasses.Field) -> str:
-    return "(model's)" if f.default is None and f.name == "max_model_len" else (
-        "(packaged)" if f.default is None else f.metadata["fmt"](f.default)
-    )
+    return _fmt_value(f, f.default)
 
 
 def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

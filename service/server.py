@@ -13,6 +13,12 @@ Drain (``RunningServer.shutdown``): health turns NOT_SERVING for every service, 
 calls get UNAVAILABLE, in-flight streams get up to ``drain_timeout`` seconds to finish;
 streams still running then are stopped and end with UNAVAILABLE ("the server shut
 down before this stream finished"); then the engine stops and the port closes.
+
+Security (docs/security.md): API keys (``--api-keys-file`` / ``--api-keys``) are
+checked by ``service.auth.AuthInterceptor`` before any handler runs, health and
+reflection excepted; TLS (``--tls-cert``/``--tls-key``) and mutual TLS
+(``--tls-client-ca``) secure the port; ``--max-message-size`` bounds messages both
+ways; sessions unused for ``--session-ttl`` are reaped here, transcript and KV blocks.
 """
 
 from __future__ import annotations
@@ -25,14 +31,17 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from pathlib import Path
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
-from service.config import ServerConfig
+from service.auth import AuthInterceptor, Authenticator, load_api_keys, tenant_map
+from service.config import ConfigError, ServerConfig
 from service.metrics import ServiceMetrics
-from service.servicer import SERVICE_NAME, GenerationServicer
+from service.servicer import SERVICE_NAME, GenerationServicer, Limits
 from service.sessions import (
     FallbackSessionStore,
     InMemorySessionStore,
@@ -62,8 +71,10 @@ class RunningServer:
     spill: SpillScheduler
     health: health.aio.HealthServicer
     server: grpc.aio.Server
+    authenticator: Authenticator = field(default_factory=Authenticator)
     metrics_port: int | None = None
     owns_engine: bool = True
+    reaper: asyncio.Task | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
     async def shutdown(self, drain_timeout_s: float | None = None) -> None:
@@ -81,6 +92,9 @@ class RunningServer:
             log.warning("drain timeout: stopping %d stream(s) still in flight", self.servicer.inflight)
             self.servicer.abort_inflight()
             await self.servicer.wait_idle(_STOP_GRACE_S)
+        if self.reaper is not None:
+            self.reaper.cancel()
+            await asyncio.gather(self.reaper, return_exceptions=True)
         await self.spill.stop()
         # Write the blocks of sessions this replica served to Redis, so another replica
         # (or this one restarted) resumes them without prefill; bounded by the time left.
@@ -107,6 +121,61 @@ def _client_address(host: str, port: int) -> str:
     return _bind_address(host, port)
 
 
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``--tls-cert``/``--tls-key`` (None: plaintext); with
+    ``--tls-client-ca`` clients must present a certificate that CA signed."""
+    if not config.tls_cert:
+        return None
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read the {what} {path!r}: {e.strerror or e}") from None
+
+    assert config.tls_key is not None  # ServerConfig checks they come together
+    chain, key = read(config.tls_cert, "TLS certificate (--tls-cert)"), read(config.tls_key, "TLS key (--tls-key)")
+    client_ca = read(config.tls_client_ca, "client CA (--tls-client-ca)") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", config.max_message_size),
+        ("grpc.max_send_message_length", config.max_message_size),
+    ]
+
+
+def build_session_store(config: ServerConfig) -> SessionStore:
+    """Redis-backed (with this process as the fallback) when Redis is configured, else
+    in this process's memory; records expire after ``session_ttl``."""
+    ttl = config.session_ttl or None
+    if not config.redis_url:
+        return InMemorySessionStore(ttl_s=ttl)
+    return FallbackSessionStore(
+        RedisSessionStore.from_url(
+            config.redis_connection_url() or config.redis_url,
+            key_prefix=config.redis_key_prefix,
+            ttl_s=ttl,
+            cluster=config.redis_cluster,
+        ),
+        InMemorySessionStore(ttl_s=ttl),
+    )
+
+
+async def _reap_sessions(sessions: SessionManager, servicer: GenerationServicer, period_s: float) -> None:
+    """Remove expired sessions and drop their KV blocks, every ``period_s``."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            for rec in await sessions.reap():
+                dropped = await servicer.forget_session(rec)
+                log.info("session %r of tenant %r expired; KV entries dropped: %s", rec.session_id, rec.owner, dropped)
+        except Exception:
+            log.exception("reaping expired sessions failed")
+
+
 @asynccontextmanager
 async def serve(
     config: ServerConfig,
@@ -119,8 +188,10 @@ async def serve(
 
     ``engine``: an already built ``AsyncEngine`` to serve (it is not shut down on exit);
     by default one is built from ``config.engine_config()`` and owned by the server.
-    ``session_store``: where sessions live (default: in this process's memory).
+    ``session_store``: where sessions live (default: ``build_session_store(config)``).
     """
+    authenticator = Authenticator(load_api_keys(config.api_keys_file, config.api_keys))
+    credentials = server_credentials(config)  # read before the model loads: fail fast
     owns_engine = engine is None
     if engine is None:
         from service.engine import build_engine
@@ -131,6 +202,7 @@ async def serve(
             torch.set_num_threads(config.torch_threads)
         engine = await build_engine(config.engine_config())
     running: RunningServer | None = None
+    reaper: asyncio.Task | None = None
     try:
         metrics = metrics or ServiceMetrics()
         metrics.watch_engine(engine.stats)
@@ -138,16 +210,11 @@ async def serve(
             from service.metrics import CacheStoreCollector
 
             metrics.register(CacheStoreCollector(engine))
-        if session_store is None and config.redis_url:
-            session_store = FallbackSessionStore(
-                RedisSessionStore.from_url(
-                    config.redis_url,
-                    key_prefix=config.redis_key_prefix,
-                    ttl_s=config.redis_ttl or None,
-                    cluster=config.redis_cluster,
-                )
-            )
-        sessions = SessionManager(session_store or InMemorySessionStore())
+        sessions = SessionManager(
+            session_store or build_session_store(config),
+            lock_ttl_s=config.session_lock_ttl,
+            max_sessions_per_owner=config.max_sessions_per_tenant,
+        )
         spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
         spill.start()
         servicer = GenerationServicer(
@@ -156,16 +223,37 @@ async def serve(
             metrics,
             default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens_limit),
             max_new_tokens_limit=config.max_new_tokens_limit,
+            tenant_of=authenticator.tenant_of,
             spill=spill,
+            limits=Limits(
+                max_prompt_tokens=config.max_prompt_tokens,
+                max_streams=config.max_streams,
+                max_streams_per_tenant=config.max_streams_per_tenant,
+            ),
+            shared_cache_salts=config.shared_cache_salts,
         )
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        reaper = (
+            asyncio.create_task(
+                _reap_sessions(sessions, servicer, min(max(config.session_ttl / 4, 0.05), 30.0)),
+                name="kvserve-session-reaper",
+            )
+            if config.session_ttl
+            else None
+        )
+        interceptors = (
+            [AuthInterceptor(authenticator, on_reject=lambda m: metrics.requests.labels(m, "UNAUTHENTICATED").inc())]
+            if authenticator.enabled
+            else []
+        )
+        server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
         pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(_bind_address(config.host, config.port))
+        bind = _bind_address(config.host, config.port)
+        port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         await server.start()
@@ -183,21 +271,35 @@ async def serve(
             spill=spill,
             health=health_servicer,
             server=server,
+            authenticator=authenticator,
             metrics_port=metrics_port,
             owns_engine=owns_engine,
+            reaper=reaper,
         )
+        reaper = None  # owned by running now
         log.info(
             "serving %s on %s (model %s, %s, %s)%s",
             SERVICE_NAME, _bind_address(config.host, port), engine.model_info.architecture,
             engine.model_info.device, engine.model_info.dtype,
             f"; metrics on :{metrics_port}/metrics" if metrics_port else "",
         )  # fmt: skip
+        log.info(
+            "security: %s; %s; shared cache salts: %s",
+            "TLS" + (" with client certificates (mutual TLS)" if config.tls_client_ca else "") if credentials
+            else "plaintext (no TLS)",
+            f"API keys for {len(tenant_map(authenticator.keys))} tenant(s)" if authenticator.enabled
+            else "no API keys (every caller is one tenant)",
+            ", ".join(config.shared_cache_salts) or "none",
+        )  # fmt: skip
         yield running
     finally:
         if running is not None:
             await running.shutdown()
-        elif owns_engine:
-            await engine.shutdown(0.0)
+        else:
+            if reaper is not None:
+                reaper.cancel()
+            if owns_engine:
+                await engine.shutdown(0.0)
 
 
 async def run(config: ServerConfig) -> int:

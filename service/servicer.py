@@ -6,13 +6,25 @@ engine or the session table, and maps every error to a precise gRPC status:
 ==============================================  ===================
 empty input, unknown role, token id outside      INVALID_ARGUMENT
 the vocabulary, bad sampling field, prompt or
-session turn longer than the context, bad id
-unknown session (Get/Delete)                     NOT_FOUND
+session turn longer than the context or than
+max_prompt_tokens, bad id, salt or stop list
+no or invalid API key (when keys are set)        UNAUTHENTICATED
+unknown session (Get/Delete), or another         NOT_FOUND
+tenant's
 session has a turn in flight                     FAILED_PRECONDITION
-engine queue full                                RESOURCE_EXHAUSTED
+engine queue full, too many streams (in all or   RESOURCE_EXHAUSTED
+for the tenant), too many sessions for the
+tenant, message too large (gRPC itself)
 server draining / engine stopped                 UNAVAILABLE
 anything unexpected                              INTERNAL "... (request id R)", traceback logged with R
 ==============================================  ===================
+
+Every limit's message names the limit and its value.
+
+Tenants: ``tenant_of(context)`` (``service.auth.Authenticator.tenant_of``) names the
+caller's tenant. It owns the caller's sessions and is part of the KV namespace salt
+(``cache_salt``), with the request's own ``cache_salt``; a request salt listed in
+``shared_cache_salts`` leaves the tenant out, so those blocks are shared by everyone.
 
 Cancellation: ``Generate`` is an async generator that iterates the engine's event
 stream inside ``aclosing``. When the client cancels, disconnects or passes its
@@ -50,11 +62,14 @@ from service.engine.types import (
     Tier,
     Timings,
 )
+from service.auth import Unauthenticated
 from service.metrics import ServiceMetrics
+from service.retention import forget_blocks
 from service.spill import SpillScheduler
 from service.sessions import (
     InvalidSessionId,
     SessionBusy,
+    SessionLimit,
     SessionManager,
     SessionNotFound,
     SessionRecord,
@@ -101,6 +116,8 @@ def _status_of(exc: BaseException) -> RpcStatus | None:
         (InvalidSessionId, grpc.StatusCode.INVALID_ARGUMENT),
         (SessionNotFound, grpc.StatusCode.NOT_FOUND),
         (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+        (SessionLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
         (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (EngineStopped, grpc.StatusCode.UNAVAILABLE),
     )
@@ -131,11 +148,26 @@ def new_request_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-request and concurrency limits of the servicer (0 = no limit)."""
+
+    max_prompt_tokens: int = 0  # transcript + new input
+    max_streams: int = 0  # Generate streams in flight, all tenants
+    max_streams_per_tenant: int = 0
+    max_cache_salt_chars: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """Implements ``kvserve.v1.GenerationService`` over an ``AsyncEngine`` and a ``SessionManager``.
 
-    ``tenant_of(context)`` names the caller's tenant (the owner of its sessions); it
-    returns "" until authentication exists (issue 6).
+    ``tenant_of(context)`` names the caller's tenant (the owner of its sessions and
+    part of its KV namespace); it may raise ``Unauthenticated``. Without auth every
+    caller is the tenant "". ``shared_cache_salts``: request salts whose KV is shared
+    across tenants (see ``cache_salt``).
     """
 
     def __init__(
@@ -148,17 +180,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         max_new_tokens_limit: int,
         tenant_of: Callable[[grpc.aio.ServicerContext], str] = lambda context: "",
         spill: SpillScheduler | None = None,
+        limits: Limits = Limits(),
+        shared_cache_salts: frozenset[str] | tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.sessions = sessions
         self.metrics = metrics
         self.default_max_new_tokens = default_max_new_tokens
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.limits = limits
+        self.shared_cache_salts = frozenset(shared_cache_salts)
         self._tenant_of = tenant_of
         self._spill = spill
-        self._session_salts: dict[tuple[str, str], str] = {}  # last cache salt per session
         self._draining = False
         self._inflight: set[str] = set()  # request ids of Generate streams being served
+        self._streams_by_tenant: dict[str, int] = {}  # tenants with streams in flight only
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -200,11 +236,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         request_id = new_request_id()
         code = grpc.StatusCode.OK
         failure: RpcStatus | None = None
-        self.metrics.active_streams.inc()
-        self._inflight.add(request_id)
-        self._idle.clear()
+        owner: str | None = None  # set once the stream is admitted (counted)
         try:
-            async for response in self._generate(request, context, request_id):
+            self._check_serving()
+            tenant = self._tenant_of(context)
+            self._admit_stream(tenant, request_id)
+            owner = tenant
+            async for response in self._generate(request, context, request_id, owner):
                 yield response
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
@@ -213,27 +251,61 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             failure = self._failure(exc, "Generate", request_id)
             code = failure.code
         finally:
-            self._inflight.discard(request_id)
-            if not self._inflight:
-                self._idle.set()
-            self.metrics.active_streams.dec()
+            if owner is not None:
+                self._release_stream(owner, request_id)
             self.metrics.requests.labels("Generate", code.name).inc()
         if failure is not None:
             await context.abort(failure.code, failure.details)
 
+    def _admit_stream(self, owner: str, request_id: str) -> None:
+        """Count a new stream in, or RESOURCE_EXHAUSTED naming the limit it would pass."""
+        lim = self.limits
+        if lim.max_streams and len(self._inflight) >= lim.max_streams:
+            raise RpcStatus(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many streams: the server serves at most {lim.max_streams} at once "
+                f"(max_streams); retry later",
+            )
+        mine = self._streams_by_tenant.get(owner, 0)
+        if lim.max_streams_per_tenant and mine >= lim.max_streams_per_tenant:
+            raise RpcStatus(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many streams for this tenant: {mine} in flight, the limit is "
+                f"{lim.max_streams_per_tenant} per tenant (max_streams_per_tenant); retry when one ends",
+            )
+        self._streams_by_tenant[owner] = mine + 1
+        self._inflight.add(request_id)
+        self._idle.clear()
+        self.metrics.active_streams.inc()
+
+    def _release_stream(self, owner: str, request_id: str) -> None:
+        left = self._streams_by_tenant.get(owner, 1) - 1
+        if left > 0:
+            self._streams_by_tenant[owner] = left
+        else:
+            self._streams_by_tenant.pop(owner, None)
+        self._inflight.discard(request_id)
+        if not self._inflight:
+            self._idle.set()
+        self.metrics.active_streams.dec()
+
+    def streams_of(self, owner: str) -> int:
+        """Generate streams in flight for ``owner``."""
+        return self._streams_by_tenant.get(owner, 0)
+
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str, owner: str
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
-        self._check_serving()
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
-        owner = self._tenant_of(context)
+        self._check_salt(request.cache_salt)
         session_id = request.session_id
         turn: Turn | None = await self.sessions.begin_turn(owner, session_id) if session_id else None
         try:
             transcript = turn.record.token_ids if turn else []
             new_tokens = self._input_tokens(request, transcript)
             prompt = transcript + new_tokens
+            self._check_prompt_limit(transcript, new_tokens, session_id)
             sampling = self._fit_to_context(sampling, request.sampling, transcript, new_tokens, session_id)
             cache_salt = self.cache_salt(owner, request.cache_salt)
             req = GenerationRequest(
@@ -270,8 +342,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         # the stream, so its next turn never finds the session busy.
                         if turn is not None:
                             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                                rec = await self.sessions.commit_turn(turn, prompt, event.output_token_ids)
-                                self._session_salts[(owner, session_id)] = cache_salt
+                                rec = await self.sessions.commit_turn(
+                                    turn, prompt, event.output_token_ids, cache_salt=request.cache_salt
+                                )
                                 if self._spill is not None:
                                     self._spill.touch(owner, session_id, rec.token_ids, cache_salt)
                             await self.sessions.end_turn(turn)
@@ -294,11 +367,53 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 f"{event.completion_tokens} tokens; request id {request_id}",
             )
 
-    @staticmethod
-    def cache_salt(owner: str, request_salt: str) -> str:
-        """The block-hash namespace salt: the tenant always, plus the request's own salt.
-        KV is never shared across tenants or across different request salts."""
+    def cache_salt(self, owner: str, request_salt: str) -> str:
+        """The block-hash namespace salt: the tenant, plus the request's own salt. KV is
+        never shared across tenants or across different request salts, except for a
+        request salt the operator listed in ``shared_cache_salts``: that namespace
+        leaves the tenant out and is the same for every tenant."""
+        if request_salt and request_salt in self.shared_cache_salts:
+            return f"shared\x00salt={request_salt}"
         return f"tenant={owner}\x00salt={request_salt}" if (owner or request_salt) else ""
+
+    def is_shared_salt(self, request_salt: str) -> bool:
+        return bool(request_salt) and request_salt in self.shared_cache_salts
+
+    def _check_salt(self, salt: str) -> None:
+        limit = self.limits.max_cache_salt_chars
+        if len(salt) > limit:
+            raise RpcStatus(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cache_salt has {len(salt)} characters; the limit is {limit}",
+            )
+
+    def _check_prompt_limit(self, transcript: list[int], new_tokens: list[int], session_id: str) -> None:
+        limit = self.limits.max_prompt_tokens
+        n = len(transcript) + len(new_tokens)
+        if not limit or n <= limit:
+            return
+        if session_id and transcript:
+            msg = (
+                f"session {session_id!r} would exceed the prompt limit: its transcript has {len(transcript)} "
+                f"tokens and this turn adds {len(new_tokens)}: {n} > max_prompt_tokens {limit}; "
+                f"start a new session"
+            )
+        else:
+            msg = f"prompt has {n} tokens; the limit is {limit} (max_prompt_tokens)"
+        raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+    async def forget_session(self, rec: SessionRecord) -> dict[str, int]:
+        """Stop a removed session's KV blocks from being found (device, host, Redis).
+        Blocks in a shared namespace are left alone: they are not the session's own."""
+        if self._spill is not None:
+            self._spill.forget(rec.owner, rec.session_id)
+        if self.is_shared_salt(rec.cache_salt) or not rec.token_ids:
+            return {}
+        try:
+            return await forget_blocks(self.engine, rec.token_ids, self.cache_salt(rec.owner, rec.cache_salt))
+        except Exception:  # noqa: BLE001 - the transcript is gone already; the cache is best effort
+            log.exception("dropping the KV blocks of session %r failed", rec.session_id)
+            return {}
 
     def _input_tokens(self, request: pb.GenerateRequest, transcript: list[int]) -> list[int]:
         """The new input as token ids (appended to ``transcript``), checked."""
@@ -348,6 +463,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             ignore_eos=s.ignore_eos,
         )
         params.validate(self.max_new_tokens_limit)  # InvalidRequest with the field and value
+        lim = self.limits
+        if len(params.stop) > lim.max_stop_strings:
+            raise InvalidRequest(f"sampling.stop has {len(params.stop)} strings; the limit is {lim.max_stop_strings}")
+        for i, stop in enumerate(params.stop):
+            if len(stop) > lim.max_stop_string_chars:
+                raise InvalidRequest(
+                    f"sampling.stop[{i}] has {len(stop)} characters; the limit is {lim.max_stop_string_chars}"
+                )
+        if len(params.stop_token_ids) > lim.max_stop_token_ids:
+            raise InvalidRequest(
+                f"sampling.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {lim.max_stop_token_ids}"
+            )
         vocab = self.engine.model_info.vocab_size
         for i, t in enumerate(params.stop_token_ids):
             if t >= vocab:
@@ -430,8 +557,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         async def handle() -> pb.GetSessionResponse:
             owner = self._tenant_of(context)
             rec, busy = await self.sessions.get(owner, request.session_id)
-            salt = self._session_salts.get((owner, rec.session_id), self.cache_salt(owner, ""))
-            where = await self.engine.block_locations(rec.token_ids, salt)
+            where = await self.engine.block_locations(rec.token_ids, self.cache_salt(owner, rec.cache_salt))
             return pb.GetSessionResponse(
                 session=self._session_pb(rec, busy, request.include_token_ids, where)
             )
@@ -443,10 +569,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> pb.DeleteSessionResponse:
         async def handle() -> pb.DeleteSessionResponse:
             owner = self._tenant_of(context)
-            await self.sessions.delete(owner, request.session_id)
-            self._session_salts.pop((owner, request.session_id), None)
-            if self._spill is not None:
-                self._spill.forget(owner, request.session_id)
+            rec = await self.sessions.delete(owner, request.session_id)
+            await self.forget_session(rec)
             return pb.DeleteSessionResponse()
 
         return await self._unary("DeleteSession", context, handle)

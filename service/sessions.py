@@ -43,6 +43,14 @@ process; ``RedisSessionStore`` keeps one compact binary record per session
 uint32, CRC-32) with an optional TTL, so sessions survive restarts and move between
 replicas. Sessions are keyed by ``(owner, session_id)``: another owner's session id is
 simply not found.
+
+Expiry and limits
+-----------------
+With ``ttl_s`` a session unused for that long is gone: Redis expires its record (the
+TTL is renewed by every write, i.e. every turn), the in-memory store drops it when it
+is next looked at or swept by ``SessionManager.reap`` (which also returns the expired
+records, so the server can drop their KV blocks). ``max_sessions_per_owner`` caps how
+many sessions one tenant holds; creating one more raises ``SessionLimit``.
 """
 
 from __future__ import annotations
@@ -50,13 +58,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import struct
 import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 from urllib.parse import quote
 
 log = logging.getLogger(__name__)
@@ -82,6 +91,10 @@ class InvalidSessionId(SessionError):
     """The id is not 1-128 characters of [A-Za-z0-9._:-] (INVALID_ARGUMENT)."""
 
 
+class SessionLimit(SessionError):
+    """The owner already holds ``max_sessions_per_owner`` sessions (RESOURCE_EXHAUSTED)."""
+
+
 class SessionRecordError(ValueError):
     """A stored session record failed to decode (bad magic, version, length or checksum)."""
 
@@ -103,6 +116,7 @@ class SessionRecord:
     created_at: float = 0.0  # unix seconds
     last_used_at: float = 0.0  # unix seconds: last turn started or finished
     turns: int = 0  # completed turns
+    cache_salt: str = ""  # the request cache_salt of the last completed turn (where its KV lives)
 
 
 # ----------------------------------------------------------------------------- record codec
@@ -124,6 +138,7 @@ def encode_record(rec: SessionRecord) -> bytes:
             "created_at": rec.created_at,
             "last_used_at": rec.last_used_at,
             "turns": rec.turns,
+            "cache_salt": rec.cache_salt,
         },
         separators=(",", ":"),
     ).encode()
@@ -153,17 +168,43 @@ def decode_record(data: bytes) -> SessionRecord:
         raise SessionRecordError(f"token count {n_tokens} does not match the record length")
     try:
         meta = json.loads(body[_HEAD.size : _HEAD.size + meta_len])
+        if not isinstance(meta, dict):
+            raise TypeError(f"metadata is a {type(meta).__name__}, not an object")
         rec = SessionRecord(
-            session_id=str(meta["session_id"]),
-            owner=str(meta["owner"]),
+            session_id=_meta_str(meta, "session_id"),
+            owner=_meta_str(meta, "owner"),
             token_ids=list(struct.unpack_from(f"<{n_tokens}I", body, pos)),
-            created_at=float(meta["created_at"]),
-            last_used_at=float(meta["last_used_at"]),
-            turns=int(meta["turns"]),
+            created_at=_meta_time(meta, "created_at"),
+            last_used_at=_meta_time(meta, "last_used_at"),
+            turns=_meta_int(meta, "turns"),
+            cache_salt=_meta_str(meta, "cache_salt", default=""),
         )
-    except (ValueError, KeyError, TypeError) as e:
-        raise SessionRecordError(f"bad metadata: {e}") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise SessionRecordError(f"bad metadata: {type(e).__name__}: {e}"[:300]) from None
+    if not SESSION_ID_RE.fullmatch(rec.session_id):
+        raise SessionRecordError(f"bad session id {rec.session_id[:140]!r}")
     return rec
+
+
+def _meta_str(meta: dict, name: str, default: str | None = None) -> str:
+    value = meta.get(name, default)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _meta_time(meta: dict, name: str) -> float:
+    value = meta[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {str(value)[:40]}")
+    return float(value)
+
+
+def _meta_int(meta: dict, name: str) -> int:
+    value = meta[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+        raise ValueError(f"{name} must be an integer in [0, 2^32), got {str(value)[:40]}")
+    return value
 
 
 # ----------------------------------------------------------------------------- stores
@@ -178,7 +219,9 @@ class SessionStore(Protocol):
     ``next_page_token`` of the previous page ("" at the end). The lock is a lease:
     ``try_lock`` takes it for ``ttl_s`` seconds unless another holder has it,
     ``refresh_lock`` extends it (False if it was lost), ``unlock`` releases it if
-    ``holder`` still has it.
+    ``holder`` still has it. ``count`` is how many sessions the owner holds;
+    ``expire`` removes the sessions whose TTL has passed and returns them (a store whose
+    backend expires records by itself returns what it knows of, possibly nothing).
     """
 
     async def get(self, owner: str, session_id: str) -> SessionRecord | None: ...
@@ -191,25 +234,44 @@ class SessionStore(Protocol):
     async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool: ...
     async def unlock(self, owner: str, session_id: str, holder: str) -> None: ...
     async def is_locked(self, owner: str, session_id: str) -> bool: ...
+    async def count(self, owner: str) -> int: ...
+    async def expire(self) -> list[SessionRecord]: ...
     async def close(self) -> None: ...
 
 
 class InMemorySessionStore:
-    """Session records in a dict of this process (lost on restart)."""
+    """Session records in a dict of this process (lost on restart).
 
-    def __init__(self) -> None:
+    ``ttl_s``: a record whose ``last_used_at`` is older than that (by ``clock``, unix
+    seconds) and that is not locked is expired: invisible at once, removed by ``expire``.
+    """
+
+    def __init__(self, *, ttl_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self._records: dict[tuple[str, str], SessionRecord] = {}
         self._locks: dict[tuple[str, str], tuple[str, float]] = {}  # key -> (holder, expiry)
+        self._ttl_s = ttl_s or None
+        self._clock = clock
 
     @staticmethod
     def _copy(rec: SessionRecord) -> SessionRecord:
         return SessionRecord(
-            rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns
+            rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns,
+            rec.cache_salt,
+        )  # fmt: skip
+
+    def _expired(self, key: tuple[str, str], rec: SessionRecord, now: float) -> bool:
+        return (
+            self._ttl_s is not None
+            and rec.last_used_at + self._ttl_s <= now
+            and self._live_holder(key) is None
         )
 
     async def get(self, owner: str, session_id: str) -> SessionRecord | None:
-        rec = self._records.get((owner, session_id))
-        return None if rec is None else self._copy(rec)
+        key = (owner, session_id)
+        rec = self._records.get(key)
+        if rec is None or self._expired(key, rec, self._clock()):
+            return None
+        return self._copy(rec)
 
     async def put(self, rec: SessionRecord) -> None:
         self._records[(rec.owner, rec.session_id)] = self._copy(rec)
@@ -220,7 +282,12 @@ class InMemorySessionStore:
     async def list(
         self, owner: str, page_size: int, page_token: str = ""
     ) -> tuple[list[SessionRecord], str]:
-        ids = sorted(sid for (o, sid) in self._records if o == owner and sid > page_token)
+        now = self._clock()
+        ids = sorted(
+            sid
+            for (o, sid), rec in self._records.items()
+            if o == owner and sid > page_token and not self._expired((o, sid), rec, now)
+        )
         page = ids[:page_size]
         next_token = page[-1] if len(ids) > page_size else ""
         return [self._copy(self._records[(owner, sid)]) for sid in page], next_token
@@ -252,6 +319,19 @@ class InMemorySessionStore:
 
     async def is_locked(self, owner: str, session_id: str) -> bool:
         return self._live_holder((owner, session_id)) is not None
+
+    async def count(self, owner: str) -> int:
+        now = self._clock()
+        return sum(1 for (o, sid), rec in self._records.items() if o == owner and not self._expired((o, sid), rec, now))
+
+    async def expire(self) -> list[SessionRecord]:
+        now = self._clock()
+        gone = [k for k, rec in self._records.items() if self._expired(k, rec, now)]
+        out = [self._records.pop(k) for k in gone]
+        # Locks are leases: forget the ones that ran out (their holder crashed or is slow).
+        for k in [k for k, (_, exp) in self._locks.items() if exp <= time.monotonic()]:
+            del self._locks[k]
+        return out
 
     async def close(self) -> None:
         pass
@@ -378,6 +458,25 @@ class RedisSessionStore:
     async def is_locked(self, owner: str, session_id: str) -> bool:
         return bool(await self._r.exists(self._key("sess-lock", owner, session_id)))
 
+    async def count(self, owner: str, *, prune_at: int | None = None) -> int:
+        """The owner's sessions. The index may still list expired ones; when the count
+        reaches ``prune_at`` the index is checked against the records and pruned first."""
+        index = self._key("sess-ids", owner)
+        n = int(await self._r.zcard(index))
+        if prune_at is None or n < prune_at:
+            return n
+        ids = [i.decode() for i in await self._r.zrange(index, 0, -1)]
+        pipe = self._r.pipeline(transaction=False)
+        for sid in ids:
+            pipe.exists(self._key("sess", owner, sid))
+        gone = [sid for sid, found in zip(ids, await pipe.execute()) if not found]
+        if gone:
+            await self._r.zrem(index, *gone)
+        return len(ids) - len(gone)
+
+    async def expire(self) -> list[SessionRecord]:
+        return []  # Redis expires records itself (PX); the index is pruned lazily
+
     async def close(self) -> None:
         if self._owns_client:
             await self._r.aclose()
@@ -446,6 +545,26 @@ class FallbackSessionStore:
         ok, got = await self._try("lock check", lambda: self.primary.is_locked(owner, session_id))
         return bool(got) if ok else await self.local.is_locked(owner, session_id)
 
+    async def count(self, owner: str, *, prune_at: int | None = None) -> int:
+        if isinstance(self.primary, RedisSessionStore):
+            call = lambda: self.primary.count(owner, prune_at=prune_at)  # noqa: E731
+        else:
+            call = lambda: self.primary.count(owner)  # noqa: E731
+        ok, n = await self._try("count", call)
+        return int(n) if ok else await self.local.count(owner)
+
+    async def expire(self) -> list[SessionRecord]:
+        """Expire this replica's copies; report those whose Redis record is gone (or
+        unreachable) or as old, not the ones another replica has used since."""
+        out = []
+        for rec in await self.local.expire():
+            ok, there = await self._try("get", lambda: self.primary.get(rec.owner, rec.session_id))
+            if ok and there is not None and there.last_used_at > rec.last_used_at:
+                continue  # still alive elsewhere
+            out.append(rec)
+        ok, more = await self._try("expire", self.primary.expire)
+        return out + (list(more) if ok and more else [])
+
     async def close(self) -> None:
         await self.primary.close()
         await self.local.close()
@@ -470,12 +589,24 @@ class SessionManager:
 
     ``lock_ttl_s`` is the lease of a turn's lock; it is renewed every third of it while
     the turn runs, so a crashed replica's lock frees itself after at most that long.
+    ``max_sessions_per_owner`` (0 = none) caps the sessions one owner holds; creations
+    are serialized in this process, so the cap is exact for one replica and may be
+    passed by a few when several replicas create sessions of one owner at once.
     """
 
-    def __init__(self, store: SessionStore, *, lock_ttl_s: float = 30.0, clock=time.time) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        *,
+        lock_ttl_s: float = 30.0,
+        max_sessions_per_owner: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.store = store
         self._lock_ttl_s = lock_ttl_s
+        self.max_sessions_per_owner = max_sessions_per_owner
         self._clock = clock
+        self._create_lock = asyncio.Lock()
 
     async def begin_turn(self, owner: str, session_id: str) -> Turn:
         """Lock the session (creating it if new) and return its record as of now.
@@ -487,13 +618,17 @@ class SessionManager:
         if not await self.store.try_lock(owner, session_id, holder, self._lock_ttl_s):
             raise SessionBusy(f"session {session_id!r} already has a turn in flight; retry when it finishes")
         try:
-            now = self._clock()
             rec = await self.store.get(owner, session_id)
             created = rec is None
             if rec is None:
-                rec = SessionRecord(session_id=session_id, owner=owner, created_at=now)
-            rec.last_used_at = now
-            await self.store.put(rec)
+                async with self._create_lock:
+                    await self._check_room(owner)
+                    rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
+                    rec.last_used_at = rec.created_at
+                    await self.store.put(rec)
+            else:
+                rec.last_used_at = self._clock()
+                await self.store.put(rec)
         except BaseException:
             await self.store.unlock(owner, session_id, holder)
             raise
@@ -501,12 +636,33 @@ class SessionManager:
         turn._renewal = asyncio.create_task(self._renew(turn), name=f"session-lock-{session_id}")
         return turn
 
-    async def commit_turn(self, turn: Turn, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> SessionRecord:
-        """The turn completed: the transcript becomes prompt + output, one more turn."""
+    async def _check_room(self, owner: str) -> None:
+        limit = self.max_sessions_per_owner
+        if not limit:
+            return
+        count = self.store.count
+        n = await (count(owner, prune_at=limit) if _takes_prune_at(self.store) else count(owner))
+        if n >= limit:
+            raise SessionLimit(
+                f"this tenant already has {n} sessions; the limit is {limit} per tenant "
+                f"(max_sessions_per_tenant): delete one (DeleteSession) or let one expire"
+            )
+
+    async def commit_turn(
+        self,
+        turn: Turn,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+    ) -> SessionRecord:
+        """The turn completed: the transcript becomes prompt + output, one more turn.
+        ``cache_salt`` is the turn's request salt (where its KV blocks are keyed)."""
         rec = turn.record
         if list(prompt_token_ids[: len(rec.token_ids)]) != rec.token_ids:
             raise RuntimeError("turn prompt does not extend the session transcript")
         rec.token_ids = list(prompt_token_ids) + list(output_token_ids)
+        rec.cache_salt = cache_salt
         rec.turns += 1
         rec.last_used_at = self._clock()
         await self.store.put(rec)
@@ -544,13 +700,20 @@ class SessionManager:
             raise SessionNotFound(f"session {session_id!r} not found")
         return rec, await self.store.is_locked(owner, session_id)
 
-    async def delete(self, owner: str, session_id: str) -> None:
-        """Remove the session. Raises SessionNotFound, or SessionBusy while a turn runs."""
+    async def delete(self, owner: str, session_id: str) -> SessionRecord:
+        """Remove the session and return its last record. Raises SessionNotFound, or
+        SessionBusy while a turn runs."""
         check_session_id(session_id)
         if await self.store.is_locked(owner, session_id):
             raise SessionBusy(f"session {session_id!r} has a turn in flight; cancel it first")
-        if not await self.store.delete(owner, session_id):
+        rec = await self.store.get(owner, session_id)
+        if not await self.store.delete(owner, session_id) or rec is None:
             raise SessionNotFound(f"session {session_id!r} not found")
+        return rec
+
+    async def reap(self) -> list[SessionRecord]:
+        """Remove sessions whose TTL passed; returns their last records."""
+        return await self.store.expire()
 
     async def list(self, owner: str, page_size: int, page_token: str) -> tuple[list[tuple[SessionRecord, bool]], str]:
         """One page of the owner's sessions (with their busy flags), ordered by id."""
@@ -561,6 +724,10 @@ class SessionManager:
         recs, next_token = await self.store.list(owner, page_size or DEFAULT_PAGE_SIZE, page_token)
         busy = await asyncio.gather(*(self.store.is_locked(owner, r.session_id) for r in recs))
         return list(zip(recs, busy)), next_token
+
+
+def _takes_prune_at(store: SessionStore) -> bool:
+    return isinstance(store, (RedisSessionStore, FallbackSessionStore))
 
 
 # ----------------------------------------------------------------------------- turn input
