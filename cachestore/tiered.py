@@ -111,9 +111,12 @@ class TieredStore:
         max_pending_blocks: int = 4096,
         rate_alpha: float = 0.3,
         initial_restore_rates: Mapping[str, float] = DEFAULT_RESTORE_RATES,
+        min_rate_blocks: int = 4,
     ) -> None:
         """``max_pending_blocks`` bounds the writer queue (in blocks); ``rate_alpha`` is
-        the EWMA weight of each new restore measurement."""
+        the EWMA weight of each new restore measurement; restores of fewer than
+        ``min_rate_blocks`` blocks do not update the rates (their time is mostly the
+        round trip, which would make a tier look slower than it is for long restores)."""
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         for tier in (host, redis):
@@ -135,6 +138,7 @@ class TieredStore:
         }
 
         # The writer: a bounded deque of jobs, counted in blocks.
+        self.min_rate_blocks = min_rate_blocks
         self.max_pending_blocks = max_pending_blocks
         self._cv = threading.Condition()
         self._jobs: deque[_Job] = deque()
@@ -202,7 +206,7 @@ class TieredStore:
             t0 = time.perf_counter()
             got = tier.get_many_into(refs, outs[i:j])
             seconds = time.perf_counter() - t0
-            if got:
+            if got >= self.min_rate_blocks:  # tiny restores measure latency, not rate
                 self.record_restore(name, got * self.block_nbytes, seconds)
             i += got
             if i < j:

@@ -225,6 +225,8 @@ def test_restore_rates_are_measured(make_store: Any) -> None:
     store = make_store(initial_restore_rates={HOST: 1.0, REDIS: 1.0})  # absurd priors
     assert store.estimated_restore_seconds(HOST, 2) == 2 * BLOCK_BYTES
     store.put_many(NS, HASHES[:8], [value(i) for i in range(8)], [HOST, REDIS])
+    store.fetch_into(NS, HASHES[:1], [REDIS], list(pool(1)))  # too small to measure a rate
+    assert store.restore_rate(REDIS) == 1.0
     store.fetch_into(NS, HASHES[:8], [HOST] * 8, list(pool(8)))
     store.fetch_into(NS, HASHES[:8], [REDIS] * 8, list(pool(8)))
     for tier in (HOST, REDIS):
