@@ -40,9 +40,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies (head_dim/2,) in float32, with rope_scaling applied."""
+    """Inverse frequencies (head_dim/2,) in float32, with rope_scaling applied.
+
+    Computed on the CPU even while the model is built on the meta device (math on meta
+    tensors pulls in torch's compiler stack: seconds at every server start)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**steps)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

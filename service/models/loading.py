@@ -13,6 +13,8 @@ every parameter must be found, every shape must match; anything else raises
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import sys
@@ -100,7 +102,7 @@ def load_model(
     eos = _eos_token_ids(path, config, tokenizer)
 
     cls = MODEL_CLASSES[config.architecture]
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         model = cls(config)
     model = model.to(dtype=torch_dtype).to_empty(device=torch_device)  # allocate once, uninitialized
     model.tie_weights()
@@ -119,6 +121,24 @@ def load_model(
         device=torch_device,
         path=path,
     )
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """Build modules without running their weight initializers (as transformers'
+    ``no_init_weights`` does): every weight is overwritten by the checkpoint, and
+    initializing meta tensors pulls in torch's compiler stack (seconds of imports at
+    every server start)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "trunc_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def _read_json(path: Path) -> dict:
