@@ -18,8 +18,10 @@ Guarantees:
   bounded queue drained by one writer thread; a full queue drops (counted) instead of
   waiting. ``match_prefix`` / ``fetch_into`` / ``put`` do I/O and are meant for a worker
   thread, not the decode loop.
-- Demotion: a block the host tier evicts is encoded at eviction time (the host slot is
-  reused right after) and queued for Redis, which stores it only if it is not there.
+- Demotion: a block the host tier evicts is copied into one of ``demotion_buffers``
+  staging buffers at eviction time (the host slot is reused right after: a memcpy on the
+  evicting thread) and queued; the writer encodes it and Redis stores it only if it is
+  not there yet.
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from cachestore import codec
-from cachestore.base import OPEN, BlockRef, BlockTier, TierStats
+from cachestore.base import OPEN, BlockRef, BlockTier, TierStats, copy_block
 from cachestore.host import HostTier
 from cachestore.keys import BlockHash, Namespace
 from cachestore.redis import RedisTier
@@ -80,9 +81,9 @@ class TieredStats:
 class _Job:
     refs: list[BlockRef]
     tiers: tuple[str, ...]
-    blocks: list[torch.Tensor] | None = None  # a spill: tensors read by the writer
-    blobs: list[bytes] | None = None  # a demotion: values already encoded
+    blocks: list[torch.Tensor]  # read by the writer
     on_done: Callable[[SpillResult], None] | None = None
+    staging: list[torch.Tensor] | None = None  # a demotion's buffers, freed when written
 
 
 class _Ewma:
@@ -112,11 +113,14 @@ class TieredStore:
         rate_alpha: float = 0.3,
         initial_restore_rates: Mapping[str, float] = DEFAULT_RESTORE_RATES,
         min_rate_blocks: int = 4,
+        demotion_buffers: int = 64,
     ) -> None:
         """``max_pending_blocks`` bounds the writer queue (in blocks); ``rate_alpha`` is
         the EWMA weight of each new restore measurement; restores of fewer than
         ``min_rate_blocks`` blocks do not update the rates (their time is mostly the
-        round trip, which would make a tier look slower than it is for long restores)."""
+        round trip, which would make a tier look slower than it is for long restores);
+        ``demotion_buffers`` is how many evicted host blocks can wait for Redis at once
+        (staging copies, allocated here; more evictions meanwhile are dropped, counted)."""
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         for tier in (host, redis):
@@ -148,7 +152,11 @@ class TieredStore:
         self._writer = threading.Thread(target=self._writer_loop, name="cachestore-writer", daemon=True)
         self._writer.start()
 
+        # Host evictions wait for Redis in staging copies: a memcpy on the evicting thread
+        # (the engine's, when it demotes a device block), the encoding on the writer's.
+        self._staging_free: list[torch.Tensor] = []
         if host is not None and redis is not None:
+            self._staging_free = [torch.empty(self.block_shape, dtype=dtype) for _ in range(demotion_buffers)]
             host.set_on_evict(self._demote)
 
     @property
@@ -256,7 +264,7 @@ class TieredStore:
         if len(hashes) != len(blocks):
             raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
         refs = [BlockRef(namespace, h) for h in hashes]
-        held = self._write(refs, list(blocks), None, self._check_tiers(tiers))
+        held = self._write(refs, list(blocks), self._check_tiers(tiers))
         return [all(held[t][i] for t in held) for i in range(len(refs))]
 
     # ---- background writes ------------------------------------------------------------
@@ -281,7 +289,7 @@ class TieredStore:
             blocks=[b for _, _, b in items],
             on_done=on_done,
         )
-        for b in job.blocks or ():
+        for b in job.blocks:
             if tuple(b.shape) != self.block_shape or b.dtype != self.dtype:
                 raise ValueError(f"block must be {self.block_shape} {self.dtype}, got {tuple(b.shape)} {b.dtype}")
         if self._enqueue(job):
@@ -352,42 +360,33 @@ class TieredStore:
         return tuple(t for t in TIER_NAMES if t in tiers)
 
     def _write(
-        self,
-        refs: list[BlockRef],
-        blocks: list[torch.Tensor] | None,
-        blobs: list[bytes] | None,
-        tiers: tuple[str, ...],
+        self, refs: list[BlockRef], blocks: list[torch.Tensor], tiers: tuple[str, ...]
     ) -> dict[str, list[bool]]:
         held: dict[str, list[bool]] = {}
         for name in tiers:
             tier = self._tiers.get(name)
-            if tier is None:
-                held[name] = [False] * len(refs)
-            elif blobs is not None:
-                assert isinstance(tier, RedisTier)
-                held[name] = tier.put_encoded_many(refs, blobs)
-            else:
-                assert blocks is not None
-                held[name] = tier.put_many(refs, blocks)
+            held[name] = tier.put_many(refs, blocks) if tier is not None else [False] * len(refs)
         return held
 
     def _demote(self, ref: BlockRef, block: torch.Tensor) -> None:
-        """Host eviction callback: encode now (the slot is reused after we return) and
-        queue the value for Redis, which stores it only if it is not there yet."""
+        """Host eviction callback: copy the block into a staging buffer (its slot is
+        reused after we return) and queue it for Redis, which stores it only if it is
+        not there yet. Never waits: no buffer free or a full queue drops it (counted)."""
         assert self.redis is not None
         if self.redis.breaker_state == OPEN:
             self._bump(demotions_dropped=1)
             return
-        blob = codec.encode(
-            ref.namespace,
-            ref.block_hash,
-            block,
-            compression=self.redis.compression,
-            storage_dtype=self.redis.storage_dtype,
-        )
-        if self._enqueue(_Job(refs=[ref], tiers=(REDIS,), blobs=[blob])):
+        with self._cv:
+            staging = self._staging_free.pop() if self._staging_free else None
+        if staging is None:
+            self._bump(demotions_dropped=1)
+            return
+        copy_block(staging, block)
+        if self._enqueue(_Job(refs=[ref], tiers=(REDIS,), blocks=[staging], staging=[staging])):
             self._bump(demoted=1)
         else:
+            with self._cv:
+                self._staging_free.append(staging)
             self._bump(demotions_dropped=1)
 
     def _enqueue(self, job: _Job) -> bool:
@@ -412,26 +411,33 @@ class TieredStore:
                 self._cv.wait()
             if self._closed:  # close() already waited for the drain: drop the rest
                 dropped = sum(len(j.refs) for j in self._jobs)
+                for j in self._jobs:
+                    self._staging_free.extend(j.staging or ())
                 self._jobs.clear()
                 self._pending_blocks -= dropped
                 self._w["dropped"] += dropped
                 self._cv.notify_all()
                 return None
             job = self._jobs.popleft()
-            if job.blobs is not None and self.redis is not None:
+            if job.staging is not None and self.redis is not None:  # batch the demotions
                 while (
                     self._jobs
-                    and self._jobs[0].blobs is not None
+                    and self._jobs[0].staging is not None
                     and len(job.refs) < self.redis.batch_blocks
                 ):
                     nxt = self._jobs.popleft()
-                    job = _Job(refs=job.refs + nxt.refs, tiers=job.tiers, blobs=job.blobs + (nxt.blobs or []))
+                    job = _Job(
+                        refs=job.refs + nxt.refs,
+                        tiers=job.tiers,
+                        blocks=job.blocks + nxt.blocks,
+                        staging=job.staging + (nxt.staging or []),
+                    )
             return job
 
     def _writer_loop(self) -> None:
         while (job := self._next_job()) is not None:
             try:
-                held = self._write(job.refs, job.blocks, job.blobs, job.tiers)
+                held = self._write(job.refs, job.blocks, job.tiers)
                 if job.on_done is not None:
                     job.on_done(SpillResult(len(job.refs), {t: sum(h) for t, h in held.items()}))
             except Exception:  # noqa: BLE001 - the writer must outlive any one job
@@ -439,6 +445,7 @@ class TieredStore:
                 self._bump(errors=1)
             finally:
                 with self._cv:
+                    self._staging_free.extend(job.staging or ())
                     self._pending_blocks -= len(job.refs)
                     self._w["written"] += len(job.refs)
                     self._cv.notify_all()

@@ -209,6 +209,25 @@ def test_host_eviction_demotes_to_redis(make_store: Any) -> None:
     assert s.tiers[REDIS].puts == 3
 
 
+def test_demotions_never_wait(make_store: Any) -> None:
+    store = make_store(host_blocks=1, demotion_buffers=1)
+    gate = threading.Event()
+    store.put(NS, HASHES[0], value(0), [HOST])
+    # Hold the writer: the next demotion takes the only staging buffer and waits.
+    assert store.submit_spill([(NS, HASHES[9], value(9))], [REDIS], on_done=lambda r: gate.wait(10))
+    store.put(NS, HASHES[1], value(1), [HOST])  # evicts 0: staged
+    store.put(NS, HASHES[2], value(2), [HOST])  # evicts 1: no buffer free, dropped
+    w = store.stats().writer
+    assert w.demoted_blocks == 1 and w.demotions_dropped == 1
+    gate.set()
+    assert store.flush(timeout=10)
+    assert store.location(NS, HASHES[:3]) == {HOST: 1, REDIS: 1}
+    outs = list(pool(1))
+    assert store.fetch_into(NS, HASHES[:1], [REDIS], outs) == 1 and torch.equal(outs[0], value(0))
+    store.put(NS, HASHES[3], value(3), [HOST])  # the buffer is free again: evicts 2, staged
+    assert store.flush(timeout=10) and store.stats().writer.demoted_blocks == 2
+
+
 def test_demotion_skips_blocks_redis_already_has(make_store: Any, redis_url: str) -> None:
     store = make_store(host_blocks=2)
     store.put_many(NS, HASHES[:2], [value(0), value(1)], [HOST, REDIS])
