@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -206,7 +205,6 @@ def bench_shape(name: str, dims: tuple[int, int, int], n: int, reps: int, url: s
     )
     row("  match_prefix over N blocks, Redis (ms)", t["match"] * 1e3, "one EXISTS pipeline")
     store_h.close()
-    del host
 
     # --- writes: SET always vs PEXPIRE check + SET missing -----------------------------
     ttl_ms = tier.ttl_ms

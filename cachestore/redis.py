@@ -164,11 +164,11 @@ class RedisTier(BlockTier):
         self._direct_layout = (
             direct_reads and not cluster and compression is None and storage_dtype in (None, dtype)
         )
-        self._client_kwargs: dict[str, Any] = dict(
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again
-        )
+        self._client_kwargs: dict[str, Any] = {
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": socket_connect_timeout_s,
+            "retry": Retry(NoBackoff(), 0),  # the breaker decides when to try again
+        }
         if url.startswith("rediss://"):
             self._client_kwargs.update(
                 ssl_ca_certs=ssl_ca_certs,
@@ -217,6 +217,12 @@ class RedisTier(BlockTier):
         pipe = client.pipeline(transaction=False)
         for k in keys:
             getattr(pipe, command)(k, *args)
+        return pipe.execute(raise_on_error=False)
+
+    def _set_pipeline(self, client: Any, keys: Sequence[str], values: Sequence[bytes]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for k, v in zip(keys, values):
+            pipe.set(k, v, px=self.ttl_ms)
         return pipe.execute(raise_on_error=False)
 
     def _batches(self, n: int) -> range:
@@ -446,9 +452,9 @@ class RedisTier(BlockTier):
             todo = list(idx)
             if if_missing:
                 if self.ttl_ms is not None:  # refreshes the TTL of the blocks that are there
-                    present = self._call(lambda c: self._pipeline(c, "pexpire", keys, self.ttl_ms), "pexpire")
+                    present = self._call(lambda c, ks=keys: self._pipeline(c, "pexpire", ks, self.ttl_ms), "pexpire")
                 else:
-                    present = self._call(lambda c: self._pipeline(c, "exists", keys), "exists")
+                    present = self._call(lambda c, ks=keys: self._pipeline(c, "exists", ks), "exists")
                 if present is None:
                     break
                 todo = []
@@ -462,14 +468,7 @@ class RedisTier(BlockTier):
                 continue
             blobs = [encode_at(i) for i in todo]
             set_keys = [self.key(refs[i]) for i in todo]
-
-            def set_batch(c: Any) -> list[Any]:
-                pipe = c.pipeline(transaction=False)
-                for k, b in zip(set_keys, blobs):
-                    pipe.set(k, b, px=self.ttl_ms)
-                return pipe.execute(raise_on_error=False)
-
-            results = self._call(set_batch, "set")
+            results = self._call(lambda c, ks=set_keys, vs=blobs: self._set_pipeline(c, ks, vs), "set")
             if results is None:
                 break
             for i, b, r in zip(todo, blobs, results):

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Self, Sequence
 
 import torch
 
@@ -321,7 +321,7 @@ class TieredStore:
             self.redis.close()
         return drained
 
-    def __enter__(self) -> TieredStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
