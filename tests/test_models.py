@@ -219,3 +219,20 @@ def test_mixed_prefill_and_decode_in_one_batch(loaded) -> None:
         want_b = ours.model.forward_nocache(torch.tensor([b]))[0, -1]
     torch.testing.assert_close(logits[0], want_a, atol=1e-5, rtol=0)
     torch.testing.assert_close(logits[1], want_b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 130])
+def test_linear_fast_path_equals_nn_linear(rows: int, bias: bool) -> None:
+    from service.models.layers import SMALL_ROWS, Linear
+
+    torch.manual_seed(rows)
+    ours = Linear(48, 80, bias=bias)
+    ref = torch.nn.Linear(48, 80, bias=bias)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(1, rows, 48)  # (B, T, D) as the models call it
+    with torch.inference_mode():
+        got, want = ours(x), ref(x)
+    assert got.shape == want.shape == (1, rows, 80) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (rows in SMALL_ROWS) == (2 <= rows <= 64)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from service.kv.cache import BatchLayout, KVPool
 from service.models.config import ModelConfig
+from service.models.layers import Linear
 
 
 class Attention(nn.Module):
@@ -30,8 +31,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.head_dim = config.num_heads, config.head_dim
         d = config.hidden_size
-        self.c_attn = nn.Linear(d, 3 * d)  # q, k, v stacked
-        self.c_proj = nn.Linear(d, d)
+        self.c_attn = Linear(d, 3 * d)  # q, k, v stacked
+        self.c_proj = Linear(d, d)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, D = x.shape
@@ -60,8 +61,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.c_fc = Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = Linear(config.intermediate_size, config.hidden_size)
         self.approximate = "none" if config.hidden_act == "gelu" else "tanh"  # gelu_new = tanh approximation
 
     def forward(self, x: Tensor) -> Tensor:
@@ -104,7 +105,7 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.transformer = GPT2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

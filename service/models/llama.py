@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from service.kv.cache import BatchLayout, KVPool
 from service.models.config import ModelConfig
+from service.models.layers import Linear
 
 
 class RMSNorm(nn.Module):
@@ -99,10 +100,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = self.head_dim**-0.5
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, config.q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(d, config.kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(d, config.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.q_size, d, bias=config.attention_out_bias)
+        self.q_proj = Linear(d, config.q_size, bias=config.attention_bias)
+        self.k_proj = Linear(d, config.kv_size, bias=config.attention_bias)
+        self.v_proj = Linear(d, config.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(config.q_size, d, bias=config.attention_out_bias)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
@@ -137,9 +138,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(d, h, bias=bias)
-        self.up_proj = nn.Linear(d, h, bias=bias)
-        self.down_proj = nn.Linear(h, d, bias=bias)
+        self.gate_proj = Linear(d, h, bias=bias)
+        self.up_proj = Linear(d, h, bias=bias)
+        self.down_proj = Linear(h, d, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         # in place: no extra (B, T, intermediate) temporaries (each a page-faulting allocation when large)
@@ -180,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
