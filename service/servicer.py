@@ -81,6 +81,10 @@ from service.sessions import (
 
 log = logging.getLogger(__name__)
 
+# Sampling values beyond these overflow float32 logits (x / 1e-45 = inf -> NaN probabilities).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # kvserve.v1.GenerationService
 DEFAULT_ROLES = ("system", "user", "assistant")
 
@@ -463,6 +467,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             ignore_eos=s.ignore_eos,
         )
         params.validate(self.max_new_tokens_limit)  # InvalidRequest with the field and value
+        # Extreme values overflow the sampler (inf/NaN probabilities); refused precisely.
+        if params.temperature and not MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {params.temperature}"
+            )
+        if not MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
+                f"got {params.repetition_penalty}"
+            )
         lim = self.limits
         if len(params.stop) > lim.max_stop_strings:
             raise InvalidRequest(f"sampling.stop has {len(params.stop)} strings; the limit is {lim.max_stop_strings}")

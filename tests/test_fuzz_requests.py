@@ -1,0 +1,181 @@
+"""Property tests over request fields through a live server on loopback.
+
+Every generated request gets either a well-formed stream (start, deltas, final) or a
+precise error status with a message: never INTERNAL, UNKNOWN, a hang or a dead server.
+After the run the server is healthy, serves a good request and holds no blocks."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
+
+from service._proto.kvserve.v1 import generation_pb2 as pb
+from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.serving import ServerThread, tiny_config, wait_until
+
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+LIMIT = 12  # max_new_tokens_limit of the server under test: generations stay short
+DEADLINE_S = 60.0  # a call that takes this long is a hang
+# A bad request gets one of these; INTERNAL / UNKNOWN / DEADLINE_EXCEEDED / UNAVAILABLE never.
+PRECISE = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+utf8_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80)
+wild_floats = st.floats(width=32) | st.sampled_from([0.0, 1e-45, 1e-30, 0.009, 3.4e38, -0.0, -1.0])
+
+
+def mostly(valid: st.SearchStrategy, wild: st.SearchStrategy) -> st.SearchStrategy:
+    """Valid values seven times in eight, so many requests reach the engine."""
+    return st.integers(0, 7).flatmap(lambda i: wild if i == 0 else valid)
+
+
+session_ids = mostly(st.sampled_from(["", "", "fz-1", "fz-2", "fz.3:x"]), utf8_text)
+valid_ids = st.lists(st.integers(3, 399), min_size=1, max_size=40)
+wild_ids = st.lists(st.integers(0, 420) | st.integers(0, 2**32 - 1), max_size=40) | st.just(list(range(5, 600)))
+
+
+@st.composite
+def sampling_params(draw) -> pb.SamplingParams:
+    s = pb.SamplingParams()
+    if draw(st.booleans()):
+        s.max_new_tokens = draw(mostly(st.integers(1, LIMIT), st.integers(0, 2**32 - 1)))
+    if draw(st.booleans()):
+        s.temperature = draw(mostly(st.sampled_from([0.0, 0.7, 1.0, 5.0]), wild_floats))
+    if draw(st.booleans()):
+        s.top_k = draw(mostly(st.integers(0, 500), st.integers(-(2**31), 2**31 - 1)))
+    if draw(st.booleans()):
+        s.top_p = draw(mostly(st.floats(0.25, 1.0, width=32), wild_floats))
+    if draw(st.booleans()):
+        s.repetition_penalty = draw(mostly(st.floats(0.5, 2.0, width=32), wild_floats))
+    if draw(st.booleans()):
+        s.seed = draw(st.integers(0, 2**64 - 1))
+    s.stop.extend(draw(mostly(st.just([]), st.lists(utf8_text, max_size=3))))
+    s.stop_token_ids.extend(draw(mostly(st.lists(st.integers(0, 399), max_size=2), st.lists(st.integers(0, 2**32 - 1), max_size=3))))
+    s.ignore_eos = draw(st.booleans())
+    return s
+
+
+@st.composite
+def generate_requests(draw) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(session_id=draw(session_ids), cache_salt=draw(mostly(st.sampled_from(["", "a"]), utf8_text)))
+    kind = draw(st.sampled_from(["none", "text", "text", "chat", "chat", "tokens", "tokens", "tokens"]))
+    if kind == "text":
+        req.text = draw(utf8_text)
+    elif kind == "chat":
+        roles = mostly(st.sampled_from(["system", "user", "assistant"]), utf8_text)
+        for role, content in draw(st.lists(st.tuples(roles, utf8_text), max_size=3)):
+            req.chat.messages.add(role=role, content=content)
+        req.chat.SetInParent()
+    elif kind == "tokens":
+        req.tokens.ids.extend(draw(mostly(valid_ids, wild_ids)))
+        req.tokens.SetInParent()
+    if draw(st.booleans()):
+        req.sampling.CopyFrom(draw(sampling_params()))
+    return req
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    cfg = tiny_config(tiny_llama_dir, max_new_tokens_limit=LIMIT, default_max_new_tokens=4, max_prompt_tokens=400)
+    with ServerThread(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.address) as ch:
+        yield pb_grpc.GenerationServiceStub(ch)
+
+
+def _check_stream(req: pb.GenerateRequest, responses: list[pb.GenerateResponse]) -> None:
+    kinds = [r.WhichOneof("event") for r in responses]
+    assert kinds[0] == "start" and kinds[-1] == "final" and set(kinds[1:-1]) <= {"delta"}, kinds
+    start, final = responses[0].start, responses[-1].final
+    tokens = [t for r in responses[1:-1] for t in r.delta.token_ids]
+    assert final.usage.completion_tokens == len(tokens) >= 1
+    assert final.usage.prompt_tokens == start.prompt_tokens >= 1
+    assert start.cached_tokens < start.prompt_tokens  # the last prompt token is always computed
+    assert final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    if req.sampling.HasField("max_new_tokens"):
+        assert len(tokens) <= req.sampling.max_new_tokens
+    assert len(tokens) <= LIMIT
+
+
+@FUZZ
+@given(req=generate_requests())
+def test_every_request_gets_a_stream_or_a_precise_status(stub, req):
+    try:
+        responses = list(stub.Generate(req, timeout=DEADLINE_S))
+    except grpc.RpcError as e:
+        event(e.code().name)  # pytest --hypothesis-show-statistics shows the mix
+        assert e.code() in PRECISE, (e.code(), e.details(), req)
+        assert e.details(), req
+        return
+    event("stream")
+    _check_stream(req, responses)
+
+
+@settings(FUZZ, max_examples=60)
+@given(
+    temperature=wild_floats | st.sampled_from([0.0, 1.0]),
+    top_p=wild_floats | st.just(1.0),
+    repetition_penalty=wild_floats | st.just(1.0),
+    top_k=st.integers(-2, 500),
+)
+@example(temperature=1e-45, top_p=1.0, repetition_penalty=1.0, top_k=0)  # x / 1e-45 = inf
+@example(temperature=1.0, top_p=1.0, repetition_penalty=1e-45, top_k=0)
+@example(temperature=float("inf"), top_p=1.0, repetition_penalty=1.0, top_k=0)
+def test_extreme_sampling_values_are_served_or_refused(stub, temperature, top_p, repetition_penalty, top_k):
+    """Values at the edges of float32 (denormals, huge, inf, NaN) never break the sampler:
+    a NaN there fails the whole engine step, every stream in the batch with it."""
+    req = pb.GenerateRequest(tokens=pb.TokenIds(ids=[5, 6, 7, 5, 6, 7]))
+    req.sampling.CopyFrom(pb.SamplingParams(
+        max_new_tokens=4, temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, top_k=top_k,
+    ))  # fmt: skip
+    try:
+        responses = list(stub.Generate(req, timeout=DEADLINE_S))
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details(), (e.code(), e.details(), req)
+        return
+    _check_stream(req, responses)
+
+
+@FUZZ
+@given(
+    session_id=st.sampled_from(["fz-1", "fz-2", "missing"]) | utf8_text,
+    page_size=st.integers(-(2**31), 2**31 - 1) | st.integers(0, 3),
+    page_token=st.sampled_from(["", "fz-1"]) | utf8_text,
+)
+def test_session_calls_get_an_answer_or_a_precise_status(stub, session_id, page_size, page_token):
+    calls = [
+        lambda: stub.GetSession(pb.GetSessionRequest(session_id=session_id, include_token_ids=True), timeout=DEADLINE_S),
+        lambda: stub.ListSessions(pb.ListSessionsRequest(page_size=page_size, page_token=page_token), timeout=DEADLINE_S),
+    ]
+    for call in calls:
+        try:
+            call()
+        except grpc.RpcError as e:
+            assert e.code() in PRECISE and e.details(), (e.code(), e.details())
+
+
+def test_the_server_is_healthy_afterwards(server, stub):
+    # runs after the fuzz tests (file order): nothing leaked, nothing stuck
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    good = pb.GenerateRequest(tokens=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(max_new_tokens=3))
+    _check_stream(good, list(stub.Generate(good, timeout=DEADLINE_S)))
+    engine = server.engine
+    assert wait_until(lambda: engine.stats().running == 0 and engine.stats().waiting == 0)
+    stats = engine.stats()
+    assert stats.blocks_free == stats.blocks_total  # every block free or evictable cache
+    assert server.running.servicer.inflight == 0
+    assert engine.loop_error is None  # no engine step ever failed
