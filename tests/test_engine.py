@@ -174,3 +174,20 @@ def test_queue_full(loaded):
     eng.add_request(req("b", [3, 4]))
     with pytest.raises(QueueFull, match="queue is full"):
         eng.add_request(req("c", [3, 4]))
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(tmp_path):
+    """A model whose embedding is padded past its tokenizer (vocab 4096 vs 400 pieces)
+    never emits an id the tokenizer cannot decode, greedy or sampled."""
+    from tests.fixtures.models import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "padded", vocab_size=4096, seed=3)
+    padded = load_model(str(path), dtype="float32", device="cpu")
+    assert padded.tokenizer.vocab_size < padded.config.vocab_size
+    eng = make_engine(padded)
+    reqs = [req("g", [5, 6, 7], n=24), req("s", [5, 6, 7], n=24, temperature=1.5, seed=1)]
+    evs = run(eng, reqs)
+    for rid in ("g", "s"):
+        fin = finished(evs[rid])
+        assert len(fin.output_token_ids) == 24
+        assert max(fin.output_token_ids) < padded.tokenizer.vocab_size

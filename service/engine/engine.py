@@ -131,6 +131,9 @@ class LLMEngine:
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
         self.kv_dtype = str(loaded.dtype).removeprefix("torch.")
         self.eos_ids = frozenset(loaded.eos_token_ids)
+        # Embeddings are often padded past the tokenizer (e.g. to a multiple of 64):
+        # ids beyond the tokenizer's vocabulary can never be sampled.
+        self.sampleable_vocab = min(self.tokenizer.vocab_size, self.mcfg.vocab_size)
         self._namespaces: dict[str, bytes] = {}
 
         self.waiting: deque[Sequence] = deque()
@@ -531,6 +534,8 @@ class LLMEngine:
 
     def _sample_and_emit(self, rows: list[tuple[Sequence, torch.Tensor]], out: Emitted) -> None:
         logits = torch.stack([r for _, r in rows]).float()
+        if self.sampleable_vocab < logits.shape[-1]:
+            logits[:, self.sampleable_vocab :] = float("-inf")
         seqs = [s for s, _ in rows]
         tokens = sample(
             logits,
