@@ -1,9 +1,10 @@
 """The shipped default model (``service/default_model/``, made by tools/train_default_model.py).
 
 It must be a standard HF Llama checkpoint (transformers loads it; so does our loader, with
-the same logits), small enough to ship, with a tokenizer whose chat turns end on a newline,
-and it must write English: greedy text from "The" is mostly common English words, a check
-that the same network with random weights fails.
+the same logits), small enough to ship, with a tokenizer and chat template whose turns end
+with ``</s>`` as the model was trained, and it must write English: greedy text from "The" is mostly common English words, and a
+plain English passage is likely under it; checks that the same network with random weights
+fails.
 """
 
 from __future__ import annotations
@@ -58,6 +59,24 @@ wrong year years yes yet you young your yourself
 """.split())
 
 
+# Plain English written for this test (not from the training text), and the most mean
+# next-token loss a model may have on it: a uniform guess over 2048 pieces costs ln 2048 = 7.6.
+PASSAGE = (
+    "When I came home in the evening, my old friend was waiting for me at the gate. "
+    "He said that he had been to the town to buy some books, but the shop was closed, "
+    "so he had walked back along the river. I told him that I was very tired and wanted to sleep."
+)
+MAX_PASSAGE_LOSS = 5.5
+
+
+def passage_loss(model, sp) -> float:
+    """Mean next-token cross-entropy of ``model`` on ``<s>`` + PASSAGE."""
+    ids = torch.tensor([[sp.bos_id()] + sp.encode(PASSAGE)])  # (1, T)
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1]  # (T-1, V)
+    return torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item()
+
+
 def english_score(text: str) -> tuple[int, float, int]:
     """(words, fraction of them in ENGLISH, distinct ENGLISH words) of ``text``."""
     words = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
@@ -110,7 +129,7 @@ def test_config_is_a_standard_llama(sp):
     assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (sp.bos_id(), sp.eos_id())
     gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
-    assert set(gen["eos_token_id"]) == {sp.eos_id(), sp.piece_to_id("\n")}
+    assert gen["eos_token_id"] in (sp.eos_id(), [sp.eos_id()])
     tok_cfg = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
     assert (tok_cfg["bos_token"], tok_cfg["eos_token"]) == ("<s>", "</s>")
 
@@ -123,12 +142,13 @@ def test_tokenizer_is_llama_style_bpe_with_byte_fallback(sp):
     assert sp.decode(ids) == text
     assert sp.unk_id() not in ids  # byte fallback covers what the pieces do not
     assert ids.count(sp.piece_to_id("\n")) == 2  # a newline is always exactly one token
-    # a conversation encoded turn by turn gives the tokens it gives encoded at once
+    # no dummy-prefix space: a turn encoded on its own gives the tokens it gives in context
     head, tail = text.split("\n", 1)
     assert sp.encode(head + "\n") + sp.encode(tail) == ids
+    assert sp.encode("The school") == sp.encode("I saw it.The school")[-len(sp.encode("The school")):]
 
 
-def test_chat_template_renders_one_line_per_message(ours):
+def test_chat_template_renders_one_paragraph_per_message(sp, ours):
     tok = ours.tokenizer
     messages = [
         {"role": "user", "content": "Where are you\ngoing?"},
@@ -136,10 +156,14 @@ def test_chat_template_renders_one_line_per_message(ours):
         {"role": "user", "content": '"Why?" he asked.'},
     ]
     assert tok.apply_chat_template(messages) == (
-        '"Where are you going?"\nI went to the school.\n"Why?" he asked.\n'
+        '"Where are you going?"</s>I went to the school.</s>"Why?" he asked.</s>'
     )
-    ids = tok.encode_chat(messages)
-    assert ids[0] == tok.bos_token_id and ids[1:] == tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    # as in training: <s>, then each paragraph's pieces followed by the eos id
+    want = [sp.bos_id()]
+    for paragraph in ('"Where are you going?"', "I went to the school.", '"Why?" he asked.'):
+        want += sp.encode(paragraph) + [sp.eos_id()]
+    assert tok.encode_chat(messages) == want
+    assert ours.eos_token_ids == (sp.eos_id(),)
 
 
 def test_greedy_text_from_the_is_english(sp, hf_model):
@@ -149,20 +173,25 @@ def test_greedy_text_from_the_is_english(sp, hf_model):
     assert writes_english(text), f"{text!r}: {n} words, {frac:.0%} common English, {distinct} distinct"
 
 
+def test_plain_english_is_likely(sp, hf_model):
+    loss = passage_loss(hf_model, sp)
+    assert loss < MAX_PASSAGE_LOSS, f"mean loss {loss:.2f} on plain English"
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_english_check_fails_for_random_weights(sp, hf_model, seed):
+def test_the_english_checks_fail_for_random_weights(sp, hf_model, seed):
     torch.manual_seed(seed)
     random_model = transformers.LlamaForCausalLM(hf_model.config).eval()
     ids = [sp.bos_id()] + sp.encode("The")
     text = sp.decode(ids[1:] + greedy(random_model, ids, 64))
     assert not writes_english(text), text
+    assert passage_loss(random_model, sp) > MAX_PASSAGE_LOSS
 
 
 def test_our_loader_matches_transformers(sp, hf_model, ours):
-    assert set(ours.eos_token_ids) == {sp.eos_id(), sp.piece_to_id("\n")}
     text = ours.tokenizer.apply_chat_template([{"role": "user", "content": "Where are you going?"}])
     ids = ours.tokenizer.encode(text) + sp.encode("I went to the school and saw the principal.")
-    assert ours.tokenizer.encode(text) == [sp.bos_id()] + sp.encode(text)
+    assert ours.tokenizer.encode(text) == [sp.bos_id()] + sp.encode(text[: -len("</s>")]) + [sp.eos_id()]
     x = torch.tensor([ids])  # (1, T)
     with torch.no_grad():
         want = hf_model(x).logits

@@ -8,13 +8,14 @@ What it does, top to bottom (every step is deterministic: fixed seeds, fixed dat
    Project Gutenberg eBook (#8868), public domain in the U.S. Nothing else is downloaded.
    The Gutenberg header and license are cut off, footnotes removed, and the hard-wrapped
    lines are joined into paragraphs (a short line ends a paragraph); long paragraphs are
-   split at sentence ends into short ones, so that one paragraph is one "line" of text.
+   split at sentence ends into short ones (2-4 sentences). Each paragraph ends with
+   ``</s>``: the model learns to end a paragraph, and so a chat turn.
 2. Tokenizer. A sentencepiece BPE model with byte fallback, 2048 pieces, trained on the
    same text, Llama's special ids (``<unk>``=0, ``<s>``=1, ``</s>``=2), identity
-   normalization, digits split. ``"\\n"`` is a user-defined piece (always one token): it
-   ends a paragraph, and so a chat turn. There is no dummy-prefix space, so text split after
-   a newline encodes to the same tokens in pieces as whole: a conversation rendered turn by
-   turn gives the token transcript it would give rendered at once.
+   normalization, digits split, ``"\\n"`` a user-defined piece (always one token). There is
+   no dummy-prefix space, so text encodes the same at the start of a sequence as after a
+   ``</s>`` or a newline: a conversation rendered turn by turn gives the token transcript it
+   would give rendered at once.
 3. Model. A Llama (RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention, tied
    embeddings) written below with HF Llama's exact math and tensor names, trained with
    AdamW (warmup + cosine) on random 512-token windows that start with ``<s>`` at a
@@ -26,14 +27,14 @@ What it does, top to bottom (every step is deterministic: fixed seeds, fixed dat
    checked by loading it back with ``transformers.LlamaForCausalLM`` and comparing logits.
 5. Sample generations are printed (and written into the model card).
 
-The chat format follows how the book is written: every message is one line (paragraph),
-a user's words are rendered as quoted speech, and the model ends its turn by writing
-``"\\n"``, which is why ``generation_config.json`` lists it as an end-of-sequence token
-next to ``</s>``.
+The chat format follows how the book is written: every message is one paragraph closed by
+``</s>``, a user's words are rendered as quoted speech, and the model's reply is the next
+paragraph, which it ends with ``</s>`` like every paragraph it has read.
 
-Shipped run: ``python tools/train_default_model.py`` (defaults below) takes about 20
-minutes on 1 of 2 CPU cores (``torch.set_num_threads(1)``); the exact figure of the
-shipped run is in ``service/default_model/README.md``. ``--steps 40 --out /tmp/x`` is a
+Shipped run: ``python tools/train_default_model.py`` (defaults below) takes 15 minutes on
+1 of 2 CPU cores (``torch.set_num_threads(1)``; CPU time of the training loop, more wall
+clock when the machine is shared); the figures of the shipped run are in
+``service/default_model/README.md`` and ``docs/default-model.md``. ``--steps 40 --out /tmp/x`` is a
 one-minute smoke run of the whole pipeline.
 """
 
@@ -62,10 +63,11 @@ SENTENCEPIECE_SDIST_VERSION = "0.2.1"
 BOTCHAN_MEMBER = f"sentencepiece-{SENTENCEPIECE_SDIST_VERSION}/test/botchan.txt"
 BOTCHAN_SHA256 = "464bd5300c24fce16fcc4555d4231a57632caae4d0090ad6aa92854a3b227ba7"
 
-# The chat template (jinja, rendered by the service and by transformers alike). One line per
-# message; a user's words become quoted speech unless already quoted; newlines inside a
-# message become spaces, because "\n" ends a turn. The model's turn needs no prompt: it is
-# simply the next line.
+# The chat template (jinja, rendered by the service and by transformers alike). One paragraph
+# per message, closed by eos (the "</s>" string encodes to its id, as HF tokenizers do); a
+# user's words become quoted speech unless already quoted; newlines inside a message become
+# spaces (the book's paragraphs have none). The model's turn needs no prompt: it is simply
+# the next paragraph.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- set text = message['content'] | replace('\\n', ' ') | trim -%}"
@@ -74,7 +76,7 @@ CHAT_TEMPLATE = (
     "{%- else -%}"
     "{{ text }}"
     "{%- endif -%}"
-    "{{ '\\n' }}"
+    "{{ eos_token }}"
     "{%- endfor -%}"
 )
 
@@ -92,7 +94,7 @@ class ModelArgs:
     max_position_embeddings: int = 512
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    dropout: float = 0.2  # training only (residual + embedding); the export has none
+    dropout: float = 0.3  # training only (residual + embedding); the export has none
 
     @property
     def head_dim(self) -> int:
@@ -102,7 +104,7 @@ class ModelArgs:
 @dataclasses.dataclass(frozen=True)
 class TrainArgs:
     seed: int = 1337
-    steps: int = 800
+    steps: int = 600
     batch_size: int = 4  # windows per step
     seq_len: int = 512  # tokens per window, <s> included
     lr: float = 2e-3
@@ -204,6 +206,7 @@ def paragraphs_from_gutenberg(raw: str, rng: random.Random, max_words: int = 60)
 def train_tokenizer(paragraphs: list[str], out_file: Path, vocab_size: int):
     """Train a sentencepiece BPE model (byte fallback, Llama special ids) into ``out_file``."""
     import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "sp"
@@ -225,7 +228,10 @@ def train_tokenizer(paragraphs: list[str], out_file: Path, vocab_size: int):
             num_threads=1,
             minloglevel=2,
         )
-        out_file.write_bytes(prefix.with_suffix(".model").read_bytes())
+        proto = sp_pb2.ModelProto()
+        proto.ParseFromString(prefix.with_suffix(".model").read_bytes())
+        proto.trainer_spec.model_prefix = "tokenizer"  # not the temporary path: same bytes every run
+        out_file.write_bytes(proto.SerializeToString())
     return spm.SentencePieceProcessor(model_file=str(out_file))
 
 
@@ -348,13 +354,12 @@ class Llama(nn.Module):
 
 
 def encode_paragraphs(sp, paragraphs: list[str]) -> tuple[torch.Tensor, list[int]]:
-    """One token stream, each paragraph followed by "\\n"; returns it and the paragraph starts."""
-    nl = sp.piece_to_id("\n")
+    """One token stream, each paragraph followed by ``</s>``; returns it and the paragraph starts."""
     stream, starts = [], []
     for p in paragraphs:
         starts.append(len(stream))
         stream.extend(sp.encode(p))
-        stream.append(nl)
+        stream.append(sp.eos_id())
     return torch.tensor(stream, dtype=torch.long), starts
 
 
@@ -445,7 +450,6 @@ def export_hf(model: Llama, sp, tokenizer_file: Path, out: Path) -> None:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     a = model.args
-    nl = sp.piece_to_id("\n")
     config = LlamaConfig(
         vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
         num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
@@ -472,7 +476,7 @@ def export_hf(model: Llama, sp, tokenizer_file: Path, out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
     GenerationConfig(
-        bos_token_id=sp.bos_id(), eos_token_id=[sp.eos_id(), nl], pad_token_id=sp.eos_id(),
+        bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id(), pad_token_id=sp.eos_id(),
         do_sample=True, temperature=0.8, top_k=40, max_new_tokens=96,
     ).save_pretrained(out)
 
@@ -513,6 +517,17 @@ def render_chat(messages: list[dict]) -> str:
                                                  bos_token="<s>", eos_token="</s>")
 
 
+def encode_with_specials(sp, text: str) -> list[int]:
+    """sentencepiece ids of ``text`` where the strings "<s>" and "</s>" stand for bos and eos."""
+    ids: list[int] = []
+    for i, part in enumerate(re.split(r"(</?s>)", text)):
+        if i % 2:
+            ids.append(sp.bos_id() if part == "<s>" else sp.eos_id())
+        elif part:
+            ids.extend(sp.encode(part))
+    return ids
+
+
 def samples(out: Path, seed: int) -> list[tuple[str, str]]:
     """(title, text) pairs from the exported model run by transformers: completions, then a chat."""
     import sentencepiece as spm
@@ -529,7 +544,7 @@ def samples(out: Path, seed: int) -> list[tuple[str, str]]:
         with torch.no_grad():
             o = hf.generate(torch.tensor([ids]), generation_config=cfg)
         new = o[0, len(ids):].tolist()
-        return new[:-1] if new and new[-1] in gen.eos_token_id else new
+        return new[:-1] if new and new[-1] == sp.eos_id() else new
 
     results = []
     for prompt in COMPLETION_PROMPTS:
@@ -540,7 +555,7 @@ def samples(out: Path, seed: int) -> list[tuple[str, str]]:
     messages: list[dict] = []
     for turn in CHAT_TURNS:
         messages.append({"role": "user", "content": turn})
-        ids = [sp.bos_id()] + sp.encode(render_chat(messages))
+        ids = [sp.bos_id()] + encode_with_specials(sp, render_chat(messages))
         messages.append({"role": "assistant", "content": sp.decode(complete(ids, True)).strip()})
     transcript = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
     results.append(("chat (sampled), two turns", transcript))
@@ -560,8 +575,8 @@ KV cache from Redis without downloading anything.
 | architecture | `LlamaForCausalLM`: {layers} layers, hidden {hidden}, {heads} heads / {kv_heads} kv heads (head dim {head_dim}), SwiGLU {ffn}, RoPE θ={theta:g}, tied embeddings |
 | parameters | {params:,} ({mb:.1f} MB float32 safetensors) |
 | context | {ctx} tokens |
-| tokenizer | sentencepiece BPE, {vocab} pieces, byte fallback; `<unk>`=0, `<s>`=1, `</s>`=2, `"\\n"`={nl} |
-| end of turn | `"\\n"` (id {nl}) and `</s>` (id 2), listed in `generation_config.json` |
+| tokenizer | sentencepiece BPE, {vocab} pieces, byte fallback, no dummy-prefix space; `<unk>`=0, `<s>`=1, `</s>`=2, `"\\n"`={nl} |
+| end of turn | `</s>` (id 2): every paragraph in training ends with it, and so does every message in the chat template |
 | corpus | *Botchan (Master Darling)* by Natsume Soseki, tr. Yasotaro Morri (1919), Project Gutenberg eBook #8868 (public domain in the U.S.), the `test/botchan.txt` file of the sentencepiece {sp_version} sdist on PyPI; {train_tokens:,} training tokens, {val_tokens:,} held out |
 | training | {steps} steps of {batch} × {seq} tokens ({seen:,} tokens seen), AdamW, lr {lr:g} warmup + cosine, dropout {dropout:g}, seed {seed}; best held-out loss {val:.3f} (perplexity {ppl:.1f}) at step {best_step} |
 | time | {cpu_minutes:.0f} minutes on 1 of 2 CPU cores (`torch.set_num_threads(1)`; CPU time of the training loop, {minutes:.0f} min wall clock on a machine shared with other work) |
@@ -575,9 +590,10 @@ python tools/train_default_model.py
 
 ## Chat format
 
-One line per message. A user's message is rendered as quoted speech (`"Hello."` + newline),
-the model answers with the next line of the story and ends its turn with a newline. Other
-roles are rendered as plain lines.
+One paragraph per message, closed by `</s>`. A user's message is rendered as quoted speech
+(`"Hello."</s>`), the model answers with the next paragraph of the story and ends it with
+`</s>`. Other roles are rendered as plain paragraphs. Newlines inside a message become
+spaces.
 
 ## Samples (from the training script's own output)
 
