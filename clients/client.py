@@ -411,6 +411,12 @@ class KVServeClient:
 # ----------------------------------------------------------------------------- asyncio
 
 
+def _task_cancelling() -> bool:
+    """Whether the current task itself is being cancelled (not just the call)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class AsyncGenerateStream:
     """Async iterator of one Generate call's events; ``cancel()`` or cancelling the
     iterating task stops it (server-side too)."""
@@ -424,6 +430,8 @@ class AsyncGenerateStream:
             async for resp in self._call:
                 yield event_from_pb(resp)
         except asyncio.CancelledError:
+            if self._cancelled and not _task_cancelling():
+                return  # stream.cancel(): the stream ends; the task goes on
             self._call.cancel()
             raise
         except grpc.RpcError as e:

@@ -137,6 +137,16 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
             with pytest.raises(asyncio.CancelledError):
                 await task
 
+            # stream.cancel() inside the loop ends the stream; the task carries on
+            stream = c.generate(text="and then", max_new_tokens=480, ignore_eos=True)
+            n = 0
+            async for ev in stream:
+                if isinstance(ev, TextDelta) and ev.token_ids:
+                    n += 1
+                    if n == 3:
+                        stream.cancel()
+            assert 3 <= n < 480
+
     asyncio.run(scenario())
     assert wait_until(lambda: server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == baseline)
