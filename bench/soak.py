@@ -24,7 +24,7 @@ Faults (``--faults``), at 25 %, 45 % and 70 % of the run:
 
 Figures: requests served, errors by status (outside fault windows and inside them),
 tokens/s, p50/p99 time to first token (client side), cached prompt tokens by tier,
-server resident memory over time (growth after warm-up, per server incarnation), the
+server anonymous resident memory over time (growth after warm-up, per server incarnation), the
 block pool at the end, transcripts equal to the clients' copies, and greedy outputs
 equal to a fresh cold server's for a sample of turns.
 """
@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -75,9 +76,9 @@ class SoakConfig:
     redis_down_s: float = 10.0
     model: str | None = None
     block_size: int = 16
-    device_tokens: int = 0  # device KV pool, in tokens (0: 128 per client, a fraction of the transcripts)
+    device_tokens: int = 0  # device KV pool, in tokens (0: 96 per client, well below the transcripts)
     host_tokens: int = 0  # host tier, in tokens (0: 32 per client)
-    turns: tuple[int, int] = (3, 6)  # turns per session
+    turns: tuple[int, int] = (4, 8)  # turns per session (transcripts up to 8 * 40 tokens)
     input_tokens: tuple[int, int] = (8, 24)  # new tokens per turn
     output_tokens: tuple[int, int] = (8, 16)  # max_new_tokens per turn
     think_s: float = 0.5  # mean pause between turns (exponential)
@@ -127,7 +128,8 @@ class Figures:
     sessions_lost: int = 0  # NOT_FOUND for a session that had completed turns
     prompt_mismatches: int = 0  # start.prompt_tokens != client's count
     sample: list[TurnRecord] = field(default_factory=list)
-    rss: list[tuple[float, float, int]] = field(default_factory=list)  # (t, MiB, incarnation)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)  # details of any mismatch (first 50)
+    rss: list[tuple[float, float, int]] = field(default_factory=list)  # (t, RssAnon MiB, incarnation)
 
 
 class Soak:
@@ -147,6 +149,8 @@ class Soak:
         self.t0 = 0.0
         self.vocab = 0
         self.model_info: Any = None
+        self.history: dict[str, list[str]] = {}  # per session: what happened, for anomaly reports
+        self.server_logs: list[list[str]] = []  # stderr lines of each server incarnation
 
     # ---- processes ---------------------------------------------------------------------
 
@@ -156,7 +160,7 @@ class Soak:
         return [
             "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
             "--dtype", "float32", "--block-size", str(c.block_size),
-            "--kv-cache-memory", str((c.device_tokens or 128 * c.clients) * bpt),
+            "--kv-cache-memory", str((c.device_tokens or 96 * c.clients) * bpt),
             "--host-cache-memory", str((c.host_tokens or 32 * c.clients) * bpt),
             "--redis-url", self.redis.url, "--spill-after", "1s", "--spill-to", "host,redis",
             "--max-num-seqs", str(max(c.clients, 1)), "--metrics-port", str(self.metrics_port),
@@ -165,7 +169,8 @@ class Soak:
         ]  # fmt: skip
 
     def start_server(self) -> None:
-        self.server, _, self.server_log = start_server_process(self.server_args())
+        self.server, _, log_lines = start_server_process(self.server_args())
+        self.server_logs.append(log_lines)
         self.incarnation += 1
         self.server_up.set()
 
@@ -178,6 +183,9 @@ class Soak:
     # ---- the run -------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
+        # A private copy: the soak, the restarted server and the cold check all load the
+        # same bytes even if the model directory is rewritten meanwhile.
+        self.model_dir = Path(shutil.copytree(self.model_dir, self.workdir / "model"))
         self.redis = start_redis_server(self.workdir / "redis", port=free_port())
         try:
             await asyncio.to_thread(self.start_server)
@@ -317,10 +325,13 @@ class Soak:
         server_copy = await self._get_transcript(client, sid)
         if server_copy is None:
             fig.sessions_lost += 1
+            self._anomaly("session lost at its end", sid, mine=len(mine))
         elif server_copy == mine:
             fig.sessions_verified += 1
         else:
             fig.transcript_mismatches += 1
+            self._anomaly("transcript at session end", sid, mine=len(mine), server=len(server_copy),
+                          common=common_prefix(mine, server_copy))  # fmt: skip
         if rng.random() < 0.5:
             await self._call(lambda: client.delete_session(sid))
             fig.sessions_deleted += 1
@@ -343,7 +354,9 @@ class Soak:
                     if isinstance(ev, StreamStart):
                         started = True
                         prompt_ok = ev.prompt_tokens == len(mine) + len(new)
-                        fig.prompt_mismatches += not prompt_ok
+                        if not prompt_ok:
+                            fig.prompt_mismatches += 1
+                            self._anomaly("prompt", sid, expected=len(mine) + len(new), got=ev.prompt_tokens)
                         fig.prompt_tokens += ev.prompt_tokens
                         for tier, k in ev.cached_by_tier.items():
                             fig.cached_by_tier[tier] += k
@@ -354,10 +367,12 @@ class Soak:
                     elif isinstance(ev, StreamEnd):
                         fig.tokens += ev.completion_tokens
                 fig.turns_ok += 1
+                self._note(sid, f"ok prompt={len(mine) + len(new)} out={len(output)}")
                 return "ok", output, prompt_ok
             except KVServeError as e:
                 where = self._window(time.monotonic())
                 fig.errors[(where, e.code.name)] += 1
+                self._note(sid, f"{e.code.name} started={started} out={len(output)} {e.details[:60]!r}")
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     fig.overload += 1
                     await asyncio.sleep(0.2)
@@ -391,9 +406,11 @@ class Soak:
         committed it (then what the client saw must be a prefix of the output)."""
         fig = self.fig
         server_copy = await self._get_transcript(client, sid)
+        self._note(sid, f"resync mine={len(mine)} server={None if server_copy is None else len(server_copy)}")
         if server_copy is None:
             if mine:
                 fig.sessions_lost += 1
+                self._anomaly("session lost after a failed turn", sid, mine=len(mine))
             return []
         if server_copy == mine:
             return mine
@@ -402,7 +419,20 @@ class Soak:
             fig.committed_unacked += 1
             return server_copy
         fig.transcript_mismatches += 1
+        self._anomaly("transcript after a failed turn", sid, mine=len(mine), new=len(new), partial=len(partial),
+                      server=len(server_copy), common=common_prefix(head, server_copy))  # fmt: skip
         return server_copy
+
+    def _anomaly(self, kind: str, sid: str, **details: Any) -> None:
+        if len(self.fig.anomalies) < 50:
+            now = time.monotonic()
+            self.fig.anomalies.append({
+                "kind": kind, "session": sid, "t": round(now - self.t0, 2), "window": self._window(now), **details,
+                "history": self.history.get(sid, [])[-12:],
+            })  # fmt: skip
+
+    def _note(self, sid: str, what: str) -> None:
+        self.history.setdefault(sid, []).append(f"{time.monotonic() - self.t0:.2f} {what}")
 
     async def _call(self, fn) -> Any:
         for _ in range(50):
@@ -431,6 +461,8 @@ class Soak:
         mismatches = 0
         try:
             async with AsyncKVServeClient(f"127.0.0.1:{port}", timeout=CALL_TIMEOUT_S) as c:
+                fingerprint = (await c.model_info()).model_fingerprint
+                assert fingerprint == self.model_info.model_fingerprint, "the cold server loaded other weights"
                 sem = asyncio.Semaphore(8)
 
                 async def one(k: int, rec: TurnRecord) -> bool:
@@ -483,19 +515,35 @@ class Soak:
             "sessions_lost": f.sessions_lost,
             "transcript_mismatches": f.transcript_mismatches,
             "prompt_mismatches": f.prompt_mismatches,
-            "windows": [asdict(w) | {"start": round(w.start - self.t0, 1), "end": round(w.end - self.t0, 1)}
-                        for w in self.windows],  # fmt: skip
+            "windows": [
+                asdict(w) | {"start": round(w.start - self.t0, 1), "end": round(w.end - self.t0, 1)}
+                for w in self.windows
+            ],
             "rss": rss_summary(f.rss),
+            "rss_samples": [(round(t), round(m, 1), i) for t, m, i in f.rss[::5]],
             "blocks_total": self.blocks_total.get('kvserve_kv_blocks{state="free"}', 0.0),
             "blocks_free_at_end": pool.get('kvserve_kv_blocks{state="free"}'),
             "blocks_used_at_end": pool.get('kvserve_kv_blocks{state="used"}'),
             "server_exit_code": exit_code,
             "cold_checked": cold["checked"],
             "cold_mismatches": cold["mismatches"],
+            "anomalies": f.anomalies,
+            "server_warnings": [
+                line.rstrip() for lines in self.server_logs for line in lines if " WARNING " in line or " ERROR " in line
+            ][:200],
         }
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
@@ -509,9 +557,12 @@ def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
 
 
 def rss_mib(pid: int) -> float | None:
+    """Anonymous resident memory (``RssAnon``) of ``pid`` in MiB: the heap, tensors and
+    buffers a leak would grow. File-backed pages (the memory-mapped weights, shared
+    libraries) are left out: the kernel drops and refaults them under memory pressure."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -564,11 +615,11 @@ def table(r: dict[str, Any]) -> str:
         ("client errors during Redis faults", str(r["redis_fault_errors"])),
         ("failed turns: cut in flight / refused / committed unacked",
          f"{r['lost_in_flight']} / {r['refused_while_down']} / {r['committed_unacked']}"),
-        ("sessions: run / verified / deleted / lost", f"{r['sessions']} / {r['sessions_verified']} / "
-         f"{r['sessions_deleted']} / {r['sessions_lost']}"),
+        ("sessions: run / verified / deleted / lost",
+         f"{r['sessions']} / {r['sessions_verified']} / {r['sessions_deleted']} / {r['sessions_lost']}"),
         ("transcript mismatches (end of session, after faults)", str(r["transcript_mismatches"])),
         ("prompt-count mismatches", str(r["prompt_mismatches"])),
-        ("server RSS MiB: warm -> end (max) per incarnation",
+        ("server anonymous RSS MiB: warm -> end (max), per run",
          "; ".join(f"#{s['incarnation']} {s['warm_mib']} -> {s['end_mib']} ({s['max_mib']})" for s in r["rss"])),
         ("KV blocks free at end / total", f"{r['blocks_free_at_end']:.0f} / {r['blocks_total']:.0f}"),
         ("greedy turns replayed cold / mismatches", f"{r['cold_checked']} / {r['cold_mismatches']}"),
@@ -588,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", action="store_true", help="Redis restart, Redis down, server SIGKILL")
     p.add_argument("--redis-down", type=float, default=10.0, help="seconds Redis stays killed")
     p.add_argument("--model", help="model directory (default: the packaged model, else a tiny random Llama)")
-    p.add_argument("--device-tokens", type=int, default=0, help="device KV pool, in tokens (default 128 per client)")
+    p.add_argument("--device-tokens", type=int, default=0, help="device KV pool, in tokens (default 96 per client)")
     p.add_argument("--host-tokens", type=int, default=0, help="host tier, in tokens (default 32 per client)")
     p.add_argument("--check-turns", type=int, default=64, help="turns replayed on a cold server")
     p.add_argument("--restore-policy", choices=("always", "auto"), default="always",

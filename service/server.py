@@ -29,16 +29,15 @@ import signal
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
-
 from pathlib import Path
+from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
-from service.auth import AuthInterceptor, Authenticator, load_api_keys, tenant_map
+from service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
 from service.config import ConfigError, ServerConfig
 from service.metrics import ServiceMetrics
 from service.servicer import SERVICE_NAME, GenerationServicer, Limits

@@ -49,6 +49,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from service._proto.kvserve.v1 import generation_pb2 as pb
 from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from service.auth import Unauthenticated
 from service.engine.types import (
     Delta,
     EngineStopped,
@@ -62,10 +63,8 @@ from service.engine.types import (
     Tier,
     Timings,
 )
-from service.auth import Unauthenticated
 from service.metrics import ServiceMetrics
 from service.retention import forget_blocks
-from service.spill import SpillScheduler
 from service.sessions import (
     InvalidSessionId,
     SessionBusy,
@@ -78,6 +77,7 @@ from service.sessions import (
     chat_tokens,
     text_tokens,
 )
+from service.spill import SpillScheduler
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             return {}
         try:
             return await forget_blocks(self.engine, rec.token_ids, self.cache_salt(rec.owner, rec.cache_salt))
-        except Exception:  # noqa: BLE001 - the transcript is gone already; the cache is best effort
+        except Exception:  # the transcript is gone already; dropping its cache is best effort
             log.exception("dropping the KV blocks of session %r failed", rec.session_id)
             return {}
 

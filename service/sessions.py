@@ -376,8 +376,16 @@ class RedisSessionStore:
     def from_url(cls, url: str, *, key_prefix: str = "kvserve:", ttl_s: float | None = None,
                  socket_timeout_s: float = 2.0, cluster: bool = False) -> RedisSessionStore:  # fmt: skip
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
-        kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        # One immediate retry covers a pooled connection that died with a Redis restart;
+        # past that the caller falls back (FallbackSessionStore) instead of waiting.
+        kwargs = {
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": socket_timeout_s,
+            "retry": Retry(NoBackoff(), 1),
+        }
         if cluster:
             client = aioredis.RedisCluster.from_url(url, **kwargs)
         else:
@@ -486,16 +494,21 @@ class FallbackSessionStore:
     """Redis as the source of truth, this process's memory as the fallback.
 
     Every write goes to both; reads and locks go to Redis and fall back to memory when
-    Redis fails (down, timing out). So while Redis is away, sessions this replica
+    Redis fails (down, timing out), or when Redis holds an older version of a record this
+    replica wrote (same session incarnation, fewer turns: a write that missed Redis). So while Redis is away, sessions this replica
     served keep working here (turns are not refused), and a write that missed Redis is
     written again by the session's next successful turn. What cannot be had while Redis
     is down: sessions only another replica served.
     """
 
-    def __init__(self, primary: SessionStore, local: InMemorySessionStore | None = None) -> None:
+    def __init__(
+        self, primary: SessionStore, local: InMemorySessionStore | None = None, *, unlock_retry_s: float = 0.5
+    ) -> None:
         self.primary = primary
         self.local = local or InMemorySessionStore()
         self.primary_errors = 0
+        self._unlock_retry_s = unlock_retry_s
+        self._retries: set[asyncio.Task] = set()  # unlocks that missed Redis, tried again
 
     async def _try(self, what: str, call):
         try:
@@ -507,12 +520,16 @@ class FallbackSessionStore:
 
     async def get(self, owner: str, session_id: str) -> SessionRecord | None:
         ok, rec = await self._try("get", lambda: self.primary.get(owner, session_id))
-        if ok and rec is not None:
-            return rec
         local = await self.local.get(owner, session_id)
-        if ok and local is not None and rec is None:
-            return local  # Redis lost it (eviction, restart); ours is still good
-        return local if not ok else rec
+        if not ok or rec is None:
+            return local  # Redis is away, or lost it (eviction, restart): ours is still good
+        if local is not None and local.created_at == rec.created_at and local.turns > rec.turns:
+            # A write of ours missed Redis (a timeout, a blip) and it kept an older
+            # version: using it would drop turns from the transcript. The next put repairs it.
+            log.warning("session %r: Redis has %d turns, this replica %d; using this replica's record",
+                        session_id, rec.turns, local.turns)  # fmt: skip
+            return local
+        return rec
 
     async def put(self, rec: SessionRecord) -> None:
         await self.local.put(rec)
@@ -538,19 +555,34 @@ class FallbackSessionStore:
         return bool(got) if ok else await self.local.refresh_lock(owner, session_id, holder, ttl_s)
 
     async def unlock(self, owner: str, session_id: str, holder: str) -> None:
+        """An unlock that misses Redis is tried again in the background for a few
+        seconds, so a blip does not leave the session busy until the lease runs out."""
         await self.local.unlock(owner, session_id, holder)
-        await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
+        ok, _ = await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
+        if not ok and len(self._retries) < 10_000:
+            task = asyncio.create_task(self._retry_unlock(owner, session_id, holder))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+
+    async def _retry_unlock(self, owner: str, session_id: str, holder: str) -> None:
+        for _ in range(8):
+            await asyncio.sleep(self._unlock_retry_s)
+            try:
+                await self.primary.unlock(owner, session_id, holder)
+                return
+            except Exception as e:  # noqa: BLE001 - still away; the lease is the backstop
+                log.debug("unlock of session %r still fails: %s", session_id, e)
 
     async def is_locked(self, owner: str, session_id: str) -> bool:
         ok, got = await self._try("lock check", lambda: self.primary.is_locked(owner, session_id))
         return bool(got) if ok else await self.local.is_locked(owner, session_id)
 
     async def count(self, owner: str, *, prune_at: int | None = None) -> int:
-        if isinstance(self.primary, RedisSessionStore):
-            call = lambda: self.primary.count(owner, prune_at=prune_at)  # noqa: E731
+        primary = self.primary
+        if isinstance(primary, RedisSessionStore):
+            ok, n = await self._try("count", lambda: primary.count(owner, prune_at=prune_at))
         else:
-            call = lambda: self.primary.count(owner)  # noqa: E731
-        ok, n = await self._try("count", call)
+            ok, n = await self._try("count", lambda: primary.count(owner))
         return int(n) if ok else await self.local.count(owner)
 
     async def expire(self) -> list[SessionRecord]:
@@ -558,7 +590,7 @@ class FallbackSessionStore:
         unreachable) or as old, not the ones another replica has used since."""
         out = []
         for rec in await self.local.expire():
-            ok, there = await self._try("get", lambda: self.primary.get(rec.owner, rec.session_id))
+            ok, there = await self._try("get", lambda r=rec: self.primary.get(r.owner, r.session_id))
             if ok and there is not None and there.last_used_at > rec.last_used_at:
                 continue  # still alive elsewhere
             out.append(rec)
@@ -566,6 +598,8 @@ class FallbackSessionStore:
         return out + (list(more) if ok and more else [])
 
     async def close(self) -> None:
+        for task in list(self._retries):
+            task.cancel()
         await self.primary.close()
         await self.local.close()
 

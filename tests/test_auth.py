@@ -13,7 +13,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVServeClient, KVServeError
-from service.auth import ApiKeys, ApiKeysError, Authenticator, Unauthenticated, bearer_token, hash_key, load_api_keys
+from service.auth import (
+    ApiKeys,
+    ApiKeysError,
+    Authenticator,
+    Unauthenticated,
+    bearer_token,
+    hash_key,
+    load_api_keys,
+)
 from tests.serving import BLOCK_SIZE, REPO, ServerThread, subprocess_env, tiny_config
 
 KEY_A, KEY_A2, KEY_B = "key-of-acme-1", "key-of-acme-2 (rotated)", "key-of-bravo"
@@ -85,10 +93,12 @@ def test_bearer_metadata_and_authenticator():
 
 
 def test_hash_key_command_prints_a_line_the_server_accepts():
-    run = lambda *args, stdin="": subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "service.cli", "hash-key", *args], cwd=REPO, env=subprocess_env(),
-        input=stdin, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "service.cli", "hash-key", *args], cwd=REPO, env=subprocess_env(),
+            input=stdin, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
     out = run("--tenant", "acme", stdin=KEY_A + "\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"acme:{hash_key(KEY_A)}"
@@ -105,7 +115,7 @@ def test_serve_refuses_a_bad_keys_file_before_loading_anything(tmp_path):
     bad.write_text(f"acme:{KEY_A}\n")  # the key itself, not its hash
     out = subprocess.run(
         [sys.executable, "-m", "service", "--api-keys-file", str(bad), "--model", str(tmp_path / "no-model")],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60,
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 2
     assert "line 1" in out.stderr and KEY_A not in out.stderr

@@ -174,3 +174,38 @@ def test_damaged_records_in_redis_are_misses(redis_url):
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_write_that_missed_redis_never_rolls_a_session_back(redis_url):
+    """Redis keeps the older record when one put fails (timeout, blip); the replica that
+    wrote the newer one must not read the older one back (the transcript would lose turns)."""
+    import redis.asyncio as aioredis
+
+    from service.sessions import FallbackSessionStore
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        primary = RedisSessionStore(client, key_prefix="fb:")
+        store = FallbackSessionStore(primary)
+        try:
+            v1 = SessionRecord("s", "acme", [1, 2], created_at=10.0, last_used_at=11.0, turns=1)
+            await store.put(v1)
+            real_put = primary.put
+
+            async def failing_put(rec: SessionRecord) -> None:
+                raise ConnectionError("simulated: the write never reached Redis")
+
+            primary.put = failing_put  # type: ignore[method-assign]
+            v2 = SessionRecord("s", "acme", [1, 2, 3, 4], created_at=10.0, last_used_at=12.0, turns=2)
+            await store.put(v2)
+            primary.put = real_put  # type: ignore[method-assign]
+            assert await primary.get("acme", "s") == v1  # Redis is behind
+            assert await store.get("acme", "s") == v2  # but this replica reads its own newer record
+            # a session deleted and created again elsewhere (another created_at) is Redis's
+            other = SessionRecord("s", "acme", [9], created_at=20.0, last_used_at=20.0, turns=1)
+            await primary.put(other)
+            assert await store.get("acme", "s") == other
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
