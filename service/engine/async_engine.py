@@ -52,8 +52,6 @@ class AsyncEngine:
             if not eng.has_work():
                 eng.work_ready.wait(timeout=0.05)
                 eng.work_ready.clear()
-                if eng.restoring:  # poll restore futures while otherwise idle
-                    time.sleep(0.0005)
                 continue
             try:
                 emitted = eng.step()

@@ -273,6 +273,12 @@ class LLMEngine:
         self._drain_inbox(out)
         self._poll_restores(out)
         self._admit(out)
+        if not self.running and self.restoring and not out:
+            # Nothing to compute until a restore lands: sleep until one does (or new
+            # work arrives) instead of spinning; the restore thread needs the GIL.
+            self.work_ready.wait(0.01)
+            self.work_ready.clear()
+            return out
         self._run(out)
         return out
 
@@ -349,6 +355,7 @@ class LLMEngine:
         else:
             outs = None  # pinned staging buffers, allocated by the job
         seq.restore = self._restorer.submit(self._restore_job, seq.namespace, hashes, outs)
+        seq.restore.add_done_callback(lambda _: self.work_ready.set())
         self.restoring.append(seq)
 
     def _restore_job(
