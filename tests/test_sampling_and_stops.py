@@ -132,3 +132,10 @@ def test_sampling_params_validation_messages():
     for params, msg in cases:
         with pytest.raises(InvalidRequest, match=__import__("re").escape(msg)):
             params.validate(4096)
+
+
+def test_overflowing_parameters_fall_back_to_greedy_instead_of_failing():
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=1e-45, seed=1), SamplingParams()]
+    gens = [make_generator(p, torch.device("cpu")) for p in params]
+    assert sample(logits, params, gens, [(), ()]) == logits.argmax(-1).tolist()

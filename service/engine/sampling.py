@@ -79,5 +79,10 @@ def sample(
             continue
         row = filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
+        if not bool(torch.isfinite(probs).all()):
+            # extreme parameters (e.g. temperature 1e-45) overflow to NaN: this row
+            # falls back to greedy rather than failing every stream in the batch
+            out[i] = int(logits[i].nan_to_num(nan=float("-inf")).argmax())
+            continue
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
     return out  # type: ignore[return-value]
