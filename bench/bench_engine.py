@@ -75,8 +75,11 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 def timed_pair(ours, ref, device: torch.device, repeats: int, now=time.perf_counter,
                setup_ours=None, setup_ref=None) -> tuple[float, float]:
     """Median seconds (by the clock ``now``) of ``ours(state)`` and ``ref(state)``, run
-    alternately ``repeats`` times each so drifting load on the machine hits both alike.
+    alternately ``repeats`` times each so drifting load on the machine hits both alike,
+    after one untimed run of each (first-touch allocations at a new size).
     ``setup_*()`` makes each run's state outside the timing."""
+    for fn, setup in ((ours, setup_ours), (ref, setup_ref)):
+        fn(setup() if setup else None)
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for fn, setup, out in ((ours, setup_ours, times[0]), (ref, setup_ref, times[1])):
@@ -176,7 +179,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
     ours = Ours(loaded, max(max(prompt_lens), args.decode_prompt + args.decode_tokens + 1))
     ref = Reference(ref_model, device)
-    repeats = args.repeats if args.repeats else (2 if name == "1.1b" else 5)
+    repeats = args.repeats if args.repeats else (1 if name == "1.1b" else 5)
     now = CLOCKS[args.clock]
     rows: list[Row] = []
 
@@ -235,7 +238,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-prompt", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=0, help="timed runs per figure (median); 0: 5, or 2 at 1.1B")
+    ap.add_argument("--repeats", type=int, default=0, help="timed runs per figure (median), after one untimed; 0: 5, or 1 at 1.1B")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, a fair "
