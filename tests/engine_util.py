@@ -9,13 +9,14 @@ import torch
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
 from service.engine.types import Finished, GenerationRequest, SamplingParams
+from service.kv.cache import kv_bytes_per_token
 
 BS = 4
 
 
 def bytes_per_token(loaded) -> int:
     c = loaded.config
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * loaded.dtype.itemsize
+    return kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype)
 
 
 def make_engine(loaded, store=None, **kw) -> LLMEngine:
@@ -23,8 +24,7 @@ def make_engine(loaded, store=None, **kw) -> LLMEngine:
         model_path="unused",
         device="cpu",
         dtype="float32",
-        kv_cache_memory=64 * BS * loaded.config.num_layers * 2
-        * loaded.config.num_kv_heads * loaded.config.head_dim * 4,  # 64 blocks
+        kv_cache_memory=64 * BS * bytes_per_token(loaded),  # 64 blocks
         block_size=BS,
     )
     base.update(kw)

@@ -22,7 +22,7 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -382,10 +382,9 @@ class LLMEngine:
         if self.cfg.restore_policy == "always":
             rate = None
         while plan and rate is not None:
-            counts: dict[str, int] = {}
-            for t in plan:
-                counts[t] = counts.get(t, 0) + 1
-            restore_s = sum(self.store.estimated_restore_seconds(t, n) for t, n in counts.items())
+            restore_s = sum(
+                self.store.estimated_restore_seconds(t, n) for t, n in Counter(plan).items()
+            )
             recompute_s = len(plan) * self.block_size / rate
             if restore_s * self.cfg.restore_min_speedup <= recompute_s:
                 break
