@@ -24,6 +24,8 @@ VARIANTS = [
     "tiny_llama3_rope_dir",
     "tiny_llama_linear_rope_dir",
     "tiny_qwen2_dir",
+    "tiny_qwen2_window_dir",
+    "tiny_mistral_dir",
     "tiny_gpt2_dir",
     "tiny_llama_sharded_dir",
 ]
@@ -126,6 +128,30 @@ def test_greedy_matches_transformers_generate(loaded, variant: str) -> None:
     assert got == want
 
 
+def test_sliding_window_past_the_window_equals_transformers_with_it(loaded) -> None:
+    """Mistral, window 8: a 60-token greedy run (prompt 20) equals transformers with the
+    window, and differs from full attention (so the window is really exercised)."""
+    from transformers import GenerationConfig
+
+    ours, ref = loaded("tiny_mistral_dir")
+    assert ours.config.sliding_window == 8 and ours.config.context_length == 512
+    prompt = prompt_ids(ours.config.vocab_size, 20, seed=5)
+    gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        want = ref.generate(torch.tensor([prompt]), generation_config=gen)[0, len(prompt):].tolist()
+        ids = torch.tensor([prompt + want])
+        windowed = ref(ids).logits
+        ref.config.sliding_window = None  # the same weights with full attention
+        try:
+            full = ref(ids).logits
+        finally:
+            ref.config.sliding_window = 8
+    assert (windowed[0, 9:] - full[0, 9:]).abs().max() > 1e-2  # keys past the window matter
+    torch.testing.assert_close(windowed[0, :8], full[0, :8], atol=1e-5, rtol=0)
+    got = greedy_paged(ours.model, new_pool(ours), [prompt], 40, trivial_tables([len(prompt) + 40]))[0]
+    assert got == want
+
+
 def test_sharded_checkpoint_loads_same_weights(loaded, tiny_llama_sharded_dir) -> None:
     import json
 
@@ -140,7 +166,7 @@ def test_sharded_checkpoint_loads_same_weights(loaded, tiny_llama_sharded_dir) -
 # ---- paged KV paths -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["tiny_llama_dir", "tiny_llama_mqa_dir", "tiny_gpt2_dir"])
+@pytest.mark.parametrize("variant", ["tiny_llama_dir", "tiny_llama_mqa_dir", "tiny_gpt2_dir", "tiny_mistral_dir"])
 def test_cached_and_uncached_greedy_agree(loaded, variant: str) -> None:
     ours, _ = loaded(variant)
     prompt = prompt_ids(ours.config.vocab_size, 9, seed=3)
@@ -149,7 +175,7 @@ def test_cached_and_uncached_greedy_agree(loaded, variant: str) -> None:
     assert got == want
 
 
-@pytest.mark.parametrize("variant", ["tiny_llama_dir", "tiny_gpt2_dir"])
+@pytest.mark.parametrize("variant", ["tiny_llama_dir", "tiny_gpt2_dir", "tiny_qwen2_window_dir"])
 def test_batched_decode_equals_each_alone(loaded, variant: str) -> None:
     ours, _ = loaded(variant)
     n = 16
@@ -188,9 +214,10 @@ def test_shared_prefix_block_serves_two_sequences(loaded) -> None:
         assert g == greedy_nocache(ours.model, prefix + tail, n)
 
 
+@pytest.mark.parametrize("variant", ["tiny_llama3_rope_dir", "tiny_mistral_dir"])
 @pytest.mark.parametrize("chunk", [1, 3, 8])
-def test_chunked_prefill_matches_full_prefill(loaded, chunk: int) -> None:
-    ours, _ = loaded("tiny_llama3_rope_dir")
+def test_chunked_prefill_matches_full_prefill(loaded, chunk: int, variant: str) -> None:
+    ours, _ = loaded(variant)
     prompt = prompt_ids(ours.config.vocab_size, 21, seed=30)
     table = trivial_tables([len(prompt)])[0]
     with torch.inference_mode():

@@ -158,7 +158,7 @@ class LLMEngine:
         self.prefill_tokens_per_s: float | None = None
 
         self.model_info = ModelInfo(
-            architecture=self.mcfg.architecture,
+            architecture=self.mcfg.hf_architecture,
             model_type=self.mcfg.model_type,
             model_fingerprint=loaded.fingerprint,
             context_length=self.max_model_len,

@@ -261,7 +261,7 @@ class BatchLayout:
     seq_lens: tuple[int, ...]  # start_pos + new tokens, per sequence
     num_new_tokens: tuple[int, ...]  # new (real) tokens per sequence
     block_size: int
-    _bias: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
+    _bias: dict[object, Tensor] = field(default_factory=dict, repr=False)  # per dtype (and window)
 
     def attn_bias(self, dtype: torch.dtype) -> Tensor | None:
         """``attn_mask`` in ``dtype`` (converted once per layout, then shared by every layer)."""
@@ -271,6 +271,25 @@ class BatchLayout:
         if dtype not in self._bias:
             self._bias[dtype] = mask.to(dtype)
         return self._bias[dtype]
+
+    def mask_for(self, dtype: torch.dtype, window: int | None) -> tuple[Tensor | None, bool]:
+        """(additive mask or None, is_causal) for a layer whose queries see only the last
+        ``window`` positions (themselves included), as HF's sliding-window mask:
+        key c is visible to the query at position p iff p - window < c <= p.
+
+        ``window`` None, or no sequence longer than the window: the layout's own mask.
+        Key index c is the key's position in both layouts (fresh: the new tokens from
+        position 0; otherwise the gathered context), so one formula covers both."""
+        if window is None or max(self.seq_lens) <= window:
+            return self.attn_bias(dtype), self.is_causal
+        key = (dtype, window)
+        if key not in self._bias:
+            c_idx = torch.arange(self.ctx_len, device=self.positions.device)  # (C,)
+            q_pos = self.positions[:, :, None]  # (B, T, 1)
+            allowed = (c_idx <= q_pos) & (c_idx > q_pos - window)  # (B, T, C)
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            self._bias[key] = bias.unsqueeze(1)  # (B, 1, T, C)
+        return self._bias[key], False
 
     @property
     def batch_size(self) -> int:

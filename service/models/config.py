@@ -9,7 +9,7 @@ fields computed in one place, never a guess from the folder name. Both the trans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 
@@ -17,15 +17,21 @@ class ModelLoadError(Exception):
     """A model directory cannot be loaded; the message names the file and the problem."""
 
 
-# HF ``architectures`` entry -> the model file that implements it.
+# HF ``architectures`` entry -> the model file (family) that implements it.
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
 }
-# Fallback when ``architectures`` is absent: ``model_type`` -> architecture.
-_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+# Fallback when ``architectures`` is absent: ``model_type`` -> HF architecture.
+_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA_ACTS = ("silu", "swish")
@@ -36,7 +42,7 @@ _GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu")
 class ModelConfig:
     """What the model files need to build a network. Immutable; build with ``from_hf``."""
 
-    architecture: str  # "llama" | "gpt2": which model file
+    architecture: str  # the model file (family): "llama" | "gpt2" | ...
     model_type: str  # config.json's model_type, e.g. "llama", "mistral", "qwen2", "gpt2"
     vocab_size: int
     hidden_size: int
@@ -56,7 +62,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # Mistral; not implemented, so it caps context_length
+    sliding_window: int | None = None  # window of the "sliding_attention" layers (None: no window)
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"; (): all full
+    hf_architecture: str = ""  # the HF ``architectures`` name, e.g. "MistralForCausalLM"
 
     # ---- derived (one place) --------------------------------------------------------
 
@@ -74,10 +82,15 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """Longest sequence (prompt + generation) this config serves exactly."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence (prompt + generation) this config serves exactly (a sliding
+        window limits what a layer attends to, not the context)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (keys older than it are masked); None: full attention."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     # ---- construction ---------------------------------------------------------------
 
@@ -88,8 +101,8 @@ class ModelConfig:
         Raises ModelLoadError for an unknown architecture, a missing required key, an
         unsupported feature (RoPE type, activation, ...) or inconsistent sizes.
         """
-        hf_arch = _hf_architecture(d, source)
-        arch = ARCHITECTURES.get(hf_arch) if hf_arch else _MODEL_TYPES.get(d.get("model_type", ""))
+        hf_arch = _hf_architecture(d, source) or _MODEL_TYPES.get(d.get("model_type", ""))
+        arch = ARCHITECTURES.get(hf_arch) if hf_arch else None
         if arch is None:
             known = ", ".join(sorted(ARCHITECTURES))
             what = hf_arch or f"model_type {d.get('model_type')!r}"
@@ -99,6 +112,7 @@ class ModelConfig:
             cfg = build(d, source)
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing required key {e.args[0]!r} for {arch}") from None
+        cfg = replace(cfg, hf_architecture=hf_arch)
         cfg._check(source)
         return cfg
 
@@ -115,6 +129,12 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelLoadError(f"{source}: sliding_window must be > 0, got {self.sliding_window}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelLoadError(
+                f"{source}: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
 
 
 def _hf_architecture(d: Mapping[str, Any], source: str) -> str | None:
@@ -170,7 +190,7 @@ def _from_llama(d: Mapping[str, Any], source: str) -> ModelConfig:
     model_type = str(d.get("model_type", "llama"))
     qwen2 = model_type == "qwen2" or d.get("architectures", [None])[0] == "Qwen2ForCausalLM"
     bias = bool(d.get("attention_bias", False))
-    sliding = d.get("sliding_window") if (d.get("use_sliding_window", model_type == "mistral")) else None
+    sliding, layer_types = _sliding(d, source, model_type, int(d["num_hidden_layers"]))
     return ModelConfig(
         architecture="llama",
         model_type=model_type,
@@ -192,8 +212,47 @@ def _from_llama(d: Mapping[str, Any], source: str) -> ModelConfig:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_ids(d.get("eos_token_id")),
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=sliding,
+        layer_types=layer_types,
     )
+
+
+def _layer_types(d: Mapping[str, Any], source: str, num_layers: int) -> tuple[str, ...] | None:
+    """config.json's ``layer_types`` checked; None when absent."""
+    types = d.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
+        raise ModelLoadError(f"{source}: unsupported layer_types {types!r}; supported entries: {LAYER_TYPES}")
+    if len(types) != num_layers:
+        raise ModelLoadError(f"{source}: layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(types)
+
+
+def _sliding(d: Mapping[str, Any], source: str, model_type: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) of a Llama-family config, as transformers reads them.
+
+    Mistral (and Phi-3): every layer slides when ``sliding_window`` is set. Qwen2/Qwen3:
+    only with ``use_sliding_window``, on the layers ``layer_types`` marks (default: from
+    ``max_window_layers`` on). Llama has no window.
+    """
+    window = d.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        if not d.get("use_sliding_window", False):
+            window = None
+        types = _layer_types(d, source, num_layers)
+        if types is None:
+            first = int(d.get("max_window_layers", 28))
+            types = tuple("sliding_attention" if window is not None and i >= first else "full_attention"
+                          for i in range(num_layers))
+    elif model_type in ("mistral", "phi3"):
+        types = ("sliding_attention",) * num_layers
+    else:
+        window = None
+        types = ()
+    if window is None:
+        return None, ()
+    return int(window), types
 
 
 def _from_gpt2(d: Mapping[str, Any], source: str) -> ModelConfig:

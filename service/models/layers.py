@@ -30,3 +30,14 @@ class Linear(nn.Linear):
         else:
             y = torch.addmm(self.bias[:, None], self.weight, xt)
         return y.t().contiguous().view(*x.shape[:-1], self.out_features)
+
+
+def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor | None, bool]:
+    """(additive mask (T, T) or None, is_causal) for plain causal attention over T tokens
+    from position 0, limited to the last ``window`` positions when one is given
+    (``BatchLayout.mask_for``'s rule: key j is visible to query i iff i - window < j <= i)."""
+    if window is None or T <= window:
+        return None, T > 1
+    i = torch.arange(T, device=device)
+    allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # (T, T)
+    return torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")), False

@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama 2/3, TinyLlama, Mistral-style, Qwen2), top to bottom.
+"""Llama-family decoder (Llama 2/3, TinyLlama, Mistral, Qwen2), top to bottom.
 
     x = embed(ids)
     for each layer:
-        x = x + Attention(RMSNorm(x))      # RoPE on q/k, grouped-query attention, paged KV
+        x = x + Attention(RMSNorm(x))      # RoPE on q/k, grouped-query attention, paged KV,
+                                           # sliding window on the layers that have one
         x = x + SwiGLU(RMSNorm(x))
     logits = lm_head(RMSNorm(x))
 
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from service.kv.cache import BatchLayout, KVPool
 from service.models.config import ModelConfig
-from service.models.layers import Linear
+from service.models.layers import Linear, causal_mask
 
 
 class RMSNorm(nn.Module):
@@ -99,6 +100,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = self.head_dim**-0.5
+        self.window = config.layer_window(layer_idx)  # None: full attention; else sliding window
         d = config.hidden_size
         self.q_proj = Linear(d, config.q_size, bias=config.attention_bias)
         self.k_proj = Linear(d, config.kv_size, bias=config.attention_bias)
@@ -125,11 +127,11 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
         k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
-        return self.attend(q, k, v, layout.attn_bias(q.dtype), layout.is_causal)
+        return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
 
     def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
-        return self.attend(q, k, v, None, x.shape[1] > 1)
+        return self.attend(q, k, v, *causal_mask(x.shape[1], self.window, q.dtype, x.device))
 
 
 class MLP(nn.Module):
