@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from service.config import ConfigError, ServerConfig
+from service.config import ConfigError, ServerConfig, mask_url_password
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,19 +91,43 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger(__name__).info("settings:\n%s", config.describe())
-    return asyncio.run(_serve(config))
+    log = logging.getLogger(__name__)
+    log.info(
+        "starting: model %s, device %s, port %s, redis %s (kvserve config prints every setting)",
+        config.model or "(packaged default)", config.device, config.port, mask_url_password(config.redis_url),
+    )  # fmt: skip
+    log.debug("settings:\n%s", config.describe())
+    try:
+        return asyncio.run(_serve(config))
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers are in place
+        return 130
 
 
 async def _serve(config: ServerConfig) -> int:
+    """Run the server; a failure is one line on stderr (what, where, what to do) and
+    exit status 2 (configuration) or 1 (anything else); ``--log-level debug`` adds the
+    traceback."""
     from service.auth import ApiKeysError
-    from service.server import run
+    from service.server import StartupError, run
 
+    log = logging.getLogger(__name__)
     try:
         return await run(config)
-    except (ConfigError, ApiKeysError) as e:  # keys file, TLS files: unusable at startup
-        print(f"kvserve serve: error: {e}", file=sys.stderr)
+    except (ConfigError, ApiKeysError, StartupError) as e:  # keys, TLS files, device, port, Redis, model
+        log.debug("startup failed", exc_info=True)
+        print(f"kvserve serve: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except Exception as e:
+        log.debug("failed", exc_info=True)
+        print(
+            f"kvserve serve: error: {type(e).__name__}: {_one_line(str(e))} (--log-level debug shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -159,6 +159,7 @@ class ServerConfig:
     host_cache_memory: int = setting(1 << 30, "Bytes of host memory for the host KV tier (0 = off; pinned when the device is CUDA).", parse_bytes, fmt=format_bytes, metavar="BYTES")
     redis_url: str | None = setting(None, "Redis for the shared KV tier and session transcripts: redis://[:password@]host:port/db, rediss:// for TLS (empty = off).", parse_optional_str, fmt=mask_url_password, metavar="URL")
     redis_cluster: bool = setting(False, "Treat --redis-url as a Redis Cluster seed node.", parse_bool)
+    redis_required: bool = setting(False, "Refuse to start when --redis-url does not answer at startup (default: log it and serve degraded, KV blocks and session transcripts kept in this process, until Redis answers).", parse_bool)
     redis_ttl: float = setting(24 * 3600.0, "Expiry of KV blocks in Redis (0 = none; rely on maxmemory eviction). Session records expire after --session-ttl.", parse_duration, metavar="SECONDS")
     redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
@@ -250,13 +251,20 @@ class ServerConfig:
         parser = parser or argparse.ArgumentParser(prog="kvserve serve")
         for f in dataclasses.fields(cls):
             md = f.metadata
+            help_text = f"{md['help']} [env {env_name(f.name)}; default {_fmt_default(f)}]"
+            if md["parse"] is parse_bool:  # a switch: --redis-cluster / --no-redis-cluster
+                parser.add_argument(
+                    flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS, help=help_text,
+                )  # fmt: skip
+                continue
             parser.add_argument(
                 flag_name(f.name),
                 dest=f.name,
                 type=_argparse_type(md["parse"]),
                 default=argparse.SUPPRESS,
                 metavar=md["metavar"] or f.name.upper(),
-                help=f"{md['help']} [env {env_name(f.name)}; default {_fmt_default(f)}]",
+                help=help_text,
             )
         return parser
 
@@ -321,12 +329,20 @@ class ServerConfig:
         rows = ["| flag | environment variable | default | description |", "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             help_text = f.metadata["help"].replace("|", "\\|")
-            rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{_fmt_default(f)}` | {help_text} |")
+            negative = negative_flag_name(f.name)
+            flags = f"`{flag_name(f.name)}`" + (f" / `{negative}`" if negative else "")
+            rows.append(f"| {flags} | `{env_name(f.name)}` | `{_fmt_default(f)}` | {help_text} |")
         return "\n".join(rows) + "\n"
 
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
+
+
+def negative_flag_name(field_name: str) -> str | None:
+    """``--no-redis-cluster`` for a boolean setting (a switch), else None."""
+    f = {f.name: f for f in dataclasses.fields(ServerConfig)}[field_name]
+    return "--no-" + field_name.replace("_", "-") if f.metadata["parse"] is parse_bool else None
 
 
 def env_name(field_name: str) -> str:

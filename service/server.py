@@ -24,8 +24,10 @@ ways; sessions unused for ``--session-ttl`` are reaped here, transcript and KV b
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
-from service.config import ConfigError, ServerConfig
+from service.config import ConfigError, ServerConfig, mask_url_password
 from service.metrics import ServiceMetrics
 from service.servicer import SERVICE_NAME, GenerationServicer, Limits
 from service.sessions import (
@@ -175,6 +177,116 @@ async def _reap_sessions(sessions: SessionManager, servicer: GenerationServicer,
             log.exception("reaping expired sessions failed")
 
 
+class StartupError(Exception):
+    """The server cannot start. The message is one line: what failed, where, what to do."""
+
+
+def check_device(config: ServerConfig) -> None:
+    """``--device cuda`` on a machine without CUDA fails here, before anything loads."""
+    if config.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise StartupError(
+            f"--device cuda: CUDA is not available ({why}, torch {torch.__version__}); "
+            "use --device cpu or --device auto (KVSERVE_DEVICE), or install a CUDA build of torch"
+        )
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail with one line when ``host:port`` cannot be bound (in use, not an address of
+    this machine, privileged), before the model loads."""
+    if port == 0:
+        return
+    fix = "stop the process holding it or choose another --port (KVSERVE_PORT)"
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StartupError(f"--host {host!r}: cannot resolve it ({e.strerror}); use an address of this machine, e.g. 0.0.0.0") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartupError(f"port {port} on {host} is already in use; {fix}") from None
+            if e.errno == errno.EACCES:
+                raise StartupError(f"port {port} on {host}: permission denied (ports below 1024 need privileges); "
+                                   "choose another --port (KVSERVE_PORT)") from None  # fmt: skip
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise StartupError(f"--host {host}: not an address of this machine; use one of its addresses, "
+                                   "or 0.0.0.0 for all (KVSERVE_HOST)") from None  # fmt: skip
+            raise StartupError(f"cannot listen on {_bind_address(host, port)}: {e.strerror or e}; {fix}") from None
+
+
+def redis_problem(config: ServerConfig, timeout_s: float = 2.0) -> str | None:
+    """None when ``--redis-url`` answers PING, else why not (one line)."""
+    import redis
+    import redis.cluster
+
+    url = config.redis_connection_url()
+    assert url is not None
+    kwargs: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    client: Any = None
+    try:
+        if config.redis_cluster:
+            client = redis.cluster.RedisCluster.from_url(url, **kwargs)
+        else:
+            client = redis.Redis.from_url(url, **kwargs)
+        client.ping()
+        return None
+    except Exception as e:  # connection refused, DNS, TLS, auth, not a cluster, ...
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    finally:
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+
+async def check_redis(config: ServerConfig) -> None:
+    """Log when Redis does not answer at startup and serve degraded, or, with
+    ``--redis-required``, refuse to start."""
+    if not config.redis_url:
+        return
+    problem = await asyncio.to_thread(redis_problem, config)
+    if problem is None:
+        log.info("redis: %s answers", mask_url_password(config.redis_url))
+        return
+    where = f"Redis at {mask_url_password(config.redis_url)} (--redis-url)"
+    if config.redis_required:
+        raise StartupError(
+            f"{where} does not answer ({problem}); start it or fix --redis-url (KVSERVE_REDIS_URL), "
+            "or drop --redis-required to serve degraded"
+        )
+    log.warning(
+        "%s does not answer (%s): serving DEGRADED: KV blocks stay on this replica and session transcripts in its "
+        "memory until Redis answers; fix --redis-url, or set --redis-required to refuse to start",
+        where, problem,
+    )  # fmt: skip
+
+
+async def _build_engine(config: ServerConfig) -> Any:
+    from service.engine import build_engine
+    from service.models.config import ModelLoadError
+
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+    try:
+        return await build_engine(config.engine_config())
+    except ModelLoadError as e:
+        raise StartupError(
+            f"cannot load the model: {e}; --model (KVSERVE_MODEL) takes a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer) of a supported family"
+        ) from e
+
+
 @asynccontextmanager
 async def serve(
     config: ServerConfig,
@@ -188,22 +300,37 @@ async def serve(
     ``engine``: an already built ``AsyncEngine`` to serve (it is not shut down on exit);
     by default one is built from ``config.engine_config()`` and owned by the server.
     ``session_store``: where sessions live (default: ``build_session_store(config)``).
+
+    Everything that can be checked cheaply is checked before the model loads (keys,
+    TLS files, device, the port, Redis); a problem raises ``StartupError`` (or
+    ``ConfigError`` / ``ApiKeysError``) with a one-line message.
     """
     authenticator = Authenticator(load_api_keys(config.api_keys_file, config.api_keys))
     credentials = server_credentials(config)  # read before the model loads: fail fast
     owns_engine = engine is None
-    if engine is None:
-        from service.engine import build_engine
-
-        if config.torch_threads:
-            import torch
-
-            torch.set_num_threads(config.torch_threads)
-        engine = await build_engine(config.engine_config())
+    if owns_engine:
+        check_device(config)
+    check_port(config.host, config.port)
+    metrics = metrics or ServiceMetrics()
+    interceptors = (
+        [AuthInterceptor(authenticator, on_reject=lambda m: metrics.requests.labels(m, "UNAUTHENTICATED").inc())]
+        if authenticator.enabled
+        else []
+    )
+    server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
+    bind = _bind_address(config.host, config.port)
+    try:  # hold the port while the model loads
+        port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise StartupError(f"cannot listen on {bind}; choose another --port (KVSERVE_PORT) or --host (KVSERVE_HOST)")
     running: RunningServer | None = None
     reaper: asyncio.Task | None = None
     try:
-        metrics = metrics or ServiceMetrics()
+        await check_redis(config)
+        if engine is None:
+            engine = await _build_engine(config)
         metrics.watch_engine(engine.stats)
         if engine.store is not None:
             from service.metrics import CacheStoreCollector
@@ -239,22 +366,12 @@ async def serve(
             if config.session_ttl
             else None
         )
-        interceptors = (
-            [AuthInterceptor(authenticator, on_reject=lambda m: metrics.requests.labels(m, "UNAUTHENTICATED").inc())]
-            if authenticator.enabled
-            else []
-        )
-        server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
         pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        bind = _bind_address(config.host, config.port)
-        port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
-        if port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.port}")
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -297,8 +414,9 @@ async def serve(
         else:
             if reaper is not None:
                 reaper.cancel()
-            if owns_engine:
+            if owns_engine and engine is not None:
                 await engine.shutdown(0.0)
+            await server.stop(None)  # releases the port
 
 
 async def run(config: ServerConfig) -> int:

@@ -121,3 +121,13 @@ def test_cli_help_and_config_commands():
     assert out.returncode == 0
     settings = {k.strip(): v for k, v in (line.split(" = ", 1) for line in out.stdout.splitlines())}
     assert settings["port"] == "1234" and settings["block_size"] == "64" and settings["kv_cache_memory"] == "1GiB"
+
+
+def test_boolean_settings_are_switches_and_keep_the_environment_form():
+    assert ServerConfig.from_args(["--redis-cluster"], {}).redis_cluster is True
+    assert ServerConfig.from_args(["--no-redis-cluster"], {"KVSERVE_REDIS_CLUSTER": "true"}).redis_cluster is False
+    assert ServerConfig.from_args([], {"KVSERVE_REDIS_CLUSTER": "yes"}).redis_cluster is True
+    assert ServerConfig.from_args([], {"KVSERVE_REDIS_REQUIRED": "0"}).redis_required is False
+    with pytest.raises(SystemExit):  # a switch takes no value
+        ServerConfig.from_args(["--redis-cluster", "true"], {})
+    assert "`--redis-cluster` / `--no-redis-cluster`" in ServerConfig.markdown_table()

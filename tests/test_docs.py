@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients import KVServeClient
-from service.config import ServerConfig, env_name, flag_name
+from service.config import ServerConfig, env_name, flag_name, negative_flag_name
 from tests.fixtures.redis_server import free_port
 from tests.serving import REPO, ServerThread, tiny_config
 
@@ -41,7 +41,9 @@ METRIC_RE = re.compile(r"\bkvserve_[a-z][a-z0-9_]*")
 LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE_RE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 
-SERVER_FLAGS = frozenset(flag_name(f.name) for f in dataclasses.fields(ServerConfig))
+SERVER_FLAGS = frozenset(flag_name(f.name) for f in dataclasses.fields(ServerConfig)) | frozenset(
+    n for f in dataclasses.fields(ServerConfig) if (n := negative_flag_name(f.name))
+)
 SERVER_ENV = frozenset(env_name(f.name) for f in dataclasses.fields(ServerConfig))
 
 # Flags of other programs that the docs show, by program. A flag of one of these that the

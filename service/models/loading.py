@@ -86,7 +86,8 @@ def load_model(
     path = Path(path)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: model directory does not exist")
+        what = "is a file, not a model directory" if path.exists() else "model directory does not exist"
+        raise ModelLoadError(f"{path}: {what}")
     config_path = path / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{path}: missing config.json")
