@@ -11,6 +11,8 @@ Commands: ``/reset`` deletes the session and starts a new one, ``/quit`` (or end
 input) exits. ``--session NAME`` resumes that session (default: a new random id).
 Works with stdin from a pipe (no prompt is printed when stdin is not a terminal).
 Ctrl-C during a reply cancels that turn (the session is left as before the turn).
+Exit status: 0, or 1 when the last turn failed (its gRPC status is printed on stderr)
+or the session could not be looked up.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 return 1
             out.write(f"[session {session}: new]\n")
         out.flush()
+        last_failed = False
         while True:
             if interactive:
                 out.write("you> ")
@@ -119,10 +122,12 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 continue
             try:
                 _turn(client, session, message, args, out)
+                last_failed = False
             except KVServeError as e:
+                last_failed = True
                 err.write(f"[error {e.code.name}: {e.details}]\n")
                 err.flush()
-    return 0
+    return 1 if last_failed else 0
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
     kvserve serve [flags]          run the gRPC server (every flag also reads KVSERVE_*)
     kvserve config [flags]         print the effective settings (flags + environment)
     kvserve config --markdown      print the settings table (docs/configuration.md)
-    kvserve hash-key [--tenant T]  print the stored (hashed) form of an API key read
-                                   from stdin; --generate makes a new key
+    kvserve hash-key [--tenant T] [KEY]
+                                   print the stored (hashed) form of an API key read
+                                   from stdin (or given as KEY); --generate makes a new key
 
 ``python -m service [flags]`` is ``kvserve serve [flags]``.
 """
@@ -40,9 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     hash_key = sub.add_parser(
         "hash-key",
         help="print the hashed form of an API key (a line of the --api-keys-file)",
-        description="Read an API key from stdin (or --generate a new one) and print the line to put in "
-        "the --api-keys-file: TENANT:SHA256HEX (just the hash without --tenant). The server stores only this hash.",
+        description="Read an API key from stdin (or take it as KEY, or --generate a new one) and print the line "
+        "to put in the --api-keys-file: TENANT:SHA256HEX (just the hash without --tenant). The server stores only "
+        "this hash.",
     )
+    hash_key.add_argument(
+        "key", nargs="?", metavar="KEY",
+        help="the API key (default: read from stdin, which keeps it out of your shell history)",
+    )  # fmt: skip
     hash_key.add_argument("--tenant", help="tenant the key belongs to (prints tenant:hash)")
     hash_key.add_argument("--generate", action="store_true", help="make a new random key and print it first")
     return parser
@@ -56,13 +62,28 @@ def _hash_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             check_tenant(args.tenant, "--tenant")
         except ApiKeysError as e:
             parser.error(str(e))
+    if args.generate and args.key is not None:
+        parser.error("give KEY or --generate, not both")
     if args.generate:
         key = generate_key()
         print(f"# the new API key (give it to the client; only its hash is stored):\n{key}")
+    elif args.key is not None:
+        key = args.key.strip()
+        print(
+            "kvserve hash-key: warning: a key given on the command line stays in your shell history; "
+            "prefer: kvserve hash-key [--tenant T] < keyfile",
+            file=sys.stderr,
+        )
     else:
-        key = sys.stdin.readline().strip()
-        if not key:
-            parser.error("no key on stdin (or use --generate)")
+        if sys.stdin.isatty():
+            print("kvserve hash-key: type the key and press Enter (it is not echoed back):", file=sys.stderr)
+            import getpass
+
+            key = getpass.getpass("").strip()
+        else:
+            key = sys.stdin.readline().strip()
+    if not key:
+        parser.error("no key: pass it on stdin (echo \"$KEY\" | kvserve hash-key), as KEY, or use --generate")
     digest = hash_key(key)
     print(f"{args.tenant}:{digest}" if args.tenant is not None else digest)
     return 0

@@ -108,6 +108,10 @@ def test_hash_key_command_prints_a_line_the_server_accepts():
     assert ApiKeys.parse(line).tenant_for(new_key) == "bravo"
     assert run("--tenant", "no way").returncode == 2
     assert run(stdin="").returncode == 2
+    as_argument = run("--tenant", "acme", KEY_A)  # accepted, with a warning about shell history
+    assert as_argument.returncode == 0 and as_argument.stdout.strip() == f"acme:{hash_key(KEY_A)}"
+    assert "shell history" in as_argument.stderr
+    assert run("--generate", KEY_A).returncode == 2
 
 
 def test_serve_refuses_a_bad_keys_file_before_loading_anything(tmp_path):

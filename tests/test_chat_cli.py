@@ -20,13 +20,14 @@ def server(tiny_llama_dir):
         yield s
 
 
-def _chat(address: str, stdin: str, *args: str) -> subprocess.CompletedProcess:
+def _chat(address: str, stdin: str, *args: str, status: int = 0, quiet: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "clients.chat", "--address", address, "--max-new-tokens", "10", *args],
         input=stdin, capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert not proc.stderr.strip(), proc.stderr
+    assert proc.returncode == status, proc.stderr
+    if quiet:
+        assert not proc.stderr.strip(), proc.stderr
     return proc
 
 
@@ -58,3 +59,11 @@ def test_reset_starts_a_new_session_and_deletes_the_old(server):
     with KVServeClient(server.address) as client:
         ids = {s.session_id for s in client.iter_sessions()}
     assert "cli-reset" not in ids and sessions[1] in ids
+
+
+def test_exit_status_is_non_zero_when_the_last_turn_failed(server):
+    too_long = "fox " * 5000 + "\n"  # past the tiny model's context: INVALID_ARGUMENT
+    failed = _chat(server.address, "hello\n" + too_long, "--session", "cli-fail", status=1, quiet=False)
+    assert failed.stderr.startswith("[error INVALID_ARGUMENT:"), failed.stderr
+    recovered = _chat(server.address, too_long + "hello again\n", "--session", "cli-fail-2", quiet=False)
+    assert "[error INVALID_ARGUMENT:" in recovered.stderr and len(STATS.findall(recovered.stdout)) == 1

@@ -61,6 +61,14 @@ def test_node_client_streams_a_two_turn_session_whose_second_turn_is_cached(node
         assert info.turns == 2
         assert info.token_count == int(second["prompt_tokens"]) + int(second["completion_tokens"])
 
+        # A rejected turn prints its error, not a turn header before it.
+        rejected = subprocess.run(
+            [*node_client, "--address", server.address, "--max-new-tokens", "1000000", "--message", "hi"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert rejected.returncode == 1 and "INVALID_ARGUMENT" in rejected.stderr, rejected.stderr
+        assert "[turn" not in rejected.stdout, rejected.stdout
+
 
 def test_node_client_reports_an_unreachable_server_with_its_grpc_status(node_client):
     from tests.fixtures.redis_server import free_port

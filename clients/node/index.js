@@ -85,9 +85,10 @@ const finishName = (reason) => reason.replace(/^FINISH_REASON_/, '').toLowerCase
 const seconds = (d) => (d ? Number(d.seconds) + d.nanos / 1e9 : 0);
 
 // One turn: send the new user message in the session, stream the reply to stdout,
-// return the turn's figures from the StartEvent and FinalEvent.
+// return the turn's figures from the StartEvent and FinalEvent. The turn's header is
+// printed when the server accepts it (its StartEvent), so a rejected turn prints only
+// its error.
 async function runTurn(client, opts, turn, message) {
-  process.stdout.write(`[turn ${turn}] user: ${message}\n[turn ${turn}] assistant: `);
   const call = client.Generate(
     {
       session_id: opts.session,
@@ -99,9 +100,14 @@ async function runTurn(client, opts, turn, message) {
   let start = null;
   let final = null;
   for await (const response of call) {
-    if (response.event === 'start') start = response.start;
-    else if (response.event === 'delta') process.stdout.write(response.delta.text);
-    else if (response.event === 'final') final = response.final;
+    if (response.event === 'start') {
+      start = response.start;
+      process.stdout.write(`[turn ${turn}] user: ${message}\n[turn ${turn}] assistant: `);
+    } else if (response.event === 'delta') {
+      process.stdout.write(response.delta.text);
+    } else if (response.event === 'final') {
+      final = response.final;
+    }
   }
   process.stdout.write('\n');
   if (!start || !final) throw new Error('stream ended without its start or final event');
