@@ -619,6 +619,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=TrainArgs.lr)
     ap.add_argument("--batch-size", type=int, default=TrainArgs.batch_size)
     opts = ap.parse_args(argv)
+    try:  # the last step checks the result against transformers: fail now, not after training
+        import transformers  # noqa: F401
+    except ImportError:
+        print("train_default_model.py: needs transformers: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
 
     t = TrainArgs(steps=opts.steps, threads=opts.threads, lr=opts.lr, min_lr=opts.lr / 10,
                   batch_size=opts.batch_size, warmup_steps=min(TrainArgs.warmup_steps, max(1, opts.steps // 10)),
