@@ -159,8 +159,12 @@ def test_sharded_checkpoint_loads_same_weights(loaded, tiny_llama_sharded_dir) -
     assert len(set(index["weight_map"].values())) > 1  # really sharded
     ours, ref = loaded("tiny_llama_sharded_dir")
     ref_sd = ref.state_dict()
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     for name, p in ours.model.named_parameters():
-        assert torch.equal(p, ref_sd[name]), name
+        module, _, kind = name.rpartition(".")
+        head, _, proj = module.rpartition(".")
+        parts = [f"{head}.{src}.{kind}" for src in fused[proj]] if proj in fused else [name]
+        assert torch.equal(p, torch.cat([ref_sd[n] for n in parts])), name
 
 
 # ---- paged KV paths -----------------------------------------------------------------

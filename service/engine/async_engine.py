@@ -175,7 +175,10 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         str(cfg.resolved_model_path()),
         dtype=cfg.resolved_dtype(),
         device=cfg.resolved_device(),
+        weight_format=cfg.weight_format,
     )
+    if loaded.weight_format != "exact":
+        log.info("weights served as %s (quantized at load; fingerprint %s)", loaded.weight_format, loaded.fingerprint[:12])
     store = build_store(cfg, loaded)
     engine = LLMEngine(loaded, cfg, store=store)
     aengine = AsyncEngine(engine)

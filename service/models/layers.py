@@ -41,3 +41,31 @@ def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.de
     i = torch.arange(T, device=device)
     allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # (T, T)
     return torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")), False
+
+
+def fuse_linears(linears: list[Linear]) -> Linear:
+    """One ``Linear`` computing the given ones side by side: its output is their outputs
+    concatenated on the last dim (split it with ``.split([l.out_features ...], -1)``).
+
+    Used after loading (q/k/v, gate/up): one weight read and one kernel call instead of
+    several per step. Every input must have the same in_features, dtype and device and
+    all or none a bias; the weights are copied, the inputs can be dropped."""
+    first = linears[0]
+    has_bias = first.bias is not None
+    if any(l.in_features != first.in_features or (l.bias is not None) != has_bias for l in linears):
+        raise ValueError("fuse_linears: inputs differ in in_features or bias")
+    w = first.weight
+    out = Linear(first.in_features, sum(l.out_features for l in linears), bias=has_bias, device="meta", dtype=w.dtype)
+    out.weight = nn.Parameter(torch.cat([l.weight.detach() for l in linears]), requires_grad=False)  # (sum out, in)
+    if has_bias:
+        out.bias = nn.Parameter(torch.cat([l.bias.detach() for l in linears]), requires_grad=False)
+    return out
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Call ``fuse()`` on every submodule that has one (after the weights are loaded:
+    checkpoints name the projections separately, the loader fills them by name)."""
+    for module in list(model.modules()):
+        fuse = getattr(module, "fuse", None)
+        if callable(fuse):
+            fuse()

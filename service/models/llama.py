@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from service.kv.cache import BatchLayout, KVPool
 from service.models.config import ModelConfig
-from service.models.layers import Linear, causal_mask
+from service.models.layers import Linear, causal_mask, fuse_linears
 
 
 class RMSNorm(nn.Module):
@@ -106,9 +106,20 @@ class Attention(nn.Module):
         self.k_proj = Linear(d, config.kv_size, bias=config.attention_bias)
         self.v_proj = Linear(d, config.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(config.q_size, d, bias=config.attention_out_bias)
+        self.qkv_proj: Linear | None = None  # q, k and v side by side: set by fuse() after loading
+
+    def fuse(self) -> None:
+        """One projection for q, k and v (one weight read, one kernel call per step)."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
+            qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together
+            q, k = qk.split((self.n_heads, self.n_kv), dim=2)  # (B, T, nh, hd), (B, T, n_kv, hd)
+            return q, k, qkv[:, :, self.n_heads + self.n_kv :]  # v: (B, T, n_kv, hd)
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, nh, hd)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)  # (B, T, n_kv, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
@@ -143,9 +154,17 @@ class MLP(nn.Module):
         self.gate_proj = Linear(d, h, bias=bias)
         self.up_proj = Linear(d, h, bias=bias)
         self.down_proj = Linear(h, d, bias=bias)
+        self.gate_up_proj: Linear | None = None  # gate and up side by side: set by fuse() after loading
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
         # in place: no extra (B, T, intermediate) temporaries (each a page-faulting allocation when large)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 

@@ -1,6 +1,6 @@
 """Load an HF-format model directory: config, weights, tokenizer, eos ids, fingerprint.
 
-    loaded = load_model("path/to/model", dtype="float32", device="auto")
+    loaded = load_model("path/to/model", dtype="float32", device="auto", weight_format="int8")
     loaded.model(layout, kv)          # see llama.py for the forward contract
 
 Weights are read memory-mapped (safetensors ``safe_open``) one tensor at a time and
@@ -9,6 +9,10 @@ the target dtype, so a 7B checkpoint never needs twice its size in RAM. Weight l
 is data plus checks (nanoGPT's manner): every checkpoint tensor must name a parameter,
 every parameter must be found, every shape must match; anything else raises
 ``ModelLoadError`` naming the file and the tensor.
+
+After loading, projections that run side by side are fused (q/k/v, gate/up: one weight
+read and one kernel call per step) and the linear layers are re-encoded in the served
+weight format (quant.py); the format is part of the fingerprint.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from torch import nn
 from service.kv.cache import KVPool
 from service.models.config import ModelConfig, ModelLoadError
 from service.models.gpt2 import GPT2LMHeadModel
+from service.models.layers import fuse_projections
 from service.models.llama import LlamaForCausalLM
+from service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
 from service.models.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
@@ -44,10 +50,11 @@ class LoadedModel:
     model: nn.Module  # eval mode, requires_grad False
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]  # config.json + generation_config.json (+ tokenizer if both empty)
-    fingerprint: str  # hex sha256 of the canonical config.json and every weight file's bytes
+    fingerprint: str  # hex sha256 of the canonical config.json, every weight file's bytes and the weight format
     dtype: torch.dtype
     device: torch.device
     path: Path
+    weight_format: str = "exact"  # quant.WEIGHT_FORMATS
 
     def new_kv_pool(self, budget_bytes: int, block_size: int) -> KVPool:
         """A KV pool for this model (its geometry, dtype and device) within ``budget_bytes``."""
@@ -81,9 +88,13 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    weight_format: str = "exact",
 ) -> LoadedModel:
-    """Load the model directory at ``path``. ``progress`` None: a bar over shards on a TTY."""
+    """Load the model directory at ``path``. ``progress`` None: bars over shards and
+    quantized matrices on a TTY. ``weight_format``: one of quant.WEIGHT_FORMATS."""
     path = Path(path)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     if not path.is_dir():
         what = "is a file, not a model directory" if path.exists() else "model directory does not exist"
@@ -112,15 +123,18 @@ def load_model(
         progress = sys.stderr.isatty()
     _load_weights(model, weight_files, path, progress)
     model.eval().requires_grad_(False)
+    fuse_projections(model)
+    quantize_model(model, weight_format, progress)
     return LoadedModel(
         config=config,
         model=model,
         tokenizer=tokenizer,
         eos_token_ids=eos,
-        fingerprint=model_fingerprint(raw_config, weight_files),
+        fingerprint=format_fingerprint(model_fingerprint(raw_config, weight_files), weight_format),
         dtype=torch_dtype,
         device=torch_device,
         path=path,
+        weight_format=weight_format,
     )
 
 

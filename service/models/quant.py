@@ -1,0 +1,118 @@
+"""Served weight formats: the loaded model's linear layers re-encoded at load time.
+
+    exact  the checkpoint's weights in the compute dtype (``--dtype``), untouched
+    bf16   weights stored as bfloat16 (half the bytes); products in bfloat16
+    int8   weight-only int8, symmetric, one scale per output channel (a quarter of the
+           bytes); products by torch's ``_weight_int8pack_mm`` with bfloat16 activations
+
+Decode reads every weight once per step, so its speed follows the weight bytes. Only
+the matmul weights change (every ``layers.Linear``, lm_head included); embeddings,
+norms, attention and the KV cache stay in the compute dtype, and each layer's output is
+cast back to it, so the residual stream keeps full precision. Activations go into the
+product as bfloat16: the int8 kernel is ~2x slower with float32 activations than the
+float32 matmul, and several times faster with bfloat16 ones (docs/benchmarks.md).
+
+The format is part of the model fingerprint (``format_fingerprint``): KV computed with
+other weights is never restored. New model families get this for free as long as their
+projections are ``layers.Linear`` modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.models.layers import Linear
+
+WEIGHT_FORMATS = ("exact", "bf16", "int8")
+
+
+class QuantLinear(nn.Module):
+    """A ``Linear`` whose weight is stored in a smaller format; same call, same output dtype.
+
+    int8: ``weight`` (out, in) int8 and ``scales`` (out,) bfloat16 with
+    W ~= weight * scales[:, None]. bf16: ``weight`` (out, in) bfloat16, ``scales`` None.
+    ``bias`` stays in the compute dtype and is added after the product.
+    """
+
+    def __init__(self, fmt: str, weight: Tensor, scales: Tensor | None, bias: Tensor | None) -> None:
+        super().__init__()
+        self.fmt = fmt
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+        # torch's int8 weight-only kernel runs on the CPU (and, in recent builds, CUDA)
+        self._packed_kernel = fmt == "int8" and weight.device.type == "cpu"
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str) -> "QuantLinear":
+        w = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        if fmt == "bf16":
+            return cls(fmt, w.to(torch.bfloat16).contiguous(), None, bias)
+        if fmt == "int8":
+            q, scales = quantize_int8(w)
+            return cls(fmt, q, scales, bias)
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+
+    def dequantized(self) -> Tensor:
+        """The weight this layer multiplies by, in float32 (out, in)."""
+        w = self.weight.float()
+        return w * self.scales.float()[:, None] if self.scales is not None else w
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features
+        xa = x.reshape(rows, self.in_features).to(torch.bfloat16)  # (rows, in)
+        if self._packed_kernel:
+            y = torch._weight_int8pack_mm(xa, self.weight, self.scales)  # (rows, out) bf16
+        elif self.fmt == "int8":
+            y = F.linear(xa, self.weight.to(xa.dtype)) * self.scales
+        else:
+            y = F.linear(xa, self.weight)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8: (q (out, in) int8, scales (out,) bfloat16).
+
+    The scale is rounded to bfloat16 first and the weights quantized against that
+    rounded scale, so q * scale is the nearest grid point of the scale actually used."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)  # (out,)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
+
+
+def quantize_model(model: nn.Module, fmt: str, progress: bool = False) -> int:
+    """Replace every ``layers.Linear`` of ``model`` by a ``QuantLinear`` in ``fmt``, in
+    place; returns how many were replaced. ``exact`` changes nothing."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if fmt == "exact":
+        return 0
+    from tqdm import tqdm
+
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    for name, linear in tqdm(targets, desc=f"weights to {fmt}", unit="matrix", disable=not progress):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, QuantLinear.from_linear(linear, fmt))
+    return len(targets)
+
+
+def format_fingerprint(fingerprint: str, fmt: str) -> str:
+    """The served model's fingerprint: the checkpoint's, unchanged for ``exact``, else
+    mixed with the weight format (and the quantizer's version) so KV never crosses."""
+    if fmt == "exact":
+        return fingerprint
+    return hashlib.sha256(f"kvserve-weight-format-v1:{fmt}:{fingerprint}".encode()).hexdigest()
