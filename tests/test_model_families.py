@@ -5,16 +5,19 @@ transcript. The per-family logits/greedy parity of the model files is in test_mo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from service.engine.config import EngineConfig
 from service.engine.store import build_store
 from service.engine.types import Tier
+from service.models.config import ModelConfig, ModelLoadError
 from service.models.loading import load_model
 from tests.engine_util import BS, bytes_per_token, finished, make_engine, prompts, req, run
 
-FAMILIES = ["tiny_mistral_dir", "tiny_qwen2_window_dir"]
+FAMILIES = ["tiny_mistral_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
 
 
 def _redis_engine(loaded, redis_url):
@@ -26,6 +29,7 @@ def _hf_greedy(path, prompt: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None  # greedy runs their full length (the model's eos would stop them)
     gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         return ref.generate(torch.tensor([prompt]), generation_config=gen)[0, len(prompt):].tolist()
@@ -37,6 +41,8 @@ def test_session_restored_from_redis_equals_transformers(request, family: str, r
     loaded = load_model(path, dtype="float32", device="cpu")
     (p1,) = prompts(loaded.config.vocab_size, [13], seed=3)
     a = _redis_engine(loaded, redis_url)
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    assert a.model_info.architecture == arch  # the HF name, as GetModelInfo reports it
     fin1 = finished(run(a, [req("t1", p1, n=8)])["t1"])
     assert fin1.output_token_ids == _hf_greedy(path, p1, 8)
     transcript = p1 + fin1.output_token_ids  # 21 tokens: past every window of the fixtures
@@ -54,3 +60,41 @@ def test_session_restored_from_redis_equals_transformers(request, family: str, r
     assert start.cached_by_tier.get(Tier.REDIS, 0) == (len(transcript) // BS) * BS
     assert fin2.output_token_ids == _hf_greedy(path, prompt2, 12)
     b.close()
+
+
+_BASE = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "intermediate_size": 16}
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+     "use_bidirectional_attention=true is not supported"),
+    ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu"}, "unsupported hidden_activation 'relu'"),
+    ({"architectures": ["Qwen3ForCausalLM"], "partial_rotary_factor": 0.5}, "partial_rotary_factor is not supported"),
+    ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "unsupported rope_scaling type 'yarn'"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
+                                                              "long_factor": [1.0],
+                                                              "original_max_position_embeddings": 8}},
+     "'longrope' is only supported for Phi-3"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4,
+      "layer_types": ["full_attention", "chunked_attention"]}, "unsupported layer_types"),
+    ({"architectures": ["Gemma2ForCausalLM"], "layer_types": ["full_attention"]}, "layer_types has 1 entries for 2"),
+])
+def test_unimplemented_options_are_refused_by_name(config: dict, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(")):
+        ModelConfig.from_hf({**_BASE, **config})
+
+
+def test_layer_windows_follow_transformers_defaults() -> None:
+    mistral = ModelConfig.from_hf({**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 4})
+    assert [mistral.layer_window(i) for i in range(2)] == [4, 4] and mistral.context_length == 2048
+    gemma2 = ModelConfig.from_hf({**_BASE, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4})
+    assert [gemma2.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    gemma3 = ModelConfig.from_hf({**_BASE, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6,
+                                  "sliding_window": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    assert [gemma3.layer_window(i) for i in range(6)] == [16] * 5 + [None]
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.qk_norm) == (1e6, 1e4, True)
+    qwen3 = ModelConfig.from_hf({**_BASE, "model_type": "qwen3", "head_dim": 6})
+    assert qwen3.hf_architecture == "Qwen3ForCausalLM" and qwen3.head_dim == 6 and qwen3.layer_window(1) is None

@@ -26,6 +26,10 @@ VARIANTS = [
     "tiny_qwen2_dir",
     "tiny_qwen2_window_dir",
     "tiny_mistral_dir",
+    "tiny_qwen3_dir",
+    "tiny_qwen3_bias_dir",
+    "tiny_gemma2_dir",
+    "tiny_gemma3_dir",
     "tiny_gpt2_dir",
     "tiny_llama_sharded_dir",
 ]
@@ -43,6 +47,7 @@ def loaded(request: pytest.FixtureRequest):
             path = request.getfixturevalue(fixture_name)
             ours = load_model(path, dtype="float32", device="cpu", progress=False)
             ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            ref.generation_config.eos_token_id = None  # greedy runs their full length, eos or not
             cache[fixture_name] = (ours, ref)
         return cache[fixture_name]
 

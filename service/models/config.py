@@ -9,6 +9,7 @@ fields computed in one place, never a guess from the folder name. Both the trans
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -22,6 +23,10 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Phi3ForCausalLM": "phi3",
     "GPT2LMHeadModel": "gpt2",
 }
 # Fallback when ``architectures`` is absent: ``model_type`` -> HF architecture.
@@ -29,12 +34,18 @@ _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
+_ARCH_MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPES.items()}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _LLAMA_ACTS = ("silu", "swish")
+_GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 _GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu")
 
 
@@ -65,6 +76,14 @@ class ModelConfig:
     sliding_window: int | None = None  # window of the "sliding_attention" layers (None: no window)
     layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"; (): all full
     hf_architecture: str = ""  # the HF ``architectures`` name, e.g. "MistralForCausalLM"
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims (Phi-4-mini)
+    # Gemma 2/3
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3; None: rope_theta)
+    local_rope_scaling: dict[str, Any] | None = None  # ... and their scaling
 
     # ---- derived (one place) --------------------------------------------------------
 
@@ -79,6 +98,18 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def longrope_threshold(self) -> int | None:
+        """LongRoPE: a sequence longer than this uses the long factors (None: no LongRoPE)."""
+        if self.rope_scaling is None or self.rope_scaling["rope_type"] != "longrope":
+            return None
+        return int(self.rope_scaling["original_max_position_embeddings"])
 
     @property
     def context_length(self) -> int:
@@ -107,9 +138,11 @@ class ModelConfig:
             known = ", ".join(sorted(ARCHITECTURES))
             what = hf_arch or f"model_type {d.get('model_type')!r}"
             raise ModelLoadError(f"{source}: unknown architecture {what}; supported: {known}")
-        build = _from_llama if arch == "llama" else _from_gpt2
+        if not d.get("model_type"):  # e.g. {"architectures": ["Qwen2ForCausalLM"], ...}
+            d = {**d, "model_type": _ARCH_MODEL_TYPES[hf_arch]}
+        build = {"gemma": _from_gemma, "gpt2": _from_gpt2}.get(arch, _from_llama)
         try:
-            cfg = build(d, source)
+            cfg = build(d, source, arch)
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing required key {e.args[0]!r} for {arch}") from None
         cfg = replace(cfg, hf_architecture=hf_arch)
@@ -129,6 +162,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ModelLoadError(
+                f"{source}: partial_rotary_factor {self.partial_rotary_factor} gives {self.rotary_dim} rotary dims "
+                f"of head_dim {self.head_dim}; need an even number > 0"
+            )
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            if scaling is not None and scaling["rope_type"] == "longrope":
+                for key in ("short_factor", "long_factor"):
+                    if len(scaling[key]) != self.rotary_dim // 2:
+                        raise ModelLoadError(
+                            f"{source}: rope_scaling {key} has {len(scaling[key])} entries; "
+                            f"need rotary dims / 2 = {self.rotary_dim // 2}"
+                        )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelLoadError(f"{source}: sliding_window must be > 0, got {self.sliding_window}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -154,22 +200,34 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalized rope_scaling) from either config spelling."""
-    params = dict(d.get("rope_parameters") or {})
-    scaling = d.get("rope_scaling") or None
-    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+def _rope(d: Mapping[str, Any], source: str, params: Mapping[str, Any] | None = None,
+          default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, normalized rope_scaling) from either config spelling.
+
+    ``params``: one layer type's entry of a per-layer-type ``rope_parameters`` (Gemma 3)."""
+    if params is None:
+        params = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or None
+        theta = float(d.get("rope_theta") or params.get("rope_theta") or default_theta)
+    else:
+        params, scaling = dict(params), None
+        theta = float(params.get("rope_theta") or default_theta)
     if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = params
     if scaling is None:
         return theta, None
-    scaling = {k: v for k, v in dict(scaling).items() if k != "rope_theta"}
+    drop = ("rope_theta", "partial_rotary_factor")
+    scaling = {k: v for k, v in dict(scaling).items() if k not in drop}
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    if rope_type == "su":  # Phi-3's first name for LongRoPE
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
     if rope_type == "default":
         return theta, None
+    if rope_type == "longrope":
+        return theta, _longrope(d, source, scaling)
     required = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     for key in required[rope_type]:
@@ -178,21 +236,55 @@ def _rope(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | No
     return theta, {"rope_type": rope_type, **scaling}
 
 
-def _from_llama(d: Mapping[str, Any], source: str) -> ModelConfig:
+def _longrope(d: Mapping[str, Any], source: str, scaling: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE as transformers computes it: short/long factors, the switch length
+    (``original_max_position_embeddings``) and the cos/sin scale (``attention_factor``,
+    default sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ModelLoadError(f"{source}: rope_scaling type 'longrope' needs {key!r} (a list)")
+    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") \
+        or d.get("max_position_embeddings")
+    if not original:
+        raise ModelLoadError(f"{source}: rope_scaling type 'longrope' needs 'original_max_position_embeddings'")
+    original = int(original)
+    factor = scaling.get("factor") or float(d.get("max_position_embeddings", original)) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(f) for f in scaling["short_factor"]],
+            "long_factor": [float(f) for f in scaling["long_factor"]],
+            "original_max_position_embeddings": original, "attention_factor": float(attention_factor)}
+
+
+def _partial_rotary(d: Mapping[str, Any]) -> float:
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    for source in (d, params, scaling):
+        if isinstance(source, Mapping) and source.get("partial_rotary_factor") is not None:
+            return float(source["partial_rotary_factor"])
+    return 1.0
+
+
+def _from_llama(d: Mapping[str, Any], source: str, arch: str) -> ModelConfig:
+    """Llama, Mistral, Qwen2 (llama.py), Qwen3 (qwen3.py) and Phi-3 (phi3.py) configs."""
     act = d.get("hidden_act", "silu")
     if act not in _LLAMA_ACTS:
-        raise ModelLoadError(f"{source}: unsupported hidden_act {act!r} for a Llama-family model")
+        raise ModelLoadError(f"{source}: unsupported hidden_act {act!r} for {arch}")
     num_heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
     theta, scaling = _rope(d, source)
-    if d.get("partial_rotary_factor", 1.0) != 1.0 or (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError(f"{source}: partial_rotary_factor is not supported")
+    partial = _partial_rotary(d)
+    if partial != 1.0 and arch != "phi3":
+        raise ModelLoadError(f"{source}: partial_rotary_factor is not supported for {arch}")
+    if scaling is not None and scaling["rope_type"] == "longrope" and arch != "phi3":
+        raise ModelLoadError(f"{source}: rope_scaling type 'longrope' is only supported for Phi-3")
     model_type = str(d.get("model_type", "llama"))
     qwen2 = model_type == "qwen2" or d.get("architectures", [None])[0] == "Qwen2ForCausalLM"
     bias = bool(d.get("attention_bias", False))
     sliding, layer_types = _sliding(d, source, model_type, int(d["num_hidden_layers"]))
     return ModelConfig(
-        architecture="llama",
+        architecture=arch,
         model_type=model_type,
         vocab_size=int(d["vocab_size"]),
         hidden_size=hidden,
@@ -214,6 +306,74 @@ def _from_llama(d: Mapping[str, Any], source: str) -> ModelConfig:
         eos_token_ids=_eos_ids(d.get("eos_token_id")),
         sliding_window=sliding,
         layer_types=layer_types,
+        qk_norm=arch == "qwen3",
+        partial_rotary_factor=partial,
+    )
+
+
+def _from_gemma(d: Mapping[str, Any], source: str, arch: str) -> ModelConfig:
+    """Gemma 2 and Gemma 3 (text) configs; absent keys take transformers' defaults."""
+    gemma3 = d.get("model_type") == "gemma3_text" or d.get("architectures", [None])[0] == "Gemma3ForCausalLM"
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GEMMA_ACTS:
+        raise ModelLoadError(f"{source}: unsupported hidden_activation {act!r} for Gemma; supported: {_GEMMA_ACTS}")
+    if d.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: Gemma option use_bidirectional_attention=true is not supported")
+    if _partial_rotary(d) != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor is not supported for Gemma")
+    num_layers = int(d["num_hidden_layers"])
+    num_heads = int(d.get("num_attention_heads", 8))
+    layer_types = _layer_types(d, source, num_layers)
+    if layer_types is None:
+        pattern = int(d.get("sliding_window_pattern", 6)) if gemma3 else 2
+        layer_types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    window = d.get("sliding_window", 4096)
+    local_theta, local_scaling = None, None
+    params = d.get("rope_parameters")
+    if gemma3 and isinstance(params, Mapping) and ("full_attention" in params or "sliding_attention" in params):
+        theta, scaling = _rope(d, source, params.get("full_attention") or {}, default_theta=1_000_000.0)
+        local_theta, local_scaling = _rope(d, source, params.get("sliding_attention") or {}, default_theta=10_000.0)
+    elif gemma3:
+        theta, scaling = _rope(d, source, default_theta=1_000_000.0)
+        local_theta = float(d.get("rope_local_base_freq", 10_000.0))
+    else:
+        theta, scaling = _rope(d, source)
+    for sc in (scaling, local_scaling):
+        if sc is not None and sc["rope_type"] == "longrope":
+            raise ModelLoadError(f"{source}: rope_scaling type 'longrope' is only supported for Phi-3")
+    softcap_defaults = (None, None) if gemma3 else (50.0, 30.0)
+    attn_cap = d.get("attn_logit_softcapping", softcap_defaults[0])
+    final_cap = d.get("final_logit_softcapping", softcap_defaults[1])
+    bias = bool(d.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        model_type=str(d.get("model_type", "gemma3_text" if gemma3 else "gemma2")),
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or 4),
+        head_dim=int(d.get("head_dim") or 256),
+        intermediate_size=int(d["intermediate_size"]),
+        max_position_embeddings=int(d.get("max_position_embeddings", 131_072 if gemma3 else 8192)),
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        hidden_act=act,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=bias,
+        attention_out_bias=bias,
+        mlp_bias=False,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        bos_token_id=d.get("bos_token_id", 2),
+        eos_token_ids=_eos_ids(d.get("eos_token_id", 1)),
+        sliding_window=int(window) if window else None,
+        layer_types=layer_types if window else (),
+        qk_norm=gemma3,
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=float(attn_cap) if attn_cap else None,
+        final_logit_softcapping=float(final_cap) if final_cap else None,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
     )
 
 
@@ -255,7 +415,7 @@ def _sliding(d: Mapping[str, Any], source: str, model_type: str, num_layers: int
     return int(window), types
 
 
-def _from_gpt2(d: Mapping[str, Any], source: str) -> ModelConfig:
+def _from_gpt2(d: Mapping[str, Any], source: str, arch: str = "gpt2") -> ModelConfig:
     act = d.get("activation_function", "gelu_new")
     if act not in _GPT2_ACTS:
         raise ModelLoadError(f"{source}: unsupported activation_function {act!r} for GPT-2")

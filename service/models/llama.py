@@ -18,13 +18,12 @@ gpt2.py::
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.kv.cache import BatchLayout, KVPool
+from service.models import rope
 from service.models.config import ModelConfig
 from service.models.layers import Linear, causal_mask, fuse_linears
 
@@ -42,29 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies (head_dim/2,) in float32, with rope_scaling applied.
-
-    Computed on the CPU even while the model is built on the meta device (math on meta
-    tensors pulls in torch's compiler stack: seconds at every server start)."""
-    dim = config.head_dim
-    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta**steps)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: leave high frequencies, divide low ones by factor, interpolate in between
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_ctx = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    """Inverse frequencies (head_dim/2,) in float32, with rope_scaling applied (rope.py)."""
+    return rope.inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 class RotaryEmbedding(nn.Module):

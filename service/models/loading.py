@@ -30,15 +30,23 @@ from torch import nn
 
 from service.kv.cache import KVPool
 from service.models.config import ModelConfig, ModelLoadError
+from service.models.gemma import GemmaForCausalLM
 from service.models.gpt2 import GPT2LMHeadModel
 from service.models.layers import fuse_projections
 from service.models.llama import LlamaForCausalLM
 from service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
+from service.models.qwen3 import Qwen3ForCausalLM
 from service.models.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
+# ModelConfig.architecture (the family) -> the class in its model file
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma": GemmaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FINGERPRINT_VERSION = b"kvserve-model-fingerprint-v1"
 _CHUNK = 8 << 20

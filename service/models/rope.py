@@ -1,0 +1,90 @@
+"""Rotary position embeddings shared by the model files: every RoPE variant one place.
+
+    inv_freq(dim, theta, scaling)        -> (dim/2,) float32 inverse frequencies
+    Rotary(dim, theta, scaling)          -> module: positions -> (cos, sin) of width dim
+    apply_rope(x, cos, sin)              -> x rotated on its first cos.shape[-1] dims
+
+``scaling`` is the normalized ``ModelConfig.rope_scaling`` (None: plain RoPE):
+``linear`` and ``llama3`` rescale the frequencies; ``longrope`` (Phi-3's "su") has two
+sets, short and long factors, and a cos/sin scale (``attention_factor``). Which set a
+sequence uses is a per-sequence choice made by the engine (see phi3.py), passed here as
+a (B,) bool tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False) -> Tensor:
+    """Inverse frequencies (dim/2,) in float32, with ``scaling`` applied.
+
+    Computed on the CPU even while the model is built on the meta device (math on meta
+    tensors pulls in torch's compiler stack: seconds at every server start)."""
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta**steps)
+    freqs = 1.0 / (theta**steps)
+    if scaling is None:
+        return freqs
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return freqs / factor
+    # llama3: leave high frequencies, divide low ones by factor, interpolate in between
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / factor, freqs)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """cos/sin (B, T, 1, dim) for given positions; computed per forward, no max-length table."""
+
+    def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.dim, self.theta, self.scaling = dim, theta, scaling
+        self.longrope = scaling is not None and scaling["rope_type"] == "longrope"
+        self.attention_factor = float(scaling.get("attention_factor", 1.0)) if self.longrope else 1.0
+        self.register_buffer("inv_freq", inv_freq(dim, theta, scaling), persistent=False)
+        self.register_buffer("long_inv_freq", inv_freq(dim, theta, scaling, long=True), persistent=False)
+
+    def reset_buffers(self) -> None:
+        device = self.inv_freq.device
+        self.inv_freq = inv_freq(self.dim, self.theta, self.scaling).to(device)
+        self.long_inv_freq = inv_freq(self.dim, self.theta, self.scaling, long=True).to(device)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """positions (B, T); ``long`` (B,) bool: which sequences use longrope's long factors."""
+        freq = self.inv_freq  # (hd/2,)
+        if self.longrope and long is not None:
+            freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)[:, None, :]  # (B, 1, hd/2)
+        freqs = positions[..., None].float() * freq  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, :, None, :], sin.to(dtype)[:, :, None, :]  # (B, T, 1, hd): broadcast over heads
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, T, nh, hd) rotated on its first cos.shape[-1] dims (partial rotary: the rest pass)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
