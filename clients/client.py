@@ -74,6 +74,7 @@ class StreamStart:
     cached_tokens: int
     cached_tier: str  # "none" | "device" | "host" | "redis"
     cached_by_tier: dict[str, int]  # {"device": n, "host": n, "redis": n}
+    session_created: bool = False  # a session turn that created the session (not resumed it)
 
 
 @dataclass(frozen=True)
@@ -182,15 +183,20 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    require_existing_session: bool = False,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from keyword arguments; exactly one input must be given.
 
     Unset sampling fields (None) take the server's defaults (greedy).
+    ``require_existing_session``: NOT_FOUND unless ``session_id`` names an existing
+    session, instead of starting it over (for follow-up turns).
     """
     given = [name for name, v in (("text", text), ("messages", messages), ("token_ids", token_ids)) if v is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of text, messages, token_ids (got {', '.join(given) or 'none'})")
-    req = pb.GenerateRequest(session_id=session_id or "", cache_salt=cache_salt)
+    req = pb.GenerateRequest(
+        session_id=session_id or "", cache_salt=cache_salt, require_existing_session=require_existing_session
+    )
     if text is not None:
         req.text = text
     elif messages is not None:
@@ -231,6 +237,7 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
             cached_by_tier={
                 "device": s.cached_by_tier.device, "host": s.cached_by_tier.host, "redis": s.cached_by_tier.redis
             },
+            session_created=s.session_created,
         )
     if kind == "delta":
         return TextDelta(text=resp.delta.text, token_ids=list(resp.delta.token_ids))

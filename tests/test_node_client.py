@@ -14,7 +14,7 @@ from clients import KVServeClient
 from tests.serving import REPO, ServerThread, tiny_config
 
 NODE_DIR = REPO / "clients" / "node"
-TURN_FIGURES = re.compile(r"^\[turn (\d+)\] (cached_tokens=.*)$", re.MULTILINE)
+TURN_FIGURES = re.compile(r"^\[turn (\d+)\] (session=.*)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,7 @@ def test_node_client_streams_a_two_turn_session_whose_second_turn_is_cached(node
         assert sorted(turns) == [1, 2], result.stdout
         first, second = turns[1], turns[2]
 
+        assert first["session"] == "created" and second["session"] == "resumed"
         assert int(first["cached_tokens"]) == 0 and first["cached_tier"] == "none"
         assert int(second["cached_tokens"]) > 0 and second["cached_tier"] == "device"
         assert int(second["cached_tokens"]) == int(second["cached_device"])

@@ -13,7 +13,7 @@
 // Each --message is one turn (default: two built-in turns). Output, per turn:
 //   [turn 1] user: Hello! ...
 //   [turn 1] assistant: <streamed text>
-//   [turn 1] cached_tokens=0 prompt_tokens=21 cached_tier=none completion_tokens=32 finish_reason=length ...
+//   [turn 1] session=created cached_tokens=0 prompt_tokens=21 cached_tier=none completion_tokens=32 finish_reason=length ...
 // Exit status: 0 on success, 1 on a failed call (the gRPC status is printed), 2 on bad usage.
 'use strict';
 
@@ -92,6 +92,8 @@ async function runTurn(client, opts, turn, message) {
   const call = client.Generate(
     {
       session_id: opts.session,
+      // follow-up turns: NOT_FOUND if the server no longer has the session's history
+      require_existing_session: turn > 1,
       chat: { messages: [{ role: 'user', content: message }] },
       sampling: { max_new_tokens: opts.maxNewTokens },
     },
@@ -113,6 +115,7 @@ async function runTurn(client, opts, turn, message) {
   if (!start || !final) throw new Error('stream ended without its start or final event');
   const t = final.timings;
   const figures = {
+    session: start.session_created ? 'created' : 'resumed',
     cached_tokens: start.cached_tokens,
     prompt_tokens: start.prompt_tokens,
     cached_tier: tierName(start.cached_tier),

@@ -87,20 +87,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "session_id", "sampling", "cache_salt")
+    __slots__ = ("text", "chat", "tokens", "session_id", "sampling", "cache_salt", "require_existing_session")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_EXISTING_SESSION_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     tokens: TokenIds
     session_id: str
     sampling: SamplingParams
     cache_salt: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    require_existing_session: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., require_existing_session: _Optional[bool] = ...) -> None: ...
 
 class TierCounts(_message.Message):
     __slots__ = ("device", "host", "redis")
@@ -113,20 +115,22 @@ class TierCounts(_message.Message):
     def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., redis: _Optional[int] = ...) -> None: ...
 
 class StartEvent(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_tokens", "cached_tokens", "cached_tier", "cached_by_tier")
+    __slots__ = ("request_id", "session_id", "prompt_tokens", "cached_tokens", "cached_tier", "cached_by_tier", "session_created")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TIER_FIELD_NUMBER: _ClassVar[int]
     CACHED_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_tokens: int
     cached_tokens: int
     cached_tier: CacheTier
     cached_by_tier: TierCounts
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tier: _Optional[_Union[CacheTier, str]] = ..., cached_by_tier: _Optional[_Union[TierCounts, _Mapping]] = ...) -> None: ...
+    session_created: bool
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tier: _Optional[_Union[CacheTier, str]] = ..., cached_by_tier: _Optional[_Union[TierCounts, _Mapping]] = ..., session_created: _Optional[bool] = ...) -> None: ...
 
 class DeltaEvent(_message.Message):
     __slots__ = ("text", "token_ids")
