@@ -184,6 +184,7 @@ class ServerConfig:
     max_message_size: int = setting(4 << 20, "Largest gRPC message the server accepts or sends (bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
     session_ttl: float = setting(24 * 3600.0, "A session unused this long is removed, transcript and KV blocks (0 = never).", parse_duration, metavar="SECONDS")
     session_lock_ttl: float = setting(30.0, "Lease of a session's turn lock, renewed while the turn runs; a crashed replica's lock frees itself after this long.", parse_duration, metavar="SECONDS")
+    session_store_timeout: float = setting(0.3, "Timeout of each session-store call to Redis; past it (and while the store's circuit breaker is open) session turns proceed on this replica's copy.", parse_duration, metavar="SECONDS")
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -218,6 +219,7 @@ class ServerConfig:
             ("max_message_size", self.max_message_size >= 256, "must be >= 256 bytes"),
             ("session_ttl", math.isfinite(self.session_ttl) and self.session_ttl >= 0, "must be >= 0"),
             ("session_lock_ttl", math.isfinite(self.session_lock_ttl) and self.session_lock_ttl > 0, "must be > 0"),
+            ("session_store_timeout", math.isfinite(self.session_store_timeout) and self.session_store_timeout > 0, "must be > 0"),
         ]  # fmt: skip
         for name, ok, why in checks:
             if not ok:

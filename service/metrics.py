@@ -141,6 +141,57 @@ class CacheStoreCollector:
         )
 
 
+class SessionStoreCollector:
+    """The session table's reliability figures, read at scrape time: records Redis lost
+    that this replica wrote back, turns refused because another replica wrote the
+    session meanwhile, and the session store's Redis errors, skipped calls and breaker."""
+
+    def __init__(self, sessions, prefix: str = "kvserve") -> None:  # sessions: SessionManager
+        self._sessions = sessions
+        self._p = prefix
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        p, m = self._p, self._sessions
+        yield CounterMetricFamily(
+            f"{p}_session_records_lost", "Session records the session store had lost (Redis restarted, was flushed, "
+            "evicted them) while this replica held them; this replica's copy was written back.", value=m.records_lost,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{p}_session_conflicts", "Turns refused at commit (FAILED_PRECONDITION) because another replica wrote "
+            "the session while they ran.", value=m.conflicts,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{p}_session_unconfirmed_writes", "Session record writes Redis did not confirm (down, hung, breaker "
+            "open): kept on this replica and written back later.", value=m.unconfirmed_writes,
+        )  # fmt: skip
+        yield GaugeMetricFamily(f"{p}_session_turns_in_flight", "Session turns in flight on this replica.", value=m.turns_in_flight)
+        store = m.store
+        breaker = getattr(store, "breaker", None)
+        if breaker is not None:
+            yield CounterMetricFamily(
+                f"{p}_session_store_errors", "Session-store calls to Redis that failed or timed out.",
+                value=store.primary_errors,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                f"{p}_session_store_skipped", "Session-store calls answered from this replica's copy without asking "
+                "Redis (its circuit breaker was open).", value=store.primary_skipped,
+            )  # fmt: skip
+            state = GaugeMetricFamily(
+                f"{p}_session_store_breaker_open", "1 for the session store's Redis circuit breaker state.", labels=["state"]
+            )
+            now = breaker.state
+            for name in ("closed", "open", "half_open"):
+                state.add_metric([name], 1.0 if now == name else 0.0)
+            yield state
+            yield GaugeMetricFamily(
+                f"{p}_session_records_unsynced", "Session records whose last write may not have reached Redis yet.",
+                value=store.unsynced,
+            )  # fmt: skip
+
+
 class ServiceMetrics:
     """The service's metrics. Create one per server; pass it to the servicer."""
 

@@ -38,11 +38,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
 from service.config import ConfigError, ServerConfig, mask_url_password
 from service.metrics import ServiceMetrics
-from service.servicer import SERVICE_NAME, GenerationServicer, Limits
+from service.servicer import SERVICE_NAME, GenerationServicer, Limits, add_to_server
 from service.sessions import (
     FallbackSessionStore,
     InMemorySessionStore,
@@ -162,6 +161,7 @@ def build_session_store(config: ServerConfig) -> SessionStore:
             cluster=config.redis_cluster,
         ),
         InMemorySessionStore(ttl_s=ttl),
+        timeout_s=config.session_store_timeout,
     )
 
 
@@ -341,6 +341,9 @@ async def serve(
             lock_ttl_s=config.session_lock_ttl,
             max_sessions_per_owner=config.max_sessions_per_tenant,
         )
+        from service.metrics import SessionStoreCollector
+
+        metrics.register(SessionStoreCollector(sessions))
         spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
         spill.start()
         servicer = GenerationServicer(
@@ -366,7 +369,7 @@ async def serve(
             if config.session_ttl
             else None
         )
-        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        add_to_server(servicer, server)  # unparsable requests: INVALID_ARGUMENT
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

@@ -10,16 +10,27 @@ session turn longer than the context or than
 max_prompt_tokens, bad id, salt or stop list
 no or invalid API key (when keys are set)        UNAUTHENTICATED
 unknown session (Get/Delete), or another         NOT_FOUND
-tenant's
-session has a turn in flight                     FAILED_PRECONDITION
+tenant's; require_existing_session and the
+session does not exist
+session has a turn in flight; another replica    FAILED_PRECONDITION
+wrote the session while this turn ran (the
+turn is not recorded)
 engine queue full, too many streams (in all or   RESOURCE_EXHAUSTED
 for the tenant), too many sessions for the
 tenant, message too large (gRPC itself)
 server draining / engine stopped                 UNAVAILABLE
 anything unexpected                              INTERNAL "... (request id R)", traceback logged with R
+request bytes that are not a valid message       INVALID_ARGUMENT (one log line)
+(bad UTF-8, truncated, nesting too deep)
 ==============================================  ===================
 
 Every limit's message names the limit and its value.
+
+Text and chat input is tokenized in a worker thread, never on the event loop, and
+input that cannot fit the prompt limit (``max_prompt_tokens``, else the context
+length) is refused before it is tokenized: no token covers more than
+``max_bytes_per_token`` bytes of text, so ``ceil(bytes / that)`` tokens is a lower
+bound on what the text becomes.
 
 Tenants: ``tenant_of(context)`` (``service.auth.Authenticator.tenant_of``) names the
 caller's tenant. It owns the caller's sessions and is part of the KV namespace salt
@@ -45,6 +56,7 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from service._proto.kvserve.v1 import generation_pb2 as pb
@@ -68,6 +80,7 @@ from service.retention import forget_blocks
 from service.sessions import (
     InvalidSessionId,
     SessionBusy,
+    SessionConflict,
     SessionLimit,
     SessionManager,
     SessionNotFound,
@@ -120,6 +133,7 @@ def _status_of(exc: BaseException) -> RpcStatus | None:
         (InvalidSessionId, grpc.StatusCode.INVALID_ARGUMENT),
         (SessionNotFound, grpc.StatusCode.NOT_FOUND),
         (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+        (SessionConflict, grpc.StatusCode.FAILED_PRECONDITION),
         (SessionLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
         (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -129,6 +143,48 @@ def _status_of(exc: BaseException) -> RpcStatus | None:
         if isinstance(exc, kind):
             return RpcStatus(code, str(exc))
     return None
+
+
+class InvalidMessage:
+    """Stands in for a request whose bytes did not parse (``safe_deserializer``): the
+    handler answers INVALID_ARGUMENT instead of grpc's UNKNOWN with a traceback."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.kind = kind
+        self.error = error
+
+    def status(self) -> RpcStatus:
+        why = str(self.error).splitlines()[0][:200] if str(self.error) else type(self.error).__name__
+        log.warning("refused a request that is not a valid %s message: %s", self.kind, why)
+        return RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {self.kind} message: {why}")
+
+
+def safe_deserializer(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, RecursionError, ValueError) as e:
+            return InvalidMessage(message_cls.DESCRIPTOR.full_name, e)
+
+    return parse
+
+
+def add_to_server(servicer: "GenerationServicer", server: grpc.aio.Server) -> None:
+    """Register the service like the generated ``add_GenerationServiceServicer_to_server``,
+    with deserializers that turn unparsable request bytes into INVALID_ARGUMENT."""
+    service = pb.DESCRIPTOR.services_by_name["GenerationService"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=safe_deserializer(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def _f32(x: float) -> float:
@@ -201,6 +257,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self._streams_by_tenant: dict[str, int] = {}  # tenants with streams in flight only
         self._idle = asyncio.Event()
         self._idle.set()
+        self._max_bytes_per_token: int | None = None
 
     def start_draining(self) -> None:
         """From now on new calls get UNAVAILABLE; calls in flight continue."""
@@ -242,6 +299,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         failure: RpcStatus | None = None
         owner: str | None = None  # set once the stream is admitted (counted)
         try:
+            if isinstance(request, InvalidMessage):
+                raise request.status()
             self._check_serving()
             tenant = self._tenant_of(context)
             self._admit_stream(tenant, request_id)
@@ -304,10 +363,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
         self._check_salt(request.cache_salt)
         session_id = request.session_id
-        turn: Turn | None = await self.sessions.begin_turn(owner, session_id) if session_id else None
+        if request.require_existing_session and not session_id:
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "require_existing_session needs a session_id")
+        turn: Turn | None = None
+        if session_id:
+            turn = await self.sessions.begin_turn(
+                owner, session_id, require_existing=request.require_existing_session
+            )
+        finished = False
         try:
             transcript = turn.record.token_ids if turn else []
-            new_tokens = self._input_tokens(request, transcript)
+            await self._check_input_size(request, transcript, session_id)
+            if request.WhichOneof("input") == "tokens":
+                new_tokens = self._input_tokens(request, transcript)
+            else:  # tokenizing a long text takes a while: never on the event loop
+                new_tokens = await asyncio.to_thread(self._input_tokens, request, transcript)
             prompt = transcript + new_tokens
             self._check_prompt_limit(transcript, new_tokens, session_id)
             sampling = self._fit_to_context(sampling, request.sampling, transcript, new_tokens, session_id)
@@ -325,7 +395,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 async for event in events:
                     if isinstance(event, Started):
                         self._observe_start(event)
-                        yield pb.GenerateResponse(start=self._start_pb(event, session_id))
+                        start = self._start_pb(event, session_id)
+                        start.session_created = turn is not None and turn.created
+                        yield pb.GenerateResponse(start=start)
                     elif isinstance(event, Delta):
                         if not event.token_ids and not event.text:
                             continue
@@ -341,6 +413,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         self.metrics.generated_tokens.inc(n)
                         yield pb.GenerateResponse(delta=pb.DeltaEvent(text=event.text, token_ids=event.token_ids))
                     elif isinstance(event, Finished):
+                        finished = True
                         self.metrics.finished.labels(event.finish_reason.value).inc()
                         # Commit and unlock the session before the client sees the end of
                         # the stream, so its next turn never finds the session busy.
@@ -356,6 +429,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         self._check_finish(event, request_id)
                         yield pb.GenerateResponse(final=self._final_pb(event))
                         return
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:  # the client cancelled, went away or passed its deadline
+                self.metrics.finished.labels(FinishReason.CANCELLED.value).inc()
+            raise
         finally:
             if turn is not None:  # cancelled or failed: the transcript stays as before the turn
                 await asyncio.shield(self.sessions.end_turn(turn))
@@ -405,6 +482,44 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         else:
             msg = f"prompt has {n} tokens; the limit is {limit} (max_prompt_tokens)"
         raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+    def max_bytes_per_token(self) -> int:
+        """An upper bound on the bytes of text one token covers: twice the longest
+        decoded vocabulary entry plus one (a leading space a decoder drops, text that
+        normalization shortens). Computed once."""
+        if self._max_bytes_per_token is None:
+            tok = self.engine.tokenizer
+            n = int(getattr(tok, "vocab_size", 0) or self.engine.model_info.vocab_size)
+            longest = 1
+            for i in range(n):
+                try:
+                    longest = max(longest, len(tok.decode([i]).encode("utf-8", "surrogatepass")))
+                except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode alone
+                    continue
+            self._max_bytes_per_token = 2 * (longest + 1)
+        return self._max_bytes_per_token
+
+    async def _check_input_size(self, request: pb.GenerateRequest, transcript: list[int], session_id: str) -> None:
+        """Refuse text or chat input that cannot fit the prompt limit, before tokenizing it."""
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            n_bytes = len(request.text.encode("utf-8", "surrogatepass"))
+        elif kind == "chat":
+            n_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.chat.messages)
+        else:
+            return
+        limit = self.limits.max_prompt_tokens or self.engine.model_info.context_length
+        which = "max_prompt_tokens" if self.limits.max_prompt_tokens else "the context length"
+        bpt = self._max_bytes_per_token or await asyncio.to_thread(self.max_bytes_per_token)
+        if n_bytes <= (limit - len(transcript)) * bpt:
+            return
+        at_least = len(transcript) + -(-n_bytes // bpt)
+        where = f"session {session_id!r} has {len(transcript)} tokens and " if session_id and transcript else ""
+        raise RpcStatus(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"input too long: {where}the new {kind} has {n_bytes} bytes, at least {at_least} tokens in all "
+            f"(a token covers at most {bpt} bytes); the limit is {limit} ({which})",
+        )
 
     async def forget_session(self, rec: SessionRecord) -> dict[str, int]:
         """Stop a removed session's KV blocks from being found (device, host, Redis).
@@ -576,7 +691,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 session=self._session_pb(rec, busy, request.include_token_ids, where)
             )
 
-        return await self._unary("GetSession", context, handle)
+        return await self._unary("GetSession", request, context, handle)
 
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
@@ -587,7 +702,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await self.forget_session(rec)
             return pb.DeleteSessionResponse()
 
-        return await self._unary("DeleteSession", context, handle)
+        return await self._unary("DeleteSession", request, context, handle)
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
@@ -605,7 +720,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 sessions=[self._session_pb(rec, busy, False) for rec, busy in page], next_page_token=next_token
             )
 
-        return await self._unary("ListSessions", context, handle)
+        return await self._unary("ListSessions", request, context, handle)
 
     def _session_pb(
         self, rec: SessionRecord, busy: bool, include_tokens: bool, where: dict[str, int] | None = None
@@ -651,15 +766,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 )
             )
 
-        return await self._unary("GetModelInfo", context, handle)
+        return await self._unary("GetModelInfo", request, context, handle)
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _unary(self, method: str, context: grpc.aio.ServicerContext, handle: Callable[[], Any]) -> Any:
+    async def _unary(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext, handle: Callable[[], Any]
+    ) -> Any:
         """Run ``handle`` and map its errors to a status; count the call by code."""
         code = grpc.StatusCode.OK
         failure: RpcStatus | None = None
         try:
+            if isinstance(request, InvalidMessage):
+                raise request.status()
             self._check_serving()
             return await handle()
         except asyncio.CancelledError:

@@ -7,8 +7,11 @@ block of the conversation hashes the same and is found in the cache.
 
 Turns and the transcript
 ------------------------
-* One turn at a time: ``SessionManager.begin_turn`` takes the session's lock (a lease
-  in the store, renewed while the turn runs); a second turn gets ``SessionBusy``.
+* One turn at a time: ``SessionManager.begin_turn`` takes the session's lock (held in
+  this replica's memory and as a lease in the store, renewed while the turn runs); a
+  second turn gets ``SessionBusy``. Record writes are compare-and-set on the version the
+  turn started from, so whatever Redis loses (restart, FLUSHALL) no acknowledged turn is
+  overwritten (see ``SessionManager``).
 * A session is created by its first turn and stored right away (empty transcript), so
   it is visible (busy) while that turn runs; if that first turn does not complete
   (bad input, cancelled, failed) the session is removed again.
@@ -41,7 +44,10 @@ list, plus the per-session turn lock). ``InMemorySessionStore`` keeps records in
 process; ``RedisSessionStore`` keeps one compact binary record per session
 (``encode_record``: magic, version, JSON metadata, token ids as little-endian
 uint32, CRC-32) with an optional TTL, so sessions survive restarts and move between
-replicas. Sessions are keyed by ``(owner, session_id)``: another owner's session id is
+replicas. Each record carries an ``etag`` (the id of the write that stored it): writes
+are conditional on it (``put_if``). ``FallbackSessionStore`` puts this process's memory
+behind Redis, with per-call timeouts and a circuit breaker, so a hung Redis stalls no
+turn. Sessions are keyed by ``(owner, session_id)``: another owner's session id is
 simply not found.
 
 Expiry and limits
@@ -91,6 +97,11 @@ class InvalidSessionId(SessionError):
     """The id is not 1-128 characters of [A-Za-z0-9._:-] (INVALID_ARGUMENT)."""
 
 
+class SessionConflict(SessionError):
+    """Another replica wrote the session while this turn ran; the turn is not recorded
+    (FAILED_PRECONDITION)."""
+
+
 class SessionLimit(SessionError):
     """The owner already holds ``max_sessions_per_owner`` sessions (RESOURCE_EXHAUSTED)."""
 
@@ -117,6 +128,7 @@ class SessionRecord:
     last_used_at: float = 0.0  # unix seconds: last turn started or finished
     turns: int = 0  # completed turns
     cache_salt: str = ""  # the request cache_salt of the last completed turn (where its KV lives)
+    etag: str = ""  # id of the write that stored this version (conditional writes compare it)
 
 
 # ----------------------------------------------------------------------------- record codec
@@ -139,6 +151,7 @@ def encode_record(rec: SessionRecord) -> bytes:
             "last_used_at": rec.last_used_at,
             "turns": rec.turns,
             "cache_salt": rec.cache_salt,
+            "etag": rec.etag,
         },
         separators=(",", ":"),
     ).encode()
@@ -178,6 +191,7 @@ def decode_record(data: bytes) -> SessionRecord:
             last_used_at=_meta_time(meta, "last_used_at"),
             turns=_meta_int(meta, "turns"),
             cache_salt=_meta_str(meta, "cache_salt", default=""),
+            etag=_meta_str(meta, "etag", default=""),
         )
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SessionRecordError(f"bad metadata: {type(e).__name__}: {e}"[:300]) from None
@@ -209,28 +223,77 @@ def _meta_int(meta: dict, name: str) -> int:
 
 # ----------------------------------------------------------------------------- stores
 
+# Outcomes of a conditional write (``put_if``).
+WRITTEN = "written"  # the store held an expected version (or nothing, where that was expected)
+RESTORED = "restored"  # the store had lost the record (restart, FLUSHALL, eviction): ours was written back
+REPLACED = "replaced"  # the store held another incarnation that no turn had completed yet: overwritten
+CONFLICT = "conflict"  # the store holds a version this writer did not expect: nothing written
+UNKNOWN = "unknown"  # the store could not be asked (down, hung): written to this replica's copy only
+
+
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """What a conditional write expects the store to hold: a version whose etag is one
+    of ``etags``, or (``absent_ok``) no record. Any other version is a conflict."""
+
+    etags: frozenset[str] = frozenset()
+    absent_ok: bool = False
+
+    def plus(self, etag: str) -> Expect:
+        return Expect(self.etags | {etag}, self.absent_ok)
+
+    @staticmethod
+    def of(rec: SessionRecord | None) -> Expect:
+        return Expect(frozenset({rec.etag}), False) if rec is not None else Expect(frozenset(), True)
+
+
+def new_etag() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def cas_outcome(stored: SessionRecord | None, expect: Expect, replace_uncommitted: bool) -> str:
+    """The rule of ``put_if`` (the Redis store runs the same rule in Lua)."""
+    if stored is None:
+        return WRITTEN if expect.absent_ok else RESTORED
+    if stored.etag in expect.etags:
+        return WRITTEN
+    if replace_uncommitted and stored.turns == 0:
+        return REPLACED
+    return CONFLICT
+
 
 class SessionStore(Protocol):
     """Where session records live. All methods are coroutines.
 
     Contract: ``get`` returns None when the session does not exist (or its record is
-    unreadable: that is logged); ``delete`` returns whether it existed; ``list`` pages
-    through one owner's sessions ordered by session id, ``page_token`` being the
-    ``next_page_token`` of the previous page ("" at the end). The lock is a lease:
-    ``try_lock`` takes it for ``ttl_s`` seconds unless another holder has it,
+    unreadable: that is logged); ``read`` also returns what a conditional write of the
+    next version should expect; ``put_if`` writes unless the store holds a version
+    ``expect`` does not name (see ``cas_outcome``; ``replace_uncommitted`` lets it
+    overwrite another incarnation with no completed turn) and returns the outcome;
+    ``delete_if`` removes the record only if it is one of ``etags`` (True if removed);
+    ``delete`` returns whether it existed; ``list`` pages through one owner's sessions
+    ordered by session id, ``page_token`` being the ``next_page_token`` of the previous
+    page ("" at the end). The lock is a lease: ``try_lock`` takes it for ``ttl_s``
+    seconds unless another holder has it (a holder whose id starts with
+    ``takeover_prefix`` counts as free: the caller knows that holder is gone),
     ``refresh_lock`` extends it (False if it was lost), ``unlock`` releases it if
-    ``holder`` still has it. ``count`` is how many sessions the owner holds;
-    ``expire`` removes the sessions whose TTL has passed and returns them (a store whose
-    backend expires records by itself returns what it knows of, possibly nothing).
+    ``holder`` still has it. ``count`` is how many sessions the owner holds; ``expire``
+    removes the sessions whose TTL has passed and returns them (a store whose backend
+    expires records by itself returns what it knows of, possibly nothing).
     """
 
     async def get(self, owner: str, session_id: str) -> SessionRecord | None: ...
+    async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]: ...
     async def put(self, rec: SessionRecord) -> None: ...
+    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str: ...
     async def delete(self, owner: str, session_id: str) -> bool: ...
+    async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool: ...
     async def list(
         self, owner: str, page_size: int, page_token: str = ""
     ) -> tuple[list[SessionRecord], str]: ...
-    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool: ...
+    async def try_lock(
+        self, owner: str, session_id: str, holder: str, ttl_s: float, *, takeover_prefix: str = ""
+    ) -> bool: ...
     async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool: ...
     async def unlock(self, owner: str, session_id: str, holder: str) -> None: ...
     async def is_locked(self, owner: str, session_id: str) -> bool: ...
@@ -254,10 +317,7 @@ class InMemorySessionStore:
 
     @staticmethod
     def _copy(rec: SessionRecord) -> SessionRecord:
-        return SessionRecord(
-            rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns,
-            rec.cache_salt,
-        )  # fmt: skip
+        return copy_record(rec)
 
     def _expired(self, key: tuple[str, str], rec: SessionRecord, now: float) -> bool:
         return (
@@ -273,11 +333,27 @@ class InMemorySessionStore:
             return None
         return self._copy(rec)
 
+    async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]:
+        rec = await self.get(owner, session_id)
+        return rec, Expect.of(rec)
+
     async def put(self, rec: SessionRecord) -> None:
         self._records[(rec.owner, rec.session_id)] = self._copy(rec)
 
+    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str:
+        outcome = cas_outcome(await self.get(rec.owner, rec.session_id), expect, replace_uncommitted)
+        if outcome != CONFLICT:
+            await self.put(rec)
+        return outcome
+
     async def delete(self, owner: str, session_id: str) -> bool:
         return self._records.pop((owner, session_id), None) is not None
+
+    async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
+        rec = self._records.get((owner, session_id))
+        if rec is None or rec.etag not in etags:
+            return False
+        return await self.delete(owner, session_id)
 
     async def list(
         self, owner: str, page_size: int, page_token: str = ""
@@ -298,9 +374,12 @@ class InMemorySessionStore:
             return None
         return held[0]
 
-    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+    async def try_lock(
+        self, owner: str, session_id: str, holder: str, ttl_s: float, *, takeover_prefix: str = ""
+    ) -> bool:
         key = (owner, session_id)
-        if self._live_holder(key) is not None:
+        live = self._live_holder(key)
+        if live is not None and not (takeover_prefix and live.startswith(takeover_prefix)):
             return False
         self._locks[key] = (holder, time.monotonic() + ttl_s)
         return True
@@ -337,6 +416,16 @@ class InMemorySessionStore:
         pass
 
 
+def copy_record(rec: SessionRecord, **changes: Any) -> SessionRecord:
+    out = SessionRecord(
+        rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns,
+        rec.cache_salt, rec.etag,
+    )  # fmt: skip
+    for name, value in changes.items():
+        setattr(out, name, value)
+    return out
+
+
 _UNLOCK_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -344,6 +433,62 @@ return 0
 _REFRESH_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
+"""
+# Take the lock if it is free or held by a holder whose id starts with ARGV[3] (a turn of
+# this replica that has ended: its unlock missed Redis, or a lock write was applied late).
+_LOCK_LUA = """
+local h = redis.call('GET', KEYS[1])
+if h and (ARGV[3] == '' or string.sub(h, 1, #ARGV[3]) ~= ARGV[3]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# The stored record's metadata (encode_record: magic, u16 version, u32 n, n bytes JSON),
+# nil when there is none or it cannot be read (an unreadable record counts as absent).
+_META_LUA = """
+local function stored_meta(v)
+  if not v then return nil end
+  local ok, meta = pcall(function()
+    local n = struct.unpack('<I4', string.sub(v, 7, 10))
+    return cjson.decode(string.sub(v, 11, 10 + n))
+  end)
+  if ok and type(meta) == 'table' then return meta end
+  return nil
+end
+local function etag_of(meta)
+  if type(meta['etag']) == 'string' then return meta['etag'] end
+  return ''
+end
+"""
+# put_if: ARGV = value, px (0: none), absent_ok, replace_uncommitted, etags...
+# (the rule of cas_outcome).
+_PUT_IF_LUA = _META_LUA + """
+local meta = stored_meta(redis.call('GET', KEYS[1]))
+local outcome
+if meta == nil then
+  if ARGV[3] == '1' then outcome = 'written' else outcome = 'restored' end
+else
+  local etag = etag_of(meta)
+  outcome = 'conflict'
+  for i = 5, #ARGV do
+    if ARGV[i] == etag then outcome = 'written' end
+  end
+  if outcome == 'conflict' and ARGV[4] == '1' and meta['turns'] == 0 then outcome = 'replaced' end
+end
+if outcome ~= 'conflict' then
+  if ARGV[2] == '0' then redis.call('SET', KEYS[1], ARGV[1])
+  else redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+end
+return outcome
+"""
+# delete_if: ARGV = etags...; 1 deleted, 0 absent, -1 another version (kept).
+_DELETE_IF_LUA = _META_LUA + """
+local meta = stored_meta(redis.call('GET', KEYS[1]))
+if meta == nil then return 0 end
+local etag = etag_of(meta)
+for i = 1, #ARGV do
+  if ARGV[i] == etag then redis.call('DEL', KEYS[1]) return 1 end
+end
+return -1
 """
 
 
@@ -357,9 +502,11 @@ class RedisSessionStore:
         {prefix}sess-ids:{owner}                sorted set of the owner's ids (score 0,
                                                 so ZRANGEBYLEX pages them in id order)
 
-    An expired record leaves its id in the index until a ``list`` finds it gone and
-    removes it. ``client`` is a ``redis.asyncio`` client (or cluster client) with
-    ``decode_responses=False``; the store does not own it unless built by ``from_url``.
+    Conditional writes (``put_if``, ``delete_if``) are Lua scripts that read the stored
+    record's etag and write or delete in one step. An expired record leaves its id in
+    the index until a ``list`` finds it gone and removes it. ``client`` is a
+    ``redis.asyncio`` client (or cluster client) with ``decode_responses=False``; the
+    store does not own it unless built by ``from_url``.
     """
 
     def __init__(
@@ -371,6 +518,9 @@ class RedisSessionStore:
         self._owns_client = owns_client
         self._unlock = client.register_script(_UNLOCK_LUA)
         self._refresh = client.register_script(_REFRESH_LUA)
+        self._lock = client.register_script(_LOCK_LUA)
+        self._put_if = client.register_script(_PUT_IF_LUA)
+        self._delete_if = client.register_script(_DELETE_IF_LUA)
 
     @classmethod
     def from_url(cls, url: str, *, key_prefix: str = "kvserve:", ttl_s: float | None = None,
@@ -410,11 +560,24 @@ class RedisSessionStore:
             return None
         return rec
 
+    async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]:
+        rec = await self.get(owner, session_id)
+        return rec, Expect.of(rec)
+
     async def put(self, rec: SessionRecord) -> None:
         pipe = self._r.pipeline(transaction=False)
         pipe.set(self._key("sess", rec.owner, rec.session_id), encode_record(rec), px=self._ttl_ms)
         pipe.zadd(self._key("sess-ids", rec.owner), {rec.session_id: 0})
         await pipe.execute()
+
+    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str:
+        args = [encode_record(rec), self._ttl_ms or 0, int(expect.absent_ok), int(replace_uncommitted),
+                *sorted(expect.etags)]  # fmt: skip
+        outcome = await self._put_if(keys=[self._key("sess", rec.owner, rec.session_id)], args=args)
+        outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        if outcome != CONFLICT:
+            await self._r.zadd(self._key("sess-ids", rec.owner), {rec.session_id: 0})
+        return outcome
 
     async def delete(self, owner: str, session_id: str) -> bool:
         pipe = self._r.pipeline(transaction=False)
@@ -422,6 +585,14 @@ class RedisSessionStore:
         pipe.zrem(self._key("sess-ids", owner), session_id)
         deleted, _ = await pipe.execute()
         return bool(deleted)
+
+    async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
+        if not etags:
+            return False
+        gone = int(await self._delete_if(keys=[self._key("sess", owner, session_id)], args=sorted(etags)))
+        if gone >= 0:
+            await self._r.zrem(self._key("sess-ids", owner), session_id)
+        return gone == 1
 
     async def list(
         self, owner: str, page_size: int, page_token: str = ""
@@ -452,9 +623,14 @@ class RedisSessionStore:
         more = await self._r.zrangebylex(index, f"({out[-1].session_id}", "+", start=0, num=1)
         return out, (out[-1].session_id if more else "")
 
-    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+    async def try_lock(
+        self, owner: str, session_id: str, holder: str, ttl_s: float, *, takeover_prefix: str = ""
+    ) -> bool:
         key = self._key("sess-lock", owner, session_id)
-        return bool(await self._r.set(key, holder, nx=True, px=max(1, int(ttl_s * 1000))))
+        px = max(1, int(ttl_s * 1000))
+        if not takeover_prefix:
+            return bool(await self._r.set(key, holder, nx=True, px=px))
+        return bool(await self._lock(keys=[key], args=[holder, px, takeover_prefix]))
 
     async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
         key = self._key("sess-lock", owner, session_id)
@@ -490,73 +666,203 @@ class RedisSessionStore:
             await self._r.aclose()
 
 
+
+
 class FallbackSessionStore:
     """Redis as the source of truth, this process's memory as the fallback.
 
     Every write goes to both; reads and locks go to Redis and fall back to memory when
-    Redis fails (down, timing out), or when Redis holds an older version of a record this
-    replica wrote (same session incarnation, fewer turns: a write that missed Redis). So while Redis is away, sessions this replica
-    served keep working here (turns are not refused), and a write that missed Redis is
-    written again by the session's next successful turn. What cannot be had while Redis
-    is down: sessions only another replica served.
+    Redis fails. Each Redis call is bounded by ``timeout_s`` and goes through a circuit
+    breaker (``cachestore.breaker``): after ``breaker.failure_threshold`` consecutive
+    failures or timeouts Redis is not asked at all (every call answers from this
+    replica's copy at once) until a probe after ``breaker.reset_timeout_s`` succeeds. So
+    a Redis that is down or hung (SIGSTOP, a partition) costs a turn at most a few
+    timeouts, never the socket timeout of every call.
+
+    Reads also prefer this replica's record when Redis holds an older version of it
+    (same incarnation, fewer turns: a write that missed Redis). A write that could not
+    reach Redis is remembered and written back (conditionally, so never over a newer
+    version) once Redis answers again. What cannot be had while Redis is down:
+    sessions only another replica served.
     """
 
     def __init__(
-        self, primary: SessionStore, local: InMemorySessionStore | None = None, *, unlock_retry_s: float = 0.5
+        self,
+        primary: SessionStore,
+        local: InMemorySessionStore | None = None,
+        *,
+        timeout_s: float = 0.3,
+        breaker: Any = None,  # cachestore.breaker.CircuitBreaker
+        unlock_retry_s: float = 0.5,
+        sync_every_s: float = 1.0,
     ) -> None:
+        from cachestore.breaker import CircuitBreaker
+
         self.primary = primary
         self.local = local or InMemorySessionStore()
-        self.primary_errors = 0
+        self.timeout_s = timeout_s
+        self.breaker = breaker if breaker is not None else CircuitBreaker(failure_threshold=2, reset_timeout_s=2.0)
+        self.primary_errors = 0  # Redis calls that failed or timed out
+        self.primary_skipped = 0  # Redis calls not made: the breaker was open
+        self.written_back = 0  # records written back to Redis after it missed them
         self._unlock_retry_s = unlock_retry_s
+        self._sync_every_s = sync_every_s
         self._retries: set[asyncio.Task] = set()  # unlocks that missed Redis, tried again
+        self._unsynced: dict[tuple[str, str], Expect] = {}  # records Redis may lack, what it may hold
+        self._sync_task: asyncio.Task | None = None
+        self._failing = False  # the last Redis call failed (log once per outage)
 
-    async def _try(self, what: str, call):
+    @property
+    def unsynced(self) -> int:
+        """Session records whose last write may not have reached Redis."""
+        return len(self._unsynced)
+
+    async def _try(self, what: str, call, timeout_s: float | None = None):
+        if not self.breaker.allow():
+            self.primary_skipped += 1
+            return False, None
         try:
-            return True, await call()
+            result = await asyncio.wait_for(call(), timeout_s or self.timeout_s)
         except Exception as e:  # noqa: BLE001 - any backend failure falls back
             self.primary_errors += 1
-            log.warning("session store: Redis %s failed (%s); using this replica's copy", what, e)
+            self.breaker.record_failure()
+            why = f"timed out after {timeout_s or self.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError) else repr(e)
+            if not self._failing:
+                log.warning("session store: Redis %s failed (%s); using this replica's copy", what, why)
+            else:
+                log.debug("session store: Redis %s failed (%s)", what, why)
+            self._failing = True
             return False, None
+        self.breaker.record_success()
+        if self._failing:
+            log.info("session store: Redis answers again")
+            self._failing = False
+        return True, result
 
     async def get(self, owner: str, session_id: str) -> SessionRecord | None:
+        return (await self.read(owner, session_id))[0]
+
+    async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]:
         ok, rec = await self._try("get", lambda: self.primary.get(owner, session_id))
         local = await self.local.get(owner, session_id)
+        pending = self._unsynced.get((owner, session_id))
         if not ok or rec is None:
-            return local  # Redis is away, or lost it (eviction, restart): ours is still good
+            # Redis is away, or lost it (eviction, restart): ours is still good.
+            expect = Expect.of(local) if pending is None or local is None else pending.plus(local.etag)
+            if ok and local is not None:
+                expect = Expect(expect.etags, False)  # Redis has nothing: writing is restoring
+            return local, expect
         if local is not None and local.created_at == rec.created_at and local.turns > rec.turns:
             # A write of ours missed Redis (a timeout, a blip) and it kept an older
-            # version: using it would drop turns from the transcript. The next put repairs it.
+            # version: using it would drop turns from the transcript. The next write repairs it.
             log.warning("session %r: Redis has %d turns, this replica %d; using this replica's record",
                         session_id, rec.turns, local.turns)  # fmt: skip
-            return local
-        return rec
+            return local, Expect(frozenset({rec.etag, local.etag}), False)
+        return rec, Expect.of(rec)
 
     async def put(self, rec: SessionRecord) -> None:
         await self.local.put(rec)
         await self._try("put", lambda: self.primary.put(rec))
 
+    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str:
+        key = (rec.owner, rec.session_id)
+        pending = self._unsynced.get(key)
+        if pending is not None:  # an earlier write may land (or have landed) late: it is ours too
+            expect = Expect(expect.etags | pending.etags, expect.absent_ok or pending.absent_ok)
+        ok, outcome = await self._try(
+            "write", lambda: self.primary.put_if(rec, expect, replace_uncommitted=replace_uncommitted)
+        )
+        if not ok:
+            await self.local.put(rec)
+            self._unsynced[key] = expect.plus(rec.etag)
+            self._start_sync()
+            return UNKNOWN
+        self._unsynced.pop(key, None)
+        if outcome == CONFLICT:
+            await self.local.delete(*key)  # Redis has another replica's version: ours is stale
+        else:
+            await self.local.put(rec)
+        return outcome
+
+    def _start_sync(self) -> None:
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.create_task(self._sync_loop(), name="kvserve-session-sync")
+
+    async def _sync_loop(self) -> None:
+        while self._unsynced:
+            await asyncio.sleep(self._sync_every_s)
+            try:
+                await self.sync()
+            except Exception:  # noqa: BLE001 - tried again next round
+                log.warning("writing session records back to Redis failed", exc_info=True)
+
+    async def sync(self) -> int:
+        """Write back the records whose last write may have missed Redis, each only over
+        a version this replica wrote or expected; returns how many reached Redis."""
+        done = 0
+        for key, expect in list(self._unsynced.items()):
+            rec = await self.local.get(*key)
+            if rec is None:
+                self._unsynced.pop(key, None)
+                continue
+            ok, outcome = await self._try("write-back", lambda r=rec, e=expect: self.primary.put_if(r, e))
+            if not ok:
+                return done  # still away; the breaker paces the next try
+            if self._unsynced.get(key) is expect:
+                self._unsynced.pop(key, None)
+            if outcome == CONFLICT:
+                log.warning("session %r: another replica wrote it while Redis missed this replica's version; "
+                            "keeping theirs", key[1])  # fmt: skip
+                await self.local.delete(*key)
+            else:
+                done += 1
+                self.written_back += 1
+                if outcome == RESTORED:
+                    log.warning("session %r: Redis had lost its record; wrote back this replica's copy", key[1])
+        return done
+
     async def delete(self, owner: str, session_id: str) -> bool:
+        self._unsynced.pop((owner, session_id), None)
         here = await self.local.delete(owner, session_id)
         ok, there = await self._try("delete", lambda: self.primary.delete(owner, session_id))
         return bool(there) or here
 
+    async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
+        pending = self._unsynced.pop((owner, session_id), None)
+        if pending is not None:
+            etags = etags | pending.etags
+        here = await self.local.delete_if(owner, session_id, etags)
+        ok, there = await self._try("delete", lambda: self.primary.delete_if(owner, session_id, etags))
+        return bool(there) or here
+
     async def list(self, owner: str, page_size: int, page_token: str = "") -> tuple[list[SessionRecord], str]:
-        ok, page = await self._try("list", lambda: self.primary.list(owner, page_size, page_token))
+        ok, page = await self._try(
+            "list", lambda: self.primary.list(owner, page_size, page_token), timeout_s=self.timeout_s * 10
+        )
         return page if ok else await self.local.list(owner, page_size, page_token)
 
-    async def try_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
-        ok, got = await self._try("lock", lambda: self.primary.try_lock(owner, session_id, holder, ttl_s))
+    async def try_lock(
+        self, owner: str, session_id: str, holder: str, ttl_s: float, *, takeover_prefix: str = ""
+    ) -> bool:
+        ok, got = await self._try(
+            "lock",
+            lambda: self.primary.try_lock(owner, session_id, holder, ttl_s, takeover_prefix=takeover_prefix),
+        )
         if ok:
+            if got:  # mirror it here, so a lock check while Redis is away still sees it
+                await self.local.try_lock(owner, session_id, holder, ttl_s, takeover_prefix=takeover_prefix)
             return bool(got)
-        return await self.local.try_lock(owner, session_id, holder, ttl_s)
+        return await self.local.try_lock(owner, session_id, holder, ttl_s, takeover_prefix=takeover_prefix)
 
     async def refresh_lock(self, owner: str, session_id: str, holder: str, ttl_s: float) -> bool:
+        await self.local.refresh_lock(owner, session_id, holder, ttl_s)
         ok, got = await self._try("lock refresh", lambda: self.primary.refresh_lock(owner, session_id, holder, ttl_s))
-        return bool(got) if ok else await self.local.refresh_lock(owner, session_id, holder, ttl_s)
+        return bool(got) if ok else True  # Redis away: the lease is this replica's to keep
 
     async def unlock(self, owner: str, session_id: str, holder: str) -> None:
         """An unlock that misses Redis is tried again in the background for a few
-        seconds, so a blip does not leave the session busy until the lease runs out."""
+        seconds, so a blip does not leave the session busy until the lease runs out
+        (on this replica a leftover lock of its own never blocks: see ``try_lock``)."""
         await self.local.unlock(owner, session_id, holder)
         ok, _ = await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
         if not ok and len(self._retries) < 10_000:
@@ -567,11 +873,9 @@ class FallbackSessionStore:
     async def _retry_unlock(self, owner: str, session_id: str, holder: str) -> None:
         for _ in range(8):
             await asyncio.sleep(self._unlock_retry_s)
-            try:
-                await self.primary.unlock(owner, session_id, holder)
+            ok, _ = await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
+            if ok:
                 return
-            except Exception as e:  # noqa: BLE001 - still away; the lease is the backstop
-                log.debug("unlock of session %r still fails: %s", session_id, e)
 
     async def is_locked(self, owner: str, session_id: str) -> bool:
         ok, got = await self._try("lock check", lambda: self.primary.is_locked(owner, session_id))
@@ -580,9 +884,10 @@ class FallbackSessionStore:
     async def count(self, owner: str, *, prune_at: int | None = None) -> int:
         primary = self.primary
         if isinstance(primary, RedisSessionStore):
-            ok, n = await self._try("count", lambda: primary.count(owner, prune_at=prune_at))
+            call = lambda: primary.count(owner, prune_at=prune_at)  # noqa: E731
         else:
-            ok, n = await self._try("count", lambda: primary.count(owner))
+            call = lambda: primary.count(owner)  # noqa: E731
+        ok, n = await self._try("count", call, timeout_s=self.timeout_s * 10)
         return int(n) if ok else await self.local.count(owner)
 
     async def expire(self) -> list[SessionRecord]:
@@ -590,6 +895,7 @@ class FallbackSessionStore:
         unreachable) or as old, not the ones another replica has used since."""
         out = []
         for rec in await self.local.expire():
+            self._unsynced.pop((rec.owner, rec.session_id), None)
             ok, there = await self._try("get", lambda r=rec: self.primary.get(r.owner, r.session_id))
             if ok and there is not None and there.last_used_at > rec.last_used_at:
                 continue  # still alive elsewhere
@@ -598,8 +904,10 @@ class FallbackSessionStore:
         return out + (list(more) if ok and more else [])
 
     async def close(self) -> None:
-        for task in list(self._retries):
+        tasks = [*self._retries, *([self._sync_task] if self._sync_task else [])]
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.primary.close()
         await self.local.close()
 
@@ -609,11 +917,14 @@ class FallbackSessionStore:
 
 @dataclass(slots=True)
 class Turn:
-    """One turn in flight: the record as it was at the start, and the lock lease."""
+    """One turn in flight: the record as it was at the start, the lock lease, and what a
+    conditional write of the session may find in the store (its version at the start
+    and every version this turn wrote)."""
 
     record: SessionRecord
     holder: str
     created: bool  # this turn created the session
+    expect: Expect = field(default_factory=Expect)
     _renewal: asyncio.Task | None = None
     committed: bool = False
 
@@ -621,8 +932,25 @@ class Turn:
 class SessionManager:
     """The session table used by the servicer: one turn at a time per session.
 
-    ``lock_ttl_s`` is the lease of a turn's lock; it is renewed every third of it while
-    the turn runs, so a crashed replica's lock frees itself after at most that long.
+    One turn at a time, whatever the store lost:
+
+    * This replica's own turns in flight are held here (``_inflight``), consulted before
+      the store: a second turn of a session in flight on this replica is refused even
+      when Redis restarted, was flushed or hangs.
+    * Across replicas the store's lock (a lease of ``lock_ttl_s``, renewed every
+      ``min(lock_ttl_s / 3, renew_every_s)`` while the turn runs) keeps a second turn
+      out. A renewal that finds the lock gone (Redis restarted or flushed) takes it
+      again and writes the turn's record back.
+    * Every write of a record is conditional on the version the turn started from
+      (``put_if``), so a commit never silently overwrites a newer record: when another
+      replica wrote the session meanwhile (possible only while the lock was lost) the
+      commit raises ``SessionConflict`` and the turn fails instead of an acknowledged
+      turn vanishing. When Redis lost the record mid-turn, the commit writes this
+      replica's copy back (logged, counted in ``records_lost``).
+    * Lock holders are ``{replica_id}:{uuid}``: a lock left in Redis by an ended turn of
+      this replica (an unlock that missed a hung Redis, a lock write applied late) is
+      taken over by this replica's next turn instead of blocking it until its lease ends.
+
     ``max_sessions_per_owner`` (0 = none) caps the sessions one owner holds; creations
     are serialized in this process, so the cap is exact for one replica and may be
     passed by a few when several replicas create sessions of one owner at once.
@@ -635,40 +963,91 @@ class SessionManager:
         lock_ttl_s: float = 30.0,
         max_sessions_per_owner: int = 0,
         clock: Callable[[], float] = time.time,
+        renew_every_s: float = 1.0,
     ) -> None:
         self.store = store
         self._lock_ttl_s = lock_ttl_s
+        self._renew_every_s = min(lock_ttl_s / 3, renew_every_s)
         self.max_sessions_per_owner = max_sessions_per_owner
         self._clock = clock
         self._create_lock = asyncio.Lock()
+        self.replica_id = uuid.uuid4().hex[:12]
+        self._inflight: dict[tuple[str, str], str] = {}  # this replica's turns in flight -> holder
+        self.records_lost = 0  # records the store had lost mid-session, written back from here
+        self.conflicts = 0  # turns refused because another replica wrote the session meanwhile
+        self.unconfirmed_writes = 0  # writes the store could not confirm (kept on this replica)
 
-    async def begin_turn(self, owner: str, session_id: str) -> Turn:
-        """Lock the session (creating it if new) and return its record as of now.
+    @property
+    def turns_in_flight(self) -> int:
+        return len(self._inflight)
 
-        Raises InvalidSessionId or SessionBusy.
+    def in_flight_here(self, owner: str, session_id: str) -> bool:
+        return (owner, session_id) in self._inflight
+
+    def _busy(self, session_id: str) -> SessionBusy:
+        return SessionBusy(f"session {session_id!r} already has a turn in flight; retry when it finishes")
+
+    async def begin_turn(self, owner: str, session_id: str, *, require_existing: bool = False) -> Turn:
+        """Lock the session (creating it if new, unless ``require_existing``) and return
+        its record as of now.
+
+        Raises InvalidSessionId, SessionBusy, or SessionNotFound (``require_existing``).
         """
         check_session_id(session_id)
-        holder = uuid.uuid4().hex
-        if not await self.store.try_lock(owner, session_id, holder, self._lock_ttl_s):
-            raise SessionBusy(f"session {session_id!r} already has a turn in flight; retry when it finishes")
+        key = (owner, session_id)
+        if key in self._inflight:
+            raise self._busy(session_id)
+        holder = f"{self.replica_id}:{uuid.uuid4().hex}"
+        self._inflight[key] = holder  # reserved before the first await
         try:
-            rec = await self.store.get(owner, session_id)
-            created = rec is None
-            if rec is None:
-                async with self._create_lock:
-                    await self._check_room(owner)
-                    rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
-                    rec.last_used_at = rec.created_at
-                    await self.store.put(rec)
-            else:
-                rec.last_used_at = self._clock()
-                await self.store.put(rec)
+            if not await self.store.try_lock(
+                owner, session_id, holder, self._lock_ttl_s, takeover_prefix=f"{self.replica_id}:"
+            ):
+                raise self._busy(session_id)
+            try:
+                rec, expect = await self.store.read(owner, session_id)
+                created = rec is None
+                if rec is None:
+                    if require_existing:
+                        raise SessionNotFound(
+                            f"session {session_id!r} not found (require_existing_session is set): it expired, "
+                            f"was deleted, or the server lost it"
+                        )
+                    async with self._create_lock:
+                        await self._check_room(owner)
+                        rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
+                rec.last_used_at = self._clock() if not created else rec.created_at
+                rec.etag = new_etag()
+                outcome = await self.store.put_if(rec, expect)
+                self._note(outcome, rec, "at the start of a turn")
+                if outcome == CONFLICT:
+                    raise SessionBusy(
+                        f"session {session_id!r} was just written by another replica; retry when its turn finishes"
+                    )
+            except BaseException:
+                await self.store.unlock(owner, session_id, holder)
+                raise
         except BaseException:
-            await self.store.unlock(owner, session_id, holder)
+            if self._inflight.get(key) == holder:
+                del self._inflight[key]
             raise
-        turn = Turn(record=rec, holder=holder, created=created)
+        turn = Turn(record=rec, holder=holder, created=created, expect=expect.plus(rec.etag))
         turn._renewal = asyncio.create_task(self._renew(turn), name=f"session-lock-{session_id}")
         return turn
+
+    def _note(self, outcome: str, rec: SessionRecord, when: str) -> None:
+        if outcome in (RESTORED, REPLACED):
+            self.records_lost += 1
+            log.warning(
+                "session %r: the session store had lost its record %s (%s); wrote back this replica's copy "
+                "(%d turns, %d tokens)",
+                rec.session_id, when,
+                "Redis restarted, was flushed or evicted it" if outcome == RESTORED
+                else "another replica started it over while Redis had lost it",
+                rec.turns, len(rec.token_ids),
+            )  # fmt: skip
+        elif outcome == UNKNOWN:
+            self.unconfirmed_writes += 1
 
     async def _check_room(self, owner: str) -> None:
         limit = self.max_sessions_per_owner
@@ -691,38 +1070,75 @@ class SessionManager:
         cache_salt: str = "",
     ) -> SessionRecord:
         """The turn completed: the transcript becomes prompt + output, one more turn.
-        ``cache_salt`` is the turn's request salt (where its KV blocks are keyed)."""
+        ``cache_salt`` is the turn's request salt (where its KV blocks are keyed).
+
+        Raises SessionConflict (nothing written) when the store holds a version of the
+        session this turn did not start from (another replica wrote it meanwhile)."""
         rec = turn.record
         if list(prompt_token_ids[: len(rec.token_ids)]) != rec.token_ids:
             raise RuntimeError("turn prompt does not extend the session transcript")
-        rec.token_ids = list(prompt_token_ids) + list(output_token_ids)
-        rec.cache_salt = cache_salt
-        rec.turns += 1
-        rec.last_used_at = self._clock()
-        await self.store.put(rec)
+        new = copy_record(
+            rec, token_ids=list(prompt_token_ids) + list(output_token_ids), cache_salt=cache_salt,
+            turns=rec.turns + 1, last_used_at=self._clock(), etag=new_etag(),
+        )  # fmt: skip
+        outcome = await self.store.put_if(new, turn.expect, replace_uncommitted=True)
+        self._note(outcome, new, "while a turn ran")
+        if outcome == CONFLICT:
+            self.conflicts += 1
+            log.warning(
+                "session %r: another replica wrote it while this turn ran (the turn lock was lost: Redis "
+                "restarted or was flushed); this turn is not recorded", rec.session_id,
+            )  # fmt: skip
+            raise SessionConflict(
+                f"session {rec.session_id!r} was changed by another replica while this turn ran (the session "
+                f"store lost its turn lock); this turn was not recorded: read the session and retry"
+            )
+        turn.record = new
+        turn.expect = Expect(frozenset({new.etag}))
         turn.committed = True
-        return rec
+        return new
 
     async def end_turn(self, turn: Turn) -> None:
         """Release the lock. Without a commit the transcript stays as before the turn
-        (a session whose first turn did not complete is removed again)."""
+        (a session whose first turn did not complete is removed again, unless another
+        replica has written it since)."""
         if turn._renewal is not None:
             turn._renewal.cancel()
         rec = turn.record
+        key = (rec.owner, rec.session_id)
         try:
             if turn.created and not turn.committed:
-                await self.store.delete(rec.owner, rec.session_id)
+                await self.store.delete_if(rec.owner, rec.session_id, turn.expect.etags)
         finally:
-            await self.store.unlock(rec.owner, rec.session_id, turn.holder)
+            try:
+                await self.store.unlock(rec.owner, rec.session_id, turn.holder)
+            finally:
+                if self._inflight.get(key) == turn.holder:
+                    del self._inflight[key]
 
     async def _renew(self, turn: Turn) -> None:
         rec = turn.record
         while True:
-            await asyncio.sleep(self._lock_ttl_s / 3)
+            await asyncio.sleep(self._renew_every_s)
             try:
-                if not await self.store.refresh_lock(rec.owner, rec.session_id, turn.holder, self._lock_ttl_s):
-                    log.warning("lost the turn lock of session %r", rec.session_id)
-                    return
+                if await self.store.refresh_lock(rec.owner, rec.session_id, turn.holder, self._lock_ttl_s):
+                    continue
+                # The lock is gone from the store (Redis restarted or was flushed, or the
+                # lease ran out): take it again and put the record back, so no other
+                # replica starts this session over while the turn runs.
+                retaken = await self.store.try_lock(
+                    rec.owner, rec.session_id, turn.holder, self._lock_ttl_s, takeover_prefix=f"{self.replica_id}:"
+                )
+                log.warning("session %r: its turn lock was gone from the session store; %s", rec.session_id,
+                            "taken again" if retaken else "another replica holds it now")  # fmt: skip
+                if not turn.committed:
+                    back = copy_record(turn.record, etag=new_etag())
+                    outcome = await self.store.put_if(back, turn.expect, replace_uncommitted=True)
+                    self._note(outcome, back, "while a turn ran")
+                    if outcome != CONFLICT:
+                        turn.expect = turn.expect.plus(back.etag)
+            except asyncio.CancelledError:
+                raise
             except Exception:  # the store may be briefly unreachable; the lease covers it
                 log.warning("could not renew the turn lock of session %r", rec.session_id, exc_info=True)
 
@@ -732,13 +1148,13 @@ class SessionManager:
         rec = await self.store.get(owner, session_id)
         if rec is None:
             raise SessionNotFound(f"session {session_id!r} not found")
-        return rec, await self.store.is_locked(owner, session_id)
+        return rec, self.in_flight_here(owner, session_id) or await self.store.is_locked(owner, session_id)
 
     async def delete(self, owner: str, session_id: str) -> SessionRecord:
         """Remove the session and return its last record. Raises SessionNotFound, or
         SessionBusy while a turn runs."""
         check_session_id(session_id)
-        if await self.store.is_locked(owner, session_id):
+        if self.in_flight_here(owner, session_id) or await self.store.is_locked(owner, session_id):
             raise SessionBusy(f"session {session_id!r} has a turn in flight; cancel it first")
         rec = await self.store.get(owner, session_id)
         if not await self.store.delete(owner, session_id) or rec is None:
@@ -757,7 +1173,7 @@ class SessionManager:
             check_session_id(page_token)
         recs, next_token = await self.store.list(owner, page_size or DEFAULT_PAGE_SIZE, page_token)
         busy = await asyncio.gather(*(self.store.is_locked(owner, r.session_id) for r in recs))
-        return list(zip(recs, busy)), next_token
+        return [(r, b or self.in_flight_here(owner, r.session_id)) for r, b in zip(recs, busy)], next_token
 
 
 def _takes_prune_at(store: SessionStore) -> bool:
