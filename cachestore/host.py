@@ -118,6 +118,21 @@ class HostTier(BlockTier):
         self._counters.add_seconds("read", time.perf_counter() - t0)
         return n
 
+    def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
+        """Copy the block into ``out`` to write it elsewhere (a spill, the drain): unlike
+        ``get_into`` it is not a restore, so it counts no hit and keeps the LRU order."""
+        self._check_block(out, "out")
+        dst = _cpu_bytes(out)
+        with self._lock:
+            slot = self._lru.get(ref)
+            if slot is None:
+                return False
+            if dst is not None:
+                np.copyto(dst, self._slot_bytes[slot])
+            else:
+                out.copy_(self._slots[slot])
+        return True
+
     def get(self, ref: BlockRef) -> torch.Tensor | None:
         """A fresh copy of the block (allocates; the engine uses ``get_into``)."""
         out = torch.empty(self.block_shape, dtype=self.dtype)

@@ -81,7 +81,7 @@ class TieredStats:
 class _Job:
     refs: list[BlockRef]
     tiers: tuple[str, ...]
-    blocks: list[torch.Tensor]  # read by the writer
+    blocks: list[torch.Tensor | None]  # read by the writer; None: wherever the store holds it
     on_done: Callable[[SpillResult], None] | None = None
     staging: list[torch.Tensor] | None = None  # a demotion's buffers, freed when written
 
@@ -271,13 +271,18 @@ class TieredStore:
 
     def submit_spill(
         self,
-        items: Sequence[tuple[Namespace, BlockHash, torch.Tensor]],
+        items: Sequence[tuple[Namespace, BlockHash, torch.Tensor | None]],
         tiers: Sequence[str],
         on_done: Callable[[SpillResult], None] | None = None,
     ) -> bool:
         """Queue ``(namespace, block_hash, block)`` items to be stored in ``tiers`` by the
         writer thread. Never blocks: False (and the blocks counted as dropped) when the
         queue is full or the store is closed; then ``on_done`` is never called.
+
+        A ``block`` of None is a block the caller does not hold (no longer on the
+        device): the writer copies it from the host tier to the other tiers, or, when
+        the host does not hold it either, only checks which tiers already do. So a spill
+        covers every block of a session whichever tier holds it.
 
         The writer reads each ``block`` later: the caller keeps those tensors unchanged
         until ``on_done`` runs (e.g. holds a reference on the device blocks), or passes
@@ -290,7 +295,7 @@ class TieredStore:
             on_done=on_done,
         )
         for b in job.blocks:
-            if tuple(b.shape) != self.block_shape or b.dtype != self.dtype:
+            if b is not None and (tuple(b.shape) != self.block_shape or b.dtype != self.dtype):
                 raise ValueError(f"block must be {self.block_shape} {self.dtype}, got {tuple(b.shape)} {b.dtype}")
         if self._enqueue(job):
             self._bump(submitted=len(job.refs))
@@ -368,6 +373,46 @@ class TieredStore:
             held[name] = tier.put_many(refs, blocks) if tier is not None else [False] * len(refs)
         return held
 
+    def _write_job(self, job: _Job) -> dict[str, list[bool]]:
+        """Write a job's blocks; blocks given as None are copied from the host tier (in
+        batches, through one scratch buffer per block of the batch) or, where the host
+        does not hold them, only looked up."""
+        refs, blocks, tiers = job.refs, job.blocks, job.tiers
+        given = [i for i, b in enumerate(blocks) if b is not None]
+        if len(given) == len(refs):
+            return self._write(refs, blocks, tiers)  # type: ignore[arg-type]
+        held = {t: [False] * len(refs) for t in tiers}
+
+        def scatter(idx: list[int], sub: dict[str, list[bool]]) -> None:
+            for t, flags in sub.items():
+                for i, f in zip(idx, flags):
+                    held[t][i] = f
+
+        if given:
+            scatter(given, self._write([refs[i] for i in given], [blocks[i] for i in given], tiers))  # type: ignore[misc]
+        missing = [i for i, b in enumerate(blocks) if b is None]
+        others = tuple(t for t in tiers if t != HOST)
+        batch = self.redis.batch_blocks if self.redis is not None else 64
+        scratch: list[torch.Tensor] = []
+        for start in range(0, len(missing), batch):
+            idx = missing[start : start + batch]
+            while len(scratch) < len(idx):
+                scratch.append(torch.empty(self.block_shape, dtype=self.dtype))
+            loaded: list[int] = []
+            for i in idx:
+                if self.host is not None and self.host.copy_out(refs[i], scratch[len(loaded)]):
+                    loaded.append(i)
+            if HOST in tiers:
+                scatter(loaded, {HOST: [True] * len(loaded)})
+            if loaded and others:
+                scatter(loaded, self._write([refs[i] for i in loaded], scratch[: len(loaded)], others))
+            absent = [i for i in idx if i not in set(loaded)]
+            for t in tiers:
+                tier = self._tiers.get(t)
+                if absent and tier is not None:
+                    scatter(absent, {t: tier.contains_many([refs[i] for i in absent])})
+        return held
+
     def _demote(self, ref: BlockRef, block: torch.Tensor) -> None:
         """Host eviction callback: copy the block into a staging buffer (its slot is
         reused after we return) and queue it for Redis, which stores it only if it is
@@ -437,7 +482,7 @@ class TieredStore:
     def _writer_loop(self) -> None:
         while (job := self._next_job()) is not None:
             try:
-                held = self._write(job.refs, job.blocks, job.tiers)
+                held = self._write_job(job)
                 if job.on_done is not None:
                     job.on_done(SpillResult(len(job.refs), {t: sum(h) for t, h in held.items()}))
             except Exception:  # noqa: BLE001 - the writer must outlive any one job

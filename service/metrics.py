@@ -192,6 +192,27 @@ class SessionStoreCollector:
             )  # fmt: skip
 
 
+class SpillCollector:
+    """What the idle spill and the shutdown drain wrote, read at scrape time."""
+
+    def __init__(self, spill, prefix: str = "kvserve") -> None:  # spill: SpillScheduler
+        self._spill = spill
+        self._p = prefix
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        p, s = self._p, self._spill
+        fam = CounterMetricFamily(
+            f"{p}_drain_blocks", "Full KV blocks of this replica's sessions at the shutdown drain, by outcome: "
+            "in_redis (written or already there), left (not in Redis when the drain ended).", labels=["outcome"],
+        )  # fmt: skip
+        fam.add_metric(["in_redis"], s.drained_blocks)
+        fam.add_metric(["left"], s.drain_left_blocks)
+        yield fam
+
+
 class ServiceMetrics:
     """The service's metrics. Create one per server; pass it to the servicer."""
 

@@ -99,8 +99,14 @@ class RunningServer:
         # Write the blocks of sessions this replica served to Redis, so another replica
         # (or this one restarted) resumes them without prefill; bounded by the time left.
         left = max(grace - (time.monotonic() - t0), 1.0)
-        if not await self.spill.persist_all(left):
-            log.warning("drain: not every session's blocks reached Redis within %.1f s", left)
+        report = await self.spill.persist_all(left)
+        if report.sessions:
+            log.log(
+                logging.INFO if report.complete else logging.WARNING,
+                "drain: %d session(s), %d full block(s): %d in Redis (%d written now), %d left%s",
+                report.sessions, report.blocks, report.in_redis, report.written, report.left,
+                "" if report.complete else f" (not all through within {left:.1f} s)",
+            )  # fmt: skip
         if self.owns_engine:
             await self.engine.shutdown(0.0)
         await self.server.stop(_STOP_GRACE_S)
@@ -341,10 +347,11 @@ async def serve(
             lock_ttl_s=config.session_lock_ttl,
             max_sessions_per_owner=config.max_sessions_per_tenant,
         )
-        from service.metrics import SessionStoreCollector
+        from service.metrics import SessionStoreCollector, SpillCollector
 
         metrics.register(SessionStoreCollector(sessions))
         spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
+        metrics.register(SpillCollector(spill))
         spill.start()
         servicer = GenerationServicer(
             engine,

@@ -1,12 +1,16 @@
 """Idle sessions spill: their KV blocks are written to host memory and/or Redis.
 
 When a session's turn completes, the servicer calls ``touch``. Once the session has
-been idle for ``spill_after_s`` its blocks (still on the device, as cache) are queued
-for the cache store's background writer; from then on the device copy is evictable at
-no loss, and any replica (or this one after a restart) can restore them.
+been idle for ``spill_after_s`` every full block of its transcript is queued for the
+cache store's background writer, from whichever tier holds it (the device pool, or the
+host tier for blocks already demoted there); from then on the device copy is evictable
+at no loss, and any replica (or this one after a restart) can restore them.
 
-On shutdown, ``persist_all`` writes every remembered session that Redis does not yet
-hold, bounded by a timeout, so a rolling deploy loses no cache.
+On shutdown, ``persist_all`` writes every full block of every remembered session that
+Redis does not yet hold, from the device or the host tier, bounded by a timeout, so a
+rolling deploy loses no cache; it reports how many blocks Redis holds and how many were
+left (``DrainReport``, logged by the server and counted in ``drained_blocks`` /
+``drain_left_blocks``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    sessions: int  # sessions this replica remembers
+    blocks: int  # their full blocks
+    in_redis: int  # of those, held by Redis afterwards (written now or already there)
+    written: int  # blocks Redis newly stored during the drain
+    left: int  # full blocks not in Redis when the drain ended (timeout, Redis away, queue full)
+    complete: bool  # every block is in Redis and every queued write is through
 
 
 @dataclass(slots=True)
@@ -49,14 +63,17 @@ class SpillScheduler:
         self._task: asyncio.Task | None = None
         self.spilled_sessions = 0
         self.spilled_blocks = 0
+        self.drained_blocks = 0  # blocks the drain left in Redis (written or already there)
+        self.drain_left_blocks = 0  # blocks the drain could not get into Redis
 
     @property
     def enabled(self) -> bool:
         return bool(self.tiers)
 
     def touch(self, owner: str, session_id: str, token_ids: list[int], cache_salt: str) -> None:
-        """A turn of this session completed now."""
-        if not self.enabled:
+        """A turn of this session completed now (remembered for the idle spill and, with
+        Redis, for the drain)."""
+        if not self.enabled and "redis" not in self.engine.model_info.tiers:
             return
         key = (owner, session_id)
         self._sessions[key] = _Idle(list(token_ids), cache_salt, self._clock())
@@ -101,30 +118,55 @@ class SpillScheduler:
             await self._spill(s, self.tiers)
         return len(due)
 
-    async def persist_all(self, timeout_s: float) -> bool:
-        """Write every remembered session to Redis (drain on shutdown), bounded."""
+    async def persist_all(self, timeout_s: float) -> DrainReport:
+        """Write every full block of every remembered session to Redis (the drain on
+        shutdown), from the device or the host tier, within ``timeout_s``."""
         if "redis" not in self.engine.model_info.tiers:
-            return True
+            return DrainReport(len(self._sessions), 0, 0, 0, 0, True)
         deadline = time.monotonic() + timeout_s
+        puts_before = self._redis_puts()
+        blocks = in_redis = 0
+        complete = True
         for s in list(self._sessions.values()):
-            if "redis" in s.spilled_to:
-                continue
-            if time.monotonic() >= deadline:
-                return False
+            n = len(s.token_ids) // self.engine.model_info.block_size
+            blocks += n
             remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                complete = False
+                continue
             try:
-                await asyncio.wait_for(self._spill(s, ("redis",)), remaining)
+                n, held = await asyncio.wait_for(self._spill(s, ("redis",), force=True), remaining)
             except asyncio.TimeoutError:
-                return False
-        return await self.engine.flush_store(max(deadline - time.monotonic(), 0.0))
+                complete = False
+                continue
+            in_redis += min(held.get("redis", 0), n)
+        flushed = await self.engine.flush_store(max(deadline - time.monotonic(), 0.0))
+        report = DrainReport(
+            sessions=len(self._sessions), blocks=blocks, in_redis=in_redis,
+            written=self._redis_puts() - puts_before, left=blocks - in_redis,
+            complete=complete and flushed and in_redis == blocks,
+        )  # fmt: skip
+        self.drained_blocks += report.in_redis
+        self.drain_left_blocks += report.left
+        return report
 
-    async def _spill(self, s: _Idle, tiers: tuple[str, ...]) -> None:
-        """Spill and remember the tiers that now hold every block; a tier that missed
-        some (Redis down, queue full) is tried again on the next pass."""
+    def _redis_puts(self) -> int:
+        store = getattr(self.engine, "store", None)
+        stats = store.stats().tiers.get("redis") if store is not None else None
+        return stats.puts if stats is not None else 0
+
+    async def _spill(self, s: _Idle, tiers: tuple[str, ...], force: bool = False) -> tuple[int, dict[str, int]]:
+        """Spill every full block of the session (device or host) and remember the
+        tiers that now hold all of them; a tier that missed some (Redis down, queue
+        full, a block no tier holds any more) is tried again on the next pass.
+        Returns (full blocks, how many each tier holds)."""
+        if not force and set(tiers) <= s.spilled_to:
+            return 0, {}
         n, held = await self.engine.spill(s.token_ids, s.cache_salt, tiers)
-        if n == 0:  # nothing on the device any more (evicted, already demoted)
+        if n == 0:  # no full block
             s.spilled_to = s.spilled_to | set(tiers)
-            return
+            return 0, {t: 0 for t in tiers}
         s.spilled_to = s.spilled_to | {t for t in tiers if held.get(t, 0) >= n}
         self.spilled_sessions += 1
         self.spilled_blocks += n
+        return n, held

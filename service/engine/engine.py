@@ -658,32 +658,36 @@ class LLMEngine:
         tiers: tuple[str, ...],
         done: Callable[[int, dict[str, int]], None],
     ) -> None:
-        """Write the device blocks of this transcript to ``tiers`` in the background.
+        """Write every full block of this transcript to ``tiers`` in the background,
+        from whichever tier holds it: device blocks from the pool, the others from the
+        host tier (by the store's writer).
 
-        Must run on the engine thread (use ``call_soon``). The blocks are pinned (a
-        reference is taken) until the store's writer has copied them, so they cannot be
-        evicted or overwritten meanwhile. ``done(n_blocks, held)`` is called once the
-        writer is through (on its thread), with how many of the blocks each tier holds
-        afterwards (``{}`` when nothing could be queued).
+        Must run on the engine thread (use ``call_soon``). The device blocks are pinned
+        (a reference is taken) until the store's writer has copied them, so they cannot
+        be evicted or overwritten meanwhile. ``done(n_blocks, held)`` is called once the
+        writer is through (on its thread) with the transcript's full blocks and how many
+        of them each tier holds afterwards (``{}`` when nothing could be queued).
         """
         if self.store is None:
             done(0, {})
             return
         ns = self.namespace(cache_salt)
-        held = self.blocks.match_prefix(block_hashes(ns, token_ids, self.block_size))
-        if not held:
+        hashes = block_hashes(ns, token_ids, self.block_size)
+        if not hashes:
             done(0, {})
             return
-        self.blocks.touch(held)
-        items = [(ns, b.block_hash, self.pool.data[b.block_id]) for b in held]
+        on_device = [self.blocks.lookup(h) for h in hashes]
+        pinned = [b for b in on_device if b is not None]
+        self.blocks.touch(pinned)
+        items = [(ns, h, self.pool.data[b.block_id] if b is not None else None) for h, b in zip(hashes, on_device)]
 
         def written(result) -> None:
-            self.call_soon(lambda: self.blocks.free(held))
-            done(len(held), dict(result.held))
+            self.call_soon(lambda: self.blocks.free(pinned))
+            done(len(hashes), dict(result.held))
 
         if not self.store.submit_spill(items, tiers, on_done=written):
-            self.blocks.free(held)
-            done(len(held), {})
+            self.blocks.free(pinned)
+            done(len(hashes), {})
 
     def fail_all(self, error: str) -> Emitted:
         """Finish every sequence with an error (the engine loop hit a bug)."""
