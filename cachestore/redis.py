@@ -26,6 +26,9 @@ counts toward ``maxmemory``; under a tight ``maxmemory`` with ``allkeys-lru`` a 
 makes Redis evict other blocks while it answers (clean misses, but misses). Keep
 ``max_batch_bytes`` well under the server's memory headroom.
 
+A value that fails verification is deleted when it is read, so the next write of that
+block stores a good one.
+
 Writes are idempotent and skip the transfer when the block is already there: one
 pipelined ``PEXPIRE key ttl`` per batch answers "is it there?" and refreshes the TTL of
 the blocks that are (a block being written again is in use); only the missing ones are
@@ -248,6 +251,8 @@ class RedisTier(BlockTier):
             if result is False:  # stopped at a missing or bad value (errors: counted by _call)
                 assert progress.failure is not None
                 self._counters.fail(progress.failure)
+                if progress.failure not in (NOT_FOUND, BACKEND_ERROR, TIMEOUT):
+                    self._drop_bad(refs[progress.n], progress.failure)
         self._counters.add(hits=progress.n, bytes_out=progress.nbytes, misses=int(not complete))
         self._counters.add_seconds("read", time.perf_counter() - t0)
         return progress.n
@@ -381,6 +386,14 @@ class RedisTier(BlockTier):
             return BACKEND_ERROR
         result = codec.decode_into(value, ref.namespace, ref.block_hash, out)
         return None if result.ok else result.reason
+
+    def _drop_bad(self, ref: BlockRef, reason: str) -> None:
+        """A value that failed verification is deleted, so the next write of the block
+        stores it again (a write only refreshes the TTL of a key that is there) instead
+        of every restore on every replica stopping at it until the TTL runs out."""
+        key = self.key(ref)
+        if self._call(lambda c: c.delete(key), "delete") is not None:
+            log.warning("redis block %s failed verification (%s): deleted; the next write stores it again", key, reason)
 
     def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return self.get_many_into([ref], [out]) == 1
