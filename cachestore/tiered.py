@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Self, Sequence
 
@@ -47,7 +47,27 @@ REDIS = "redis"
 TIER_NAMES = (HOST, REDIS)
 
 # Optimistic until measured, so that a tier is tried (and measured) at least once.
-DEFAULT_RESTORE_RATES: Mapping[str, float] = {HOST: 5e9, REDIS: 1e9}  # bytes/s
+DEFAULT_RESTORE_RATES: Mapping[str, float] = {HOST: 5e9, REDIS: 1e9}  # bytes/s, CPU pool
+# Into a CUDA pool: pinned host -> device is DMA (PCIe 5 ~50 GB/s, C2C more); Redis is
+# bounded by its network link and the client, not by the device.
+DEVICE_RESTORE_RATES: Mapping[str, Mapping[str, float]] = {
+    "cpu": DEFAULT_RESTORE_RATES,
+    "cuda": {HOST: 20e9, REDIS: 1e9},
+}
+
+# Restore decisions, counted in blocks by (tier, decision, reason).
+RESTORED = "restored"
+RECOMPUTED = "recomputed"
+REASON_ALWAYS = "policy_always"  # --restore-policy always
+REASON_UNMEASURED = "prefill_unmeasured"  # no prefill rate yet to compare with
+REASON_FASTER = "faster"  # estimated restore time below the estimated prefill time
+REASON_PROBE = "probe"  # a slower tier's rate is stale: a few blocks restored to re-measure it
+REASON_SLOWER = "slower"  # recomputing was estimated faster
+REASON_LOAD_FAILED = "load_failed"  # planned, but missing or failed verification on load
+DECISION_REASONS: Mapping[str, tuple[str, ...]] = {
+    RESTORED: (REASON_ALWAYS, REASON_UNMEASURED, REASON_FASTER, REASON_PROBE),
+    RECOMPUTED: (REASON_SLOWER, REASON_LOAD_FAILED),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +95,21 @@ class TieredStats:
     tiers: dict[str, TierStats]
     restore_rates: dict[str, float]  # bytes/s, EWMA of measured restores (or the prior)
     writer: WriterStats
+    # blocks by (tier, decision, reason): see RESTORED / RECOMPUTED and the REASON_* names
+    decisions: dict[tuple[str, str, str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """``plan_restore``'s answer: the tier to restore each leading block from, and how
+    many leading blocks the tiers hold (``found - len(tiers)`` were left to recompute)."""
+
+    tiers: list[str]
+    found: int
+
+    @property
+    def cut(self) -> bool:
+        return len(self.tiers) < self.found
 
 
 @dataclass(slots=True)
@@ -87,16 +122,31 @@ class _Job:
 
 
 class _Ewma:
-    """Exponentially weighted mean of measured rates, starting from a prior."""
+    """Exponentially weighted mean of measured rates, starting from a prior. The first
+    ``warmup`` samples are not counted: they pay one-time costs (the connection
+    set-up, first-touch page faults) that later restores do not, and one slow first
+    sample would otherwise make a tier look slower than recomputing for a long time
+    (an auto policy that skips the tier then never measures it again)."""
 
-    def __init__(self, prior: float, alpha: float) -> None:
+    def __init__(self, prior: float, alpha: float, warmup: int = 1) -> None:
         self.value = prior
         self.alpha = alpha
-        self.measured = False
+        self.warmup = warmup
+        self.samples = 0  # counted ones
+        self.seen = 0  # all, warm-up included
+        self.last_t: float | None = None  # clock time of the last sample
 
-    def update(self, rate: float) -> None:
+    @property
+    def measured(self) -> bool:
+        return self.samples > 0
+
+    def update(self, rate: float, now: float) -> None:
+        self.seen += 1
+        self.last_t = now
+        if self.seen <= self.warmup:
+            return
         self.value = rate if not self.measured else self.alpha * rate + (1 - self.alpha) * self.value
-        self.measured = True
+        self.samples += 1
 
 
 class TieredStore:
@@ -111,16 +161,28 @@ class TieredStore:
         redis: RedisTier | None = None,
         max_pending_blocks: int = 4096,
         rate_alpha: float = 0.3,
-        initial_restore_rates: Mapping[str, float] = DEFAULT_RESTORE_RATES,
+        initial_restore_rates: Mapping[str, float] | None = None,
         min_rate_blocks: int = 4,
         demotion_buffers: int = 64,
+        device: str = "cpu",
+        warmup_samples: int = 1,
+        probe_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``max_pending_blocks`` bounds the writer queue (in blocks); ``rate_alpha`` is
         the EWMA weight of each new restore measurement; restores of fewer than
         ``min_rate_blocks`` blocks do not update the rates (their time is mostly the
         round trip, which would make a tier look slower than it is for long restores);
         ``demotion_buffers`` is how many evicted host blocks can wait for Redis at once
-        (staging copies, allocated here; more evictions meanwhile are dropped, counted)."""
+        (staging copies, allocated here; more evictions meanwhile are dropped, counted).
+
+        Restore rates are this store's: one store serves one engine, so they are
+        measured for its ``device`` (the device type its restores land on: "cpu" or
+        "cuda"), whose priors are ``DEVICE_RESTORE_RATES`` unless
+        ``initial_restore_rates`` says otherwise. The first ``warmup_samples`` samples
+        of each tier are not counted (connection set-up). A tier that ``plan_restore``
+        skips as slower is probed again (a few blocks restored) once its last sample is
+        ``probe_after_s`` old, so a rate measured on a bad moment does not stick."""
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         for tier in (host, redis):
@@ -135,11 +197,15 @@ class TieredStore:
         self._tiers: dict[str, BlockTier] = {
             name: t for name, t in ((HOST, host), (REDIS, redis)) if t is not None
         }
+        self.device = device
+        priors = DEVICE_RESTORE_RATES.get(device, DEFAULT_RESTORE_RATES)
+        if initial_restore_rates is not None:
+            priors = {**priors, **initial_restore_rates}
+        self._clock = clock
+        self.probe_after_s = probe_after_s
         self._rates_lock = threading.Lock()
-        self._rates = {
-            name: _Ewma(initial_restore_rates.get(name, DEFAULT_RESTORE_RATES[name]), rate_alpha)
-            for name in self._tiers
-        }
+        self._rates = {name: _Ewma(priors[name], rate_alpha, warmup_samples) for name in self._tiers}
+        self._decisions: Counter[tuple[str, str, str]] = Counter()
 
         # The writer: a bounded deque of jobs, counted in blocks.
         self.min_rate_blocks = min_rate_blocks
@@ -229,10 +295,12 @@ class TieredStore:
     # ---- restore rates -----------------------------------------------------------------
 
     def record_restore(self, tier: str, nbytes: int, seconds: float) -> None:
-        """Feed one measured restore into the tier's rate (done by ``fetch_into``)."""
+        """Feed one measured restore into the tier's rate (done by ``fetch_into``; the
+        engine adds its device copy time on CUDA)."""
         if seconds > 0 and nbytes > 0 and tier in self._rates:
+            now = self._clock()
             with self._rates_lock:
-                self._rates[tier].update(nbytes / seconds)
+                self._rates[tier].update(nbytes / seconds, now)
 
     def restore_rate(self, tier: str) -> float:
         """Bytes/s the tier restores at (EWMA of measurements; the prior until then)."""
@@ -245,6 +313,76 @@ class TieredStore:
         if tier not in self._rates:
             return float("inf")
         return n_blocks * self.block_nbytes / self.restore_rate(tier)
+
+    # ---- restore or recompute -------------------------------------------------------
+
+    def plan_restore(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[BlockHash],
+        recompute_block_s: float | None,
+        *,
+        always: bool = False,
+        min_speedup: float = 1.0,
+    ) -> RestorePlan:
+        """Where the leading blocks are (``match_prefix``), cut where restoring stops
+        paying: the plan kept is the prefix, ending at a tier boundary, that saves the
+        most time, saving = recompute time of its tokens - ``min_speedup`` x its
+        estimated restore time (per tier, from that tier's measured rate). So a slow
+        tier's blocks are recomputed while a fast tier's before them are restored.
+
+        ``recompute_block_s`` is the estimated prefill time of one block's tokens
+        (None: not measured yet, restore everything); ``always`` restores every hit.
+        Counts every block by (tier, decision, reason); blocks that then fail to load
+        are reported with ``note_load_failed``."""
+        where = self.match_prefix(namespace, hashes)
+        if always or recompute_block_s is None:
+            reason = REASON_ALWAYS if always else REASON_UNMEASURED
+            self._count(where, 0, len(where), RESTORED, reason)
+            return RestorePlan(where, len(where))
+        # segment ends: [(end, tier)] for runs of one tier
+        ends = [i + 1 for i in range(len(where)) if i + 1 == len(where) or where[i + 1] != where[i]]
+        best_k, best_saving = 0, 0.0
+        restore_s = 0.0
+        start = 0
+        for end in ends:
+            restore_s += self.estimated_restore_seconds(where[start], end - start)
+            saving = end * recompute_block_s - min_speedup * restore_s
+            if saving >= best_saving:
+                best_k, best_saving = end, saving
+            start = end
+        keep = best_k
+        reasons = [(0, keep, RESTORED, REASON_FASTER)]
+        if keep < len(where) and self._stale(where[keep]):
+            end = keep
+            while end < len(where) and where[end] == where[keep] and end - keep < self.min_rate_blocks:
+                end += 1
+            reasons.append((keep, end, RESTORED, REASON_PROBE))
+            keep = end
+        reasons.append((keep, len(where), RECOMPUTED, REASON_SLOWER))
+        for a, b, decision, reason in reasons:
+            self._count(where, a, b, decision, reason)
+        return RestorePlan(where[:keep], len(where))
+
+    def note_load_failed(self, tiers: Sequence[str]) -> None:
+        """Blocks a plan kept that did not load (missing, failed verification): counted
+        as recomputed, reason ``load_failed``. Their restored counts stay (they were
+        decided for restore)."""
+        self._count(list(tiers), 0, len(tiers), RECOMPUTED, REASON_LOAD_FAILED)
+
+    def _stale(self, tier: str) -> bool:
+        """True when the tier was sampled, but not in the last ``probe_after_s`` (a tier
+        never sampled is slower by its configured prior: not probed)."""
+        with self._rates_lock:
+            r = self._rates.get(tier)
+            return r is not None and r.last_t is not None and self._clock() - r.last_t >= self.probe_after_s
+
+    def _count(self, where: Sequence[str], a: int, b: int, decision: str, reason: str) -> None:
+        if a >= b:
+            return
+        with self._rates_lock:
+            for tier, n in Counter(where[a:b]).items():
+                self._decisions[(tier, decision, reason)] += n
 
     # ---- synchronous writes -----------------------------------------------------------
 
@@ -338,7 +476,9 @@ class TieredStore:
             queued = self._pending_blocks
         with self._rates_lock:
             rates = {name: r.value for name, r in self._rates.items()}
+            decisions = dict(self._decisions)
         return TieredStats(
+            decisions=decisions,
             tiers={name: t.stats() for name, t in self._tiers.items()},
             restore_rates=rates,
             writer=WriterStats(

@@ -135,6 +135,14 @@ class CacheStoreCollector:
                     breaker.add_metric([state], 1.0 if redis.breaker_state == state else 0.0)
                 yield breaker
                 yield CounterMetricFamily(f"{p}_redis_breaker_opens", "Times the Redis breaker opened.", value=redis.breaker_opens)
+        decisions = CounterMetricFamily(
+            f"{p}_cache_restore_decision_blocks",
+            "Blocks found in a tier, by what the restore-or-recompute decision did with them and why.",
+            labels=["tier", "decision", "reason"],
+        )
+        for (tier, decision, reason), n in sorted((st.decisions if st is not None else {}).items()):
+            decisions.add_metric([tier, decision, reason], n)
+        yield decisions
         yield CounterMetricFamily(
             f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",
             value=eng.num_restores_skipped,

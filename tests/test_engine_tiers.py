@@ -237,4 +237,7 @@ def test_auto_policy_recomputes_when_the_tier_is_slower(loaded, redis_url):
     assert b.prefill_tokens_per_s is not None
     check_turn2(loaded, b, prompt, n, Tier.REDIS, 0)
     assert b.num_restores_skipped > 0
+    decisions = store.stats().decisions
+    assert decisions[("redis", "recomputed", "slower")] > 0
+    assert not any(d == "restored" for _, d, _ in decisions)
     b.close()

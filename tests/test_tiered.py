@@ -246,8 +246,9 @@ def test_restore_rates_are_measured(make_store: Any) -> None:
     store.put_many(NS, HASHES[:8], [value(i) for i in range(8)], [HOST, REDIS])
     store.fetch_into(NS, HASHES[:1], [REDIS], list(pool(1)))  # too small to measure a rate
     assert store.restore_rate(REDIS) == 1.0
-    store.fetch_into(NS, HASHES[:8], [HOST] * 8, list(pool(8)))
-    store.fetch_into(NS, HASHES[:8], [REDIS] * 8, list(pool(8)))
+    for _ in range(2):  # the first measurement of a tier is warm-up (connection set-up)
+        store.fetch_into(NS, HASHES[:8], [HOST] * 8, list(pool(8)))
+        store.fetch_into(NS, HASHES[:8], [REDIS] * 8, list(pool(8)))
     for tier in (HOST, REDIS):
         assert store.restore_rate(tier) > 1.0  # replaced by the measurement
         assert 0 < store.estimated_restore_seconds(tier, 8) < 8 * BLOCK_BYTES
@@ -256,6 +257,73 @@ def test_restore_rates_are_measured(make_store: Any) -> None:
     assert set(rates) == {HOST, REDIS} and all(r > 1.0 for r in rates.values())
     store.record_restore(HOST, 1000, 1.0)  # EWMA: moves toward a new measurement
     assert store.restore_rate(HOST) < rates[HOST]
+
+
+def test_first_restore_sample_is_not_counted(make_store: Any) -> None:
+    """A first restore that paid a slow connection set-up does not stick to the tier."""
+    store = make_store(initial_restore_rates={REDIS: 1e9})
+    store.record_restore(REDIS, BLOCK_BYTES * 8, 10.0)  # first: set-up dominated
+    assert store.restore_rate(REDIS) == 1e9
+    store.record_restore(REDIS, 4_000_000, 0.002)  # 2 GB/s
+    assert store.restore_rate(REDIS) == pytest.approx(2e9)
+    # a store with no warm-up counts the first sample
+    cold = make_store(initial_restore_rates={REDIS: 1e9}, warmup_samples=0)
+    cold.record_restore(REDIS, 1000, 1.0)
+    assert cold.restore_rate(REDIS) == pytest.approx(1000.0)
+
+
+def test_priors_are_per_device(make_store: Any) -> None:
+    cpu, cuda = make_store(), make_store(device="cuda")
+    assert cuda.restore_rate(HOST) > cpu.restore_rate(HOST)
+    assert cuda.restore_rate(REDIS) == cpu.restore_rate(REDIS)
+
+
+def _decisions(store: TieredStore) -> dict[tuple[str, str, str], int]:
+    return store.stats().decisions
+
+
+def test_plan_restore_decides_per_tier(make_store: Any) -> None:
+    """Host blocks that beat prefill are restored while the slower Redis blocks after
+    them are recomputed; every block found is counted by decision and reason."""
+    now = [0.0]
+    block_s = 1e-3  # prefill time of one block's tokens
+    # host: 1 block in 1e-4 s (wins), Redis: 1 block in 1e-2 s (loses)
+    store = make_store(
+        initial_restore_rates={HOST: BLOCK_BYTES / 1e-4, REDIS: BLOCK_BYTES / 1e-2}, clock=lambda: now[0]
+    )
+    store.put_many(NS, HASHES[:3], [value(i) for i in range(3)], [HOST])
+    store.put_many(NS, HASHES[3:8], [value(i) for i in range(3, 8)], [REDIS])
+    plan = store.plan_restore(NS, HASHES[:10], block_s)
+    assert plan.tiers == [HOST] * 3 and plan.found == 8 and plan.cut
+    assert _decisions(store) == {(HOST, "restored", "faster"): 3, (REDIS, "recomputed", "slower"): 5}
+    # min_speedup: host must be 20x faster than prefill; it is only 10x
+    plan = store.plan_restore(NS, HASHES[:10], block_s, min_speedup=20.0)
+    assert plan.tiers == []
+    # a fast prefill loses to nothing: everything restored when prefill is unmeasured
+    assert store.plan_restore(NS, HASHES[:10], None).tiers == [HOST] * 3 + [REDIS] * 5
+    assert _decisions(store)[(REDIS, "restored", "prefill_unmeasured")] == 5
+    assert store.plan_restore(NS, HASHES[:10], 1e-9, always=True).tiers == [HOST] * 3 + [REDIS] * 5
+    assert _decisions(store)[(HOST, "restored", "policy_always")] == 3
+    # slow Redis blocks are taken when the host blocks before them save more than they cost
+    plan = store.plan_restore(NS, HASHES[:10], 2e-2)  # prefill slower than both tiers
+    assert plan.tiers == [HOST] * 3 + [REDIS] * 5 and not plan.cut
+    store.note_load_failed([REDIS] * 2)
+    assert _decisions(store)[(REDIS, "recomputed", "load_failed")] == 2
+
+
+def test_a_slow_tier_is_probed_again_when_its_rate_is_stale(make_store: Any) -> None:
+    now = [100.0]
+    store = make_store(initial_restore_rates={REDIS: 1.0}, clock=lambda: now[0], probe_after_s=30.0)
+    store.put_many(NS, HASHES[:8], [value(i) for i in range(8)], [REDIS])
+    assert store.plan_restore(NS, HASHES[:8], 1e-3).tiers == []  # never sampled: the prior decides
+    store.record_restore(REDIS, 1, 1.0)  # warm-up sample: sets the sample time only
+    store.record_restore(REDIS, 1, 1.0)  # measured: 1 B/s
+    assert store.plan_restore(NS, HASHES[:8], 1e-3).tiers == []  # fresh and slow: recomputed
+    now[0] += 31.0
+    plan = store.plan_restore(NS, HASHES[:8], 1e-3)
+    assert plan.tiers == [REDIS] * store.min_rate_blocks  # enough blocks to measure a rate
+    assert _decisions(store)[(REDIS, "restored", "probe")] == store.min_rate_blocks
+    assert _decisions(store)[(REDIS, "recomputed", "slower")] == 8 + 8 + 8 - store.min_rate_blocks
 
 
 def test_redis_down_degrades_to_host(make_store: Any, redis_server: Any) -> None:

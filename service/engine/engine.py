@@ -372,28 +372,25 @@ class LLMEngine:
                 for _ in plan
             ]
         n_ok = self.store.fetch_into(namespace, hashes[: len(plan)], plan, outs)
+        if n_ok < len(plan):
+            self.store.note_load_failed(plan[n_ok:])
         return plan[:n_ok], (outs[:n_ok] if self.device.type != "cpu" else [])
 
     def _plan_restore(self, namespace: bytes, hashes: list[BlockHash]) -> list[str]:
         """Tiers of the leading blocks found in host/Redis, cut where restoring would be
-        slower than recomputing those tokens (by the measured rates)."""
-        plan = list(self.store.match_prefix(namespace, hashes))
+        slower than recomputing those tokens (the store decides per tier from its
+        measured rates and this engine's measured prefill rate; decisions counted)."""
         rate = self.prefill_tokens_per_s
-        if self.cfg.restore_policy == "always":
-            rate = None
-        while plan and rate is not None:
-            restore_s = sum(
-                self.store.estimated_restore_seconds(t, n) for t, n in Counter(plan).items()
-            )
-            recompute_s = len(plan) * self.block_size / rate
-            if restore_s * self.cfg.restore_min_speedup <= recompute_s:
-                break
-            # drop the slowest tier's blocks from the tail (the latest in the chain)
-            worst = plan[-1]
-            while plan and plan[-1] == worst:
-                plan.pop()
+        plan = self.store.plan_restore(
+            namespace,
+            hashes,
+            None if rate is None else self.block_size / rate,
+            always=self.cfg.restore_policy == "always",
+            min_speedup=self.cfg.restore_min_speedup,
+        )
+        if plan.cut:
             self.num_restores_skipped += 1
-        return plan
+        return plan.tiers
 
     def _poll_restores(self, out: Emitted) -> None:
         for seq in [s for s in self.restoring if s.restore is not None and s.restore.done()]:

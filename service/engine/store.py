@@ -34,4 +34,4 @@ def build_store(cfg: EngineConfig, loaded: Any) -> TieredStore | None:
         if cfg.redis_url
         else None
     )
-    return TieredStore(block_shape, loaded.dtype, host=host, redis=redis)
+    return TieredStore(block_shape, loaded.dtype, host=host, redis=redis, device=loaded.device.type)
