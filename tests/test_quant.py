@@ -1,9 +1,9 @@
 """Served weight formats (service/models/quant.py) and fused projections (layers.py).
 
 Tolerances, on the random tiny checkpoints (logits of 4 x 24 tokens, uncached forward)
-against the exact float32 model: relative L2 error of the logits below 2% for bf16 and
-4% for int8 (measured: 0.6-0.8% and 1.3-1.8%), the same argmax on at least 85% (int8)
-and 95% (bf16) of the positions (measured: 93-99%). Quality on real-sized models (held-out
+against the exact float32 model: relative L2 error of the logits below 2% for bf16, 4%
+for int8 and 8% for w8a8 (measured: 0.6-0.8%, 1.3-1.8%, 3.3-4.1%), the same argmax on at
+least 95% (bf16), 85% (int8) and 80% (w8a8) of the positions (measured: 90-99%). Quality on real-sized models (held-out
 loss, greedy agreement over 100+ prompts) is in docs/benchmarks.md.
 """
 
@@ -19,7 +19,7 @@ from service.models.quant import QuantLinear, quantize_int8
 from tests.test_models import greedy_nocache, greedy_paged, prompt_ids, trivial_tables
 
 BLOCK = 4
-TOLERANCE = {"bf16": (0.02, 0.95), "int8": (0.04, 0.85)}  # (relative L2 error, argmax agreement)
+TOLERANCE = {"bf16": (0.02, 0.95), "int8": (0.04, 0.85), "w8a8": (0.08, 0.80)}  # (relative L2 error, argmax agreement)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def exact_logits(request: pytest.FixtureRequest):
     return get
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "w8a8"])
 @pytest.mark.parametrize("variant", ["tiny_llama_dir", "tiny_gpt2_dir"])
 def test_format_logits_within_tolerance_of_exact(request, exact_logits, variant: str, fmt: str) -> None:
     ids, ref = exact_logits(variant)
@@ -54,7 +54,7 @@ def test_format_logits_within_tolerance_of_exact(request, exact_logits, variant:
     assert agree >= min_agree, agree
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "w8a8"])
 def test_quantized_model_paged_decode_equals_its_uncached_decode(tiny_llama_dir, fmt: str) -> None:
     lm = load_model(tiny_llama_dir, progress=False, weight_format=fmt)
     c = lm.config
@@ -66,8 +66,8 @@ def test_quantized_model_paged_decode_equals_its_uncached_decode(tiny_llama_dir,
 
 def test_fingerprint_covers_the_weight_format(tiny_llama_dir) -> None:
     prints = {fmt: load_model(tiny_llama_dir, progress=False, weight_format=fmt).fingerprint
-              for fmt in ("exact", "bf16", "int8")}
-    assert len(set(prints.values())) == 3 and all(len(p) == 64 for p in prints.values())
+              for fmt in ("exact", "bf16", "int8", "w8a8")}
+    assert len(set(prints.values())) == 4 and all(len(p) == 64 for p in prints.values())
     assert load_model(tiny_llama_dir, progress=False, weight_format="int8").fingerprint == prints["int8"]
     with pytest.raises(ValueError, match="unknown weight format 'int3'"):
         load_model(tiny_llama_dir, progress=False, weight_format="int3")
@@ -110,3 +110,16 @@ def test_fused_linear_equals_its_parts() -> None:
         torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], -1), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="in_features or bias"):
         fuse_linears([Linear(32, 4), Linear(16, 4)])
+
+
+def test_w8a8_row_does_not_depend_on_the_rest_of_the_batch() -> None:
+    torch.manual_seed(0)
+    q = QuantLinear.from_linear(torch.nn.Linear(64, 32), "w8a8")
+    row = torch.randn(1, 64)
+    others = torch.randn(5, 64) * 50  # much larger rows: a shared activation scale would coarsen `row`
+    with torch.inference_mode():
+        alone = q(row)
+        batched = q(torch.cat([others[:2], row, others[2:]]))[2:3]
+        want = torch.nn.functional.linear(row, q.dequantized(), q.bias)
+    assert torch.equal(alone, batched)
+    torch.testing.assert_close(alone, want, atol=0.05, rtol=0.05)  # 7-bit activations

@@ -13,7 +13,7 @@ class EngineConfig:
     model_path: str | None = None  # None = the packaged default model
     device: str = "auto"  # cpu | cuda | auto
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)
-    weight_format: str = "exact"  # exact | bf16 | int8 (service/models/quant.py)
+    weight_format: str = "exact"  # exact | bf16 | int8 | w8a8 (service/models/quant.py)
     kv_cache_memory: int = 1 << 30  # bytes for the device block pool
     block_size: int = 16
     max_num_seqs: int = 32  # running sequences per step

@@ -4,6 +4,9 @@
     bf16   weights stored as bfloat16 (half the bytes); products in bfloat16
     int8   weight-only int8, symmetric, one scale per output channel (a quarter of the
            bytes); products by torch's ``_weight_int8pack_mm`` with bfloat16 activations
+    w8a8   the same int8 weights, activations quantized too (per row, 7 bits) and the
+           product done in integers by fbgemm (CPU only): the fast int8 path on CPUs
+           without AVX-512, where torch's weight-only int8 kernel is scalar code
 
 Decode reads every weight once per step, so its speed follows the weight bytes. Only
 the matmul weights change (every ``layers.Linear``, lm_head included); embeddings,
@@ -20,6 +23,7 @@ projections are ``layers.Linear`` modules.
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +31,22 @@ from torch import Tensor, nn
 
 from service.models.layers import Linear
 
-WEIGHT_FORMATS = ("exact", "bf16", "int8")
+WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
 
 
 class QuantLinear(nn.Module):
     """A ``Linear`` whose weight is stored in a smaller format; same call, same output dtype.
 
-    int8: ``weight`` (out, in) int8 and ``scales`` (out,) bfloat16 with
+    int8 / w8a8: ``weight`` (out, in) int8 and ``scales`` (out,) bfloat16 with
     W ~= weight * scales[:, None]. bf16: ``weight`` (out, in) bfloat16, ``scales`` None.
     ``bias`` stays in the compute dtype and is added after the product.
+
+    w8a8 runs fbgemm's dynamic int8 linear, which quantizes its whole input with one
+    scale and zero point. To keep each row's numerics independent of the other rows in
+    the batch (a seeded request gives the same tokens whatever runs beside it), every
+    row is first divided by its own absmax, and one constant row holding +1 and -1 is
+    appended, so the quantization range is always exactly [-1, 1]; the outputs are
+    multiplied back by the row absmax.
     """
 
     def __init__(self, fmt: str, weight: Tensor, scales: Tensor | None, bias: Tensor | None) -> None:
@@ -47,6 +58,18 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         # torch's int8 weight-only kernel runs on the CPU (and, in recent builds, CUDA)
         self._packed_kernel = fmt == "int8" and weight.device.type == "cpu"
+        self._fbgemm = None
+        if fmt == "w8a8":
+            if weight.device.type != "cpu":
+                raise ValueError("weight format w8a8 runs on the CPU only (use int8 or bf16 on CUDA)")
+            with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm still packs them
+                warnings.simplefilter("ignore", UserWarning)
+                qw = torch._make_per_channel_quantized_tensor(
+                    weight, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0
+                )
+            self._fbgemm = torch.ops.quantized.linear_prepack(qw, None)
+            self._range_row = torch.zeros(1, self.in_features)  # (1, in): fixes the range at [-1, 1]
+            self._range_row[0, 0], self._range_row[0, -1] = 1.0, -1.0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> "QuantLinear":
@@ -54,7 +77,7 @@ class QuantLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if fmt == "bf16":
             return cls(fmt, w.to(torch.bfloat16).contiguous(), None, bias)
-        if fmt == "int8":
+        if fmt in ("int8", "w8a8"):
             q, scales = quantize_int8(w)
             return cls(fmt, q, scales, bias)
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -66,6 +89,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
+        if self._fbgemm is not None:
+            return self._forward_w8a8(x, rows)
         xa = x.reshape(rows, self.in_features).to(torch.bfloat16)  # (rows, in)
         if self._packed_kernel:
             y = torch._weight_int8pack_mm(xa, self.weight, self.scales)  # (rows, out) bf16
@@ -73,6 +98,16 @@ class QuantLinear(nn.Module):
             y = F.linear(xa, self.weight.to(xa.dtype)) * self.scales
         else:
             y = F.linear(xa, self.weight)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_w8a8(self, x: Tensor, rows: int) -> Tensor:
+        x2 = x.reshape(rows, self.in_features).float()  # (rows, in)
+        amax = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)  # (rows, 1)
+        xn = torch.cat((x2 / amax, self._range_row))  # (rows + 1, in), values in [-1, 1]
+        y = torch.ops.quantized.linear_dynamic(xn, self._fbgemm, True)[:rows].mul_(amax)  # (rows, out)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
