@@ -808,8 +808,9 @@ class FallbackSessionStore:
             ok, outcome = await self._try("write-back", lambda r=rec, e=expect: self.primary.put_if(r, e))
             if not ok:
                 return done  # still away; the breaker paces the next try
-            if self._unsynced.get(key) is expect:
-                self._unsynced.pop(key, None)
+            if self._unsynced.get(key) is not expect:
+                continue  # a turn wrote the session meanwhile: its outcome stands
+            self._unsynced.pop(key, None)
             if outcome == CONFLICT:
                 log.warning("session %r: another replica wrote it while Redis missed this replica's version; "
                             "keeping theirs", key[1])  # fmt: skip

@@ -156,6 +156,26 @@ def test_put_is_idempotent_across_sessions(make_store: Any) -> None:
     assert len(store.host) == 3
 
 
+def test_spill_of_blocks_the_caller_no_longer_holds(make_store: Any) -> None:
+    """Blocks given as None (demoted off the device) are copied from the host tier to
+    Redis, or only looked up where the host does not hold them: no hit is counted."""
+    store = make_store()
+    store.put_many(NS, HASHES[:3], [value(i) for i in range(3)], [HOST])  # demoted: host only
+    store.put_many(NS, HASHES[3:4], [value(3)], [REDIS])  # Redis only
+    p = torch.stack([value(4)])  # still on the device
+    items = [(NS, HASHES[i], None) for i in range(4)] + [(NS, HASHES[4], p[0]), (NS, HASHES[5], None)]
+    done: list[SpillResult] = []
+    assert store.submit_spill(items, [HOST, REDIS], on_done=done.append)
+    assert store.flush(timeout=10)
+    # host: 0-2 held, 4 written; Redis: 0-2 copied from the host, 3 there, 4 written; 5 nowhere
+    assert done == [SpillResult(6, {HOST: 4, REDIS: 5})]
+    assert store.host.stats().hits == 0
+    store.host.clear()
+    outs = list(pool(5))
+    assert store.fetch_into(NS, HASHES[:5], [REDIS] * 5, outs) == 5
+    assert all(torch.equal(outs[i], value(i)) for i in range(5))
+
+
 def test_spill_in_the_background(make_store: Any) -> None:
     store = make_store()
     p = torch.stack([value(i) for i in range(5)])  # the session's device blocks
