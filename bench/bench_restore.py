@@ -39,7 +39,7 @@ from cachestore.keys import block_hashes  # noqa: E402
 from service.engine.config import EngineConfig  # noqa: E402
 from service.engine.engine import LLMEngine  # noqa: E402
 from service.engine.store import build_store  # noqa: E402
-from service.engine.types import Finished, GenerationRequest, SamplingParams  # noqa: E402
+from service.types import Finished, GenerationRequest, SamplingParams  # noqa: E402
 from service.models.loading import load_model  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 from tests.fixtures.redis_server import start_redis_server  # noqa: E402

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from clients import AsyncKVServeClient, TextDelta  # noqa: E402
-from service.engine.types import Delta, GenerationRequest, SamplingParams  # noqa: E402
+from service.types import Delta, GenerationRequest, SamplingParams  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
 # LlamaConfig overrides. The served models keep the test tokenizer's 400-token vocabulary

@@ -62,7 +62,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from service._proto.kvserve.v1 import generation_pb2 as pb
 from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service.auth import Unauthenticated
-from service.engine.types import (
+from service.types import (
     Delta,
     EngineStopped,
     Finished,

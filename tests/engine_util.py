@@ -8,7 +8,7 @@ import torch
 
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
-from service.engine.types import Finished, GenerationRequest, SamplingParams
+from service.types import Finished, GenerationRequest, SamplingParams
 from service.kv.cache import kv_bytes_per_token
 
 BS = 4

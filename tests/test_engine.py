@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.types import (
+from service.types import (
     Delta,
     FinishReason,
     Finished,

@@ -11,7 +11,7 @@ from cachestore.keys import block_hashes, make_namespace
 from cachestore.redis import RedisTier
 from service.engine.config import EngineConfig
 from service.engine.store import build_store
-from service.engine.types import Tier
+from service.types import Tier
 from service.models.loading import load_model
 from tests.engine_util import (
     BS,

@@ -12,9 +12,9 @@ import torch
 
 from service.engine.config import EngineConfig
 from service.engine.store import build_store
-from service.engine.types import Tier
 from service.models.config import ModelConfig, ModelLoadError
 from service.models.loading import load_model
+from service.types import Tier
 from tests.engine_util import BS, bytes_per_token, finished, make_engine, prompts, req, run
 
 FAMILIES = ["tiny_mistral_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]

@@ -9,7 +9,7 @@ from service.engine.sampling import (
     make_generator,
     sample,
 )
-from service.engine.types import SamplingParams
+from service.types import SamplingParams
 
 
 class CharDetok:
@@ -118,7 +118,7 @@ def test_repetition_penalty_matches_transformers_rule():
 def test_sampling_params_validation_messages():
     import pytest
 
-    from service.engine.types import InvalidRequest
+    from service.types import InvalidRequest
 
     cases = [
         (SamplingParams(max_new_tokens=0), "max_new_tokens must be >= 1"),

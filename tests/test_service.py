@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from clients import AsyncKVServeClient, KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
-from service.engine.types import Finished, GenerationRequest, SamplingParams
+from service.types import Finished, GenerationRequest, SamplingParams
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from service.engine.config import EngineConfig
 from service.engine.engine import Emitted, LLMEngine
 from service.engine.store import build_store
-from service.engine.types import (
+from service.types import (
     EngineStats,
     EngineStopped,
     Event,

@@ -33,7 +33,7 @@ from cachestore.keys import BlockHash, block_hashes, make_namespace
 from service.engine.config import EngineConfig
 from service.engine.output import TextStream
 from service.engine.sampling import make_generator, sample
-from service.engine.types import (
+from service.types import (
     Delta,
     EngineStats,
     EngineStopped,

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from service.engine.types import SamplingParams
+from service.types import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

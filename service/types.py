@@ -1,4 +1,5 @@
-"""Plain domain types shared by the engine and the servicer (no torch, no gRPC)."""
+"""Plain domain types shared by the engine, the servicer and the metrics. Importing this
+module imports no torch and no gRPC (tests/test_imports.py keeps it so)."""
 
 from __future__ import annotations
 

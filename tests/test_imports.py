@@ -1,0 +1,25 @@
+"""What must import without torch: the domain types (the front and the clients name them
+without loading the engine) and the Python clients with their generated stubs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.serving import REPO, subprocess_env
+
+_NO_TORCH = "import sys; sys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
+
+
+def _runs_without_torch(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _NO_TORCH + code], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_the_blocker_works():
+    assert _runs_without_torch("import service.engine").returncode != 0
+
+
+def test_domain_types_import_without_torch():
+    out = _runs_without_torch("import service.types as t; assert t.SamplingParams().max_new_tokens > 0")
+    assert out.returncode == 0, out.stderr
