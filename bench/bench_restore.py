@@ -39,7 +39,7 @@ from cachestore.keys import block_hashes  # noqa: E402
 from service.engine.config import EngineConfig  # noqa: E402
 from service.engine.engine import LLMEngine  # noqa: E402
 from service.engine.store import build_store  # noqa: E402
-from service.types import Finished, GenerationRequest, SamplingParams  # noqa: E402
+from service.types import CacheScope, Finished, GenerationRequest, SamplingParams  # noqa: E402
 from service.models.loading import load_model  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 from tests.fixtures.redis_server import start_redis_server  # noqa: E402
@@ -85,7 +85,7 @@ def run_once(eng: LLMEngine, tokens: list[int], rid: str) -> Finished:
 
 
 def spill(eng: LLMEngine, tokens: list[int], tier: str) -> None:
-    eng.spill(tokens, "", (tier,), lambda n, held: None)
+    eng.spill(tokens, CacheScope(), (tier,), lambda n, held: None)
     assert eng.store.flush(120), "spill did not finish"
     eng.step()
 

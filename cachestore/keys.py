@@ -1,14 +1,16 @@
 """Namespaces and chained block hashes: the address of every KV block in every tier.
 
     namespace = sha256(b"kvserve-ns" || format_version || model_fingerprint || kv_dtype
-                       || block_size || tenant_salt)          (length-prefixed fields)
+                       || block_size || scope || tenant || salt)   (length-prefixed fields;
+                       scope is "tenant", or "shared" with an empty tenant)
     h_0 = sha256(namespace || uint32_le(tokens[0:B]))
     h_i = sha256(h_{i-1}  || uint32_le(tokens[i*B:(i+1)*B]))
 
 Only full blocks are keyed. Everything here is deterministic across processes and
 machines: no ``hash()``, no seeds. A match is decided by digest equality alone, so the
-hash is cryptographic (SHA-256), and the namespace covers the weights and the tenant,
-so KV from other weights or another tenant can never be addressed.
+hash is cryptographic (SHA-256), and the namespace covers the weights, the tenant and
+the request's salt, each its own field (no separator inside a value can make two
+namespaces alias), so KV from other weights or another tenant can never be addressed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NewType, Sequence
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tenant and salt are separate fields (1 took one joined string)
 
 Namespace = NewType("Namespace", bytes)  # 32 bytes
 BlockHash = NewType("BlockHash", bytes)  # 32 bytes
@@ -33,10 +35,12 @@ def make_namespace(
     model_fingerprint: str,
     kv_dtype: str,
     block_size: int,
-    tenant_salt: str = "",
+    tenant: str | None = "",
+    salt: str = "",
     format_version: int = FORMAT_VERSION,
 ) -> Namespace:
-    """The root of every block chain for one (weights, dtype, block size, tenant)."""
+    """The root of every block chain for one (weights, dtype, block size, tenant, salt).
+    ``tenant`` None: a namespace shared by every tenant (an operator-listed salt)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     h = hashlib.sha256(b"kvserve-ns")
@@ -44,7 +48,9 @@ def make_namespace(
     h.update(_field(model_fingerprint.encode()))
     h.update(_field(kv_dtype.encode()))
     h.update(struct.pack("<I", block_size))
-    h.update(_field(tenant_salt.encode()))
+    h.update(_field(b"shared" if tenant is None else b"tenant"))
+    h.update(_field((tenant or "").encode()))
+    h.update(_field(salt.encode()))
     return Namespace(h.digest())
 
 

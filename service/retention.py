@@ -23,16 +23,17 @@ from typing import Any
 
 from cachestore.base import BlockRef
 from cachestore.keys import block_hashes
+from service.types import CacheScope
 
 
 async def forget_blocks(
     engine: Any,  # service.engine.AsyncEngine
     token_ids: list[int],
-    cache_salt: str,
+    scope: CacheScope,
     *,
     timeout_s: float = 10.0,
 ) -> dict[str, int]:
-    """Drop the full blocks of ``token_ids`` under ``cache_salt`` from the device prefix
+    """Drop the full blocks of ``token_ids`` in ``scope``'s namespace from the device prefix
     map, the host tier and Redis; returns how many entries each tier dropped."""
     core = engine.engine  # the LLMEngine behind the asyncio front
     loop = asyncio.get_running_loop()
@@ -41,7 +42,7 @@ async def forget_blocks(
     def drop_device() -> None:  # runs on the engine thread
         n = 0
         try:
-            ns = core.namespace(cache_salt)
+            ns = core.namespace(scope)
             for h in block_hashes(ns, token_ids, core.block_size):
                 block = core.blocks.lookup(h)
                 if block is not None:
@@ -55,7 +56,7 @@ async def forget_blocks(
     store = core.store
     if store is None:
         return out
-    ns = core.namespace(cache_salt)
+    ns = core.namespace(scope)
     refs = [BlockRef(ns, h) for h in block_hashes(ns, token_ids, core.block_size)]
 
     def drop_stored() -> dict[str, int]:

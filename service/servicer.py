@@ -63,6 +63,7 @@ from service._proto.kvserve.v1 import generation_pb2 as pb
 from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service.auth import Unauthenticated
 from service.types import (
+    CacheScope,
     Delta,
     EngineStopped,
     Finished,
@@ -381,12 +382,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt = transcript + new_tokens
             self._check_prompt_limit(transcript, new_tokens, session_id)
             sampling = self._fit_to_context(sampling, request.sampling, transcript, new_tokens, session_id)
-            cache_salt = self.cache_salt(owner, request.cache_salt)
+            scope = self.cache_scope(owner, request.cache_salt)
             req = GenerationRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt,
                 sampling=sampling,
-                cache_salt=cache_salt,
+                scope=scope,
                 session_id=session_id or None,
             )
             self.engine.validate(req)
@@ -423,7 +424,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                     turn, prompt, event.output_token_ids, cache_salt=request.cache_salt
                                 )
                                 if self._spill is not None:
-                                    self._spill.touch(owner, session_id, rec.token_ids, cache_salt)
+                                    self._spill.touch(owner, session_id, rec.token_ids, scope)
                             await self.sessions.end_turn(turn)
                             turn = None
                         self._check_finish(event, request_id)
@@ -448,14 +449,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 f"{event.completion_tokens} tokens; request id {request_id}",
             )
 
-    def cache_salt(self, owner: str, request_salt: str) -> str:
-        """The block-hash namespace salt: the tenant, plus the request's own salt. KV is
-        never shared across tenants or across different request salts, except for a
-        request salt the operator listed in ``shared_cache_salts``: that namespace
+    def cache_scope(self, owner: str, request_salt: str) -> CacheScope:
+        """The block-hash namespace of a request: the tenant and the request's own salt.
+        KV is never shared across tenants or across different request salts, except for
+        a request salt the operator listed in ``shared_cache_salts``: that namespace
         leaves the tenant out and is the same for every tenant."""
-        if request_salt and request_salt in self.shared_cache_salts:
-            return f"shared\x00salt={request_salt}"
-        return f"tenant={owner}\x00salt={request_salt}" if (owner or request_salt) else ""
+        if self.is_shared_salt(request_salt):
+            return CacheScope.shared(request_salt)
+        return CacheScope(owner, request_salt)
 
     def is_shared_salt(self, request_salt: str) -> bool:
         return bool(request_salt) and request_salt in self.shared_cache_salts
@@ -529,7 +530,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if self.is_shared_salt(rec.cache_salt) or not rec.token_ids:
             return {}
         try:
-            return await forget_blocks(self.engine, rec.token_ids, self.cache_salt(rec.owner, rec.cache_salt))
+            return await forget_blocks(self.engine, rec.token_ids, self.cache_scope(rec.owner, rec.cache_salt))
         except Exception:  # the transcript is gone already; dropping its cache is best effort
             log.exception("dropping the KV blocks of session %r failed", rec.session_id)
             return {}
@@ -686,7 +687,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         async def handle() -> pb.GetSessionResponse:
             owner = self._tenant_of(context)
             rec, busy = await self.sessions.get(owner, request.session_id)
-            where = await self.engine.block_locations(rec.token_ids, self.cache_salt(owner, rec.cache_salt))
+            where = await self.engine.block_locations(rec.token_ids, self.cache_scope(owner, rec.cache_salt))
             return pb.GetSessionResponse(
                 session=self._session_pb(rec, busy, request.include_token_ids, where)
             )

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from service.types import CacheScope
+
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +40,7 @@ class DrainReport:
 @dataclass(slots=True)
 class _Idle:
     token_ids: list[int]
-    cache_salt: str
+    scope: CacheScope
     last_used: float
     spilled_to: frozenset[str] = frozenset()
 
@@ -70,13 +72,13 @@ class SpillScheduler:
     def enabled(self) -> bool:
         return bool(self.tiers)
 
-    def touch(self, owner: str, session_id: str, token_ids: list[int], cache_salt: str) -> None:
+    def touch(self, owner: str, session_id: str, token_ids: list[int], scope: CacheScope) -> None:
         """A turn of this session completed now (remembered for the idle spill and, with
         Redis, for the drain)."""
         if not self.enabled and "redis" not in self.engine.model_info.tiers:
             return
         key = (owner, session_id)
-        self._sessions[key] = _Idle(list(token_ids), cache_salt, self._clock())
+        self._sessions[key] = _Idle(list(token_ids), scope, self._clock())
         self._sessions.move_to_end(key)
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
@@ -162,7 +164,7 @@ class SpillScheduler:
         Returns (full blocks, how many each tier holds)."""
         if not force and set(tiers) <= s.spilled_to:
             return 0, {}
-        n, held = await self.engine.spill(s.token_ids, s.cache_salt, tiers)
+        n, held = await self.engine.spill(s.token_ids, s.scope, tiers)
         if n == 0:  # no full block
             s.spilled_to = s.spilled_to | set(tiers)
             return 0, {t: 0 for t in tiers}

@@ -75,6 +75,24 @@ class SamplingParams:
             raise InvalidRequest("stop strings must not be empty")
 
 
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """Whose KV namespace a request's blocks are keyed in: a tenant's own (with the
+    request's ``cache_salt``), or, for a salt the operator shares, every tenant's
+    (``tenant`` None). The two go into the namespace as separate fields."""
+
+    tenant: str | None = ""
+    salt: str = ""
+
+    @classmethod
+    def shared(cls, salt: str) -> CacheScope:
+        return cls(None, salt)
+
+    @property
+    def is_shared(self) -> bool:
+        return self.tenant is None
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One generation: a full prompt (the session transcript plus the new turn)."""
@@ -82,7 +100,7 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    cache_salt: str = ""  # tenant + request salt; part of the block-hash namespace
+    scope: CacheScope = CacheScope()  # tenant + request salt: the block-hash namespace
     session_id: str | None = None
 
 

@@ -11,7 +11,7 @@ from cachestore.keys import block_hashes, make_namespace
 from cachestore.redis import RedisTier
 from service.engine.config import EngineConfig
 from service.engine.store import build_store
-from service.types import Tier
+from service.types import CacheScope, Tier
 from service.models.loading import load_model
 from tests.engine_util import (
     BS,
@@ -49,7 +49,7 @@ def store_for(loaded, *, host_blocks=0, redis_url=None):
 def spill_now(engine, tokens, tiers=("redis",)):
     """Write a transcript's device blocks out and wait for the writer."""
     got = []
-    engine.spill(tokens, "", tiers, lambda n, held: got.append(n))
+    engine.spill(tokens, CacheScope(), tiers, lambda n, held: got.append(n))
     assert engine.store.flush(30)
     engine.step()  # releases the references the spill held
     return got[0]

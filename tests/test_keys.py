@@ -1,5 +1,5 @@
 """Block keys: the chain follows the spec, is deterministic across processes, and
-separates weights, dtypes, block sizes and tenants."""
+separates weights, dtypes, block sizes, tenants and request salts."""
 
 from __future__ import annotations
 
@@ -19,21 +19,21 @@ from cachestore.keys import block_hashes, hash_block_tokens, make_namespace, red
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Computed once (commit of this test) and frozen: a change here breaks every stored cache.
-VECTOR_NS_ARGS = ("sha256:abc", "float32", 16, "tenant-a")
-VECTOR_NS = "1848a178911ab03d277d711e003a931c170e2c7deaa745c92ef5597ec4dadd58"
+# Computed once (format version 2) and frozen: a change here breaks every stored cache.
+VECTOR_NS_ARGS = ("sha256:abc", "float32", 16, "tenant-a", "salt-1")
+VECTOR_NS = "9a435b723ffeac6160042a6eb1fd0bea6ad0bedba39d81a83ff37de2f756189e"
 VECTOR_TOKENS = list(range(1000, 1040))  # 2 full blocks of 16 and a tail of 8
 VECTOR_HASHES = [
-    "e11cfca64c5ebe69347a92a372f5836ed2f1924493ca98cf7bc1d9eb956ed1a5",
-    "c8bbbbd37a0107d2f60980aeed83463843e85b6593207c4ad0a680945637ff0d",
+    "38fa18d3624054f983b7e1a7cb37b61b2b40d9c12aa152cde2203379ec0b8b51",
+    "6bb0328d9d9ab5123dc80131e0ba006fd48f29dfb18b4d31eb4cd1e5607f2e7d",
 ]
-VECTOR_NS_NO_SALT = "54ff870f12a3fa43e0220568885b62ef3063d665c110f657464b362b179c7eb5"
-VECTOR_MAX_TOKEN_H1 = "f65e695130d5135c6ea351f96e5a2dc58d72531da060c04caee2ee0512ed08e6"
+VECTOR_NS_NO_SALT = "41ca12830723fc0ec3f29c163e9ce1d2daeda74e20bac61a31a5545ca0bdd92a"
+VECTOR_MAX_TOKEN_H1 = "10d51f3dbb874bba9a81d151aff7eb6cabe7a47d19a296f21076e198915a5ce5"
 
 _VECTOR_SCRIPT = """
 import json
 from cachestore.keys import block_hashes, make_namespace
-ns = make_namespace("sha256:abc", "float32", 16, "tenant-a")
+ns = make_namespace("sha256:abc", "float32", 16, "tenant-a", "salt-1")
 ns2 = make_namespace("sha256:abc", "float32", 16)
 print(json.dumps({
     "ns": ns.hex(),
@@ -89,8 +89,8 @@ def test_namespace_follows_the_spec() -> None:
         return struct.pack("<I", len(s.encode())) + s.encode()
 
     expected = hashlib.sha256(
-        b"kvserve-ns" + struct.pack("<I", 1) + field("sha256:abc") + field("float32")
-        + struct.pack("<I", 16) + field("tenant-a")
+        b"kvserve-ns" + struct.pack("<I", 2) + field("sha256:abc") + field("float32")
+        + struct.pack("<I", 16) + field("tenant") + field("tenant-a") + field("salt-1")
     ).digest()  # fmt: skip
     assert make_namespace(*VECTOR_NS_ARGS) == expected
 
@@ -130,14 +130,17 @@ def test_input_types_agree() -> None:
 @pytest.mark.parametrize(
     "other",
     [
-        ("sha256:abd", "float32", 16, "tenant-a"),  # other weights
-        ("sha256:abc", "bfloat16", 16, "tenant-a"),  # other KV dtype
-        ("sha256:abc", "float32", 32, "tenant-a"),  # other block size
-        ("sha256:abc", "float32", 16, "tenant-b"),  # other tenant
-        ("sha256:abc", "float32", 16, ""),  # no tenant
+        ("sha256:abd", "float32", 16, "tenant-a", "salt-1"),  # other weights
+        ("sha256:abc", "bfloat16", 16, "tenant-a", "salt-1"),  # other KV dtype
+        ("sha256:abc", "float32", 32, "tenant-a", "salt-1"),  # other block size
+        ("sha256:abc", "float32", 16, "tenant-b", "salt-1"),  # other tenant
+        ("sha256:abc", "float32", 16, "", "salt-1"),  # no tenant
+        ("sha256:abc", "float32", 16, "tenant-a", "salt-2"),  # other request salt
+        ("sha256:abc", "float32", 16, "tenant-a", ""),  # no request salt
+        ("sha256:abc", "float32", 16, None, "salt-1"),  # the salt shared by every tenant
     ],
 )
-def test_namespace_separates(other: tuple[str, str, int, str]) -> None:
+def test_namespace_separates(other: tuple) -> None:
     ns_a, ns_b = make_namespace(*VECTOR_NS_ARGS), make_namespace(*other)
     assert ns_a != ns_b
     tokens = list(range(64))
@@ -147,6 +150,11 @@ def test_namespace_separates(other: tuple[str, str, int, str]) -> None:
 def test_length_prefixed_fields_do_not_alias() -> None:
     # "ab"+"c" and "a"+"bc" must not collide.
     assert make_namespace("ab", "c", 16) != make_namespace("a", "bc", 16)
+    # Tenant and request salt are separate fields: no character inside either can make
+    # one (tenant, salt) pair alias another, NUL included.
+    assert make_namespace("fp", "f", 16, "a\x00salt=b", "") != make_namespace("fp", "f", 16, "a", "b")
+    assert make_namespace("fp", "f", 16, "ab", "c") != make_namespace("fp", "f", 16, "a", "bc")
+    assert make_namespace("fp", "f", 16, "", "x") != make_namespace("fp", "f", 16, None, "x")
 
 
 def test_token_order_and_values_matter() -> None:

@@ -14,7 +14,7 @@ from service.engine.config import EngineConfig
 from service.engine.store import build_store
 from service.models.config import ModelConfig, ModelLoadError
 from service.models.loading import load_model
-from service.types import Tier
+from service.types import CacheScope, Tier
 from tests.engine_util import BS, bytes_per_token, finished, make_engine, prompts, req, run
 
 FAMILIES = ["tiny_mistral_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
@@ -47,7 +47,7 @@ def test_session_restored_from_redis_equals_transformers(request, family: str, r
     assert fin1.output_token_ids == _hf_greedy(path, p1, 8)
     transcript = p1 + fin1.output_token_ids  # 21 tokens: past every window of the fixtures
     got = []
-    a.spill(transcript, "", ("redis",), lambda n, held: got.append(n))
+    a.spill(transcript, CacheScope(), ("redis",), lambda n, held: got.append(n))
     assert a.store.flush(30)
     a.step()
     assert got == [len(transcript) // BS]

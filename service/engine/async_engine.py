@@ -17,6 +17,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Emitted, LLMEngine
 from service.engine.store import build_store
 from service.types import (
+    CacheScope,
     EngineStats,
     EngineStopped,
     Event,
@@ -131,7 +132,7 @@ class AsyncEngine:
     # ---- the cache store -------------------------------------------------------------
 
     async def spill(
-        self, token_ids: list[int], cache_salt: str, tiers: tuple[str, ...]
+        self, token_ids: list[int], scope: CacheScope, tiers: tuple[str, ...]
     ) -> tuple[int, dict[str, int]]:
         """Write the device blocks of a transcript to ``tiers`` (by the store's background
         writer) and wait until it is through: (blocks, how many each tier now holds)."""
@@ -143,7 +144,7 @@ class AsyncEngine:
         def done(n: int, held: dict[str, int]) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((n, held)))
 
-        self.engine.call_soon(lambda: self.engine.spill(token_ids, cache_salt, tiers, done))
+        self.engine.call_soon(lambda: self.engine.spill(token_ids, scope, tiers, done))
         return await fut
 
     async def flush_store(self, timeout_s: float) -> bool:
@@ -153,14 +154,14 @@ class AsyncEngine:
             return True
         return await asyncio.to_thread(store.flush, timeout_s)
 
-    async def block_locations(self, token_ids: list[int], cache_salt: str) -> dict[str, int]:
+    async def block_locations(self, token_ids: list[int], scope: CacheScope) -> dict[str, int]:
         """How many of the transcript's full blocks each tier holds now."""
-        out = {"device": self.engine.device_blocks_for(token_ids, cache_salt)}
+        out = {"device": self.engine.device_blocks_for(token_ids, scope)}
         store = self.engine.store
         if store is not None:
             from cachestore.keys import block_hashes
 
-            ns = self.engine.namespace(cache_salt)
+            ns = self.engine.namespace(scope)
             hashes = block_hashes(ns, token_ids, self.engine.block_size)
             out.update(await asyncio.to_thread(store.location, ns, hashes))
         return out

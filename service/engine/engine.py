@@ -34,6 +34,7 @@ from service.engine.config import EngineConfig
 from service.engine.output import TextStream
 from service.engine.sampling import make_generator, sample
 from service.types import (
+    CacheScope,
     Delta,
     EngineStats,
     EngineStopped,
@@ -176,14 +177,14 @@ class LLMEngine:
 
     # ---- called from other threads ---------------------------------------------------
 
-    def namespace(self, cache_salt: str) -> bytes:
-        ns = self._namespaces.get(cache_salt)
+    def namespace(self, scope: CacheScope) -> bytes:
+        ns = self._namespaces.get(scope)
         if ns is None:
             ns = make_namespace(
-                self.loaded.fingerprint, self.kv_dtype, self.block_size, cache_salt
+                self.loaded.fingerprint, self.kv_dtype, self.block_size, scope.tenant, scope.salt
             )
             if len(self._namespaces) < 65536:
-                self._namespaces[cache_salt] = ns
+                self._namespaces[scope] = ns
         return ns
 
     def validate(self, req: GenerationRequest) -> None:
@@ -217,7 +218,7 @@ class LLMEngine:
             raise EngineStopped("the server is shutting down")
         seq = Sequence(
             request=req,
-            namespace=self.namespace(req.cache_salt),
+            namespace=self.namespace(req.scope),
             token_ids=list(req.prompt_token_ids),
             num_prompt=len(req.prompt_token_ids),
             arrival=time.monotonic(),
@@ -643,15 +644,15 @@ class LLMEngine:
         except Exception:
             log.exception("demoting block %d failed", block.block_id)
 
-    def device_blocks_for(self, token_ids: list[int], cache_salt: str) -> int:
+    def device_blocks_for(self, token_ids: list[int], scope: CacheScope) -> int:
         """How many leading full blocks of ``token_ids`` are on the device now."""
-        ns = self.namespace(cache_salt)
+        ns = self.namespace(scope)
         return len(self.blocks.match_prefix(block_hashes(ns, token_ids, self.block_size)))
 
     def spill(
         self,
         token_ids: list[int],
-        cache_salt: str,
+        scope: CacheScope,
         tiers: tuple[str, ...],
         done: Callable[[int, dict[str, int]], None],
     ) -> None:
@@ -668,7 +669,7 @@ class LLMEngine:
         if self.store is None:
             done(0, {})
             return
-        ns = self.namespace(cache_salt)
+        ns = self.namespace(scope)
         hashes = block_hashes(ns, token_ids, self.block_size)
         if not hashes:
             done(0, {})
