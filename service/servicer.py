@@ -59,8 +59,8 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from service._proto.kvserve.v1 import generation_pb2 as pb
-from service._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from clients._proto.kvserve.v1 import generation_pb2 as pb
+from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service.auth import Unauthenticated
 from service.types import (
     CacheScope,

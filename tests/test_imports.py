@@ -23,3 +23,13 @@ def test_the_blocker_works():
 def test_domain_types_import_without_torch():
     out = _runs_without_torch("import service.types as t; assert t.SamplingParams().max_new_tokens > 0")
     assert out.returncode == 0, out.stderr
+
+
+def test_clients_and_their_stubs_import_without_torch_or_the_server():
+    code = (
+        "import clients, clients.chat\n"
+        "from clients._proto.kvserve.v1 import generation_pb2\n"
+        "assert not [m for m in sys.modules if m == 'service' or m.startswith(('service.', 'cachestore'))]\n"
+    )
+    out = _runs_without_torch(code)
+    assert out.returncode == 0, out.stderr

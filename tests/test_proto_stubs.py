@@ -33,12 +33,12 @@ def test_committed_stubs_are_current(tmp_path: Path) -> None:
 
 
 def test_stub_imports_resolve_inside_the_package() -> None:
-    from service._proto.kvserve.v1 import generation_pb2, generation_pb2_grpc
+    from clients._proto.kvserve.v1 import generation_pb2, generation_pb2_grpc
 
     assert generation_pb2.DESCRIPTOR.package == "kvserve.v1"
     assert "GenerationService" in generation_pb2.DESCRIPTOR.services_by_name
     assert generation_pb2_grpc.GenerationServiceStub is not None
-    grpc_src = (REPO / "service/_proto/kvserve/v1/generation_pb2_grpc.py").read_text()
+    grpc_src = (REPO / "clients/_proto/kvserve/v1/generation_pb2_grpc.py").read_text()
     assert "\nfrom kvserve." not in grpc_src
 
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Regenerate the committed Python stubs of ``proto/kvserve/v1/*.proto``.
 
-    python tools/gen_proto.py                # writes service/_proto/kvserve/v1/*_pb2*.py[i]
+    python tools/gen_proto.py                # writes clients/_proto/kvserve/v1/*_pb2*.py[i]
     python tools/gen_proto.py --out /tmp/x   # writes /tmp/x/kvserve/v1/... (the staleness test)
 
 protoc names imports after the proto package (``from kvserve.v1 import ...``); the
-stubs live in the ``service._proto`` package, so one post-processing step rewrites
-that import prefix to ``service._proto.kvserve.v1``. Nothing else is edited, so the
+stubs live in the ``clients._proto`` package, so one post-processing step rewrites
+that import prefix to ``clients._proto.kvserve.v1``. Nothing else is edited, so the
 output is byte-for-byte what ``grpc_tools.protoc`` of the installed grpcio-tools writes.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "proto"
 PROTO_FILES = ("kvserve/v1/generation.proto",)
-DEFAULT_OUT = REPO / "service" / "_proto"
-IMPORT_REWRITES = (("from kvserve.v1 import ", "from service._proto.kvserve.v1 import "),)
+DEFAULT_OUT = REPO / "clients" / "_proto"
+IMPORT_REWRITES = (("from kvserve.v1 import ", "from clients._proto.kvserve.v1 import "),)
 
 
 def generated_paths(out: Path) -> list[Path]:
