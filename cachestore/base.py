@@ -1,4 +1,5 @@
-"""The storage protocol every cache tier follows, and its statistics.
+"""The storage protocol every cache tier follows (``Storage``), the tier names
+(``Tier``), and the tiers' statistics. Importing this module imports no torch.
 
 Contract (every tier, every method):
 
@@ -31,17 +32,18 @@ Thread safety: tiers are safe to call from several threads at once.
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Generic, NamedTuple, Sequence, TypeVar
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Generic, NamedTuple, Sequence, TypeVar
 
 from cachestore.keys import BlockHash, Namespace
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -57,15 +59,14 @@ TIMEOUT = "timeout"  # socket connect/read timeout
 BREAKER_OPEN = "breaker_open"  # skipped: the circuit breaker is open
 
 
-def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for two blocks of the same shape and dtype. Between contiguous
-    CPU tensors it is one memcpy through numpy byte views, which skips torch's intra-op
-    thread pool (slower than one thread for blocks of a few hundred KB, and far slower
-    when the cores are busy) and releases the GIL."""
-    if dst.is_cpu and src.is_cpu and dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype:
-        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
-    else:
-        dst.copy_(src)
+class Tier(enum.StrEnum):
+    """The name of a place KV blocks live, fastest first: the engine's device pool, the
+    host tier (``HostTier``), Redis (``RedisTier``). A ``str``: ``Tier.HOST == "host"``,
+    and it formats as its value (metric labels, logs, settings)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    REDIS = "redis"
 
 
 class BlockRef(NamedTuple):
@@ -141,10 +142,10 @@ class TierCounters:
         )
 
 
-class Tier(ABC, Generic[T]):
+class Storage(ABC, Generic[T]):
     """One storage tier. See the module docstring for the contract."""
 
-    name: str
+    name: Tier
 
     @abstractmethod
     def get(self, ref: BlockRef) -> T | None: ...
@@ -176,7 +177,7 @@ class Tier(ABC, Generic[T]):
         return [self.delete(r) for r in refs]
 
 
-class BlockTier(Tier[torch.Tensor]):
+class BlockTier(Storage["torch.Tensor"]):
     """A tier whose values are KV blocks ``(L, 2, block_size, n_kv, head_dim)``, with
     destination-passing reads (see the module docstring)."""
 

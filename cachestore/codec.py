@@ -184,9 +184,27 @@ def plain_prefix(
     return header + st_header
 
 
-def _byte_view(t: torch.Tensor) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous CPU tensor (any dtype, bf16 included)."""
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor (any dtype, bf16 included).
+    Copies between such views are plain memcpy: they skip torch's intra-op thread pool
+    (slower than one thread for blocks of a few hundred KB, and far slower when the cores
+    are busy) and release the GIL."""
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def cpu_byte_view(t: torch.Tensor) -> np.ndarray | None:
+    """``byte_view(t)``, or None when ``t`` is not a contiguous CPU tensor."""
+    return byte_view(t) if t.is_cpu and t.is_contiguous() else None
+
+
+def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two blocks of the same shape and dtype: one memcpy between
+    contiguous CPU tensors (see ``byte_view``), torch's copy otherwise."""
+    d, s = cpu_byte_view(dst), cpu_byte_view(src)
+    if d is not None and s is not None and dst.dtype == src.dtype:
+        np.copyto(d, s)
+    else:
+        dst.copy_(src)
 
 
 def encode(
@@ -220,7 +238,7 @@ def encode(
         data = data.to(sdt)
     data = data.contiguous().cpu()  # no-ops for a contiguous CPU block
     shape = tuple(data.shape)
-    tensor_bytes = _byte_view(data)  # (nbytes,) uint8, shares memory with the block
+    tensor_bytes = byte_view(data)  # (nbytes,) uint8, shares memory with the block
     st_header = _st_header(sdt, shape, tensor_bytes.nbytes)
     raw_size = len(st_header) + tensor_bytes.nbytes
 

@@ -24,27 +24,18 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from cachestore.base import NOT_FOUND, BlockRef, BlockTier, TierCounters, TierStats
+from cachestore.base import NOT_FOUND, BlockRef, BlockTier, Tier, TierCounters, TierStats
+from cachestore.codec import byte_view, cpu_byte_view
 
 log = logging.getLogger(__name__)
 
 EvictCallback = Callable[[BlockRef, torch.Tensor], None]
 
 
-def _cpu_bytes(t: torch.Tensor) -> np.ndarray | None:
-    """A uint8 numpy view of a contiguous CPU tensor (last dim in bytes), or None when
-    the tensor is elsewhere or strided. Copies between such views are plain memcpy,
-    skipping torch's intra-op thread pool (slower than one thread for blocks of a few
-    hundred KB, and far slower when the cores are busy) and releasing the GIL."""
-    if not (t.is_cpu and t.is_contiguous()):
-        return None
-    return t.view(torch.uint8).numpy()
-
-
 class HostTier(BlockTier):
     """LRU of blocks in host memory. See the module docstring and ``cachestore.base``."""
 
-    name = "host"
+    name = Tier.HOST
 
     def __init__(
         self,
@@ -69,7 +60,7 @@ class HostTier(BlockTier):
             (self.capacity_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory
         )
         self._slots: list[torch.Tensor] = list(self._slab.unbind(0))
-        self._slot_bytes: list[np.ndarray] = [t.view(torch.uint8).numpy() for t in self._slots]
+        self._slot_bytes: list[np.ndarray] = [byte_view(t) for t in self._slots]
         self._torch_shape = torch.Size(self.block_shape)
         self._free: list[int] = list(range(self.capacity_blocks - 1, -1, -1))
         self._lru: OrderedDict[BlockRef, int] = OrderedDict()  # oldest first
@@ -99,7 +90,7 @@ class HostTier(BlockTier):
         n = 0
         for ref, out in zip(refs, outs):
             self._check_block(out, "out")
-            dst = _cpu_bytes(out)
+            dst = cpu_byte_view(out)
             with self._lock:
                 slot = self._lru.get(ref)
                 if slot is None:
@@ -174,7 +165,7 @@ class HostTier(BlockTier):
                 except Exception:  # noqa: BLE001 - a demotion failure must not fail the put
                     log.exception("host tier on_evict callback failed")
                     self._counters.fail("evict_callback")
-        src = _cpu_bytes(value)
+        src = cpu_byte_view(value)
         if src is not None:
             np.copyto(self._slot_bytes[slot], src)
         else:

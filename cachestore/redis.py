@@ -69,6 +69,7 @@ from cachestore.base import (
     TIMEOUT,
     BlockRef,
     BlockTier,
+    Tier,
     TierCounters,
     TierStats,
 )
@@ -124,7 +125,7 @@ def _is_timeout(e: BaseException) -> bool:
 class RedisTier(BlockTier):
     """KV blocks in Redis. See the module docstring and ``cachestore.base``."""
 
-    name = "redis"
+    name = Tier.REDIS
 
     def __init__(
         self,
@@ -339,7 +340,7 @@ class RedisTier(BlockTier):
                 if head != prefix:  # another block, namespace, layout: let the codec say
                     value = head + _recv_exact(sock, value_len - len(prefix) + 2)[:-2]
                     return value_len, self._load(ref, bytes(value), out)
-                data = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # (nbytes,) of out
+                data = memoryview(codec.byte_view(out))  # (nbytes,) of out
                 _recv_exact_into(sock, data)
                 trailer = _recv_exact(sock, codec.CHECKSUM_SIZE + 2)
                 if trailer[-2:] != b"\r\n":

@@ -35,24 +35,23 @@ from typing import Callable, Mapping, Self, Sequence
 
 import torch
 
-from cachestore.base import OPEN, BlockRef, BlockTier, TierStats, copy_block
+from cachestore.base import OPEN, BlockRef, BlockTier, Tier, TierStats
+from cachestore.codec import copy_block
 from cachestore.host import HostTier
 from cachestore.keys import BlockHash, Namespace
 from cachestore.redis import RedisTier
 
 log = logging.getLogger(__name__)
 
-HOST = "host"
-REDIS = "redis"
-TIER_NAMES = (HOST, REDIS)
+TIER_NAMES = (Tier.HOST, Tier.REDIS)
 
 # Optimistic until measured, so that a tier is tried (and measured) at least once.
-DEFAULT_RESTORE_RATES: Mapping[str, float] = {HOST: 5e9, REDIS: 1e9}  # bytes/s, CPU pool
+DEFAULT_RESTORE_RATES: Mapping[str, float] = {Tier.HOST: 5e9, Tier.REDIS: 1e9}  # bytes/s, CPU pool
 # Into a CUDA pool: pinned host -> device is DMA (PCIe 5 ~50 GB/s, C2C more); Redis is
 # bounded by its network link and the client, not by the device.
 DEVICE_RESTORE_RATES: Mapping[str, Mapping[str, float]] = {
     "cpu": DEFAULT_RESTORE_RATES,
-    "cuda": {HOST: 20e9, REDIS: 1e9},
+    "cuda": {Tier.HOST: 20e9, Tier.REDIS: 1e9},
 }
 
 # Restore decisions, counted in blocks by (tier, decision, reason).
@@ -195,7 +194,7 @@ class TieredStore:
         self.redis = redis
         self.block_nbytes = int(torch.Size(self.block_shape).numel()) * dtype.itemsize
         self._tiers: dict[str, BlockTier] = {
-            name: t for name, t in ((HOST, host), (REDIS, redis)) if t is not None
+            name: t for name, t in ((Tier.HOST, host), (Tier.REDIS, redis)) if t is not None
         }
         self.device = device
         priors = DEVICE_RESTORE_RATES.get(device, DEFAULT_RESTORE_RATES)
@@ -239,18 +238,18 @@ class TieredStore:
         refs = [BlockRef(namespace, h) for h in hashes]
         in_host = self.host.contains_many(refs) if self.host else [False] * len(refs)
         if all(in_host):
-            return [HOST] * len(refs)
+            return [Tier.HOST] * len(refs)
         first_miss = in_host.index(False)
         ask = [i for i in range(first_miss, len(refs)) if not in_host[i]]
         in_redis: dict[int, bool] = {}
         if self.redis is not None:
             in_redis = dict(zip(ask, self.redis.contains_many([refs[i] for i in ask])))
-        where = [HOST] * first_miss
+        where = [Tier.HOST] * first_miss
         for i in range(first_miss, len(refs)):
             if in_host[i]:
-                where.append(HOST)
+                where.append(Tier.HOST)
             elif in_redis.get(i, False):
-                where.append(REDIS)
+                where.append(Tier.REDIS)
             else:
                 break
         return where
@@ -531,7 +530,7 @@ class TieredStore:
         if given:
             scatter(given, self._write([refs[i] for i in given], [blocks[i] for i in given], tiers))  # type: ignore[misc]
         missing = [i for i, b in enumerate(blocks) if b is None]
-        others = tuple(t for t in tiers if t != HOST)
+        others = tuple(t for t in tiers if t != Tier.HOST)
         batch = self.redis.batch_blocks if self.redis is not None else 64
         scratch: list[torch.Tensor] = []
         for start in range(0, len(missing), batch):
@@ -542,8 +541,8 @@ class TieredStore:
             for i in idx:
                 if self.host is not None and self.host.copy_out(refs[i], scratch[len(loaded)]):
                     loaded.append(i)
-            if HOST in tiers:
-                scatter(loaded, {HOST: [True] * len(loaded)})
+            if Tier.HOST in tiers:
+                scatter(loaded, {Tier.HOST: [True] * len(loaded)})
             if loaded and others:
                 scatter(loaded, self._write([refs[i] for i in loaded], scratch[: len(loaded)], others))
             absent = [i for i in idx if i not in set(loaded)]
@@ -567,7 +566,7 @@ class TieredStore:
             self._bump(demotions_dropped=1)
             return
         copy_block(staging, block)
-        if self._enqueue(_Job(refs=[ref], tiers=(REDIS,), blocks=[staging], staging=[staging])):
+        if self._enqueue(_Job(refs=[ref], tiers=(Tier.REDIS,), blocks=[staging], staging=[staging])):
             self._bump(demoted=1)
         else:
             with self._cv:

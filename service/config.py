@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from urllib.parse import urlencode
 
+from cachestore.base import Tier
+
 if TYPE_CHECKING:
     from service.engine import EngineConfig
 
@@ -88,13 +90,14 @@ def choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
-def parse_tiers(text: str) -> tuple[str, ...]:
-    """``"host,redis"`` -> ("host", "redis")."""
-    tiers = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [t for t in tiers if t not in ("host", "redis")]
+def parse_tiers(text: str) -> tuple[Tier, ...]:
+    """``"host,redis"`` -> (Tier.HOST, Tier.REDIS): the tiers a spill may write to."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    allowed = (Tier.HOST, Tier.REDIS)
+    bad = [t for t in names if t not in allowed]
     if bad:
-        raise ValueError(f"unknown tier {bad[0]!r} (choose from host, redis)")
-    return tiers
+        raise ValueError(f"unknown tier {bad[0]!r} (choose from {', '.join(allowed)})")
+    return tuple(Tier(t) for t in names)
 
 
 def parse_names(text: str) -> tuple[str, ...]:
@@ -165,7 +168,7 @@ class ServerConfig:
     redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
-    spill_to: tuple[str, ...] = setting(("host", "redis"), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
+    spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.REDIS), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
     api_keys: str | None = setting(None, "API keys inline, in the --api-keys-file format (added to the file's).", parse_optional_str, fmt=format_secret_setting, metavar="KEYS")

@@ -21,12 +21,11 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from service.types import EngineStats
+from service.types import EngineStats, Tier
 
 # seconds; TTFT spans sub-millisecond device hits to multi-second cold prefills
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-TIERS = ("device", "host", "redis")
 
 
 class EngineStatsCollector:
@@ -100,9 +99,9 @@ class CacheStoreCollector:
 
         bpb = eng.pool.bytes_per_block
         used = eng.blocks.num_usable - eng.blocks.num_free + eng.blocks.num_cached_idle
-        held_n.add_metric(["device"], used)
-        held_b.add_metric(["device"], used * bpb)
-        evict.add_metric(["device"], eng.blocks.num_evicted)
+        held_n.add_metric([Tier.DEVICE], used)
+        held_b.add_metric([Tier.DEVICE], used * bpb)
+        evict.add_metric([Tier.DEVICE], eng.blocks.num_evicted)
         for name, t in tiers.items():
             hits.add_metric([name], t.hits)
             misses.add_metric([name], t.misses)
@@ -128,7 +127,7 @@ class CacheStoreCollector:
             yield CounterMetricFamily(f"{p}_cache_spilled_blocks", "Blocks accepted for background spill (idle sessions, drain).", value=w.submitted_blocks)
             yield CounterMetricFamily(f"{p}_cache_spill_dropped_blocks", "Blocks not spilled because the writer queue was full.", value=w.dropped_blocks)
             yield CounterMetricFamily(f"{p}_cache_demoted_blocks", "Host evictions queued for Redis.", value=w.demoted_blocks)
-            redis = tiers.get("redis")
+            redis = tiers.get(Tier.REDIS)
             if redis is not None:
                 breaker = GaugeMetricFamily(f"{p}_redis_breaker_open", "1 while the Redis circuit breaker skips Redis.", labels=["state"])
                 for state in ("closed", "open", "half_open"):
@@ -245,7 +244,7 @@ class ServiceMetrics:
             f"{p}_cached_prompt_tokens", "Prompt tokens served from a cache tier instead of recomputed.",
             ["tier"], registry=r,
         )  # fmt: skip
-        for tier in TIERS:
+        for tier in Tier:
             self.cached_prompt_tokens.labels(tier)  # export zeros so rates exist from the start
         self.finished = Counter(f"{p}_finished_streams", "Generate streams by finish reason.", ["reason"], registry=r)
         self._http: tuple[object, threading.Thread] | None = None

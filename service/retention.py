@@ -23,7 +23,7 @@ from typing import Any
 
 from cachestore.base import BlockRef
 from cachestore.keys import block_hashes
-from service.types import CacheScope
+from service.types import CacheScope, Tier
 
 
 async def forget_blocks(
@@ -52,7 +52,7 @@ async def forget_blocks(
             loop.call_soon_threadsafe(lambda: dropped.done() or dropped.set_result(n))
 
     core.call_soon(drop_device)
-    out = {"device": await asyncio.wait_for(dropped, timeout_s)}
+    out = {Tier.DEVICE: await asyncio.wait_for(dropped, timeout_s)}
     store = core.store
     if store is None:
         return out
@@ -63,10 +63,10 @@ async def forget_blocks(
         got: dict[str, int] = {}
         store.flush(timeout_s)
         if store.host is not None:
-            got["host"] = sum(store.host.delete_many(refs))
+            got[Tier.HOST] = sum(store.host.delete_many(refs))
             store.flush(timeout_s)
         if store.redis is not None:
-            got["redis"] = sum(store.redis.delete_many(refs))
+            got[Tier.REDIS] = sum(store.redis.delete_many(refs))
         return got
 
     out.update(await asyncio.to_thread(drop_stored))

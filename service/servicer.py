@@ -103,7 +103,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # 
 DEFAULT_ROLES = ("system", "user", "assistant")
 
 _TIER_TO_PB = {
-    Tier.NONE: pb.CACHE_TIER_NONE,
+    None: pb.CACHE_TIER_NONE,
     Tier.DEVICE: pb.CACHE_TIER_DEVICE,
     Tier.HOST: pb.CACHE_TIER_HOST,
     Tier.REDIS: pb.CACHE_TIER_REDIS,
@@ -646,7 +646,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def _observe_start(self, ev: Started) -> None:
         self.metrics.prompt_tokens.inc(ev.prompt_tokens)
         for tier, n in ev.cached_by_tier.items():
-            if n and tier != Tier.NONE:
+            if n:
                 self.metrics.cached_prompt_tokens.labels(tier.value).inc(n)
 
     @staticmethod
@@ -657,7 +657,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             session_id=session_id,
             prompt_tokens=ev.prompt_tokens,
             cached_tokens=ev.cached_tokens,
-            cached_tier=_TIER_TO_PB[ev.cached_tier if ev.cached_tokens else Tier.NONE],
+            cached_tier=_TIER_TO_PB[ev.cached_tier if ev.cached_tokens else None],
             cached_by_tier=pb.TierCounts(
                 device=by_tier.get(Tier.DEVICE, 0), host=by_tier.get(Tier.HOST, 0), redis=by_tier.get(Tier.REDIS, 0)
             ),
@@ -757,7 +757,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     block_size=m.block_size,
                     dtype=m.dtype,
                     device=m.device,
-                    tiers=[_TIER_TO_PB[Tier(t)] for t in m.tiers],
+                    tiers=[_TIER_TO_PB[t] for t in m.tiers],
                     bytes_per_token=m.bytes_per_token,
                     num_layers=m.num_layers,
                     num_kv_heads=m.num_kv_heads,

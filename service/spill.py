@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from service.types import CacheScope
+from service.types import CacheScope, Tier
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class SpillScheduler:
     def touch(self, owner: str, session_id: str, token_ids: list[int], scope: CacheScope) -> None:
         """A turn of this session completed now (remembered for the idle spill and, with
         Redis, for the drain)."""
-        if not self.enabled and "redis" not in self.engine.model_info.tiers:
+        if not self.enabled and Tier.REDIS not in self.engine.model_info.tiers:
             return
         key = (owner, session_id)
         self._sessions[key] = _Idle(list(token_ids), scope, self._clock())
@@ -123,7 +123,7 @@ class SpillScheduler:
     async def persist_all(self, timeout_s: float) -> DrainReport:
         """Write every full block of every remembered session to Redis (the drain on
         shutdown), from the device or the host tier, within ``timeout_s``."""
-        if "redis" not in self.engine.model_info.tiers:
+        if Tier.REDIS not in self.engine.model_info.tiers:
             return DrainReport(len(self._sessions), 0, 0, 0, 0, True)
         deadline = time.monotonic() + timeout_s
         puts_before = self._redis_puts()
@@ -137,11 +137,11 @@ class SpillScheduler:
                 complete = False
                 continue
             try:
-                n, held = await asyncio.wait_for(self._spill(s, ("redis",), force=True), remaining)
+                n, held = await asyncio.wait_for(self._spill(s, (Tier.REDIS,), force=True), remaining)
             except asyncio.TimeoutError:
                 complete = False
                 continue
-            in_redis += min(held.get("redis", 0), n)
+            in_redis += min(held.get(Tier.REDIS, 0), n)
         flushed = await self.engine.flush_store(max(deadline - time.monotonic(), 0.0))
         report = DrainReport(
             sessions=len(self._sessions), blocks=blocks, in_redis=in_redis,
@@ -154,7 +154,7 @@ class SpillScheduler:
 
     def _redis_puts(self) -> int:
         store = getattr(self.engine, "store", None)
-        stats = store.stats().tiers.get("redis") if store is not None else None
+        stats = store.stats().tiers.get(Tier.REDIS) if store is not None else None
         return stats.puts if stats is not None else 0
 
     async def _spill(self, s: _Idle, tiers: tuple[str, ...], force: bool = False) -> tuple[int, dict[str, int]]:

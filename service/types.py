@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from cachestore.base import Tier  # the tier names (device, host, redis); no torch
+
 
 class EngineError(Exception):
     """Base of errors the engine reports for one request; the servicer maps them."""
@@ -21,15 +23,6 @@ class QueueFull(EngineError):
 
 class EngineStopped(EngineError):
     """The engine is draining or stopped (UNAVAILABLE)."""
-
-
-class Tier(str, enum.Enum):
-    """Where cached prompt tokens came from. Ordered fastest first."""
-
-    NONE = "none"
-    DEVICE = "device"
-    HOST = "host"
-    REDIS = "redis"
 
 
 class FinishReason(str, enum.Enum):
@@ -121,7 +114,7 @@ class Started:
     request_id: str
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV was not recomputed
-    cached_tier: Tier  # slowest tier that contributed (NONE when cached_tokens == 0)
+    cached_tier: Tier | None  # slowest tier that contributed (None when cached_tokens == 0)
     cached_by_tier: dict[Tier, int] = field(default_factory=dict)
 
 
@@ -176,4 +169,4 @@ class ModelInfo:
     head_dim: int
     bytes_per_token: int
     eos_token_ids: tuple[int, ...]
-    tiers: tuple[str, ...]  # configured cache tiers, e.g. ("device", "host", "redis")
+    tiers: tuple[Tier, ...]  # configured cache tiers, fastest first, e.g. (DEVICE, HOST, REDIS)

@@ -24,6 +24,7 @@ from service.types import (
     Finished,
     GenerationRequest,
     ModelInfo,
+    Tier,
 )
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class AsyncEngine:
 
     async def block_locations(self, token_ids: list[int], scope: CacheScope) -> dict[str, int]:
         """How many of the transcript's full blocks each tier holds now."""
-        out = {"device": self.engine.device_blocks_for(token_ids, scope)}
+        out = {Tier.DEVICE: self.engine.device_blocks_for(token_ids, scope)}
         store = self.engine.store
         if store is not None:
             from cachestore.keys import block_hashes

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachestore.base import Tier
+
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 
 
@@ -28,7 +30,7 @@ class EngineConfig:
     redis_ttl_s: float = 24 * 3600.0
     redis_key_prefix: str = "kvserve:"
     spill_after_s: float = 30.0  # idle seconds before a session's blocks are written out
-    spill_to: tuple[str, ...] = ("host", "redis")
+    spill_to: tuple[Tier, ...] = (Tier.HOST, Tier.REDIS)
     # "auto": restore a tier's blocks only when the measured rates say it beats
     # recomputing them (by restore_min_speedup); "always": restore every hit.
     restore_policy: str = "auto"

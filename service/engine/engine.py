@@ -172,7 +172,7 @@ class LLMEngine:
             head_dim=self.mcfg.head_dim,
             bytes_per_token=self.pool.bytes_per_token,
             eos_token_ids=tuple(loaded.eos_token_ids),
-            tiers=("device",) + (tuple(store.tiers) if store is not None else ()),
+            tiers=(Tier.DEVICE,) + (tuple(store.tiers) if store is not None else ()),
         )
 
     # ---- called from other threads ---------------------------------------------------
@@ -408,7 +408,7 @@ class LLMEngine:
                 self.pool.import_block(seq.blocks[start + i].block_id, buf)
             for i, tier_name in enumerate(loaded):
                 self.blocks.register(seq.blocks[start + i], seq.hashes[start + i], seq.namespace)
-                tier = Tier(tier_name)
+                tier = Tier(tier_name)  # the store reports names
                 seq.cached_by_tier[tier] = seq.cached_by_tier.get(tier, 0) + self.block_size
             seq.num_registered = start + len(loaded)
             seq.num_computed = seq.num_registered * self.block_size
@@ -430,7 +430,7 @@ class LLMEngine:
                         request_id=seq.request_id,
                         prompt_tokens=seq.num_prompt,
                         cached_tokens=seq.cached_tokens,
-                        cached_tier=tiers[0] if tiers else Tier.NONE,
+                        cached_tier=tiers[0] if tiers else None,
                         cached_by_tier=dict(seq.cached_by_tier),
                     ),
                 )
@@ -635,11 +635,11 @@ class LLMEngine:
             return
         data = self.pool.data[block.block_id]
         try:
-            if "host" in self.store.tiers:
-                self.store.put(block.namespace, block.block_hash, data, ("host",))
+            if Tier.HOST in self.store.tiers:
+                self.store.put(block.namespace, block.block_hash, data, (Tier.HOST,))
             else:
                 self.store.submit_spill(
-                    [(block.namespace, block.block_hash, data.to("cpu", copy=True))], ("redis",)
+                    [(block.namespace, block.block_hash, data.to("cpu", copy=True))], (Tier.REDIS,)
                 )
         except Exception:
             log.exception("demoting block %d failed", block.block_id)
