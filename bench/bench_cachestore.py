@@ -39,11 +39,11 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cachestore import codec  # noqa: E402
-from cachestore.base import BlockRef  # noqa: E402
+from cachestore.base import BlockRef, Tier  # noqa: E402
 from cachestore.host import HostTier  # noqa: E402
 from cachestore.keys import block_hashes, make_namespace  # noqa: E402
 from cachestore.redis import RedisTier  # noqa: E402
-from cachestore.tiered import HOST, REDIS, TieredStore  # noqa: E402
+from cachestore.tiered import TieredStore  # noqa: E402
 from tests.fixtures.redis_server import start_redis_server  # noqa: E402
 
 # (num_layers, num_kv_heads, head_dim) of the model shapes in issue 4.
@@ -152,7 +152,7 @@ def bench_shape(name: str, dims: tuple[int, int, int], n: int, reps: int, url: s
         {
             "memcpy": memcpy,
             "host": lambda: host.get_many_into(refs, outs),
-            "host_fetch": lambda: store_h.fetch_into(ns, hashes, [HOST] * n, outs),
+            "host_fetch": lambda: store_h.fetch_into(ns, hashes, [Tier.HOST] * n, outs),
             "xxh3": lambda: [xxhash.xxh3_128_digest(b) for b in blobs],
             "sha256": lambda: [hashlib.sha256(b).digest() for b in blobs[:n_sha]],
             "encode": lambda: [codec.encode(ns, h, b) for h, b in zip(hashes, src)],
@@ -168,14 +168,14 @@ def bench_shape(name: str, dims: tuple[int, int, int], n: int, reps: int, url: s
             "get": lambda: [client.get(k) for k in keys],
             "get_pipelined": raw_get_pipelined,
             "get_streamed": raw_get_streamed,
-            "redis_fetch": lambda: store_r.fetch_into(ns, hashes, [REDIS] * n, outs),
+            "redis_fetch": lambda: store_r.fetch_into(ns, hashes, [Tier.REDIS] * n, outs),
             "match": lambda: store_r.match_prefix(ns, hashes),
         },
         reps,
         cpu=cpu,
     )
-    assert store_r.fetch_into(ns, hashes, [REDIS] * n, outs) == n and torch.equal(pool, src)
-    assert store_h.fetch_into(ns, hashes, [HOST] * n, outs) == n and torch.equal(pool, src)
+    assert store_r.fetch_into(ns, hashes, [Tier.REDIS] * n, outs) == n and torch.equal(pool, src)
+    assert store_h.fetch_into(ns, hashes, [Tier.HOST] * n, outs) == n and torch.equal(pool, src)
     wire = n * value_bytes
     t["memcpy"] = min(t["memcpy"], t["torch_copy"])  # the faster of the two is the ceiling
     row("memcpy into pool, per block (GB/s)", gbps(total, t["memcpy"]), "numpy or torch, the faster")
