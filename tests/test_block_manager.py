@@ -3,7 +3,7 @@
 import pytest
 
 from cachestore.keys import block_hashes, make_namespace
-from service.kv.block_manager import NULL_BLOCK_ID, BlockManager, NoFreeBlocks
+from service.kv.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocks
 
 NS = make_namespace("fp", "float32", 4, "")
 
@@ -15,7 +15,7 @@ def hashes(tokens):
 def test_null_block_is_never_allocated():
     bm = BlockManager(5)
     got = bm.allocate(4)
-    assert NULL_BLOCK_ID not in [b.block_id for b in got]
+    assert NULL_BLOCK not in [b.block_id for b in got]
     assert bm.num_free == 0
     with pytest.raises(NoFreeBlocks):
         bm.allocate(1)

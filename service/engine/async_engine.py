@@ -175,8 +175,8 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
     loaded = await asyncio.to_thread(
         load_model,
         str(cfg.resolved_model_path()),
-        dtype=cfg.resolved_dtype(),
-        device=cfg.resolved_device(),
+        dtype=cfg.dtype,  # "auto" is resolved by the loader, as the device is
+        device=cfg.device,
         weight_format=cfg.weight_format,
     )
     if loaded.weight_format != "exact":

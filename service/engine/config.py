@@ -39,15 +39,3 @@ class EngineConfig:
     def resolved_model_path(self) -> Path:
         return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR
 
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def resolved_dtype(self) -> str:
-        """float32 on CPU (bf16 prefill is slower on CPUs without AMX), bfloat16 on CUDA."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"

@@ -50,7 +50,7 @@ from service.types import (
     Timings,
 )
 from service.kv.block_manager import Block, BlockManager, NoFreeBlocks
-from service.kv.cache import BatchLayout, KVPool, SeqSlice
+from service.kv.cache import BatchLayout, KVPool, SeqSlice, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class LLMEngine:
             device=self.device,
         )
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
-        self.kv_dtype = str(loaded.dtype).removeprefix("torch.")
+        self.kv_dtype = dtype_name(loaded.dtype)
         self.eos_ids = frozenset(loaded.eos_token_ids)
         # Embeddings are often padded past the tokenizer (e.g. to a multiple of 64):
         # ids beyond the tokenizer's vocabulary can never be sampled.

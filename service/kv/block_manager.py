@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 
 from cachestore.keys import BlockHash
 
-NULL_BLOCK_ID = 0
+NULL_BLOCK = 0  # never handed out: padding slots of a batch write their K/V here
 
 
 class NoFreeBlocks(RuntimeError):

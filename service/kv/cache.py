@@ -28,14 +28,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-NULL_BLOCK = 0
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
+from service.kv.block_manager import NULL_BLOCK
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The canonical short name ("float32", ...) of a KV dtype (used in the key namespace)."""
@@ -130,10 +123,6 @@ class KVPool:
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one exported block: (L, 2, block_size, n_kv, hd)."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def dtype_name(self) -> str:
-        return dtype_name(self.dtype)
 
     def k(self, layer: int) -> Tensor:
         return self._k[layer]  # (N, bs, n_kv, hd)

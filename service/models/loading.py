@@ -69,7 +69,11 @@ class LoadedModel:
         return KVPool.for_model(self.config, budget_bytes, block_size, self.dtype, self.device)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A dtype name or torch dtype -> the torch dtype; "auto" -> float32 on CPU (bf16
+    prefill is slower on CPUs without AMX), bfloat16 on CUDA."""
+    if str(dtype) == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; choose one of {list(DTYPES)}")
@@ -103,7 +107,8 @@ def load_model(
     path = Path(path)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     if not path.is_dir():
         what = "is a file, not a model directory" if path.exists() else "model directory does not exist"
         raise ModelLoadError(f"{path}: {what}")
