@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from clients import KVServeClient, KVServeError
-from service.engine.types import Finished
+from service.types import Finished
 from tests.serving import ServerThread, tiny_config, wait_until
 
 
