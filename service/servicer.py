@@ -33,9 +33,9 @@ length) is refused before it is tokenized: no token covers more than
 bound on what the text becomes.
 
 Tenants: ``tenant_of(context)`` (``service.auth.Authenticator.tenant_of``) names the
-caller's tenant. It owns the caller's sessions and is part of the KV namespace salt
-(``cache_salt``), with the request's own ``cache_salt``; a request salt listed in
-``shared_cache_salts`` leaves the tenant out, so those blocks are shared by everyone.
+caller's tenant. It owns the caller's sessions and, with the request's own
+``cache_salt``, makes the request's KV namespace (``cache_scope``); a request salt listed
+in ``shared_cache_salts`` leaves the tenant out, so those blocks are shared by everyone.
 
 Cancellation: ``Generate`` is an async generator that iterates the engine's event
 stream inside ``aclosing``. When the client cancels, disconnects or passes its
@@ -228,7 +228,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ``tenant_of(context)`` names the caller's tenant (the owner of its sessions and
     part of its KV namespace); it may raise ``Unauthenticated``. Without auth every
     caller is the tenant "". ``shared_cache_salts``: request salts whose KV is shared
-    across tenants (see ``cache_salt``).
+    across tenants (see ``cache_scope``).
     """
 
     def __init__(
