@@ -113,7 +113,7 @@ class HostTier(BlockTier):
         """Copy the block into ``out`` to write it elsewhere (a spill, the drain): unlike
         ``get_into`` it is not a restore, so it counts no hit and keeps the LRU order."""
         self._check_block(out, "out")
-        dst = _cpu_bytes(out)
+        dst = cpu_byte_view(out)
         with self._lock:
             slot = self._lru.get(ref)
             if slot is None:
