@@ -1,7 +1,8 @@
 """kvserve's model + paged KV cache vs transformers, same random weights, same process.
 
-For each shape a random LlamaForCausalLM is written with transformers' save_pretrained,
-loaded by kvserve's loader, and both run greedy decoding in float32:
+For each shape a random LlamaForCausalLM (or, with ``--family``, a Mistral, Qwen3,
+Gemma 2/3 or Phi-3/Phi-4-mini model of the same sizes) is written with transformers'
+save_pretrained, loaded by kvserve's loader, and both run greedy decoding in float32:
 
 - prefill: one forward over a prompt of 128 / 512 / 2048 tokens, logits of the last
   token only (transformers: ``logits_to_keep=1``, with its DynamicCache);
@@ -17,6 +18,7 @@ block tables), the layout build included in every step's time.
     python bench/bench_engine.py --quick            # tiny shape, seconds
     python bench/bench_engine.py                     # tiny, ~110M, TinyLlama-1.1B (10+ min on 2 cores)
     python bench/bench_engine.py --device cuda --shapes 110m,1.1b
+    python bench/bench_engine.py --family gemma2 --shapes 110m   # another family, same sizes
 
 Weight formats (``--weight-formats exact,bf16,int8,w8a8``): "exact" runs against
 transformers as above; every other format runs ours alone (same prompts, same steps).
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
 from service.models.loading import load_model  # noqa: E402
+from tests.fixtures import models as fixtures  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
 SHAPES: dict[str, dict] = {
@@ -63,6 +66,38 @@ SHAPES: dict[str, dict] = {
                  num_key_value_heads=4, vocab_size=32000),
 }
 BLOCK_SIZE = 16
+WINDOW = 1024  # sliding window of the families that have one: prompts of 2048 run past it
+
+
+def family_checkpoint(family: str, path: Path, shape: dict, max_pos: int) -> Path:
+    """Write a random checkpoint of ``family`` at ``shape`` (the Llama dims): same sizes,
+    the family's own options at their usual settings (windows of WINDOW)."""
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    n = shape["num_hidden_layers"]
+    common = dict(max_position_embeddings=max(max_pos, 512), **shape)
+    if family == "llama":
+        return make_tiny_llama(path, **common)
+    if family == "mistral":
+        return fixtures.make_tiny_mistral(path, sliding_window=WINDOW, **common)
+    if family == "qwen3":  # q/k norms, no window (as the released dense models)
+        return fixtures.make_tiny_qwen3(path, head_dim=hd, use_sliding_window=False, tie_word_embeddings=False,
+                                        **common)
+    if family in ("gemma2", "gemma3"):  # Gemma 2: every 2nd layer global, soft-caps 50/30; Gemma 3: every 6th
+        every = 2 if family == "gemma2" else 6
+        kinds = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+        extra = dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0) if family == "gemma2" else {}
+        return fixtures.make_tiny_gemma(path, version=int(family[-1]), head_dim=hd, query_pre_attn_scalar=hd,
+                                        sliding_window=WINDOW, layer_types=kinds, **extra, **common)
+    if family == "phi3":  # Phi-3-mini-4k: a window on every layer
+        return fixtures.make_tiny_phi3(path, sliding_window=WINDOW, original_max_position_embeddings=max(max_pos, 512),
+                                       **common)
+    if family == "phi4-mini":  # partial rotary, LongRoPE (no switch within the bench's lengths)
+        common.pop("max_position_embeddings")
+        return fixtures.make_tiny_phi4_mini(path, original=max(max_pos, 512), **common)
+    raise SystemExit(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+
+
+FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini")
 
 
 @dataclass
@@ -222,8 +257,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
     prompt_lens = [n for n in args.prompt_lens]
     max_pos = max(max(prompt_lens), args.decode_prompt + args.decode_tokens + 1)
     t0 = time.perf_counter()
-    path = make_tiny_llama(workdir / name, max_position_embeddings=max(max_pos, 512),
-                           **shape)
+    path = family_checkpoint(args.family, workdir / name, shape, max_pos)
     args.checkpoints[name] = path
     rows: list[Row] = []
     for fmt in args.weight_formats:
@@ -277,7 +311,8 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
 
 def print_table(rows: list[Row], args, device: torch.device) -> None:
-    print(f"\ndevice {device}, float32 compute, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+    print(f"\nfamily {args.family}, device {device}, float32 compute, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, "
           f"clock {args.clock}, "
           f"block size {BLOCK_SIZE}, decode: {args.decode_tokens} steps after a {args.decode_prompt}-token prompt\n")
     print("| shape | weights | metric | kvserve | transformers (fp32) | ratio (>1: kvserve better) |")
@@ -386,6 +421,8 @@ def main() -> None:
                          "DIR caches the llama.cpp source and build (built on first use)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     ap.add_argument("--shapes", default="tiny,110m,1.1b")
+    ap.add_argument("--family", default="llama", choices=FAMILIES,
+                    help="model family at each shape's sizes (its options at their usual settings)")
     ap.add_argument("--prompt-lens", default="128,512,2048")
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--decode-tokens", type=int, default=32)

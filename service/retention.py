@@ -42,12 +42,12 @@ async def forget_blocks(
     def drop_device() -> None:  # runs on the engine thread
         n = 0
         try:
-            ns = core.namespace(scope)
-            for h in block_hashes(ns, token_ids, core.block_size):
-                block = core.blocks.lookup(h)
-                if block is not None:
-                    core.blocks.drop_hash(block)
-                    n += 1
+            for ns in core.namespaces(scope):  # LongRoPE models: both regimes
+                for h in block_hashes(ns, token_ids, core.block_size):
+                    block = core.blocks.lookup(h)
+                    if block is not None:
+                        core.blocks.drop_hash(block)
+                        n += 1
         finally:
             loop.call_soon_threadsafe(lambda: dropped.done() or dropped.set_result(n))
 
@@ -56,8 +56,7 @@ async def forget_blocks(
     store = core.store
     if store is None:
         return out
-    ns = core.namespace(scope)
-    refs = [BlockRef(ns, h) for h in block_hashes(ns, token_ids, core.block_size)]
+    refs = [BlockRef(ns, h) for ns in core.namespaces(scope) for h in block_hashes(ns, token_ids, core.block_size)]
 
     def drop_stored() -> dict[str, int]:
         got: dict[str, int] = {}

@@ -17,7 +17,8 @@ from service.models.loading import load_model
 from service.types import CacheScope, Tier
 from tests.engine_util import BS, bytes_per_token, finished, make_engine, prompts, req, run
 
-FAMILIES = ["tiny_mistral_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
+FAMILIES = ["tiny_mistral_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
+            "tiny_phi3_dir", "tiny_phi4_mini_dir"]
 
 
 def _redis_engine(loaded, redis_url):
@@ -62,6 +63,32 @@ def test_session_restored_from_redis_equals_transformers(request, family: str, r
     b.close()
 
 
+
+def test_longrope_regimes_never_share_blocks(tiny_phi4_mini_dir) -> None:
+    """LongRoPE switching at 16 tokens. A short-regime prompt's blocks are not reused by a
+    longer prompt (whose whole KV uses the long factors); a turn that grows past 16 tokens
+    is recomputed in the long regime, as transformers' generate does; long-regime blocks
+    are reused by the next long prompt. Every output equals transformers'."""
+    loaded = load_model(tiny_phi4_mini_dir, dtype="float32", device="cpu")
+    eng = make_engine(loaded)
+    (short, extra) = prompts(loaded.config.vocab_size, [12, 8], seed=7)
+    fin = finished(run(eng, [req("a", short, n=3)])["a"])  # 15 tokens: short regime throughout
+    assert fin.output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short, 3) and eng.num_rope_switches == 0
+    evs = run(eng, [req("b", short + extra, n=4)])["b"]  # 20 tokens: long from the start
+    assert evs[0].cached_tokens == 0  # the short-regime blocks of the same tokens are not used
+    assert finished(evs).output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short + extra, 4)
+    evs = run(eng, [req("c", short + extra + [9], n=4)])["c"]
+    assert evs[0].cached_tokens == 20  # the long-regime blocks are
+    assert finished(evs).output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short + extra + [9], 4)
+    evs = run(eng, [req("d", short, n=10)])["d"]  # crosses 16 while decoding: one switch
+    assert eng.num_rope_switches == 1
+    assert finished(evs).output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short, 10)
+    scope = CacheScope()
+    assert eng.namespaces(scope) == [eng.namespace(scope), eng.namespace(scope, 17)]
+    assert eng.namespace(scope, 16) == eng.namespace(scope) != eng.namespace(scope, 17)
+    eng.close()
+
+
 _BASE = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
          "intermediate_size": 16}
 
@@ -80,6 +107,10 @@ _BASE = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2, "num_attent
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4,
       "layer_types": ["full_attention", "chunked_attention"]}, "unsupported layer_types"),
     ({"architectures": ["Gemma2ForCausalLM"], "layer_types": ["full_attention"]}, "layer_types has 1 entries for 2"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "su", "short_factor": [1.0] * 2,
+                                                             "long_factor": [1.0] * 3}},
+     "long_factor has 3 entries; need rotary dims / 2 = 2"),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.3}, "gives 1 rotary dims"),
 ])
 def test_unimplemented_options_are_refused_by_name(config: dict, message: str) -> None:
     with pytest.raises(ModelLoadError, match=message.replace("(", r"\(")):

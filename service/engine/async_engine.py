@@ -162,7 +162,7 @@ class AsyncEngine:
         if store is not None:
             from cachestore.keys import block_hashes
 
-            ns = self.engine.namespace(scope)
+            ns = self.engine.namespace(scope, len(token_ids))
             hashes = block_hashes(ns, token_ids, self.engine.block_size)
             out.update(await asyncio.to_thread(store.location, ns, hashes))
         return out

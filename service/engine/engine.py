@@ -77,6 +77,7 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_registered: int = 0  # leading blocks registered under their hash
     cached_by_tier: dict[Tier, int] = field(default_factory=dict)
+    long_rope: bool = False  # LongRoPE models: computed with the long factors (namespace follows)
     started: bool = False
     cancelled: bool = False
     restore: Future | None = None
@@ -135,7 +136,9 @@ class LLMEngine:
         # Embeddings are often padded past the tokenizer (e.g. to a multiple of 64):
         # ids beyond the tokenizer's vocabulary can never be sampled.
         self.sampleable_vocab = min(self.tokenizer.vocab_size, self.mcfg.vocab_size)
-        self._namespaces: dict[str, bytes] = {}
+        self._namespaces: dict[tuple[CacheScope, bool], bytes] = {}  # (scope, LongRoPE long regime)
+        self.longrope_threshold: int | None = self.mcfg.longrope_threshold
+        self.num_rope_switches = 0  # sequences recomputed on crossing the LongRoPE switch length
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -177,15 +180,33 @@ class LLMEngine:
 
     # ---- called from other threads ---------------------------------------------------
 
-    def namespace(self, scope: CacheScope) -> bytes:
-        ns = self._namespaces.get(scope)
+    def is_long_rope(self, num_tokens: int) -> bool:
+        """LongRoPE models: a sequence of ``num_tokens`` uses the long factors (transformers' switch)."""
+        return self.longrope_threshold is not None and num_tokens > self.longrope_threshold
+
+    def namespace(self, scope: CacheScope, num_tokens: int = 0) -> bytes:
+        """The block namespace of a sequence of ``num_tokens`` tokens under ``scope``.
+
+        LongRoPE models compute a sequence's KV with the short or the long factors by its
+        length (as transformers), so the KV of a prefix is a function of the prefix *and*
+        the regime: the long regime roots its own namespace (its fingerprint field is the
+        model's plus "+rope=long", which no hex fingerprint can equal) and blocks never cross."""
+        long = self.is_long_rope(num_tokens)
+        ns = self._namespaces.get((scope, long))
         if ns is None:
-            ns = make_namespace(
-                self.loaded.fingerprint, self.kv_dtype, self.block_size, scope.tenant, scope.salt
-            )
+            fingerprint = self.loaded.fingerprint + ("+rope=long" if long else "")
+            ns = make_namespace(fingerprint, self.kv_dtype, self.block_size, scope.tenant, scope.salt)
             if len(self._namespaces) < 65536:
-                self._namespaces[scope] = ns
+                self._namespaces[(scope, long)] = ns
         return ns
+
+    def namespaces(self, scope: CacheScope) -> list[bytes]:
+        """Every namespace a transcript under ``scope`` may have blocks in (both LongRoPE
+        regimes), e.g. to forget them all."""
+        out = [self.namespace(scope)]
+        if self.longrope_threshold is not None:
+            out.append(self.namespace(scope, self.longrope_threshold + 1))
+        return out
 
     def validate(self, req: GenerationRequest) -> None:
         """Raise InvalidRequest with a precise message; pure, thread-safe."""
@@ -218,7 +239,8 @@ class LLMEngine:
             raise EngineStopped("the server is shutting down")
         seq = Sequence(
             request=req,
-            namespace=self.namespace(req.scope),
+            namespace=self.namespace(req.scope, len(req.prompt_token_ids)),
+            long_rope=self.is_long_rope(len(req.prompt_token_ids)),
             token_ids=list(req.prompt_token_ids),
             num_prompt=len(req.prompt_token_ids),
             arrival=time.monotonic(),
@@ -459,6 +481,21 @@ class LLMEngine:
         self.waiting.appendleft(victim)
         self.num_preempted += 1
 
+    def _switch_to_long_rope(self, seq: Sequence) -> None:
+        """The sequence just grew past the LongRoPE switch length: as transformers does,
+        its whole KV is recomputed with the long factors. Its short-regime blocks stay
+        cached under the short namespace (still valid there); it waits to be admitted
+        again under the long namespace, where earlier long-regime blocks may hit."""
+        self.running.remove(seq)
+        self.blocks.free(seq.blocks)
+        seq.blocks, seq.hashes = [], []
+        seq.num_computed = seq.num_registered = 0
+        seq.long_rope = True
+        seq.namespace = self.namespace(seq.request.scope, len(seq.token_ids))
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_rope_switches += 1
+
     def _run(self, out: Emitted) -> None:
         if not self.running:
             return
@@ -467,6 +504,9 @@ class LLMEngine:
         prefill: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if seq not in self.running:  # preempted below
+                continue
+            if not seq.long_rope and self.is_long_rope(len(seq.token_ids)):
+                self._switch_to_long_rope(seq)
                 continue
             pending = len(seq.token_ids) - seq.num_computed
             n = 1 if pending == 1 else min(pending, max(budget - len(decode), 0))
@@ -514,6 +554,7 @@ class LLMEngine:
                 block_table=[b.block_id for b in seq.blocks],
                 start_pos=seq.num_computed,
                 token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
+                long_rope=seq.long_rope if self.longrope_threshold is not None else None,
             )
             for seq, n in work
         ]
@@ -646,7 +687,7 @@ class LLMEngine:
 
     def device_blocks_for(self, token_ids: list[int], scope: CacheScope) -> int:
         """How many leading full blocks of ``token_ids`` are on the device now."""
-        ns = self.namespace(scope)
+        ns = self.namespace(scope, len(token_ids))
         return len(self.blocks.match_prefix(block_hashes(ns, token_ids, self.block_size)))
 
     def spill(
@@ -669,7 +710,7 @@ class LLMEngine:
         if self.store is None:
             done(0, {})
             return
-        ns = self.namespace(scope)
+        ns = self.namespace(scope, len(token_ids))  # the regime a next turn on it uses
         hashes = block_hashes(ns, token_ids, self.block_size)
         if not hashes:
             done(0, {})

@@ -227,6 +227,7 @@ class SeqSlice:
     block_table: Sequence[int]
     start_pos: int
     token_ids: Sequence[int]
+    long_rope: bool | None = None  # LongRoPE models: this sequence's factor set (None: by this forward's length)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -250,6 +251,7 @@ class BatchLayout:
     seq_lens: tuple[int, ...]  # start_pos + new tokens, per sequence
     num_new_tokens: tuple[int, ...]  # new (real) tokens per sequence
     block_size: int
+    long_rope: Tensor | None = None  # (B,) bool: LongRoPE long factors per sequence; None: none was given
     _bias: dict[object, Tensor] = field(default_factory=dict, repr=False)  # per dtype (and window)
 
     def attn_bias(self, dtype: torch.dtype) -> Tensor | None:
@@ -351,6 +353,9 @@ class BatchLayout:
         if mask is not None:
             attn_mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
             attn_mask = attn_mask.unsqueeze(1)  # (B, 1, T, C)
+        long_rope = None
+        if any(s.long_rope is not None for s in seqs):
+            long_rope = torch.tensor([bool(s.long_rope) for s in seqs], dtype=torch.bool, device=device)
         return cls(
             input_ids=input_ids,
             positions=positions,
@@ -365,4 +370,5 @@ class BatchLayout:
             seq_lens=tuple(totals),
             num_new_tokens=tuple(lens),
             block_size=block_size,
+            long_rope=long_rope,
         )

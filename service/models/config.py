@@ -243,12 +243,10 @@ def _longrope(d: Mapping[str, Any], source: str, scaling: dict[str, Any]) -> dic
     for key in ("short_factor", "long_factor"):
         if not isinstance(scaling.get(key), list):
             raise ModelLoadError(f"{source}: rope_scaling type 'longrope' needs {key!r} (a list)")
-    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") \
-        or d.get("max_position_embeddings")
-    if not original:
-        raise ModelLoadError(f"{source}: rope_scaling type 'longrope' needs 'original_max_position_embeddings'")
-    original = int(original)
-    factor = scaling.get("factor") or float(d.get("max_position_embeddings", original)) / original
+    # transformers' Phi3Config defaults: 4096 for both lengths
+    original = int(scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+                   or 4096)
+    factor = scaling.get("factor") or float(d.get("max_position_embeddings", 4096)) / original
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -293,7 +291,7 @@ def _from_llama(d: Mapping[str, Any], source: str, arch: str) -> ModelConfig:
         num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
         head_dim=int(d.get("head_dim") or hidden // num_heads),
         intermediate_size=int(d["intermediate_size"]),
-        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096 if arch == "phi3" else 2048)),
         norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         hidden_act="silu",
         rope_theta=theta,

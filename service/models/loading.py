@@ -34,6 +34,7 @@ from service.models.gemma import GemmaForCausalLM
 from service.models.gpt2 import GPT2LMHeadModel
 from service.models.layers import fuse_projections
 from service.models.llama import LlamaForCausalLM
+from service.models.phi3 import Phi3ForCausalLM
 from service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
 from service.models.qwen3 import Qwen3ForCausalLM
 from service.models.tokenizer import Tokenizer
@@ -45,6 +46,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma": GemmaForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

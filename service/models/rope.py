@@ -27,7 +27,7 @@ def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long: bool 
     tensors pulls in torch's compiler stack: seconds at every server start)."""
     steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     if scaling is not None and scaling["rope_type"] == "longrope":
-        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
         return 1.0 / (factors * theta**steps)
     freqs = 1.0 / (theta**steps)
     if scaling is None:

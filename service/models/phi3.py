@@ -1,0 +1,170 @@
+"""Phi-3 and Phi-4-mini, top to bottom: the Llama decoder with fused projections,
+partial rotary and LongRoPE.
+
+    x = embed(ids)
+    for each layer:
+        q, k, v = split(qkv_proj(RMSNorm(x)))              # one fused projection
+        q, k = RoPE(q), RoPE(k)                            # on the first head_dim * partial_rotary_factor dims
+        x = x + o_proj(attention(q, k, v))                 # GQA, paged KV, optional sliding window
+        gate, up = split(gate_up_proj(RMSNorm(x)))         # one fused projection
+        x = x + down_proj(silu(gate) * up)
+    logits = lm_head(RMSNorm(x))
+
+LongRoPE ("su"): two sets of frequency factors. transformers uses the long set when the
+sequence is longer than ``original_max_position_embeddings`` and the short one
+otherwise, and when a generation grows past that length it drops its cache and
+recomputes the whole sequence with the long set. So a position's KV depends on the
+regime as well as on the prefix: the engine keeps one regime per sequence, keys its
+blocks under a namespace per regime, and re-prefills a sequence that crosses the switch
+length (engine.py). The regime reaches the model as ``layout.long_rope`` (B,); without
+it (tests, ``forward_nocache``) a forward picks it from its own length, as transformers.
+
+Names follow the HF checkpoint (``model.layers.0.self_attn.qkv_proj``); the forward
+contract is llama.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.kv.cache import BatchLayout, KVPool
+from service.models.config import ModelConfig
+from service.models.layers import Linear, causal_mask
+from service.models.llama import RMSNorm
+from service.models.rope import Rotary, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.window = config.layer_window(layer_idx)
+        d = config.hidden_size
+        self.qkv_proj = Linear(d, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(config.q_size, d, bias=config.attention_out_bias)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together
+        q, k = qk.split((self.n_heads, self.n_kv), dim=2)  # (B, T, nh, hd), (B, T, n_kv, hd)
+        return q, k, qkv[:, :, self.n_heads + self.n_kv :]  # v: (B, T, n_kv, hd)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        B, T = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), (B, n_kv, C, hd)
+        if T > 1:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
+        )  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
+        return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
+
+    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.attend(q, k, v, *causal_mask(x.shape[1], self.window, q.dtype, x.device))
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused: down(silu(gate) * up)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, h = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(d, 2 * h, bias=config.mlp_bias)
+        self.down_proj = Linear(h, d, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+
+    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn.forward_nocache(self.input_layernorm(x), cos, sin)
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Phi3Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.rotary_emb = Rotary(config.rotary_dim, config.rope_theta, config.rope_scaling)
+
+
+class Phi3ForCausalLM(nn.Module):
+    transposed: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Phi3Model(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.threshold = config.longrope_threshold  # None: no LongRoPE
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    @staticmethod
+    def checkpoint_name(key: str) -> str | None:
+        return None if key.endswith("rotary_emb.inv_freq") else key
+
+    def reset_buffers(self) -> None:
+        self.model.rotary_emb.reset_buffers()
+
+    def _long(self, layout: BatchLayout) -> Tensor | None:
+        """(B,) bool: which sequences use the long factors (the engine's choice, else by length)."""
+        if self.threshold is None:
+            return None
+        if layout.long_rope is not None:
+            return layout.long_rope
+        return torch.tensor([n > self.threshold for n in layout.seq_lens], device=layout.input_ids.device)
+
+    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
+        x = self.model.embed_tokens(layout.input_ids)  # (B, T, D)
+        cos, sin = self.model.rotary_emb(layout.positions, x.dtype, self._long(layout))  # (B, T, 1, rot)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, layout, kv)
+        if not all_logits:
+            x = x.flatten(0, 1).index_select(0, layout.last_index)  # (B, D)
+        return self.lm_head(self.model.norm(x)).float()  # (B, V) or (B, T, V)
+
+    def forward_nocache(self, input_ids: Tensor) -> Tensor:
+        B, T = input_ids.shape
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        long = None
+        if self.threshold is not None:
+            long = torch.full((B,), T > self.threshold, dtype=torch.bool, device=input_ids.device)
+        cos, sin = self.model.rotary_emb(positions, x.dtype, long)
+        for layer in self.model.layers:
+            x = layer.forward_nocache(x, cos, sin)
+        return self.lm_head(self.model.norm(x)).float()  # (B, T, V)
