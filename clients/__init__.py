@@ -1,6 +1,7 @@
 """Python clients of kvserve (sync and asyncio) and the ``kvserve-chat`` console command."""
 
 from clients.client import (
+    SESSION_METADATA_KEY,
     AsyncGenerateStream,
     AsyncKVServeClient,
     Completion,
@@ -17,6 +18,7 @@ from clients.client import (
 )
 
 __all__ = [
+    "SESSION_METADATA_KEY",
     "AsyncGenerateStream",
     "AsyncKVServeClient",
     "Completion",

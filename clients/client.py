@@ -14,7 +14,10 @@ with ``stream.cancel()`` (sync or async) or by cancelling the task iterating it
 is the call's deadline. Failed calls raise ``KVServeError`` carrying the gRPC status
 code and the server's message.
 
-``token`` is sent as ``authorization: Bearer <token>`` metadata. For TLS pass
+``token`` is sent as ``authorization: Bearer <token>`` metadata. A call that names a
+session also carries it as ``x-kvserve-session`` metadata (``SESSION_METADATA_KEY``), so
+a proxy in front of several replicas can hash on it and send every turn of a
+conversation to the replica that holds its KV (deploy/haproxy/haproxy.cfg). For TLS pass
 ``tls=TLSConfig(root_certificates=..., private_key=..., certificate_chain=...)``
 (PEM bytes; all optional: no root certificates means the system's).
 """
@@ -289,8 +292,20 @@ def _channel_options(tls: TLSConfig | None, options: Iterable[tuple[str, Any]]) 
     return opts
 
 
+# Request metadata naming the call's session: what a session-affine proxy hashes on.
+SESSION_METADATA_KEY = "x-kvserve-session"
+
+
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _with_session(metadata: tuple[tuple[str, str], ...], session_id: str | None) -> tuple[tuple[str, str], ...]:
+    """``metadata`` plus the session routing key when the call names a session. An id
+    that cannot be a metadata value (non-ASCII) is left to the server to reject."""
+    if not session_id or not (session_id.isascii() and session_id.isprintable()):
+        return metadata
+    return (*metadata, (SESSION_METADATA_KEY, session_id))
 
 
 # ----------------------------------------------------------------------------- sync
@@ -349,15 +364,16 @@ class KVServeClient:
     def _t(self, timeout: float | None) -> float | None:
         return self._timeout if timeout is None else timeout
 
-    def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+    def _unary(self, method: Any, request: Any, timeout: float | None, session_id: str | None = None) -> Any:
         try:
-            return method(request, timeout=self._t(timeout), metadata=self._metadata)
+            return method(request, timeout=self._t(timeout), metadata=_with_session(self._metadata, session_id))
         except grpc.RpcError as e:
             raise KVServeError.from_rpc_error(e) from None
 
     def generate(self, *, timeout: float | None = None, **request: Any) -> GenerateStream:
         """Start a stream; keyword arguments as in ``build_request``."""
-        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=self._metadata)
+        metadata = _with_session(self._metadata, request.get("session_id"))
+        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=metadata)
         return GenerateStream(call)
 
     def complete(self, *, timeout: float | None = None, **request: Any) -> Completion:
@@ -375,12 +391,13 @@ class KVServeClient:
 
     def get_session(self, session_id: str, *, include_token_ids: bool = False, timeout: float | None = None) -> SessionInfo:
         resp = self._unary(
-            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout
+            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout,
+            session_id,
         )
         return session_from_pb(resp.session, include_token_ids)
 
     def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
-        self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout)
+        self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)
 
     def list_sessions(self, *, page_size: int = 0, page_token: str = "", timeout: float | None = None) -> tuple[list[SessionInfo], str]:
         """One page: (sessions, next_page_token); the token is "" on the last page."""
@@ -479,15 +496,16 @@ class AsyncKVServeClient:
     def _t(self, timeout: float | None) -> float | None:
         return self._timeout if timeout is None else timeout
 
-    async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+    async def _unary(self, method: Any, request: Any, timeout: float | None, session_id: str | None = None) -> Any:
         try:
-            return await method(request, timeout=self._t(timeout), metadata=self._metadata)
+            return await method(request, timeout=self._t(timeout), metadata=_with_session(self._metadata, session_id))
         except grpc.RpcError as e:
             raise KVServeError.from_rpc_error(e) from None
 
     def generate(self, *, timeout: float | None = None, **request: Any) -> AsyncGenerateStream:
         """Start a stream; keyword arguments as in ``build_request``."""
-        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=self._metadata)
+        metadata = _with_session(self._metadata, request.get("session_id"))
+        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=metadata)
         return AsyncGenerateStream(call)
 
     async def complete(self, *, timeout: float | None = None, **request: Any) -> Completion:
@@ -504,12 +522,13 @@ class AsyncKVServeClient:
     async def get_session(self, session_id: str, *, include_token_ids: bool = False,
                           timeout: float | None = None) -> SessionInfo:  # fmt: skip
         resp = await self._unary(
-            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout
+            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout,
+            session_id,
         )
         return session_from_pb(resp.session, include_token_ids)
 
     async def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
-        await self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout)
+        await self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)
 
     async def list_sessions(self, *, page_size: int = 0, page_token: str = "",
                             timeout: float | None = None) -> tuple[list[SessionInfo], str]:  # fmt: skip

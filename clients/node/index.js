@@ -27,6 +27,9 @@ const protoLoader = require('@grpc/proto-loader');
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'proto');
 const PROTO_FILE = 'kvserve/v1/generation.proto';
 const DEFAULT_MESSAGES = ['Hello! Who are you?', 'Tell me more about that.'];
+// Request metadata naming the session: a proxy in front of several replicas hashes on it
+// so that every turn reaches the replica holding the session's KV (deploy/haproxy/).
+const SESSION_METADATA_KEY = 'x-kvserve-session';
 
 function loadService() {
   // keepCase: fields keep their proto names (session_id, cached_tokens); enums as strings;
@@ -89,6 +92,8 @@ const seconds = (d) => (d ? Number(d.seconds) + d.nanos / 1e9 : 0);
 // printed when the server accepts it (its StartEvent), so a rejected turn prints only
 // its error.
 async function runTurn(client, opts, turn, message) {
+  const metadata = new grpc.Metadata();
+  metadata.set(SESSION_METADATA_KEY, opts.session);
   const call = client.Generate(
     {
       session_id: opts.session,
@@ -97,6 +102,7 @@ async function runTurn(client, opts, turn, message) {
       chat: { messages: [{ role: 'user', content: message }] },
       sampling: { max_new_tokens: opts.maxNewTokens },
     },
+    metadata,
     { deadline: deadline(opts.timeoutS) },
   );
   let start = null;
