@@ -303,6 +303,8 @@ def test_session_affinity_through_haproxy_and_a_killed_replica(replicas, tmp_pat
         affine = run_sessions(proxy.address, affine_ids, range(TURNS))
         with KVServeClient(proxy.address, timeout=60) as c:  # a one-off call: no session metadata
             c.complete(text="a one-off prompt", max_new_tokens=2)
+        # haproxy logs a call when its stream closes, just after the client has its end
+        assert wait_until(lambda: len(proxy.calls()) >= SESSIONS * TURNS + 1, timeout=10)
         calls = proxy.calls()
     finally:
         proxy.stop()
