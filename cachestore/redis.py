@@ -35,7 +35,9 @@ the blocks that are (a block being written again is in use); only the missing on
 encoded and ``SET``. Measured in ``bench/bench_cachestore.py``: the check costs one
 small round trip per batch of new blocks and saves the whole value for known ones.
 
-Failures: sockets have connect and read timeouts, redis-py's own retries are off, and
+Failures: sockets have connect and read timeouts (reads, which requests wait for, on
+their own connections with ``read_timeout_s``, 0.5 s; writes ``socket_timeout_s``, 2 s),
+redis-py's own retries are off, and
 a circuit breaker (``cachestore.breaker``) opens after ``breaker_failures`` consecutive
 errors: while open every call is an immediate miss / no-op; after ``breaker_reset_s`` one
 call probes. No method raises for a Redis failure.
@@ -138,6 +140,7 @@ class RedisTier(BlockTier):
         key_prefix: str = "kvserve:",
         socket_timeout_s: float = 2.0,
         socket_connect_timeout_s: float = 1.0,
+        read_timeout_s: float = 0.5,
         compression: str | None = None,
         storage_dtype: torch.dtype | None = None,
         breaker_failures: int = 3,
@@ -180,7 +183,16 @@ class RedisTier(BlockTier):
                 ssl_keyfile=ssl_keyfile,
                 ssl_cert_reqs=ssl_cert_reqs,
             )
+        # Reads (lookups, restores) are what a request waits for: their own connections
+        # with a shorter timeout, so a hung Redis (SIGSTOP, a partition) costs a request
+        # at most ``read_timeout_s`` before the breaker opens, not the write timeout.
+        self._read_kwargs: dict[str, Any] = {
+            **self._client_kwargs,
+            "socket_timeout": min(read_timeout_s, socket_timeout_s),
+            "socket_connect_timeout": min(read_timeout_s, socket_connect_timeout_s),
+        }
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
+        self._read_client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._client_lock = threading.Lock()
         self._breaker = CircuitBreaker(breaker_failures, breaker_reset_s, clock=clock)
         self._counters = TierCounters(self.name)
@@ -191,23 +203,30 @@ class RedisTier(BlockTier):
         """The Redis key holding ``ref``."""
         return redis_key(self.key_prefix, ref.block_hash)
 
-    def _get_client(self) -> redis.Redis | redis.cluster.RedisCluster:
+    def _get_client(self, read: bool = False) -> redis.Redis | redis.cluster.RedisCluster:
         with self._client_lock:
-            if self._client is None:
+            client = self._read_client if read else self._client
+            if client is None:
+                kwargs = self._read_kwargs if read else self._client_kwargs
                 if self.cluster:
                     # RedisCluster connects (fetches the slot map) right here.
-                    self._client = redis.cluster.RedisCluster.from_url(self.url, **self._client_kwargs)
+                    client = redis.cluster.RedisCluster.from_url(self.url, **kwargs)
                 else:
-                    self._client = redis.Redis.from_url(self.url, **self._client_kwargs)
-            return self._client
+                    client = redis.Redis.from_url(self.url, **kwargs)
+                if read:
+                    self._read_client = client
+                else:
+                    self._client = client
+            return client
 
-    def _call(self, fn: Callable[[Any], R], what: str) -> R | None:
-        """Run ``fn(client)`` behind the breaker. None when skipped or failed."""
+    def _call(self, fn: Callable[[Any], R], what: str, *, read: bool = False) -> R | None:
+        """Run ``fn(client)`` behind the breaker (``read``: on the read connections,
+        with the short timeout). None when skipped or failed."""
         if not self._breaker.allow():
             self._counters.fail(BREAKER_OPEN)
             return None
         try:
-            result = fn(self._get_client())
+            result = fn(self._get_client(read))
         except _BACKEND_ERRORS as e:
             self._breaker.record_failure()
             self._counters.add(errors=1)
@@ -247,7 +266,7 @@ class RedisTier(BlockTier):
         complete = True
         if refs:
             read = self._batches_into if self.cluster else self._stream_into
-            result = self._call(lambda c: read(c, refs, outs, progress), "get")
+            result = self._call(lambda c: read(c, refs, outs, progress), "get", read=True)
             complete = bool(result)
             if result is False:  # stopped at a missing or bad value (errors: counted by _call)
                 assert progress.failure is not None
@@ -413,7 +432,7 @@ class RedisTier(BlockTier):
         if not refs:
             return []
         keys = [self.key(r) for r in refs]
-        found = self._call(lambda c: self._pipeline(c, "exists", keys), "exists")
+        found = self._call(lambda c: self._pipeline(c, "exists", keys), "exists", read=True)
         if found is None:
             return [False] * len(refs)
         return [f is True or (isinstance(f, int) and f > 0) for f in found]
@@ -527,9 +546,11 @@ class RedisTier(BlockTier):
     def close(self) -> None:
         """Close the connection pool (a later call reconnects)."""
         with self._client_lock:
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except _BACKEND_ERRORS:
-                pass
+            clients = [self._client, self._read_client]
+            self._client = self._read_client = None
+        for client in clients:
+            if client is not None:
+                try:
+                    client.close()
+                except _BACKEND_ERRORS:
+                    pass

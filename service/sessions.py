@@ -62,6 +62,7 @@ many sessions one tenant holds; creating one more raises ``SessionLimit``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -711,6 +712,24 @@ class FallbackSessionStore:
         self._unsynced: dict[tuple[str, str], Expect] = {}  # records Redis may lack, what it may hold
         self._sync_task: asyncio.Task | None = None
         self._failing = False  # the last Redis call failed (log once per outage)
+        self._closed = False
+        self._writing: dict[tuple[str, str], list] = {}  # key -> [lock, users]: one write at a time
+
+    @contextlib.asynccontextmanager
+    async def _one_writer(self, key: tuple[str, str]):
+        """Conditional writes of one session run one at a time here (a turn's and the
+        background write-back's), so each sees the outcome of the one before."""
+        entry = self._writing.get(key)
+        if entry is None:
+            entry = self._writing[key] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._writing.pop(key, None)
 
     @property
     def unsynced(self) -> int:
@@ -722,7 +741,11 @@ class FallbackSessionStore:
             self.primary_skipped += 1
             return False, None
         try:
-            result = await asyncio.wait_for(call(), timeout_s or self.timeout_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+            # cancellation that arrives as the call completes (a turn's lock renewal
+            # then outlived its turn)
+            async with asyncio.timeout(timeout_s or self.timeout_s):
+                result = await call()
         except Exception as e:  # noqa: BLE001 - any backend failure falls back
             self.primary_errors += 1
             self.breaker.record_failure()
@@ -765,6 +788,10 @@ class FallbackSessionStore:
         await self._try("put", lambda: self.primary.put(rec))
 
     async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str:
+        async with self._one_writer((rec.owner, rec.session_id)):
+            return await self._put_if(rec, expect, replace_uncommitted)
+
+    async def _put_if(self, rec: SessionRecord, expect: Expect, replace_uncommitted: bool) -> str:
         key = (rec.owner, rec.session_id)
         pending = self._unsynced.get(key)
         if pending is not None:  # an earlier write may land (or have landed) late: it is ours too
@@ -789,7 +816,7 @@ class FallbackSessionStore:
             self._sync_task = asyncio.create_task(self._sync_loop(), name="kvserve-session-sync")
 
     async def _sync_loop(self) -> None:
-        while self._unsynced:
+        while self._unsynced and not self._closed:
             await asyncio.sleep(self._sync_every_s)
             try:
                 await self.sync()
@@ -800,26 +827,26 @@ class FallbackSessionStore:
         """Write back the records whose last write may have missed Redis, each only over
         a version this replica wrote or expected; returns how many reached Redis."""
         done = 0
-        for key, expect in list(self._unsynced.items()):
-            rec = await self.local.get(*key)
-            if rec is None:
+        for key in list(self._unsynced):
+            async with self._one_writer(key):
+                expect = self._unsynced.get(key)
+                rec = await self.local.get(*key)
+                if expect is None or rec is None:
+                    self._unsynced.pop(key, None)
+                    continue
+                ok, outcome = await self._try("write-back", lambda r=rec, e=expect: self.primary.put_if(r, e))
+                if not ok:
+                    return done  # still away; the breaker paces the next try
                 self._unsynced.pop(key, None)
-                continue
-            ok, outcome = await self._try("write-back", lambda r=rec, e=expect: self.primary.put_if(r, e))
-            if not ok:
-                return done  # still away; the breaker paces the next try
-            if self._unsynced.get(key) is not expect:
-                continue  # a turn wrote the session meanwhile: its outcome stands
-            self._unsynced.pop(key, None)
-            if outcome == CONFLICT:
-                log.warning("session %r: another replica wrote it while Redis missed this replica's version; "
-                            "keeping theirs", key[1])  # fmt: skip
-                await self.local.delete(*key)
-            else:
-                done += 1
-                self.written_back += 1
-                if outcome == RESTORED:
-                    log.warning("session %r: Redis had lost its record; wrote back this replica's copy", key[1])
+                if outcome == CONFLICT:
+                    log.warning("session %r: another replica wrote it while Redis missed this replica's version; "
+                                "keeping theirs", key[1])  # fmt: skip
+                    await self.local.delete(*key)
+                else:
+                    done += 1
+                    self.written_back += 1
+                    if outcome == RESTORED:
+                        log.warning("session %r: Redis had lost its record; wrote back this replica's copy", key[1])
         return done
 
     async def delete(self, owner: str, session_id: str) -> bool:
@@ -874,6 +901,8 @@ class FallbackSessionStore:
     async def _retry_unlock(self, owner: str, session_id: str, holder: str) -> None:
         for _ in range(8):
             await asyncio.sleep(self._unlock_retry_s)
+            if self._closed:
+                return
             ok, _ = await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
             if ok:
                 return
@@ -905,6 +934,7 @@ class FallbackSessionStore:
         return out + (list(more) if ok and more else [])
 
     async def close(self) -> None:
+        self._closed = True
         tasks = [*self._retries, *([self._sync_task] if self._sync_task else [])]
         for task in tasks:
             task.cancel()
@@ -928,6 +958,7 @@ class Turn:
     expect: Expect = field(default_factory=Expect)
     _renewal: asyncio.Task | None = None
     committed: bool = False
+    ended: bool = False
 
 
 class SessionManager:
@@ -1103,6 +1134,7 @@ class SessionManager:
         """Release the lock. Without a commit the transcript stays as before the turn
         (a session whose first turn did not complete is removed again, unless another
         replica has written it since)."""
+        turn.ended = True  # the renewal stops even if its cancellation were lost
         if turn._renewal is not None:
             turn._renewal.cancel()
         rec = turn.record
@@ -1119,11 +1151,15 @@ class SessionManager:
 
     async def _renew(self, turn: Turn) -> None:
         rec = turn.record
-        while True:
+        while not turn.ended:
             await asyncio.sleep(self._renew_every_s)
+            if turn.ended:
+                return
             try:
                 if await self.store.refresh_lock(rec.owner, rec.session_id, turn.holder, self._lock_ttl_s):
                     continue
+                if turn.ended:
+                    return
                 # The lock is gone from the store (Redis restarted or was flushed, or the
                 # lease ran out): take it again and put the record back, so no other
                 # replica starts this session over while the turn runs.
