@@ -3,8 +3,8 @@ small device and host budgets (idle sessions spill to Redis), optionally with fa
 
     python bench/soak.py                          # 32 clients, 300 s
     python bench/soak.py --ci                     # 32 clients, 60 s
-    python bench/soak.py --faults                 # + Redis restart, Redis down, server SIGKILL
-    python bench/soak.py --duration 30 --clients 8 --faults --redis-down 3 --json out.json
+    python bench/soak.py --faults                 # + Redis restart, down, frozen, flushed; server SIGKILL
+    python bench/soak.py --duration 30 --clients 8 --faults --redis-down 3 --redis-freeze 3 --json out.json
 
 The server (``python -m service``) and Redis (a private ``redis-server``) are child
 processes, so both can be killed. Each client runs sessions of a few turns: random
@@ -13,10 +13,15 @@ transcript (every prompt and output token it sent and received) and checks it ag
 the server's at the end of each session and after a fault. Half of the sessions are
 deleted when done.
 
-Faults (``--faults``), at 25 %, 45 % and 70 % of the run:
+Faults (``--faults``), at 15 %, 30 %, 45 %, 60 % and 75 % of the run (each after the
+previous one ended):
 
 * Redis restarted (its data is gone: no persistence);
 * Redis killed (SIGKILL) and kept down for ``--redis-down`` seconds;
+* Redis frozen (SIGSTOP) for ``--redis-freeze`` seconds, then resumed (SIGCONT): a hang,
+  like a network partition, where calls time out instead of being refused;
+* FLUSHALL: every session record, turn lock and block in Redis gone at once, with turns
+  in flight;
 * the server killed with SIGKILL and restarted on the same port: sessions resume
   from their Redis transcripts; turns in flight at the kill fail at the client (UNAVAILABLE)
   and are counted as lost; a turn the server committed just before dying but whose end
@@ -74,6 +79,7 @@ class SoakConfig:
     clients: int = 32
     faults: bool = False
     redis_down_s: float = 10.0
+    redis_freeze_s: float = 10.0
     model: str | None = None
     block_size: int = 16
     device_tokens: int = 0  # device KV pool, in tokens (0: 96 per client, well below the transcripts)
@@ -102,7 +108,7 @@ class TurnRecord:
 
 @dataclass
 class Window:
-    kind: str  # "redis-restart" | "redis-down" | "server-kill"
+    kind: str  # "redis-restart" | "redis-down" | "redis-freeze" | "redis-flushall" | "server-kill"
     start: float
     end: float = float("inf")
 
@@ -113,6 +119,7 @@ class Figures:
     calls: int = 0
     tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
+    ttft_by_window: dict[str, list[float]] = field(default_factory=dict)  # window of the send -> TTFTs
     cached_by_tier: Counter = field(default_factory=Counter)
     prompt_tokens: int = 0
     errors: Counter = field(default_factory=Counter)  # (window kind or "none", code) -> n
@@ -229,14 +236,14 @@ class Soak:
 
     async def _faults(self) -> None:
         d, c = self.cfg.duration_s, self.cfg
-        await self._at(0.25 * d)
+        await self._at(0.15 * d)
         w = Window("redis-restart", time.monotonic())
         self.windows.append(w)
         await asyncio.to_thread(self.redis.stop)
         await asyncio.to_thread(self.redis.start)
         w.end = time.monotonic() + 2.0
 
-        await self._at(0.45 * d)
+        await self._at(0.30 * d)
         w = Window("redis-down", time.monotonic())
         self.windows.append(w)
         proc = self.redis._proc  # SIGKILL: no shutdown, no goodbye to clients
@@ -247,13 +254,36 @@ class Soak:
         await asyncio.to_thread(self.redis.start)
         w.end = time.monotonic() + 2.0
 
-        await self._at(0.70 * d)
+        await self._at(0.45 * d)
+        w = Window("redis-freeze", time.monotonic())
+        self.windows.append(w)
+        proc = self.redis._proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)  # hung: connections accepted, nothing answered
+        try:
+            await asyncio.sleep(c.redis_freeze_s)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        w.end = time.monotonic() + 2.0
+
+        await self._at(0.60 * d)
+        w = Window("redis-flushall", time.monotonic())
+        self.windows.append(w)
+        await asyncio.to_thread(self._flushall)
+        w.end = time.monotonic() + 2.0
+
+        await self._at(0.75 * d)
         w = Window("server-kill", time.monotonic())
         self.windows.append(w)
         self.kill_server()
         await asyncio.to_thread(self.start_server)
         # a turn lock the dead server held stays leased until its TTL runs out
         w.end = time.monotonic() + c.session_lock_ttl_s + 2.0
+
+    def _flushall(self) -> None:
+        assert self.redis is not None
+        with self.redis.client(socket_timeout=10) as r:
+            r.flushall()
 
     async def _at(self, offset_s: float) -> None:
         await asyncio.sleep(max(0.0, self.t0 + offset_s - time.monotonic()))
@@ -363,6 +393,7 @@ class Soak:
                     elif isinstance(ev, TextDelta) and ev.token_ids:
                         if not output:
                             fig.ttft_s.append(time.monotonic() - t_send)
+                            fig.ttft_by_window.setdefault(self._window(t_send), []).append(time.monotonic() - t_send)
                         output.extend(ev.token_ids)
                     elif isinstance(ev, StreamEnd):
                         fig.tokens += ev.completion_tokens
@@ -499,6 +530,11 @@ class Soak:
             "tokens_per_s": round(f.tokens / wall, 1),
             "ttft_p50_ms": round(q(0.50), 1),
             "ttft_p99_ms": round(q(0.99), 1),
+            "ttft_by_window_ms": {
+                w: {"turns": len(v), "p50": round(1000 * _quantile(v, 0.5), 1), "p99": round(1000 * _quantile(v, 0.99), 1),
+                    "max": round(1000 * max(v), 1)}
+                for w, v in sorted(f.ttft_by_window.items())
+            },  # fmt: skip
             "prompt_tokens": f.prompt_tokens,
             "cached_tokens_by_tier": dict(f.cached_by_tier),
             "errors": errors_by_window,
@@ -535,6 +571,11 @@ class Soak:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _quantile(values: list[float], p: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(p * len(v)))]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -608,6 +649,8 @@ def table(r: dict[str, Any]) -> str:
         ("turns served (calls)", f"{r['turns_ok']} ({r['calls']})"),
         ("generated tokens, tokens/s", f"{r['tokens']}, {r['tokens_per_s']}"),
         ("TTFT p50 / p99", f"{r['ttft_p50_ms']} ms / {r['ttft_p99_ms']} ms"),
+        ("TTFT p50 / p99 / max by window (turns)", "; ".join(
+            f"{w}: {t['p50']} / {t['p99']} / {t['max']} ms ({t['turns']})" for w, t in r["ttft_by_window_ms"].items())),
         ("prompt tokens, cached: device / host / redis",
          f"{r['prompt_tokens']}: {cached.get('device', 0)} / {cached.get('host', 0)} / {cached.get('redis', 0)}"),
         ("errors by window and status", errs or "none"),
@@ -636,8 +679,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=None, help="seconds (default 300; --ci: 60)")
     p.add_argument("--ci", action="store_true", help="the CI length: 60 s")
     p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--faults", action="store_true", help="Redis restart, Redis down, server SIGKILL")
+    p.add_argument("--faults", action="store_true",
+                   help="Redis restart, Redis down, Redis frozen (SIGSTOP), FLUSHALL, server SIGKILL")
     p.add_argument("--redis-down", type=float, default=10.0, help="seconds Redis stays killed")
+    p.add_argument("--redis-freeze", type=float, default=10.0, help="seconds Redis stays frozen (SIGSTOP)")
     p.add_argument("--model", help="model directory (default: the packaged model, else a tiny random Llama)")
     p.add_argument("--device-tokens", type=int, default=0, help="device KV pool, in tokens (default 96 per client)")
     p.add_argument("--host-tokens", type=int, default=0, help="host tier, in tokens (default 32 per client)")
@@ -650,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     duration = args.duration if args.duration is not None else (60.0 if args.ci else 300.0)
     cfg = SoakConfig(
         duration_s=duration, clients=args.clients, faults=args.faults, redis_down_s=args.redis_down,
-        device_tokens=args.device_tokens, host_tokens=args.host_tokens, check_turns=args.check_turns, seed=args.seed,
+        redis_freeze_s=args.redis_freeze, device_tokens=args.device_tokens, host_tokens=args.host_tokens, check_turns=args.check_turns, seed=args.seed,
         restore_policy=args.restore_policy,
     )  # fmt: skip
     model = resolve_model(args.model)

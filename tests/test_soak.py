@@ -1,5 +1,6 @@
 """The soak and fault bench in its short CI form: 8 clients for 30 s with Redis
-restarted, Redis killed for 3 s and the server killed with SIGKILL, against real
+restarted, Redis killed for 3 s, Redis frozen (SIGSTOP) for 3 s, a FLUSHALL with turns in
+flight, and the server killed with SIGKILL, against real
 processes. Nothing is lost or corrupted: errors only while the server is down, every
 transcript equal to its client's copy, greedy outputs equal to a cold server's."""
 
@@ -22,14 +23,16 @@ def test_soak_with_faults_loses_nothing(tiny_llama_dir, tmp_path):
         pytest.skip("redis-server not installed (the soak kills and restarts its own)")
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "bench/soak.py", "--duration", "30", "--clients", "8", "--faults", "--redis-down", "3",
+        [sys.executable, "bench/soak.py", "--duration", "30", "--clients", "8", "--faults", "--redis-down", "3", "--redis-freeze", "3",
          "--model", str(tiny_llama_dir), "--check-turns", "48", "--json", str(out)],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=400, check=False,
     )  # fmt: skip
     assert out.exists(), proc.stdout + proc.stderr[-4000:]
     r = json.loads(out.read_text())
     print(proc.stdout)
-    assert [w["kind"] for w in r["windows"]] == ["redis-restart", "redis-down", "server-kill"]
+    assert [w["kind"] for w in r["windows"]] == [
+        "redis-restart", "redis-down", "redis-freeze", "redis-flushall", "server-kill"
+    ]
     assert r["turns_ok"] > 20 and r["tokens"] > 0
     # errors only while the server was down (or explicit overload); Redis faults cost none
     assert set(r["errors"]) <= {"server-kill", "none"}, r["errors"]
