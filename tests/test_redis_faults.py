@@ -150,7 +150,14 @@ def test_flushall_with_two_replicas(tiny_llama_dir, make_redis_server):
             with pytest.raises(KVServeError) as err:
                 c2.chat("s1", "a follow-up elsewhere", max_new_tokens=4, require_existing_session=True)
             assert err.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
-            assert wait_until(lambda: r1.running.sessions.records_lost > lost)  # lock retaken, record back
+            assert wait_until(lambda: r1.running.sessions.records_lost > lost)  # record written back
+
+            def r1_holds_the_lock() -> bool:
+                with redis.client() as r:
+                    holder = r.get("kvserve:sess-lock::s1")
+                return holder is not None and holder.decode().startswith(r1.running.sessions.replica_id + ":")
+
+            assert wait_until(r1_holds_the_lock)  # taken again (within a renewal period)
             with pytest.raises(KVServeError) as err:
                 c2.chat("s1", "a concurrent turn elsewhere", max_new_tokens=4)
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
