@@ -5,6 +5,7 @@ transcript. The per-family logits/greedy parity of the model files is in test_mo
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -26,11 +27,19 @@ def _redis_engine(loaded, redis_url):
     return make_engine(loaded, store=store, restore_policy="always")
 
 
-def _hf_greedy(path, prompt: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+@functools.lru_cache(maxsize=2)
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref.generation_config.eos_token_id = None  # greedy runs their full length (the model's eos would stop them)
+    return ref
+
+
+def _hf_greedy(path, prompt: list[int], n: int) -> list[int]:
+    from transformers import GenerationConfig
+
+    ref = _hf_model(path)
     gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         return ref.generate(torch.tensor([prompt]), generation_config=gen)[0, len(prompt):].tolist()
@@ -129,3 +138,29 @@ def test_layer_windows_follow_transformers_defaults() -> None:
     assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.qk_norm) == (1e6, 1e4, True)
     qwen3 = ModelConfig.from_hf({**_BASE, "model_type": "qwen3", "head_dim": 6})
     assert qwen3.hf_architecture == "Qwen3ForCausalLM" and qwen3.head_dim == 6 and qwen3.layer_window(1) is None
+
+
+def test_window_blocks_are_released_and_stay_valid(tiny_mistral_dir) -> None:
+    """Mistral, window 8, blocks of 4: two 43-token sequences together need 22 blocks
+    without releasing; the pool has 16, and neither is preempted because each gives back
+    the blocks its window has passed. Outputs equal transformers; a next turn on one
+    transcript still finds its leading blocks (released, evicted by the other sequence,
+    demoted to the host tier: still valid) and is right."""
+    loaded = load_model(tiny_mistral_dir, dtype="float32", device="cpu")
+    store = build_store(EngineConfig(block_size=BS, host_cache_memory=64 * BS * bytes_per_token(loaded)), loaded)
+    eng = make_engine(loaded, store=store, restore_policy="always",
+                      kv_cache_memory=17 * BS * bytes_per_token(loaded))  # 16 usable + the null block
+    assert eng.release_window == 8 and eng.blocks.num_usable == 16
+    p1, p2 = prompts(loaded.config.vocab_size, [13, 13], seed=11)
+    held: list[int] = []
+    evs = run(eng, [req("a", p1, n=30), req("b", p2, n=30)],
+              on_step=lambda i, e: held.append(eng.blocks.num_usable - eng.blocks.num_free))
+    assert eng.num_preempted == 0 and max(held) < 16
+    outs = {rid: finished(e).output_token_ids for rid, e in evs.items()}
+    assert outs["a"] == _hf_greedy(tiny_mistral_dir, p1, 30)
+    assert outs["b"] == _hf_greedy(tiny_mistral_dir, p2, 30)
+    prompt2 = p1 + outs["a"] + [5, 6, 7]
+    evs2 = run(eng, [req("a2", prompt2, n=6)])["a2"]
+    assert evs2[0].cached_by_tier.get(Tier.HOST, 0) >= 8 * BS  # released, evicted, demoted, restored
+    assert finished(evs2).output_token_ids == _hf_greedy(tiny_mistral_dir, prompt2, 6)
+    eng.close()

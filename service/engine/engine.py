@@ -49,7 +49,7 @@ from service.types import (
     Tier,
     Timings,
 )
-from service.kv.block_manager import Block, BlockManager, NoFreeBlocks
+from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
 from service.kv.cache import BatchLayout, KVPool, SeqSlice, dtype_name
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Sequence:
     hashes: list[BlockHash] = field(default_factory=list)  # of full blocks of token_ids
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_registered: int = 0  # leading blocks registered under their hash
+    num_released: int = 0  # leading blocks given back: outside every layer's sliding window
     cached_by_tier: dict[Tier, int] = field(default_factory=dict)
     long_rope: bool = False  # LongRoPE models: computed with the long factors (namespace follows)
     started: bool = False
@@ -138,6 +139,9 @@ class LLMEngine:
         self.sampleable_vocab = min(self.tokenizer.vocab_size, self.mcfg.vocab_size)
         self._namespaces: dict[tuple[CacheScope, bool], bytes] = {}  # (scope, LongRoPE long regime)
         self.longrope_threshold: int | None = self.mcfg.longrope_threshold
+        # blocks outside every layer's window can be given back (when every layer has one)
+        windows = [self.mcfg.layer_window(i) for i in range(self.mcfg.num_layers)]
+        self.release_window: int | None = max(windows) if all(w is not None for w in windows) else None
         self.num_rope_switches = 0  # sequences recomputed on crossing the LongRoPE switch length
 
         self.waiting: deque[Sequence] = deque()
@@ -473,8 +477,7 @@ class LLMEngine:
     def _preempt(self, victim: Sequence) -> None:
         """Free a running sequence's blocks and send it back to wait (recompute later)."""
         self.running.remove(victim)
-        self.blocks.free(victim.blocks)
-        victim.blocks = []
+        self._release_blocks(victim)
         victim.num_computed = 0
         victim.num_registered = 0
         victim.status = SeqStatus.WAITING
@@ -487,8 +490,8 @@ class LLMEngine:
         cached under the short namespace (still valid there); it waits to be admitted
         again under the long namespace, where earlier long-regime blocks may hit."""
         self.running.remove(seq)
-        self.blocks.free(seq.blocks)
-        seq.blocks, seq.hashes = [], []
+        self._release_blocks(seq)
+        seq.hashes = []
         seq.num_computed = seq.num_registered = 0
         seq.long_rope = True
         seq.namespace = self.namespace(seq.request.scope, len(seq.token_ids))
@@ -551,7 +554,7 @@ class LLMEngine:
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         slices = [
             SeqSlice(
-                block_table=[b.block_id for b in seq.blocks],
+                block_table=[NULL_BLOCK] * seq.num_released + [b.block_id for b in seq.blocks[seq.num_released :]],
                 start_pos=seq.num_computed,
                 token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
                 long_rope=seq.long_rope if self.longrope_threshold is not None else None,
@@ -563,7 +566,29 @@ class LLMEngine:
         for seq, n in work:
             seq.num_computed += n
             self._register_full_blocks(seq)
+            self._release_outside_window(seq)
         return logits
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        """Give back every block the sequence still holds."""
+        self.blocks.free(seq.blocks[seq.num_released :])
+        seq.blocks = []
+        seq.num_released = 0
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Sliding-window models (every layer windowed): give back the leading blocks no
+        later query can see. The query at position p sees keys p - W + 1 .. p, and every
+        later query is at p >= num_computed, so block i is dead once
+        (i + 1) * block_size <= num_computed - W + 1. The blocks are full and registered:
+        freed, they stay cached (and demote to the host/Redis tiers when evicted), still
+        valid for a later turn or another sequence sharing the prefix. The block table
+        keeps their slots, pointing at the null block, which the window masks."""
+        if self.release_window is None:
+            return
+        dead = min((seq.num_computed - self.release_window + 1) // self.block_size, seq.num_registered)
+        if dead > seq.num_released:
+            self.blocks.free(seq.blocks[seq.num_released : dead])
+            seq.num_released = dead
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = seq.num_computed // self.block_size
@@ -634,8 +659,7 @@ class LLMEngine:
             self.running.remove(seq)
         seq.status = SeqStatus.FINISHED
         if seq.blocks:
-            self.blocks.free(seq.blocks)
-            seq.blocks = []
+            self._release_blocks(seq)
         self._by_id.pop(seq.request_id, None)
         now = time.monotonic()
         t_first = seq.t_first or now
