@@ -17,6 +17,12 @@ as a fraction of them.
     python bench/bench_restore.py                 # ~110M and TinyLlama-1.1B shapes
     python bench/bench_restore.py --quick         # tiny shape, short histories
     python bench/bench_restore.py --shapes 110m --histories 256,1024,2048
+    python bench/bench_restore.py --formats exact,bf16,int8,fp8   # lossy Redis formats
+
+``--formats`` adds a table per shape at the longest history: for each Redis storage format
+(``--redis-kv-format``), bytes per block, the Redis restore time and TTFT and their speed-up
+over exact, and the error against exact KV over ``--sessions`` random sessions
+(``bench/lossy_kv.py``: max logit difference, greedy agreement).
 
 Random weights, float32, CPU. Prints a table and writes bench/out/restore_ttft.png.
 """
@@ -90,11 +96,12 @@ def spill(eng: LLMEngine, tokens: list[int], tier: str) -> None:
     eng.step()
 
 
-def store(loaded, *, host: bool = False, redis_url: str | None = None):
+def store(loaded, *, host: bool = False, redis_url: str | None = None, kv_format: str = "exact"):
     cfg = EngineConfig(
         block_size=BLOCK,
         host_cache_memory=(2 << 30) if host else 0,
         redis_url=redis_url,
+        redis_kv_format=kv_format,
     )
     return build_store(cfg, loaded)
 
@@ -189,6 +196,68 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
     return rows
 
 
+def measure_formats(
+    shape: str, history: int, formats: list[str], redis_url: str, cache: Path, reps: int, sessions: int
+) -> list[dict]:
+    """Redis restore of ``history`` tokens in each storage format, and its error."""
+    import redis
+
+    from bench.lossy_kv import measure_kv_error
+    from cachestore import codec
+
+    loaded = load_model(str(checkpoint(shape, history + NEW_TURN + 16, cache)), dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    hist = torch.randint(3, loaded.config.vocab_size, (history,), generator=g).tolist()
+    turn = hist + torch.randint(3, loaded.config.vocab_size, (NEW_TURN,), generator=g).tolist()
+    c = loaded.config
+    block_shape = (c.num_layers, 2, BLOCK, c.num_kv_heads, c.head_dim)
+    rows = []
+    for fmt in formats:
+        fins = []
+        for r in range(reps):
+            redis.Redis.from_url(redis_url).flushall()
+            a = engine(loaded, store(loaded, redis_url=redis_url, kv_format=fmt))
+            run_once(a, hist, "h")
+            spill(a, hist, "redis")
+            a.close()
+            b = engine(loaded, store(loaded, redis_url=redis_url, kv_format=fmt))
+            fins.append(run_once(b, turn, f"{fmt}{r}"))
+            b.close()
+        err = measure_kv_error(
+            loaded, codec.STORAGE_FORMATS[fmt], sessions=sessions, history=256, new_turn=NEW_TURN, decode=16,
+            block_size=BLOCK,
+        )
+        row = dict(
+            shape=shape, history=history, format=fmt,
+            value_bytes=codec.encoded_size(block_shape, torch.float32, codec.STORAGE_FORMATS[fmt]),
+            restore_ms=statistics.median(f.timings.restore_s for f in fins) * 1000,
+            ttft_ms=statistics.median(f.timings.ttft_s for f in fins) * 1000,
+            cached=fins[-1].cached_tokens, **err,
+        )  # fmt: skip
+        rows.append(row)
+        print(f"  {shape} H={history} {fmt:5s} restore {row['restore_ms']:.1f} ms, {err}", flush=True)
+    return rows
+
+
+def print_formats(rows: list[dict], sessions: int) -> None:
+    print()
+    print(f"Redis storage formats (error: {sessions} sessions, 256-token history, {NEW_TURN}-token turn, "
+          "16 greedy tokens, vs exact float32 KV)")
+    print()
+    print("| shape | history | format | value bytes/block | redis restore ms | TTFT ms | restore speed-up "
+          "| max logit diff | first token agrees | 16 greedy tokens agree | tokens before first difference |")
+    print("|---" * 11 + "|")
+    for r in rows:
+        base = next(x for x in rows if x["shape"] == r["shape"] and x["format"] == "exact") if any(
+            x["format"] == "exact" for x in rows) else r
+        print(
+            f"| {r['shape']} | {r['history']} | {r['format']} | {r['value_bytes']} | {r['restore_ms']:.1f} "
+            f"| {r['ttft_ms']:.1f} | {base['restore_ms'] / r['restore_ms']:.2f}x | {r['max_logit_diff']:.4f} "
+            f"| {100 * r['first_token_agreement']:.0f}% | {100 * r['greedy_agreement']:.0f}% "
+            f"| {100 * r['token_agreement']:.0f}% |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="110m,tinyllama")
@@ -197,6 +266,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shape, histories 64,256, 1 rep")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--formats", default="", help="Redis storage formats to compare, e.g. exact,bf16,int8,fp8")
+    ap.add_argument("--sessions", type=int, default=32, help="sessions for the formats' error figures")
+    ap.add_argument("--formats-only", action="store_true", help="only the formats table")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.histories, args.reps = "tiny", "64,256", 1
@@ -211,12 +283,24 @@ def main() -> None:
         try:
             rows = []
             ceilings = {}
+            format_rows = []
             for shape in args.shapes.split(","):
+                if args.formats:
+                    format_rows += measure_formats(
+                        shape, max(histories), args.formats.split(","), server.url, out / "models", args.reps,
+                        args.sessions,
+                    )
+                if args.formats_only:
+                    continue
                 rows += measure(shape, histories, server.url, out / "models", args.reps)
                 bb = rows[-1]["block_bytes"]
                 ceilings[shape] = (raw_memcpy_gbps(bb * 64), raw_redis_get_gbps(server.url, bb, 64))
         finally:
             server.stop()
+    if format_rows:
+        print_formats(format_rows, args.sessions)
+    if args.formats_only:
+        return
 
     print()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 CPU, block {BLOCK} tokens, "

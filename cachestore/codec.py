@@ -51,6 +51,17 @@ Options, both off by default:
 - ``storage_dtype=torch.bfloat16 | torch.float16`` for a float32 block: LOSSY (the
   restored KV is the rounded KV, so restored outputs may differ from recomputed ones).
   It halves Redis memory and network. ``decode_into`` converts back to ``out.dtype``.
+- ``storage_dtype=torch.int8 | torch.float8_e4m3fn`` for any float block: LOSSY, with
+  scales: each (layer, K/V, token, head) row of ``head_dim`` values is stored as
+  ``round(x / s)`` with ``s = absmax(row) / qmax`` (qmax 127 for int8, 448 for e4m3) and
+  the scales as float32 beside it. The payload is then a safetensors file of two
+  tensors, ``scale`` (float32, shape ``(*block_shape[:-1], 1)``) and ``kv``. About 1/4 of
+  float32 (1/2 of bf16) plus 4 bytes per row; measured error in docs/benchmarks.md.
+
+The storage format is a reader's setting too: ``decode_into`` takes the storage dtype
+it expects (default: ``out.dtype``, exact) and a value stored otherwise is a miss
+(``wrong_storage``), so lossy KV is never taken for exact KV, nor one lossy format
+for another. ``STORAGE_FORMATS`` names the formats for settings and keys.
 """
 
 from __future__ import annotations
@@ -86,6 +97,18 @@ _DTYPES: Final[dict[torch.dtype, tuple[int, str]]] = {
     torch.float64: (4, "F64"),
     torch.float8_e4m3fn: (5, "F8_E4M3"),
     torch.float8_e5m2: (6, "F8_E5M2"),
+    torch.int8: (7, "I8"),
+}
+# Storage dtypes stored with per-row scales (the largest representable magnitude).
+_SCALED: Final[dict[torch.dtype, float]] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+SCALE_NAME: Final = "scale"
+# The setting's names -> storage dtype (None: the block's own dtype, exact).
+STORAGE_FORMATS: Final[dict[str, torch.dtype | None]] = {
+    "exact": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
 }
 _DTYPE_BY_CODE: Final = {code: dt for dt, (code, _) in _DTYPES.items()}
 _NUMPY_DTYPES: Final = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
@@ -108,12 +131,13 @@ WRONG_HASH: Final = "wrong_hash"
 WRONG_LAYERS: Final = "wrong_layers"
 WRONG_DTYPE: Final = "wrong_dtype"
 WRONG_SHAPE: Final = "wrong_shape"
+WRONG_STORAGE: Final = "wrong_storage"
 BAD_DECOMPRESS: Final = "bad_decompress"
 BAD_PAYLOAD: Final = "bad_payload"
 REASONS: Final = frozenset(
     {
         BAD_MAGIC, BAD_VERSION, BAD_HEADER, TRUNCATED, BAD_LENGTH, BAD_CHECKSUM,
-        WRONG_NAMESPACE, WRONG_HASH, WRONG_LAYERS, WRONG_DTYPE, WRONG_SHAPE,
+        WRONG_NAMESPACE, WRONG_HASH, WRONG_LAYERS, WRONG_DTYPE, WRONG_SHAPE, WRONG_STORAGE,
         BAD_DECOMPRESS, BAD_PAYLOAD,
     }
 )  # fmt: skip
@@ -141,17 +165,30 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(_DTYPES)
 
 
+def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (*shape[:-1], 1)
+
+
+def _scale_nbytes(dtype: torch.dtype, storage_dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of the per-row float32 scales a block of ``dtype`` stored as
+    ``storage_dtype`` carries (0 unless quantized: a scaled storage dtype, not its own)."""
+    return math.prod(_scale_shape(shape)) * 4 if storage_dtype in _SCALED and storage_dtype != dtype else 0
+
+
 @functools.lru_cache(maxsize=64)
-def _st_header(storage_dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+def _st_header(storage_dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, scaled: bool = False) -> bytes:
     """The safetensors prefix (u64 length + JSON, space-padded to 8 bytes) for one tensor,
-    formatted exactly as ``safetensors.torch.save`` formats it."""
-    meta = {
-        TENSOR_NAME: {
-            "dtype": _DTYPES[storage_dtype][1],
-            "shape": list(shape),
-            "data_offsets": [0, nbytes],
+    formatted exactly as ``safetensors.torch.save`` formats it; for a scaled storage
+    dtype, two tensors: ``scale`` (float32) first, then ``kv`` (``nbytes`` is the kv's)."""
+    kv = {"dtype": _DTYPES[storage_dtype][1], "shape": list(shape)}
+    if scaled:
+        sn = math.prod(_scale_shape(shape)) * 4
+        meta = {
+            SCALE_NAME: {"dtype": "F32", "shape": list(_scale_shape(shape)), "data_offsets": [0, sn]},
+            TENSOR_NAME: {**kv, "data_offsets": [sn, sn + nbytes]},
         }
-    }
+    else:
+        meta = {TENSOR_NAME: {**kv, "data_offsets": [0, nbytes]}}
     js = json.dumps(meta, separators=(",", ":")).encode()
     js += b" " * (-(8 + len(js)) % 8)
     return struct.pack("<Q", len(js)) + js
@@ -163,7 +200,8 @@ def encoded_size(
     """Size in bytes of an uncompressed encoded block of this shape (for batch sizing)."""
     sdt = storage_dtype or dtype
     nbytes = math.prod(block_shape) * sdt.itemsize
-    return HEADER_SIZE + len(_st_header(sdt, tuple(block_shape), nbytes)) + nbytes + CHECKSUM_SIZE
+    extra = _scale_nbytes(dtype, sdt, tuple(block_shape))
+    return HEADER_SIZE + len(_st_header(sdt, tuple(block_shape), nbytes, extra > 0)) + extra + nbytes + CHECKSUM_SIZE
 
 
 def plain_prefix(
@@ -218,8 +256,9 @@ def encode(
     """Serialize one block (on any device) under its address.
 
     ``compression`` is None, "zstd" or "lz4" (lossless); ``storage_dtype`` stores the
-    payload in another float dtype (lossy when narrower). Raises ValueError on bad
-    arguments (wrong address length, unsupported dtype, too many dims).
+    payload in another dtype (lossy when narrower; int8 and float8_e4m3fn with per-row
+    scales). Raises ValueError on bad arguments (wrong address length, unsupported
+    dtype, too many dims).
     """
     if len(namespace) != 32 or len(block_hash) != 32:
         raise ValueError("namespace and block_hash must be 32-byte digests")
@@ -232,21 +271,27 @@ def encode(
     sdt = storage_dtype or block.dtype
     if sdt not in _DTYPES:
         raise ValueError(f"unsupported storage dtype {sdt}")
+    if block.dtype == torch.int8 or (block.dtype in _SCALED and sdt != block.dtype):
+        raise ValueError(f"a {block.dtype} block can only be stored as itself")
 
     data = block.detach()
-    if sdt != data.dtype:
+    scale_parts: list[np.ndarray] = []
+    if sdt in _SCALED and sdt != data.dtype:
+        data, scale = _quantize(data, sdt)
+        scale_parts = [byte_view(scale)]
+    elif sdt != data.dtype:
         data = data.to(sdt)
     data = data.contiguous().cpu()  # no-ops for a contiguous CPU block
     shape = tuple(data.shape)
     tensor_bytes = byte_view(data)  # (nbytes,) uint8, shares memory with the block
-    st_header = _st_header(sdt, shape, tensor_bytes.nbytes)
-    raw_size = len(st_header) + tensor_bytes.nbytes
+    st_header = _st_header(sdt, shape, tensor_bytes.nbytes, bool(scale_parts))
+    raw_size = len(st_header) + sum(p.nbytes for p in scale_parts) + tensor_bytes.nbytes
 
     if compression is None:
-        parts: list[bytes | np.ndarray] = [st_header, tensor_bytes]
+        parts: list[bytes | np.ndarray] = [st_header, *scale_parts, tensor_bytes]
         payload_size = raw_size
     else:
-        raw = st_header + tensor_bytes.tobytes()
+        raw = st_header + b"".join(p.tobytes() for p in scale_parts) + tensor_bytes.tobytes()
         if compression == "zstd":
             import zstandard
 
@@ -279,6 +324,18 @@ def encode(
         h.update(part)
     # bytes.join takes buffer objects: one copy of the tensor bytes, straight into the result.
     return b"".join([header, *parts, h.digest()])
+
+
+def _quantize(x: torch.Tensor, sdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) with x ~= q * scale per row of the last dim; q in ``sdt`` and scale
+    float32 of shape (..., 1), both contiguous on the CPU. Rows of zeros get scale 1."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # (..., 1)
+    scale = torch.where(amax > 0, amax / _SCALED[sdt], torch.ones_like(amax))
+    q = xf / scale
+    if sdt == torch.int8:
+        q = q.round_().clamp_(-127, 127)
+    return q.to(sdt).contiguous().cpu(), scale.contiguous().cpu()
 
 
 def _readonly_tensor(buf: memoryview | bytes, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
@@ -341,9 +398,11 @@ def decode_into(
     namespace: Namespace,
     block_hash: BlockHash,
     out: torch.Tensor,
+    storage_dtype: torch.dtype | None = None,
 ) -> DecodeResult:
-    """Verify ``data`` as the block ``(namespace, block_hash)`` shaped like ``out`` and,
-    only if everything checks, copy it into ``out`` (any device, contiguous).
+    """Verify ``data`` as the block ``(namespace, block_hash)`` shaped like ``out``,
+    stored as ``storage_dtype`` (None: ``out.dtype``, exact), and, only if everything
+    checks, copy it into ``out`` (any device, contiguous).
 
     Never raises for bad data: answers ``DecodeResult(False, reason)`` and leaves ``out``
     untouched. Raises ValueError only for a non-contiguous ``out`` (a caller bug).
@@ -401,13 +460,16 @@ def decode_into(
         return _fail(WRONG_DTYPE)
     if shape != tuple(out.shape):
         return _fail(WRONG_SHAPE)
+    if sdtype != (storage_dtype or out.dtype):
+        return _fail(WRONG_STORAGE)
     comp = _COMPRESSION_BY_CODE.get(comp_code, "?")
     if comp == "?":
         return _fail(BAD_HEADER)
 
     numel = out.numel()
     nbytes = numel * sdtype.itemsize
-    if raw_size > 8 + _MAX_ST_HEADER + nbytes:
+    scale_nbytes = _scale_nbytes(dtype, sdtype, shape)
+    if raw_size > 8 + _MAX_ST_HEADER + scale_nbytes + nbytes:
         return _fail(BAD_PAYLOAD)
     payload = buf[HEADER_SIZE : HEADER_SIZE + payload_size]
     if comp is not None:
@@ -419,13 +481,23 @@ def decode_into(
         return _fail(BAD_HEADER)
     # The safetensors header we write is a pure function of (dtype, shape): compare
     # bytes (fast); anything else (another writer's formatting) is parsed strictly.
-    expected = _st_header(sdtype, shape, nbytes)
-    if len(payload) == len(expected) + nbytes and payload[: len(expected)] == expected:
+    expected = _st_header(sdtype, shape, nbytes, scale_nbytes > 0)
+    if len(payload) == len(expected) + scale_nbytes + nbytes and payload[: len(expected)] == expected:
         offset: int | None = len(expected)
+    elif scale_nbytes:  # only our own two-tensor layout is accepted
+        return _fail(BAD_PAYLOAD)
     else:
         offset = _parse_st_header(payload, sdtype, shape, nbytes)
         if offset is None:
             return _fail(BAD_PAYLOAD)
+
+    if scale_nbytes:
+        scale = _readonly_tensor(payload, torch.float32, offset, scale_nbytes // 4).view(_scale_shape(shape))
+        q = _readonly_tensor(payload, sdtype, offset + scale_nbytes, numel).view(shape)
+        if not torch.isfinite(scale).all():
+            return _fail(BAD_PAYLOAD)
+        out.copy_(q.float().mul_(scale))  # one temporary float32 block, then into out's dtype
+        return _OK_RESULT
 
     # Verified. Copy straight from the received buffer into the destination.
     np_dtype = _NUMPY_DTYPES.get(sdtype)

@@ -96,6 +96,10 @@ def block_hashes(
     return out
 
 
-def redis_key(prefix: str, block_hash: BlockHash) -> str:
-    """The Redis key of a block. The namespace is already inside the hash chain."""
-    return f"{prefix}blk:{block_hash.hex()}"
+def redis_key(prefix: str, block_hash: BlockHash, storage_format: str = "exact") -> str:
+    """The Redis key of a block. The namespace is already inside the hash chain; a
+    lossy storage format (``codec.STORAGE_FORMATS``) gets keys of its own, so replicas
+    storing the same block in different formats never overwrite or read each other's."""
+    if storage_format == "exact":
+        return f"{prefix}blk:{block_hash.hex()}"
+    return f"{prefix}blk.{storage_format}:{block_hash.hex()}"

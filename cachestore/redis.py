@@ -155,7 +155,7 @@ class RedisTier(BlockTier):
     ) -> None:
         """``ttl_s`` None means no expiry (rely on ``maxmemory``); ``compression`` and
         ``storage_dtype`` are the codec options (see ``cachestore.codec``: the latter is
-        lossy). The client connects lazily: a Redis that is down at startup is a miss,
+        lossy, names its own keys, and only values stored so are read). The client connects lazily: a Redis that is down at startup is a miss,
         not an error."""
         self._init_block(block_shape, dtype)
         self._torch_shape = torch.Size(self.block_shape)
@@ -164,7 +164,15 @@ class RedisTier(BlockTier):
         self.key_prefix = key_prefix
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
         self.compression = compression
+        if storage_dtype == dtype:
+            storage_dtype = None
         self.storage_dtype = storage_dtype
+        # "exact", or the STORAGE_FORMATS name of a lossy format (part of the keys)
+        self.storage_format = next(
+            (name for name, sdt in codec.STORAGE_FORMATS.items() if sdt == storage_dtype), None
+        )
+        if self.storage_format is None:
+            raise ValueError(f"unsupported storage dtype {storage_dtype}; use one of {list(codec.STORAGE_FORMATS)}")
         self.value_nbytes = codec.encoded_size(self.block_shape, dtype, storage_dtype)
         self.batch_blocks = max(1, max_batch_bytes // self.value_nbytes)
         # Direct reads need the plain layout: no compression, stored in its own dtype.
@@ -200,8 +208,8 @@ class RedisTier(BlockTier):
     # ---- plumbing ------------------------------------------------------------------
 
     def key(self, ref: BlockRef) -> str:
-        """The Redis key holding ``ref``."""
-        return redis_key(self.key_prefix, ref.block_hash)
+        """The Redis key holding ``ref`` (its storage format is part of the key)."""
+        return redis_key(self.key_prefix, ref.block_hash, self.storage_format)
 
     def _get_client(self, read: bool = False) -> redis.Redis | redis.cluster.RedisCluster:
         with self._client_lock:
@@ -404,7 +412,7 @@ class RedisTier(BlockTier):
         if isinstance(value, Exception):
             self._counters.add(errors=1)
             return BACKEND_ERROR
-        result = codec.decode_into(value, ref.namespace, ref.block_hash, out)
+        result = codec.decode_into(value, ref.namespace, ref.block_hash, out, self.storage_dtype)
         return None if result.ok else result.reason
 
     def _drop_bad(self, ref: BlockRef, reason: str) -> None:

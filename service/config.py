@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from service.engine import EngineConfig
 
 ENV_PREFIX = "KVSERVE_"
+# cachestore.codec.STORAGE_FORMATS' names (kept here so that reading settings imports no torch)
+STORAGE_FORMAT_NAMES = ("exact", "bf16", "fp16", "int8", "fp8")
 
 
 class ConfigError(ValueError):
@@ -166,6 +168,8 @@ class ServerConfig:
     redis_required: bool = setting(False, "Refuse to start when --redis-url does not answer at startup (default: log it and serve degraded, KV blocks and session transcripts kept in this process, until Redis answers).", parse_bool)
     redis_ttl: float = setting(24 * 3600.0, "Expiry of KV blocks in Redis (0 = none; rely on maxmemory eviction). Session records expire after --session-ttl.", parse_duration, metavar="SECONDS")
     redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
+    redis_kv_format: str = setting("exact", "How KV blocks are stored in Redis: exact (the KV dtype), or LOSSY bf16, fp16, int8 or fp8 (e4m3; int8 and fp8 with a float32 scale per head and token); fewer bytes per restore, restored KV rounded (measured error in docs/benchmarks.md). Each format has its own keys: replicas read only blocks stored in their format.", choice(*STORAGE_FORMAT_NAMES))
+    redis_compression: str = setting("none", "Lossless compression of KV blocks in Redis: none, zstd or lz4 (pays only on slow links: random-weight KV hardly compresses).", choice("none", "zstd", "lz4"))
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
     spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.REDIS), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
@@ -295,6 +299,8 @@ class ServerConfig:
             redis_cluster=self.redis_cluster,
             redis_ttl_s=self.redis_ttl,
             redis_key_prefix=self.redis_key_prefix,
+            redis_kv_format=self.redis_kv_format,
+            redis_compression=self.redis_compression,
             spill_after_s=self.spill_after,
             spill_to=self.spill_to,
             restore_policy=self.restore_policy,

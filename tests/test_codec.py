@@ -92,9 +92,58 @@ def test_lower_storage_dtype_is_the_rounded_block(storage_dtype: torch.dtype, co
     data = codec.encode(NS, H0, b, storage_dtype=storage_dtype, compression=compression)
     assert len(data) < codec.encoded_size(SHAPE, torch.float32)
     out = sentinel_out()
-    assert codec.decode_into(data, NS, H0, out).ok
+    assert codec.decode_into(data, NS, H0, out, storage_dtype).ok
     assert out.dtype == torch.float32
     assert torch.equal(out, b.to(storage_dtype).to(torch.float32))  # lossy, and exactly so
+
+
+@pytest.mark.parametrize(
+    ("storage_dtype", "bound"), [(torch.int8, 0.5 / 127), (torch.float8_e4m3fn, 1 / 16)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("compression", [None, "lz4"])
+def test_scaled_storage_round_trip(
+    storage_dtype: torch.dtype, bound: float, dtype: torch.dtype, compression: str | None
+) -> None:
+    """int8 / fp8 with a scale per (layer, K/V, token, head) row: every value within
+    half a quantization step of that row's absmax (int8), or fp8 e4m3's relative
+    precision (3 mantissa bits: 1/16) of it; a row of zeros stays zeros."""
+    b = (block() * torch.linspace(0.01, 100, SHAPE[-1])).to(dtype)  # rows of mixed magnitudes
+    b[0, 1, 2] = 0
+    data = codec.encode(NS, H0, b, storage_dtype=storage_dtype, compression=compression)
+    exact_size = codec.encoded_size(SHAPE, dtype)
+    if compression is None:
+        assert len(data) == codec.encoded_size(SHAPE, dtype, storage_dtype) < exact_size
+    out = sentinel_out(dtype=dtype)
+    assert codec.decode_into(data, NS, H0, out, storage_dtype).ok
+    err = (out.float() - b.float()).abs()
+    row_max = b.float().abs().amax(dim=-1, keepdim=True)
+    rounding = 2.0 ** -7 if dtype != torch.float32 else 0.0  # out's own rounding
+    assert (err <= (bound + rounding) * row_max + 1e-12).all()
+    assert torch.equal(out[0, 1, 2], torch.zeros_like(out[0, 1, 2]))
+    # the payload is a safetensors file of two tensors any reader can open
+    from safetensors.torch import load
+
+    payload = data[codec.HEADER_SIZE : -codec.CHECKSUM_SIZE]
+    if compression is None:
+        tensors = load(bytes(payload))
+        assert set(tensors) == {"kv", "scale"} and tensors["kv"].dtype == storage_dtype
+
+
+@pytest.mark.parametrize("written", sorted(codec.STORAGE_FORMATS))
+def test_a_reader_takes_only_its_storage_format(written: str) -> None:
+    """A value stored in one format is a miss (wrong_storage) for a reader of any other,
+    so lossy KV is never taken for exact KV or for another lossy format."""
+    b = block()
+    data = codec.encode(NS, H0, b, storage_dtype=codec.STORAGE_FORMATS[written])
+    for reader, sdt in codec.STORAGE_FORMATS.items():
+        out = sentinel_out()
+        result = codec.decode_into(data, NS, H0, out, sdt)
+        if reader == written:
+            assert result.ok
+        else:
+            assert result.reason == codec.WRONG_STORAGE
+            assert_untouched(out)
 
 
 def test_decode_reads_from_memoryview_and_bytearray() -> None:
@@ -235,7 +284,9 @@ def test_header_inconsistencies_with_valid_checksum(good: bytes) -> None:
     check_miss(with_header(good, dtype=99), codec.BAD_HEADER)
     check_miss(with_header(good, compression=9), codec.BAD_HEADER)
     check_miss(with_header(good, raw_size=5), codec.BAD_HEADER)
-    check_miss(with_header(good, storage_dtype=2), codec.BAD_PAYLOAD)  # says f16, holds f32
+    check_miss(with_header(good, storage_dtype=2), codec.WRONG_STORAGE)  # says f16: not what we read
+    f16 = with_header(good, storage_dtype=2)
+    assert codec.decode_into(f16, NS, H0, sentinel_out(), torch.float16).reason == codec.BAD_PAYLOAD  # holds f32
 
 
 def test_bad_arguments_raise() -> None:
@@ -310,6 +361,8 @@ _VARIANTS = {
     "zstd": dict(compression="zstd"),
     "lz4": dict(compression="lz4"),
     "bf16": dict(storage_dtype=torch.bfloat16),
+    "int8": dict(storage_dtype=torch.int8),
+    "fp8": dict(storage_dtype=torch.float8_e4m3fn),
 }
 
 
@@ -319,7 +372,7 @@ def test_fuzz_mutated_values_never_decode(variant: str, draw: st.DataObject) -> 
     good = codec.encode(NS, H0, block(), **_VARIANTS[variant])
     bad = draw.draw(mutations(good))
     out = sentinel_out()
-    result = codec.decode_into(bad, NS, H0, out)
+    result = codec.decode_into(bad, NS, H0, out, _VARIANTS[variant].get("storage_dtype"))
     if bad == good:
         assert result.ok
     else:
@@ -342,10 +395,11 @@ def test_fuzz_mutations_with_recomputed_checksum_never_give_wrong_kv(variant: st
         meta_end = codec.HEADER_SIZE + 8 + struct.unpack_from("<Q", good, codec.HEADER_SIZE)[0]
     body = draw.draw(mutations(good[: -codec.CHECKSUM_SIZE], limit=meta_end))
     out = sentinel_out()
-    result = codec.decode_into(rechecksum(body), NS, H0, out)
+    sdt = _VARIANTS[variant].get("storage_dtype")
+    result = codec.decode_into(rechecksum(body), NS, H0, out, sdt)
     if result.ok:
         expected = sentinel_out()
-        assert codec.decode_into(good, NS, H0, expected).ok
+        assert codec.decode_into(good, NS, H0, expected, sdt).ok
         assert torch.equal(out, expected)
     else:
         assert result.reason in codec.REASONS

@@ -131,3 +131,10 @@ def test_boolean_settings_are_switches_and_keep_the_environment_form():
     with pytest.raises(SystemExit):  # a switch takes no value
         ServerConfig.from_args(["--redis-cluster", "true"], {})
     assert "`--redis-cluster` / `--no-redis-cluster`" in ServerConfig.markdown_table()
+
+
+def test_storage_format_names_are_the_codecs() -> None:
+    from cachestore.codec import STORAGE_FORMATS
+    from service.config import STORAGE_FORMAT_NAMES
+
+    assert STORAGE_FORMAT_NAMES == tuple(STORAGE_FORMATS)

@@ -241,3 +241,34 @@ def test_auto_policy_recomputes_when_the_tier_is_slower(loaded, redis_url):
     assert decisions[("redis", "recomputed", "slower")] > 0
     assert not any(d == "restored" for _, d, _ in decisions)
     b.close()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])  # bf16: tests/test_codec.py, test_redis_tier.py
+def test_lossy_redis_format_restores_a_session_close_to_exact(loaded, redis_url, fmt):
+    """A session restored from Redis stored in a lossy format (--redis-kv-format): the
+    turn's greedy output agrees with recomputing it (on this tiny model, at this length;
+    bench/bench_restore.py --formats measures the error over many sessions), and an
+    exact reader of the same Redis finds none of those blocks."""
+    from bench.lossy_kv import measure_kv_error
+
+    def lossy_store():
+        return build_store(EngineConfig(block_size=BS, redis_url=redis_url, redis_kv_format=fmt), loaded)
+
+    a = make_engine(loaded, store=lossy_store())
+    (p1,) = prompts(loaded.config.vocab_size, [16], seed=31)
+    run(a, [req("t1", p1, n=4)])
+    spill_now(a, p1)
+    a.close()
+    b = make_engine(loaded, store=lossy_store())
+    turn = p1 + [5, 6, 7]
+    fin = finished(run(b, [req("t2", turn, n=4)])["t2"])
+    assert fin.cached_tokens == 16
+    assert fin.output_token_ids == greedy_reference(loaded.model, turn, 4)
+    b.close()
+    exact = store_for(loaded, redis_url=redis_url)
+    ns = make_namespace(loaded.fingerprint, "float32", BS, "")
+    assert exact.match_prefix(ns, block_hashes(ns, p1, BS)) == []
+    exact.close()
+    err = measure_kv_error(loaded, codec.STORAGE_FORMATS[fmt], sessions=3, history=16, decode=3, block_size=BS)
+    assert err["first_token_agreement"] == 1.0
+    assert 0 < err["max_logit_diff"] < 0.2

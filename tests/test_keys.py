@@ -180,3 +180,7 @@ def test_bad_block_size_is_refused() -> None:
 def test_redis_key() -> None:
     h = block_hashes(make_namespace("fp", "float32", 4), [1, 2, 3, 4], 4)[0]
     assert redis_key("kvserve:", h) == "kvserve:blk:" + h.hex()
+    # a lossy storage format has keys of its own
+    assert redis_key("kvserve:", h, "exact") == "kvserve:blk:" + h.hex()
+    assert redis_key("kvserve:", h, "int8") == "kvserve:blk.int8:" + h.hex()
+    assert len({redis_key("p:", h, f) for f in ("exact", "bf16", "fp16", "int8", "fp8")}) == 5

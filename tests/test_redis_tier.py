@@ -130,6 +130,33 @@ def test_round_trip_layout_and_ttl(redis_url: str, redis_server: Any) -> None:
     assert s.breaker_state == CLOSED
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
+def test_lossy_storage_formats_have_their_own_keys(redis_url: str, redis_server: Any, fmt: str) -> None:
+    """A lossy format round trips within its error, under keys of its own: an exact
+    reader (or one of another format) never sees it, and a value of the wrong format
+    put under its keys is a miss (wrong_storage), deleted when read."""
+    sdt = codec.STORAGE_FORMATS[fmt]
+    lossy = make_tier(redis_url, storage_dtype=sdt)
+    exact = make_tier(redis_url)
+    assert lossy.storage_format == fmt and exact.storage_format == "exact"
+    assert lossy.put_many(REFS[:3], [value(i) for i in range(3)]) == [True] * 3
+    outs = [torch.empty(SHAPE) for _ in range(3)]
+    assert lossy.get_many_into(REFS[:3], outs) == 3
+    for i, out in enumerate(outs):
+        assert not torch.equal(out, value(i)) and torch.allclose(out, value(i), atol=0.15)
+    assert exact.contains_many(REFS[:3]) == [False] * 3
+    assert exact.get_many_into(REFS[:3], outs) == 0
+    with redis_server.client() as c:
+        assert {k.decode() for k in c.keys("test:*")} == {f"test:blk.{fmt}:" + r.block_hash.hex() for r in REFS[:3]}
+        # an exact value stored under the lossy key (a writer bug): a miss, and deleted
+        c.set(lossy.key(REFS[5]), codec.encode(NS, REFS[5].block_hash, value(5)))
+        assert lossy.get_into(REFS[5], outs[0]) is False
+        assert lossy.stats().failures.get(codec.WRONG_STORAGE) == 1
+        assert not c.exists(lossy.key(REFS[5]))
+    lossy.close()
+    exact.close()
+
+
 def test_no_ttl(redis_url: str, redis_server: Any) -> None:
     tier = make_tier(redis_url, ttl_s=None)
     tier.put(REFS[0], value(0))

@@ -29,6 +29,8 @@ class EngineConfig:
     redis_cluster: bool = False
     redis_ttl_s: float = 24 * 3600.0
     redis_key_prefix: str = "kvserve:"
+    redis_kv_format: str = "exact"  # codec.STORAGE_FORMATS: exact | bf16 | fp16 | int8 | fp8
+    redis_compression: str = "none"  # none | zstd | lz4
     spill_after_s: float = 30.0  # idle seconds before a session's blocks are written out
     spill_to: tuple[Tier, ...] = (Tier.HOST, Tier.REDIS)
     # "auto": restore a tier's blocks only when the measured rates say it beats

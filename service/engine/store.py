@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cachestore.codec import STORAGE_FORMATS
 from cachestore.host import HostTier
 from cachestore.redis import RedisTier
 from cachestore.tiered import TieredStore
@@ -30,6 +31,8 @@ def build_store(cfg: EngineConfig, loaded: Any) -> TieredStore | None:
             cluster=cfg.redis_cluster,
             ttl_s=cfg.redis_ttl_s or None,
             key_prefix=cfg.redis_key_prefix,
+            storage_dtype=STORAGE_FORMATS[cfg.redis_kv_format],
+            compression=None if cfg.redis_compression == "none" else cfg.redis_compression,
         )
         if cfg.redis_url
         else None
