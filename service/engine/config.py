@@ -37,6 +37,9 @@ class EngineConfig:
     # recomputing them (by restore_min_speedup); "always": restore every hit.
     restore_policy: str = "auto"
     restore_min_speedup: float = 1.0
+    # pinned host buffers (CUDA) that restores land in and demotions leave through,
+    # allocated once (service/kv/transfer.py); unused on the CPU
+    staging_memory: int = 256 << 20
 
     def resolved_model_path(self) -> Path:
         return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR

@@ -51,6 +51,7 @@ from service.types import (
 )
 from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
 from service.kv.cache import BatchLayout, KVPool, SeqSlice, dtype_name
+from service.kv.transfer import BlockTransfers
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Sequence:
     started: bool = False
     cancelled: bool = False
     restore: Future | None = None
+    restore_targets: list[torch.Tensor] = field(default_factory=list)  # pool blocks or staging
     t_admit: float = 0.0
     t_restore0: float = 0.0
     restore_s: float = 0.0
@@ -132,6 +134,8 @@ class LLMEngine:
             device=self.device,
         )
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
+        # restores into / demotions out of the pool (CUDA: streams, events, pinned staging)
+        self.transfers = BlockTransfers.for_pool(self.pool, cfg.staging_memory)
         self.kv_dtype = dtype_name(loaded.dtype)
         self.eos_ids = frozenset(loaded.eos_token_ids)
         # Embeddings are often padded past the tokenizer (e.g. to a multiple of 64):
@@ -297,6 +301,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> Emitted:
         out: Emitted = []
+        self.transfers.poll()
         self._drain_inbox(out)
         self._poll_restores(out)
         self._admit(out)
@@ -374,34 +379,29 @@ class LLMEngine:
 
     def _start_restore(self, seq: Sequence, hashes: list[BlockHash], blocks: list[Block]) -> None:
         """Look the blocks up in host/Redis and load the hits into ``blocks``, all on
-        the restore thread: the decode loop never waits on the store."""
+        the restore thread: the decode loop never waits on the store. The loads land in
+        the pool itself (CPU) or in pinned staging buffers that ``_poll_restores`` copies
+        into the pool on the restore stream (CUDA; service/kv/transfer.py)."""
+        targets = self.transfers.restore_targets([b.block_id for b in blocks])
+        if not targets:  # every staging buffer busy: recompute these blocks
+            return
         seq.status = SeqStatus.RESTORING
         seq.t_restore0 = time.monotonic()
-        if self.device.type == "cpu":
-            outs = [self.pool.data[b.block_id] for b in blocks]  # written in place
-        else:
-            outs = None  # pinned staging buffers, allocated by the job
-        seq.restore = self._restorer.submit(self._restore_job, seq.namespace, hashes, outs)
+        seq.restore_targets = targets
+        seq.restore = self._restorer.submit(self._restore_job, seq.namespace, hashes[: len(targets)], targets)
         seq.restore.add_done_callback(lambda _: self.work_ready.set())
         self.restoring.append(seq)
 
-    def _restore_job(
-        self, namespace: bytes, hashes: list[BlockHash], outs: list[torch.Tensor] | None
-    ) -> tuple[list[str], list[torch.Tensor]]:
+    def _restore_job(self, namespace: bytes, hashes: list[BlockHash], targets: list[torch.Tensor]) -> list[str]:
         """Runs on the restore thread. Returns the tier of each leading block that was
-        loaded and verified, and the staging buffers (CUDA) holding them."""
+        loaded into ``targets`` and verified."""
         plan = self._plan_restore(namespace, hashes)
         if not plan:
-            return [], []
-        if outs is None:
-            outs = [
-                torch.empty(self.pool.block_shape, dtype=self.pool.dtype, pin_memory=True)
-                for _ in plan
-            ]
-        n_ok = self.store.fetch_into(namespace, hashes[: len(plan)], plan, outs)
+            return []
+        n_ok = self.store.fetch_into(namespace, hashes[: len(plan)], plan, targets)
         if n_ok < len(plan):
             self.store.note_load_failed(plan[n_ok:])
-        return plan[:n_ok], (outs[:n_ok] if self.device.type != "cpu" else [])
+        return plan[:n_ok]
 
     def _plan_restore(self, namespace: bytes, hashes: list[BlockHash]) -> list[str]:
         """Tiers of the leading blocks found in host/Redis, cut where restoring would be
@@ -423,15 +423,17 @@ class LLMEngine:
         for seq in [s for s in self.restoring if s.restore is not None and s.restore.done()]:
             self.restoring.remove(seq)
             try:
-                loaded, staging = seq.restore.result()
+                loaded = seq.restore.result()
             except Exception:
                 log.exception("restore of %s failed; recomputing", seq.request_id)
-                loaded, staging = [], []
+                loaded = []
+            targets, seq.restore_targets = seq.restore_targets, []
             seq.restore = None
             seq.restore_s = time.monotonic() - seq.t_restore0
             start = seq.num_registered
-            for i, buf in enumerate(staging):
-                self.pool.import_block(seq.blocks[start + i].block_id, buf)
+            n = len(loaded)
+            self.transfers.restore([b.block_id for b in seq.blocks[start : start + n]], targets[:n])
+            self.transfers.release(targets[n:])
             for i, tier_name in enumerate(loaded):
                 self.blocks.register(seq.blocks[start + i], seq.hashes[start + i], seq.namespace)
                 tier = Tier(tier_name)  # the store reports names
@@ -694,20 +696,25 @@ class LLMEngine:
 
     def _on_evict(self, block: Block) -> None:
         """Device eviction demotes the block to the next tier instead of dropping it:
-        a memcpy into the host tier (whose own eviction demotes on to Redis), or, with
-        Redis alone, a copy queued for the background writer."""
+        a copy into the host tier (whose own eviction demotes on to Redis), or, with
+        Redis alone, a copy queued for the background writer. On CUDA the device ->
+        host copy runs on the demotion stream and the tier receives it once it
+        completed (service/kv/transfer.py); the block is reusable right away."""
         if self.store is None or block.block_hash is None or block.namespace is None:
             return
-        data = self.pool.data[block.block_id]
-        try:
-            if Tier.HOST in self.store.tiers:
-                self.store.put(block.namespace, block.block_hash, data, (Tier.HOST,))
+        ns, h, block_id = block.namespace, block.block_hash, block.block_id
+        to_host = Tier.HOST in self.store.tiers
+
+        def store(data: torch.Tensor) -> None:  # data: valid only during the call
+            if to_host:
+                self.store.put(ns, h, data, (Tier.HOST,))
             else:
-                self.store.submit_spill(
-                    [(block.namespace, block.block_hash, data.to("cpu", copy=True))], (Tier.REDIS,)
-                )
+                self.store.submit_spill([(ns, h, data.to("cpu", copy=True))], (Tier.REDIS,))
+
+        try:
+            self.transfers.demote(block_id, store)
         except Exception:
-            log.exception("demoting block %d failed", block.block_id)
+            log.exception("demoting block %d failed", block_id)
 
     def device_blocks_for(self, token_ids: list[int], scope: CacheScope) -> int:
         """How many leading full blocks of ``token_ids`` are on the device now."""
@@ -762,5 +769,6 @@ class LLMEngine:
 
     def close(self) -> None:
         self._restorer.shutdown(wait=True, cancel_futures=True)
+        self.transfers.drain()
         if self.store is not None:
             self.store.close()
