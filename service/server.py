@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import signal
 import socket
 import time
@@ -50,6 +51,7 @@ from service.sessions import (
     SessionStore,
 )
 from service.spill import SpillScheduler
+from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -300,12 +302,15 @@ async def serve(
     engine: Any = None,
     session_store: SessionStore | None = None,
     metrics: ServiceMetrics | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Start a server for ``config`` in this event loop; drain and stop it on exit.
 
     ``engine``: an already built ``AsyncEngine`` to serve (it is not shut down on exit);
     by default one is built from ``config.engine_config()`` and owned by the server.
     ``session_store``: where sessions live (default: ``build_session_store(config)``).
+    ``tracing``: OpenTelemetry spans of Generate calls (default: as the standard OTEL_*
+    environment variables say, off when none is set; service/tracing.py).
 
     Everything that can be checked cheaply is checked before the model loads (keys,
     TLS files, device, the port, Redis); a problem raises ``StartupError`` (or
@@ -318,6 +323,12 @@ async def serve(
         check_device(config)
     check_port(config.host, config.port)
     metrics = metrics or ServiceMetrics()
+    owns_tracing = tracing is None
+    if tracing is None:
+        try:
+            tracing = Tracing.from_environment(os.environ)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
     interceptors = (
         [AuthInterceptor(authenticator, on_reject=lambda m: metrics.requests.labels(m, "UNAUTHENTICATED").inc())]
         if authenticator.enabled
@@ -367,6 +378,7 @@ async def serve(
                 max_streams_per_tenant=config.max_streams_per_tenant,
             ),
             shared_cache_salts=config.shared_cache_salts,
+            tracing=tracing,
         )
         reaper = (
             asyncio.create_task(
@@ -427,6 +439,8 @@ async def serve(
             if owns_engine and engine is not None:
                 await engine.shutdown(0.0)
             await server.stop(None)  # releases the port
+        if owns_tracing:
+            await asyncio.to_thread(tracing.shutdown)  # flush buffered spans
 
 
 async def run(config: ServerConfig) -> int:

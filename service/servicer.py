@@ -92,6 +92,7 @@ from service.sessions import (
     text_tokens,
 )
 from service.spill import SpillScheduler
+from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +244,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         spill: SpillScheduler | None = None,
         limits: Limits = Limits(),
         shared_cache_salts: frozenset[str] | tuple[str, ...] = (),
+        tracing: Tracing | None = None,
     ) -> None:
         self.engine = engine
+        self.tracing = tracing or Tracing.off()
         self.sessions = sessions
         self.metrics = metrics
         self.default_max_new_tokens = default_max_new_tokens
@@ -299,6 +302,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         code = grpc.StatusCode.OK
         failure: RpcStatus | None = None
         owner: str | None = None  # set once the stream is admitted (counted)
+        session_id = "" if isinstance(request, InvalidMessage) else request.session_id
+        trace = self.tracing.generate(context.invocation_metadata(), request_id, session_id)
         try:
             if isinstance(request, InvalidMessage):
                 raise request.status()
@@ -306,7 +311,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tenant = self._tenant_of(context)
             self._admit_stream(tenant, request_id)
             owner = tenant
-            async for response in self._generate(request, context, request_id, owner):
+            async for response in self._generate(request, context, request_id, owner, trace):
                 yield response
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
@@ -318,6 +323,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if owner is not None:
                 self._release_stream(owner, request_id)
             self.metrics.requests.labels("Generate", code.name).inc()
+            trace.end(code.name, failure.details if failure is not None else "")
         if failure is not None:
             await context.abort(failure.code, failure.details)
 
@@ -358,7 +364,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return self._streams_by_tenant.get(owner, 0)
 
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str, owner: str
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str, owner: str,
+        trace: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
@@ -396,6 +403,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 async for event in events:
                     if isinstance(event, Started):
                         self._observe_start(event)
+                        trace.started(event, self.engine.model_info.block_size, self.engine.model_info.bytes_per_token)
                         start = self._start_pb(event, session_id)
                         start.session_created = turn is not None and turn.created
                         yield pb.GenerateResponse(start=start)
@@ -415,6 +423,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         yield pb.GenerateResponse(delta=pb.DeltaEvent(text=event.text, token_ids=event.token_ids))
                     elif isinstance(event, Finished):
                         finished = True
+                        trace.finished(event)
                         self.metrics.finished.labels(event.finish_reason.value).inc()
                         # Commit and unlock the session before the client sees the end of
                         # the stream, so its next turn never finds the session busy.
