@@ -42,7 +42,7 @@ import pytest
 from clients import AsyncKVServeClient, KVServeClient, StreamStart, TextDelta
 from tests.fixtures.redis_server import free_port
 from tests.serving import REPO, ServerThread, start_server_process, subprocess_env, tiny_config, wait_until
-from tests.test_deploy import COMPOSE, compose_env, load_yaml
+from tests.test_deploy import COMPOSE, compose_env, k8s_resource, load_yaml
 from tests.test_node_client import node_client  # noqa: F401  (fixture)
 
 HAPROXY_CFG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
@@ -253,6 +253,53 @@ def test_compose_replicas_profile_puts_haproxy_in_front_of_three_identical_repli
     published = {int(p.split(":")[0]): int(p.split(":")[1]) for p in proxy["ports"]}
     assert published[50050] == int(env["GRPC_BIND"].rsplit(":", 1)[1])
     assert all(proxy["depends_on"][n]["condition"] == "service_healthy" for n in ("kvserve", "kvserve-2", "kvserve-3"))
+
+
+def _routing_lines(cfg: str) -> list[str]:
+    """The lines that decide where a call goes and what a failed connection costs."""
+    keys = ("capture ", "use_backend ", "default_backend ", "balance ", "hash-type ", "retries ", "option redispatch",
+            "retry-on ", "timeout ")  # fmt: skip
+    return [line.strip() for line in cfg.splitlines() if line.strip().startswith(keys)]
+
+
+def test_k8s_router_config_passes_haproxy_check_and_routes_like_the_compose_config(need_haproxy, tmp_path):
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(k8s_resource("ConfigMap", "kvserve-router-config")["data"]["haproxy.cfg"])
+    result = _haproxy_check(cfg, {})
+    assert result.returncode == 0 and "[WARNING]" not in result.stdout + result.stderr, result.stdout + result.stderr
+    assert _routing_lines(cfg.read_text()) == _routing_lines(HAPROXY_CFG.read_text())
+    assert "balance hdr(x-kvserve-session)" in _routing_lines(cfg.read_text())
+
+
+def test_k8s_router_finds_the_kvserve_pods_through_a_headless_service_and_mounts_its_config():
+    cfg = k8s_resource("ConfigMap", "kvserve-router-config")["data"]["haproxy.cfg"]
+    pods = k8s_resource("Service", "kvserve-pods")
+    server = k8s_resource("Deployment", "kvserve")
+    pod_labels = server["spec"]["template"]["metadata"]["labels"]
+    # The SRV records: one per ready kvserve pod, on the port named in the template.
+    assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = pods["spec"]["ports"]
+    container_ports = {p["name"]: p["containerPort"] for p in server["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert port["targetPort"] in container_ports and port["port"] == container_ports[port["targetPort"]]
+    srv = re.findall(r"server-template \S+ \d+ (\S+) ", cfg)
+    assert srv and set(srv) == {f"_{port['name']}._tcp.kvserve-pods.default.svc.cluster.local"}
+    # The router: its Service selects its pods only; the config is mounted where the image reads it.
+    router = k8s_resource("Deployment", "kvserve-router")
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    svc = k8s_resource("Service", "kvserve-router")
+    assert svc["spec"]["selector"].items() <= router_labels.items()
+    assert not svc["spec"]["selector"].items() <= pod_labels.items()
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert container["image"].split(":")[0] == "haproxy"
+    (mount,) = container["volumeMounts"]
+    (volume,) = router["spec"]["template"]["spec"]["volumes"]
+    assert mount["name"] == volume["name"] and volume["configMap"]["name"] == "kvserve-router-config"
+    assert mount["mountPath"] == "/usr/local/etc/haproxy"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert f"bind :{ports[svc['spec']['ports'][0]['targetPort']]} proto h2" in cfg
+    assert f"bind :{ports[container['readinessProbe']['httpGet']['port']]}" in cfg
+    assert f"if {{ path {container['readinessProbe']['httpGet']['path']} }}" in cfg
 
 
 def test_every_client_sends_the_session_metadata_the_proxy_hashes_on(need_haproxy, tiny_llama_dir, node_client):
