@@ -888,9 +888,10 @@ class FallbackSessionStore:
         return bool(got) if ok else True  # Redis away: the lease is this replica's to keep
 
     async def unlock(self, owner: str, session_id: str, holder: str) -> None:
-        """An unlock that misses Redis is tried again in the background for a few
-        seconds, so a blip does not leave the session busy until the lease runs out
-        (on this replica a leftover lock of its own never blocks: see ``try_lock``)."""
+        """An unlock that misses Redis is tried again in the background until Redis
+        answers, so a blip or a hang does not leave the session busy for other replicas
+        until the lease runs out (on this replica a leftover lock of its own never
+        blocks: see ``try_lock``)."""
         await self.local.unlock(owner, session_id, holder)
         ok, _ = await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
         if not ok and len(self._retries) < 10_000:
@@ -899,10 +900,15 @@ class FallbackSessionStore:
             task.add_done_callback(self._retries.discard)
 
     async def _retry_unlock(self, owner: str, session_id: str, holder: str) -> None:
-        for _ in range(8):
+        """Until Redis answers (a minute at most): a lock write it applies late, after a
+        hang, is then removed before other replicas wait out its lease."""
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
             await asyncio.sleep(self._unlock_retry_s)
             if self._closed:
                 return
+            if self.breaker.state == "open":
+                continue  # not a call: the breaker would refuse it
             ok, _ = await self._try("unlock", lambda: self.primary.unlock(owner, session_id, holder))
             if ok:
                 return

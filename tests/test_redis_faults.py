@@ -225,3 +225,19 @@ def test_a_hung_redis_stalls_no_session_call(tiny_llama_dir, make_redis_server):
         rec = srv.call(in_redis())
         assert rec is not None and rec.turns == 5 and rec.token_ids == mine.token_ids
         assert srv.running.sessions.unconfirmed_writes >= 1
+
+        # another replica is not kept out for the lease (30 s) by lock writes applied late
+        with ServerThread(_config(tiny_llama_dir, redis.url)) as r2, KVServeClient(r2.address, timeout=5) as c2:
+            got: list[Any] = []
+
+            def turn_elsewhere() -> bool:
+                try:
+                    got.append(c2.chat("h", "on another replica", max_new_tokens=4))
+                    return True
+                except KVServeError as e:
+                    if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    return False
+
+            assert wait_until(turn_elsewhere, timeout=15, interval=0.5)
+            assert not got[0].start.session_created and got[0].start.prompt_tokens > len(mine.token_ids)
