@@ -73,7 +73,7 @@ def test_fingerprint_covers_the_weight_format(tiny_llama_dir) -> None:
         load_model(tiny_llama_dir, progress=False, weight_format="int3")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 100])  # 100: the prefill path (DEQUANT_ROWS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_computes_its_dequantized_weight(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)

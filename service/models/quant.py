@@ -15,6 +15,10 @@ cast back to it, so the residual stream keeps full precision. Activations go int
 product as bfloat16: the int8 kernel is ~2x slower with float32 activations than the
 float32 matmul, and several times faster with bfloat16 ones (docs/benchmarks.md).
 
+From ``DEQUANT_ROWS`` rows up (prefill), bf16 and int8 products run on the weight widened
+to the compute dtype for the call: prefill is compute-bound, and on CPUs without AVX-512
+BF16 torch's bf16/int8 kernels are several times slower than float32 GEMM there.
+
 The format is part of the model fingerprint (``format_fingerprint``): KV computed with
 other weights is never restored. New model families get this for free as long as their
 projections are ``layers.Linear`` modules.
@@ -32,6 +36,9 @@ from torch import Tensor, nn
 from service.models.layers import Linear
 
 WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
+# From this many rows (prefill chunks) bf16/int8 products run on the widened weight in
+# the compute dtype: same weights, the compute dtype's fast GEMM.
+DEQUANT_ROWS = 64
 
 
 class QuantLinear(nn.Module):
@@ -84,13 +91,18 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The weight this layer multiplies by, in float32 (out, in)."""
-        w = self.weight.float()
-        return w * self.scales.float()[:, None] if self.scales is not None else w
+        w = self.weight.float()  # a new tensor: scaled in place
+        return w.mul_(self.scales.float()[:, None]) if self.scales is not None else w
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
         if self._fbgemm is not None:
             return self._forward_w8a8(x, rows)
+        if rows >= DEQUANT_ROWS and x.device.type == "cpu":
+            # prefill: compute-bound, and the bf16/int8 kernels have no fast many-row path
+            # on CPUs without AVX-512 BF16 (a 512-token bf16 prefill ran 5x slower than
+            # float32); widening the weight once per call costs far less than the product.
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         xa = x.reshape(rows, self.in_features).to(torch.bfloat16)  # (rows, in)
         if self._packed_kernel:
             y = torch._weight_int8pack_mm(xa, self.weight, self.scales)  # (rows, out) bf16
