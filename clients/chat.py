@@ -11,6 +11,8 @@ Commands: ``/reset`` deletes the session and starts a new one, ``/quit`` (or end
 input) exits. ``--session NAME`` resumes that session (default: a new random id).
 Works with stdin from a pipe (no prompt is printed when stdin is not a terminal).
 Ctrl-C during a reply cancels that turn (the session is left as before the turn).
+Follow-up turns demand the existing session: if the server no longer has its history
+(expired, deleted, lost), the chat says so and starts the session over.
 Exit status: 0, or 1 when the last turn failed (its gRPC status is printed on stderr)
 or the session could not be looked up.
 """
@@ -39,7 +41,9 @@ def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str
     return "[" + " · ".join(parts) + "]"
 
 
-def _turn(client: KVServeClient, session: str, message: str, args: argparse.Namespace, out: TextIO) -> None:
+def _turn(
+    client: KVServeClient, session: str, message: str, args: argparse.Namespace, out: TextIO, existing: bool = False
+) -> None:
     sent = time.perf_counter()
     ttft: float | None = None
     start: StreamStart | None = None
@@ -49,6 +53,7 @@ def _turn(client: KVServeClient, session: str, message: str, args: argparse.Name
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         timeout=args.timeout,
+        require_existing_session=existing,
     )
     try:
         for event in stream:
@@ -83,10 +88,12 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
     interactive = stdin.isatty()
     session = args.session or f"chat-{uuid.uuid4().hex[:12]}"
 
+    has_history = False  # the session has completed turns: later turns demand it exists
     with KVServeClient(args.address, token=args.token) as client:
         try:
             info = client.get_session(session)
             out.write(f"[session {session}: resumed, {info.turns} turns, {info.token_count} tokens]\n")
+            has_history = True
         except KVServeError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:
                 err.write(f"[error {e.code.name}: {e.details}]\n")
@@ -119,9 +126,18 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 session = f"chat-{uuid.uuid4().hex[:12]}"
                 out.write(f"[session {session}: new]\n")
                 out.flush()
+                has_history = False
                 continue
             try:
-                _turn(client, session, message, args, out)
+                try:
+                    _turn(client, session, message, args, out, existing=has_history)
+                except KVServeError as e:
+                    if not (has_history and e.code == grpc.StatusCode.NOT_FOUND):
+                        raise
+                    out.write(f"[session {session}: the server no longer has its history "
+                              f"(expired, deleted or lost); starting it over]\n")  # fmt: skip
+                    _turn(client, session, message, args, out)
+                has_history = True
                 last_failed = False
             except KVServeError as e:
                 last_failed = True

@@ -67,3 +67,30 @@ def test_exit_status_is_non_zero_when_the_last_turn_failed(server):
     assert failed.stderr.startswith("[error INVALID_ARGUMENT:"), failed.stderr
     recovered = _chat(server.address, too_long + "hello again\n", "--session", "cli-fail-2", quiet=False)
     assert "[error INVALID_ARGUMENT:" in recovered.stderr and len(STATS.findall(recovered.stdout)) == 1
+
+
+def test_a_session_whose_history_is_gone_is_said_so_and_started_over(server):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clients.chat", "--address", server.address, "--max-new-tokens", "6",
+         "--session", "cli-gone"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=subprocess_env(),
+    )  # fmt: skip
+    try:
+        proc.stdin.write("hello there\n")
+        proc.stdin.flush()
+        lines = []
+        while not STATS.search(lines[-1] if lines else ""):  # the first turn's figures
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines) + proc.stderr.read()
+        with KVServeClient(server.address, timeout=60) as c:
+            c.delete_session("cli-gone")  # the history is gone (as after a TTL or a lost Redis)
+        out, err = proc.communicate("and now?\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "[session cli-gone: the server no longer has its history" in out
+    assert len(STATS.findall(out)) == 1  # the second turn ran, as a new session
+    with KVServeClient(server.address, timeout=60) as c:
+        assert c.get_session("cli-gone").turns == 1
