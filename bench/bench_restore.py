@@ -24,7 +24,9 @@ as a fraction of them.
 over exact, and the error against exact KV over ``--sessions`` random sessions
 (``bench/lossy_kv.py``: max logit difference, greedy agreement).
 
-Random weights, float32, CPU. Prints a table and writes bench/out/restore_ttft.png.
+Random weights, float32, CPU by default (``--device cuda --dtype bfloat16`` on a GPU: the
+raw ceilings are then pinned host -> device copies and redis-py GET). Prints a table and
+writes bench/out/restore_ttft.png.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ SHAPES = {
 }  # fmt: skip
 NEW_TURN = 16
 BLOCK = 16
+RUN = {"device": "cpu", "dtype": "float32"}  # set by --device / --dtype
 
 
 def checkpoint(shape: str, max_pos: int, cache: Path) -> Path:
@@ -107,12 +110,19 @@ def store(loaded, *, host: bool = False, redis_url: str | None = None, kv_format
 
 
 def raw_memcpy_gbps(nbytes: int, reps: int = 20) -> float:
-    src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    """memcpy into a preallocated buffer (CPU), or pinned host -> device (CUDA): the
+    ceiling of a restore from the host tier."""
+    cuda = RUN["device"].startswith("cuda")
+    src = torch.randn(nbytes // 4, pin_memory=cuda)
+    dst = torch.empty_like(src, device=RUN["device"])
+    dst.copy_(src, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
     return nbytes * reps / (time.perf_counter() - t0) / 1e9
 
 
@@ -141,9 +151,10 @@ def raw_redis_get_gbps(url: str, value_bytes: int, n: int) -> float:
 
 def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps: int) -> list[dict]:
     max_pos = max(histories) + NEW_TURN + 16
-    loaded = load_model(str(checkpoint(shape, max_pos, cache)), dtype="float32", device="cpu")
+    loaded = load_model(str(checkpoint(shape, max_pos, cache)), dtype=RUN["dtype"], device=RUN["device"])
     g = torch.Generator().manual_seed(0)
-    block_bytes = BLOCK * loaded.config.num_layers * 2 * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+    c = loaded.config
+    block_bytes = BLOCK * c.num_layers * 2 * c.num_kv_heads * c.head_dim * loaded.dtype.itemsize
     rows = []
     for H in histories:
         history = torch.randint(3, loaded.config.vocab_size, (H,), generator=g).tolist()
@@ -205,7 +216,9 @@ def measure_formats(
     from bench.lossy_kv import measure_kv_error
     from cachestore import codec
 
-    loaded = load_model(str(checkpoint(shape, history + NEW_TURN + 16, cache)), dtype="float32", device="cpu")
+    loaded = load_model(
+        str(checkpoint(shape, history + NEW_TURN + 16, cache)), dtype=RUN["dtype"], device=RUN["device"]
+    )
     g = torch.Generator().manual_seed(1)
     hist = torch.randint(3, loaded.config.vocab_size, (history,), generator=g).tolist()
     turn = hist + torch.randint(3, loaded.config.vocab_size, (NEW_TURN,), generator=g).tolist()
@@ -229,7 +242,7 @@ def measure_formats(
         )
         row = dict(
             shape=shape, history=history, format=fmt,
-            value_bytes=codec.encoded_size(block_shape, torch.float32, codec.STORAGE_FORMATS[fmt]),
+            value_bytes=codec.encoded_size(block_shape, loaded.dtype, codec.STORAGE_FORMATS[fmt]),
             restore_ms=statistics.median(f.timings.restore_s for f in fins) * 1000,
             ttft_ms=statistics.median(f.timings.ttft_s for f in fins) * 1000,
             cached=fins[-1].cached_tokens, **err,
@@ -242,7 +255,7 @@ def measure_formats(
 def print_formats(rows: list[dict], sessions: int) -> None:
     print()
     print(f"Redis storage formats (error: {sessions} sessions, 256-token history, {NEW_TURN}-token turn, "
-          "16 greedy tokens, vs exact float32 KV)")
+          f"16 greedy tokens, vs exact {RUN['dtype']} KV)")
     print()
     print("| shape | history | format | value bytes/block | redis restore ms | TTFT ms | restore speed-up "
           "| max logit diff | first token agrees | 16 greedy tokens agree | tokens before first difference |")
@@ -269,7 +282,10 @@ def main() -> None:
     ap.add_argument("--formats", default="", help="Redis storage formats to compare, e.g. exact,bf16,int8,fp8")
     ap.add_argument("--sessions", type=int, default=32, help="sessions for the formats' error figures")
     ap.add_argument("--formats-only", action="store_true", help="only the formats table")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     args = ap.parse_args()
+    RUN.update(device=args.device, dtype=args.dtype)
     if args.quick:
         args.shapes, args.histories, args.reps = "tiny", "64,256", 1
     if args.threads:
@@ -303,7 +319,8 @@ def main() -> None:
         return
 
     print()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 CPU, block {BLOCK} tokens, "
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype} {where}, block {BLOCK} tokens, "
           f"new turn {NEW_TURN} tokens, median of {args.reps}")
     print()
     hdr = ("| shape | history | KV MB | cold ms | device ms | host ms | redis ms | cold/redis "
@@ -320,7 +337,8 @@ def main() -> None:
         )
     print()
     for shape, (memcpy, rawget) in ceilings.items():
-        print(f"raw ceilings at {shape} block size: memcpy {memcpy:.2f} GB/s, redis-py GET {rawget:.2f} GB/s")
+        what = "pinned H2D" if args.device.startswith("cuda") else "memcpy"
+        print(f"raw ceilings at {shape} block size: {what} {memcpy:.2f} GB/s, redis-py GET {rawget:.2f} GB/s")
 
     try:
         import matplotlib
