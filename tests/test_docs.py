@@ -119,6 +119,10 @@ def _command_flags() -> dict[str, set[str]]:
         commands[re.escape(f"{script.parent.name}/{script.name}")] = _py_flags(
             script
         ) | {"--help"}
+    for script in sorted((REPO / "bench").glob("*.sh")):  # options it compares "$1" with
+        commands[re.escape(f"{script.parent.name}/{script.name}")] = set(
+            re.findall(r'= "(--[a-z][a-z-]*)"', script.read_text())
+        )
     return commands
 
 
