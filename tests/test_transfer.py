@@ -75,6 +75,18 @@ class FakeOps:
     def forward(self) -> None:  # stands for a kernel on the compute stream
         self.log.append(("kernel", self._current))
 
+    def mark(self) -> FakeEvent:  # a timing event: t is its "GPU time"
+        ev = FakeEvent(f"m{len(self.events)}")
+        ev.t = 0.1 * len(self.events)  # type: ignore[attr-defined]
+        ev.completed = self.marks_complete
+        self.events.append(ev)
+        return ev
+
+    marks_complete = True
+
+    def seconds_between(self, start: FakeEvent, end: FakeEvent) -> float | None:
+        return end.t - start.t if end.completed else None  # type: ignore[attr-defined]
+
 
 def make_pool(n: int = 8) -> KVPool:
     return KVPool(n, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
@@ -242,3 +254,21 @@ def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(l
     b.close()
     assert b.transfers.staging.num_free == 16
     a.close()
+
+
+def test_prefill_rate_is_read_from_completed_marks_only(loaded: Any) -> None:
+    """On CUDA the host clock around a forward measures its launch: the engine times
+    prefill with marks on the compute stream and reads them only once complete."""
+    from tests.engine_util import prompts, req, run
+
+    eng, ops = _logged_engine(loaded, None)
+    ops.marks_complete = False
+    (p,) = prompts(loaded.config.vocab_size, [40], seed=9)
+    run(eng, [req("p", p, n=1)])
+    assert eng.prefill_tokens_per_s is None and len(eng._prefill_marks) == 1
+    n, start, end = eng._prefill_marks[0]
+    end.completed = True
+    eng.step()
+    assert eng.prefill_tokens_per_s == pytest.approx(n / (end.t - start.t))
+    assert not eng._prefill_marks
+    eng.close()

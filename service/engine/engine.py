@@ -168,6 +168,7 @@ class LLMEngine:
         self.num_restores_skipped = 0  # restores cut because recomputing was faster
         # measured prefill rate (tokens/s), for the restore-or-recompute decision
         self.prefill_tokens_per_s: float | None = None
+        self._prefill_marks: deque[tuple[int, Any, Any]] = deque()  # (tokens, start, end) to read
 
         self.model_info = ModelInfo(
             architecture=self.mcfg.hf_architecture,
@@ -302,6 +303,7 @@ class LLMEngine:
     def step(self) -> Emitted:
         out: Emitted = []
         self.transfers.poll()
+        self._poll_prefill_rate()
         self._drain_inbox(out)
         self._poll_restores(out)
         self._admit(out)
@@ -539,19 +541,33 @@ class LLMEngine:
             logits = self._forward([(s, 1) for s in decode])
             self.num_decode_tokens += len(decode)
             to_sample.extend((s, logits[i]) for i, s in enumerate(decode))
+        ops = self.transfers.ops
         for seq, n in prefill:
-            t0 = time.perf_counter()
+            t0 = ops.mark()
             logits = self._forward([(seq, n)])
-            dt = time.perf_counter() - t0
             self.num_prefill_tokens += n
-            if n >= 32:  # EWMA of prefill tokens/s, for restore-vs-recompute
+            if n >= 32:  # timed for the prefill rate (restore-vs-recompute)
+                self._prefill_marks.append((n, t0, ops.mark()))
+            if seq.num_computed == len(seq.token_ids):
+                to_sample.append((seq, logits[0]))
+        self._poll_prefill_rate()
+        if to_sample:
+            self._sample_and_emit(to_sample, out)
+
+    def _poll_prefill_rate(self) -> None:
+        """Fold timed prefill chunks into the EWMA of prefill tokens/s, in order, as far
+        as their end marks completed (CPU: at once; CUDA: GPU time from timing events,
+        read without waiting, so a chunk is counted a step or so later)."""
+        while self._prefill_marks:
+            n, t0, t1 = self._prefill_marks[0]
+            dt = self.transfers.ops.seconds_between(t0, t1)
+            if dt is None:
+                return
+            self._prefill_marks.popleft()
+            if dt > 0:
                 r = n / dt
                 p = self.prefill_tokens_per_s
                 self.prefill_tokens_per_s = r if p is None else 0.8 * p + 0.2 * r
-            if seq.num_computed == len(seq.token_ids):
-                to_sample.append((seq, logits[0]))
-        if to_sample:
-            self._sample_and_emit(to_sample, out)
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         slices = [

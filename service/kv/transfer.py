@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
@@ -57,6 +58,8 @@ class StreamOps(Protocol):
     def done(self, event: Any) -> bool: ...
     def synchronize(self, event: Any) -> None: ...
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def mark(self) -> Any: ...
+    def seconds_between(self, start: Any, end: Any) -> float | None: ...
 
 
 class SyncOps:
@@ -90,6 +93,12 @@ class SyncOps:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds_between(self, start: float, end: float) -> float:
+        return end - start
 
 
 class CudaOps:
@@ -126,6 +135,17 @@ class CudaOps:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def mark(self) -> Any:
+        """A timing event on the current stream: kernels are asynchronous, so the host
+        clock around a forward measures its launch, not its run."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds_between(self, start: Any, end: Any) -> float | None:
+        """GPU time between two marks once ``end`` completed; None before (no wait)."""
+        return start.elapsed_time(end) / 1000.0 if end.query() else None
 
 
 def stream_ops_for(device: torch.device) -> StreamOps:
