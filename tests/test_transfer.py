@@ -96,37 +96,54 @@ def block_value(pool: KVPool, seed: int) -> torch.Tensor:
     return torch.randn(pool.block_shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_restore_copies_on_its_stream_and_the_compute_stream_waits_for_them() -> None:
+def test_restore_copies_in_rounds_on_its_stream_and_the_compute_stream_waits() -> None:
+    """Five blocks through a slab of 4 (rounds of 2): each round's copies go on the
+    restore stream after the compute stream's mark, the restore thread waits for a
+    round's copy before refilling its buffers, and the compute stream waits for the
+    last copy; the staging buffers all come back."""
     pool, ops = make_pool(), FakeOps()
     tr = BlockTransfers(pool, ops, staging_blocks=4)
-    targets = tr.restore_targets([3, 5, 6])
-    assert len(targets) == 3 and tr.staging.num_free == 1
-    for i, t in enumerate(targets):  # the restore thread loads them
-        t.copy_(block_value(pool, i))
-    tr.restore([3, 5], targets[:2])
-    tr.release(targets[2:])  # the third did not load
-    assert torch.equal(pool.data[3], block_value(pool, 0)) and torch.equal(pool.data[5], block_value(pool, 1))
+    after = tr.begin_restore()  # engine thread, at submission
+    calls: list[tuple[int, int]] = []
+
+    def load(targets: list[torch.Tensor], start: int) -> int:  # the store, on the restore thread
+        calls.append((start, len(targets)))
+        for i, t in enumerate(targets):
+            t.copy_(block_value(pool, start + i))
+        return len(targets)
+
+    n, event = tr.restore_in_rounds([1, 2, 3, 4, 5], load, after)
+    assert n == 5 and calls == [(0, 2), (2, 2), (4, 1)]
+    for i, b in enumerate([1, 2, 3, 4, 5]):
+        assert torch.equal(pool.data[b], block_value(pool, i))
     rs = tr.restore_stream
+    round_ops = lambda k, ev: [("copy", rs)] * k + [("record", rs, ev), ("synchronize", ev)]  # noqa: E731
     assert ops.log == [
-        ("wait_stream", rs, "compute"),  # after the blocks' previous users
-        ("copy", rs),
-        ("copy", rs),
-        ("record", rs, "e0"),
-        ("wait_event", "compute", "e0"),  # before any kernel reads them
+        ("record", "compute", "e0"),  # begin_restore: after the blocks' previous users
+        ("wait_event", rs, "e0"),
+        *round_ops(2, "e1"),
+        *round_ops(2, "e2"),
+        *round_ops(1, "e3"),
     ]
-    # the staging buffers stay taken until the copies completed
-    assert tr.staging.num_free == 2 and tr.poll() == 0 and tr.staging.num_free == 2
-    ops.events[0].completed = True
-    assert tr.poll() == 1 and tr.staging.num_free == 4 and tr.num_inflight == 0
+    assert tr.staging.num_free == 4
+    tr.finish_restore(event)  # engine thread, before the sequence runs
+    assert ops.log[-1] == ("wait_event", "compute", "e3")
 
 
-def test_restore_targets_are_limited_by_free_staging() -> None:
+def test_a_restore_stops_at_the_first_block_that_does_not_load() -> None:
     pool, ops = make_pool(), FakeOps()
-    tr = BlockTransfers(pool, ops, staging_blocks=2)
-    first = tr.restore_targets([1, 2, 3])
-    assert len(first) == 2 and tr.restore_targets([4]) == []
-    tr.release(first)
-    assert tr.staging.num_free == 2
+    tr = BlockTransfers(pool, ops, staging_blocks=4)
+    n, event = tr.restore_in_rounds([1, 2, 3, 4, 5], lambda targets, start: 1 if start == 2 else len(targets), None)
+    assert n == 3 and event is not None and tr.staging.num_free == 4
+    n, event = tr.restore_in_rounds([1, 2], lambda targets, start: 0, None)
+    assert n == 0 and event is None and ("copy", tr.restore_stream) not in ops.log[-1:]
+
+    def broken(targets: list[torch.Tensor], start: int) -> int:
+        raise RuntimeError("store failed")
+
+    with pytest.raises(RuntimeError):
+        tr.restore_in_rounds([1], broken, None)
+    assert tr.staging.num_free == 4  # given back whatever happened
 
 
 def test_demotion_reaches_the_host_only_after_its_copy_completed() -> None:
@@ -170,9 +187,10 @@ def test_cpu_transfers_are_in_place_and_synchronous() -> None:
     pool = make_pool()
     tr = BlockTransfers.for_pool(pool, staging_bytes=1 << 20)
     assert isinstance(tr.ops, SyncOps) and tr.in_place and tr.staging.capacity == 0
-    targets = tr.restore_targets([2, 3])
-    assert [t.data_ptr() for t in targets] == [pool.data[2].data_ptr(), pool.data[3].data_ptr()]
-    tr.restore([2, 3], targets)
+    ptrs: list[int] = []
+    n, event = tr.restore_in_rounds([2, 3], lambda ts, start: ptrs.extend(t.data_ptr() for t in ts) or 2, None)
+    assert n == 2 and event is None and tr.begin_restore() is None
+    assert ptrs == [pool.data[2].data_ptr(), pool.data[3].data_ptr()]  # straight into the pool
     seen: list[int] = []
     tr.demote(2, lambda data: seen.append(data.data_ptr()))
     assert seen == [pool.data[2].data_ptr()] and tr.poll() == 0
@@ -203,7 +221,7 @@ def _logged_engine(loaded: Any, store: Any) -> tuple[Any, FakeOps]:
 
     eng = make_engine(loaded, store=store, restore_policy="always")
     ops = FakeOps()
-    eng.transfers = BlockTransfers(eng.pool, ops, staging_blocks=16)
+    eng.transfers = BlockTransfers(eng.pool, ops, staging_blocks=4)
     model = eng.model
 
     class Logged(torch.nn.Module):
@@ -217,9 +235,9 @@ def _logged_engine(loaded: Any, store: Any) -> tuple[Any, FakeOps]:
 
 def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(loaded: Any) -> None:
     """The engine's CUDA code path on the CPU: restores land in staging buffers, are
-    copied into the pool on the restore stream, and the compute stream waits for that
-    copy before the forward that reads them; the output equals recomputing and every
-    staging buffer comes back."""
+    copied into the pool on the restore stream in rounds (a slab of 4 buffers for 4
+    blocks), and the compute stream waits for the last copy before the forward that
+    reads them; the output equals recomputing and every staging buffer comes back."""
     from cachestore.host import HostTier
     from cachestore.keys import block_hashes
     from cachestore.tiered import TieredStore
@@ -239,20 +257,17 @@ def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(l
 
     b, ops = _logged_engine(loaded, store)  # a new device pool, the same host tier
 
-    def device_completes_copies(_i: int, _events: Any) -> None:
-        for ev in ops.events:
-            ev.completed = True
-
     turn = hist + [3, 4]
-    fin = finished(run(b, [req("b", turn, n=3)], on_step=device_completes_copies)["b"])
+    fin = finished(run(b, [req("b", turn, n=3)])["b"])
     assert fin.cached_tokens == len(hashes) * BS
     assert fin.output_token_ids == greedy_reference(loaded.model, turn, 3)
     kinds = [e[0] for e in ops.log]
     first_kernel = kinds.index("kernel")
-    assert kinds.index("copy") < first_kernel
-    assert ("wait_event", "compute", "e0") in ops.log[:first_kernel]
+    assert kinds.count("copy") == len(hashes) and kinds.index("copy") < first_kernel
+    last_copy_event = [e for e in ops.log if e[0] == "record" and e[1] == b.transfers.restore_stream][-1][2]
+    assert ("wait_event", "compute", last_copy_event) in ops.log[:first_kernel]
     b.close()
-    assert b.transfers.staging.num_free == 16
+    assert b.transfers.staging.num_free == 4
     a.close()
 
 

@@ -83,7 +83,6 @@ class Sequence:
     started: bool = False
     cancelled: bool = False
     restore: Future | None = None
-    restore_targets: list[torch.Tensor] = field(default_factory=list)  # pool blocks or staging
     t_admit: float = 0.0
     t_restore0: float = 0.0
     restore_s: float = 0.0
@@ -382,28 +381,33 @@ class LLMEngine:
     def _start_restore(self, seq: Sequence, hashes: list[BlockHash], blocks: list[Block]) -> None:
         """Look the blocks up in host/Redis and load the hits into ``blocks``, all on
         the restore thread: the decode loop never waits on the store. The loads land in
-        the pool itself (CPU) or in pinned staging buffers that ``_poll_restores`` copies
-        into the pool on the restore stream (CUDA; service/kv/transfer.py)."""
-        targets = self.transfers.restore_targets([b.block_id for b in blocks])
-        if not targets:  # every staging buffer busy: recompute these blocks
-            return
+        the pool itself (CPU) or go through pinned staging buffers and the restore
+        stream (CUDA; service/kv/transfer.py)."""
         seq.status = SeqStatus.RESTORING
         seq.t_restore0 = time.monotonic()
-        seq.restore_targets = targets
-        seq.restore = self._restorer.submit(self._restore_job, seq.namespace, hashes[: len(targets)], targets)
+        after = self.transfers.begin_restore()
+        block_ids = [b.block_id for b in blocks]
+        seq.restore = self._restorer.submit(self._restore_job, seq.namespace, hashes, block_ids, after)
         seq.restore.add_done_callback(lambda _: self.work_ready.set())
         self.restoring.append(seq)
 
-    def _restore_job(self, namespace: bytes, hashes: list[BlockHash], targets: list[torch.Tensor]) -> list[str]:
+    def _restore_job(
+        self, namespace: bytes, hashes: list[BlockHash], block_ids: list[int], after: Any
+    ) -> tuple[list[str], Any]:
         """Runs on the restore thread. Returns the tier of each leading block that was
-        loaded into ``targets`` and verified."""
+        loaded into the pool and verified, and the event of the last copy (CUDA)."""
         plan = self._plan_restore(namespace, hashes)
         if not plan:
-            return []
-        n_ok = self.store.fetch_into(namespace, hashes[: len(plan)], plan, targets)
+            return [], None
+
+        def load(targets: list[torch.Tensor], start: int) -> int:
+            end = start + len(targets)
+            return self.store.fetch_into(namespace, hashes[start:end], plan[start:end], targets)
+
+        n_ok, event = self.transfers.restore_in_rounds(block_ids[: len(plan)], load, after)
         if n_ok < len(plan):
             self.store.note_load_failed(plan[n_ok:])
-        return plan[:n_ok]
+        return plan[:n_ok], event
 
     def _plan_restore(self, namespace: bytes, hashes: list[BlockHash]) -> list[str]:
         """Tiers of the leading blocks found in host/Redis, cut where restoring would be
@@ -425,17 +429,14 @@ class LLMEngine:
         for seq in [s for s in self.restoring if s.restore is not None and s.restore.done()]:
             self.restoring.remove(seq)
             try:
-                loaded = seq.restore.result()
+                loaded, event = seq.restore.result()
             except Exception:
                 log.exception("restore of %s failed; recomputing", seq.request_id)
-                loaded = []
-            targets, seq.restore_targets = seq.restore_targets, []
+                loaded, event = [], None
             seq.restore = None
             seq.restore_s = time.monotonic() - seq.t_restore0
             start = seq.num_registered
-            n = len(loaded)
-            self.transfers.restore([b.block_id for b in seq.blocks[start : start + n]], targets[:n])
-            self.transfers.release(targets[n:])
+            self.transfers.finish_restore(event)
             for i, tier_name in enumerate(loaded):
                 self.blocks.register(seq.blocks[start + i], seq.hashes[start + i], seq.namespace)
                 tier = Tier(tier_name)  # the store reports names

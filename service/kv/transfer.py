@@ -4,14 +4,16 @@ On CUDA, restores and demotions are copies between the pool and pinned host memo
 issued on streams of their own so they overlap the model's kernels, and ordered
 against the compute stream with events, never with a host synchronisation:
 
-- **Restore** (host/Redis -> pool). The restore thread fills pinned *staging* buffers
-  (one slab, allocated once; a restore takes some and gives them back when its copies
-  are done). ``restore`` then, on the engine thread: makes the restore stream wait for
-  everything already queued on the compute stream (the blocks' previous users may still
-  be reading them), enqueues ``non_blocking`` H2D copies there, records an event, and
-  makes the compute stream wait for that event, so no attention kernel reads a restored
-  block before its bytes landed (the bug class of copies racing the compute stream:
-  restored KV that is garbage under load).
+- **Restore** (host/Redis -> pool). At submission the engine marks the compute stream
+  (``begin_restore``: the target blocks' previous users may still be reading them).
+  The restore thread then works in rounds through pinned *staging* buffers (one slab,
+  allocated once): load a round from the store into them, enqueue ``non_blocking`` H2D
+  copies on the restore stream (after that mark), record an event, wait for it on the
+  restore thread only, reuse the buffers for the next round. Before the sequence runs,
+  the engine makes the compute stream wait for the last copy's event
+  (``finish_restore``), so no attention kernel reads a restored block before its bytes
+  landed (the bug class of copies racing the compute stream: restored KV that is
+  garbage under load).
 - **Demotion** (pool -> host tier). ``demote`` makes the demotion stream wait for the
   compute stream (the block's last writes), copies the block into a staging buffer
   there, records an event, and makes the compute stream wait for it: the next kernel
@@ -224,34 +226,57 @@ class BlockTransfers:
 
     # ---- restores ----------------------------------------------------------------
 
-    def restore_targets(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
-        """Where the restore thread should load these blocks: the pool blocks themselves
-        (CPU), or up to ``len(block_ids)`` staging buffers (fewer when the slab is busy:
-        restore only that many, recompute the rest). Hand them to ``restore`` (loaded)
-        and ``release`` (not used)."""
+    def begin_restore(self) -> Any:
+        """Engine thread, when a restore is submitted: a mark on the compute stream after
+        everything queued so far (the target blocks' previous users may still read
+        them); the restore's copies wait for it. None on the CPU."""
+        return None if self.in_place else self.ops.record(self.ops.current_stream())
+
+    def restore_in_rounds(
+        self,
+        block_ids: Sequence[int],
+        load: Callable[[list[torch.Tensor], int], int],
+        after: Any,
+    ) -> tuple[int, Any]:
+        """Restore thread: fill pool blocks ``block_ids`` through ``load(targets, start)``,
+        which loads blocks ``start, start+1, ...`` into ``targets`` and returns how many
+        it loaded (stopping at the first miss). CPU: one round, straight into the pool.
+        CUDA: rounds of at most half the staging slab (the rest stays free for
+        demotions): load into pinned buffers, copy them into the pool on the restore
+        stream (after ``after``, from ``begin_restore``), wait for that copy here (only
+        this thread waits) and reuse the buffers, so a restore of any size goes through
+        a slab of fixed size. Returns (blocks restored, the last copy's event for
+        ``finish_restore``; None when nothing was copied)."""
         if self.in_place:
-            return [self.pool.data[b] for b in block_ids]
-        return self.staging.take(len(block_ids))
+            return load([self.pool.data[b] for b in block_ids], 0), None
+        done, event = 0, None
+        bufs = self.staging.take(max(1, self.staging.capacity // 2))
+        if not bufs:
+            return 0, None
+        try:
+            if after is not None:
+                self.ops.wait_event(self.restore_stream, after)
+            while done < len(block_ids):
+                k = min(len(bufs), len(block_ids) - done)
+                got = load(bufs[:k], done)
+                if got:
+                    with self.ops.use(self.restore_stream):
+                        for i in range(got):
+                            self.ops.copy(self.pool.data[block_ids[done + i]], bufs[i])
+                        event = self.ops.record(self.restore_stream)
+                    self.ops.synchronize(event)  # the buffers are refilled next round
+                done += got
+                if got < k:
+                    break
+        finally:
+            self.staging.give_back(bufs)
+        return done, event
 
-    def restore(self, block_ids: Sequence[int], loaded: Sequence[torch.Tensor]) -> None:
-        """Copy ``loaded[i]`` (from ``restore_targets``) into pool block ``block_ids[i]``,
-        ordered before the compute stream's next kernel. Staging buffers come back to
-        the slab once the copies completed (``poll``)."""
-        if self.in_place or not loaded:
-            return
-        compute = self.ops.current_stream()
-        self.ops.wait_stream(self.restore_stream, compute)  # the blocks' previous users
-        with self.ops.use(self.restore_stream):
-            for block_id, buf in zip(block_ids, loaded):
-                self.ops.copy(self.pool.data[block_id], buf)
-            event = self.ops.record(self.restore_stream)
-        self.ops.wait_event(compute, event)  # attention reads them only after they landed
-        self._inflight.append(_Pending(event, list(loaded)))
-
-    def release(self, targets: Sequence[torch.Tensor]) -> None:
-        """Give back restore targets that were not restored (no copy was enqueued)."""
-        if not self.in_place and targets:
-            self.staging.give_back(targets)
+    def finish_restore(self, event: Any) -> None:
+        """Engine thread, before the restored blocks are used: the compute stream waits
+        for the restore's last copy (a device-side wait, not a host one)."""
+        if event is not None:
+            self.ops.wait_event(self.ops.current_stream(), event)
 
     # ---- demotions ---------------------------------------------------------------
 
