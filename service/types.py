@@ -25,6 +25,13 @@ class EngineStopped(EngineError):
     """The engine is draining or stopped (UNAVAILABLE)."""
 
 
+# Bounds of the sampling controls (OpenAI's ranges for the penalties and biases).
+MAX_PRESENCE_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
+MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| <= 100
+MAX_TOP_LOGPROBS = 20  # alternatives per token
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, stop token id or stop string
     LENGTH = "length"  # max_new_tokens or the context limit
@@ -45,6 +52,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the text)
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos ids
     ignore_eos: bool = False
+    min_p: float = 0.0  # 0 = off; drop tokens under min_p x the top token's probability
+    presence_penalty: float = 0.0  # 0 = off; subtracted once from every generated id's logit
+    frequency_penalty: float = 0.0  # 0 = off; subtracted per occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_new_tokens: int = 0  # no eos / stop token id before this many outputs
+    logprobs: int | None = None  # None = off; k = the sampled token's logprob + top-k
 
     def validate(self, max_new_tokens_limit: int) -> None:
         """Raise InvalidRequest with a precise message on any bad field."""
@@ -66,6 +79,39 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must not be empty")
+        self._validate_controls()
+
+    def _validate_controls(self) -> None:
+        """min_p, presence/frequency penalties, logit_bias, min_new_tokens, logprobs."""
+        if not 0.0 <= self.min_p <= 1.0:  # also rejects NaN
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PRESENCE_PENALTY <= v <= MAX_PRESENCE_PENALTY:
+                raise InvalidRequest(
+                    f"{name} must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}], got {v}"
+                )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"logit_bias has {len(self.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS}"
+            )
+        for tok, bias in self.logit_bias:
+            if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+                raise InvalidRequest(
+                    f"logit_bias[{tok}] must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}"
+                )
+        if len({tok for tok, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidRequest("logit_bias names a token id twice")
+        if self.min_new_tokens < 0:
+            raise InvalidRequest(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequest(
+                f"min_new_tokens {self.min_new_tokens} exceeds max_new_tokens {self.max_new_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +170,17 @@ class Delta:
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives, from the
+    processed logits (after penalties and logit_bias, before temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass(slots=True)

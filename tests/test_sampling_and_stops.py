@@ -6,10 +6,16 @@ from service.engine.output import TextStream
 from service.engine.sampling import (
     apply_repetition_penalty,
     filter_top_k_top_p,
+    RowState,
     make_generator,
-    sample,
+    sample as _sample,
 )
 from service.types import SamplingParams
+
+
+def sample(logits, params, gens, seen):
+    """Token ids only; ``seen`` per row is the prompt (no output yet)."""
+    return _sample(logits.clone(), params, gens, [RowState(list(s), len(s)) for s in seen]).tokens
 
 
 class CharDetok:
@@ -139,3 +145,123 @@ def test_overflowing_parameters_fall_back_to_greedy_instead_of_failing():
     params = [SamplingParams(temperature=1e-45, seed=1), SamplingParams()]
     gens = [make_generator(p, torch.device("cpu")) for p in params]
     assert sample(logits, params, gens, [(), ()]) == logits.argmax(-1).tolist()
+
+
+def _state(prompt, output=(), stop_ids=()):
+    return RowState(list(prompt) + list(output), len(prompt), tuple(stop_ids))
+
+
+def test_min_p_drops_tokens_under_the_fraction_of_the_top_probability():
+    from service.engine.sampling import filter_logits
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = filter_logits(probs.log(), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.2]))
+    assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == [0, 1, 2]  # 0.05 < 0.2 * 0.5
+    p = SamplingParams(temperature=1.0, min_p=0.5, seed=3)
+    g = make_generator(p, torch.device("cpu"))
+    assert {sample(probs.log(), [p], [g], [()])[0] for _ in range(40)} == {0, 1}
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    from service.engine.sampling import apply_penalties
+
+    logits = torch.zeros(1, 6)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    # prompt [1, 2], output [3, 3, 4]: 1 and 2 untouched, 3 twice, 4 once
+    apply_penalties(logits, [p], [_state([1, 2], [3, 3, 4])])
+    assert logits[0].tolist() == [0.0, 0.0, 0.0, -1.0, -0.75, 0.0]
+
+
+def test_logit_bias_and_min_new_tokens_steer_greedy():
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
+    assert sample(logits, [SamplingParams(logit_bias=((2, 10.0),))], [None], [[]]) == [2]
+    assert sample(logits, [SamplingParams(logit_bias=((0, -100.0),))], [None], [[]]) == [1]
+    # token 0 is the stop id: held back until the row has min_new_tokens outputs
+    p = SamplingParams(min_new_tokens=2)
+    assert _sample(logits.clone(), [p], [None], [_state([1], [], [0])]).tokens == [1]
+    assert _sample(logits.clone(), [p], [None], [_state([1], [1, 1], [0])]).tokens == [0]
+
+
+def test_neutral_controls_leave_greedy_and_seeded_draws_unchanged():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 200)
+    plain = [SamplingParams(), SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.3, top_k=20, seed=6)]
+    neutral = [
+        SamplingParams(**{**_fields(q), "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0, "logit_bias": ()})
+        for q in plain
+    ]
+    states = [_state([1, 2, 3], [7, 7])] * 3
+
+    def draw(params):
+        gens = [make_generator(q, torch.device("cpu")) for q in params]
+        return [_sample(logits.clone(), params, gens, states).tokens for _ in range(10)]
+
+    assert draw(plain) == draw(neutral)
+
+
+def _fields(p):
+    import dataclasses
+
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+
+
+def test_a_seeded_row_draws_the_same_alone_or_in_a_batch():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 300)
+    p = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01, presence_penalty=0.7, seed=11)
+    others = [SamplingParams(), SamplingParams(temperature=0.5, seed=1), SamplingParams(frequency_penalty=1.0)]
+    st = _state([1, 2], [5, 6, 5])
+
+    def alone():
+        g = make_generator(p, torch.device("cpu"))
+        return [_sample(logits[:1].clone(), [p], [g], [st]).tokens[0] for _ in range(15)]
+
+    def batched():
+        params = [p] + others
+        gens = [make_generator(q, torch.device("cpu")) for q in params]
+        return [_sample(logits.clone(), params, gens, [st] * 4).tokens[0] for _ in range(15)]
+
+    assert alone() == batched()
+
+
+def test_logprobs_are_the_log_softmax_of_the_processed_logits():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 50)
+    p = SamplingParams(logprobs=5, logit_bias=((4, 3.0),), temperature=0.7, seed=2)
+    out = _sample(logits.clone(), [p, SamplingParams()], [make_generator(p, torch.device("cpu")), None], [_state([1]), _state([1])])
+    processed = logits[0].clone()
+    processed[4] += 3.0
+    ref = torch.log_softmax(processed, -1)  # before temperature
+    lp = out.logprobs[0]
+    assert lp.token_id == out.tokens[0]
+    assert abs(lp.logprob - float(ref[lp.token_id])) < 1e-6
+    assert [t for t, _ in lp.top] == ref.topk(5).indices.tolist()
+    assert out.logprobs[1] is None
+
+
+def test_sampling_control_validation_messages():
+    import re
+
+    import pytest
+
+    from service.types import InvalidRequest
+
+    nan, inf = float("nan"), float("inf")
+    cases = [
+        (SamplingParams(min_p=nan), "min_p must be in [0, 1], got nan"),
+        (SamplingParams(min_p=1.5), "min_p must be in [0, 1]"),
+        (SamplingParams(presence_penalty=inf), "presence_penalty must be in [-2, 2], got inf"),
+        (SamplingParams(frequency_penalty=-2.5), "frequency_penalty must be in [-2, 2]"),
+        (SamplingParams(frequency_penalty=nan), "frequency_penalty must be in [-2, 2], got nan"),
+        (SamplingParams(logit_bias=tuple((i, 1.0) for i in range(301))), "logit_bias has 301 entries; the limit is 300"),
+        (SamplingParams(logit_bias=((3, nan),)), "logit_bias[3] must be in [-100, 100], got nan"),
+        (SamplingParams(logit_bias=((3, -inf),)), "logit_bias[3] must be in [-100, 100], got -inf"),
+        (SamplingParams(logit_bias=((3, 1.0), (3, 2.0))), "logit_bias names a token id twice"),
+        (SamplingParams(min_new_tokens=-1), "min_new_tokens must be >= 0"),
+        (SamplingParams(max_new_tokens=4, min_new_tokens=5), "min_new_tokens 5 exceeds max_new_tokens 4"),
+        (SamplingParams(logprobs=21), "top_logprobs must be in [0, 20], got 21"),
+    ]
+    for params, msg in cases:
+        with pytest.raises(InvalidRequest, match=re.escape(msg)):
+            params.validate(4096)
+    SamplingParams(min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0, logit_bias=((1, -100.0),), min_new_tokens=4, max_new_tokens=4, logprobs=20).validate(4096)

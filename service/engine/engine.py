@@ -32,7 +32,7 @@ import torch
 from cachestore.keys import BlockHash, block_hashes, make_namespace
 from service.engine.config import EngineConfig
 from service.engine.output import TextStream
-from service.engine.sampling import make_generator, sample
+from service.engine.sampling import RowState, make_generator, sample
 from service.types import (
     CacheScope,
     Delta,
@@ -229,6 +229,9 @@ class LLMEngine:
         bad = next((t for t in req.sampling.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in req.sampling.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequest(
                 f"prompt has {n} tokens; the context is {self.max_model_len} tokens "
@@ -626,15 +629,15 @@ class LLMEngine:
         if self.sampleable_vocab < logits.shape[-1]:
             logits[:, self.sampleable_vocab :] = float("-inf")
         seqs = [s for s, _ in rows]
-        tokens = sample(
+        sampled = sample(
             logits,
             [s.request.sampling for s in seqs],
             [s.generator for s in seqs],
-            [s.token_ids if s.request.sampling.repetition_penalty != 1.0 else () for s in seqs],
+            [RowState(s.token_ids, s.num_prompt, self._stop_ids(s)) for s in seqs],
         )
         now = time.monotonic()
         finished: list[tuple[Sequence, FinishReason]] = []
-        for seq, tok in zip(seqs, tokens):
+        for seq, tok, lp in zip(seqs, sampled.tokens, sampled.logprobs):
             p = seq.request.sampling
             seq.token_ids.append(tok)
             if not seq.t_first:
@@ -649,13 +652,24 @@ class LLMEngine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 text += seq.stream.finish()  # "" when a stop string ended it
-            out.append((seq.request_id, Delta(token_ids=[tok], text=text)))
+            out.append(
+                (seq.request_id, Delta(token_ids=[tok], text=text, logprobs=[lp] if lp else []))
+            )
             if reason is not None:
                 finished.append((seq, reason))
         if finished:
             self._seal([s for s, _ in finished])
             for seq, reason in finished:
                 self._finish(seq, reason, out)
+
+    def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        """The ids min_new_tokens holds back: eos (unless ignored) and stop_token_ids;
+        empty once the sequence has its minimum."""
+        p = seq.request.sampling
+        if seq.num_output >= p.min_new_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.eos_ids)
+        return eos + tuple(p.stop_token_ids)
 
     def _seal(self, seqs: list[Sequence]) -> None:
         """Compute the KV of a finished sequence's last token when that token completes
