@@ -70,6 +70,7 @@ from service.types import (
     FinishReason,
     GenerationRequest,
     InvalidRequest,
+    MAX_LOGIT_BIAS,
     QueueFull,
     SamplingParams,
     Started,
@@ -192,6 +193,34 @@ def add_to_server(servicer: "GenerationServicer", server: grpc.aio.Server) -> No
 def _f32(x: float) -> float:
     """A proto float32 as the short decimal the client most likely typed (0.9, not 0.899999976)."""
     return float(f"{x:.7g}")
+
+
+def _sampling_controls(s: pb.SamplingParams) -> dict:
+    """min_p, penalties, logit_bias, min_new_tokens and logprobs; ranges are checked by
+    SamplingParams.validate, the proto-only rules here."""
+    if s.top_logprobs and not s.logprobs:
+        raise InvalidRequest("sampling.top_logprobs needs sampling.logprobs = true")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:  # before building a tuple of an unbounded map
+        raise InvalidRequest(f"logit_bias has {len(s.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS}")
+    return dict(
+        min_p=_f32(s.min_p) if s.HasField("min_p") else 0.0,
+        presence_penalty=_f32(s.presence_penalty) if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=_f32(s.frequency_penalty) if s.HasField("frequency_penalty") else 0.0,
+        logit_bias=tuple(sorted((tok, _f32(b)) for tok, b in s.logit_bias.items())),
+        min_new_tokens=s.min_new_tokens,
+        logprobs=s.top_logprobs if s.logprobs else None,
+    )
+
+
+def _logprobs_pb(lps) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in lps
+    ]
 
 
 def _duration(seconds: float) -> Duration:
@@ -420,7 +449,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         if n:
                             last_token_at = now
                         self.metrics.generated_tokens.inc(n)
-                        yield pb.GenerateResponse(delta=pb.DeltaEvent(text=event.text, token_ids=event.token_ids))
+                        yield pb.GenerateResponse(
+                            delta=pb.DeltaEvent(
+                                text=event.text, token_ids=event.token_ids, logprobs=_logprobs_pb(event.logprobs)
+                            )
+                        )
                     elif isinstance(event, Finished):
                         finished = True
                         trace.finished(event)
@@ -590,6 +623,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             stop=tuple(s.stop),
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            **_sampling_controls(s),
         )
         params.validate(self.max_new_tokens_limit)  # InvalidRequest with the field and value
         # Extreme values overflow the sampler (inf/NaN probabilities); refused precisely.

@@ -58,6 +58,22 @@ def sampling_params(draw) -> pb.SamplingParams:
     s.stop.extend(draw(mostly(st.just([]), st.lists(utf8_text, max_size=3))))
     s.stop_token_ids.extend(draw(mostly(st.lists(st.integers(0, 399), max_size=2), st.lists(st.integers(0, 2**32 - 1), max_size=3))))
     s.ignore_eos = draw(st.booleans())
+    if draw(st.booleans()):
+        s.min_p = draw(mostly(st.floats(0.0, 0.5, width=32), wild_floats))
+    if draw(st.booleans()):
+        s.presence_penalty = draw(mostly(st.floats(-2.0, 2.0, width=32), wild_floats))
+    if draw(st.booleans()):
+        s.frequency_penalty = draw(mostly(st.floats(-2.0, 2.0, width=32), wild_floats))
+    bias_ids = mostly(st.integers(0, 399), st.integers(0, 2**32 - 1))
+    bias = mostly(st.floats(-100.0, 100.0, width=32), wild_floats)
+    if draw(st.booleans()):
+        too_many = st.just({i: 1.0 for i in range(301)})
+        s.logit_bias.update(draw(mostly(st.dictionaries(bias_ids, bias, max_size=3), too_many)))
+    if draw(st.booleans()):
+        s.min_new_tokens = draw(mostly(st.integers(0, 4), st.integers(0, 2**32 - 1)))
+    s.logprobs = draw(st.booleans())
+    if draw(st.booleans()):
+        s.top_logprobs = draw(mostly(st.integers(0, 20), st.integers(0, 2**32 - 1)))
     return s
 
 

@@ -26,19 +26,21 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvserve/v1/generation.proto\x12\nkvserve.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb4\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xf4\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12 \n\x18require_existing_session\x18\x07 \x01(\x08\x42\x07\n\x05input\"9\n\nTierCounts\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\r\x12\r\n\x05redis\x18\x03 \x01(\r\"\xd7\x01\n\nStartEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12*\n\x0b\x63\x61\x63hed_tier\x18\x05 \x01(\x0e\x32\x15.kvserve.v1.CacheTier\x12.\n\x0e\x63\x61\x63hed_by_tier\x18\x06 \x01(\x0b\x32\x16.kvserve.v1.TierCounts\x12\x17\n\x0fsession_created\x18\x07 \x01(\x08\"-\n\nDeltaEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x90\x02\n\x07Timings\x12(\n\x05queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07restore\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x06 \x01(\x01\"\x85\x01\n\nFinalEvent\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.Timings\"\x96\x01\n\x10GenerateResponse\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.StartEventH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvserve.v1.DeltaEventH\x00\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x16.kvserve.v1.FinalEventH\x00\x42\x07\n\x05\x65vent\"\xa5\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\r\n\x05turns\x18\x03 \x01(\r\x12/\n\x0b\x63reate_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rlast_use_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\'\n\x05state\x18\x06 \x01(\x0e\x32\x18.kvserve.v1.SessionState\x12-\n\rcached_blocks\x18\x07 \x01(\x0b\x32\x16.kvserve.v1.TierCounts\x12\x13\n\x0b\x66ull_blocks\x18\x08 \x01(\r\x12\x11\n\ttoken_ids\x18\t \x03(\r\"B\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x19\n\x11include_token_ids\x18\x02 \x01(\x08\":\n\x12GetSessionResponse\x12$\n\x07session\x18\x01 \x01(\x0b\x32\x13.kvserve.v1.Session\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65leteSessionResponse\"<\n\x13ListSessionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x14ListSessionsResponse\x12%\n\x08sessions\x18\x01 \x03(\x0b\x32\x13.kvserve.v1.Session\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xdf\x02\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12$\n\x05tiers\x18\t \x03(\x0e\x32\x15.kvserve.v1.CacheTier\x12\x17\n\x0f\x62ytes_per_token\x18\n \x01(\x04\x12\x12\n\nnum_layers\x18\x0b \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\r\x12\x10\n\x08head_dim\x18\r \x01(\r\x12\x15\n\reos_token_ids\x18\x0e \x03(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x0f \x01(\r\"<\n\x14GetModelInfoResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.kvserve.v1.ModelInfo*~\n\tCacheTier\x12\x1a\n\x16\x43\x41\x43HE_TIER_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43\x41\x43HE_TIER_NONE\x10\x01\x12\x15\n\x11\x43\x41\x43HE_TIER_DEVICE\x10\x02\x12\x13\n\x0f\x43\x41\x43HE_TIER_HOST\x10\x03\x12\x14\n\x10\x43\x41\x43HE_TIER_REDIS\x10\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*]\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_IDLE\x10\x01\x12\x16\n\x12SESSION_STATE_BUSY\x10\x02\x32\xa5\x03\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12K\n\nGetSession\x12\x1d.kvserve.v1.GetSessionRequest\x1a\x1e.kvserve.v1.GetSessionResponse\x12T\n\rDeleteSession\x12 .kvserve.v1.DeleteSessionRequest\x1a!.kvserve.v1.DeleteSessionResponse\x12Q\n\x0cListSessions\x12\x1f.kvserve.v1.ListSessionsRequest\x1a .kvserve.v1.ListSessionsResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a .kvserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvserve/v1/generation.proto\x12\nkvserve.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xed\x04\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\x05min_p\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).kvserve.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0emin_new_tokens\x18\x0e \x01(\r\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf4\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12 \n\x18require_existing_session\x18\x07 \x01(\x08\x42\x07\n\x05input\"9\n\nTierCounts\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\r\x12\r\n\x05redis\x18\x03 \x01(\r\"\xd7\x01\n\nStartEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12*\n\x0b\x63\x61\x63hed_tier\x18\x05 \x01(\x0e\x32\x15.kvserve.v1.CacheTier\x12.\n\x0e\x63\x61\x63hed_by_tier\x18\x06 \x01(\x0b\x32\x16.kvserve.v1.TierCounts\x12\x17\n\x0fsession_created\x18\x07 \x01(\x08\"Y\n\nDeltaEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x90\x02\n\x07Timings\x12(\n\x05queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07restore\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x06 \x01(\x01\"\x85\x01\n\nFinalEvent\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.Timings\"\x96\x01\n\x10GenerateResponse\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.StartEventH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvserve.v1.DeltaEventH\x00\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x16.kvserve.v1.FinalEventH\x00\x42\x07\n\x05\x65vent\"\xa5\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\r\n\x05turns\x18\x03 \x01(\r\x12/\n\x0b\x63reate_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rlast_use_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\'\n\x05state\x18\x06 \x01(\x0e\x32\x18.kvserve.v1.SessionState\x12-\n\rcached_blocks\x18\x07 \x01(\x0b\x32\x16.kvserve.v1.TierCounts\x12\x13\n\x0b\x66ull_blocks\x18\x08 \x01(\r\x12\x11\n\ttoken_ids\x18\t \x03(\r\"B\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x19\n\x11include_token_ids\x18\x02 \x01(\x08\":\n\x12GetSessionResponse\x12$\n\x07session\x18\x01 \x01(\x0b\x32\x13.kvserve.v1.Session\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65leteSessionResponse\"<\n\x13ListSessionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x14ListSessionsResponse\x12%\n\x08sessions\x18\x01 \x03(\x0b\x32\x13.kvserve.v1.Session\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xdf\x02\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12$\n\x05tiers\x18\t \x03(\x0e\x32\x15.kvserve.v1.CacheTier\x12\x17\n\x0f\x62ytes_per_token\x18\n \x01(\x04\x12\x12\n\nnum_layers\x18\x0b \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\r\x12\x10\n\x08head_dim\x18\r \x01(\r\x12\x15\n\reos_token_ids\x18\x0e \x03(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x0f \x01(\r\"<\n\x14GetModelInfoResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.kvserve.v1.ModelInfo*~\n\tCacheTier\x12\x1a\n\x16\x43\x41\x43HE_TIER_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43\x41\x43HE_TIER_NONE\x10\x01\x12\x15\n\x11\x43\x41\x43HE_TIER_DEVICE\x10\x02\x12\x13\n\x0f\x43\x41\x43HE_TIER_HOST\x10\x03\x12\x14\n\x10\x43\x41\x43HE_TIER_REDIS\x10\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*]\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_IDLE\x10\x01\x12\x16\n\x12SESSION_STATE_BUSY\x10\x02\x32\xa5\x03\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12K\n\nGetSession\x12\x1d.kvserve.v1.GetSessionRequest\x1a\x1e.kvserve.v1.GetSessionResponse\x12T\n\rDeleteSession\x12 .kvserve.v1.DeleteSessionRequest\x1a!.kvserve.v1.DeleteSessionResponse\x12Q\n\x0cListSessions\x12\x1f.kvserve.v1.ListSessionsRequest\x1a .kvserve.v1.ListSessionsResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a .kvserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHETIER']._serialized_start=2848
-  _globals['_CACHETIER']._serialized_end=2974
-  _globals['_FINISHREASON']._serialized_start=2976
-  _globals['_FINISHREASON']._serialized_end=3100
-  _globals['_SESSIONSTATE']._serialized_start=3102
-  _globals['_SESSIONSTATE']._serialized_end=3195
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_CACHETIER']._serialized_start=3342
+  _globals['_CACHETIER']._serialized_end=3468
+  _globals['_FINISHREASON']._serialized_start=3470
+  _globals['_FINISHREASON']._serialized_end=3594
+  _globals['_SESSIONSTATE']._serialized_start=3596
+  _globals['_SESSIONSTATE']._serialized_end=3689
   _globals['_CHATMESSAGE']._serialized_start=108
   _globals['_CHATMESSAGE']._serialized_end=152
   _globals['_CHATMESSAGES']._serialized_start=154
@@ -46,43 +48,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=213
   _globals['_TOKENIDS']._serialized_end=236
   _globals['_SAMPLINGPARAMS']._serialized_start=239
-  _globals['_SAMPLINGPARAMS']._serialized_end=547
-  _globals['_GENERATEREQUEST']._serialized_start=550
-  _globals['_GENERATEREQUEST']._serialized_end=794
-  _globals['_TIERCOUNTS']._serialized_start=796
-  _globals['_TIERCOUNTS']._serialized_end=853
-  _globals['_STARTEVENT']._serialized_start=856
-  _globals['_STARTEVENT']._serialized_end=1071
-  _globals['_DELTAEVENT']._serialized_start=1073
-  _globals['_DELTAEVENT']._serialized_end=1118
-  _globals['_USAGE']._serialized_start=1120
-  _globals['_USAGE']._serialized_end=1200
-  _globals['_TIMINGS']._serialized_start=1203
-  _globals['_TIMINGS']._serialized_end=1475
-  _globals['_FINALEVENT']._serialized_start=1478
-  _globals['_FINALEVENT']._serialized_end=1611
-  _globals['_GENERATERESPONSE']._serialized_start=1614
-  _globals['_GENERATERESPONSE']._serialized_end=1764
-  _globals['_SESSION']._serialized_start=1767
-  _globals['_SESSION']._serialized_end=2060
-  _globals['_GETSESSIONREQUEST']._serialized_start=2062
-  _globals['_GETSESSIONREQUEST']._serialized_end=2128
-  _globals['_GETSESSIONRESPONSE']._serialized_start=2130
-  _globals['_GETSESSIONRESPONSE']._serialized_end=2188
-  _globals['_DELETESESSIONREQUEST']._serialized_start=2190
-  _globals['_DELETESESSIONREQUEST']._serialized_end=2232
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=2234
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=2257
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=2259
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=2319
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2321
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2407
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2409
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2430
-  _globals['_MODELINFO']._serialized_start=2433
-  _globals['_MODELINFO']._serialized_end=2784
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2786
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2846
-  _globals['_GENERATIONSERVICE']._serialized_start=3198
-  _globals['_GENERATIONSERVICE']._serialized_end=3619
+  _globals['_SAMPLINGPARAMS']._serialized_end=860
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=672
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=720
+  _globals['_TOKENLOGPROB']._serialized_start=862
+  _globals['_TOKENLOGPROB']._serialized_end=948
+  _globals['_TOPLOGPROB']._serialized_start=950
+  _globals['_TOPLOGPROB']._serialized_end=997
+  _globals['_GENERATEREQUEST']._serialized_start=1000
+  _globals['_GENERATEREQUEST']._serialized_end=1244
+  _globals['_TIERCOUNTS']._serialized_start=1246
+  _globals['_TIERCOUNTS']._serialized_end=1303
+  _globals['_STARTEVENT']._serialized_start=1306
+  _globals['_STARTEVENT']._serialized_end=1521
+  _globals['_DELTAEVENT']._serialized_start=1523
+  _globals['_DELTAEVENT']._serialized_end=1612
+  _globals['_USAGE']._serialized_start=1614
+  _globals['_USAGE']._serialized_end=1694
+  _globals['_TIMINGS']._serialized_start=1697
+  _globals['_TIMINGS']._serialized_end=1969
+  _globals['_FINALEVENT']._serialized_start=1972
+  _globals['_FINALEVENT']._serialized_end=2105
+  _globals['_GENERATERESPONSE']._serialized_start=2108
+  _globals['_GENERATERESPONSE']._serialized_end=2258
+  _globals['_SESSION']._serialized_start=2261
+  _globals['_SESSION']._serialized_end=2554
+  _globals['_GETSESSIONREQUEST']._serialized_start=2556
+  _globals['_GETSESSIONREQUEST']._serialized_end=2622
+  _globals['_GETSESSIONRESPONSE']._serialized_start=2624
+  _globals['_GETSESSIONRESPONSE']._serialized_end=2682
+  _globals['_DELETESESSIONREQUEST']._serialized_start=2684
+  _globals['_DELETESESSIONREQUEST']._serialized_end=2726
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=2728
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=2751
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=2753
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=2813
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2815
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2901
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2903
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2924
+  _globals['_MODELINFO']._serialized_start=2927
+  _globals['_MODELINFO']._serialized_end=3278
+  _globals['_GETMODELINFORESPONSE']._serialized_start=3280
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3340
+  _globals['_GENERATIONSERVICE']._serialized_start=3692
+  _globals['_GENERATIONSERVICE']._serialized_end=4113
 # @@protoc_insertion_point(module_scope)
