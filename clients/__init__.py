@@ -14,6 +14,7 @@ from clients.client import (
     TextDelta,
     Timings,
     TLSConfig,
+    TokenLogprob,
     build_request,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "TLSConfig",
     "TextDelta",
     "Timings",
+    "TokenLogprob",
     "build_request",
 ]

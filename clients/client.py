@@ -81,11 +81,22 @@ class StreamStart:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability (after penalties and logit_bias, before
+    temperature) and the ``top_logprobs`` most likely alternatives as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class TextDelta:
     """Newly generated tokens and the text they complete."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ class Completion:
     token_ids: list[int]
     start: StreamStart
     end: StreamEnd
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,7 @@ class _Gather:
     end: StreamEnd | None = None
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, event: Event) -> None:
         if isinstance(event, StreamStart):
@@ -158,13 +171,14 @@ class _Gather:
         elif isinstance(event, TextDelta):
             self.text.append(event.text)
             self.token_ids.extend(event.token_ids)
+            self.logprobs.extend(event.logprobs)
         else:
             self.end = event
 
     def result(self) -> Completion:
         if self.start is None or self.end is None:
             raise KVServeError(grpc.StatusCode.UNKNOWN, "stream ended without its first or last event")
-        return Completion("".join(self.text), self.token_ids, self.start, self.end)
+        return Completion("".join(self.text), self.token_ids, self.start, self.end, self.logprobs)
 
 
 # ----------------------------------------------------------------------------- conversions
@@ -186,6 +200,13 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    min_p: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_new_tokens: int = 0,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
     require_existing_session: bool = False,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from keyword arguments; exactly one input must be given.
@@ -213,12 +234,17 @@ def build_request(
     for name, value in (
         ("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
         ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
+        ("min_p", min_p), ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
     ):  # fmt: skip
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(stop)
     s.stop_token_ids.extend(stop_token_ids)
     s.ignore_eos = ignore_eos
+    s.logit_bias.update(logit_bias or {})
+    s.min_new_tokens = min_new_tokens
+    s.logprobs = logprobs
+    s.top_logprobs = top_logprobs
     req.sampling.SetInParent()
     return req
 
@@ -243,7 +269,11 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
             session_created=s.session_created,
         )
     if kind == "delta":
-        return TextDelta(text=resp.delta.text, token_ids=list(resp.delta.token_ids))
+        lps = [
+            TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in resp.delta.logprobs
+        ]
+        return TextDelta(text=resp.delta.text, token_ids=list(resp.delta.token_ids), logprobs=lps)
     if kind == "final":
         f, t = resp.final, resp.final.timings
         return StreamEnd(

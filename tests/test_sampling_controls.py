@@ -119,3 +119,27 @@ def test_bad_controls_get_invalid_argument(stub, sampling, message):
         generate(stub, **sampling)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in e.value.details()
+
+
+def test_python_clients_pass_the_controls_and_return_logprobs(tiny_llama_dir):
+    import asyncio
+
+    from clients import AsyncKVServeClient, KVServeClient
+
+    kw = dict(token_ids=PROMPT, max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=3, min_p=0.02,
+              presence_penalty=0.4, frequency_penalty=0.2, logit_bias={77: 1.5}, min_new_tokens=2,
+              logprobs=True, top_logprobs=2)  # fmt: skip
+    with ServerThread(tiny_config(tiny_llama_dir)) as s:
+        with KVServeClient(s.address, timeout=60) as c:
+            done = c.complete(**kw)
+
+        async def run():
+            async with AsyncKVServeClient(s.address) as ac:
+                return await ac.complete(**kw)
+
+        adone = asyncio.run(run())
+    assert done.token_ids == adone.token_ids and len(done.token_ids) == 6
+    assert [lp.token_id for lp in done.logprobs] == done.token_ids
+    assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in done.logprobs)
+    # the second call reads the first's cached prompt blocks: equal up to float rounding
+    assert [lp.logprob for lp in adone.logprobs] == pytest.approx([lp.logprob for lp in done.logprobs], abs=1e-4)
