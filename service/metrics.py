@@ -143,6 +143,11 @@ class CacheStoreCollector:
             decisions.add_metric([tier, decision, reason], n)
         yield decisions
         yield CounterMetricFamily(
+            f"{p}_cache_demotion_sync_copies",
+            "Device demotions copied synchronously: no pinned staging buffer was free (CUDA; 0 on the CPU).",
+            value=eng.transfers.num_sync_demotions,
+        )
+        yield CounterMetricFamily(
             f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",
             value=eng.num_restores_skipped,
         )
