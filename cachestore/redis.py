@@ -492,10 +492,14 @@ class RedisTier(BlockTier):
             keys = [self.key(refs[i]) for i in idx]
             todo = list(idx)
             if if_missing:
+                # a small round trip: on the read connections (short timeout), so a hung
+                # Redis holds the writer (and the device blocks a spill pins) 0.5 s, not 2 s
                 if self.ttl_ms is not None:  # refreshes the TTL of the blocks that are there
-                    present = self._call(lambda c, ks=keys: self._pipeline(c, "pexpire", ks, self.ttl_ms), "pexpire")
+                    present = self._call(
+                        lambda c, ks=keys: self._pipeline(c, "pexpire", ks, self.ttl_ms), "pexpire", read=True
+                    )
                 else:
-                    present = self._call(lambda c, ks=keys: self._pipeline(c, "exists", ks), "exists")
+                    present = self._call(lambda c, ks=keys: self._pipeline(c, "exists", ks), "exists", read=True)
                 if present is None:
                     break
                 todo = []
