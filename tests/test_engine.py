@@ -191,3 +191,35 @@ def test_ids_past_the_tokenizer_are_never_sampled(tmp_path):
         fin = finished(evs[rid])
         assert len(fin.output_token_ids) == 24
         assert max(fin.output_token_ids) < padded.tokenizer.vocab_size
+
+
+def test_a_lagging_consumer_gets_the_queued_tokens_in_one_delta(loaded):
+    import asyncio
+
+    from service.engine.async_engine import AsyncEngine
+    from service.types import Delta, Started
+
+    async def main():
+        aeng = AsyncEngine(make_engine(loaded))
+        aeng.start()
+        try:
+            (p,) = prompts(loaded.config.vocab_size, [6])
+            events = []
+            async for ev in aeng.generate(req("lag", p, n=12, logprobs=1)):
+                events.append(ev)
+                if isinstance(ev, Started):  # lag: let the engine finish the whole request first
+                    for _ in range(2000):
+                        if not aeng.engine.has_work():
+                            break
+                        await asyncio.sleep(0.01)
+            return events
+        finally:
+            await aeng.shutdown()
+
+    events = asyncio.run(main())
+    deltas = [e for e in events if isinstance(e, Delta)]
+    done = finished(events)
+    assert isinstance(events[0], Started) and len(deltas) == 1  # 12 tokens, one event
+    assert deltas[0].token_ids == done.output_token_ids and len(done.output_token_ids) == 12
+    assert deltas[0].text == done.text
+    assert [lp.token_id for lp in deltas[0].logprobs] == done.output_token_ids  # merged alongside

@@ -18,6 +18,7 @@ from service.engine.engine import Emitted, LLMEngine
 from service.engine.store import build_store
 from service.types import (
     CacheScope,
+    Delta,
     EngineStats,
     EngineStopped,
     Event,
@@ -107,10 +108,20 @@ class AsyncEngine:
         q: asyncio.Queue[Event] = asyncio.Queue()
         self._queues[req.request_id] = q
         finished = False
+        held: Event | None = None  # taken from the queue while merging deltas, yielded next
         try:
             self.engine.add_request(req)  # raises InvalidRequest / QueueFull / EngineStopped
             while True:
-                event = await q.get()
+                event, held = (held, None) if held is not None else (await q.get(), None)
+                if isinstance(event, Delta):
+                    # a consumer that lags behind the engine gets every queued token in one
+                    # event (one message on the wire instead of one per token)
+                    while not q.empty():
+                        nxt = q.get_nowait()
+                        if not isinstance(nxt, Delta):
+                            held = nxt
+                            break
+                        event = Delta(event.token_ids + nxt.token_ids, event.text + nxt.text, event.logprobs + nxt.logprobs)
                 yield event
                 if isinstance(event, Finished):
                     finished = True
