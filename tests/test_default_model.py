@@ -204,3 +204,40 @@ def test_our_loader_matches_transformers(sp, hf_model, ours):
         for _ in range(16):
             cont.append(int(ours.model.forward_nocache(torch.tensor([cont]))[0, -1].argmax()))
     assert cont[len(ids):] == greedy(hf_model, ids, 16)
+
+
+def test_chat_template_accepts_system_user_and_assistant(sp, ours):
+    tok = ours.tokenizer
+    assert set(tok.known_roles) == {"system", "user", "assistant"}
+    messages = [
+        {"role": "system", "content": "A story about a school."},
+        {"role": "user", "content": "Where are you going?"},
+        {"role": "assistant", "content": "I went to the school."},
+        {"role": "user", "content": "Why?"},
+    ]
+    assert tok.apply_chat_template(messages) == (
+        'A story about a school.</s>"Where are you going?"</s>I went to the school.</s>"Why?"</s>'
+    )
+
+
+def test_a_live_server_serves_every_chat_role_and_refuses_others():
+    import grpc
+
+    from clients._proto.kvserve.v1 import generation_pb2 as pb
+    from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+    from tests.serving import ServerThread, tiny_config
+
+    def chat(*messages):
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(max_new_tokens=3))
+        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in messages)
+        return list(stub.Generate(req, timeout=60))
+
+    with ServerThread(tiny_config(MODEL_DIR, kv_cache_memory=64 << 20, block_size=16)) as s:
+        with grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            events = chat(("system", "A story."), ("user", "Hello."), ("assistant", "Hi."), ("user", "Why?"))
+            assert events[-1].final.usage.completion_tokens >= 1
+            with pytest.raises(grpc.RpcError) as e:
+                chat(("tool", "x"))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "role 'tool' is unknown" in e.value.details()

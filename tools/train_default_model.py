@@ -65,7 +65,8 @@ BOTCHAN_SHA256 = "464bd5300c24fce16fcc4555d4231a57632caae4d0090ad6aa92854a3b227b
 
 # The chat template (jinja, rendered by the service and by transformers alike). One paragraph
 # per message, closed by eos (the "</s>" string encodes to its id, as HF tokenizers do); a
-# user's words become quoted speech unless already quoted; newlines inside a message become
+# user's words become quoted speech unless already quoted; system and assistant messages are
+# plain paragraphs (named, so the service accepts the three roles); newlines inside a message become
 # spaces (the book's paragraphs have none). The model's turn needs no prompt: it is simply
 # the next paragraph.
 CHAT_TEMPLATE = (
@@ -73,6 +74,8 @@ CHAT_TEMPLATE = (
     "{%- set text = message['content'] | replace('\\n', ' ') | trim -%}"
     "{%- if message['role'] == 'user' and not text.startswith('\"') -%}"
     "\"{{ text }}\""
+    "{%- elif message['role'] == 'system' or message['role'] == 'assistant' -%}"
+    "{{ text }}"
     "{%- else -%}"
     "{{ text }}"
     "{%- endif -%}"
@@ -592,7 +595,7 @@ python tools/train_default_model.py
 
 One paragraph per message, closed by `</s>`. A user's message is rendered as quoted speech
 (`"Hello."</s>`), the model answers with the next paragraph of the story and ends it with
-`</s>`. Other roles are rendered as plain paragraphs. Newlines inside a message become
+`</s>`. `system` and `assistant` messages are rendered as plain paragraphs. Newlines inside a message become
 spaces.
 
 ## Samples (from the training script's own output)
