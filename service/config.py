@@ -160,6 +160,7 @@ class ServerConfig:
     max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     drain_timeout: float = setting(30.0, "On SIGTERM/SIGINT, seconds in-flight streams get to finish (30, 30s, 500ms, 2m).", parse_duration, metavar="SECONDS")
+    drain_delay: float = setting(0.0, "On SIGTERM/SIGINT, seconds the server still takes new calls after reporting not ready (health NOT_SERVING, kvserve_ready 0), so a proxy that checks it stops sending calls before they would be refused; then the drain.", parse_duration, metavar="SECONDS")
     log_level: str = setting("info", "Log level: debug, info, warning or error.", choice("debug", "info", "warning", "error"))
     torch_threads: int = setting(0, "CPU threads for torch's intra-op work (0 = torch's default, one per core).", int)
     host_cache_memory: int = setting(1 << 30, "Bytes of host memory for the host KV tier (0 = off; pinned when the device is CUDA).", parse_bytes, fmt=format_bytes, metavar="BYTES")
@@ -207,6 +208,7 @@ class ServerConfig:
             ("default_max_new_tokens", self.default_max_new_tokens > 0, "must be > 0"),
             ("max_queue", self.max_queue >= 0, "must be >= 0"),
             ("drain_timeout", math.isfinite(self.drain_timeout) and self.drain_timeout >= 0, "must be >= 0"),
+            ("drain_delay", math.isfinite(self.drain_delay) and self.drain_delay >= 0, "must be >= 0"),
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
             ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),

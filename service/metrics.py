@@ -235,6 +235,7 @@ class ServiceMetrics:
             f"{p}_requests", "Finished RPCs by method and gRPC status code.", ["method", "code"], registry=r
         )
         self.active_streams = Gauge(f"{p}_active_streams", "Generate streams in flight.", registry=r)
+        self.ready = Gauge(f"{p}_ready", "1 while the server serves and is not draining, 0 from the start of a drain (what a proxy's health check reads).", registry=r)
         self.time_to_first_token = Histogram(
             f"{p}_time_to_first_token_seconds", "Arrival at the server to the first generated token sent.",
             buckets=TTFT_BUCKETS, registry=r,

@@ -85,7 +85,11 @@ class RunningServer:
             return
         self._stopped = True
         grace = self.config.drain_timeout if drain_timeout_s is None else drain_timeout_s
+        self.metrics.ready.set(0)
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
+        if self.config.drain_delay:  # still serving while proxies and endpoints notice
+            log.info("not ready: taking new calls for %.1f s more", self.config.drain_delay)
+            await asyncio.sleep(self.config.drain_delay)
         self.servicer.start_draining()  # new calls: UNAVAILABLE
         if self.servicer.inflight:
             log.info("draining %d stream(s) for up to %.1f s", self.servicer.inflight, grace)
@@ -397,6 +401,7 @@ async def serve(
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics.ready.set(1)
         metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port else None
         running = RunningServer(
             config=config,

@@ -272,7 +272,7 @@ def test_compose_kvserve_service_is_wired_to_the_image_settings_redis_and_probe(
     assert {config.port, config.metrics_port} <= exposed
 
     # `docker stop` sends SIGTERM, then SIGKILL after stop_grace_period: the drain must fit.
-    assert compose_duration(svc["stop_grace_period"]) > config.drain_timeout
+    assert compose_duration(svc["stop_grace_period"]) > config.drain_delay + config.drain_timeout
 
     # The healthcheck runs the probe the image carries, on the server's own port.
     test = svc["healthcheck"]["test"]
