@@ -265,3 +265,17 @@ def test_sampling_control_validation_messages():
         with pytest.raises(InvalidRequest, match=re.escape(msg)):
             params.validate(4096)
     SamplingParams(min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0, logit_bias=((1, -100.0),), min_new_tokens=4, max_new_tokens=4, logprobs=20).validate(4096)
+
+
+def test_top_k_through_topk_and_through_the_full_sort_agree():
+    from service.engine.sampling import filter_logits
+
+    torch.manual_seed(4)
+    logits = torch.randn(3, 500)
+    k, p, m = torch.tensor([5, 40, 7]), torch.tensor([0.8, 1.0, 0.5]), torch.zeros(3)
+    fast = filter_logits(logits, k, p, m)  # every row has a top_k: top-k path
+    # a fourth row without top_k forces the full sort for the whole batch
+    slow = filter_logits(torch.cat([logits, logits[:1]]), torch.cat([k, torch.tensor([0])]),
+                         torch.cat([p, torch.tensor([1.0])]), torch.zeros(4))[:3]  # fmt: skip
+    assert torch.equal(fast, slow)
+    assert (torch.isfinite(fast).sum(-1) <= k).all()
