@@ -291,6 +291,21 @@ class TieredStore:
         refs = [BlockRef(namespace, h) for h in hashes]
         return {name: sum(t.contains_many(refs)) for name, t in self._tiers.items()}
 
+    def delete_many(self, namespace: Namespace, hashes: Sequence[BlockHash], timeout: float = 10.0) -> dict[str, int]:
+        """Stop these blocks from being found in any tier; how many each tier dropped.
+        Queued writes are flushed first (so none lands afterwards), the host tier's
+        deletions are flushed too (its evictions demote to Redis through the writer),
+        then Redis deletes."""
+        refs = [BlockRef(namespace, h) for h in hashes]
+        dropped: dict[str, int] = {}
+        self.flush(timeout)
+        if self.host is not None:
+            dropped[Tier.HOST] = sum(self.host.delete_many(refs))
+            self.flush(timeout)
+        if self.redis is not None:
+            dropped[Tier.REDIS] = sum(self.redis.delete_many(refs))
+        return dropped
+
     # ---- restore rates -----------------------------------------------------------------
 
     def record_restore(self, tier: str, nbytes: int, seconds: float) -> None:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from service.types import EngineStats, Tier
+from service.types import CacheStats, EngineStats, Tier
 
 # seconds; TTFT spans sub-millisecond device hits to multi-second cold prefills
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -67,8 +67,8 @@ class CacheStoreCollector:
     seconds, writes, spills, evictions, failures by reason, Redis errors and breaker
     state, and what each tier holds."""
 
-    def __init__(self, engine, prefix: str = "kvserve") -> None:  # engine: AsyncEngine
-        self._engine = engine
+    def __init__(self, cache_stats: Callable[[], CacheStats], prefix: str = "kvserve") -> None:
+        self._cache_stats = cache_stats  # AsyncEngine.cache_stats
         self._p = prefix
 
     def describe(self) -> Iterable[Metric]:
@@ -76,8 +76,8 @@ class CacheStoreCollector:
 
     def collect(self) -> Iterable[Metric]:
         p = self._p
-        eng = self._engine.engine
-        st = eng.store.stats() if eng.store is not None else None
+        snap = self._cache_stats()
+        st = snap.store
         tiers = st.tiers if st is not None else {}
 
         def family(kind, name, doc, extra_labels=()):
@@ -97,11 +97,9 @@ class CacheStoreCollector:
         held_n = family("gauge", "cache_blocks_held", "KV blocks held by a tier (where known cheaply).")
         rate = family("gauge", "cache_restore_rate_bytes_per_second", "Measured restore rate (EWMA) per tier.")
 
-        bpb = eng.pool.bytes_per_block
-        used = eng.blocks.num_usable - eng.blocks.num_free + eng.blocks.num_cached_idle
-        held_n.add_metric([Tier.DEVICE], used)
-        held_b.add_metric([Tier.DEVICE], used * bpb)
-        evict.add_metric([Tier.DEVICE], eng.blocks.num_evicted)
+        held_n.add_metric([Tier.DEVICE], snap.device_blocks_held)
+        held_b.add_metric([Tier.DEVICE], snap.device_bytes_held)
+        evict.add_metric([Tier.DEVICE], snap.device_evictions)
         for name, t in tiers.items():
             hits.add_metric([name], t.hits)
             misses.add_metric([name], t.misses)
@@ -149,7 +147,7 @@ class CacheStoreCollector:
         )
         yield CounterMetricFamily(
             f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",
-            value=eng.num_restores_skipped,
+            value=snap.restores_skipped,
         )
 
 

@@ -33,7 +33,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,7 +42,8 @@ from grpc_reflection.v1alpha import reflection
 from service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
 from service.config import ConfigError, ServerConfig, mask_url_password
 from service.metrics import ServiceMetrics
-from service.servicer import SERVICE_NAME, GenerationServicer, Limits, add_to_server
+from service.conversations import Conversations, Limits
+from service.servicer import SERVICE_NAME, GenerationServicer, add_to_server
 from service.sessions import (
     FallbackSessionStore,
     InMemorySessionStore,
@@ -52,6 +53,9 @@ from service.sessions import (
 )
 from service.spill import SpillScheduler
 from service.tracing import Tracing
+
+if TYPE_CHECKING:
+    from service.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +70,9 @@ class RunningServer:
     config: ServerConfig
     port: int
     address: str
-    engine: Any
+    engine: AsyncEngine
     servicer: GenerationServicer
+    conversations: Conversations
     sessions: SessionManager
     metrics: ServiceMetrics
     spill: SpillScheduler
@@ -177,13 +182,13 @@ def build_session_store(config: ServerConfig) -> SessionStore:
     )
 
 
-async def _reap_sessions(sessions: SessionManager, servicer: GenerationServicer, period_s: float) -> None:
+async def _reap_sessions(conversations: Conversations, period_s: float) -> None:
     """Remove expired sessions and drop their KV blocks, every ``period_s``."""
     while True:
         await asyncio.sleep(period_s)
         try:
-            for rec in await sessions.reap():
-                dropped = await servicer.forget_session(rec)
+            for rec in await conversations.sessions.reap():
+                dropped = await conversations.forget(rec)
                 log.info("session %r of tenant %r expired; KV entries dropped: %s", rec.session_id, rec.owner, dropped)
         except Exception:
             log.exception("reaping expired sessions failed")
@@ -353,10 +358,10 @@ async def serve(
         if engine is None:
             engine = await _build_engine(config)
         metrics.watch_engine(engine.stats)
-        if engine.store is not None:
+        if len(engine.model_info.tiers) > 1:  # a host or Redis tier besides the device
             from service.metrics import CacheStoreCollector
 
-            metrics.register(CacheStoreCollector(engine))
+            metrics.register(CacheStoreCollector(engine.cache_stats))
         sessions = SessionManager(
             session_store or build_session_store(config),
             lock_ttl_s=config.session_lock_ttl,
@@ -368,25 +373,31 @@ async def serve(
         spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
         metrics.register(SpillCollector(spill))
         spill.start()
-        servicer = GenerationServicer(
+        limits = Limits(
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_streams=config.max_streams,
+            max_streams_per_tenant=config.max_streams_per_tenant,
+        )
+        conversations = Conversations(
             engine,
             sessions,
             metrics,
-            default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens_limit),
             max_new_tokens_limit=config.max_new_tokens_limit,
-            tenant_of=authenticator.tenant_of,
             spill=spill,
-            limits=Limits(
-                max_prompt_tokens=config.max_prompt_tokens,
-                max_streams=config.max_streams,
-                max_streams_per_tenant=config.max_streams_per_tenant,
-            ),
+            limits=limits,
             shared_cache_salts=config.shared_cache_salts,
+        )
+        servicer = GenerationServicer(
+            conversations,
+            metrics,
+            default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens_limit),
+            tenant_of=authenticator.tenant_of,
+            limits=limits,
             tracing=tracing,
         )
         reaper = (
             asyncio.create_task(
-                _reap_sessions(sessions, servicer, min(max(config.session_ttl / 4, 0.05), 30.0)),
+                _reap_sessions(conversations, min(max(config.session_ttl / 4, 0.05), 30.0)),
                 name="kvserve-session-reaper",
             )
             if config.session_ttl
@@ -409,6 +420,7 @@ async def serve(
             address=_client_address(config.host, port),
             engine=engine,
             servicer=servicer,
+            conversations=conversations,
             sessions=sessions,
             metrics=metrics,
             spill=spill,

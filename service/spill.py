@@ -20,9 +20,12 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from service.types import CacheScope, Tier
+
+if TYPE_CHECKING:
+    from service.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class _Idle:
 class SpillScheduler:
     def __init__(
         self,
-        engine: Any,  # AsyncEngine
+        engine: AsyncEngine,
         *,
         spill_after_s: float,
         tiers: tuple[str, ...],
@@ -153,8 +156,8 @@ class SpillScheduler:
         return report
 
     def _redis_puts(self) -> int:
-        store = getattr(self.engine, "store", None)
-        stats = store.stats().tiers.get(Tier.REDIS) if store is not None else None
+        store = self.engine.cache_stats().store
+        stats = store.tiers.get(Tier.REDIS) if store is not None else None
         return stats.puts if stats is not None else 0
 
     async def _spill(self, s: _Idle, tiers: tuple[str, ...], force: bool = False) -> tuple[int, dict[str, int]]:

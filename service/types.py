@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 from cachestore.base import Tier  # the tier names (device, host, redis); no torch
+
+if TYPE_CHECKING:
+    from cachestore.tiered import TieredStats
 
 
 class EngineError(Exception):
@@ -30,6 +34,10 @@ MAX_PRESENCE_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2,
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| <= 100
 MAX_TOP_LOGPROBS = 20  # alternatives per token
+
+# Sampling values beyond these overflow float32 logits (x / 1e-45 = inf -> NaN probabilities).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -69,6 +77,11 @@ class SamplingParams:
             )
         if not self.temperature >= 0.0:  # also rejects NaN
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        # Extreme values overflow float32 logits (x / 1e-45 = inf -> NaN probabilities).
+        if self.temperature and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {self.temperature}"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -76,6 +89,11 @@ class SamplingParams:
         if not self.repetition_penalty > 0.0:
             raise InvalidRequest(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}"
             )
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must not be empty")
@@ -162,6 +180,7 @@ class Started:
     cached_tokens: int  # prompt tokens whose KV was not recomputed
     cached_tier: Tier | None  # slowest tier that contributed (None when cached_tokens == 0)
     cached_by_tier: dict[Tier, int] = field(default_factory=dict)
+    session_created: bool = False  # set by the conversation: this turn created its session
 
 
 @dataclass(slots=True)
@@ -200,6 +219,49 @@ class Finished:
 Event = Started | Delta | Finished
 
 
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInput:
+    """One Generate call in domain terms (``service.wire.turn_input`` builds it).
+
+    At most one of ``text``, ``messages`` and ``token_ids`` is set (none: the input is
+    empty). ``max_new_tokens`` None: the conversation fits the server's default to the
+    context left; ``sampling.max_new_tokens`` is then a placeholder."""
+
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int | None = None
+    session_id: str = ""
+    require_existing_session: bool = False
+    cache_salt: str = ""
+
+    @property
+    def kind(self) -> str | None:
+        """"text", "chat", "tokens" or None (empty)."""
+        if self.text is not None:
+            return "text"
+        if self.messages is not None:
+            return "chat"
+        if self.token_ids is not None:
+            return "tokens"
+        return None
+
+
+def check_vocabulary(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """InvalidRequest naming ``what[i]`` for the first id outside ``[0, vocab_size)``:
+    the one message for prompts, input tokens and stop token ids alike."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"{what}[{i}] = {t} is outside the vocabulary (ids must be < {vocab_size})")
+
+
 @dataclass(slots=True)
 class EngineStats:
     running: int
@@ -209,6 +271,19 @@ class EngineStats:
     blocks_cached: int  # hold a hash, refcount 0 (evictable)
     prefill_tokens: int  # tokens run through the model as prompt (cumulative)
     decode_tokens: int  # tokens run through the model as decode steps (cumulative)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """What the KV cache holds and has done, read at once (``AsyncEngine.cache_stats``):
+    the device pool and, with a store, every tier, its restore rates and its writer.
+    The metrics read this snapshot, never the engine or the store."""
+
+    device_blocks_held: int  # blocks holding KV: in use by sequences or cached
+    device_bytes_held: int
+    device_evictions: int  # cached blocks evicted to make room (cumulative)
+    restores_skipped: int  # restores cut because recomputing was estimated faster (cumulative)
+    store: TieredStats | None = None  # per tier (TierStats), restore rates, writer; None: no store
 
 
 @dataclass(frozen=True, slots=True)

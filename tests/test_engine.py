@@ -161,7 +161,7 @@ def test_invalid_requests_are_rejected_with_precise_messages(loaded):
     V = loaded.config.vocab_size
     with pytest.raises(InvalidRequest, match="prompt is empty"):
         eng.add_request(req("a", []))
-    with pytest.raises(InvalidRequest, match=f"token id {V} is outside the vocabulary"):
+    with pytest.raises(InvalidRequest, match=rf"prompt_token_ids\[1\] = {V} is outside the vocabulary \(ids must be < {V}\)"):
         eng.add_request(req("a", [1, V]))
     ctx = eng.max_model_len
     with pytest.raises(InvalidRequest, match=f"prompt has {ctx} tokens; the context is {ctx}"):

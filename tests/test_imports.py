@@ -33,3 +33,24 @@ def test_clients_and_their_stubs_import_without_torch_or_the_server():
     )
     out = _runs_without_torch(code)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_front_names_no_engine_or_store_internals():
+    """servicer, wire and conversations talk to the engine through AsyncEngine's methods
+    (imported for type checking only) and to the store not at all."""
+    import ast
+
+    for name in ("servicer", "wire", "conversations"):
+        tree = ast.parse((REPO / "service" / f"{name}.py").read_text())
+        type_checking = {
+            id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        imported = [
+            node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and id(node) not in type_checking and node.module
+        ]
+        inner = [m for m in imported if m.startswith(("cachestore", "service.engine", "service.kv", "torch"))]
+        assert not inner, f"service/{name}.py imports {inner}"
+        source = (REPO / "service" / f"{name}.py").read_text()
+        assert ".engine.engine" not in source and ".store" not in source, f"service/{name}.py reaches into the engine"

@@ -169,7 +169,7 @@ def test_request_size_limits(server):
 
 
 def _where(srv: ServerThread, tokens: list[int], salt: str = "") -> dict[str, int]:
-    return srv.call(srv.engine.block_locations(tokens, srv.running.servicer.cache_scope("", salt)))
+    return srv.call(srv.engine.block_locations(tokens, srv.running.conversations.cache_scope("", salt)))
 
 
 def test_delete_session_removes_the_transcript_and_its_blocks_in_every_tier(tiny_llama_dir, redis_server, redis_url):

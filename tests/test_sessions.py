@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import pytest
 
-from service.models.tokenizer import Tokenizer
+from service.models.tokenizer import ChatTemplateError, Tokenizer
 from service.sessions import (
     InMemorySessionStore,
     InvalidSessionId,
@@ -20,11 +20,8 @@ from service.sessions import (
     SessionNotFound,
     SessionRecord,
     SessionRecordError,
-    TurnInputError,
-    chat_tokens,
     decode_record,
     encode_record,
-    text_tokens,
 )
 from tests.fixtures.models import LLAMA_CHAT_TEMPLATE
 
@@ -301,10 +298,10 @@ def test_chat_turns_render_as_a_continuation_of_the_transcript(ended_with_eos):
     reply = "Hello! How can I help?"
     u2 = [{"role": "user", "content": "Tell me a story."}]
 
-    transcript = chat_tokens(tok, [], u1)
+    transcript = tok.encode_chat_turn([], u1)
     assert transcript == tok.encode_chat(u1)
     transcript += tok.encode(reply, add_bos=False) + (list(tok.eos_token_ids) if ended_with_eos else [])
-    new = chat_tokens(tok, transcript, u2)
+    new = tok.encode_chat_turn(transcript, u2)
 
     # the whole conversation rendered at once encodes to exactly transcript + new, whether
     # the model wrote the end-of-turn eos itself or was cut off (then the eos is added)
@@ -315,19 +312,19 @@ def test_chat_turns_render_as_a_continuation_of_the_transcript(ended_with_eos):
 @pytest.mark.parametrize("ended_with_eos", [True, False], ids=["eos", "cut-by-length"])
 def test_chat_continuation_with_the_builtin_template(ended_with_eos):
     tok = _char_tokenizer(None)  # "role: content" lines, no eos in the template
-    transcript = chat_tokens(tok, [], [{"role": "user", "content": "Hi"}])
+    transcript = tok.encode_chat_turn([], [{"role": "user", "content": "Hi"}])
     assert tok.decode(transcript) == "user: Hi\nassistant:"
     transcript += tok.encode(" Hello", add_bos=False) + ([2] if ended_with_eos else [])
-    new = chat_tokens(tok, transcript, [{"role": "user", "content": "Story?"}])
+    new = tok.encode_chat_turn(transcript, [{"role": "user", "content": "Story?"}])
     assert tok.decode(new) == "\nuser: Story?\nassistant:"
     assert 2 not in new and 1 not in new
 
 
 def test_text_turns_add_bos_only_first(tiny_llama_dir):
     tok = Tokenizer.from_dir(tiny_llama_dir)
-    first = text_tokens(tok, [], "hello world")
+    first = tok.encode_text_turn([], "hello world")
     assert first[0] == tok.bos_token_id
-    later = text_tokens(tok, first + [5], "hello world")
+    later = tok.encode_text_turn(first + [5], "hello world")
     assert later == first[1:]
 
 
@@ -338,6 +335,6 @@ def test_a_template_that_rejects_the_messages_is_invalid_input():
         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     )
     tok = _char_tokenizer(strict)
-    transcript = chat_tokens(tok, [], [{"role": "user", "content": "hi"}]) + [70, 2]
-    with pytest.raises(TurnInputError, match="roles must alternate"):
-        chat_tokens(tok, transcript, [{"role": "assistant", "content": "two assistants in a row"}])
+    transcript = tok.encode_chat_turn([], [{"role": "user", "content": "hi"}]) + [70, 2]
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        tok.encode_chat_turn(transcript, [{"role": "assistant", "content": "two assistants in a row"}])

@@ -13,11 +13,13 @@ import threading
 import time
 from typing import AsyncIterator
 
+from cachestore.keys import block_hashes
 from service.engine.config import EngineConfig
 from service.engine.engine import Emitted, LLMEngine
 from service.engine.store import build_store
 from service.types import (
     CacheScope,
+    CacheStats,
     Delta,
     EngineStats,
     EngineStopped,
@@ -137,9 +139,17 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    @property
-    def store(self):
-        return self.engine.store
+    def cache_stats(self) -> CacheStats:
+        """A snapshot of the device pool and the store (see ``CacheStats``)."""
+        eng = self.engine
+        held = eng.blocks.num_usable - eng.blocks.num_free + eng.blocks.num_cached_idle
+        return CacheStats(
+            device_blocks_held=held,
+            device_bytes_held=held * eng.pool.bytes_per_block,
+            device_evictions=eng.blocks.num_evicted,
+            restores_skipped=eng.num_restores_skipped,
+            store=eng.store.stats() if eng.store is not None else None,
+        )
 
     # ---- the cache store -------------------------------------------------------------
 
@@ -166,13 +176,41 @@ class AsyncEngine:
             return True
         return await asyncio.to_thread(store.flush, timeout_s)
 
-    async def block_locations(self, token_ids: list[int], scope: CacheScope) -> dict[str, int]:
+    async def forget(self, token_ids: list[int], scope: CacheScope, timeout_s: float = 10.0) -> dict[Tier, int]:
+        """Stop the full blocks of a transcript from being found: the device prefix map
+        (on the engine thread, between steps), then every store tier
+        (``TieredStore.delete_many``). Returns how many entries each tier dropped.
+
+        KV blocks are content-addressed, so "a session's blocks" are the full blocks of
+        its transcript in its namespace. Another transcript of the same namespace (same
+        tenant and salt) with the same leading blocks loses those entries too and
+        recomputes them, nothing worse; other tenants' blocks are in other namespaces."""
+        loop = asyncio.get_running_loop()
+        dropped: asyncio.Future[int] = loop.create_future()
+
+        def drop_device() -> None:  # on the engine thread
+            n = 0
+            try:
+                n = self.engine.forget_device(token_ids, scope)
+            finally:
+                loop.call_soon_threadsafe(lambda: dropped.done() or dropped.set_result(n))
+
+        self.engine.call_soon(drop_device)
+        out: dict[Tier, int] = {Tier.DEVICE: await asyncio.wait_for(dropped, timeout_s)}
+        store = self.engine.store
+        if store is not None:
+            for ns in self.engine.namespaces(scope):  # LongRoPE models: both regimes
+                hashes = block_hashes(ns, token_ids, self.engine.block_size)
+                got = await asyncio.to_thread(store.delete_many, ns, hashes, timeout_s)
+                for tier, n in got.items():
+                    out[tier] = out.get(tier, 0) + n
+        return out
+
+    async def block_locations(self, token_ids: list[int], scope: CacheScope) -> dict[Tier, int]:
         """How many of the transcript's full blocks each tier holds now."""
         out = {Tier.DEVICE: self.engine.device_blocks_for(token_ids, scope)}
         store = self.engine.store
         if store is not None:
-            from cachestore.keys import block_hashes
-
             ns = self.engine.namespace(scope, len(token_ids))
             hashes = block_hashes(ns, token_ids, self.engine.block_size)
             out.update(await asyncio.to_thread(store.location, ns, hashes))

@@ -48,6 +48,7 @@ from service.types import (
     Started,
     Tier,
     Timings,
+    check_vocabulary,
 )
 from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
 from service.kv.cache import BatchLayout, KVPool, SeqSlice, dtype_name
@@ -221,14 +222,10 @@ class LLMEngine:
         n = len(req.prompt_token_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty")
-        vocab = self.mcfg.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        check_vocabulary(req.prompt_token_ids, self.mcfg.vocab_size, "prompt_token_ids")
         req.sampling.validate(self.cfg.max_new_tokens_limit)
-        bad = next((t for t in req.sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        check_vocabulary(req.sampling.stop_token_ids, self.mcfg.vocab_size, "sampling.stop_token_ids")
+        vocab = self.mcfg.vocab_size
         bad = next((t for t, _ in req.sampling.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
@@ -746,6 +743,19 @@ class LLMEngine:
             self.transfers.demote(block_id, store)
         except Exception:
             log.exception("demoting block %d failed", block_id)
+
+    def forget_device(self, token_ids: list[int], scope: CacheScope) -> int:
+        """Drop the full blocks of ``token_ids`` in ``scope``'s namespace from the prefix
+        map (engine thread only). A block a running sequence still uses keeps its KV until
+        that sequence frees it, then it is a plain free block. Returns how many were dropped."""
+        n = 0
+        for ns in self.namespaces(scope):  # LongRoPE models: both regimes
+            for h in block_hashes(ns, token_ids, self.block_size):
+                block = self.blocks.lookup(h)
+                if block is not None:
+                    self.blocks.drop_hash(block)
+                    n += 1
+        return n
 
     def device_blocks_for(self, token_ids: list[int], scope: CacheScope) -> int:
         """How many leading full blocks of ``token_ids`` are on the device now."""

@@ -10,6 +10,21 @@ One ``Tokenizer`` over whichever the checkpoint ships (first found wins):
 tokens and the ``chat_template`` (or a ``chat_template.jinja`` file next to it), rendered
 in a sandboxed jinja2 environment. ``IncrementalDetokenizer`` streams text that is final:
 never half a UTF-8 character, correct across sentencepiece word boundaries.
+
+A session's turns (``encode_text_turn``, ``encode_chat_turn``) are appended to its token
+transcript, never re-tokenized with it:
+
+* Token ids: appended as given.
+* Text: the first turn is encoded with BOS; later turns are encoded standalone
+  without BOS and appended.
+* Chat messages: the first turn renders the messages with the chat template and a
+  generation prompt. Later turns render **only the new messages, as a continuation**:
+  the template is applied to a fixed placeholder exchange (user, assistant) with and
+  without the new messages, and the text the new messages add is taken as the
+  difference. What the template writes after an assistant message (its end-of-turn
+  marker) is added first unless the transcript already ends with an end-of-sequence
+  token (the usual case: the model emitted it and it is in the transcript). The
+  transcript therefore stays a strict prefix of the conversation, turn after turn.
 """
 
 from __future__ import annotations
@@ -32,6 +47,12 @@ BUILTIN_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 _REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+_PLACEHOLDER_USER = "kvserve placeholder user message"
+_PLACEHOLDER_ASSISTANT = "kvserve placeholder assistant message"
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot render these messages (bad input, not a server fault)."""
 
 
 class _Backend(Protocol):
@@ -252,6 +273,37 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt)
         starts_with_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_bos=not starts_with_bos)
+
+    # ---- a session's turns (see the module docstring) -------------------------------
+
+    def encode_text_turn(self, transcript: Sequence[int], text: str) -> list[int]:
+        """Tokens of a text turn: with BOS on an empty transcript, standalone without BOS after."""
+        return list(self.encode(text, add_bos=not transcript))
+
+    def encode_chat_turn(self, transcript: Sequence[int], messages: list[dict[str, str]]) -> list[int]:
+        """Tokens of a chat turn. With an empty transcript the messages are the whole
+        conversation so far; otherwise they are only the new messages, rendered as a
+        continuation of it. ``ChatTemplateError`` when the template cannot render them."""
+        try:
+            if not transcript:
+                return list(self.encode_chat(messages, add_generation_prompt=True))
+            before = [
+                {"role": "user", "content": _PLACEHOLDER_USER},
+                {"role": "assistant", "content": _PLACEHOLDER_ASSISTANT},
+            ]
+            base = self.apply_chat_template(before, add_generation_prompt=False)
+            full = self.apply_chat_template(before + messages, add_generation_prompt=True)
+        except Exception as e:  # a template may reject a message order (e.g. roles must alternate)
+            raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None
+        if not full.startswith(base) or _PLACEHOLDER_ASSISTANT not in base:
+            raise ChatTemplateError("the chat template cannot render these messages as a continuation of the session")
+        # what the template writes after an assistant message's content: its end-of-turn marker
+        closing = base[base.rindex(_PLACEHOLDER_ASSISTANT) + len(_PLACEHOLDER_ASSISTANT) :]
+        eos = self.eos_token
+        if eos and self.eos_token_ids and transcript[-1] in self.eos_token_ids and closing.startswith(eos):
+            closing = closing[len(eos) :]  # the model already wrote the eos; keep what follows it
+        # Special token strings (eos, bos, added tokens) in the text encode to their ids.
+        return list(self.encode(closing + full[len(base) :], add_bos=False))
 
 
 def _raise_exception(message: str) -> None:

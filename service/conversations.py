@@ -1,0 +1,364 @@
+"""One turn of a conversation, front to engine and back: the rules of a Generate call
+that are not gRPC.
+
+    async for event in conversations.run_turn(owner, turn_input, request_id):
+        ...  # Started, then Delta..., then Finished (domain events)
+
+``run_turn`` checks the input once, with one set of messages (sampling, cache salt,
+stop lists, input size, vocabulary, prompt limit, context), begins the session's turn
+(``SessionManager.begin_turn``: the lock, the transcript), builds the prompt
+(transcript + the new input as tokens), fits ``max_new_tokens`` to the context left,
+composes the request's ``CacheScope`` (tenant + request salt, or shared), streams the
+engine's events, commits the turn before the last event leaves (so the client's next
+turn never finds the session busy) and tells the spill scheduler the session went idle.
+A turn that fails or is cancelled leaves the transcript as it was.
+
+``forget(rec)`` stops a removed session's KV blocks from being found (DeleteSession
+and the reaper call it); ``block_locations(owner, rec)`` says which tiers hold them.
+
+Errors are domain errors (``InvalidRequest``, ``TurnInputError``, session errors,
+``QueueFull``...); ``service.wire.status_of`` maps them to gRPC statuses.
+
+Text and chat input is tokenized in a worker thread, never on the event loop, and
+input that cannot fit the prompt limit (``max_prompt_tokens``, else the context
+length) is refused before it is tokenized: no token covers more than
+``max_bytes_per_token`` bytes of text, so ``ceil(bytes / that)`` tokens is a lower
+bound on what the text becomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import aclosing
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
+
+from service.metrics import ServiceMetrics
+from service.models.tokenizer import ChatTemplateError
+from service.sessions import SessionManager, SessionRecord, Turn
+from service.spill import SpillScheduler
+from service.types import (
+    CacheScope,
+    Delta,
+    Event,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+    Started,
+    Tier,
+    TurnInput,
+    check_vocabulary,
+)
+
+if TYPE_CHECKING:
+    from service.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+class TurnObserver(Protocol):
+    """Hears of a turn's start event and of its finish (before the commit): a call's trace
+    (``service.tracing.GenerateTrace``)."""
+
+    def started(self, event: Started, block_size: int, bytes_per_token: int) -> None: ...
+
+    def finished(self, event: Finished) -> None: ...
+
+
+class _NoObserver:
+    def started(self, event: Started, block_size: int, bytes_per_token: int) -> None:
+        pass
+
+    def finished(self, event: Finished) -> None:
+        pass
+
+
+NO_OBSERVER: TurnObserver = _NoObserver()
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-request and concurrency limits (0 = no limit). The servicer applies the
+    stream limits at admission, the conversation the others."""
+
+    max_prompt_tokens: int = 0  # transcript + new input
+    max_streams: int = 0  # Generate streams in flight, all tenants
+    max_streams_per_tenant: int = 0
+    max_cache_salt_chars: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+
+
+class Conversations:
+    """Turns of sessions (and one-off generations) over an engine and a session table."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sessions: SessionManager,
+        metrics: ServiceMetrics,
+        *,
+        max_new_tokens_limit: int,
+        spill: SpillScheduler | None = None,
+        limits: Limits = Limits(),
+        shared_cache_salts: frozenset[str] | tuple[str, ...] = (),
+    ) -> None:
+        self.engine = engine
+        self.sessions = sessions
+        self.metrics = metrics
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self.limits = limits
+        self.shared_cache_salts = frozenset(shared_cache_salts)
+        self.spill = spill
+        self._max_bytes_per_token: int | None = None
+
+    # ------------------------------------------------------------------ the turn
+
+    async def run_turn(
+        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER
+    ) -> AsyncIterator[Event]:
+        """Serve one Generate call of ``owner``: see the module docstring. ``observer``
+        (the call's trace) hears of the start event and of the finish, before the commit."""
+        arrival = time.perf_counter()
+        self.check_sampling(inp.sampling)
+        self._check_salt(inp.cache_salt)
+        session_id = inp.session_id
+        if inp.require_existing_session and not session_id:
+            raise InvalidRequest("require_existing_session needs a session_id")
+        turn: Turn | None = None
+        if session_id:
+            turn = await self.sessions.begin_turn(owner, session_id, require_existing=inp.require_existing_session)
+        finished = False
+        try:
+            transcript = turn.record.token_ids if turn else []
+            await self._check_input_size(inp, transcript)
+            if inp.kind == "tokens":
+                new_tokens = self._input_tokens(inp, transcript)
+            else:  # tokenizing a long text takes a while: never on the event loop
+                new_tokens = await asyncio.to_thread(self._input_tokens, inp, transcript)
+            prompt = transcript + new_tokens
+            self._check_prompt_limit(transcript, new_tokens, session_id)
+            sampling = self._fit_to_context(inp, transcript, new_tokens)
+            scope = self.cache_scope(owner, inp.cache_salt)
+            req = GenerationRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling, scope=scope,
+                session_id=session_id or None,
+            )  # fmt: skip
+            last_token_at: float | None = None
+            async with aclosing(self.engine.generate(req)) as events:
+                async for event in events:
+                    if isinstance(event, Started):
+                        self._observe_start(event)
+                        info = self.engine.model_info
+                        observer.started(event, info.block_size, info.bytes_per_token)
+                        event.session_created = turn is not None and turn.created
+                        yield event
+                    elif isinstance(event, Delta):
+                        if not event.token_ids and not event.text:
+                            continue
+                        last_token_at = self._observe_delta(event, arrival, last_token_at)
+                        yield event
+                    elif isinstance(event, Finished):
+                        finished = True
+                        observer.finished(event)
+                        self.metrics.finished.labels(event.finish_reason.value).inc()
+                        if turn is not None:
+                            if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                                rec = await self.sessions.commit_turn(
+                                    turn, prompt, event.output_token_ids, cache_salt=inp.cache_salt
+                                )
+                                if self.spill is not None:
+                                    self.spill.touch(owner, session_id, rec.token_ids, scope)
+                            await self.sessions.end_turn(turn)
+                            turn = None
+                        yield event
+                        return
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:  # the client cancelled, went away or passed its deadline
+                self.metrics.finished.labels(FinishReason.CANCELLED.value).inc()
+            raise
+        finally:
+            if turn is not None:  # cancelled or failed: the transcript stays as before the turn
+                await asyncio.shield(self.sessions.end_turn(turn))
+
+    def _observe_start(self, ev: Started) -> None:
+        self.metrics.prompt_tokens.inc(ev.prompt_tokens)
+        for tier, n in ev.cached_by_tier.items():
+            if n:
+                self.metrics.cached_prompt_tokens.labels(tier.value).inc(n)
+
+    def _observe_delta(self, ev: Delta, arrival: float, last_token_at: float | None) -> float | None:
+        now = time.perf_counter()
+        n = len(ev.token_ids)
+        if last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - arrival)
+        elif n:
+            for _ in range(n):
+                self.metrics.inter_token_latency.observe((now - last_token_at) / n)
+        self.metrics.generated_tokens.inc(n)
+        return now if n else last_token_at
+
+    # ------------------------------------------------------------------ salts
+
+    def cache_scope(self, owner: str, request_salt: str) -> CacheScope:
+        """The block-hash namespace of a request: the tenant and the request's own salt.
+        KV is never shared across tenants or across different request salts, except for
+        a request salt the operator listed in ``shared_cache_salts``: that namespace
+        leaves the tenant out and is the same for every tenant."""
+        if self.is_shared_salt(request_salt):
+            return CacheScope.shared(request_salt)
+        return CacheScope(owner, request_salt)
+
+    def is_shared_salt(self, request_salt: str) -> bool:
+        return bool(request_salt) and request_salt in self.shared_cache_salts
+
+    def _check_salt(self, salt: str) -> None:
+        limit = self.limits.max_cache_salt_chars
+        if len(salt) > limit:
+            raise InvalidRequest(f"cache_salt has {len(salt)} characters; the limit is {limit}")
+
+    # ------------------------------------------------------------------ sessions' KV
+
+    async def forget(self, rec: SessionRecord) -> dict[Tier, int]:
+        """Stop a removed session's KV blocks from being found (device, host, Redis).
+        Blocks in a shared namespace are left alone: they are not the session's own."""
+        if self.spill is not None:
+            self.spill.forget(rec.owner, rec.session_id)
+        if self.is_shared_salt(rec.cache_salt) or not rec.token_ids:
+            return {}
+        try:
+            return await self.engine.forget(rec.token_ids, self.cache_scope(rec.owner, rec.cache_salt))
+        except Exception:  # the transcript is gone already; dropping its cache is best effort
+            log.exception("dropping the KV blocks of session %r failed", rec.session_id)
+            return {}
+
+    async def block_locations(self, owner: str, rec: SessionRecord) -> dict[Tier, int]:
+        """How many of the session's full blocks each tier holds now."""
+        return await self.engine.block_locations(rec.token_ids, self.cache_scope(owner, rec.cache_salt))
+
+    # ------------------------------------------------------------------ checks (once, here)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Every sampling field, the request-size limits of the stop lists and the stop
+        token ids against the vocabulary: InvalidRequest naming the field."""
+        params.validate(self.max_new_tokens_limit)
+        lim = self.limits
+        if len(params.stop) > lim.max_stop_strings:
+            raise InvalidRequest(f"sampling.stop has {len(params.stop)} strings; the limit is {lim.max_stop_strings}")
+        for i, stop in enumerate(params.stop):
+            if len(stop) > lim.max_stop_string_chars:
+                raise InvalidRequest(
+                    f"sampling.stop[{i}] has {len(stop)} characters; the limit is {lim.max_stop_string_chars}"
+                )
+        if len(params.stop_token_ids) > lim.max_stop_token_ids:
+            raise InvalidRequest(
+                f"sampling.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {lim.max_stop_token_ids}"
+            )
+        check_vocabulary(params.stop_token_ids, self.engine.model_info.vocab_size, "sampling.stop_token_ids")
+
+    def _check_prompt_limit(self, transcript: list[int], new_tokens: list[int], session_id: str) -> None:
+        limit = self.limits.max_prompt_tokens
+        n = len(transcript) + len(new_tokens)
+        if not limit or n <= limit:
+            return
+        if session_id and transcript:
+            raise InvalidRequest(
+                f"session {session_id!r} would exceed the prompt limit: its transcript has {len(transcript)} "
+                f"tokens and this turn adds {len(new_tokens)}: {n} > max_prompt_tokens {limit}; "
+                f"start a new session"
+            )
+        raise InvalidRequest(f"prompt has {n} tokens; the limit is {limit} (max_prompt_tokens)")
+
+    def max_bytes_per_token(self) -> int:
+        """An upper bound on the bytes of text one token covers: twice the longest
+        decoded vocabulary entry plus one (a leading space a decoder drops, text that
+        normalization shortens). Computed once."""
+        if self._max_bytes_per_token is None:
+            tok = self.engine.tokenizer
+            n = int(getattr(tok, "vocab_size", 0) or self.engine.model_info.vocab_size)
+            longest = 1
+            for i in range(n):
+                try:
+                    longest = max(longest, len(tok.decode([i]).encode("utf-8", "surrogatepass")))
+                except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode alone
+                    continue
+            self._max_bytes_per_token = 2 * (longest + 1)
+        return self._max_bytes_per_token
+
+    async def _check_input_size(self, inp: TurnInput, transcript: list[int]) -> None:
+        """Refuse text or chat input that cannot fit the prompt limit, before tokenizing it."""
+        kind = inp.kind
+        if inp.text is not None:
+            n_bytes = len(inp.text.encode("utf-8", "surrogatepass"))
+        elif inp.messages is not None:
+            n_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in inp.messages)
+        else:
+            return
+        limit = self.limits.max_prompt_tokens or self.engine.model_info.context_length
+        which = "max_prompt_tokens" if self.limits.max_prompt_tokens else "the context length"
+        bpt = self._max_bytes_per_token or await asyncio.to_thread(self.max_bytes_per_token)
+        if n_bytes <= (limit - len(transcript)) * bpt:
+            return
+        at_least = len(transcript) + -(-n_bytes // bpt)
+        session_id = inp.session_id
+        where = f"session {session_id!r} has {len(transcript)} tokens and " if session_id and transcript else ""
+        raise InvalidRequest(
+            f"input too long: {where}the new {kind} has {n_bytes} bytes, at least {at_least} tokens in all "
+            f"(a token covers at most {bpt} bytes); the limit is {limit} ({which})"
+        )
+
+    def _input_tokens(self, inp: TurnInput, transcript: list[int]) -> list[int]:
+        """The new input as token ids (appended to ``transcript``), checked."""
+        tok = self.engine.tokenizer
+        if inp.text is not None:
+            if not inp.text:
+                raise InvalidRequest("empty input: text is empty")
+            return tok.encode_text_turn(transcript, inp.text)
+        if inp.messages is not None:
+            if not inp.messages:
+                raise InvalidRequest("empty input: chat.messages is empty")
+            roles = tok.known_roles
+            for i, m in enumerate(inp.messages):
+                if m.role not in roles:
+                    raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
+            try:
+                return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in inp.messages])
+            except ChatTemplateError as e:
+                raise InvalidRequest(str(e)) from None
+        if inp.token_ids is None:
+            raise InvalidRequest("empty input: set one of text, chat or tokens")
+        ids = list(inp.token_ids)
+        if not ids:
+            raise InvalidRequest("empty input: tokens.ids is empty")
+        check_vocabulary(ids, self.engine.model_info.vocab_size, "tokens.ids")
+        return ids
+
+    def _fit_to_context(self, inp: TurnInput, transcript: list[int], new_tokens: list[int]) -> SamplingParams:
+        """Check the prompt against the context; an unset max_new_tokens fills what is left."""
+        ctx = self.engine.model_info.context_length
+        n_prompt = len(transcript) + len(new_tokens)
+        explicit = inp.max_new_tokens is not None
+        want = inp.sampling.max_new_tokens
+        room = ctx - n_prompt
+        if room < 1 or (explicit and want > room):
+            asked = f"up to {want} new tokens" if explicit else "at least 1 new token"
+            need = n_prompt + (want if explicit else 1)
+            if inp.session_id:
+                raise InvalidRequest(
+                    f"session {inp.session_id!r} would exceed the context: its transcript has "
+                    f"{len(transcript)} tokens, this turn adds {len(new_tokens)} and asks for {asked}: "
+                    f"{need} > context length {ctx}"
+                )
+            if explicit:
+                raise InvalidRequest(
+                    f"prompt ({n_prompt} tokens) + max_new_tokens ({want}) = {need} exceeds the context length {ctx}"
+                )
+            raise InvalidRequest(
+                f"prompt has {n_prompt} tokens; the context length is {ctx} (room for at least 1 new token needed)"
+            )
+        return dataclasses.replace(inp.sampling, max_new_tokens=want if explicit else min(want, room))

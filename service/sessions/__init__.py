@@ -1,0 +1,105 @@
+"""Server-side sessions: the exact token transcript of each conversation.
+
+A session is a token transcript plus bookkeeping (owner, timestamps, completed turns).
+The next turn's prompt is ``transcript + new input tokens``: the exact tokens the
+model saw and generated, never a re-tokenization of decoded text, so every earlier
+block of the conversation hashes the same and is found in the cache.
+
+Turns and the transcript
+------------------------
+* One turn at a time: ``SessionManager.begin_turn`` takes the session's lock (held in
+  this replica's memory and as a lease in the store, renewed while the turn runs); a
+  second turn gets ``SessionBusy``. Record writes are compare-and-set on the version the
+  turn started from, so whatever Redis loses (restart, FLUSHALL) no acknowledged turn is
+  overwritten (see ``SessionManager``).
+* A session is created by its first turn and stored right away (empty transcript), so
+  it is visible (busy) while that turn runs; if that first turn does not complete
+  (bad input, cancelled, failed) the session is removed again.
+* A turn that completes (finish reason stop or length) commits
+  ``prompt + generated tokens`` as the new transcript and counts one turn.
+* **A cancelled or failed turn leaves the transcript as it was before the turn**: the
+  new input and any tokens generated before the cancel are dropped. The KV blocks the
+  turn computed stay in the cache (they are keyed by content), so retrying the same
+  input finds the old transcript's blocks and, for full blocks of the new input, its
+  own. Only ``last_used_at`` changes.
+
+The new input
+-------------
+The conversation (``service.conversations``) turns the new input into tokens with
+``Tokenizer.encode_text_turn`` / ``encode_chat_turn`` (``service/models/tokenizer.py``
+says how a chat turn renders as a continuation of the transcript) and appends them.
+
+The package
+-----------
+``records`` (``SessionRecord``, ids, errors, the binary codec), ``stores`` (where
+records live) and ``table`` (``SessionManager``: owners, locks, TTL, limits).
+
+Storage
+-------
+``SessionStore`` is the small async protocol behind the table (get / put / delete /
+list, plus the per-session turn lock). ``InMemorySessionStore`` keeps records in the
+process; ``RedisSessionStore`` keeps one compact binary record per session
+(``encode_record``: magic, version, JSON metadata, token ids as little-endian
+uint32, CRC-32) with an optional TTL, so sessions survive restarts and move between
+replicas. Each record carries an ``etag`` (the id of the write that stored it): writes
+are conditional on it (``put_if``). ``FallbackSessionStore`` puts this process's memory
+behind Redis, with per-call timeouts and a circuit breaker, so a hung Redis stalls no
+turn. Sessions are keyed by ``(owner, session_id)``: another owner's session id is
+simply not found.
+
+Expiry and limits
+-----------------
+With ``ttl_s`` a session unused for that long is gone: Redis expires its record (the
+TTL is renewed by every write, i.e. every turn), the in-memory store drops it when it
+is next looked at or swept by ``SessionManager.reap`` (which also returns the expired
+records, so the server can drop their KV blocks). ``max_sessions_per_owner`` caps how
+many sessions one tenant holds; creating one more raises ``SessionLimit``.
+"""
+
+
+from service.sessions.records import (
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
+    SESSION_ID_RE,
+    InvalidSessionId,
+    SessionBusy,
+    SessionConflict,
+    SessionError,
+    SessionLimit,
+    SessionNotFound,
+    SessionRecord,
+    SessionRecordError,
+    check_session_id,
+    decode_record,
+    encode_record,
+)
+from service.sessions.stores import (
+    FallbackSessionStore,
+    InMemorySessionStore,
+    RedisSessionStore,
+    SessionStore,
+)
+from service.sessions.table import SessionManager, Turn
+
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "MAX_PAGE_SIZE",
+    "SESSION_ID_RE",
+    "FallbackSessionStore",
+    "InMemorySessionStore",
+    "InvalidSessionId",
+    "RedisSessionStore",
+    "SessionBusy",
+    "SessionConflict",
+    "SessionError",
+    "SessionLimit",
+    "SessionManager",
+    "SessionNotFound",
+    "SessionRecord",
+    "SessionRecordError",
+    "SessionStore",
+    "Turn",
+    "check_session_id",
+    "decode_record",
+    "encode_record",
+]

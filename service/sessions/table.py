@@ -1,0 +1,307 @@
+"""The session table: owners, one turn at a time per session, TTL and limits
+(``SessionManager``, ``Turn``). See the package docstring for the rules."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from service.sessions.records import (
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
+    SessionBusy,
+    SessionConflict,
+    SessionLimit,
+    SessionNotFound,
+    SessionRecord,
+    check_session_id,
+)
+from service.sessions.stores import (
+    CONFLICT,
+    REPLACED,
+    RESTORED,
+    UNKNOWN,
+    Expect,
+    FallbackSessionStore,
+    RedisSessionStore,
+    SessionStore,
+    copy_record,
+    new_etag,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn in flight: the record as it was at the start, the lock lease, and what a
+    conditional write of the session may find in the store (its version at the start
+    and every version this turn wrote)."""
+
+    record: SessionRecord
+    holder: str
+    created: bool  # this turn created the session
+    expect: Expect = field(default_factory=Expect)
+    _renewal: asyncio.Task | None = None
+    committed: bool = False
+    ended: bool = False
+
+
+class SessionManager:
+    """The session table used by the servicer: one turn at a time per session.
+
+    One turn at a time, whatever the store lost:
+
+    * This replica's own turns in flight are held here (``_inflight``), consulted before
+      the store: a second turn of a session in flight on this replica is refused even
+      when Redis restarted, was flushed or hangs.
+    * Across replicas the store's lock (a lease of ``lock_ttl_s``, renewed every
+      ``min(lock_ttl_s / 3, renew_every_s)`` while the turn runs) keeps a second turn
+      out. A renewal that finds the lock gone (Redis restarted or flushed) takes it
+      again and writes the turn's record back.
+    * Every write of a record is conditional on the version the turn started from
+      (``put_if``), so a commit never silently overwrites a newer record: when another
+      replica wrote the session meanwhile (possible only while the lock was lost) the
+      commit raises ``SessionConflict`` and the turn fails instead of an acknowledged
+      turn vanishing. When Redis lost the record mid-turn, the commit writes this
+      replica's copy back (logged, counted in ``records_lost``).
+    * Lock holders are ``{replica_id}:{uuid}``: a lock left in Redis by an ended turn of
+      this replica (an unlock that missed a hung Redis, a lock write applied late) is
+      taken over by this replica's next turn instead of blocking it until its lease ends.
+
+    ``max_sessions_per_owner`` (0 = none) caps the sessions one owner holds; creations
+    are serialized in this process, so the cap is exact for one replica and may be
+    passed by a few when several replicas create sessions of one owner at once.
+    """
+
+    def __init__(
+        self,
+        store: SessionStore,
+        *,
+        lock_ttl_s: float = 30.0,
+        max_sessions_per_owner: int = 0,
+        clock: Callable[[], float] = time.time,
+        renew_every_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self._lock_ttl_s = lock_ttl_s
+        self._renew_every_s = min(lock_ttl_s / 3, renew_every_s)
+        self.max_sessions_per_owner = max_sessions_per_owner
+        self._clock = clock
+        self._create_lock = asyncio.Lock()
+        self.replica_id = uuid.uuid4().hex[:12]
+        self._inflight: dict[tuple[str, str], str] = {}  # this replica's turns in flight -> holder
+        self.records_lost = 0  # records the store had lost mid-session, written back from here
+        self.conflicts = 0  # turns refused because another replica wrote the session meanwhile
+        self.unconfirmed_writes = 0  # writes the store could not confirm (kept on this replica)
+
+    @property
+    def turns_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def in_flight_here(self, owner: str, session_id: str) -> bool:
+        return (owner, session_id) in self._inflight
+
+    def _busy(self, session_id: str) -> SessionBusy:
+        return SessionBusy(f"session {session_id!r} already has a turn in flight; retry when it finishes")
+
+    async def begin_turn(self, owner: str, session_id: str, *, require_existing: bool = False) -> Turn:
+        """Lock the session (creating it if new, unless ``require_existing``) and return
+        its record as of now.
+
+        Raises InvalidSessionId, SessionBusy, or SessionNotFound (``require_existing``).
+        """
+        check_session_id(session_id)
+        key = (owner, session_id)
+        if key in self._inflight:
+            raise self._busy(session_id)
+        holder = f"{self.replica_id}:{uuid.uuid4().hex}"
+        self._inflight[key] = holder  # reserved before the first await
+        try:
+            if not await self.store.try_lock(
+                owner, session_id, holder, self._lock_ttl_s, takeover_prefix=f"{self.replica_id}:"
+            ):
+                raise self._busy(session_id)
+            try:
+                rec, expect = await self.store.read(owner, session_id)
+                created = rec is None
+                if rec is None:
+                    if require_existing:
+                        raise SessionNotFound(
+                            f"session {session_id!r} not found (require_existing_session is set): it expired, "
+                            f"was deleted, or the server lost it"
+                        )
+                    async with self._create_lock:
+                        await self._check_room(owner)
+                        rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
+                rec.last_used_at = self._clock() if not created else rec.created_at
+                rec.etag = new_etag()
+                outcome = await self.store.put_if(rec, expect)
+                self._note(outcome, rec, "at the start of a turn")
+                if outcome == CONFLICT:
+                    raise SessionBusy(
+                        f"session {session_id!r} was just written by another replica; retry when its turn finishes"
+                    )
+            except BaseException:
+                await self.store.unlock(owner, session_id, holder)
+                raise
+        except BaseException:
+            if self._inflight.get(key) == holder:
+                del self._inflight[key]
+            raise
+        turn = Turn(record=rec, holder=holder, created=created, expect=expect.plus(rec.etag))
+        turn._renewal = asyncio.create_task(self._renew(turn), name=f"session-lock-{session_id}")
+        return turn
+
+    def _note(self, outcome: str, rec: SessionRecord, when: str) -> None:
+        if outcome in (RESTORED, REPLACED):
+            self.records_lost += 1
+            log.warning(
+                "session %r: the session store had lost its record %s (%s); wrote back this replica's copy "
+                "(%d turns, %d tokens)",
+                rec.session_id, when,
+                "Redis restarted, was flushed or evicted it" if outcome == RESTORED
+                else "another replica started it over while Redis had lost it",
+                rec.turns, len(rec.token_ids),
+            )  # fmt: skip
+        elif outcome == UNKNOWN:
+            self.unconfirmed_writes += 1
+
+    async def _check_room(self, owner: str) -> None:
+        limit = self.max_sessions_per_owner
+        if not limit:
+            return
+        count = self.store.count
+        n = await (count(owner, prune_at=limit) if _takes_prune_at(self.store) else count(owner))
+        if n >= limit:
+            raise SessionLimit(
+                f"this tenant already has {n} sessions; the limit is {limit} per tenant "
+                f"(max_sessions_per_tenant): delete one (DeleteSession) or let one expire"
+            )
+
+    async def commit_turn(
+        self,
+        turn: Turn,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+    ) -> SessionRecord:
+        """The turn completed: the transcript becomes prompt + output, one more turn.
+        ``cache_salt`` is the turn's request salt (where its KV blocks are keyed).
+
+        Raises SessionConflict (nothing written) when the store holds a version of the
+        session this turn did not start from (another replica wrote it meanwhile)."""
+        rec = turn.record
+        if list(prompt_token_ids[: len(rec.token_ids)]) != rec.token_ids:
+            raise RuntimeError("turn prompt does not extend the session transcript")
+        new = copy_record(
+            rec, token_ids=list(prompt_token_ids) + list(output_token_ids), cache_salt=cache_salt,
+            turns=rec.turns + 1, last_used_at=self._clock(), etag=new_etag(),
+        )  # fmt: skip
+        outcome = await self.store.put_if(new, turn.expect, replace_uncommitted=True)
+        self._note(outcome, new, "while a turn ran")
+        if outcome == CONFLICT:
+            self.conflicts += 1
+            log.warning(
+                "session %r: another replica wrote it while this turn ran (the turn lock was lost: Redis "
+                "restarted or was flushed); this turn is not recorded", rec.session_id,
+            )  # fmt: skip
+            raise SessionConflict(
+                f"session {rec.session_id!r} was changed by another replica while this turn ran (the session "
+                f"store lost its turn lock); this turn was not recorded: read the session and retry"
+            )
+        turn.record = new
+        turn.expect = Expect(frozenset({new.etag}))
+        turn.committed = True
+        return new
+
+    async def end_turn(self, turn: Turn) -> None:
+        """Release the lock. Without a commit the transcript stays as before the turn
+        (a session whose first turn did not complete is removed again, unless another
+        replica has written it since)."""
+        turn.ended = True  # the renewal stops even if its cancellation were lost
+        if turn._renewal is not None:
+            turn._renewal.cancel()
+        rec = turn.record
+        key = (rec.owner, rec.session_id)
+        try:
+            if turn.created and not turn.committed:
+                await self.store.delete_if(rec.owner, rec.session_id, turn.expect.etags)
+        finally:
+            try:
+                await self.store.unlock(rec.owner, rec.session_id, turn.holder)
+            finally:
+                if self._inflight.get(key) == turn.holder:
+                    del self._inflight[key]
+
+    async def _renew(self, turn: Turn) -> None:
+        rec = turn.record
+        while not turn.ended:
+            await asyncio.sleep(self._renew_every_s)
+            if turn.ended:
+                return
+            try:
+                if await self.store.refresh_lock(rec.owner, rec.session_id, turn.holder, self._lock_ttl_s):
+                    continue
+                if turn.ended:
+                    return
+                # The lock is gone from the store (Redis restarted or was flushed, or the
+                # lease ran out): take it again and put the record back, so no other
+                # replica starts this session over while the turn runs.
+                retaken = await self.store.try_lock(
+                    rec.owner, rec.session_id, turn.holder, self._lock_ttl_s, takeover_prefix=f"{self.replica_id}:"
+                )
+                log.warning("session %r: its turn lock was gone from the session store; %s", rec.session_id,
+                            "taken again" if retaken else "another replica holds it now")  # fmt: skip
+                if not turn.committed:
+                    back = copy_record(turn.record, etag=new_etag())
+                    outcome = await self.store.put_if(back, turn.expect, replace_uncommitted=True)
+                    self._note(outcome, back, "while a turn ran")
+                    if outcome != CONFLICT:
+                        turn.expect = turn.expect.plus(back.etag)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the store may be briefly unreachable; the lease covers it
+                log.warning("could not renew the turn lock of session %r", rec.session_id, exc_info=True)
+
+    async def get(self, owner: str, session_id: str) -> tuple[SessionRecord, bool]:
+        """The record and whether a turn is in flight. Raises SessionNotFound."""
+        check_session_id(session_id)
+        rec = await self.store.get(owner, session_id)
+        if rec is None:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        return rec, self.in_flight_here(owner, session_id) or await self.store.is_locked(owner, session_id)
+
+    async def delete(self, owner: str, session_id: str) -> SessionRecord:
+        """Remove the session and return its last record. Raises SessionNotFound, or
+        SessionBusy while a turn runs."""
+        check_session_id(session_id)
+        if self.in_flight_here(owner, session_id) or await self.store.is_locked(owner, session_id):
+            raise SessionBusy(f"session {session_id!r} has a turn in flight; cancel it first")
+        rec = await self.store.get(owner, session_id)
+        if not await self.store.delete(owner, session_id) or rec is None:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        return rec
+
+    async def reap(self) -> list[SessionRecord]:
+        """Remove sessions whose TTL passed; returns their last records."""
+        return await self.store.expire()
+
+    async def list(self, owner: str, page_size: int, page_token: str) -> tuple[list[tuple[SessionRecord, bool]], str]:
+        """One page of the owner's sessions (with their busy flags), ordered by id."""
+        if page_size < 0 or page_size > MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in 0..{MAX_PAGE_SIZE}, got {page_size}")
+        if page_token:
+            check_session_id(page_token)
+        recs, next_token = await self.store.list(owner, page_size or DEFAULT_PAGE_SIZE, page_token)
+        busy = await asyncio.gather(*(self.store.is_locked(owner, r.session_id) for r in recs))
+        return [(r, b or self.in_flight_here(owner, r.session_id)) for r, b in zip(recs, busy)], next_token
+
+
+def _takes_prune_at(store: SessionStore) -> bool:
+    return isinstance(store, (RedisSessionStore, FallbackSessionStore))

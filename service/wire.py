@@ -1,0 +1,337 @@
+"""Protobuf <-> domain: pure functions (no I/O, no engine, no sessions) and the status table.
+
+The servicer calls these and nothing else to translate: ``turn_input`` turns a
+``GenerateRequest`` into a ``TurnInput``; ``start_event``/``delta_event``/
+``final_event``/``session``/``model_info`` turn domain results into messages;
+``status_of`` maps a domain error to its gRPC status:
+
+==============================================  ===================
+empty input, unknown role, token id outside      INVALID_ARGUMENT
+the vocabulary, bad sampling field, prompt or
+session turn longer than the context or than
+max_prompt_tokens, bad id, salt or stop list
+no or invalid API key (when keys are set)        UNAUTHENTICATED
+unknown session (Get/Delete), or another         NOT_FOUND
+tenant's; require_existing_session and the
+session does not exist
+session has a turn in flight; another replica    FAILED_PRECONDITION
+wrote the session while this turn ran (the
+turn is not recorded)
+engine queue full, too many streams (in all or   RESOURCE_EXHAUSTED
+for the tenant), too many sessions for the
+tenant, message too large (gRPC itself)
+server draining / engine stopped                 UNAVAILABLE
+anything unexpected                              INTERNAL "... (request id R)", traceback logged with R
+request bytes that are not a valid message       INVALID_ARGUMENT (one log line)
+(bad UTF-8, truncated, nesting too deep)
+==============================================  ===================
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Callable, Mapping
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import DecodeError
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from clients._proto.kvserve.v1 import generation_pb2 as pb
+from service.auth import Unauthenticated
+from service.sessions import (
+    InvalidSessionId,
+    SessionBusy,
+    SessionConflict,
+    SessionLimit,
+    SessionNotFound,
+    SessionRecord,
+)
+from service.types import (
+    ChatMessage,
+    Delta,
+    EngineStopped,
+    Finished,
+    FinishReason,
+    MAX_LOGIT_BIAS,
+    InvalidRequest,
+    ModelInfo,
+    QueueFull,
+    SamplingParams,
+    Started,
+    Tier,
+    TurnInput,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # kvserve.v1.GenerationService
+
+TIER_TO_PB: Mapping[Tier | None, int] = {
+    None: pb.CACHE_TIER_NONE,
+    Tier.DEVICE: pb.CACHE_TIER_DEVICE,
+    Tier.HOST: pb.CACHE_TIER_HOST,
+    Tier.REDIS: pb.CACHE_TIER_REDIS,
+}
+FINISH_TO_PB: Mapping[FinishReason, int] = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+# ----------------------------------------------------------------------------- statuses
+
+
+class RpcStatus(Exception):
+    """Raised inside a handler to end the call with ``code`` and ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidSessionId, grpc.StatusCode.INVALID_ARGUMENT),
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+    (SessionConflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (SessionLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineStopped, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_of(exc: BaseException) -> RpcStatus | None:
+    """The status of a known domain error, None for an unexpected one."""
+    if isinstance(exc, RpcStatus):
+        return exc
+    for kind, code in STATUS_TABLE:
+        if isinstance(exc, kind):
+            return RpcStatus(code, str(exc))
+    return None
+
+
+def failure(exc: Exception, method: str, request_id: str) -> RpcStatus:
+    """``status_of(exc)``, or INTERNAL naming ``request_id`` (the traceback is logged with it)."""
+    status = status_of(exc)
+    if status is not None:
+        return status
+    log.error("%s request %s failed with an unexpected error", method, request_id, exc_info=exc)
+    return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
+
+
+def finish_status(event: Finished, request_id: str, draining: bool) -> RpcStatus | None:
+    """The status a stream ends with instead of its final event: INTERNAL when the
+    engine failed it, UNAVAILABLE when the drain stopped it."""
+    if event.finish_reason == FinishReason.ERROR:
+        log.error("request %s failed in the engine: %s", request_id, event.error)
+        return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
+    if event.finish_reason == FinishReason.CANCELLED and draining:
+        return RpcStatus(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the server shut down before this stream finished (drain timeout passed) after "
+            f"{event.completion_tokens} tokens; request id {request_id}",
+        )
+    return None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class InvalidMessage:
+    """Stands in for a request whose bytes did not parse (``safe_deserializer``): the
+    handler answers INVALID_ARGUMENT instead of grpc's UNKNOWN with a traceback."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.kind = kind
+        self.error = error
+
+    def status(self) -> RpcStatus:
+        why = str(self.error).splitlines()[0][:200] if str(self.error) else type(self.error).__name__
+        log.warning("refused a request that is not a valid %s message: %s", self.kind, why)
+        return RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {self.kind} message: {why}")
+
+
+def safe_deserializer(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, RecursionError, ValueError) as e:
+            return InvalidMessage(message_cls.DESCRIPTOR.full_name, e)
+
+    return parse
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def f32(x: float) -> float:
+    """A proto float32 as the short decimal the client most likely typed (0.9, not 0.899999976)."""
+    return float(f"{x:.7g}")
+
+
+def _sampling_controls(s: pb.SamplingParams) -> dict[str, Any]:
+    """min_p, penalties, logit_bias, min_new_tokens and logprobs; ranges are checked by
+    SamplingParams.validate, the proto-only rules here."""
+    if s.top_logprobs and not s.logprobs:
+        raise InvalidRequest("sampling.top_logprobs needs sampling.logprobs = true")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:  # before building a tuple of an unbounded map
+        raise InvalidRequest(f"logit_bias has {len(s.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS}")
+    return dict(
+        min_p=f32(s.min_p) if s.HasField("min_p") else 0.0,
+        presence_penalty=f32(s.presence_penalty) if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=f32(s.frequency_penalty) if s.HasField("frequency_penalty") else 0.0,
+        logit_bias=tuple(sorted((tok, f32(b)) for tok, b in s.logit_bias.items())),
+        min_new_tokens=s.min_new_tokens,
+        logprobs=s.top_logprobs if s.logprobs else None,
+    )
+
+
+def sampling(s: pb.SamplingParams, default_max_new_tokens: int) -> SamplingParams:
+    """Domain sampling params from the proto; an unset max_new_tokens is ``default_max_new_tokens``.
+    InvalidRequest for the rules only the proto's shape has (top_logprobs without logprobs,
+    an oversized logit_bias map); every range is checked by ``SamplingParams.validate``."""
+    return SamplingParams(
+        max_new_tokens=s.max_new_tokens if s.HasField("max_new_tokens") else default_max_new_tokens,
+        temperature=f32(s.temperature) if s.HasField("temperature") else 0.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        top_p=f32(s.top_p) if s.HasField("top_p") else 1.0,
+        repetition_penalty=f32(s.repetition_penalty) if s.HasField("repetition_penalty") else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        **_sampling_controls(s),
+    )
+
+
+def turn_input(request: pb.GenerateRequest, default_max_new_tokens: int) -> TurnInput:
+    """The domain form of a ``GenerateRequest`` (nothing checked yet)."""
+    kind = request.WhichOneof("input")
+    has_sampling = request.HasField("sampling")
+    return TurnInput(
+        text=request.text if kind == "text" else None,
+        messages=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages) if kind == "chat" else None,
+        token_ids=tuple(request.tokens.ids) if kind == "tokens" else None,
+        sampling=sampling(request.sampling, default_max_new_tokens) if has_sampling else SamplingParams(
+            max_new_tokens=default_max_new_tokens
+        ),
+        max_new_tokens=(
+            request.sampling.max_new_tokens if has_sampling and request.sampling.HasField("max_new_tokens") else None
+        ),
+        session_id=request.session_id,
+        require_existing_session=request.require_existing_session,
+        cache_salt=request.cache_salt,
+    )
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
+    return d
+
+
+def timestamp(unix_s: float) -> Timestamp:
+    t = Timestamp()
+    t.FromNanoseconds(int(unix_s * 1e9))
+    return t
+
+
+def tier_counts(counts: Mapping[Tier, int]) -> pb.TierCounts:
+    return pb.TierCounts(
+        device=counts.get(Tier.DEVICE, 0), host=counts.get(Tier.HOST, 0), redis=counts.get(Tier.REDIS, 0)
+    )
+
+
+def start_event(ev: Started, session_id: str) -> pb.StartEvent:
+    return pb.StartEvent(
+        request_id=ev.request_id,
+        session_id=session_id,
+        prompt_tokens=ev.prompt_tokens,
+        cached_tokens=ev.cached_tokens,
+        cached_tier=TIER_TO_PB[ev.cached_tier if ev.cached_tokens else None],
+        cached_by_tier=tier_counts(ev.cached_by_tier),
+        session_created=ev.session_created,
+    )
+
+
+def delta_event(ev: Delta) -> pb.DeltaEvent:
+    return pb.DeltaEvent(
+        text=ev.text,
+        token_ids=ev.token_ids,
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+            )
+            for lp in ev.logprobs
+        ],
+    )
+
+
+def final_event(ev: Finished) -> pb.FinalEvent:
+    t = ev.timings
+    return pb.FinalEvent(
+        finish_reason=FINISH_TO_PB[ev.finish_reason],
+        usage=pb.Usage(
+            prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
+        ),
+        timings=pb.Timings(
+            queue=duration(t.queue_s),
+            restore=duration(t.restore_s),
+            prefill=duration(t.prefill_s),
+            time_to_first_token=duration(t.ttft_s),
+            decode=duration(t.decode_s),
+            decode_tokens_per_second=t.decode_tokens_per_s,
+        ),
+    )
+
+
+def session(
+    rec: SessionRecord,
+    busy: bool,
+    block_size: int,
+    include_tokens: bool = False,
+    where: Mapping[Tier, int] | None = None,
+) -> pb.Session:
+    """``where``: how many of the transcript's full blocks each tier holds (GetSession
+    asks the engine and the store; listings leave it empty)."""
+    return pb.Session(
+        session_id=rec.session_id,
+        token_count=len(rec.token_ids),
+        turns=rec.turns,
+        create_time=timestamp(rec.created_at),
+        last_use_time=timestamp(rec.last_used_at),
+        state=pb.SESSION_STATE_BUSY if busy else pb.SESSION_STATE_IDLE,
+        cached_blocks=tier_counts(where or {}),
+        full_blocks=len(rec.token_ids) // block_size,
+        token_ids=rec.token_ids if include_tokens else (),
+    )
+
+
+def model_info(m: ModelInfo, max_new_tokens_limit: int) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        architecture=m.architecture,
+        model_type=m.model_type,
+        model_fingerprint=m.model_fingerprint,
+        context_length=m.context_length,
+        vocab_size=m.vocab_size,
+        block_size=m.block_size,
+        dtype=m.dtype,
+        device=m.device,
+        tiers=[TIER_TO_PB[t] for t in m.tiers],
+        bytes_per_token=m.bytes_per_token,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        eos_token_ids=list(m.eos_token_ids),
+        max_new_tokens_limit=max_new_tokens_limit,
+    )
