@@ -38,6 +38,21 @@ def test_pool_from_budget_fills_the_budget() -> None:
         KVPool.from_budget(per_block, 2, 4, 2, 16)
 
 
+def test_one_block_geometry_for_the_pool_and_the_store(tiny_llama_dir) -> None:
+    from service.engine.config import EngineConfig
+    from service.engine.store import build_store
+
+    lm = load_model(tiny_llama_dir, progress=False)
+    spec = lm.kv_spec(8)
+    c = lm.config
+    assert spec.block_shape == (c.num_layers, 2, 8, c.num_kv_heads, c.head_dim) and spec.dtype == lm.dtype
+    pool = lm.new_kv_pool(1 << 20, 8)
+    assert pool.spec == spec and pool.bytes_per_block == spec.bytes_per_block
+    store = build_store(EngineConfig(block_size=8, host_cache_memory=1 << 20), lm)
+    assert store is not None and store.block_shape == spec.block_shape and store.host.block_shape == spec.block_shape
+    store.close()
+
+
 def test_k_and_v_are_views_of_the_one_tensor() -> None:
     pool = KVPool(5, 3, 4, 2, 8)
     assert pool.k(1).shape == pool.v(1).shape == (5, 4, 2, 8)

@@ -17,6 +17,7 @@ from cachestore.keys import block_hashes
 from service.engine.config import EngineConfig
 from service.engine.engine import Emitted, LLMEngine
 from service.engine.store import build_store
+from service.models.tokenizer import Tokenizer
 from service.types import (
     CacheScope,
     CacheStats,
@@ -34,10 +35,16 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
+    """The front's one typed seam to the engine: ``generate``, ``validate``, ``abort``,
+    ``stats``, ``cache_stats`` (a ``CacheStats`` snapshot), ``model_info``, ``tokenizer``,
+    ``spill``, ``flush_store``, ``forget`` and ``block_locations``. The front (servicer,
+    conversations, spill, metrics) uses nothing else; ``engine`` (the ``LLMEngine`` on its
+    thread) is for this package and the engine's tests."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.model_info: ModelInfo = engine.model_info
-        self.tokenizer = engine.tokenizer
+        self.tokenizer: Tokenizer = engine.tokenizer
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

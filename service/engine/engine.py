@@ -22,7 +22,7 @@ import enum
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,7 +51,7 @@ from service.types import (
     check_vocabulary,
 )
 from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
-from service.kv.cache import BatchLayout, KVPool, SeqSlice, dtype_name
+from service.kv.cache import BatchLayout, SeqSlice, dtype_name
 from service.kv.transfer import BlockTransfers
 
 log = logging.getLogger(__name__)
@@ -124,15 +124,7 @@ class LLMEngine:
             cfg.max_model_len or self.mcfg.max_position_embeddings,
             self.mcfg.max_position_embeddings,
         )
-        self.pool = KVPool.from_budget(
-            cfg.kv_cache_memory,
-            num_layers=self.mcfg.num_layers,
-            block_size=cfg.block_size,
-            num_kv_heads=self.mcfg.num_kv_heads,
-            head_dim=self.mcfg.head_dim,
-            dtype=loaded.dtype,
-            device=self.device,
-        )
+        self.pool = loaded.new_kv_pool(cfg.kv_cache_memory, cfg.block_size)
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
         # restores into / demotions out of the pool (CUDA: streams, events, pinned staging)
         self.transfers = BlockTransfers.for_pool(self.pool, cfg.staging_memory)

@@ -15,8 +15,7 @@ def build_store(cfg: EngineConfig, loaded: Any) -> TieredStore | None:
     """None when neither a host budget nor a Redis URL is configured."""
     if not cfg.host_cache_memory and not cfg.redis_url:
         return None
-    c = loaded.config
-    block_shape = (c.num_layers, 2, cfg.block_size, c.num_kv_heads, c.head_dim)
+    block_shape = loaded.kv_spec(cfg.block_size).block_shape  # the pool's geometry, from one place
     on_cuda = loaded.device.type == "cuda"
     host = (
         HostTier(cfg.host_cache_memory, block_shape, loaded.dtype, pin_memory=on_cuda)

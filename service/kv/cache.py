@@ -30,6 +30,7 @@ from torch import Tensor
 
 from service.kv.block_manager import NULL_BLOCK
 
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The canonical short name ("float32", ...) of a KV dtype (used in the key namespace)."""
     return str(dtype).removeprefix("torch.")
@@ -38,6 +39,37 @@ def dtype_name(dtype: torch.dtype) -> str:
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """2 (K and V) * layers * kv heads * head_dim * element size."""
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """The geometry of every KV block, built once from the model config
+    (``LoadedModel.kv_spec``): the pool allocates blocks of it and the store's tiers hold
+    blocks of exactly this shape and dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """From a ``ModelConfig``: its layers, kv heads and head dim."""
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one exported block: (L, 2, block_size, n_kv, hd)."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
 
 
 class KVPool:
@@ -69,6 +101,7 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype)  # the block geometry
         # zeros, not empty: every page is touched now, so nbytes is the real footprint
         # and the first forward pays no page faults.
         self.data = torch.zeros(
@@ -89,30 +122,28 @@ class KVPool:
         device: torch.device | str = "cpu",
     ) -> "KVPool":
         """As many blocks as fit in ``budget_bytes`` (including the null block)."""
-        per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
-        num_blocks = budget_bytes // per_block
-        if num_blocks < 2:
-            raise ValueError(
-                f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; need >= 2"
-            )
-        return cls(num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype, device)
+        spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        return cls.from_spec(spec, budget_bytes, device)
 
     @classmethod
-    def for_model(cls, config, budget_bytes: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> "KVPool":
-        """``from_budget`` with the layer/head geometry of a ``ModelConfig``."""
-        return cls.from_budget(budget_bytes, config.num_layers, block_size, config.num_kv_heads,
-                               config.head_dim, dtype, device)
+    def from_spec(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> "KVPool":
+        """As many blocks of ``spec`` as fit in ``budget_bytes`` (including the null block)."""
+        num_blocks = budget_bytes // spec.bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {spec.bytes_per_block} bytes; need >= 2"
+            )
+        return cls(num_blocks, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
 
     # ---- geometry -------------------------------------------------------------------
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return self.spec.bytes_per_token
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
+        return self.spec.bytes_per_block
 
     @property
     def nbytes(self) -> int:
@@ -122,7 +153,7 @@ class KVPool:
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one exported block: (L, 2, block_size, n_kv, hd)."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.spec.block_shape
 
     def k(self, layer: int) -> Tensor:
         return self._k[layer]  # (N, bs, n_kv, hd)

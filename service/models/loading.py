@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from service.kv.cache import KVPool
+from service.kv.cache import KVCacheSpec, KVPool
 from service.models.config import ModelConfig, ModelLoadError
 from service.models.gemma import GemmaForCausalLM
 from service.models.gpt2 import GPT2LMHeadModel
@@ -66,9 +66,13 @@ class LoadedModel:
     path: Path
     weight_format: str = "exact"  # quant.WEIGHT_FORMATS
 
+    def kv_spec(self, block_size: int) -> KVCacheSpec:
+        """The geometry of this model's KV blocks: the one source for the pool and the store."""
+        return KVCacheSpec.for_model(self.config, block_size, self.dtype)
+
     def new_kv_pool(self, budget_bytes: int, block_size: int) -> KVPool:
         """A KV pool for this model (its geometry, dtype and device) within ``budget_bytes``."""
-        return KVPool.for_model(self.config, budget_bytes, block_size, self.dtype, self.device)
+        return KVPool.from_spec(self.kv_spec(block_size), budget_bytes, self.device)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
