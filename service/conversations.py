@@ -16,7 +16,7 @@ A turn that fails or is cancelled leaves the transcript as it was.
 ``forget(rec)`` stops a removed session's KV blocks from being found (DeleteSession
 and the reaper call it); ``block_locations(owner, rec)`` says which tiers hold them.
 
-Errors are domain errors (``InvalidRequest``, ``TurnInputError``, session errors,
+Errors are domain errors (``InvalidRequest``, the session errors,
 ``QueueFull``...); ``service.wire.status_of`` maps them to gRPC statuses.
 
 Text and chat input is tokenized in a worker thread, never on the event loop, and
