@@ -143,7 +143,7 @@ class CacheStoreCollector:
         yield CounterMetricFamily(
             f"{p}_cache_demotion_sync_copies",
             "Device demotions copied synchronously: no pinned staging buffer was free (CUDA; 0 on the CPU).",
-            value=eng.transfers.num_sync_demotions,
+            value=snap.sync_demotions,
         )
         yield CounterMetricFamily(
             f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",

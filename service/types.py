@@ -283,6 +283,7 @@ class CacheStats:
     device_bytes_held: int
     device_evictions: int  # cached blocks evicted to make room (cumulative)
     restores_skipped: int  # restores cut because recomputing was estimated faster (cumulative)
+    sync_demotions: int  # device demotions copied synchronously, no staging buffer free (CUDA; cumulative)
     store: TieredStats | None = None  # per tier (TierStats), restore rates, writer; None: no store
 
 

@@ -155,6 +155,7 @@ class AsyncEngine:
             device_bytes_held=held * eng.pool.bytes_per_block,
             device_evictions=eng.blocks.num_evicted,
             restores_skipped=eng.num_restores_skipped,
+            sync_demotions=eng.transfers.num_sync_demotions,
             store=eng.store.stats() if eng.store is not None else None,
         )
 
