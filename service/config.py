@@ -159,6 +159,7 @@ class ServerConfig:
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not set it (capped to the limit and to the context left).", int)
     max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
+    http_port: int = setting(0, "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; 0 = off). Same engine, sessions, API keys, limits and TLS certificates as the gRPC port (docs/api.md).", int)
     drain_timeout: float = setting(30.0, "On SIGTERM/SIGINT, seconds in-flight streams get to finish (30, 30s, 500ms, 2m).", parse_duration, metavar="SECONDS")
     drain_delay: float = setting(0.0, "On SIGTERM/SIGINT, seconds the server still takes new calls after reporting not ready (health NOT_SERVING, kvserve_ready 0), so a proxy that checks it stops sending calls before they would be refused; then the drain.", parse_duration, metavar="SECONDS")
     log_level: str = setting("info", "Log level: debug, info, warning or error.", choice("debug", "info", "warning", "error"))
@@ -199,6 +200,7 @@ class ServerConfig:
         checks = [
             ("port", 0 <= self.port <= 65535, "must be in 0..65535"),
             ("metrics_port", 0 <= self.metrics_port <= 65535, "must be in 0..65535"),
+            ("http_port", 0 <= self.http_port <= 65535, "must be in 0..65535"),
             ("kv_cache_memory", self.kv_cache_memory > 0, "must be > 0"),
             ("block_size", self.block_size > 0, "must be > 0"),
             ("max_num_seqs", self.max_num_seqs > 0, "must be > 0"),

@@ -80,6 +80,9 @@ class RunningServer:
     server: grpc.aio.Server
     authenticator: Authenticator = field(default_factory=Authenticator)
     metrics_port: int | None = None
+    http_port: int | None = None  # the OpenAI-compatible HTTP front's port (None: off)
+    http_server: Any = field(default=None, repr=False)  # uvicorn.Server
+    http_task: asyncio.Task | None = field(default=None, repr=False)
     owns_engine: bool = True
     reaper: asyncio.Task | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
@@ -103,6 +106,7 @@ class RunningServer:
             log.warning("drain timeout: stopping %d stream(s) still in flight", self.servicer.inflight)
             self.servicer.abort_inflight()
             await self.servicer.wait_idle(_STOP_GRACE_S)
+        await self._stop_http()
         if self.reaper is not None:
             self.reaper.cancel()
             await asyncio.gather(self.reaper, return_exceptions=True)
@@ -124,6 +128,53 @@ class RunningServer:
         self.metrics.stop_http()
         await self.sessions.store.close()
         log.info("stopped")
+
+
+    async def _stop_http(self) -> None:
+        if self.http_task is None:
+            return
+        self.http_server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.http_task), _STOP_GRACE_S + 3.0)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            self.http_task.cancel()
+            await asyncio.gather(self.http_task, return_exceptions=True)
+        self.http_task = None
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP front's listening socket, bound before the model loads (one clear line
+    when it cannot be); ``port`` 0 picks a free one."""
+    fix = "stop the process holding it or choose another --http-port (KVSERVE_HTTP_PORT)"
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StartupError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StartupError(f"HTTP port {port} on {host} is already in use; {fix}") from None
+        raise StartupError(f"cannot listen for HTTP on {_bind_address(host, port)}: {e.strerror or e}; {fix}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def http_ssl_options(config: ServerConfig) -> dict[str, Any]:
+    """uvicorn's TLS options from the same certificates as the gRPC port."""
+    if not config.tls_cert:
+        return {}
+    import ssl
+
+    opts: dict[str, Any] = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+    if config.tls_client_ca:
+        opts.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return opts
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -312,12 +363,15 @@ async def serve(
     session_store: SessionStore | None = None,
     metrics: ServiceMetrics | None = None,
     tracing: Tracing | None = None,
+    http_port: int | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Start a server for ``config`` in this event loop; drain and stop it on exit.
 
     ``engine``: an already built ``AsyncEngine`` to serve (it is not shut down on exit);
     by default one is built from ``config.engine_config()`` and owned by the server.
     ``session_store``: where sessions live (default: ``build_session_store(config)``).
+    ``http_port``: the OpenAI-compatible HTTP front's port (default ``config.http_port``,
+    where 0 is off); passed here, 0 binds a free port (tests).
     ``tracing``: OpenTelemetry spans of Generate calls (default: as the standard OTEL_*
     environment variables say, off when none is set; service/tracing.py).
 
@@ -331,6 +385,9 @@ async def serve(
     if owns_engine:
         check_device(config)
     check_port(config.host, config.port)
+    want_http = http_port if http_port is not None else (config.http_port or None)
+    http_socket = bind_http_socket(config.host, want_http) if want_http is not None else None
+    http_ssl = http_ssl_options(config) if http_socket is not None else {}
     metrics = metrics or ServiceMetrics()
     owns_tracing = tracing is None
     if tracing is None:
@@ -414,6 +471,22 @@ async def serve(
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.ready.set(1)
         metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port else None
+        http_server = http_task = None
+        bound_http: int | None = None
+        if http_socket is not None:
+            from service.http.app import HttpFront, make_uvicorn_server
+
+            front = HttpFront(
+                servicer, authenticator, model_id=config.model or "kvserve-default", max_body_bytes=config.max_message_size
+            )
+            http_server = make_uvicorn_server(front.app, ssl=http_ssl, log_level=config.log_level)
+            bound_http = http_socket.getsockname()[1]
+            http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="kvserve-http")
+            while not http_server.started and not http_task.done():
+                await asyncio.sleep(0.01)
+            if http_task.done():
+                http_task.result()  # raises what stopped it
+                raise StartupError(f"the HTTP front on port {bound_http} stopped at startup")
         running = RunningServer(
             config=config,
             port=port,
@@ -428,6 +501,9 @@ async def serve(
             server=server,
             authenticator=authenticator,
             metrics_port=metrics_port,
+            http_port=bound_http,
+            http_server=http_server,
+            http_task=http_task,
             owns_engine=owns_engine,
             reaper=reaper,
         )
@@ -436,7 +512,8 @@ async def serve(
             "serving %s on %s (model %s, %s, %s)%s",
             SERVICE_NAME, _bind_address(config.host, port), engine.model_info.architecture,
             engine.model_info.device, engine.model_info.dtype,
-            f"; metrics on :{metrics_port}/metrics" if metrics_port else "",
+            (f"; metrics on :{metrics_port}/metrics" if metrics_port else "")
+            + (f"; OpenAI-compatible HTTP on :{bound_http}" if bound_http else ""),
         )  # fmt: skip
         log.info(
             "security: %s; %s; shared cache salts: %s",
@@ -456,6 +533,8 @@ async def serve(
             if owns_engine and engine is not None:
                 await engine.shutdown(0.0)
             await server.stop(None)  # releases the port
+        if http_socket is not None:
+            http_socket.close()
         if owns_tracing:
             await asyncio.to_thread(tracing.shutdown)  # flush buffered spans
 

@@ -1,0 +1,447 @@
+"""The OpenAI-compatible HTTP front: translates, nothing more (like the gRPC servicer).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
+``GET /v1/models``, ``GET /health``. A request is parsed by ``service.http.openai`` into
+a ``TurnInput`` and run by the same ``Conversations`` as gRPC's Generate; stream
+admission, the drain and per-tenant limits are the gRPC servicer's (one count for both
+fronts); the tenant comes from ``Authorization: Bearer`` through the same
+``Authenticator``; errors map through ``service.wire``'s status table to HTTP.
+
+Sessions (``X-Session-Id`` on chat): OpenAI clients resend the whole history. The
+front walks the session's transcript against the history (``match_history``): when
+the history extends it (every earlier message matches the tokens the transcript holds
+for it, assistant messages matching what the model generated) only the messages after
+the last assistant message are sent as the turn: the transcript's tokens are reused
+exactly. When it diverges (an edited or dropped message), the session is reset to the
+new history (the stale record is deleted, its KV left cached by content) and the whole
+history becomes the session's first turn; the response says where it diverged
+(``kvserve.history_diverged_at`` and the ``X-Kvserve-History-Diverged-At`` header).
+Without a session id the whole history is the prompt and prefix caching by content
+applies.
+
+Runs in the gRPC server's event loop (uvicorn's ``Server`` on a socket bound before the
+model loads), so there is one engine and one model copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import aclosing, contextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from service import wire
+from service.http import openai as oa
+from service.sessions import SessionNotFound
+from service.types import ChatMessage, Delta, Finished, Started, TurnInput
+
+if TYPE_CHECKING:
+    from service.auth import Authenticator
+    from service.servicer import GenerationServicer
+
+log = logging.getLogger(__name__)
+
+DIVERGED_HEADER = "X-Kvserve-History-Diverged-At"
+
+
+def match_history(tok: Any, transcript: list[int], messages: tuple[ChatMessage, ...]) -> tuple[int, int | None]:
+    """How far ``messages`` follow a session ``transcript``: ``(first_new, diverged_at)``.
+
+    The transcript of a session served through this front is, per turn, the tokens of
+    the turn's new messages (``encode_chat_turn``) then the generated tokens. Walk it:
+    each run of non-assistant messages must encode to the next tokens; each assistant
+    message must be what the model generated there (its decoded tokens, up to where
+    the next run's tokens start, begin with the message: a stop string may follow).
+    When everything matched and the transcript is used up, ``first_new`` is the index
+    after the last assistant message and ``diverged_at`` None; otherwise ``first_new``
+    is 0 and ``diverged_at`` the message where the transcript could no longer be
+    followed: the first message of a turn whose tokens differ, or the assistant reply
+    that the next (edited) message follows (a reply's end is found by where the next
+    turn's tokens start).
+    """
+    n = len(messages)
+    pos = 0
+    i = 0
+    while i < n:
+        j = i
+        while j < n and messages[j].role != "assistant":
+            j += 1
+        if j == n:  # the new messages
+            return (i, None) if i > 0 and pos == len(transcript) else (0, i)
+        group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
+        if not group:  # an assistant message first or two in a row: not a history of this session
+            return 0, i
+        try:
+            seg = tok.encode_chat_turn(transcript[:pos], group)
+        except Exception:  # noqa: BLE001 - a template that cannot render it: no match
+            return 0, i
+        if transcript[pos : pos + len(seg)] != seg:
+            return 0, i
+        pos += len(seg)
+        end = _assistant_end(tok, transcript, pos, messages, j)
+        if end is None:
+            return 0, j
+        pos = end
+        i = j + 1
+    return 0, n  # ends with an assistant message: nothing new to answer
+
+
+def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[ChatMessage, ...], j: int) -> int | None:
+    """Where the generated tokens of assistant message ``j`` (from ``pos``) end, or None."""
+    want = messages[j].content.strip()
+    k = j + 1
+    while k < len(messages) and messages[k].role != "assistant":
+        k += 1
+    if k == len(messages):  # the messages after j are the new ones: the transcript ends here
+        return len(transcript) if tok.decode(transcript[pos:]).strip().startswith(want) else None
+    nxt = [{"role": m.role, "content": m.content} for m in messages[j + 1 : k]]
+    if not nxt:
+        return None
+    eos = set(getattr(tok, "eos_token_ids", ()) or ())
+    segs: dict[bool, list[int]] = {}
+    for end in range(pos + 1, len(transcript) + 1):
+        after_eos = transcript[end - 1] in eos
+        if after_eos not in segs:
+            try:
+                segs[after_eos] = tok.encode_chat_turn(transcript[end - 1 : end], nxt)
+            except Exception:  # noqa: BLE001
+                return None
+        seg = segs[after_eos]
+        if transcript[end : end + len(seg)] == seg and tok.decode(transcript[pos:end]).strip().startswith(want):
+            return end
+    return None
+
+
+class HttpFront:
+    """The Starlette app over the servicer's conversations, admission and drain."""
+
+    def __init__(
+        self,
+        servicer: GenerationServicer,
+        authenticator: Authenticator,
+        *,
+        model_id: str,
+        max_body_bytes: int,
+    ) -> None:
+        self.servicer = servicer
+        self.conversations = servicer.conversations
+        self.metrics = servicer.metrics
+        self.authenticator = authenticator
+        self.model_id = model_id
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return self._error(oa.HttpError(404, f"no route {request.url.path}", "not_found_error"))
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return self._error(oa.HttpError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    @staticmethod
+    def _error(err: oa.HttpError, headers: dict[str, str] | None = None) -> Response:
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def _tenant(self, request: Request) -> str:
+        return self.authenticator.authenticate([("authorization", request.headers.get("authorization", ""))])
+
+    def _count(self, method: str, status: int) -> None:
+        code = next((c for c, (h, _) in oa.HTTP_OF_CODE.items() if h == status), None)
+        name = "OK" if status < 400 else (code.name if code is not None else str(status))
+        self.metrics.requests.labels(f"http:{method}", name).inc()
+
+    async def _body(self, request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise oa.HttpError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes "
+                               "(max_message_size)", code="request_too_large")  # fmt: skip
+        data = b""
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.max_body_bytes:
+                raise oa.HttpError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes "
+                                   "(max_message_size)", code="request_too_large")  # fmt: skip
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise oa.HttpError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise oa.HttpError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                               "not_found_error", param="model", code="model_not_found")  # fmt: skip
+
+    # ------------------------------------------------------------------ routes
+
+    async def health(self, request: Request) -> Response:
+        """As gRPC health: SERVING until the drain starts, then 503 NOT_SERVING; no key needed."""
+        if self.servicer.draining:
+            return JSONResponse({"status": "NOT_SERVING"}, status_code=503)
+        return JSONResponse({"status": "SERVING"})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.servicer._check_serving()
+            self._tenant(request)
+        except Exception as exc:  # noqa: BLE001
+            err = oa.error_of(exc, wire.new_request_id())
+            self._count("models", err.status)
+            return self._error(err)
+        self._count("models", 200)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self.servicer._check_serving()
+            self._tenant(request)
+            self._check_model(request.path_params["model_id"])
+        except Exception as exc:  # noqa: BLE001
+            err = oa.error_of(exc, wire.new_request_id())
+            self._count("models", err.status)
+            return self._error(err)
+        self._count("models", 200)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        info = self.conversations.engine.model_info
+        return {
+            "id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvserve",
+            "max_model_len": info.context_length,
+            "kvserve": {"architecture": info.architecture, "model_fingerprint": info.model_fingerprint,
+                        "block_size": info.block_size, "tiers": [t.value for t in info.tiers]},
+        }  # fmt: skip
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        method = "ChatCompletions" if chat else "Completions"
+        request_id = wire.new_request_id()
+        session_id = request.headers.get("x-session-id", "")
+        owner: str | None = None
+        events: Any = None
+        try:
+            self.servicer._check_serving()
+            tenant = self._tenant(request)
+            body = await self._body(request)
+            default = self.servicer.default_max_new_tokens
+            parsed = oa.chat_request(body, default) if chat else oa.completion_request(body, default)
+            self._check_model(parsed.model)
+            if session_id and not chat:
+                raise oa.HttpError(400, "X-Session-Id works on /v1/chat/completions only (a completion has no history)",
+                                   param="X-Session-Id")  # fmt: skip
+            self.servicer._admit_stream(tenant, request_id)
+            owner = tenant
+            inp, diverged = await self._session_input(owner, parsed.inp, session_id)
+            events = aclosing(self.conversations.run_turn(owner, inp, request_id))
+            gen = await events.__aenter__()
+            start = await anext(gen)
+            if not isinstance(start, Started):
+                raise RuntimeError("the conversation did not start with a Started event")
+        except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
+            if events is not None:
+                await events.__aexit__(None, None, None)
+            if owner is not None:
+                self.servicer._release_stream(owner, request_id)
+            err = oa.error_of(exc, request_id)
+            self._count(method, err.status)
+            return self._error(err)
+        headers = {"X-Request-Id": request_id}
+        if session_id:
+            headers["X-Session-Id"] = session_id
+        if diverged is not None:
+            headers[DIVERGED_HEADER] = str(diverged)
+        ext = oa.extension(request_id, session_id, start, diverged)
+        ctx = _Ctx(self, method, owner, request_id, chat, parsed.model or self.model_id, start, ext, events, gen)
+        if parsed.stream:
+            headers["Cache-Control"] = "no-cache"
+            return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
+        body_out, status = await ctx.whole()
+        return JSONResponse(body_out, status_code=status, headers=headers)
+
+    async def _session_input(self, owner: str, inp: TurnInput, session_id: str) -> tuple[TurnInput, int | None]:
+        """The turn's input for ``session_id`` (see the module docstring) and where the
+        history diverged from the session (None: it extended it, or a new session)."""
+        if not session_id:
+            return inp, None
+        assert inp.messages is not None
+        try:
+            rec, _busy = await self.conversations.sessions.get(owner, session_id)
+        except SessionNotFound:
+            return _with(inp, session_id=session_id), None
+        if not rec.token_ids:
+            return _with(inp, session_id=session_id), None
+        tok = self.conversations.engine.tokenizer
+        first_new, diverged = await asyncio.to_thread(match_history, tok, rec.token_ids, inp.messages)
+        if diverged is None and first_new > 0:
+            return _with(inp, session_id=session_id, messages=inp.messages[first_new:]), None
+        # diverged: the session follows the new history; the old transcript's KV stays
+        # cached by content, so the common prefix is still reused
+        try:
+            await self.conversations.sessions.delete(owner, session_id)
+        except SessionNotFound:
+            pass
+        return _with(inp, session_id=session_id), diverged
+
+
+def _with(inp: TurnInput, **changes: Any) -> TurnInput:
+    import dataclasses
+
+    return dataclasses.replace(inp, **changes)
+
+
+class _Ctx:
+    """One admitted generation: turns the rest of the events into a JSON body or SSE."""
+
+    def __init__(self, front: HttpFront, method: str, owner: str, request_id: str, chat: bool, model: str,
+                 start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any]) -> None:  # fmt: skip
+        self.front, self.method, self.owner, self.request_id = front, method, owner, request_id
+        self.chat, self.model, self.start, self.ext = chat, model, start, ext
+        self.events, self.gen = events, gen
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self._released = False
+
+    async def _close(self) -> None:
+        try:
+            await self.events.__aexit__(None, None, None)
+        finally:
+            if not self._released:
+                self._released = True
+                self.front.servicer._release_stream(self.owner, self.request_id)
+
+    def _finish_error(self, fin: Finished) -> oa.HttpError | None:
+        status = wire.finish_status(fin, self.request_id, self.front.servicer.draining)
+        return oa.error_of(status, self.request_id) if status is not None else None
+
+    async def whole(self) -> tuple[dict[str, Any], int]:
+        text: list[str] = []
+        try:
+            async for ev in self.gen:
+                if isinstance(ev, Delta):
+                    text.append(ev.text)
+                elif isinstance(ev, Finished):
+                    err = self._finish_error(ev)
+                    if err is not None:
+                        self.front._count(self.method, err.status)
+                        return err.body(), err.status
+                    self.front._count(self.method, 200)
+                    return self._body(ev, ev.text), 200
+            raise RuntimeError("the conversation ended without a Finished event")
+        except Exception as exc:  # noqa: BLE001
+            err = oa.error_of(exc, self.request_id)
+            self.front._count(self.method, err.status)
+            return err.body(), err.status
+        finally:
+            await self._close()
+
+    def _body(self, fin: Finished, text: str) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": oa.finish_reason(fin), "logprobs": None}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": oa.finish_reason(fin), "logprobs": None}
+        return {
+            "id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+            "model": self.model, "choices": [choice], "usage": oa.usage(self.start, fin), "kvserve": self.ext,
+        }  # fmt: skip
+
+    def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+            kind = "chat.completion.chunk"
+        else:
+            choices = [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
+        def data(obj: Any) -> bytes:
+            return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+        status = 200
+        try:
+            if self.chat:
+                yield data(self._chunk({"role": "assistant", "content": ""}, None))
+            async for ev in self.gen:
+                if isinstance(ev, Delta):
+                    if ev.text:
+                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None))
+                elif isinstance(ev, Finished):
+                    err = self._finish_error(ev)
+                    if err is not None:
+                        status = err.status
+                        yield data(err.body())
+                        break
+                    last = self._chunk(None, oa.finish_reason(ev))
+                    last["kvserve"] = self.ext
+                    if include_usage:
+                        last["usage"] = None
+                    yield data(last)
+                    if include_usage:
+                        tail = self._chunk(None, None)
+                        tail["choices"] = []
+                        tail["usage"] = oa.usage(self.start, ev)
+                        tail["kvserve"] = self.ext
+                        yield data(tail)
+                    break
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499  # the client went away
+            raise
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            err = oa.error_of(exc, self.request_id)
+            status = err.status
+            yield data(err.body())
+        finally:
+            await self._close()
+            self.front._count(self.method, status)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def make_uvicorn_server(app: Any, *, ssl: dict[str, Any], log_level: str) -> Any:
+    """A uvicorn Server for ``app`` that leaves signals to kvserve (it runs inside
+    kvserve's event loop; ``run`` handles SIGTERM and drains both fronts)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def capture_signals(self) -> Any:  # kvserve owns the signals
+            return _nothing()
+
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=2, **ssl
+    )  # fmt: skip
+    return _Server(config)
+
+
+TENANT_OF = Callable[[Request], str]
+__all__ = ["HttpFront", "match_history", "make_uvicorn_server", "DIVERGED_HEADER"]
+_ = grpc  # the status codes come through service.http.openai

@@ -1,0 +1,310 @@
+"""OpenAI JSON <-> domain: pure functions (no I/O, no engine, no sessions), like
+``service.wire`` is for protobuf.
+
+``chat_request``/``completion_request`` check a request body field by field and turn it
+into a ``TurnInput`` (plus what the response needs: stream, include_usage); a field
+kvserve does not support is refused (``HttpError`` 400 naming it), never ignored.
+``error_of`` maps a domain error (through ``service.wire.status_of``, the one status
+table) to an HTTP status and OpenAI's error object.
+
+Sampling fields, one to one:
+
+=========================================  ==========================================
+OpenAI                                     kvserve
+=========================================  ==========================================
+max_completion_tokens / max_tokens         max_new_tokens (unset: the server default,
+                                           fitted to the context left)
+temperature, top_p, seed                   the same
+stop (string or list)                      stop
+top_k, repetition_penalty, ignore_eos,     the same (extensions, as vLLM names them)
+stop_token_ids, cache_salt
+n, best_of                                 1 only
+frequency_penalty, presence_penalty        0 only
+logprobs / top_logprobs, logit_bias,       refused (400 unsupported_parameter)
+tools, functions, response_format (other
+than text), echo, suffix
+user, metadata, store, stream_options      accepted; user/metadata/store change nothing
+=========================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import grpc
+
+from service import wire
+from service.types import ChatMessage, Finished, FinishReason, SamplingParams, Started, Tier, TurnInput
+
+# gRPC status (service/wire.py's table) -> HTTP status and OpenAI error type
+HTTP_OF_CODE: Mapping[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.INTERNAL: (500, "internal_error"),
+}
+
+_COMMON_FIELDS = {
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+    "frequency_penalty", "presence_penalty", "user", "metadata", "store", "logprobs", "logit_bias",
+    "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "cache_salt",
+}  # fmt: skip
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+    "response_format", "parallel_tool_calls",
+}  # fmt: skip
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+
+
+class HttpError(Exception):
+    """Ends a request with ``status`` and OpenAI's error object."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_of(exc: BaseException, request_id: str) -> HttpError:
+    """The HTTP error of a domain error or ``RpcStatus`` (unexpected ones: 500 naming the request id)."""
+    if isinstance(exc, HttpError):
+        return exc
+    status = wire.failure(exc, "http", request_id) if isinstance(exc, Exception) else None
+    if status is None:
+        return HttpError(500, f"internal error (request id {request_id})", "internal_error")
+    http, kind = HTTP_OF_CODE.get(status.code, (500, "internal_error"))
+    return HttpError(http, status.details, kind, code=status.code.name.lower())
+
+
+def unsupported(name: str, why: str = "kvserve does not support it") -> HttpError:
+    return HttpError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    model: str | None
+    inp: TurnInput
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: Mapping[str, Any], name: str, kind: type = float) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or (kind is float and not math.isfinite(value)):
+        raise HttpError(400, f"{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}"[:200],
+                        param=name)  # fmt: skip
+    return value
+
+
+def _check_common(body: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in allowed:
+            raise unsupported(name, f"unknown or unsupported parameter for {where}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise HttpError(400, "model must be a string", param="model")
+    n = _number(body, "n", int)
+    if n not in (None, 1):
+        raise unsupported("n", "kvserve returns one choice per request (n must be 1)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name) not in (None, 0):
+            raise unsupported(name, "only 0 is supported (repetition_penalty is kvserve's penalty)")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias")
+    if body.get("logprobs") not in (None, False):
+        raise unsupported("logprobs", "kvserve does not return log probabilities")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise HttpError(400, "user must be a string", param="user")
+
+
+def _sampling(body: Mapping[str, Any], max_tokens_field: str, default_max_new_tokens: int) -> tuple[SamplingParams, int | None]:
+    max_tokens = _number(body, max_tokens_field, int)
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = _number(body, "max_tokens", int)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise HttpError(400, "stop must be a string or a list of strings", param="stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise HttpError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise HttpError(400, "ignore_eos must be a boolean", param="ignore_eos")
+    temperature = _number(body, "temperature")
+    top_p = _number(body, "top_p")
+    top_k = _number(body, "top_k", int)
+    rep = _number(body, "repetition_penalty")
+    seed = _number(body, "seed", int)
+    params = SamplingParams(
+        max_new_tokens=max_tokens if max_tokens is not None else default_max_new_tokens,
+        temperature=1.0 if temperature is None else float(temperature),  # OpenAI's default is 1
+        top_k=0 if top_k is None or top_k < 0 else top_k,  # vLLM: -1 = off
+        top_p=1.0 if top_p is None else float(top_p),
+        repetition_penalty=1.0 if rep is None else float(rep),
+        seed=seed,
+        stop=stops,
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=ignore_eos,
+    )
+    return params, max_tokens
+
+
+def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise HttpError(400, "stream must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise HttpError(400, "stream_options takes include_usage only", param="stream_options")
+    if not stream:
+        raise HttpError(400, "stream_options needs stream: true", param="stream_options")
+    if opts.get("continuous_usage_stats"):
+        raise unsupported("stream_options.continuous_usage_stats")
+    return stream, bool(opts.get("include_usage", False))
+
+
+def _salt(body: Mapping[str, Any]) -> str:
+    salt = body.get("cache_salt") or ""
+    if not isinstance(salt, str):
+        raise HttpError(400, "cache_salt must be a string", param="cache_salt")
+    return salt
+
+
+def _content(value: Any, i: int) -> str:
+    """A message's content: a string, or a list of text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        parts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise unsupported(f"messages[{i}].content[{j}]", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise HttpError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
+        for key in m:
+            if key not in ("role", "content", "name"):
+                raise unsupported(f"messages[{i}].{key}")
+        out.append(ChatMessage(m["role"], _content(m.get("content"), i)))
+    return tuple(out)
+
+
+def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
+    """A /v1/chat/completions body as a domain request (the whole history as messages)."""
+    _check_common(body, CHAT_FIELDS, "/v1/chat/completions")
+    for name in ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "top_logprobs"):
+        if body.get(name) not in (None, [], "none"):
+            raise unsupported(name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise unsupported("response_format", "only {\"type\": \"text\"} is supported")
+    stream, include_usage = _stream(body)
+    sampling, max_tokens = _sampling(body, "max_completion_tokens", default_max_new_tokens)
+    inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
+    return ParsedRequest(body.get("model"), inp, stream, include_usage)
+
+
+def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
+    """A /v1/completions body: the prompt is a string or a list of token ids (one prompt)."""
+    _check_common(body, COMPLETION_FIELDS, "/v1/completions")
+    if body.get("echo"):
+        raise unsupported("echo")
+    if body.get("suffix") is not None:
+        raise unsupported("suffix")
+    if _number(body, "best_of", int) not in (None, 1):
+        raise unsupported("best_of", "only 1 is supported")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = tuple(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise unsupported("prompt", "one prompt per request (a list of prompts is a batch)")
+    else:
+        raise HttpError(400, "prompt must be a string or a list of token ids", param="prompt")
+    stream, include_usage = _stream(body)
+    sampling, max_tokens = _sampling(body, "max_tokens", default_max_new_tokens)
+    inp = TurnInput(text=text, token_ids=ids, sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
+    return ParsedRequest(body.get("model"), inp, stream, include_usage)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def finish_reason(ev: Finished) -> str:
+    return "length" if ev.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def usage(start: Started | None, fin: Finished) -> dict[str, Any]:
+    """OpenAI's usage with ``prompt_tokens_details.cached_tokens`` always present, and the
+    per-tier split in ``prompt_tokens_details.kvserve_cached_by_tier``."""
+    by_tier = start.cached_by_tier if start is not None else {}
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": fin.completion_tokens,
+        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": fin.cached_tokens,
+            "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.REDIS)},
+        },
+    }
+
+
+def extension(request_id: str, session_id: str, start: Started | None, diverged_at: int | None) -> dict[str, Any]:
+    """The ``kvserve`` object of a response: the request id and, with X-Session-Id, the
+    session's part (``session_created``, ``history_diverged_at``: the first message the
+    session's transcript did not match, null when the history extended it)."""
+    out: dict[str, Any] = {"request_id": request_id}
+    if start is not None:
+        out["cached_tier"] = start.cached_tier.value if start.cached_tier is not None and start.cached_tokens else None
+    if session_id:
+        out["session_id"] = session_id
+        out["session_created"] = bool(start.session_created) if start is not None else False
+        out["history_diverged_at"] = diverged_at
+    return out

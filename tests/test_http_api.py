@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP front, through the official ``openai`` client against a
+real server on loopback: chat and completions, sync and async, streaming and not, the
+errors (400/401/404/413/429/503), sessions by X-Session-Id (extension, divergence,
+restart from Redis) against the gRPC path's figures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from clients import KVServeClient
+from service.auth import hash_key
+from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+
+HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    cfg = tiny_config(tiny_llama_dir, max_message_size=64 << 10, max_sessions_per_tenant=3)
+    with ServerThread(cfg, http_port=0) as s:
+        yield s
+
+
+def base_url(s: ServerThread) -> str:
+    return f"http://127.0.0.1:{s.running.http_port}/v1"
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=base_url(server), api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(server, tiny_llama_dir):
+    return str(tiny_llama_dir)
+
+
+def test_models_lists_the_served_model(oai, model, server):
+    ids = [m.id for m in oai.models.list()]
+    assert ids == [model]
+    assert oai.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+
+
+def test_chat_equals_grpc_streamed_or_not(oai, model, server):
+    with KVServeClient(server.address, timeout=60) as g:
+        ref = g.complete(messages=HELLO, max_new_tokens=12, ignore_eos=True, cache_salt="grpc-ref")
+    r = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == ref.start.prompt_tokens and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    details = r.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None  # always present
+    assert set(details.model_extra["kvserve_cached_by_tier"]) == {"device", "host", "redis"}
+
+    chunks = list(oai.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True}, stream=True,
+                                              stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed, not one lump
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # the same prompt again: its full blocks are on the device
+    full = r.usage.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full > 0
+    assert chunks[-1].usage.prompt_tokens_details.model_extra["kvserve_cached_by_tier"]["device"] == full
+    # without include_usage no usage chunk
+    plain = list(oai.chat.completions.create(model=model, messages=HELLO, max_tokens=3, temperature=0, stream=True))
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+
+
+def test_completions_text_and_token_ids(oai, model, server):
+    prompt = "Once upon a time the quick brown fox"
+    with KVServeClient(server.address, timeout=60) as g:
+        ref = g.complete(text=prompt, max_new_tokens=10, ignore_eos=True)
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text and r.object == "text_completion"
+    ids = server.engine.tokenizer.encode(prompt, add_bos=True)
+    r2 = oai.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert r2.choices[0].text == ref.text and r2.usage.prompt_tokens == len(ids)
+    chunks = list(oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+
+
+def test_async_client_streams_concurrently(server, model):
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=base_url(server), api_key="x", max_retries=0, timeout=60) as c:
+            async def one(i: int) -> str:
+                stream = await c.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"count to {i}"}], max_tokens=8,
+                    temperature=0, stream=True,
+                )  # fmt: skip
+                return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+            many = await asyncio.gather(*(one(i) for i in range(4)))
+            single = await c.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "count to 2"}], max_tokens=8, temperature=0
+            )
+            assert single.choices[0].message.content == many[2]
+            return many
+
+    assert len(asyncio.run(main())) == 4
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"n": 2}, "n"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"no_such_field": 1}, "no_such_field"),
+        ({"temperature": -1}, None),
+        ({"max_tokens": 10_000_000}, None),
+    ],
+)
+def test_unsupported_or_bad_fields_are_refused_with_400(oai, model, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=HELLO, extra_body=extra)
+    assert e.value.status_code == 400
+    body = e.value.body
+    assert body["type"] == "invalid_request_error" and body["message"]
+    if param:
+        assert body["param"] == param
+
+
+def test_not_found_too_large_and_bad_json(oai, model, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.APIStatusError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * (80 << 10)}])
+    assert e.value.status_code == 413
+    req = urllib.request.Request(base_url(server) + "/chat/completions", data=b"{not json", method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(req, timeout=30)
+    assert he.value.code == 400 and "not valid JSON" in json.loads(he.value.read())["error"]["message"]
+    with pytest.raises(openai.BadRequestError):  # unknown role: the conversation's own check
+        oai.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "hi"}])
+
+
+def test_session_limit_is_429(oai, model, server):
+    for i in range(3):
+        oai.chat.completions.create(model=model, messages=HELLO, max_tokens=2, extra_headers={"X-Session-Id": f"lim{i}"})
+    with pytest.raises(openai.RateLimitError) as e:
+        oai.chat.completions.create(model=model, messages=HELLO, max_tokens=2, extra_headers={"X-Session-Id": "lim3"})
+    assert e.value.status_code == 429 and "max_sessions_per_tenant" in e.value.body["message"]
+    with KVServeClient(server.address, timeout=60) as g:  # the same sessions as gRPC's
+        for i in range(3):
+            g.delete_session(f"lim{i}")
+
+
+def test_api_keys_tenants_health_and_drain(tiny_llama_dir):
+    keys = f"alice:{hash_key('ka')}\nbob:{hash_key('kb')}"
+    with ServerThread(tiny_config(tiny_llama_dir, api_keys=keys), http_port=0) as s:
+        url = base_url(s)
+        model = str(tiny_llama_dir)
+        for key in ("wrong", ""):
+            with openai.OpenAI(base_url=url, api_key=key or "-", max_retries=0) as c:
+                with pytest.raises(openai.AuthenticationError) as e:
+                    c.chat.completions.create(model=model, messages=HELLO, max_tokens=2)
+                assert e.value.status_code == 401 and "ka" not in str(e.value.body)
+        with openai.OpenAI(base_url=url, api_key="ka", max_retries=0) as alice, \
+                openai.OpenAI(base_url=url, api_key="kb", max_retries=0) as bob:  # fmt: skip
+            alice.chat.completions.create(model=model, messages=HELLO, max_tokens=3,
+                                          extra_headers={"X-Session-Id": "mine"})  # fmt: skip
+            # bob's "mine" is another session (a new one); alice's is hers, in her namespace
+            r = bob.chat.completions.create(model=model, messages=HELLO, max_tokens=3,
+                                            extra_headers={"X-Session-Id": "mine"})  # fmt: skip
+            assert r.model_extra["kvserve"]["session_created"] is True
+            assert r.usage.prompt_tokens_details.cached_tokens == 0  # KV is never shared across tenants
+            health = f"http://127.0.0.1:{s.running.http_port}/health"
+            assert json.loads(urllib.request.urlopen(health, timeout=10).read())["status"] == "SERVING"
+            s.running.servicer.start_draining()
+            with pytest.raises(urllib.error.HTTPError) as he:
+                urllib.request.urlopen(health, timeout=10)
+            assert he.value.code == 503
+            with pytest.raises(openai.InternalServerError) as e:
+                alice.chat.completions.create(model=model, messages=HELLO, max_tokens=2)
+            assert e.value.status_code == 503
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def _turn(c: openai.OpenAI, model: str, sid: str, messages: list[dict], n: int = 6, **kw):
+    raw = c.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=n, temperature=0, extra_headers={"X-Session-Id": sid},
+        extra_body={"ignore_eos": True, **kw},
+    )  # fmt: skip
+    return raw.parse(), raw.headers
+
+
+def test_session_history_extends_or_diverges(oai, model, server):
+    msgs = list(HELLO)
+    transcripts = []
+    with KVServeClient(server.address, timeout=60) as g:
+        for i in range(3):
+            r, headers = _turn(oai, model, "conv", msgs)
+            ext = r.model_extra["kvserve"]
+            assert ext["session_created"] is (i == 0) and ext["history_diverged_at"] is None
+            assert "x-kvserve-history-diverged-at" not in headers
+            t = g.get_session("conv", include_token_ids=True).token_ids
+            if transcripts:  # only the new messages were appended: the old transcript is a prefix
+                assert t[: len(transcripts[-1])] == transcripts[-1]
+                assert r.usage.prompt_tokens == len(t) - 6
+                assert r.usage.prompt_tokens_details.cached_tokens == len(transcripts[-1]) // BLOCK_SIZE * BLOCK_SIZE
+            transcripts.append(t)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"and then {i}?"}]  # fmt: skip
+        # an edited earlier message: the session follows the new history and says where
+        edited = [dict(m) for m in msgs]
+        edited[3]["content"] = "something else entirely"
+        r, headers = _turn(oai, model, "conv", edited)
+        # where the transcript could no longer be followed: the reply before the edited message
+        assert r.model_extra["kvserve"]["history_diverged_at"] == 2 == int(headers["x-kvserve-history-diverged-at"])
+        t = g.get_session("conv", include_token_ids=True).token_ids
+        fresh = server.engine.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in edited])
+        assert t[: len(fresh)] == fresh  # the whole new history is the session's transcript now
+        # the common prefix (turn 1) was still reused by content
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(transcripts[0]) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+    with pytest.raises(openai.BadRequestError):  # completions have no history
+        oai.completions.create(model=model, prompt="hi", extra_headers={"X-Session-Id": "conv"})
+
+
+def test_multi_turn_openai_equals_grpc_from_device_then_redis_after_restart(tiny_llama_dir, redis_url):
+    """Turns 1-2 on one server (device hits), turn 3 on a restarted one (Redis hits):
+    the OpenAI client with X-Session-Id and the gRPC client get the same outputs and
+    the same cached_tokens, each in its own cache namespace (cache_salt)."""
+    cfg = tiny_config(tiny_llama_dir, redis_url=redis_url, host_cache_memory=0, spill_after=0.05,
+                      spill_to=("redis",), restore_policy="always")  # fmt: skip
+    model = str(tiny_llama_dir)
+    users = [HELLO, [{"role": "user", "content": "what is the fox doing now"}],
+             [{"role": "user", "content": "and the dog?"}]]  # fmt: skip
+    grpc_out, http_out = [], []
+    history: list[dict] = []
+
+    def both_turns(s: ServerThread, turn: int) -> None:
+        nonlocal history
+        with KVServeClient(s.address, timeout=60) as g, \
+                openai.OpenAI(base_url=base_url(s), api_key="x", max_retries=0, timeout=60) as c:  # fmt: skip
+            gr = g.complete(messages=users[turn], session_id="g", cache_salt="grpc", max_new_tokens=6, ignore_eos=True)
+            history = history + users[turn]
+            hr, _ = _turn(c, model, "h", history, cache_salt="http")
+            history = history + [{"role": "assistant", "content": hr.choices[0].message.content}]
+            grpc_out.append((gr.text, gr.start.prompt_tokens, gr.start.cached_tokens, dict(gr.start.cached_by_tier)))
+            by_tier = {k: v for k, v in hr.usage.prompt_tokens_details.model_extra["kvserve_cached_by_tier"].items()}
+            http_out.append((hr.choices[0].message.content, hr.usage.prompt_tokens,
+                             hr.usage.prompt_tokens_details.cached_tokens, by_tier))  # fmt: skip
+            assert wait_until(lambda: all(
+                g.get_session(sid).cached_blocks.get("redis", 0) == g.get_session(sid).full_blocks for sid in "gh"
+            ), timeout=30)  # fmt: skip
+
+    with ServerThread(cfg, http_port=0) as s:
+        both_turns(s, 0)
+        both_turns(s, 1)
+    with ServerThread(cfg, http_port=0) as s:  # restarted: the device is empty, Redis holds the sessions
+        both_turns(s, 2)
+    assert http_out == grpc_out
+    assert grpc_out[1][2] > 0 and grpc_out[1][3]["device"] == grpc_out[1][2]  # turn 2 from the device
+    assert grpc_out[2][2] > 0 and grpc_out[2][3]["redis"] == grpc_out[2][2]  # turn 3 from Redis
