@@ -274,3 +274,23 @@ def test_multi_turn_openai_equals_grpc_from_device_then_redis_after_restart(tiny
     assert http_out == grpc_out
     assert grpc_out[1][2] > 0 and grpc_out[1][3]["device"] == grpc_out[1][2]  # turn 2 from the device
     assert grpc_out[2][2] > 0 and grpc_out[2][3]["redis"] == grpc_out[2][2]  # turn 3 from Redis
+
+
+def test_tls_with_the_grpc_certificates(tiny_llama_dir, tmp_path):
+    import ssl
+
+    from tests.fixtures.redis_server import make_tls_files
+
+    tls = make_tls_files(tmp_path / "tls")
+    cfg = tiny_config(tiny_llama_dir, tls_cert=str(tls.cert), tls_key=str(tls.key))
+    with ServerThread(cfg, http_port=0) as s:
+        port = s.running.http_port
+        ctx = ssl.create_default_context(cafile=str(tls.ca_cert))
+        health = json.loads(urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=ctx, timeout=10).read())
+        assert health["status"] == "SERVING"
+        with openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                           http_client=openai.DefaultHttpxClient(verify=ctx)) as c:  # fmt: skip
+            r = c.chat.completions.create(model=str(tiny_llama_dir), messages=HELLO, max_tokens=3)
+            assert r.usage.completion_tokens >= 1
+        with pytest.raises(OSError):  # plaintext HTTP is not served on a TLS port
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read()
