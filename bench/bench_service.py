@@ -2,12 +2,16 @@
 
 For each model shape and each concurrency N (1, 4, 8, 16), N streams start together,
 each with its own random prompt of ``--prompt-len`` token ids, and generate
-``--tokens`` tokens (greedy, ignore_eos). Two paths, same engine settings:
+``--tokens`` tokens (greedy, ignore_eos). Three paths, same engine settings:
 
 - in-process: ``build_engine`` in this process, N asyncio tasks iterating
   ``engine.generate``;
 - gRPC: ``python -m service`` in a subprocess, N streams of ``AsyncKVServeClient``
-  over loopback (client and server in different processes, as deployed).
+  over loopback (client and server in different processes, as deployed);
+- HTTP: the same server's OpenAI-compatible port (``--http-port``), N streaming
+  ``/v1/completions`` calls of the official ``openai.AsyncOpenAI`` client (token-id
+  prompts, ``stream_options.include_usage``). Its ITL is per SSE chunk (a chunk is one
+  engine delta with text; deltas that end mid-character are merged into the next).
 
 Figures per run: aggregate tokens/s (all generated tokens / wall time from the first
 request sent to the last stream ended) and p50/p99 inter-token latency (the gaps
@@ -120,11 +124,11 @@ def engine_flags(model_dir: Path, max_seqs: int) -> list[str]:
             "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_seqs)]  # fmt: skip
 
 
-def start_server(model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, int]:
+def start_server(model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, int, int]:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", *engine_flags(model_dir, max_seqs), "--host", "127.0.0.1", "--port", "0",
-         "--log-level", "info", "--drain-timeout", "5"],
+         "--log-level", "info", "--drain-timeout", "5", "--http-port", str(_free_port())],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     port: list[int] = []
@@ -133,9 +137,9 @@ def start_server(model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, int]
     def pump() -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
-            m = re.search(r"serving kvserve\.v1\.GenerationService on \S+:(\d+)", line)
+            m = re.search(r"serving kvserve\.v1\.GenerationService on \S+:(\d+).*HTTP on :(\d+)", line)
             if m and not port:
-                port.append(int(m.group(1)))
+                port.extend((int(m.group(1)), int(m.group(2))))
                 ready.set()
         ready.set()
 
@@ -144,7 +148,39 @@ def start_server(model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, int]
     if not port:
         proc.kill()
         raise RuntimeError("the server did not start")
-    return proc, port[0]
+    return proc, port[0], port[1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def run_http(client, model: str, batch: list[list[int]], max_new: int) -> Run:
+    gaps: list[float] = []
+    t0 = time.perf_counter()
+
+    async def one(prompt: list[int]) -> int:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_new, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        usage: list[int] = []
+
+        async def events():
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage.append(chunk.usage.completion_tokens)
+                yield chunk
+
+        await _consume(events(), lambda c: 1 if c.choices and c.choices[0].text else 0, t0, gaps)
+        return usage[0] if usage else 0
+
+    counts = await asyncio.gather(*(one(p) for p in batch))
+    return Run(sum(counts), time.perf_counter() - t0, gaps)
 
 
 async def bench_shape(shape: str, model_dir: Path, args: argparse.Namespace) -> list[dict]:
@@ -157,29 +193,37 @@ async def bench_shape(shape: str, model_dir: Path, args: argparse.Namespace) -> 
         model_path=str(model_dir), device="cpu", dtype="float32", kv_cache_memory=512 << 20, block_size=BLOCK_SIZE,
         max_num_seqs=max(streams),
     ))  # fmt: skip
-    proc, port = start_server(model_dir, max(streams))
+    proc, port, http_port = start_server(model_dir, max(streams))
     rows = []
+    import openai
+
     try:
-        async with AsyncKVServeClient(f"127.0.0.1:{port}") as client:
+        async with AsyncKVServeClient(f"127.0.0.1:{port}") as client, openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{http_port}/v1", api_key="bench", max_retries=0, timeout=600
+        ) as http:
             # warm-up both paths (first-step allocations, lazy imports)
             await run_inprocess(engine, prompts(2, args.prompt_len, vocab, rng), 4, "warm")
             await run_grpc(client, prompts(2, args.prompt_len, vocab, rng), 4)
+            await run_http(http, str(model_dir), prompts(2, args.prompt_len, vocab, rng), 4)
             for n in streams:
                 best: dict[str, Run] = {}
                 for rep in range(args.reps):
-                    for path in ("in-process", "grpc"):
+                    for path in ("in-process", "grpc", "http"):
                         batch = prompts(n, args.prompt_len, vocab, rng)
                         if path == "grpc":
                             run = await run_grpc(client, batch, args.tokens)
+                        elif path == "http":
+                            run = await run_http(http, str(model_dir), batch, args.tokens)
                         else:
                             run = await run_inprocess(engine, batch, args.tokens, f"{n}-{rep}")
                         assert run.tokens == n * args.tokens, (path, run.tokens)
                         if path not in best or run.tok_s > best[path].tok_s:
                             best[path] = run
                 rows.append(dict(shape=shape, streams=n, **{p: r for p, r in best.items()}))
-                ip, gr = best["in-process"], best["grpc"]
+                ip, gr, ht = best["in-process"], best["grpc"], best["http"]
                 print(f"  {shape} N={n:2d}: in-process {ip.tok_s:8.1f} tok/s, gRPC {gr.tok_s:8.1f} tok/s "
-                      f"(+{100 * (gr.wall_s / ip.wall_s - 1):.1f}% time)", file=sys.stderr, flush=True)  # fmt: skip
+                      f"(+{100 * (gr.wall_s / ip.wall_s - 1):.1f}% time), HTTP {ht.tok_s:8.1f} tok/s "
+                      f"(+{100 * (ht.wall_s / gr.wall_s - 1):.1f}% time vs gRPC)", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         await engine.shutdown(0)
         proc.terminate()
@@ -190,18 +234,20 @@ async def bench_shape(shape: str, model_dir: Path, args: argparse.Namespace) -> 
 def table(rows: list[dict]) -> str:
     out = [
         "| shape | streams | in-process tok/s | gRPC tok/s | gRPC time vs in-process | gRPC scaling vs 1 stream "
-        "| ITL p50 in-proc / gRPC (ms) | ITL p99 in-proc / gRPC (ms) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ITL p50 in-proc / gRPC (ms) | ITL p99 in-proc / gRPC (ms) | HTTP tok/s | HTTP time vs gRPC "
+        "| ITL p50 / p99 HTTP (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     single: dict[str, float] = {}
     for r in rows:
-        ip, gr = r["in-process"], r["grpc"]
+        ip, gr, ht = r["in-process"], r["grpc"], r["http"]
         if r["streams"] == 1:
             single[r["shape"]] = gr.tok_s
         scale = gr.tok_s / single[r["shape"]] if r["shape"] in single else float("nan")
         out.append(
             f"| {r['shape']} | {r['streams']} | {ip.tok_s:.1f} | {gr.tok_s:.1f} | {100 * (gr.wall_s / ip.wall_s - 1):+.1f}% "
-            f"| {scale:.2f}x | {ip.itl_ms(0.5):.1f} / {gr.itl_ms(0.5):.1f} | {ip.itl_ms(0.99):.1f} / {gr.itl_ms(0.99):.1f} |"
+            f"| {scale:.2f}x | {ip.itl_ms(0.5):.1f} / {gr.itl_ms(0.5):.1f} | {ip.itl_ms(0.99):.1f} / {gr.itl_ms(0.99):.1f} "
+            f"| {ht.tok_s:.1f} | {100 * (ht.wall_s / gr.wall_s - 1):+.1f}% | {ht.itl_ms(0.5):.1f} / {ht.itl_ms(0.99):.1f} |"
         )
     return "\n".join(out)
 
