@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import subprocess
-import sys
 import venv
 from pathlib import Path
 

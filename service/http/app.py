@@ -26,13 +26,13 @@ model loads), so there is one engine and one model copy.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from contextlib import aclosing, contextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
-import grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -309,8 +309,6 @@ class HttpFront:
 
 
 def _with(inp: TurnInput, **changes: Any) -> TurnInput:
-    import dataclasses
-
     return dataclasses.replace(inp, **changes)
 
 
@@ -442,6 +440,4 @@ def make_uvicorn_server(app: Any, *, ssl: dict[str, Any], log_level: str) -> Any
     return _Server(config)
 
 
-TENANT_OF = Callable[[Request], str]
 __all__ = ["HttpFront", "match_history", "make_uvicorn_server", "DIVERGED_HEADER"]
-_ = grpc  # the status codes come through service.http.openai
