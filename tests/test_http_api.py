@@ -115,6 +115,20 @@ def test_async_client_streams_concurrently(server, model):
     assert len(asyncio.run(main())) == 4
 
 
+def test_a_client_that_goes_away_frees_its_stream(oai, model, server):
+    free = server.engine.stats().blocks_free
+    cancelled = server.running.metrics.requests.labels("http:ChatCompletions", "CANCELLED")
+    before = cancelled._value.get()
+    stream = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=400, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    it = iter(stream)
+    next(it), next(it)
+    stream.close()  # the connection closes mid-stream
+    assert wait_until(lambda: server.running.servicer.inflight == 0 and server.engine.stats().running == 0)
+    assert wait_until(lambda: server.engine.stats().blocks_free == free)
+    assert cancelled._value.get() == before + 1  # stopped early, not run to its end
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [

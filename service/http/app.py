@@ -166,7 +166,7 @@ class HttpFront:
 
     def _count(self, method: str, status: int) -> None:
         code = next((c for c, (h, _) in oa.HTTP_OF_CODE.items() if h == status), None)
-        name = "OK" if status < 400 else (code.name if code is not None else str(status))
+        name = "OK" if status < 400 else "CANCELLED" if status == 499 else (code.name if code is not None else str(status))
         self.metrics.requests.labels(f"http:{method}", name).inc()
 
     async def _body(self, request: Request) -> Any:
