@@ -207,9 +207,10 @@ def test_a_lagging_consumer_gets_the_queued_tokens_in_one_delta(loaded):
             events = []
             async for ev in aeng.generate(req("lag", p, n=12, logprobs=1)):
                 events.append(ev)
-                if isinstance(ev, Started):  # lag: let the engine finish the whole request first
+                if isinstance(ev, Started):  # lag: let the whole request reach this stream's queue first
+                    queued = aeng._queues["lag"]._queue  # the engine thread hands events over after its step
                     for _ in range(2000):
-                        if not aeng.engine.has_work():
+                        if any(isinstance(e, Finished) for e in queued):
                             break
                         await asyncio.sleep(0.01)
             return events
