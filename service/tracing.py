@@ -62,20 +62,25 @@ _NO_TRACE = _NoTrace()
 class GenerateTrace:
     """The spans of one Generate call; ``end`` closes them (exactly once)."""
 
-    def __init__(self, tracer: Any, parent: Any, request_id: str, session_id: str) -> None:
+    def __init__(self, tracer: Any, parent: Any, request_id: str, session_id: str, http_route: str | None = None) -> None:
         from opentelemetry.trace import SpanKind
 
         self._tracer = tracer
         self._start = time.time_ns()
+        self._http = http_route is not None
+        if http_route is not None:  # the OpenAI-compatible HTTP front
+            name = f"POST {http_route}"
+            front: dict[str, Any] = {"http.request.method": "POST", "http.route": http_route}
+        else:
+            name = "kvserve.v1.GenerationService/Generate"
+            front = {"rpc.system": "grpc", "rpc.service": "kvserve.v1.GenerationService", "rpc.method": "Generate"}
         self.span = tracer.start_span(
-            "kvserve.v1.GenerationService/Generate",
+            name,
             context=parent,
             kind=SpanKind.SERVER,
             start_time=self._start,
             attributes={
-                "rpc.system": "grpc",
-                "rpc.service": "kvserve.v1.GenerationService",
-                "rpc.method": "Generate",
+                **front,
                 "kvserve.request_id": request_id,
                 **({"kvserve.session_id": session_id} if session_id else {}),
             },
@@ -129,8 +134,9 @@ class GenerateTrace:
             child = self._tracer.start_span(f"kvserve.{name}", context=ctx, start_time=start, attributes=attrs)
             child.end(end_time=max(stop, start))
 
-    def end(self, code: str, message: str = "") -> None:
-        """Close the call's span with its gRPC status code name (``OK``, ``CANCELLED``...)."""
+    def end(self, code: str | int, message: str = "") -> None:
+        """Close the call's span with its gRPC status code name (``OK``, ``CANCELLED``...),
+        or for an HTTP call its HTTP status (200, 400...; 499 when the client went away)."""
         if self._ended:
             return
         self._ended = True
@@ -138,8 +144,13 @@ class GenerateTrace:
 
         if self._session and self._finished_at is not None:
             self._children([("commit", self._finished_at, time.time_ns(), {})])
-        self.span.set_attribute("rpc.grpc.status_code", code)
-        if code != "OK":
+        if self._http:
+            self.span.set_attribute("http.response.status_code", int(code))
+            failed = int(code) >= 400
+        else:
+            self.span.set_attribute("rpc.grpc.status_code", str(code))
+            failed = code != "OK"
+        if failed:
             self.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}" if message else code))
         self.span.end()
 
@@ -196,13 +207,17 @@ class Tracing:
         log.info("tracing on: %s exporter", exporter_name or "otlp")
         return cls(provider)
 
-    def generate(self, metadata: Sequence[tuple[str, Any]] | None, request_id: str, session_id: str) -> Any:
-        """Start the spans of one Generate call whose invocation metadata is ``metadata``."""
+    def generate(
+        self, metadata: Sequence[tuple[str, Any]] | None, request_id: str, session_id: str,
+        http_route: str | None = None,
+    ) -> Any:  # fmt: skip
+        """Start the spans of one Generate call whose invocation metadata (or, on the HTTP
+        front, request headers, with ``http_route`` set) is ``metadata``."""
         if not self.enabled:
             return _NO_TRACE
         carrier = {k: v for k, v in (metadata or ()) if k in ("traceparent", "tracestate") and isinstance(v, str)}
         parent = self._propagator.extract(carrier) if carrier else None
-        return GenerateTrace(self._tracer, parent, request_id, session_id)
+        return GenerateTrace(self._tracer, parent, request_id, session_id, http_route)
 
     def shutdown(self) -> None:
         """Flush what is buffered (on server exit)."""

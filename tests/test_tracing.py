@@ -210,3 +210,46 @@ def test_compose_monitoring_profile_runs_jaeger_and_the_replicas_export_to_it_on
                                         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4317"})  # fmt: skip
     assert tracing.enabled
     tracing.shutdown()
+
+
+def test_the_http_front_reads_traceparent_headers_and_ends_each_span_with_its_http_status(tiny_llama_dir, tracing, exporter):
+    import urllib.error
+    import urllib.request
+
+    def post(port: int, path: str, body: dict, headers: dict) -> tuple[int, bytes]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", **headers},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    model = str(tiny_llama_dir)
+    chat = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with ServerThread(tiny_config(tiny_llama_dir), http_port=0, tracing=tracing) as server:
+        port = server.running.http_port
+        status, _ = post(port, "/v1/chat/completions", chat, {"traceparent": TRACEPARENT, "X-Session-Id": "web"})
+        assert status == 200
+        status, body = post(port, "/v1/chat/completions", {**chat, "stream": True}, {})
+        assert status == 200 and body.rstrip().endswith(b"data: [DONE]")
+        status, _ = post(port, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": -1},
+                         {"traceparent": TRACEPARENT})  # fmt: skip
+        assert status == 400
+
+    mine = spans_of(exporter, int(TRACE_ID, 16))
+    ok, bad = sorted((s for s in mine if s.name.startswith("POST ")), key=lambda s: s.start_time)
+    assert ok.name == "POST /v1/chat/completions" and ok.kind == SpanKind.SERVER
+    assert ok.parent is not None and ok.parent.span_id == int(PARENT_ID, 16) and ok.parent.is_remote
+    assert ok.attributes["http.response.status_code"] == 200 and ok.status.status_code != StatusCode.ERROR
+    assert ok.attributes["kvserve.session_id"] == "web" and ok.attributes["kvserve.completion_tokens"] == 4
+    children = {s.name for s in mine if s.parent is not None and s.parent.span_id == ok.context.span_id}
+    assert {"kvserve.queue", "kvserve.prefill", "kvserve.decode", "kvserve.commit"} <= children
+    assert bad.name == "POST /v1/completions" and bad.attributes["http.response.status_code"] == 400
+    assert bad.status.status_code == StatusCode.ERROR
+    # The streamed call, without a traceparent, is a trace of its own, closed with its status.
+    (streamed,) = [s for s in exporter.get_finished_spans() if s.name.startswith("POST ") and s.parent is None]
+    assert streamed.attributes["http.response.status_code"] == 200 and streamed.context.trace_id != int(TRACE_ID, 16)

@@ -244,6 +244,8 @@ class HttpFront:
         session_id = request.headers.get("x-session-id", "")
         owner: str | None = None
         events: Any = None
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        trace = self.servicer.tracing.generate(request.headers.items(), request_id, session_id, http_route=route)
         try:
             self.servicer._check_serving()
             tenant = self._tenant(request)
@@ -257,7 +259,7 @@ class HttpFront:
             self.servicer._admit_stream(tenant, request_id)
             owner = tenant
             inp, diverged = await self._session_input(owner, parsed.inp, session_id)
-            events = aclosing(self.conversations.run_turn(owner, inp, request_id))
+            events = aclosing(self.conversations.run_turn(owner, inp, request_id, trace))
             gen = await events.__aenter__()
             start = await anext(gen)
             if not isinstance(start, Started):
@@ -269,6 +271,7 @@ class HttpFront:
                 self.servicer._release_stream(owner, request_id)
             err = oa.error_of(exc, request_id)
             self._count(method, err.status)
+            trace.end(err.status, err.message)
             return self._error(err)
         headers = {"X-Request-Id": request_id}
         if session_id:
@@ -276,7 +279,7 @@ class HttpFront:
         if diverged is not None:
             headers[DIVERGED_HEADER] = str(diverged)
         ext = oa.extension(request_id, session_id, start, diverged)
-        ctx = _Ctx(self, method, owner, request_id, chat, parsed.model or self.model_id, start, ext, events, gen)
+        ctx = _Ctx(self, method, owner, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace)
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
@@ -316,8 +319,9 @@ class _Ctx:
     """One admitted generation: turns the rest of the events into a JSON body or SSE."""
 
     def __init__(self, front: HttpFront, method: str, owner: str, request_id: str, chat: bool, model: str,
-                 start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any]) -> None:  # fmt: skip
+                 start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any], trace: Any) -> None:  # fmt: skip
         self.front, self.method, self.owner, self.request_id = front, method, owner, request_id
+        self.trace = trace  # service.tracing: ended with the call's HTTP status
         self.chat, self.model, self.start, self.ext = chat, model, start, ext
         self.events, self.gen = events, gen
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -338,6 +342,7 @@ class _Ctx:
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         text: list[str] = []
+        status, message = 499, "the client went away"  # unless the call gets further
         try:
             async for ev in self.gen:
                 if isinstance(ev, Delta):
@@ -345,17 +350,21 @@ class _Ctx:
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
+                        status, message = err.status, err.message
                         self.front._count(self.method, err.status)
                         return err.body(), err.status
+                    status, message = 200, ""
                     self.front._count(self.method, 200)
                     return self._body(ev, ev.text), 200
             raise RuntimeError("the conversation ended without a Finished event")
         except Exception as exc:  # noqa: BLE001
             err = oa.error_of(exc, self.request_id)
+            status, message = err.status, err.message
             self.front._count(self.method, err.status)
             return err.body(), err.status
         finally:
             await self._close()
+            self.trace.end(status, message)
 
     def _body(self, fin: Finished, text: str) -> dict[str, Any]:
         if self.chat:
@@ -418,6 +427,7 @@ class _Ctx:
         finally:
             await self._close()
             self.front._count(self.method, status)
+            self.trace.end(status)
 
 
 @contextmanager
