@@ -196,7 +196,10 @@ class Conversations:
         now = time.perf_counter()
         n = len(ev.token_ids)
         if last_token_at is None:
-            self.metrics.time_to_first_token.observe(now - arrival)
+            if n:
+                self.metrics.time_to_first_token.observe(now - arrival)
+                for _ in range(n - 1):  # tokens that reached the client with the first one
+                    self.metrics.inter_token_latency.observe(0.0)
         elif n:
             for _ in range(n):
                 self.metrics.inter_token_latency.observe((now - last_token_at) / n)
