@@ -201,7 +201,7 @@ def test_redis_down_mid_conversation_then_back(loaded, redis_server, redis_url):
 
 
 def test_redis_at_maxmemory_evicting_keys(loaded, make_redis_server):
-    server = make_redis_server(maxmemory="1mb", maxmemory_policy="allkeys-lru")
+    server = make_redis_server(maxmemory="64mb", maxmemory_policy="allkeys-lru")
     url = server.url
     a = make_engine(loaded, store=store_for(loaded, redis_url=url))
     convs = prompts(loaded.config.vocab_size, [40] * 12, seed=8)
@@ -210,8 +210,15 @@ def test_redis_at_maxmemory_evicting_keys(loaded, make_redis_server):
         fin = finished(run(a, [req(f"c{i}", p, n=4)])[f"c{i}"])
         transcripts.append(p + fin.output_token_ids)
         spill_now(a, transcripts[-1])
+        if i == 0:
+            # The store's connections are open now. Leave room for a few conversations'
+            # blocks (~40 kB each) above what Redis itself uses, whatever its connection
+            # overhead (a fixed 1 MB limit sat below it: every write was refused, none evicted).
+            with server.client() as c:
+                c.config_set("maxmemory", int(c.info("memory")["used_memory"]) + 150_000)
     with server.client() as c:
         assert int(c.info("stats")["evicted_keys"]) > 0
+    assert a.store.stats().tiers[Tier.REDIS].puts > 100  # written, not refused (OOM)
     a.close()
     b = make_engine(loaded, store=store_for(loaded, redis_url=url))
     for i in (0, len(transcripts) - 1):  # the oldest was evicted, the newest is there
