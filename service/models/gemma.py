@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from service.kv.cache import BatchLayout, KVPool
 from service.models.config import ModelConfig
-from service.models.layers import Linear, causal_mask, fuse_linears
+from service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears
 from service.models.rope import Rotary, apply_rope
 
 
@@ -60,7 +60,7 @@ def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, i
     return torch.matmul(probs, v[:, :, None]).reshape(B, nh, T, hd)  # (B, nh, T, hd)
 
 
-class Attention(nn.Module):
+class Attention(PagedAttention):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -97,27 +97,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        B, T = q.shape[:2]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), (B, n_kv, C, hd)
-        if self.softcap is not None:
-            y = softcapped_attention(q, k, v, mask, is_causal, self.scale, self.softcap)
-        else:
-            if T > 1:
-                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
-            )  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
-        return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
-
-    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        return self.attend(q, k, v, *causal_mask(x.shape[1], self.window, q.dtype, x.device))
+    def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        if self.softcap is not None:  # SDPA has no soft-cap
+            return softcapped_attention(q, k, v, mask, is_causal, self.scale, self.softcap)
+        return super().sdpa(q, k, v, mask, is_causal)
 
 
 class MLP(nn.Module):

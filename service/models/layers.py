@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from service.kv.cache import BatchLayout, KVPool
 
 # Row counts (tokens in the forward) that take the CPU fast path of ``Linear``.
 SMALL_ROWS = range(2, 65)
@@ -69,3 +74,44 @@ def fuse_projections(model: nn.Module) -> None:
         fuse = getattr(module, "fuse", None)
         if callable(fuse):
             fuse()
+
+
+class PagedAttention(nn.Module):
+    """What every family's attention shares once q, k, v are made: write k and v into the
+    paged pool, attend (SDPA, GQA, the layer's window) and project out. A family sets
+    ``layer_idx``, ``n_heads``, ``n_kv``, ``head_dim``, ``scale``, ``window`` and ``o_proj``,
+    and defines ``qkv(x, cos, sin) -> (q, k, v)``, each (B, T, heads, hd)."""
+
+    layer_idx: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    scale: float
+    window: int | None
+    o_proj: nn.Module
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        """(B, nh, T, hd) from q (B, nh, T, hd) and k, v (B, n_kv, C, hd)."""
+        if q.shape[2] > 1:  # prefill: the flash kernel runs markedly faster on contiguous heads
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
+        )
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        B, T = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), (B, n_kv, C, hd)
+        y = self.sdpa(q, k, v, mask, is_causal)  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
+        return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
+
+    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.attend(q, k, v, *causal_mask(x.shape[1], self.window, q.dtype, x.device))

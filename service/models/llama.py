@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from service.kv.cache import BatchLayout, KVPool
 from service.models import rope
 from service.models.config import ModelConfig
-from service.models.layers import Linear, causal_mask, fuse_linears
+from service.models.layers import Linear, PagedAttention, fuse_linears
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +74,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin  # x: (B, T, nh, hd)
 
 
-class Attention(nn.Module):
+class Attention(PagedAttention):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -104,25 +104,6 @@ class Attention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)  # (B, T, n_kv, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
         return q, k, v
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        B, T = q.shape[:2]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), (B, n_kv, C, hd)
-        if T > 1:  # prefill: the flash kernel runs markedly faster on contiguous heads
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
-        )  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
-        return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
-
-    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        return self.attend(q, k, v, *causal_mask(x.shape[1], self.window, q.dtype, x.device))
 
 
 class MLP(nn.Module):

@@ -31,12 +31,12 @@ from torch import Tensor, nn
 
 from service.kv.cache import BatchLayout, KVPool
 from service.models.config import ModelConfig
-from service.models.layers import Linear, causal_mask
+from service.models.layers import Linear, PagedAttention
 from service.models.llama import RMSNorm
 from service.models.rope import Rotary, apply_rope
 
 
-class Attention(nn.Module):
+class Attention(PagedAttention):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -53,25 +53,6 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together
         q, k = qk.split((self.n_heads, self.n_kv), dim=2)  # (B, T, nh, hd), (B, T, n_kv, hd)
         return q, k, qkv[:, :, self.n_heads + self.n_kv :]  # v: (B, T, n_kv, hd)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        B, T = q.shape[:2]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), (B, n_kv, C, hd)
-        if T > 1:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
-        )  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
-        return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
-
-    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        return self.attend(q, k, v, *causal_mask(x.shape[1], self.window, q.dtype, x.device))
 
 
 class MLP(nn.Module):
