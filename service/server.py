@@ -145,22 +145,12 @@ class RunningServer:
 def bind_http_socket(host: str, port: int) -> socket.socket:
     """The HTTP front's listening socket, bound before the model loads (one clear line
     when it cannot be); ``port`` 0 picks a free one."""
-    fix = "stop the process holding it or choose another --http-port (KVSERVE_HTTP_PORT)"
+    sock = _bind(host, port, "HTTP port", "--http-port (KVSERVE_HTTP_PORT)")
     try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise StartupError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
-    family, kind, proto, _, sockaddr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(sockaddr)
         sock.listen(128)
     except OSError as e:
         sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise StartupError(f"HTTP port {port} on {host} is already in use; {fix}") from None
-        raise StartupError(f"cannot listen for HTTP on {_bind_address(host, port)}: {e.strerror or e}; {fix}") from None
+        raise StartupError(f"cannot listen for HTTP on {_bind_address(host, port)}: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock
 
@@ -268,26 +258,34 @@ def check_port(host: str, port: int) -> None:
     this machine, privileged), before the model loads."""
     if port == 0:
         return
-    fix = "stop the process holding it or choose another --port (KVSERVE_PORT)"
+    _bind(host, port, "port", "--port (KVSERVE_PORT)").close()
+
+
+def _bind(host: str, port: int, what: str, flag: str) -> socket.socket:
+    """A socket bound to ``host:port`` (SO_REUSEADDR, as grpc does), or a one-line
+    StartupError saying why not; ``what`` and ``flag`` name the setting in the message."""
+    fix = f"stop the process holding it or choose another {flag}"
     try:
         infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise StartupError(f"--host {host!r}: cannot resolve it ({e.strerror}); use an address of this machine, e.g. 0.0.0.0") from None
     family, kind, proto, _, sockaddr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does
-        try:
-            sock.bind(sockaddr)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise StartupError(f"port {port} on {host} is already in use; {fix}") from None
-            if e.errno == errno.EACCES:
-                raise StartupError(f"port {port} on {host}: permission denied (ports below 1024 need privileges); "
-                                   "choose another --port (KVSERVE_PORT)") from None  # fmt: skip
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise StartupError(f"--host {host}: not an address of this machine; use one of its addresses, "
-                                   "or 0.0.0.0 for all (KVSERVE_HOST)") from None  # fmt: skip
-            raise StartupError(f"cannot listen on {_bind_address(host, port)}: {e.strerror or e}; {fix}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StartupError(f"{what} {port} on {host} is already in use; {fix}") from None
+        if e.errno == errno.EACCES:
+            raise StartupError(f"{what} {port} on {host}: permission denied (ports below 1024 need privileges); "
+                               f"choose another {flag}") from None  # fmt: skip
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise StartupError(f"--host {host}: not an address of this machine; use one of its addresses, "
+                               "or 0.0.0.0 for all (KVSERVE_HOST)") from None  # fmt: skip
+        raise StartupError(f"cannot listen on {_bind_address(host, port)}: {e.strerror or e}; {fix}") from None
+    return sock
 
 
 def redis_problem(config: ServerConfig, timeout_s: float = 2.0) -> str | None:
