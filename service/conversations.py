@@ -82,12 +82,10 @@ NO_OBSERVER: TurnObserver = _NoObserver()
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Per-request and concurrency limits (0 = no limit). The servicer applies the
-    stream limits at admission, the conversation the others."""
+    """Per-request limits the conversation applies (0 = no limit). The stream limits
+    are ``service.admission.Admission``'s."""
 
     max_prompt_tokens: int = 0  # transcript + new input
-    max_streams: int = 0  # Generate streams in flight, all tenants
-    max_streams_per_tenant: int = 0
     max_cache_salt_chars: int = 256
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256

@@ -42,6 +42,7 @@ from grpc_reflection.v1alpha import reflection
 from service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
 from service.config import ConfigError, ServerConfig, mask_url_password
 from service.metrics import ServiceMetrics
+from service.admission import Admission
 from service.conversations import Conversations, Limits
 from service.servicer import SERVICE_NAME, GenerationServicer, add_to_server
 from service.sessions import (
@@ -72,6 +73,7 @@ class RunningServer:
     address: str
     engine: AsyncEngine
     servicer: GenerationServicer
+    admission: Admission  # both fronts' stream count and drain
     conversations: Conversations
     sessions: SessionManager
     metrics: ServiceMetrics
@@ -98,14 +100,15 @@ class RunningServer:
         if self.config.drain_delay:  # still serving while proxies and endpoints notice
             log.info("not ready: taking new calls for %.1f s more", self.config.drain_delay)
             await asyncio.sleep(self.config.drain_delay)
-        self.servicer.start_draining()  # new calls: UNAVAILABLE
-        if self.servicer.inflight:
-            log.info("draining %d stream(s) for up to %.1f s", self.servicer.inflight, grace)
+        admission = self.admission
+        admission.start_draining()  # new calls: UNAVAILABLE
+        if admission.inflight:
+            log.info("draining %d stream(s) for up to %.1f s", admission.inflight, grace)
         t0 = time.monotonic()
-        if not await self.servicer.wait_idle(grace):
-            log.warning("drain timeout: stopping %d stream(s) still in flight", self.servicer.inflight)
-            self.servicer.abort_inflight()
-            await self.servicer.wait_idle(_STOP_GRACE_S)
+        if not await admission.wait_idle(grace):
+            log.warning("drain timeout: stopping %d stream(s) still in flight", admission.inflight)
+            admission.abort_inflight(self.servicer.engine.abort)
+            await admission.wait_idle(_STOP_GRACE_S)
         await self._stop_http()
         if self.reaper is not None:
             self.reaper.cancel()
@@ -430,8 +433,6 @@ async def serve(
         spill.start()
         limits = Limits(
             max_prompt_tokens=config.max_prompt_tokens,
-            max_streams=config.max_streams,
-            max_streams_per_tenant=config.max_streams_per_tenant,
         )
         conversations = Conversations(
             engine,
@@ -442,12 +443,18 @@ async def serve(
             limits=limits,
             shared_cache_salts=config.shared_cache_salts,
         )
+        admission = Admission(  # one count and one drain for the gRPC and the HTTP front
+            max_streams=config.max_streams,
+            max_streams_per_tenant=config.max_streams_per_tenant,
+            gauge=metrics.active_streams,
+        )
+        default_max_new_tokens = min(config.default_max_new_tokens, config.max_new_tokens_limit)
         servicer = GenerationServicer(
             conversations,
             metrics,
-            default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens_limit),
+            default_max_new_tokens=default_max_new_tokens,
             tenant_of=authenticator.tenant_of,
-            limits=limits,
+            admission=admission,
             tracing=tracing,
         )
         reaper = (
@@ -475,7 +482,14 @@ async def serve(
             from service.http.app import HttpFront, make_uvicorn_server
 
             front = HttpFront(
-                servicer, authenticator, model_id=config.model or "kvserve-default", max_body_bytes=config.max_message_size
+                conversations,
+                admission,
+                authenticator,
+                metrics,
+                model_id=config.model or "kvserve-default",
+                max_body_bytes=config.max_message_size,
+                default_max_new_tokens=default_max_new_tokens,
+                tracing=tracing,
             )
             http_server = make_uvicorn_server(front.app, ssl=http_ssl, log_level=config.log_level)
             bound_http = http_socket.getsockname()[1]
@@ -491,6 +505,7 @@ async def serve(
             address=_client_address(config.host, port),
             engine=engine,
             servicer=servicer,
+            admission=admission,
             conversations=conversations,
             sessions=sessions,
             metrics=metrics,

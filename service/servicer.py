@@ -5,12 +5,12 @@ conversation (``service.conversations``: Generate) or the session table (Get, De
 List), and turns the result or the error back into messages and a status
 (``wire.status_of``: the status table is in ``service/wire.py``; every limit's message
 names the limit and its value). What stays here is what is gRPC's: the caller's tenant
-(``tenant_of``), stream admission (``max_streams``, ``max_streams_per_tenant``), the
-drain (new calls UNAVAILABLE, streams in flight counted and, past the drain timeout,
-aborted), per-method request counters, and request bytes that do not parse
+(``tenant_of``), per-method request counters, and request bytes that do not parse
 (``wire.safe_deserializer``: INVALID_ARGUMENT, not grpc's UNKNOWN), and the call's trace
 (``service/tracing.py``: its parent comes from the call's metadata; the conversation
-marks the start and the end of generation on it).
+marks the start and the end of generation on it). Stream admission and the drain are
+``service.admission.Admission``'s, shared with the HTTP front: every call asks it
+``check_serving`` and every Generate stream holds a ``Ticket`` until it ends.
 
 Cancellation: ``Generate`` is an async generator that iterates the conversation's event
 stream inside ``aclosing``. When the client cancels, disconnects or passes its
@@ -30,7 +30,8 @@ import grpc
 from clients._proto.kvserve.v1 import generation_pb2 as pb
 from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service import wire
-from service.conversations import Conversations, Limits
+from service.admission import Admission, Ticket
+from service.conversations import Conversations
 from service.metrics import ServiceMetrics
 from service.sessions import InvalidSessionId
 from service.tracing import Tracing
@@ -40,7 +41,7 @@ from service.wire import SERVICE_NAME, InvalidMessage, RpcStatus
 if TYPE_CHECKING:
     from service.engine import AsyncEngine
 
-__all__ = ["SERVICE_NAME", "GenerationServicer", "Limits", "RpcStatus", "add_to_server"]
+__all__ = ["SERVICE_NAME", "GenerationServicer", "RpcStatus", "add_to_server"]
 
 
 def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
@@ -76,7 +77,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         *,
         default_max_new_tokens: int,
         tenant_of: Callable[[grpc.aio.ServicerContext], str] = lambda context: "",
-        limits: Limits = Limits(),
+        admission: Admission,
         tracing: Tracing | None = None,
     ) -> None:
         self.conversations = conversations
@@ -84,13 +85,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.sessions = conversations.sessions
         self.metrics = metrics
         self.default_max_new_tokens = default_max_new_tokens
-        self.limits = limits
         self._tenant_of = tenant_of
-        self._draining = False
-        self._inflight: set[str] = set()  # request ids of Generate streams being served
-        self._streams_by_tenant: dict[str, int] = {}  # tenants with streams in flight only
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.admission = admission  # shared with the HTTP front: one count, one drain
 
     @property
     def engine(self) -> AsyncEngine:
@@ -100,38 +96,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def engine(self, engine: AsyncEngine) -> None:  # tests wrap the engine
         self.conversations.engine = engine
 
-    # ------------------------------------------------------------------ drain
-
-    def start_draining(self) -> None:
-        """From now on new calls get UNAVAILABLE; calls in flight continue."""
-        self._draining = True
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
-    def inflight(self) -> int:
-        """Generate streams in flight."""
-        return len(self._inflight)
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no Generate stream is in flight; False if ``timeout_s`` passed first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
-    def abort_inflight(self) -> None:
-        """Ask the engine to stop every stream in flight; while draining they end UNAVAILABLE."""
-        for request_id in list(self._inflight):
-            self.engine.abort(request_id)
-
-    def _check_serving(self) -> None:
-        if self._draining:
-            raise RpcStatus(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-
     # ------------------------------------------------------------------ Generate
 
     async def Generate(
@@ -140,25 +104,23 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         request_id = wire.new_request_id()
         code = grpc.StatusCode.OK
         failure: RpcStatus | None = None
-        owner: str | None = None  # set once the stream is admitted (counted)
+        ticket: Ticket | None = None  # set once the stream is admitted (counted)
         session_id = "" if isinstance(request, InvalidMessage) else request.session_id
         trace = self.tracing.generate(context.invocation_metadata(), request_id, session_id)
         try:
             if isinstance(request, InvalidMessage):
                 raise request.status()
-            self._check_serving()
-            tenant = self._tenant_of(context)
-            self._admit_stream(tenant, request_id)
-            owner = tenant
+            self.admission.check_serving()
+            ticket = self.admission.admit(self._tenant_of(context), request_id)
             inp = wire.turn_input(request, self.default_max_new_tokens)
-            async with aclosing(self.conversations.run_turn(owner, inp, request_id, trace)) as events:
+            async with aclosing(self.conversations.run_turn(ticket.owner, inp, request_id, trace)) as events:
                 async for event in events:
                     if isinstance(event, Started):
                         yield pb.GenerateResponse(start=wire.start_event(event, inp.session_id))
                     elif isinstance(event, Delta):
                         yield pb.GenerateResponse(delta=wire.delta_event(event))
                     elif isinstance(event, Finished):
-                        status = wire.finish_status(event, request_id, self._draining)
+                        status = wire.finish_status(event, request_id, self.admission.draining)
                         if status is not None:
                             raise status
                         yield pb.GenerateResponse(final=wire.final_event(event))
@@ -169,48 +131,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             failure = wire.failure(exc, "Generate", request_id)
             code = failure.code
         finally:
-            if owner is not None:
-                self._release_stream(owner, request_id)
+            if ticket is not None:
+                ticket.release()
             self.metrics.requests.labels("Generate", code.name).inc()
             trace.end(code.name, failure.details if failure is not None else "")
         if failure is not None:
             await context.abort(failure.code, failure.details)
-
-    def _admit_stream(self, owner: str, request_id: str) -> None:
-        """Count a new stream in, or RESOURCE_EXHAUSTED naming the limit it would pass."""
-        lim = self.limits
-        if lim.max_streams and len(self._inflight) >= lim.max_streams:
-            raise RpcStatus(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many streams: the server serves at most {lim.max_streams} at once "
-                f"(max_streams); retry later",
-            )
-        mine = self._streams_by_tenant.get(owner, 0)
-        if lim.max_streams_per_tenant and mine >= lim.max_streams_per_tenant:
-            raise RpcStatus(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many streams for this tenant: {mine} in flight, the limit is "
-                f"{lim.max_streams_per_tenant} per tenant (max_streams_per_tenant); retry when one ends",
-            )
-        self._streams_by_tenant[owner] = mine + 1
-        self._inflight.add(request_id)
-        self._idle.clear()
-        self.metrics.active_streams.inc()
-
-    def _release_stream(self, owner: str, request_id: str) -> None:
-        left = self._streams_by_tenant.get(owner, 1) - 1
-        if left > 0:
-            self._streams_by_tenant[owner] = left
-        else:
-            self._streams_by_tenant.pop(owner, None)
-        self._inflight.discard(request_id)
-        if not self._inflight:
-            self._idle.set()
-        self.metrics.active_streams.dec()
-
-    def streams_of(self, owner: str) -> int:
-        """Generate streams in flight for ``owner``."""
-        return self._streams_by_tenant.get(owner, 0)
 
     # ------------------------------------------------------------------ sessions
 
@@ -277,7 +203,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             if isinstance(request, InvalidMessage):
                 raise request.status()
-            self._check_serving()
+            self.admission.check_serving()
             return await handle()
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED

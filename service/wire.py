@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from clients._proto.kvserve.v1 import generation_pb2 as pb
+from service.admission import Draining, TooManyStreams
 from service.auth import Unauthenticated
 from service.sessions import (
     InvalidSessionId,
@@ -103,6 +104,8 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStopped, grpc.StatusCode.UNAVAILABLE),
+    (TooManyStreams, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -193,5 +193,5 @@ def test_the_server_is_healthy_afterwards(server, stub):
     assert wait_until(lambda: engine.stats().running == 0 and engine.stats().waiting == 0)
     stats = engine.stats()
     assert stats.blocks_free == stats.blocks_total  # every block free or evictable cache
-    assert server.running.servicer.inflight == 0
+    assert server.running.admission.inflight == 0
     assert engine.loop_error is None  # no engine step ever failed

@@ -124,7 +124,7 @@ def test_a_client_that_goes_away_frees_its_stream(oai, model, server):
     it = iter(stream)
     next(it), next(it)
     stream.close()  # the connection closes mid-stream
-    assert wait_until(lambda: server.running.servicer.inflight == 0 and server.engine.stats().running == 0)
+    assert wait_until(lambda: server.running.admission.inflight == 0 and server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == free)
     assert cancelled._value.get() == before + 1  # stopped early, not run to its end
 
@@ -200,7 +200,7 @@ def test_api_keys_tenants_health_and_drain(tiny_llama_dir):
             assert r.usage.prompt_tokens_details.cached_tokens == 0  # KV is never shared across tenants
             health = f"http://127.0.0.1:{s.running.http_port}/health"
             assert json.loads(urllib.request.urlopen(health, timeout=10).read())["status"] == "SERVING"
-            s.running.servicer.start_draining()
+            s.running.admission.start_draining()
             with pytest.raises(urllib.error.HTTPError) as he:
                 urllib.request.urlopen(health, timeout=10)
             assert he.value.code == 503

@@ -78,7 +78,7 @@ def _error(call) -> KVServeError:
 
 
 def test_concurrent_streams_per_tenant_and_in_total(server):
-    servicer = server.running.servicer
+    admission = server.running.admission
     server.set_gate(False)
     results: list[Any] = []
 
@@ -94,14 +94,14 @@ def test_concurrent_streams_per_tenant_and_in_total(server):
         for key in (KEY_A, KEY_A):
             threads.append(threading.Thread(target=run, args=(key,)))
             threads[-1].start()
-        assert wait_until(lambda: servicer.streams_of("acme") == 2)
+        assert wait_until(lambda: admission.streams_of("acme") == 2)
         err = _error(lambda: _client(server, KEY_A).complete(token_ids=[5], max_new_tokens=1))
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 in flight, the limit is 2 per tenant" in err.details
         # another tenant still gets in, up to the server's total
         threads.append(threading.Thread(target=run, args=(KEY_B,)))
         threads[-1].start()
-        assert wait_until(lambda: servicer.inflight == 3)
+        assert wait_until(lambda: admission.inflight == 3)
         err = _error(lambda: _client(server, KEY_B).complete(token_ids=[5], max_new_tokens=1))
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 3 at once" in err.details
     finally:
@@ -109,7 +109,7 @@ def test_concurrent_streams_per_tenant_and_in_total(server):
         for t in threads:
             t.join(60)
     assert len(results) == 3 and all(not isinstance(r, Exception) and len(r.token_ids) == 4 for r in results)
-    assert servicer.inflight == 0 and servicer.streams_of("acme") == servicer.streams_of("bravo") == 0
+    assert admission.inflight == 0 and admission.streams_of("acme") == admission.streams_of("bravo") == 0
     with _client(server) as c:
         assert len(c.complete(token_ids=[5, 6], max_new_tokens=2).token_ids) == 2
 

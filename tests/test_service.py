@@ -107,7 +107,7 @@ def test_cancelling_mid_stream_returns_free_blocks_to_baseline(server, client):
     assert 3 <= seen < 400
     assert wait_until(lambda: server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == baseline)
-    assert server.running.servicer.inflight == 0
+    assert server.running.admission.inflight == 0
     # the server keeps serving
     assert client.complete(text="after cancel", max_new_tokens=4).end.completion_tokens == 4
 

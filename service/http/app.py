@@ -3,8 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
 ``GET /v1/models``, ``GET /health``. A request is parsed by ``service.http.openai`` into
 a ``TurnInput`` and run by the same ``Conversations`` as gRPC's Generate; stream
-admission, the drain and per-tenant limits are the gRPC servicer's (one count for both
-fronts); the tenant comes from ``Authorization: Bearer`` through the same
+admission, the drain and per-tenant limits are the same ``Admission`` object as gRPC's
+(``service.admission``: one count for both fronts); the tenant comes from ``Authorization: Bearer`` through the same
 ``Authenticator``; errors map through ``service.wire``'s status table to HTTP.
 
 Sessions (``X-Session-Id`` on chat): OpenAI clients resend the whole history. The
@@ -41,11 +41,14 @@ from starlette.routing import Route
 from service import wire
 from service.http import openai as oa
 from service.sessions import SessionNotFound
+from service.tracing import Tracing
 from service.types import ChatMessage, Delta, Finished, Started, TurnInput
 
 if TYPE_CHECKING:
+    from service.admission import Admission, Ticket
     from service.auth import Authenticator
-    from service.servicer import GenerationServicer
+    from service.conversations import Conversations
+    from service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -121,19 +124,25 @@ def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[Ch
 
 
 class HttpFront:
-    """The Starlette app over the servicer's conversations, admission and drain."""
+    """The Starlette app over the gRPC front's conversations, admission and drain."""
 
     def __init__(
         self,
-        servicer: GenerationServicer,
+        conversations: Conversations,
+        admission: Admission,
         authenticator: Authenticator,
+        metrics: ServiceMetrics,
         *,
         model_id: str,
         max_body_bytes: int,
+        default_max_new_tokens: int,
+        tracing: Tracing | None = None,
     ) -> None:
-        self.servicer = servicer
-        self.conversations = servicer.conversations
-        self.metrics = servicer.metrics
+        self.conversations = conversations
+        self.admission = admission
+        self.metrics = metrics
+        self.default_max_new_tokens = default_max_new_tokens
+        self.tracing = tracing or Tracing.off()
         self.authenticator = authenticator
         self.model_id = model_id
         self.max_body_bytes = max_body_bytes
@@ -194,13 +203,13 @@ class HttpFront:
 
     async def health(self, request: Request) -> Response:
         """As gRPC health: SERVING until the drain starts, then 503 NOT_SERVING; no key needed."""
-        if self.servicer.draining:
+        if self.admission.draining:
             return JSONResponse({"status": "NOT_SERVING"}, status_code=503)
         return JSONResponse({"status": "SERVING"})
 
     async def models(self, request: Request) -> Response:
         try:
-            self.servicer._check_serving()
+            self.admission.check_serving()
             self._tenant(request)
         except Exception as exc:  # noqa: BLE001
             err = oa.error_of(exc, wire.new_request_id())
@@ -211,7 +220,7 @@ class HttpFront:
 
     async def model(self, request: Request) -> Response:
         try:
-            self.servicer._check_serving()
+            self.admission.check_serving()
             self._tenant(request)
             self._check_model(request.path_params["model_id"])
         except Exception as exc:  # noqa: BLE001
@@ -242,24 +251,23 @@ class HttpFront:
         method = "ChatCompletions" if chat else "Completions"
         request_id = wire.new_request_id()
         session_id = request.headers.get("x-session-id", "")
-        owner: str | None = None
+        ticket: Ticket | None = None
         events: Any = None
         route = "/v1/chat/completions" if chat else "/v1/completions"
-        trace = self.servicer.tracing.generate(request.headers.items(), request_id, session_id, http_route=route)
+        trace = self.tracing.generate(request.headers.items(), request_id, session_id, http_route=route)
         try:
-            self.servicer._check_serving()
+            self.admission.check_serving()
             tenant = self._tenant(request)
             body = await self._body(request)
-            default = self.servicer.default_max_new_tokens
+            default = self.default_max_new_tokens
             parsed = oa.chat_request(body, default) if chat else oa.completion_request(body, default)
             self._check_model(parsed.model)
             if session_id and not chat:
                 raise oa.HttpError(400, "X-Session-Id works on /v1/chat/completions only (a completion has no history)",
                                    param="X-Session-Id")  # fmt: skip
-            self.servicer._admit_stream(tenant, request_id)
-            owner = tenant
-            inp, diverged = await self._session_input(owner, parsed.inp, session_id)
-            events = aclosing(self.conversations.run_turn(owner, inp, request_id, trace))
+            ticket = self.admission.admit(tenant, request_id)
+            inp, diverged = await self._session_input(tenant, parsed.inp, session_id)
+            events = aclosing(self.conversations.run_turn(tenant, inp, request_id, trace))
             gen = await events.__aenter__()
             start = await anext(gen)
             if not isinstance(start, Started):
@@ -267,8 +275,8 @@ class HttpFront:
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
             if events is not None:
                 await events.__aexit__(None, None, None)
-            if owner is not None:
-                self.servicer._release_stream(owner, request_id)
+            if ticket is not None:
+                ticket.release()
             err = oa.error_of(exc, request_id)
             self._count(method, err.status)
             trace.end(err.status, err.message)
@@ -279,7 +287,7 @@ class HttpFront:
         if diverged is not None:
             headers[DIVERGED_HEADER] = str(diverged)
         ext = oa.extension(request_id, session_id, start, diverged)
-        ctx = _Ctx(self, method, owner, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace)
+        ctx = _Ctx(self, method, ticket, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace)
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
@@ -318,26 +326,23 @@ def _with(inp: TurnInput, **changes: Any) -> TurnInput:
 class _Ctx:
     """One admitted generation: turns the rest of the events into a JSON body or SSE."""
 
-    def __init__(self, front: HttpFront, method: str, owner: str, request_id: str, chat: bool, model: str,
+    def __init__(self, front: HttpFront, method: str, ticket: Ticket, request_id: str, chat: bool, model: str,
                  start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any], trace: Any) -> None:  # fmt: skip
-        self.front, self.method, self.owner, self.request_id = front, method, owner, request_id
+        self.front, self.method, self.ticket, self.request_id = front, method, ticket, request_id
         self.trace = trace  # service.tracing: ended with the call's HTTP status
         self.chat, self.model, self.start, self.ext = chat, model, start, ext
         self.events, self.gen = events, gen
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
-        self._released = False
 
     async def _close(self) -> None:
         try:
             await self.events.__aexit__(None, None, None)
         finally:
-            if not self._released:
-                self._released = True
-                self.front.servicer._release_stream(self.owner, self.request_id)
+            self.ticket.release()
 
     def _finish_error(self, fin: Finished) -> oa.HttpError | None:
-        status = wire.finish_status(fin, self.request_id, self.front.servicer.draining)
+        status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
         return oa.error_of(status, self.request_id) if status is not None else None
 
     async def whole(self) -> tuple[dict[str, Any], int]:
