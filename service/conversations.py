@@ -4,8 +4,8 @@ that are not gRPC.
     async for event in conversations.run_turn(owner, turn_input, request_id):
         ...  # Started, then Delta..., then Finished (domain events)
 
-``run_turn`` checks the input once, with one set of messages (sampling, cache salt,
-stop lists, input size, vocabulary, prompt limit, context), begins the session's turn
+``run_turn`` checks the input once, with the one set of messages of ``service.validation``
+(sampling, cache salt, stop lists, input size, vocabulary, prompt limit, context), begins the session's turn
 (``SessionManager.begin_turn``: the lock, the transcript), builds the prompt
 (transcript + the new input as tokens), fits ``max_new_tokens`` to the context left,
 composes the request's ``CacheScope`` (tenant + request salt, or shared), streams the
@@ -51,6 +51,15 @@ from service.types import (
     Started,
     Tier,
     TurnInput,
+)
+from service.validation import (
+    Limits,
+    check_context,
+    check_input_size,
+    check_prompt_limit,
+    check_salt,
+    check_sampling,
+    check_stop_lists,
     check_vocabulary,
 )
 
@@ -78,18 +87,6 @@ class _NoObserver:
 
 
 NO_OBSERVER: TurnObserver = _NoObserver()
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Per-request limits the conversation applies (0 = no limit). The stream limits
-    are ``service.admission.Admission``'s."""
-
-    max_prompt_tokens: int = 0  # transcript + new input
-    max_cache_salt_chars: int = 256
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 64
 
 
 class Conversations:
@@ -124,7 +121,7 @@ class Conversations:
         (the call's trace) hears of the start event and of the finish, before the commit."""
         arrival = time.perf_counter()
         self.check_sampling(inp.sampling)
-        self._check_salt(inp.cache_salt)
+        check_salt(inp.cache_salt, self.limits)
         session_id = inp.session_id
         if inp.require_existing_session and not session_id:
             raise InvalidRequest("require_existing_session needs a session_id")
@@ -140,7 +137,7 @@ class Conversations:
             else:  # tokenizing a long text takes a while: never on the event loop
                 new_tokens = await asyncio.to_thread(self._input_tokens, inp, transcript)
             prompt = transcript + new_tokens
-            self._check_prompt_limit(transcript, new_tokens, session_id)
+            check_prompt_limit(len(transcript), len(new_tokens), self.limits.max_prompt_tokens, session_id)
             sampling = self._fit_to_context(inp, transcript, new_tokens)
             scope = self.cache_scope(owner, inp.cache_salt)
             req = GenerationRequest(
@@ -218,11 +215,6 @@ class Conversations:
     def is_shared_salt(self, request_salt: str) -> bool:
         return bool(request_salt) and request_salt in self.shared_cache_salts
 
-    def _check_salt(self, salt: str) -> None:
-        limit = self.limits.max_cache_salt_chars
-        if len(salt) > limit:
-            raise InvalidRequest(f"cache_salt has {len(salt)} characters; the limit is {limit}")
-
     # ------------------------------------------------------------------ sessions' KV
 
     async def forget(self, rec: SessionRecord) -> dict[Tier, int]:
@@ -245,35 +237,10 @@ class Conversations:
     # ------------------------------------------------------------------ checks (once, here)
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """Every sampling field, the request-size limits of the stop lists and the stop
-        token ids against the vocabulary: InvalidRequest naming the field."""
-        params.validate(self.max_new_tokens_limit)
-        lim = self.limits
-        if len(params.stop) > lim.max_stop_strings:
-            raise InvalidRequest(f"sampling.stop has {len(params.stop)} strings; the limit is {lim.max_stop_strings}")
-        for i, stop in enumerate(params.stop):
-            if len(stop) > lim.max_stop_string_chars:
-                raise InvalidRequest(
-                    f"sampling.stop[{i}] has {len(stop)} characters; the limit is {lim.max_stop_string_chars}"
-                )
-        if len(params.stop_token_ids) > lim.max_stop_token_ids:
-            raise InvalidRequest(
-                f"sampling.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {lim.max_stop_token_ids}"
-            )
-        check_vocabulary(params.stop_token_ids, self.engine.model_info.vocab_size, "sampling.stop_token_ids")
-
-    def _check_prompt_limit(self, transcript: list[int], new_tokens: list[int], session_id: str) -> None:
-        limit = self.limits.max_prompt_tokens
-        n = len(transcript) + len(new_tokens)
-        if not limit or n <= limit:
-            return
-        if session_id and transcript:
-            raise InvalidRequest(
-                f"session {session_id!r} would exceed the prompt limit: its transcript has {len(transcript)} "
-                f"tokens and this turn adds {len(new_tokens)}: {n} > max_prompt_tokens {limit}; "
-                f"start a new session"
-            )
-        raise InvalidRequest(f"prompt has {n} tokens; the limit is {limit} (max_prompt_tokens)")
+        """Every sampling field, the stop lists' size limits, the token ids it names."""
+        info = self.engine.model_info
+        check_sampling(params, vocab_size=info.vocab_size, max_new_tokens_limit=self.max_new_tokens_limit)
+        check_stop_lists(params, self.limits)
 
     def max_bytes_per_token(self) -> int:
         """An upper bound on the bytes of text one token covers: twice the longest
@@ -293,7 +260,6 @@ class Conversations:
 
     async def _check_input_size(self, inp: TurnInput, transcript: list[int]) -> None:
         """Refuse text or chat input that cannot fit the prompt limit, before tokenizing it."""
-        kind = inp.kind
         if inp.text is not None:
             n_bytes = len(inp.text.encode("utf-8", "surrogatepass"))
         elif inp.messages is not None:
@@ -303,15 +269,7 @@ class Conversations:
         limit = self.limits.max_prompt_tokens or self.engine.model_info.context_length
         which = "max_prompt_tokens" if self.limits.max_prompt_tokens else "the context length"
         bpt = self._max_bytes_per_token or await asyncio.to_thread(self.max_bytes_per_token)
-        if n_bytes <= (limit - len(transcript)) * bpt:
-            return
-        at_least = len(transcript) + -(-n_bytes // bpt)
-        session_id = inp.session_id
-        where = f"session {session_id!r} has {len(transcript)} tokens and " if session_id and transcript else ""
-        raise InvalidRequest(
-            f"input too long: {where}the new {kind} has {n_bytes} bytes, at least {at_least} tokens in all "
-            f"(a token covers at most {bpt} bytes); the limit is {limit} ({which})"
-        )
+        check_input_size(inp.kind or "", n_bytes, len(transcript), bpt, limit, which, inp.session_id)
 
     def _input_tokens(self, inp: TurnInput, transcript: list[int]) -> list[int]:
         """The new input as token ids (appended to ``transcript``), checked."""
@@ -341,25 +299,8 @@ class Conversations:
 
     def _fit_to_context(self, inp: TurnInput, transcript: list[int], new_tokens: list[int]) -> SamplingParams:
         """Check the prompt against the context; an unset max_new_tokens fills what is left."""
-        ctx = self.engine.model_info.context_length
-        n_prompt = len(transcript) + len(new_tokens)
         explicit = inp.max_new_tokens is not None
         want = inp.sampling.max_new_tokens
-        room = ctx - n_prompt
-        if room < 1 or (explicit and want > room):
-            asked = f"up to {want} new tokens" if explicit else "at least 1 new token"
-            need = n_prompt + (want if explicit else 1)
-            if inp.session_id:
-                raise InvalidRequest(
-                    f"session {inp.session_id!r} would exceed the context: its transcript has "
-                    f"{len(transcript)} tokens, this turn adds {len(new_tokens)} and asks for {asked}: "
-                    f"{need} > context length {ctx}"
-                )
-            if explicit:
-                raise InvalidRequest(
-                    f"prompt ({n_prompt} tokens) + max_new_tokens ({want}) = {need} exceeds the context length {ctx}"
-                )
-            raise InvalidRequest(
-                f"prompt has {n_prompt} tokens; the context length is {ctx} (room for at least 1 new token needed)"
-            )
+        ctx = self.engine.model_info.context_length
+        room = check_context(len(transcript), len(new_tokens), ctx, want if explicit else None, inp.session_id)
         return dataclasses.replace(inp.sampling, max_new_tokens=want if explicit else min(want, room))

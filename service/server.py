@@ -41,9 +41,9 @@ from grpc_reflection.v1alpha import reflection
 
 from service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
 from service.config import ConfigError, ServerConfig, mask_url_password
-from service.metrics import ServiceMetrics
 from service.admission import Admission
-from service.conversations import Conversations, Limits
+from service.metrics import ServiceMetrics
+from service.conversations import Conversations
 from service.servicer import SERVICE_NAME, GenerationServicer, add_to_server
 from service.sessions import (
     FallbackSessionStore,
@@ -54,6 +54,7 @@ from service.sessions import (
 )
 from service.spill import SpillScheduler
 from service.tracing import Tracing
+from service.validation import Limits
 
 if TYPE_CHECKING:
     from service.engine import AsyncEngine

@@ -254,14 +254,6 @@ class TurnInput:
         return None
 
 
-def check_vocabulary(ids: Sequence[int], vocab_size: int, what: str) -> None:
-    """InvalidRequest naming ``what[i]`` for the first id outside ``[0, vocab_size)``:
-    the one message for prompts, input tokens and stop token ids alike."""
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise InvalidRequest(f"{what}[{i}] = {t} is outside the vocabulary (ids must be < {vocab_size})")
-
-
 @dataclass(slots=True)
 class EngineStats:
     running: int

@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from clients import KVServeClient, KVServeError, TextDelta
+from service.types import InvalidRequest
+from service.validation import check_context
 from tests.serving import ServerThread, tiny_config, wait_until
 
 CONTEXT = 128
@@ -47,6 +49,13 @@ def _good_request_works(client: KVServeClient) -> None:
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
+
+def _message(check, *args) -> str:
+    """The message ``service.validation``'s ``check`` raises for ``args``."""
+    with pytest.raises(InvalidRequest) as e:
+        check(*args)
+    return str(e.value)
+
 # (id, request kwargs, expected code, regex the message must match)
 BAD_REQUESTS = [
     ("no-input", dict(token_ids=None, text=None), INVALID, r"empty input: set one of text, chat or tokens"),
@@ -66,10 +75,11 @@ BAD_REQUESTS = [
     ("negative-top-k", dict(text="hi", top_k=-1), INVALID, r"top_k must be >= 0, got -1"),
     ("stop-token-outside-vocab", dict(text="hi", stop_token_ids=[9999]), INVALID,
      r"stop_token_ids\[0\] = 9999 is outside the vocabulary"),
+    # the context messages' text is asserted in tests/test_validation.py
     ("prompt-longer-than-context", dict(token_ids=[7] * (CONTEXT + 5)), INVALID,
-     rf"prompt has {CONTEXT + 5} tokens; the context length is {CONTEXT}"),
+     re.escape(_message(check_context, 0, CONTEXT + 5, CONTEXT))),
     ("prompt-plus-max-new-tokens-over-context", dict(token_ids=[7] * 100, max_new_tokens=40), INVALID,
-     rf"prompt \(100 tokens\) \+ max_new_tokens \(40\) = 140 exceeds the context length {CONTEXT}"),
+     re.escape(_message(check_context, 0, 100, CONTEXT, 40))),
     ("bad-session-id", dict(text="hi", session_id="no spaces allowed"), INVALID,
      r"session_id must be 1 to 128 characters"),
 ]  # fmt: skip
@@ -105,10 +115,7 @@ def test_a_session_turn_that_would_exceed_the_context_gives_the_numbers(client):
     client.complete(token_ids=list(range(10, 100)), session_id=sid, max_new_tokens=10)  # 100 tokens
     err = _status(lambda: client.complete(token_ids=list(range(10, 30)), session_id=sid, max_new_tokens=10))
     assert err.code == INVALID
-    assert err.details == (
-        f"session '{sid}' would exceed the context: its transcript has 100 tokens, this turn adds 20 "
-        f"and asks for up to 10 new tokens: 130 > context length {CONTEXT}"
-    )
+    assert err.details == _message(check_context, 100, 20, CONTEXT, 10, sid)  # the numbers: test_validation.py
     assert client.get_session(sid).token_count == 100  # unchanged
     _good_request_works(client)
 

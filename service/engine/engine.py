@@ -42,14 +42,13 @@ from service.types import (
     Finished,
     FinishReason,
     GenerationRequest,
-    InvalidRequest,
     ModelInfo,
     QueueFull,
     Started,
     Tier,
     Timings,
-    check_vocabulary,
 )
+from service.validation import check_generation
 from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
 from service.kv.cache import BatchLayout, SeqSlice, dtype_name
 from service.kv.transfer import BlockTransfers
@@ -210,28 +209,16 @@ class LLMEngine:
         return out
 
     def validate(self, req: GenerationRequest) -> None:
-        """Raise InvalidRequest with a precise message; pure, thread-safe."""
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty")
-        check_vocabulary(req.prompt_token_ids, self.mcfg.vocab_size, "prompt_token_ids")
-        req.sampling.validate(self.cfg.max_new_tokens_limit)
-        check_vocabulary(req.sampling.stop_token_ids, self.mcfg.vocab_size, "sampling.stop_token_ids")
-        vocab = self.mcfg.vocab_size
-        bad = next((t for t, _ in req.sampling.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
-        if n >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {n} tokens; the context is {self.max_model_len} tokens "
-                f"(at most {self.max_model_len - 1} prompt tokens leave room for one new token)"
-            )
-        need = -(-min(n + req.sampling.max_new_tokens, self.max_model_len) // self.block_size)
-        if need > self.blocks.num_usable:
-            raise InvalidRequest(
-                f"prompt + max_new_tokens needs {need} KV blocks; the KV cache holds "
-                f"{self.blocks.num_usable} (raise --kv-cache-memory or lower max_new_tokens)"
-            )
+        """Raise InvalidRequest with a precise message (``service.validation``, the
+        front's messages); pure, thread-safe."""
+        check_generation(
+            req,
+            vocab_size=self.mcfg.vocab_size,
+            context_length=self.max_model_len,
+            max_new_tokens_limit=self.cfg.max_new_tokens_limit,
+            block_size=self.block_size,
+            kv_blocks=self.blocks.num_usable,
+        )
 
     def add_request(self, req: GenerationRequest) -> None:
         self.validate(req)

@@ -1,0 +1,162 @@
+"""Every check of a generation request, each with its one message (``InvalidRequest``).
+
+Two callers, one set of messages:
+
+- the front (``Conversations.run_turn``) checks a turn's input before the turn starts:
+  ``check_sampling`` and ``check_stop_lists``, ``check_salt``, ``check_input_size``
+  (text that cannot fit, before it is tokenized), ``check_vocabulary`` on input token
+  ids, ``check_prompt_limit`` and ``check_context`` (which also fits an unset
+  ``max_new_tokens`` to the context left);
+- the engine (``LLMEngine.validate``) guards its own input with ``check_generation``:
+  the same vocabulary, sampling and context checks by the same functions, and
+  ``check_kv_capacity`` (whether the KV pool could ever hold the request), which only
+  the engine knows enough to ask.
+
+``service.wire`` maps ``InvalidRequest`` to INVALID_ARGUMENT (HTTP 400). Imports no
+torch and no gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from service.types import GenerationRequest, InvalidRequest, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request limits the front applies (0 = no limit). The stream limits are
+    ``service.admission.Admission``'s."""
+
+    max_prompt_tokens: int = 0  # transcript + new input
+    max_cache_salt_chars: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+
+
+def check_vocabulary(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """``what[i]`` for the first id outside ``[0, vocab_size)``: prompts, input tokens
+    and stop token ids alike."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"{what}[{i}] = {t} is outside the vocabulary (ids must be < {vocab_size})")
+
+
+def check_sampling(params: SamplingParams, *, vocab_size: int, max_new_tokens_limit: int) -> None:
+    """Every sampling field (``SamplingParams.validate``), then the token ids it names
+    (stop token ids, logit_bias) against the vocabulary."""
+    params.validate(max_new_tokens_limit)
+    check_vocabulary(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+    bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_stop_lists(params: SamplingParams, limits: Limits) -> None:
+    """The request-size limits of the stop lists (the front's)."""
+    if len(params.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"sampling.stop has {len(params.stop)} strings; the limit is {limits.max_stop_strings}")
+    for i, stop in enumerate(params.stop):
+        if len(stop) > limits.max_stop_string_chars:
+            raise InvalidRequest(
+                f"sampling.stop[{i}] has {len(stop)} characters; the limit is {limits.max_stop_string_chars}"
+            )
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            f"sampling.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {limits.max_stop_token_ids}"
+        )
+
+
+def check_salt(salt: str, limits: Limits) -> None:
+    if len(salt) > limits.max_cache_salt_chars:
+        raise InvalidRequest(f"cache_salt has {len(salt)} characters; the limit is {limits.max_cache_salt_chars}")
+
+
+def check_input_size(
+    kind: str, n_bytes: int, n_transcript: int, bytes_per_token: int, limit: int, which: str, session_id: str = ""
+) -> None:
+    """Text or chat input of ``n_bytes`` cannot fit ``limit`` tokens (``which``: the name
+    of the limit) when even at ``bytes_per_token`` (the most one token covers) it needs
+    more tokens than the transcript leaves: refused before it is tokenized."""
+    if n_bytes <= (limit - n_transcript) * bytes_per_token:
+        return
+    at_least = n_transcript + -(-n_bytes // bytes_per_token)
+    where = f"session {session_id!r} has {n_transcript} tokens and " if session_id and n_transcript else ""
+    raise InvalidRequest(
+        f"input too long: {where}the new {kind} has {n_bytes} bytes, at least {at_least} tokens in all "
+        f"(a token covers at most {bytes_per_token} bytes); the limit is {limit} ({which})"
+    )
+
+
+def check_prompt_limit(n_transcript: int, n_new: int, limit: int, session_id: str = "") -> None:
+    """``max_prompt_tokens`` (``limit``; 0 = none) against the transcript + new input."""
+    n = n_transcript + n_new
+    if not limit or n <= limit:
+        return
+    if session_id and n_transcript:
+        raise InvalidRequest(
+            f"session {session_id!r} would exceed the prompt limit: its transcript has {n_transcript} "
+            f"tokens and this turn adds {n_new}: {n} > max_prompt_tokens {limit}; start a new session"
+        )
+    raise InvalidRequest(f"prompt has {n} tokens; the limit is {limit} (max_prompt_tokens)")
+
+
+def check_context(
+    n_transcript: int, n_new: int, context_length: int, max_new_tokens: int | None = None, session_id: str = ""
+) -> int:
+    """The prompt (transcript + new tokens) must leave room for at least one new token,
+    and for ``max_new_tokens`` when one is asked for (None: unset). Returns the room
+    left (the most new tokens the context allows)."""
+    n_prompt = n_transcript + n_new
+    room = context_length - n_prompt
+    explicit = max_new_tokens is not None
+    if room >= 1 and not (explicit and max_new_tokens > room):
+        return room
+    asked = f"up to {max_new_tokens} new tokens" if explicit else "at least 1 new token"
+    need = n_prompt + (max_new_tokens if explicit else 1)
+    if session_id:
+        raise InvalidRequest(
+            f"session {session_id!r} would exceed the context: its transcript has {n_transcript} tokens, "
+            f"this turn adds {n_new} and asks for {asked}: {need} > context length {context_length}"
+        )
+    if explicit:
+        raise InvalidRequest(
+            f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the context "
+            f"length {context_length}"
+        )
+    raise InvalidRequest(
+        f"prompt has {n_prompt} tokens; the context length is {context_length} (room for at least 1 new token needed)"
+    )
+
+
+def check_kv_capacity(n_prompt: int, max_new_tokens: int, context_length: int, block_size: int, kv_blocks: int) -> None:
+    """Whether a KV pool of ``kv_blocks`` usable blocks could ever hold the request (the
+    prompt and its new tokens, up to the context)."""
+    need = -(-min(n_prompt + max_new_tokens, context_length) // block_size)
+    if need > kv_blocks:
+        raise InvalidRequest(
+            f"prompt + max_new_tokens needs {need} KV blocks; the KV cache holds "
+            f"{kv_blocks} (raise --kv-cache-memory or lower max_new_tokens)"
+        )
+
+
+def check_generation(
+    req: GenerationRequest,
+    *,
+    vocab_size: int,
+    context_length: int,
+    max_new_tokens_limit: int,
+    block_size: int,
+    kv_blocks: int,
+) -> None:
+    """The engine's guard of its own input: a non-empty prompt inside the vocabulary,
+    the sampling fields, the context, the KV pool's capacity."""
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty")
+    check_vocabulary(req.prompt_token_ids, vocab_size, "prompt_token_ids")
+    check_sampling(req.sampling, vocab_size=vocab_size, max_new_tokens_limit=max_new_tokens_limit)
+    check_context(0, n, context_length)
+    check_kv_capacity(n, req.sampling.max_new_tokens, context_length, block_size, kv_blocks)

@@ -1,0 +1,106 @@
+"""service.validation: every request check's message, asserted here once. The front
+(tests/test_service_errors.py, tests/test_limits.py) and the engine (tests/test_engine.py)
+raise these same messages through the same functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.types import GenerationRequest, InvalidRequest, SamplingParams
+from service.validation import (
+    Limits,
+    check_context,
+    check_generation,
+    check_input_size,
+    check_kv_capacity,
+    check_prompt_limit,
+    check_salt,
+    check_sampling,
+    check_stop_lists,
+    check_vocabulary,
+)
+
+
+def message(fn, *args, **kwargs) -> str:
+    with pytest.raises(InvalidRequest) as e:
+        fn(*args, **kwargs)
+    return str(e.value)
+
+
+def test_context_messages_and_the_room_left() -> None:
+    assert check_context(10, 5, 64) == 49
+    assert check_context(10, 5, 64, max_new_tokens=49) == 49
+    assert message(check_context, 0, 70, 64) == (
+        "prompt has 70 tokens; the context length is 64 (room for at least 1 new token needed)"
+    )
+    assert message(check_context, 0, 64, 64) == (
+        "prompt has 64 tokens; the context length is 64 (room for at least 1 new token needed)"
+    )
+    assert message(check_context, 0, 40, 64, max_new_tokens=30) == (
+        "prompt (40 tokens) + max_new_tokens (30) = 70 exceeds the context length 64"
+    )
+    assert message(check_context, 50, 10, 64, max_new_tokens=10, session_id="s") == (
+        "session 's' would exceed the context: its transcript has 50 tokens, this turn adds 10 "
+        "and asks for up to 10 new tokens: 70 > context length 64"
+    )
+    assert message(check_context, 60, 10, 64, session_id="s") == (
+        "session 's' would exceed the context: its transcript has 60 tokens, this turn adds 10 "
+        "and asks for at least 1 new token: 71 > context length 64"
+    )
+
+
+def test_kv_capacity_counts_blocks_up_to_the_context() -> None:
+    check_kv_capacity(10, 1000, 64, 16, 4)  # capped at the context: 64 tokens, 4 blocks
+    assert message(check_kv_capacity, 10, 60, 128, 16, 4) == (
+        "prompt + max_new_tokens needs 5 KV blocks; the KV cache holds 4 "
+        "(raise --kv-cache-memory or lower max_new_tokens)"
+    )
+
+
+def test_vocabulary_sampling_and_stop_lists() -> None:
+    assert message(check_vocabulary, [1, 400], 400, "tokens.ids") == (
+        "tokens.ids[1] = 400 is outside the vocabulary (ids must be < 400)"
+    )
+    assert message(check_sampling, SamplingParams(logit_bias=((4000, 1.0),)), vocab_size=400,
+                   max_new_tokens_limit=128) == "logit_bias token id 4000 is outside the vocabulary [0, 400)"  # fmt: skip
+    assert message(check_sampling, SamplingParams(stop_token_ids=(9999,)), vocab_size=400,
+                   max_new_tokens_limit=128).startswith("sampling.stop_token_ids[0] = 9999")  # fmt: skip
+    lim = Limits(max_stop_strings=1, max_stop_string_chars=3, max_stop_token_ids=1, max_cache_salt_chars=2)
+    assert message(check_stop_lists, SamplingParams(stop=("a", "b")), lim) == "sampling.stop has 2 strings; the limit is 1"
+    assert message(check_stop_lists, SamplingParams(stop=("abcd",)), lim) == (
+        "sampling.stop[0] has 4 characters; the limit is 3"
+    )
+    assert message(check_stop_lists, SamplingParams(stop_token_ids=(1, 2)), lim) == (
+        "sampling.stop_token_ids has 2 ids; the limit is 1"
+    )
+    assert message(check_salt, "abc", lim) == "cache_salt has 3 characters; the limit is 2"
+
+
+def test_prompt_limit_and_input_size() -> None:
+    check_prompt_limit(10, 10, 0)  # no limit
+    assert message(check_prompt_limit, 0, 41, 40) == "prompt has 41 tokens; the limit is 40 (max_prompt_tokens)"
+    assert message(check_prompt_limit, 30, 11, 40, "s") == (
+        "session 's' would exceed the prompt limit: its transcript has 30 tokens and this turn adds 11: "
+        "41 > max_prompt_tokens 40; start a new session"
+    )
+    check_input_size("text", 100, 0, 10, 10, "the context length")  # 100 bytes may be 10 tokens
+    assert message(check_input_size, "text", 101, 0, 10, 10, "the context length") == (
+        "input too long: the new text has 101 bytes, at least 11 tokens in all (a token covers at most "
+        "10 bytes); the limit is 10 (the context length)"
+    )
+    assert message(check_input_size, "chat", 50, 6, 10, 10, "max_prompt_tokens", "s") == (
+        "input too long: session 's' has 6 tokens and the new chat has 50 bytes, at least 11 tokens in all "
+        "(a token covers at most 10 bytes); the limit is 10 (max_prompt_tokens)"
+    )
+
+
+def test_the_engine_guard_uses_the_same_checks() -> None:
+    def gen(ids: list[int], **sampling) -> None:
+        check_generation(GenerationRequest("r", ids, SamplingParams(**sampling)), vocab_size=400,
+                         context_length=64, max_new_tokens_limit=128, block_size=16, kv_blocks=3)  # fmt: skip
+
+    assert message(gen, []) == "the prompt is empty"
+    assert message(gen, [1, 400]).startswith("prompt_token_ids[1] = 400 is outside the vocabulary")
+    assert message(gen, [1] * 64) == message(check_context, 0, 64, 64)
+    assert message(gen, [1] * 40, max_new_tokens=20) == message(check_kv_capacity, 40, 20, 64, 16, 3)
+    gen([1] * 40, max_new_tokens=8)
