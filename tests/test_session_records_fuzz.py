@@ -15,27 +15,46 @@ from hypothesis import strategies as st
 
 from service.sessions import (
     SESSION_ID_RE,
+    TurnInfo,
     RedisSessionStore,
     SessionRecord,
     SessionRecordError,
     decode_record,
     encode_record,
 )
+from service.sessions.records import FINISH_REASONS
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 session_ids = st.from_regex(SESSION_ID_RE, fullmatch=True)
 finite = st.floats(min_value=0, max_value=4e9, allow_nan=False, allow_infinity=False)
-records = st.builds(
-    SessionRecord,
-    session_id=session_ids,
-    owner=st.text(max_size=40),
-    token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=300),
-    created_at=finite,
-    last_used_at=finite,
-    turns=st.integers(0, 2**32 - 1),
-    cache_salt=st.text(max_size=40),
-)
+
+
+@st.composite
+def records(draw) -> SessionRecord:
+    """Any record the server may write: the turn log covers the transcript's tail and at
+    most ``turns`` turns (the untracked rest is what records written before turn
+    boundaries existed carry)."""
+    tokens = draw(st.lists(st.integers(0, 2**32 - 1), max_size=300))
+    log, room = [], len(tokens)
+    for _ in range(draw(st.integers(0, 6))):
+        n_in, n_out = draw(st.integers(0, room)), 0
+        n_out = draw(st.integers(0, room - n_in))
+        log.append(TurnInfo(n_in, n_out, draw(st.sampled_from(FINISH_REASONS)), draw(finite), draw(finite)))
+        room -= n_in + n_out
+    return SessionRecord(
+        session_id=draw(session_ids),
+        owner=draw(st.text(max_size=40)),
+        token_ids=tokens,
+        created_at=draw(finite),
+        last_used_at=draw(finite),
+        turns=draw(st.integers(len(log), 2**32 - 1)),
+        cache_salt=draw(st.text(max_size=40)),
+        turn_log=log,
+    )
+
+
+records = records()
 
 
 def _reseal(body: bytes) -> bytes:

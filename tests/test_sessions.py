@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
+import zlib
 from typing import Any, Sequence
 
 import pytest
@@ -15,11 +16,16 @@ from service.sessions import (
     InMemorySessionStore,
     InvalidSessionId,
     RedisSessionStore,
+    BadTurnCount,
     SessionBusy,
+    SessionExists,
+    SessionLimit,
     SessionManager,
     SessionNotFound,
     SessionRecord,
     SessionRecordError,
+    TurnInfo,
+    TurnsChanged,
     decode_record,
     encode_record,
 )
@@ -76,6 +82,27 @@ def test_random_and_mutated_bytes_never_decode_to_a_wrong_record():
     for n in range(0, 64):
         with pytest.raises(SessionRecordError):
             decode_record(rng.randbytes(n))
+
+
+def test_record_turn_boundaries_round_trip_and_version_1_records_still_load():
+    log = [TurnInfo(2, 1, "stop", 10.0, 11.5), TurnInfo(0, 1, "length", 12.0, 12.25)]
+    rec = _record(token_ids=[5, 6, 7, 8, 9], turns=3, turn_log=log)
+    back = decode_record(encode_record(rec))
+    assert back == rec and back.untracked_turns == 1 and back.untracked_tokens == 1
+    assert [back.turn_end(t) for t in (1, 2, 3)] == [1, 4, 5]
+    with pytest.raises(ValueError):
+        back.turn_end(0)  # inside the untracked prefix
+    # version 1: the same header and tokens, no turn section
+    v2 = encode_record(_record(token_ids=[5, 6], turns=2))
+    body = v2[:4] + struct.pack("<H", 1) + v2[6:-8]  # drop "u32 0 turns" and the crc
+    old = decode_record(body + struct.pack("<I", zlib.crc32(body)))
+    assert old.turn_log == [] and old.turns == 2 and old.untracked_tokens == 2 and old.turn_end(2) == 2
+
+
+def test_record_with_turn_boundaries_that_do_not_fit_is_refused():
+    for log, turns in (([TurnInfo(3, 3, "stop", 0.0, 0.0)], 1), ([TurnInfo(1, 0, "stop", 0.0, 0.0)] * 2, 1)):
+        with pytest.raises(SessionRecordError, match="do not fit"):
+            decode_record(encode_record(_record(token_ids=[1, 2, 3, 4], turns=turns, turn_log=log)))
 
 
 # ----------------------------------------------------------------------------- stores
@@ -236,6 +263,57 @@ def test_manager_turns_commit_roll_back_and_exclude_each_other(store):
             await m.delete("", "s")
             with pytest.raises(SessionNotFound):
                 await m.delete("", "s")
+        finally:
+            await m.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_manager_rewind_fork_and_replace_last(store):
+    async def turn(m: SessionManager, sid: str, prompt: list[int], out: list[int], replace_last: bool = False) -> None:
+        t = await m.begin_turn("", sid)
+        await m.commit_turn(t, prompt, out, finish_reason="length", replace_last=replace_last)
+        await m.end_turn(t)
+
+    async def scenario() -> None:
+        m = SessionManager(store(), lock_ttl_s=5, max_sessions_per_owner=3)
+        try:
+            await turn(m, "s", [1, 2], [3])
+            await turn(m, "s", [1, 2, 3, 4], [5, 6])
+            await turn(m, "s", [1, 2, 3, 4, 5, 6, 7], [8])
+            rec, _ = await m.get("", "s")
+            assert [(t.input_tokens, t.output_tokens) for t in rec.turn_log] == [(2, 1), (1, 2), (1, 1)]
+            assert {t.finish_reason for t in rec.turn_log} == {"length"}
+            # replace the last turn: its prompt extends the transcript before it
+            await turn(m, "s", [1, 2, 3, 4, 5, 6, 9, 9], [10], replace_last=True)
+            rec, _ = await m.get("", "s")
+            assert rec.token_ids == [1, 2, 3, 4, 5, 6, 9, 9, 10] and rec.turns == 3
+            assert (rec.turn_log[-1].input_tokens, rec.turn_log[-1].output_tokens) == (2, 1)
+            # fork at turn 2, then from the fork; the source is untouched
+            child = await m.fork("", "s", "c", 2)
+            assert child.token_ids == [1, 2, 3, 4, 5, 6] and child.turn_log == rec.turn_log[:2]
+            assert (await m.fork("", "c", "g", 1)).token_ids == [1, 2, 3]
+            with pytest.raises(SessionExists):
+                await m.fork("", "s", "c")
+            with pytest.raises(SessionLimit):
+                await m.fork("", "s", "d")
+            with pytest.raises(BadTurnCount):
+                await m.fork("", "s", "d", 4)
+            with pytest.raises(SessionNotFound):
+                await m.fork("other", "s", "d")
+            # rewind: under the turn lock, counted, conditional
+            t = await m.begin_turn("", "s")
+            with pytest.raises(SessionBusy):
+                await m.rewind("", "s", 1)
+            await m.end_turn(t)
+            with pytest.raises(BadTurnCount):
+                await m.rewind("", "s", 4)
+            with pytest.raises(TurnsChanged):
+                await m.rewind("", "s", 1, expected_turns=2)
+            before, after = await m.rewind("", "s", 2, expected_turns=3)
+            assert before.turns == 3 and after.token_ids == [1, 2, 3] and after.turns == 1
+            assert (await m.get("", "s"))[0] == after
+            assert (await m.get("", "c"))[0].token_ids == [1, 2, 3, 4, 5, 6]
         finally:
             await m.store.close()
 

@@ -1,6 +1,17 @@
-"""Session records: the ids, the errors, ``SessionRecord`` and its compact binary codec
-(``encode_record``: magic, version, JSON metadata, token ids as little-endian uint32,
-CRC-32), which the Redis store writes and the fuzz tests hammer."""
+"""Session records: the ids, the errors, ``SessionRecord`` (with its turn boundaries,
+``TurnInfo``) and its compact binary codec (``encode_record``: magic, version, JSON
+metadata, token ids as little-endian uint32, the turn boundaries, CRC-32), which the
+Redis store writes and the fuzz tests hammer.
+
+Turn boundaries
+---------------
+``SessionRecord.turn_log`` says where each completed turn starts and ends in the
+transcript: per turn its input tokens, output tokens, finish reason and times. The
+transcript is ``untracked prefix + (input_1 + output_1) + (input_2 + output_2) + ...``:
+the log covers the *last* ``len(turn_log)`` turns. A record written before turn
+boundaries existed (codec version 1) loads with an empty log, so all its turns are
+untracked (``untracked_turns``, ``untracked_tokens``): they can be kept, continued and
+forked after, but not rewound, regenerated or edited one by one."""
 
 from __future__ import annotations
 
@@ -42,15 +53,52 @@ class SessionLimit(SessionError):
     """The owner already holds ``max_sessions_per_owner`` sessions (RESOURCE_EXHAUSTED)."""
 
 
+class SessionExists(SessionError):
+    """A session with that id already exists for this owner (ALREADY_EXISTS)."""
+
+
+class BadTurnCount(SessionError):
+    """A turn count or turn index outside the session's turns (INVALID_ARGUMENT)."""
+
+
+class TurnUnavailable(SessionError):
+    """The turn an operation needs is not there: the session has no completed turn to
+    replace, or the turn was written before turn boundaries were recorded
+    (FAILED_PRECONDITION)."""
+
+
+class TurnsChanged(SessionError):
+    """The session does not have the number of completed turns the request expected
+    (``expected_turns``): another turn or operation changed it (FAILED_PRECONDITION)."""
+
+
 class SessionRecordError(ValueError):
     """A stored session record failed to decode (bad magic, version, length or checksum)."""
 
 
-def check_session_id(session_id: str) -> None:
+def check_session_id(session_id: str, what: str = "session_id") -> None:
     if not SESSION_ID_RE.fullmatch(session_id):
-        raise InvalidSessionId(
-            f"session_id must be 1 to 128 characters of [A-Za-z0-9._:-], got {session_id[:140]!r}"
-        )
+        raise InvalidSessionId(f"{what} must be 1 to 128 characters of [A-Za-z0-9._:-], got {session_id[:140]!r}")
+
+
+FINISH_REASONS = ("stop", "length")  # a completed turn's finish reason (FinishReason values)
+MAX_TURN_LOG = 1 << 20  # turns a record may describe (the codec refuses more)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInfo:
+    """One completed turn's place in the transcript: ``input_tokens`` new input tokens
+    (the chat template's framing included) followed by ``output_tokens`` generated ones."""
+
+    input_tokens: int
+    output_tokens: int
+    finish_reason: str  # "stop" or "length"
+    started_at: float  # unix seconds: the turn began
+    ended_at: float  # unix seconds: the turn was committed
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
 
 
 @dataclass(slots=True)
@@ -65,20 +113,40 @@ class SessionRecord:
     turns: int = 0  # completed turns
     cache_salt: str = ""  # the request cache_salt of the last completed turn (where its KV lives)
     etag: str = ""  # id of the write that stored this version (conditional writes compare it)
+    turn_log: list[TurnInfo] = field(default_factory=list)  # boundaries of the last len(turn_log) turns
+
+    @property
+    def untracked_turns(self) -> int:
+        """Leading turns without recorded boundaries (written before the log existed)."""
+        return self.turns - len(self.turn_log)
+
+    @property
+    def untracked_tokens(self) -> int:
+        """Leading transcript tokens those turns cover."""
+        return len(self.token_ids) - sum(t.tokens for t in self.turn_log)
+
+    def turn_end(self, turns: int) -> int:
+        """Transcript length after the first ``turns`` completed turns; ValueError if
+        that point falls inside the untracked prefix (except at its end) or past the end."""
+        if not self.untracked_turns <= turns <= self.turns:
+            raise ValueError(f"turn {turns} is outside the tracked turns {self.untracked_turns}..{self.turns}")
+        return self.untracked_tokens + sum(t.tokens for t in self.turn_log[: turns - self.untracked_turns])
 
 
 # ----------------------------------------------------------------------------- record codec
 
 _MAGIC = b"KVSS"
-_VERSION = 1
+_VERSION = 2  # 2: the turn boundaries after the tokens (1 had none; still read)
 _HEAD = struct.Struct("<4sHI")  # magic, version, metadata length
 _COUNT = struct.Struct("<I")
+_TURN = struct.Struct("<IIBdd")  # input tokens, output tokens, finish reason (index + 1), started, ended
 _CRC = struct.Struct("<I")
 _MAX_META = 1 << 16
 
 
 def encode_record(rec: SessionRecord) -> bytes:
-    """``magic | u16 version | u32 n | n bytes JSON meta | u32 t | t * u32le tokens | u32 crc32``."""
+    """``magic | u16 version | u32 n | n bytes JSON meta | u32 t | t * u32le tokens |
+    u32 k | k * (u32 input, u32 output, u8 finish, f64 started, f64 ended) | u32 crc32``."""
     meta = json.dumps(
         {
             "session_id": rec.session_id,
@@ -92,19 +160,27 @@ def encode_record(rec: SessionRecord) -> bytes:
         separators=(",", ":"),
     ).encode()
     tokens = struct.pack(f"<{len(rec.token_ids)}I", *rec.token_ids)
-    body = _HEAD.pack(_MAGIC, _VERSION, len(meta)) + meta + _COUNT.pack(len(rec.token_ids)) + tokens
+    log = b"".join(
+        _TURN.pack(t.input_tokens, t.output_tokens, FINISH_REASONS.index(t.finish_reason) + 1, t.started_at, t.ended_at)
+        for t in rec.turn_log
+    )
+    body = (
+        _HEAD.pack(_MAGIC, _VERSION, len(meta)) + meta + _COUNT.pack(len(rec.token_ids)) + tokens
+        + _COUNT.pack(len(rec.turn_log)) + log
+    )  # fmt: skip
     return body + _CRC.pack(zlib.crc32(body))
 
 
 def decode_record(data: bytes) -> SessionRecord:
-    """Inverse of ``encode_record``; raises SessionRecordError on any inconsistency."""
+    """Inverse of ``encode_record`` (and reads version 1, which has no turn boundaries);
+    raises SessionRecordError on any inconsistency."""
     if len(data) < _HEAD.size + _COUNT.size + _CRC.size:
         raise SessionRecordError(f"record too short ({len(data)} bytes)")
     body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
     magic, version, meta_len = _HEAD.unpack_from(body)
     if magic != _MAGIC:
         raise SessionRecordError(f"bad magic {magic!r}")
-    if version != _VERSION:
+    if version not in (1, _VERSION):
         raise SessionRecordError(f"unsupported record version {version}")
     if zlib.crc32(body) != crc:
         raise SessionRecordError("checksum mismatch")
@@ -113,8 +189,22 @@ def decode_record(data: bytes) -> SessionRecord:
     pos = _HEAD.size + meta_len
     (n_tokens,) = _COUNT.unpack_from(body, pos)
     pos += _COUNT.size
-    if pos + 4 * n_tokens != len(body):
-        raise SessionRecordError(f"token count {n_tokens} does not match the record length")
+    end_tokens = pos + 4 * n_tokens
+    turn_log: list[TurnInfo] = []
+    if version == 1:
+        if end_tokens != len(body):
+            raise SessionRecordError(f"token count {n_tokens} does not match the record length")
+    else:
+        if end_tokens + _COUNT.size > len(body):
+            raise SessionRecordError(f"token count {n_tokens} does not match the record length")
+        (n_turns,) = _COUNT.unpack_from(body, end_tokens)
+        if n_turns > MAX_TURN_LOG or end_tokens + _COUNT.size + n_turns * _TURN.size != len(body):
+            raise SessionRecordError(f"turn count {n_turns} does not match the record length")
+        for i in range(n_turns):
+            n_in, n_out, reason, started, ended = _TURN.unpack_from(body, end_tokens + _COUNT.size + i * _TURN.size)
+            if not 1 <= reason <= len(FINISH_REASONS) or not (math.isfinite(started) and math.isfinite(ended)):
+                raise SessionRecordError(f"bad turn {i} (finish reason {reason}, times {started}, {ended})")
+            turn_log.append(TurnInfo(n_in, n_out, FINISH_REASONS[reason - 1], started, ended))
     try:
         meta = json.loads(body[_HEAD.size : _HEAD.size + meta_len])
         if not isinstance(meta, dict):
@@ -128,11 +218,16 @@ def decode_record(data: bytes) -> SessionRecord:
             turns=_meta_int(meta, "turns"),
             cache_salt=_meta_str(meta, "cache_salt", default=""),
             etag=_meta_str(meta, "etag", default=""),
+            turn_log=turn_log,
         )
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SessionRecordError(f"bad metadata: {type(e).__name__}: {e}"[:300]) from None
     if not SESSION_ID_RE.fullmatch(rec.session_id):
         raise SessionRecordError(f"bad session id {rec.session_id[:140]!r}")
+    if rec.untracked_turns < 0 or rec.untracked_tokens < 0:
+        raise SessionRecordError(
+            f"{len(turn_log)} turn boundaries do not fit {rec.turns} turns of {n_tokens} tokens"
+        )
     return rec
 
 

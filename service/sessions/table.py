@@ -13,11 +13,16 @@ from typing import Callable, Sequence
 from service.sessions.records import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
+    BadTurnCount,
     SessionBusy,
     SessionConflict,
+    SessionExists,
     SessionLimit,
     SessionNotFound,
     SessionRecord,
+    TurnInfo,
+    TurnsChanged,
+    TurnUnavailable,
     check_session_id,
 )
 from service.sessions.stores import (
@@ -49,6 +54,7 @@ class Turn:
     _renewal: asyncio.Task | None = None
     committed: bool = False
     ended: bool = False
+    started_at: float = 0.0  # unix seconds
 
 
 class SessionManager:
@@ -153,7 +159,8 @@ class SessionManager:
             if self._inflight.get(key) == holder:
                 del self._inflight[key]
             raise
-        turn = Turn(record=rec, holder=holder, created=created, expect=expect.plus(rec.etag))
+        turn = Turn(record=rec, holder=holder, created=created, expect=expect.plus(rec.etag),
+                    started_at=rec.last_used_at)  # fmt: skip
         turn._renewal = asyncio.create_task(self._renew(turn), name=f"session-lock-{session_id}")
         return turn
 
@@ -190,19 +197,37 @@ class SessionManager:
         output_token_ids: Sequence[int],
         *,
         cache_salt: str = "",
+        finish_reason: str = "stop",
+        replace_last: bool = False,
     ) -> SessionRecord:
-        """The turn completed: the transcript becomes prompt + output, one more turn.
-        ``cache_salt`` is the turn's request salt (where its KV blocks are keyed).
+        """The turn completed: the transcript becomes prompt + output, one more turn (its
+        boundaries appended to the turn log). With ``replace_last`` the turn replaces the
+        session's last completed turn instead (regenerate, edit): the prompt extends the
+        transcript as it was before that turn, the turn count stays. ``cache_salt`` is
+        the turn's request salt (where its KV blocks are keyed).
 
         Raises SessionConflict (nothing written) when the store holds a version of the
         session this turn did not start from (another replica wrote it meanwhile)."""
         rec = turn.record
-        if list(prompt_token_ids[: len(rec.token_ids)]) != rec.token_ids:
+        if replace_last:
+            if not rec.turn_log:
+                raise RuntimeError("no tracked turn to replace")
+            base, turn_log, turns = rec.turn_end(rec.turns - 1), rec.turn_log[:-1], rec.turns
+        else:
+            base, turn_log, turns = len(rec.token_ids), rec.turn_log, rec.turns + 1
+        if list(prompt_token_ids[:base]) != rec.token_ids[:base] or len(prompt_token_ids) < base:
             raise RuntimeError("turn prompt does not extend the session transcript")
+        now = self._clock()
+        info = TurnInfo(len(prompt_token_ids) - base, len(output_token_ids), finish_reason, turn.started_at, now)
         new = copy_record(
             rec, token_ids=list(prompt_token_ids) + list(output_token_ids), cache_salt=cache_salt,
-            turns=rec.turns + 1, last_used_at=self._clock(), etag=new_etag(),
+            turns=turns, turn_log=[*turn_log, info], last_used_at=now, etag=new_etag(),
         )  # fmt: skip
+        return await self._commit(turn, new)
+
+    async def _commit(self, turn: Turn, new: SessionRecord) -> SessionRecord:
+        """Write ``new`` as the session's next version, conditional on what the turn expects."""
+        rec = turn.record
         outcome = await self.store.put_if(new, turn.expect, replace_uncommitted=True)
         self._note(outcome, new, "while a turn ran")
         if outcome == CONFLICT:
@@ -219,6 +244,117 @@ class SessionManager:
         turn.expect = Expect(frozenset({new.etag}))
         turn.committed = True
         return new
+
+    # ------------------------------------------------------------------ rewind, fork
+
+    @staticmethod
+    def check_expected_turns(rec: SessionRecord, expected_turns: int | None) -> None:
+        """TurnsChanged unless ``expected_turns`` is None or the session's turn count."""
+        if expected_turns is not None and rec.turns != expected_turns:
+            raise TurnsChanged(
+                f"session {rec.session_id!r} has {rec.turns} completed turns, the request expected "
+                f"{expected_turns} (expected_turns): another turn or operation changed it; read it and retry"
+            )
+
+    @staticmethod
+    def last_turn_start(rec: SessionRecord, what: str) -> int:
+        """Where the last completed turn starts in the transcript (regenerate, edit);
+        TurnUnavailable when there is none or its boundaries were not recorded."""
+        if rec.turns == 0:
+            raise TurnUnavailable(f"session {rec.session_id!r} has no completed turn to {what}")
+        if not rec.turn_log:
+            raise TurnUnavailable(
+                f"session {rec.session_id!r}: its last turn was recorded before turn boundaries were kept; "
+                f"it cannot be replaced (to {what} it: continue the session, or fork it)"
+            )
+        return rec.turn_end(rec.turns - 1)
+
+    async def begin_op(self, owner: str, session_id: str) -> Turn:
+        """``begin_turn`` for an operation on an existing session (rewind, regenerate,
+        edit): SessionNotFound when it does not exist."""
+        try:
+            return await self.begin_turn(owner, session_id, require_existing=True)
+        except SessionNotFound:
+            raise SessionNotFound(f"session {session_id!r} not found") from None
+
+    async def rewind(
+        self, owner: str, session_id: str, turns: int, *, expected_turns: int | None = None
+    ) -> tuple[SessionRecord, SessionRecord]:
+        """Drop the last ``turns`` completed turns (under the turn lock, so it excludes a
+        turn in flight on any replica). Returns the records before and after. The KV
+        blocks of the dropped turns are left cached (content-addressed: a re-ask finds them).
+
+        Raises InvalidSessionId, BadTurnCount, SessionNotFound, SessionBusy, TurnsChanged,
+        TurnUnavailable (the turns predate turn boundaries), SessionConflict."""
+        check_session_id(session_id)
+        if turns < 1:
+            raise BadTurnCount(f"turns must be at least 1, got {turns}")
+        turn = await self.begin_op(owner, session_id)
+        try:
+            rec = turn.record
+            self.check_expected_turns(rec, expected_turns)
+            if turns > rec.turns:
+                raise BadTurnCount(
+                    f"session {session_id!r} has {rec.turns} completed turns; cannot rewind {turns}"
+                )
+            keep = rec.turns - turns
+            if keep < rec.untracked_turns:
+                raise TurnUnavailable(
+                    f"session {session_id!r}: its first {rec.untracked_turns} turns were recorded before turn "
+                    f"boundaries were kept; at most {rec.turns - rec.untracked_turns} turns can be rewound"
+                )
+            end = rec.turn_end(keep)
+            new = copy_record(
+                rec, token_ids=rec.token_ids[:end], turns=keep, turn_log=rec.turn_log[: keep - rec.untracked_turns],
+                last_used_at=self._clock(), etag=new_etag(),
+            )  # fmt: skip
+            before = copy_record(rec)
+            return before, await self._commit(turn, new)
+        finally:
+            await self.end_turn(turn)
+
+    async def fork(
+        self, owner: str, session_id: str, new_session_id: str, at_turn: int | None = None
+    ) -> SessionRecord:
+        """A new session ``new_session_id`` of the same owner whose transcript is
+        ``session_id``'s up to the end of turn ``at_turn`` (None: all of it), with the
+        same cache salt: its prompts hash to the same blocks, so no KV is copied. The
+        source's last committed version is read (a turn in flight there does not block
+        a fork); the new session counts toward ``max_sessions_per_owner``.
+
+        Raises InvalidSessionId, SessionNotFound, SessionExists, BadTurnCount,
+        TurnUnavailable, SessionLimit."""
+        check_session_id(session_id)
+        check_session_id(new_session_id, "new_session_id")
+        src = await self.store.get(owner, session_id)
+        if src is None:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        at = src.turns if at_turn is None else at_turn
+        if at > src.turns:
+            raise BadTurnCount(f"at_turn is {at} but session {session_id!r} has {src.turns} completed turns")
+        if at < src.untracked_turns:
+            raise TurnUnavailable(
+                f"session {session_id!r}: its first {src.untracked_turns} turns were recorded before turn "
+                f"boundaries were kept; fork at turn {src.untracked_turns} or later"
+            )
+        exists = SessionExists(f"session {new_session_id!r} already exists; pick another new_session_id")
+        if self.in_flight_here(owner, new_session_id):
+            raise exists
+        now = self._clock()
+        child = SessionRecord(
+            session_id=new_session_id, owner=owner, token_ids=src.token_ids[: src.turn_end(at)], created_at=now,
+            last_used_at=now, turns=at, cache_salt=src.cache_salt, etag=new_etag(),
+            turn_log=src.turn_log[: at - src.untracked_turns],
+        )  # fmt: skip
+        async with self._create_lock:
+            if await self.store.get(owner, new_session_id) is not None:
+                raise exists
+            await self._check_room(owner)
+            outcome = await self.store.put_if(child, Expect(frozenset(), absent_ok=True))
+        if outcome == CONFLICT:
+            raise exists
+        self._note(outcome, child, "when it was forked")
+        return child
 
     async def end_turn(self, turn: Turn) -> None:
         """Release the lock. Without a commit the transcript stays as before the turn
