@@ -8,6 +8,12 @@
         reply = client.chat("my-session", "Hello!")          # a Completion
         print(reply.text, reply.start.cached_tokens)
 
+Session operations: ``regenerate(session_id)`` replaces the last answer (same input, new
+sampling), ``edit(session_id, message)`` replaces the last message and answers it,
+``rewind_session(session_id, turns)`` drops the last turns, ``fork_session(session_id,
+new_session_id, at_turn=None)`` branches a conversation; ``get_session(...,
+include_turns=True)`` lists the turn boundaries (``SessionInfo.turn_log``).
+
 A stream yields ``StreamStart``, then ``TextDelta``s, then ``StreamEnd``. Stop it early
 with ``stream.cancel()`` (sync or async) or by cancelling the task iterating it
 (async); the server stops generating within one engine step. ``timeout`` (seconds)
@@ -40,6 +46,11 @@ _TIERS = {
     pb.CACHE_TIER_DEVICE: "device",
     pb.CACHE_TIER_HOST: "host",
     pb.CACHE_TIER_REDIS: "redis",
+}
+_TURN_MODES = {
+    "append": pb.TURN_MODE_APPEND,
+    "regenerate": pb.TURN_MODE_REGENERATE,
+    "edit": pb.TURN_MODE_EDIT,
 }
 _FINISH = {
     pb.FINISH_REASON_UNSPECIFIED: "unspecified",
@@ -135,6 +146,20 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class SessionTurn:
+    """One completed turn's place in the transcript: ``token_ids[start_token :
+    start_token + input_tokens]`` is its input, the next ``output_tokens`` its output."""
+
+    index: int  # from 0
+    start_token: int
+    input_tokens: int
+    output_tokens: int
+    finish_reason: str  # "stop" | "length"
+    started_at: float  # unix seconds
+    ended_at: float
+
+
+@dataclass(frozen=True)
 class SessionInfo:
     session_id: str
     token_count: int
@@ -145,6 +170,7 @@ class SessionInfo:
     cached_blocks: dict[str, int]  # full blocks per tier
     full_blocks: int
     token_ids: list[int] | None  # only when asked for
+    turn_log: list[SessionTurn] | None = None  # only when asked for (turns recorded before boundaries were kept are left out)
 
 
 @dataclass(frozen=True)
@@ -208,20 +234,36 @@ def build_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     require_existing_session: bool = False,
+    turn_mode: str = "append",
+    expected_turns: int | None = None,
 ) -> pb.GenerateRequest:
-    """A ``GenerateRequest`` from keyword arguments; exactly one input must be given.
+    """A ``GenerateRequest`` from keyword arguments; exactly one input must be given,
+    none with ``turn_mode="regenerate"``.
 
     Unset sampling fields (None) take the server's defaults (greedy).
     ``require_existing_session``: NOT_FOUND unless ``session_id`` names an existing
-    session, instead of starting it over (for follow-up turns).
+    session, instead of starting it over (for follow-up turns). ``turn_mode``:
+    "append" (a new turn), "regenerate" (the last turn's answer again, replacing it) or
+    "edit" (this input replaces the last turn's, answered anew). ``expected_turns``: run
+    only if the session has exactly that many turns (else FAILED_PRECONDITION).
     """
+    if turn_mode not in _TURN_MODES:
+        raise ValueError(f"turn_mode must be one of {', '.join(_TURN_MODES)}, got {turn_mode!r}")
     given = [name for name, v in (("text", text), ("messages", messages), ("token_ids", token_ids)) if v is not None]
-    if len(given) != 1:
+    if turn_mode == "regenerate":
+        if given:
+            raise ValueError(f"turn_mode='regenerate' takes no input (got {', '.join(given)})")
+    elif len(given) != 1:
         raise ValueError(f"give exactly one of text, messages, token_ids (got {', '.join(given) or 'none'})")
     req = pb.GenerateRequest(
-        session_id=session_id or "", cache_salt=cache_salt, require_existing_session=require_existing_session
-    )
-    if text is not None:
+        session_id=session_id or "", cache_salt=cache_salt, require_existing_session=require_existing_session,
+        turn_mode=_TURN_MODES[turn_mode],
+    )  # fmt: skip
+    if expected_turns is not None:
+        req.expected_turns = expected_turns
+    if turn_mode == "regenerate":
+        pass
+    elif text is not None:
         req.text = text
     elif messages is not None:
         chat = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
@@ -251,6 +293,23 @@ def build_request(
 
 def _seconds(d: Any) -> float:
     return d.seconds + d.nanos * 1e-9
+
+
+_stamp = _seconds  # a Timestamp's unix seconds
+
+
+def rewind_request(session_id: str, turns: int, expected_turns: int | None) -> pb.RewindSessionRequest:
+    req = pb.RewindSessionRequest(session_id=session_id, turns=turns)
+    if expected_turns is not None:
+        req.expected_turns = expected_turns
+    return req
+
+
+def fork_request(session_id: str, new_session_id: str, at_turn: int | None) -> pb.ForkSessionRequest:
+    req = pb.ForkSessionRequest(session_id=session_id, new_session_id=new_session_id)
+    if at_turn is not None:
+        req.at_turn = at_turn
+    return req
 
 
 def event_from_pb(resp: pb.GenerateResponse) -> Event:
@@ -293,13 +352,18 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
     raise KVServeError(grpc.StatusCode.UNKNOWN, f"unknown stream event {kind!r}")
 
 
-def session_from_pb(s: pb.Session, with_tokens: bool = False) -> SessionInfo:
+def session_from_pb(s: pb.Session, with_tokens: bool = False, with_turns: bool = False) -> SessionInfo:
     return SessionInfo(
+        turn_log=[
+            SessionTurn(t.index, t.start_token, t.input_tokens, t.output_tokens,
+                        _FINISH.get(t.finish_reason, "unspecified"), _stamp(t.start_time), _stamp(t.end_time))
+            for t in s.turn_log
+        ] if with_turns else None,  # fmt: skip
         session_id=s.session_id,
         token_count=s.token_count,
         turns=s.turns,
-        created_at=s.create_time.seconds + s.create_time.nanos * 1e-9,
-        last_used_at=s.last_use_time.seconds + s.last_use_time.nanos * 1e-9,
+        created_at=_stamp(s.create_time),
+        last_used_at=_stamp(s.last_use_time),
         busy=s.state == pb.SESSION_STATE_BUSY,
         cached_blocks={"device": s.cached_blocks.device, "host": s.cached_blocks.host, "redis": s.cached_blocks.redis},
         full_blocks=s.full_blocks,
@@ -419,12 +483,37 @@ class KVServeClient:
         return self.complete(messages=[{"role": role, "content": message}], session_id=session_id,
                              timeout=timeout, **sampling)  # fmt: skip
 
-    def get_session(self, session_id: str, *, include_token_ids: bool = False, timeout: float | None = None) -> SessionInfo:
-        resp = self._unary(
-            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout,
-            session_id,
-        )
-        return session_from_pb(resp.session, include_token_ids)
+    def regenerate(self, session_id: str, *, expected_turns: int | None = None, timeout: float | None = None,
+                   **sampling: Any) -> Completion:  # fmt: skip
+        """Answer the session's last message again (new sampling), replacing the last answer."""
+        return self.complete(session_id=session_id, turn_mode="regenerate", expected_turns=expected_turns,
+                             timeout=timeout, **sampling)  # fmt: skip
+
+    def edit(self, session_id: str, message: str, *, role: str = "user", expected_turns: int | None = None,
+             timeout: float | None = None, **sampling: Any) -> Completion:  # fmt: skip
+        """Replace the session's last message (and its answer) with ``message``, answered anew."""
+        return self.complete(messages=[{"role": role, "content": message}], session_id=session_id,
+                             turn_mode="edit", expected_turns=expected_turns, timeout=timeout, **sampling)  # fmt: skip
+
+    def rewind_session(self, session_id: str, turns: int = 1, *, expected_turns: int | None = None,
+                       timeout: float | None = None) -> tuple[SessionInfo, int]:  # fmt: skip
+        """Drop the last ``turns`` turns: (the session now, transcript tokens dropped)."""
+        resp = self._unary(self._stub.RewindSession, rewind_request(session_id, turns, expected_turns), timeout,
+                           session_id)  # fmt: skip
+        return session_from_pb(resp.session, with_turns=True), resp.dropped_tokens
+
+    def fork_session(self, session_id: str, new_session_id: str, *, at_turn: int | None = None,
+                     timeout: float | None = None) -> SessionInfo:  # fmt: skip
+        """A new session with ``session_id``'s first ``at_turn`` turns (None: all)."""
+        resp = self._unary(self._stub.ForkSession, fork_request(session_id, new_session_id, at_turn), timeout,
+                           session_id)  # fmt: skip
+        return session_from_pb(resp.session, with_turns=True)
+
+    def get_session(self, session_id: str, *, include_token_ids: bool = False, include_turns: bool = False,
+                    timeout: float | None = None) -> SessionInfo:  # fmt: skip
+        req = pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids, include_turns=include_turns)
+        resp = self._unary(self._stub.GetSession, req, timeout, session_id)
+        return session_from_pb(resp.session, include_token_ids, include_turns)
 
     def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
         self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)
@@ -549,13 +638,34 @@ class AsyncKVServeClient:
         return await self.complete(messages=[{"role": role, "content": message}], session_id=session_id,
                                    timeout=timeout, **sampling)  # fmt: skip
 
-    async def get_session(self, session_id: str, *, include_token_ids: bool = False,
+    async def regenerate(self, session_id: str, *, expected_turns: int | None = None, timeout: float | None = None,
+                         **sampling: Any) -> Completion:  # fmt: skip
+        return await self.complete(session_id=session_id, turn_mode="regenerate", expected_turns=expected_turns,
+                                   timeout=timeout, **sampling)  # fmt: skip
+
+    async def edit(self, session_id: str, message: str, *, role: str = "user", expected_turns: int | None = None,
+                   timeout: float | None = None, **sampling: Any) -> Completion:  # fmt: skip
+        return await self.complete(messages=[{"role": role, "content": message}], session_id=session_id,
+                                   turn_mode="edit", expected_turns=expected_turns, timeout=timeout,
+                                   **sampling)  # fmt: skip
+
+    async def rewind_session(self, session_id: str, turns: int = 1, *, expected_turns: int | None = None,
+                             timeout: float | None = None) -> tuple[SessionInfo, int]:  # fmt: skip
+        resp = await self._unary(self._stub.RewindSession, rewind_request(session_id, turns, expected_turns), timeout,
+                                 session_id)  # fmt: skip
+        return session_from_pb(resp.session, with_turns=True), resp.dropped_tokens
+
+    async def fork_session(self, session_id: str, new_session_id: str, *, at_turn: int | None = None,
+                           timeout: float | None = None) -> SessionInfo:  # fmt: skip
+        resp = await self._unary(self._stub.ForkSession, fork_request(session_id, new_session_id, at_turn), timeout,
+                                 session_id)  # fmt: skip
+        return session_from_pb(resp.session, with_turns=True)
+
+    async def get_session(self, session_id: str, *, include_token_ids: bool = False, include_turns: bool = False,
                           timeout: float | None = None) -> SessionInfo:  # fmt: skip
-        resp = await self._unary(
-            self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids), timeout,
-            session_id,
-        )
-        return session_from_pb(resp.session, include_token_ids)
+        req = pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids, include_turns=include_turns)
+        resp = await self._unary(self._stub.GetSession, req, timeout, session_id)
+        return session_from_pb(resp.session, include_token_ids, include_turns)
 
     async def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
         await self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)

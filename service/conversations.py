@@ -13,6 +13,20 @@ engine's events, commits the turn before the last event leaves (so the client's 
 turn never finds the session busy) and tells the spill scheduler the session went idle.
 A turn that fails or is cancelled leaves the transcript as it was.
 
+A session turn appends (``TurnMode.APPEND``) or replaces the last completed turn:
+``REGENERATE`` generates again from that turn's input (the request has no input),
+``EDIT`` uses the request's input instead of it. Both take the turn lock like any
+turn (a racing turn, on this replica or another, gets ``SessionBusy``), build the
+prompt from the transcript as it was before that turn (every earlier block is found
+in the cache, and for a regenerate the input's blocks too) and commit with
+``replace_last``; one that does not complete leaves the old turn in place.
+``expected_turns`` makes any session turn conditional on the session's turn count.
+
+``rewind`` and ``fork`` are the session operations over the table
+(``SessionManager.rewind`` / ``fork``), telling the spill scheduler about the new
+transcript. Neither touches KV: blocks are content-addressed, so a rewound turn's
+blocks stay cached for a re-ask and a fork's prompts hash to its source's blocks.
+
 ``forget(rec)`` stops a removed session's KV blocks from being found (DeleteSession
 and the reaper call it); ``block_locations(owner, rec)`` says which tiers hold them.
 
@@ -51,6 +65,7 @@ from service.types import (
     Started,
     Tier,
     TurnInput,
+    TurnMode,
 )
 from service.validation import (
     Limits,
@@ -60,6 +75,7 @@ from service.validation import (
     check_salt,
     check_sampling,
     check_stop_lists,
+    check_turn_options,
     check_vocabulary,
 )
 
@@ -123,16 +139,26 @@ class Conversations:
         self.check_sampling(inp.sampling)
         check_salt(inp.cache_salt, self.limits)
         session_id = inp.session_id
-        if inp.require_existing_session and not session_id:
-            raise InvalidRequest("require_existing_session needs a session_id")
+        mode = inp.mode
+        check_turn_options(inp)
         turn: Turn | None = None
-        if session_id:
+        if session_id and mode is TurnMode.APPEND:
             turn = await self.sessions.begin_turn(owner, session_id, require_existing=inp.require_existing_session)
+        elif session_id:
+            turn = await self.sessions.begin_op(owner, session_id)
         finished = False
         try:
             transcript = turn.record.token_ids if turn else []
+            if turn is not None:
+                self.sessions.check_expected_turns(turn.record, inp.expected_turns)
+                if mode is not TurnMode.APPEND:  # the transcript as it was before the last turn
+                    transcript = transcript[: self.sessions.last_turn_start(turn.record, mode.value)]
             await self._check_input_size(inp, transcript)
-            if inp.kind == "tokens":
+            if mode is TurnMode.REGENERATE:  # the last turn's own input tokens
+                assert turn is not None
+                rec = turn.record
+                new_tokens = rec.token_ids[len(transcript) : len(transcript) + rec.turn_log[-1].input_tokens]
+            elif inp.kind == "tokens":
                 new_tokens = self._input_tokens(inp, transcript)
             else:  # tokenizing a long text takes a while: never on the event loop
                 new_tokens = await asyncio.to_thread(self._input_tokens, inp, transcript)
@@ -165,8 +191,9 @@ class Conversations:
                         if turn is not None:
                             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                                 rec = await self.sessions.commit_turn(
-                                    turn, prompt, event.output_token_ids, cache_salt=inp.cache_salt
-                                )
+                                    turn, prompt, event.output_token_ids, cache_salt=inp.cache_salt,
+                                    finish_reason=event.finish_reason.value, replace_last=mode is not TurnMode.APPEND,
+                                )  # fmt: skip
                                 if self.spill is not None:
                                     self.spill.touch(owner, session_id, rec.token_ids, scope)
                             await self.sessions.end_turn(turn)
@@ -180,6 +207,26 @@ class Conversations:
         finally:
             if turn is not None:  # cancelled or failed: the transcript stays as before the turn
                 await asyncio.shield(self.sessions.end_turn(turn))
+
+    # ------------------------------------------------------------------ session operations
+
+    async def rewind(
+        self, owner: str, session_id: str, turns: int, expected_turns: int | None = None
+    ) -> tuple[SessionRecord, int]:
+        """Drop the last ``turns`` turns; returns the new record and the tokens dropped.
+        The dropped turns' KV stays cached (a re-ask restores it)."""
+        before, after = await self.sessions.rewind(owner, session_id, turns, expected_turns=expected_turns)
+        if self.spill is not None and after.token_ids:
+            self.spill.touch(owner, session_id, after.token_ids, self.cache_scope(owner, after.cache_salt))
+        return after, len(before.token_ids) - len(after.token_ids)
+
+    async def fork(self, owner: str, session_id: str, new_session_id: str, at_turn: int | None) -> SessionRecord:
+        """A new session sharing ``session_id``'s transcript up to turn ``at_turn``; no KV
+        is copied (same namespace, same tokens: the same block keys)."""
+        rec = await self.sessions.fork(owner, session_id, new_session_id, at_turn)
+        if self.spill is not None and rec.token_ids:
+            self.spill.touch(owner, new_session_id, rec.token_ids, self.cache_scope(owner, rec.cache_salt))
+        return rec
 
     def _observe_start(self, ev: Started) -> None:
         self.metrics.prompt_tokens.inc(ev.prompt_tokens)

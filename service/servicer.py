@@ -1,8 +1,8 @@
 """The gRPC servicer: translates, nothing more.
 
 Each RPC turns its request into domain terms (``service.wire``), hands it to the
-conversation (``service.conversations``: Generate) or the session table (Get, Delete,
-List), and turns the result or the error back into messages and a status
+conversation (``service.conversations``: Generate, Rewind, Fork) or the session table
+(Get, Delete, List), and turns the result or the error back into messages and a status
 (``wire.status_of``: the status table is in ``service/wire.py``; every limit's message
 names the limit and its value). What stays here is what is gRPC's: the caller's tenant
 (``tenant_of``), per-method request counters, and request bytes that do not parse
@@ -147,7 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             where = await self.conversations.block_locations(owner, rec)
             block_size = self.engine.model_info.block_size
             return pb.GetSessionResponse(
-                session=wire.session(rec, busy, block_size, request.include_token_ids, where)
+                session=wire.session(rec, busy, block_size, request.include_token_ids, where, request.include_turns)
             )
 
         return await self._unary("GetSession", request, context, handle)
@@ -180,6 +180,34 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             )
 
         return await self._unary("ListSessions", request, context, handle)
+
+    async def RewindSession(
+        self, request: pb.RewindSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RewindSessionResponse:
+        async def handle() -> pb.RewindSessionResponse:
+            owner = self._tenant_of(context)
+            expected = request.expected_turns if request.HasField("expected_turns") else None
+            rec, dropped = await self.conversations.rewind(owner, request.session_id, request.turns, expected)
+            where = await self.conversations.block_locations(owner, rec)
+            block_size = self.engine.model_info.block_size
+            return pb.RewindSessionResponse(
+                session=wire.session(rec, False, block_size, where=where, include_turns=True), dropped_tokens=dropped
+            )
+
+        return await self._unary("RewindSession", request, context, handle)
+
+    async def ForkSession(
+        self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForkSessionResponse:
+        async def handle() -> pb.ForkSessionResponse:
+            owner = self._tenant_of(context)
+            at_turn = request.at_turn if request.HasField("at_turn") else None
+            rec = await self.conversations.fork(owner, request.session_id, request.new_session_id, at_turn)
+            where = await self.conversations.block_locations(owner, rec)
+            block_size = self.engine.model_info.block_size
+            return pb.ForkSessionResponse(session=wire.session(rec, False, block_size, where=where, include_turns=True))
+
+        return await self._unary("ForkSession", request, context, handle)
 
     # ------------------------------------------------------------------ model info
 

@@ -47,6 +47,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # internal error; the message is in Finished.error
 
 
+class TurnMode(str, enum.Enum):
+    """What a session turn does to the transcript."""
+
+    APPEND = "append"  # a new turn: input and output appended
+    REGENERATE = "regenerate"  # the last turn's output generated again from its input, replacing it
+    EDIT = "edit"  # the new input replaces the last turn's input; the output is generated anew
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token. ``temperature == 0`` means greedy."""
@@ -241,6 +249,8 @@ class TurnInput:
     session_id: str = ""
     require_existing_session: bool = False
     cache_salt: str = ""
+    mode: TurnMode = TurnMode.APPEND  # with session_id
+    expected_turns: int | None = None  # with session_id: the turn runs only if the session has this many
 
     @property
     def kind(self) -> str | None:

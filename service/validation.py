@@ -3,7 +3,8 @@
 Two callers, one set of messages:
 
 - the front (``Conversations.run_turn``) checks a turn's input before the turn starts:
-  ``check_sampling`` and ``check_stop_lists``, ``check_salt``, ``check_input_size``
+  ``check_sampling`` and ``check_stop_lists``, ``check_salt``, ``check_turn_options``
+  (the session options: require_existing_session, turn_mode, expected_turns), ``check_input_size``
   (text that cannot fit, before it is tokenized), ``check_vocabulary`` on input token
   ids, ``check_prompt_limit`` and ``check_context`` (which also fits an unset
   ``max_new_tokens`` to the context left);
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from service.types import GenerationRequest, InvalidRequest, SamplingParams
+from service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,23 @@ def check_stop_lists(params: SamplingParams, limits: Limits) -> None:
 def check_salt(salt: str, limits: Limits) -> None:
     if len(salt) > limits.max_cache_salt_chars:
         raise InvalidRequest(f"cache_salt has {len(salt)} characters; the limit is {limits.max_cache_salt_chars}")
+
+
+def check_turn_options(inp: TurnInput) -> None:
+    """The session options of a turn that need no session to check: they need a
+    session_id, and a regenerate takes no input."""
+    if not inp.session_id:
+        if inp.require_existing_session:
+            raise InvalidRequest("require_existing_session needs a session_id")
+        if inp.mode is not TurnMode.APPEND:
+            raise InvalidRequest(f"turn_mode {inp.mode.name} needs a session_id")
+        if inp.expected_turns is not None:
+            raise InvalidRequest("expected_turns needs a session_id")
+    if inp.mode is TurnMode.REGENERATE and inp.kind is not None:
+        raise InvalidRequest(
+            f"turn_mode REGENERATE takes no input (it reuses the last turn's), got {inp.kind}; "
+            f"use TURN_MODE_EDIT to replace the input"
+        )
 
 
 def check_input_size(

@@ -11,12 +11,18 @@ the vocabulary, bad sampling field, prompt or
 session turn longer than the context or than
 max_prompt_tokens, bad id, salt or stop list
 no or invalid API key (when keys are set)        UNAUTHENTICATED
-unknown session (Get/Delete), or another         NOT_FOUND
-tenant's; require_existing_session and the
-session does not exist
+turns to rewind or at_turn outside the          INVALID_ARGUMENT
+session's turns; an input with regenerate
+unknown session (Get/Delete/Rewind/Fork, a       NOT_FOUND
+regenerate or edit), or another tenant's;
+require_existing_session and the session does
+not exist
+fork to a session id that exists                 ALREADY_EXISTS
 session has a turn in flight; another replica    FAILED_PRECONDITION
 wrote the session while this turn ran (the
-turn is not recorded)
+turn is not recorded); expected_turns differs;
+no completed turn to regenerate or edit, or
+turns recorded before turn boundaries were kept
 engine queue full, too many streams (in all or   RESOURCE_EXHAUSTED
 for the tenant), too many sessions for the
 tenant, message too large (gRPC itself)
@@ -42,12 +48,16 @@ from clients._proto.kvserve.v1 import generation_pb2 as pb
 from service.admission import Draining, TooManyStreams
 from service.auth import Unauthenticated
 from service.sessions import (
+    BadTurnCount,
     InvalidSessionId,
     SessionBusy,
     SessionConflict,
+    SessionExists,
     SessionLimit,
     SessionNotFound,
     SessionRecord,
+    TurnsChanged,
+    TurnUnavailable,
 )
 from service.types import (
     ChatMessage,
@@ -63,6 +73,7 @@ from service.types import (
     Started,
     Tier,
     TurnInput,
+    TurnMode,
 )
 
 log = logging.getLogger(__name__)
@@ -79,6 +90,12 @@ FINISH_TO_PB: Mapping[FinishReason, int] = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+TURN_MODE_FROM_PB: Mapping[int, TurnMode] = {
+    pb.TURN_MODE_UNSPECIFIED: TurnMode.APPEND,
+    pb.TURN_MODE_APPEND: TurnMode.APPEND,
+    pb.TURN_MODE_REGENERATE: TurnMode.REGENERATE,
+    pb.TURN_MODE_EDIT: TurnMode.EDIT,
 }
 
 
@@ -97,9 +114,13 @@ class RpcStatus(Exception):
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidSessionId, grpc.StatusCode.INVALID_ARGUMENT),
+    (BadTurnCount, grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
     (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
     (SessionConflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (TurnsChanged, grpc.StatusCode.FAILED_PRECONDITION),
+    (TurnUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (SessionLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -231,7 +252,17 @@ def turn_input(request: pb.GenerateRequest, default_max_new_tokens: int) -> Turn
         session_id=request.session_id,
         require_existing_session=request.require_existing_session,
         cache_salt=request.cache_salt,
+        mode=turn_mode(request.turn_mode),
+        expected_turns=request.expected_turns if request.HasField("expected_turns") else None,
     )
+
+
+def turn_mode(value: int) -> TurnMode:
+    """The domain turn mode; InvalidRequest for a number this server does not know."""
+    mode = TURN_MODE_FROM_PB.get(value)
+    if mode is None:
+        raise InvalidRequest(f"turn_mode {value} is not a known TurnMode")
+    return mode
 
 
 # ----------------------------------------------------------------------------- responses
@@ -298,16 +329,31 @@ def final_event(ev: Finished) -> pb.FinalEvent:
     )
 
 
+def turn_log(rec: SessionRecord) -> list[pb.SessionTurn]:
+    out = []
+    index, start = rec.untracked_turns, rec.untracked_tokens
+    for t in rec.turn_log:
+        out.append(pb.SessionTurn(
+            index=index, start_token=start, input_tokens=t.input_tokens, output_tokens=t.output_tokens,
+            finish_reason=FINISH_TO_PB[FinishReason(t.finish_reason)], start_time=timestamp(t.started_at),
+            end_time=timestamp(t.ended_at),
+        ))  # fmt: skip
+        index, start = index + 1, start + t.tokens
+    return out
+
+
 def session(
     rec: SessionRecord,
     busy: bool,
     block_size: int,
     include_tokens: bool = False,
     where: Mapping[Tier, int] | None = None,
+    include_turns: bool = False,
 ) -> pb.Session:
     """``where``: how many of the transcript's full blocks each tier holds (GetSession
     asks the engine and the store; listings leave it empty)."""
     return pb.Session(
+        turn_log=turn_log(rec) if include_turns else (),
         session_id=rec.session_id,
         token_count=len(rec.token_ids),
         turns=rec.turns,

@@ -58,7 +58,8 @@ def test_reflection_lists_the_services_and_describes_the_api(server):
         api = next(f for f in files if f.package == "kvserve.v1")
         service = next(s for s in api.service if s.name == "GenerationService")
         methods = {m.name: m for m in service.method}
-        assert set(methods) == {"Generate", "GetSession", "DeleteSession", "ListSessions", "GetModelInfo"}
+        assert set(methods) == {"Generate", "GetSession", "DeleteSession", "ListSessions", "RewindSession", "ForkSession",
+                                "GetModelInfo"}
         assert methods["Generate"].server_streaming and not methods["GetSession"].server_streaming
 
 

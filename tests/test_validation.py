@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.types import GenerationRequest, InvalidRequest, SamplingParams
+from service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
 from service.validation import (
     Limits,
     check_context,
@@ -17,6 +17,7 @@ from service.validation import (
     check_salt,
     check_sampling,
     check_stop_lists,
+    check_turn_options,
     check_vocabulary,
 )
 
@@ -104,3 +105,16 @@ def test_the_engine_guard_uses_the_same_checks() -> None:
     assert message(gen, [1] * 64) == message(check_context, 0, 64, 64)
     assert message(gen, [1] * 40, max_new_tokens=20) == message(check_kv_capacity, 40, 20, 64, 16, 3)
     gen([1] * 40, max_new_tokens=8)
+
+
+def test_turn_options() -> None:
+    check_turn_options(TurnInput(text="x"))
+    check_turn_options(TurnInput(session_id="s", mode=TurnMode.REGENERATE, expected_turns=2))
+    assert message(check_turn_options, TurnInput(text="x", require_existing_session=True)) == (
+        "require_existing_session needs a session_id"
+    )
+    assert message(check_turn_options, TurnInput(text="x", mode=TurnMode.EDIT)) == "turn_mode EDIT needs a session_id"
+    assert message(check_turn_options, TurnInput(text="x", expected_turns=0)) == "expected_turns needs a session_id"
+    assert message(check_turn_options, TurnInput(session_id="s", text="x", mode=TurnMode.REGENERATE)) == (
+        "turn_mode REGENERATE takes no input (it reuses the last turn's), got text; use TURN_MODE_EDIT to replace the input"
+    )

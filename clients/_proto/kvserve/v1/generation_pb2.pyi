@@ -31,6 +31,13 @@ class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
     SESSION_STATE_IDLE: _ClassVar[SessionState]
     SESSION_STATE_BUSY: _ClassVar[SessionState]
+
+class TurnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_MODE_UNSPECIFIED: _ClassVar[TurnMode]
+    TURN_MODE_APPEND: _ClassVar[TurnMode]
+    TURN_MODE_REGENERATE: _ClassVar[TurnMode]
+    TURN_MODE_EDIT: _ClassVar[TurnMode]
 CACHE_TIER_UNSPECIFIED: CacheTier
 CACHE_TIER_NONE: CacheTier
 CACHE_TIER_DEVICE: CacheTier
@@ -43,6 +50,10 @@ FINISH_REASON_CANCELLED: FinishReason
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_IDLE: SessionState
 SESSION_STATE_BUSY: SessionState
+TURN_MODE_UNSPECIFIED: TurnMode
+TURN_MODE_APPEND: TurnMode
+TURN_MODE_REGENERATE: TurnMode
+TURN_MODE_EDIT: TurnMode
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -126,7 +137,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "session_id", "sampling", "cache_salt", "require_existing_session")
+    __slots__ = ("text", "chat", "tokens", "session_id", "sampling", "cache_salt", "require_existing_session", "turn_mode", "expected_turns")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +145,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_EXISTING_SESSION_FIELD_NUMBER: _ClassVar[int]
+    TURN_MODE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TURNS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     tokens: TokenIds
@@ -141,7 +154,9 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     cache_salt: str
     require_existing_session: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., require_existing_session: _Optional[bool] = ...) -> None: ...
+    turn_mode: TurnMode
+    expected_turns: int
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., require_existing_session: _Optional[bool] = ..., turn_mode: _Optional[_Union[TurnMode, str]] = ..., expected_turns: _Optional[int] = ...) -> None: ...
 
 class TierCounts(_message.Message):
     __slots__ = ("device", "host", "redis")
@@ -228,7 +243,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, start: _Optional[_Union[StartEvent, _Mapping]] = ..., delta: _Optional[_Union[DeltaEvent, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "token_count", "turns", "create_time", "last_use_time", "state", "cached_blocks", "full_blocks", "token_ids")
+    __slots__ = ("session_id", "token_count", "turns", "create_time", "last_use_time", "state", "cached_blocks", "full_blocks", "token_ids", "turn_log")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +253,7 @@ class Session(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TURN_LOG_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_count: int
     turns: int
@@ -247,15 +263,36 @@ class Session(_message.Message):
     cached_blocks: TierCounts
     full_blocks: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., token_count: _Optional[int] = ..., turns: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_use_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[SessionState, str]] = ..., cached_blocks: _Optional[_Union[TierCounts, _Mapping]] = ..., full_blocks: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    turn_log: _containers.RepeatedCompositeFieldContainer[SessionTurn]
+    def __init__(self, session_id: _Optional[str] = ..., token_count: _Optional[int] = ..., turns: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_use_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[SessionState, str]] = ..., cached_blocks: _Optional[_Union[TierCounts, _Mapping]] = ..., full_blocks: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_log: _Optional[_Iterable[_Union[SessionTurn, _Mapping]]] = ...) -> None: ...
+
+class SessionTurn(_message.Message):
+    __slots__ = ("index", "start_token", "input_tokens", "output_tokens", "finish_reason", "start_time", "end_time")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    END_TIME_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    start_token: int
+    input_tokens: int
+    output_tokens: int
+    finish_reason: FinishReason
+    start_time: _timestamp_pb2.Timestamp
+    end_time: _timestamp_pb2.Timestamp
+    def __init__(self, index: _Optional[int] = ..., start_token: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
-    __slots__ = ("session_id", "include_token_ids")
+    __slots__ = ("session_id", "include_token_ids", "include_turns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TURNS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     include_token_ids: bool
-    def __init__(self, session_id: _Optional[str] = ..., include_token_ids: _Optional[bool] = ...) -> None: ...
+    include_turns: bool
+    def __init__(self, session_id: _Optional[str] = ..., include_token_ids: _Optional[bool] = ..., include_turns: _Optional[bool] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
     __slots__ = ("session",)
@@ -288,6 +325,40 @@ class ListSessionsResponse(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[Session]
     next_page_token: str
     def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class RewindSessionRequest(_message.Message):
+    __slots__ = ("session_id", "turns", "expected_turns")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    turns: int
+    expected_turns: int
+    def __init__(self, session_id: _Optional[str] = ..., turns: _Optional[int] = ..., expected_turns: _Optional[int] = ...) -> None: ...
+
+class RewindSessionResponse(_message.Message):
+    __slots__ = ("session", "dropped_tokens")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    dropped_tokens: int
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id", "new_session_id", "at_turn")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_TURN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    new_session_id: str
+    at_turn: int
+    def __init__(self, session_id: _Optional[str] = ..., new_session_id: _Optional[str] = ..., at_turn: _Optional[int] = ...) -> None: ...
+
+class ForkSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -55,6 +55,16 @@ class GenerationServiceStub:
                 request_serializer=kvserve_dot_v1_dot_generation__pb2.ListSessionsRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_generation__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
+        self.RewindSession = channel.unary_unary(
+                '/kvserve.v1.GenerationService/RewindSession',
+                request_serializer=kvserve_dot_v1_dot_generation__pb2.RewindSessionRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_generation__pb2.RewindSessionResponse.FromString,
+                _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/kvserve.v1.GenerationService/ForkSession',
+                request_serializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/kvserve.v1.GenerationService/GetModelInfo',
                 request_serializer=kvserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -101,6 +111,23 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RewindSession(self, request, context):
+        """RewindSession drops the last turns of a session (FAILED_PRECONDITION while
+        a turn is in flight). The KV blocks of the dropped turns stay cached, so
+        asking again restores them instead of recomputing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSession(self, request, context):
+        """ForkSession creates a session whose transcript is another session's up to
+        a turn. No KV is copied: both transcripts hash to the same blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """GetModelInfo describes the served model and the cache configuration.
         """
@@ -130,6 +157,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.ListSessions,
                     request_deserializer=kvserve_dot_v1_dot_generation__pb2.ListSessionsRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_generation__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'RewindSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.RewindSession,
+                    request_deserializer=kvserve_dot_v1_dot_generation__pb2.RewindSessionRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_generation__pb2.RewindSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -246,6 +283,60 @@ class GenerationService:
             '/kvserve.v1.GenerationService/ListSessions',
             kvserve_dot_v1_dot_generation__pb2.ListSessionsRequest.SerializeToString,
             kvserve_dot_v1_dot_generation__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RewindSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.GenerationService/RewindSession',
+            kvserve_dot_v1_dot_generation__pb2.RewindSessionRequest.SerializeToString,
+            kvserve_dot_v1_dot_generation__pb2.RewindSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.GenerationService/ForkSession',
+            kvserve_dot_v1_dot_generation__pb2.ForkSessionRequest.SerializeToString,
+            kvserve_dot_v1_dot_generation__pb2.ForkSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
