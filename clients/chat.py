@@ -7,8 +7,13 @@ generated, then a line with the cache and timing figures of the turn::
 
     [cached 48/61 prompt tokens (device) · ttft 12 ms · 35.2 tok/s]
 
-Commands: ``/reset`` deletes the session and starts a new one, ``/quit`` (or end of
-input) exits. ``--session NAME`` resumes that session (default: a new random id).
+Commands: ``/regenerate [TEMPERATURE]`` answers the last message again, replacing the
+last answer (at ``--temperature``, or 1.0 when the chat is greedy: a greedy answer
+would come out the same; a number after it sets the temperature), ``/edit MESSAGE``
+replaces the last message and answers it, ``/undo`` drops the last turn (its KV stays
+cached: asking again restores it), ``/fork NAME`` branches the conversation into a new
+session NAME and continues there, ``/reset`` deletes the session and starts a new one,
+``/quit`` (or end of input) exits. ``--session NAME`` resumes that session (default: a new random id).
 Works with stdin from a pipe (no prompt is printed when stdin is not a terminal).
 Ctrl-C during a reply cancels that turn (the session is left as before the turn).
 Follow-up turns demand the existing session: if the server no longer has its history
@@ -42,18 +47,20 @@ def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str
 
 
 def _turn(
-    client: KVServeClient, session: str, message: str, args: argparse.Namespace, out: TextIO, existing: bool = False
-) -> None:
+    client: KVServeClient, session: str, message: str | None, args: argparse.Namespace, out: TextIO,
+    existing: bool = False, turn_mode: str = "append", temperature: float | None = None,
+) -> None:  # fmt: skip
     sent = time.perf_counter()
     ttft: float | None = None
     start: StreamStart | None = None
     stream = client.generate(
-        messages=[{"role": "user", "content": message}],
+        messages=[{"role": "user", "content": message}] if message is not None else None,
         session_id=session,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        temperature=args.temperature if temperature is None else temperature,
         timeout=args.timeout,
-        require_existing_session=existing,
+        require_existing_session=existing and turn_mode == "append",
+        turn_mode=turn_mode,
     )
     try:
         for event in stream:
@@ -71,6 +78,42 @@ def _turn(
         stream.cancel()
         out.write("\n[cancelled]\n")
         out.flush()
+
+
+def _session_command(
+    client: KVServeClient, session: str, command: str, rest: str, args: argparse.Namespace, out: TextIO, err: TextIO
+) -> bool:
+    """``/regenerate``, ``/edit``, ``/undo`` or ``/fork``; False (the error printed) if it failed."""
+    try:
+        if command == "/regenerate":
+            try:
+                temperature = float(rest) if rest else (args.temperature or 1.0)
+            except ValueError:
+                err.write(f"[usage: /regenerate [TEMPERATURE], got {rest!r}]\n")
+                return False
+            _turn(client, session, None, args, out, turn_mode="regenerate", temperature=temperature)
+        elif command == "/edit":
+            if not rest:
+                err.write("[usage: /edit MESSAGE]\n")
+                return False
+            _turn(client, session, rest, args, out, turn_mode="edit")
+        elif command == "/undo":
+            info, dropped = client.rewind_session(session, 1)
+            out.write(f"[session {session}: undid the last turn ({dropped} tokens); {info.turns} turns, "
+                      f"{info.token_count} tokens]\n")  # fmt: skip
+        else:
+            if not rest:
+                err.write("[usage: /fork NAME]\n")
+                return False
+            info = client.fork_session(session, rest)
+            out.write(f"[session {rest}: forked from {session} at turn {info.turns}, {info.token_count} tokens "
+                      f"({info.cached_blocks['device']}/{info.full_blocks} blocks shared on the device)]\n")  # fmt: skip
+    except KVServeError as e:
+        err.write(f"[error {e.code.name}: {e.details}]\n")
+        err.flush()
+        return False
+    out.flush()
+    return True
 
 
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
@@ -117,6 +160,13 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 continue
             if message == "/quit":
                 break
+            command, _, rest = message.partition(" ")
+            rest = rest.strip()
+            if command in ("/regenerate", "/edit", "/undo", "/fork"):
+                last_failed = not _session_command(client, session, command, rest, args, out, err)
+                if command == "/fork" and not last_failed:
+                    session, has_history = rest, True
+                continue
             if message == "/reset":
                 try:
                     client.delete_session(session)

@@ -94,3 +94,23 @@ def test_a_session_whose_history_is_gone_is_said_so_and_started_over(server):
     assert len(STATS.findall(out)) == 1  # the second turn ran, as a new session
     with KVServeClient(server.address, timeout=60) as c:
         assert c.get_session("cli-gone").turns == 1
+
+
+def test_regenerate_edit_undo_and_fork(server):
+    script = "hello there\ntell me about the fox\n/regenerate 1.5\n/edit tell me about the dog\n/undo\n" \
+             "/fork cli-branch\nsomething else\n"  # fmt: skip
+    out = _chat(server.address, script, "--session", "cli-ops").stdout
+    assert len(STATS.findall(out)) == 5, out  # two turns, regenerate, edit, the branch's turn
+    assert re.search(r"\[session cli-ops: undid the last turn \(\d+ tokens\); 1 turns, \d+ tokens\]", out), out
+    m = re.search(r"\[session cli-branch: forked from cli-ops at turn 1, (\d+) tokens \((\d+)/(\d+) blocks shared", out)
+    assert m and m.group(2) == m.group(3), out
+    with KVServeClient(server.address) as client:
+        trunk = client.get_session("cli-ops", include_token_ids=True, include_turns=True)
+        branch = client.get_session("cli-branch", include_token_ids=True, include_turns=True)
+    assert trunk.turns == 1 and branch.turns == 2 and trunk.token_count == int(m.group(1))
+    assert branch.token_ids[: trunk.token_count] == trunk.token_ids
+    # a bad command says why on stderr and the exit status says it failed
+    bad = _chat(server.address, "/fork\n", "--session", "cli-ops", status=1, quiet=False)
+    assert "usage: /fork NAME" in bad.stderr
+    bad = _chat(server.address, "/fork cli-branch\n", "--session", "cli-ops", status=1, quiet=False)
+    assert "ALREADY_EXISTS" in bad.stderr

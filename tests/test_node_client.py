@@ -80,3 +80,27 @@ def test_node_client_reports_an_unreachable_server_with_its_grpc_status(node_cli
     )  # fmt: skip
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
+
+
+def test_node_client_regenerates_edits_undoes_and_forks(node_client, tiny_llama_dir):
+    session = f"node-ops-{uuid.uuid4().hex[:8]}"
+    with ServerThread(tiny_config(tiny_llama_dir)) as server:
+        result = subprocess.run(
+            [*node_client, "--address", server.address, "--session", session, "--max-new-tokens", "6",
+             "--message", "hello", "--message", "tell me about the fox", "--message", "/regenerate",
+             "--message", "/edit tell me about the dog", "--message", "/undo", "--message", f"/fork {session}-b",
+             "--message", "something else"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        out = result.stdout
+        assert "[turn 2] regenerate\n" in out and "[turn 2] user (edit): tell me about the dog\n" in out, out
+        undo = re.search(r"\[undo\] session=\S+ turns=1 token_count=(\d+) dropped_tokens=(\d+)", out)
+        fork = re.search(r"\[fork\] session=(\S+) from=\S+ turns=1 token_count=(\d+) shared_blocks=(\d+)/(\d+)", out)
+        assert undo and fork and fork.group(1) == f"{session}-b" and fork.group(2) == undo.group(1), out
+        assert fork.group(3) == fork.group(4), out  # every full block of the fork is the source's, on the device
+        assert "[turn 2] user: something else" in out, out
+        with KVServeClient(server.address, timeout=60) as client:
+            trunk = client.get_session(session, include_token_ids=True)
+            branch = client.get_session(f"{session}-b", include_token_ids=True, include_turns=True)
+        assert trunk.turns == 1 and branch.turns == 2 and branch.token_ids[: trunk.token_count] == trunk.token_ids

@@ -10,10 +10,18 @@
 //   node index.js --address localhost:50051 [--session ID] [--max-new-tokens N]
 //                 [--message TEXT]... [--timeout SECONDS]
 //
-// Each --message is one turn (default: two built-in turns). Output, per turn:
+// Each --message is one turn (default: two built-in turns), or a session operation:
+//   --message /regenerate     the last answer again (temperature 1.0), replacing it (Generate, TURN_MODE_REGENERATE)
+//   --message "/edit TEXT"    TEXT replaces the last message, answered anew (TURN_MODE_EDIT)
+//   --message /undo           drop the last turn (RewindSession, turns = 1)
+//   --message "/fork NAME"    branch into a new session NAME and continue there (ForkSession)
+// Output, per turn:
 //   [turn 1] user: Hello! ...
 //   [turn 1] assistant: <streamed text>
 //   [turn 1] session=created cached_tokens=0 prompt_tokens=21 cached_tier=none completion_tokens=32 finish_reason=length ...
+// and per operation one line, e.g.
+//   [undo] session=node-... turns=1 token_count=45 dropped_tokens=40
+//   [fork] session=branch from=node-... turns=2 token_count=85 shared_blocks=5/5
 // Exit status: 0 on success, 1 on a failed call (the gRPC status is printed), 2 on bad usage.
 'use strict';
 
@@ -91,26 +99,31 @@ const seconds = (d) => (d ? Number(d.seconds) + d.nanos / 1e9 : 0);
 // return the turn's figures from the StartEvent and FinalEvent. The turn's header is
 // printed when the server accepts it (its StartEvent), so a rejected turn prints only
 // its error.
-async function runTurn(client, opts, turn, message) {
+// mode: 'append' (a new turn), 'regenerate' (no message: the last answer again,
+// sampled at temperature 1.0) or 'edit' (the message replaces the last one).
+async function runTurn(client, opts, turn, message, mode = 'append') {
   const metadata = new grpc.Metadata();
   metadata.set(SESSION_METADATA_KEY, opts.session);
-  const call = client.Generate(
-    {
-      session_id: opts.session,
-      // follow-up turns: NOT_FOUND if the server no longer has the session's history
-      require_existing_session: turn > 1,
-      chat: { messages: [{ role: 'user', content: message }] },
-      sampling: { max_new_tokens: opts.maxNewTokens },
-    },
-    metadata,
-    { deadline: deadline(opts.timeoutS) },
-  );
+  const request = {
+    session_id: opts.session,
+    // follow-up turns: NOT_FOUND if the server no longer has the session's history
+    require_existing_session: turn > 1 && mode === 'append',
+    sampling: { max_new_tokens: opts.maxNewTokens },
+    turn_mode: `TURN_MODE_${mode.toUpperCase()}`,
+  };
+  if (mode === 'regenerate') {
+    request.sampling.temperature = 1.0;
+  } else {
+    request.chat = { messages: [{ role: 'user', content: message }] };
+  }
+  const call = client.Generate(request, metadata, { deadline: deadline(opts.timeoutS) });
   let start = null;
   let final = null;
   for await (const response of call) {
     if (response.event === 'start') {
       start = response.start;
-      process.stdout.write(`[turn ${turn}] user: ${message}\n[turn ${turn}] assistant: `);
+      const asked = mode === 'regenerate' ? 'regenerate' : `user${mode === 'edit' ? ' (edit)' : ''}: ${message}`;
+      process.stdout.write(`[turn ${turn}] ${asked}\n[turn ${turn}] assistant: `);
     } else if (response.event === 'delta') {
       process.stdout.write(response.delta.text);
     } else if (response.event === 'final') {
@@ -140,6 +153,43 @@ async function runTurn(client, opts, turn, message) {
   return figures;
 }
 
+function sessionMetadata(session) {
+  const metadata = new grpc.Metadata();
+  metadata.set(SESSION_METADATA_KEY, session);
+  return metadata;
+}
+
+function unaryInSession(client, method, request, opts) {
+  return new Promise((resolve, reject) => {
+    client[method](request, sessionMetadata(request.session_id), { deadline: deadline(opts.timeoutS) },
+      (err, response) => (err ? reject(err) : resolve(response)));
+  });
+}
+
+// /undo: drop the last turn; its KV blocks stay cached on the server.
+async function undo(client, opts) {
+  const { session, dropped_tokens: dropped } = await unaryInSession(
+    client, 'RewindSession', { session_id: opts.session, turns: 1 }, opts,
+  );
+  process.stdout.write(
+    `[undo] session=${session.session_id} turns=${session.turns} token_count=${session.token_count} dropped_tokens=${dropped}\n`,
+  );
+  return session.turns;
+}
+
+// /fork NAME: a new session with every turn of this one (no KV copied); continue there.
+async function fork(client, opts, name) {
+  const { session } = await unaryInSession(
+    client, 'ForkSession', { session_id: opts.session, new_session_id: name }, opts,
+  );
+  process.stdout.write(
+    `[fork] session=${session.session_id} from=${opts.session} turns=${session.turns} ` +
+      `token_count=${session.token_count} shared_blocks=${session.cached_blocks.device}/${session.full_blocks}\n`,
+  );
+  opts.session = name;
+  return session.turns;
+}
+
 async function main(argv) {
   let opts;
   try {
@@ -149,7 +199,7 @@ async function main(argv) {
     return 2;
   }
   if (opts.help) {
-    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT]... [--timeout SECONDS]\n');
+    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS]\n');
     return 0;
   }
   const GenerationService = loadService();
@@ -160,8 +210,22 @@ async function main(argv) {
       `session ${opts.session} on ${opts.address}: ${model.architecture} (${model.device}, ${model.dtype}, ` +
         `block size ${model.block_size}, tiers ${model.tiers.map(tierName).join('/')})\n`,
     );
-    for (const [i, message] of opts.messages.entries()) {
-      await runTurn(client, opts, i + 1, message);
+    let turns = 0; // completed turns of the current session
+    for (const message of opts.messages) {
+      const [command, ...rest] = message.split(' ');
+      const arg = rest.join(' ').trim();
+      if (command === '/regenerate') {
+        await runTurn(client, opts, turns, null, 'regenerate');
+      } else if (command === '/edit' && arg) {
+        await runTurn(client, opts, turns, arg, 'edit');
+      } else if (command === '/undo') {
+        turns = await undo(client, opts);
+      } else if (command === '/fork' && arg) {
+        turns = await fork(client, opts, arg);
+      } else {
+        turns += 1;
+        await runTurn(client, opts, turns, message);
+      }
     }
     return 0;
   } catch (err) {
