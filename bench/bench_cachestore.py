@@ -104,7 +104,7 @@ def bench_shape(name: str, dims: tuple[int, int, int], n: int, reps: int, url: s
     for r, b in zip(refs, src):
         host.put(r, b)
     outs = list(pool.unbind(0))
-    store_h = TieredStore(shape, torch.float32, host=host)
+    store_h = TieredStore([host])
     blobs = [codec.encode(ns, h, b) for h, b in zip(hashes, src)]
     value_bytes = len(blobs[0])
     n_sha = max(1, n // 8)
@@ -114,7 +114,7 @@ def bench_shape(name: str, dims: tuple[int, int, int], n: int, reps: int, url: s
     client.flushall()
     assert tier.put_many(refs, list(src)) == [True] * n
     keys = [tier.key(r) for r in refs]
-    store_r = TieredStore(shape, torch.float32, redis=tier)
+    store_r = TieredStore([tier])
 
     src_bytes = [b.reshape(-1).view(torch.uint8).numpy() for b in src]
     pool_bytes = [b.reshape(-1).view(torch.uint8).numpy() for b in pool]

@@ -38,7 +38,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, NamedTuple, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, NamedTuple, Sequence, TypeVar
 
 from cachestore.keys import BlockHash, Namespace
 
@@ -179,11 +179,45 @@ class Storage(ABC, Generic[T]):
 
 class BlockTier(Storage["torch.Tensor"]):
     """A tier whose values are KV blocks ``(L, 2, block_size, n_kv, head_dim)``, with
-    destination-passing reads (see the module docstring)."""
+    destination-passing reads (see the module docstring).
+
+    What the tiered store (``cachestore.tiered``) asks of a tier beyond the contract,
+    with the defaults of a remote tier (Redis) here and a memory tier (the host)
+    overriding them:
+
+    - ``writes_inline``: a put is a memcpy, done on the caller's thread (a demotion
+      into it); False: puts do I/O and go through the store's writer thread.
+    - ``batch_blocks``: how many blocks one batched call should carry.
+    - ``copy_out(ref, out)``: copy a block out to write it into another tier (a spill
+      of a block the caller no longer holds), counting no hit; False when the tier does
+      not hold it or cannot hand copies out cheaply (a remote tier: the store asks
+      ``contains_many`` instead).
+    - ``set_on_evict(fn)``: ``fn(ref, block)`` is called with a block the tier drops to
+      make room, before its space is reused (the store demotes it to the next tier);
+      a tier that evicts on its own without telling (Redis' maxmemory) ignores it.
+    - ``breaker_state``: ``OPEN`` while the tier refuses calls (demotions to it are
+      dropped, counted, instead of queued).
+    - ``close()``: release connections.
+    """
 
     block_shape: tuple[int, ...]
     dtype: torch.dtype
     block_nbytes: int  # bytes of one block in memory
+    writes_inline: bool = False
+    batch_blocks: int = 64
+
+    def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
+        return False
+
+    def set_on_evict(self, on_evict: Callable[[BlockRef, torch.Tensor], None] | None) -> None:
+        pass
+
+    @property
+    def breaker_state(self) -> str:
+        return CLOSED
+
+    def close(self) -> None:
+        pass
 
     def _init_block(self, block_shape: Sequence[int], dtype: torch.dtype) -> None:
         self.block_shape = tuple(int(d) for d in block_shape)

@@ -36,6 +36,7 @@ class HostTier(BlockTier):
     """LRU of blocks in host memory. See the module docstring and ``cachestore.base``."""
 
     name = Tier.HOST
+    writes_inline = True  # a put is a memcpy into the slab
 
     def __init__(
         self,

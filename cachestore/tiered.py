@@ -1,10 +1,14 @@
-"""The tiered store the engine talks to: host memory and Redis behind one object.
+"""The tiered store the engine talks to: an ordered list of block tiers behind one object.
 
-The engine keeps the device tier itself (its block pool); this store answers, for the
-blocks past the device hits, where each one is (``match_prefix``), loads them into
-device blocks (``fetch_into``), stores copies (``put`` / ``put_many`` synchronously,
-``submit_spill`` in the background), and says how fast each tier restores so the
-engine can skip a tier that would lose to recomputing (``estimated_restore_seconds``).
+The engine keeps the device tier itself (its block pool); this store holds the tiers
+below it, fastest first (as configured: host memory, then Redis; either alone). It
+answers, for the blocks past the device hits, where each one is (``match_prefix``),
+loads them into device blocks (``fetch_into``), stores copies (``put`` / ``put_many``
+synchronously, ``submit_spill`` in the background), takes the blocks the device evicts
+(``demote``), and says how fast each tier restores so the engine can skip a tier that
+would lose to recomputing (``estimated_restore_seconds``). Nothing outside this store
+needs to know which tiers exist: the engine demotes, restores and spills by this
+interface, whatever the list holds.
 
 Guarantees:
 
@@ -14,18 +18,21 @@ Guarantees:
   that fails ends the restore there and never counts, even if partly written.
 - Stored once: the same ``(namespace, block_hash)`` is one host slot and one Redis key
   whichever session made it; writing a block Redis already holds only refreshes its TTL.
-- Never blocks decoding: ``submit_spill`` and host->Redis demotion go through one
-  bounded queue drained by one writer thread; a full queue drops (counted) instead of
-  waiting. ``match_prefix`` / ``fetch_into`` / ``put`` do I/O and are meant for a worker
-  thread, not the decode loop.
-- Demotion: a block the host tier evicts is copied into one of ``demotion_buffers``
-  staging buffers at eviction time (the host slot is reused right after: a memcpy on the
-  evicting thread) and queued; the writer encodes it and Redis stores it only if it is
-  not there yet.
+- Never blocks decoding: ``submit_spill`` and demotions into a tier that does I/O go
+  through one bounded queue drained by one writer thread; a full queue drops (counted)
+  instead of waiting. ``match_prefix`` / ``fetch_into`` / ``put`` do I/O and are meant
+  for a worker thread, not the decode loop.
+- Demotion, down the list: ``demote`` puts a device-evicted block into the first tier,
+  and each tier's own evictions go on to the next one. A tier whose puts are a memcpy
+  (``BlockTier.writes_inline``: the host) is written on the evicting thread; into any
+  other (Redis) the block is copied into one of ``demotion_buffers`` staging buffers (the
+  source is reused right after: a memcpy on the evicting thread) and queued; the writer
+  encodes it and the tier stores it only if it is not there yet.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -37,13 +44,11 @@ import torch
 
 from cachestore.base import OPEN, BlockRef, BlockTier, Tier, TierStats
 from cachestore.codec import copy_block
-from cachestore.host import HostTier
 from cachestore.keys import BlockHash, Namespace
-from cachestore.redis import RedisTier
 
 log = logging.getLogger(__name__)
 
-TIER_NAMES = (Tier.HOST, Tier.REDIS)
+TIER_NAMES = tuple(t for t in Tier if t is not Tier.DEVICE)  # the tiers a store may hold
 
 # Optimistic until measured, so that a tier is tried (and measured) at least once.
 DEFAULT_RESTORE_RATES: Mapping[str, float] = {Tier.HOST: 5e9, Tier.REDIS: 1e9}  # bytes/s, CPU pool
@@ -83,8 +88,8 @@ class WriterStats:
     queued_blocks: int  # waiting or being written now
     submitted_blocks: int  # accepted by submit_spill
     dropped_blocks: int  # refused by submit_spill (queue full or closed)
-    demoted_blocks: int  # host evictions queued for Redis
-    demotions_dropped: int  # host evictions not queued (queue full, breaker open)
+    demoted_blocks: int  # demotions queued for a tier that does I/O (Redis)
+    demotions_dropped: int  # demotions not queued (no staging buffer, queue full, breaker open)
     written_blocks: int  # blocks the writer processed
     errors: int  # unexpected exceptions in the writer (bugs; logged)
 
@@ -153,11 +158,8 @@ class TieredStore:
 
     def __init__(
         self,
-        block_shape: Sequence[int],
-        dtype: torch.dtype,
+        tiers: Sequence[BlockTier],
         *,
-        host: HostTier | None = None,
-        redis: RedisTier | None = None,
         max_pending_blocks: int = 4096,
         rate_alpha: float = 0.3,
         initial_restore_rates: Mapping[str, float] | None = None,
@@ -168,12 +170,15 @@ class TieredStore:
         probe_after_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``max_pending_blocks`` bounds the writer queue (in blocks); ``rate_alpha`` is
+        """``tiers``: fastest first, each a different ``Tier``, all holding blocks of one
+        shape and dtype (the KV cache spec's); the store's geometry is theirs.
+        ``max_pending_blocks`` bounds the writer queue (in blocks); ``rate_alpha`` is
         the EWMA weight of each new restore measurement; restores of fewer than
         ``min_rate_blocks`` blocks do not update the rates (their time is mostly the
         round trip, which would make a tier look slower than it is for long restores);
-        ``demotion_buffers`` is how many evicted host blocks can wait for Redis at once
-        (staging copies, allocated here; more evictions meanwhile are dropped, counted).
+        ``demotion_buffers`` is how many demoted blocks can wait for a tier that does
+        I/O at once (staging copies, allocated here; more demotions meanwhile are
+        dropped, counted).
 
         Restore rates are this store's: one store serves one engine, so they are
         measured for its ``device`` (the device type its restores land on: "cpu" or
@@ -182,20 +187,22 @@ class TieredStore:
         of each tier are not counted (connection set-up). A tier that ``plan_restore``
         skips as slower is probed again (a few blocks restored) once its last sample is
         ``probe_after_s`` old, so a rate measured on a bad moment does not stick."""
-        self.block_shape = tuple(int(d) for d in block_shape)
-        self.dtype = dtype
-        for tier in (host, redis):
-            if tier is not None and (tier.block_shape != self.block_shape or tier.dtype != dtype):
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names) or not set(names) <= set(TIER_NAMES):
+            raise ValueError(f"tiers must be distinct ones of {[str(t) for t in TIER_NAMES]}, got {names}")
+        self.block_shape = tuple(tiers[0].block_shape)
+        self.dtype = tiers[0].dtype
+        for tier in tiers[1:]:
+            if tier.block_shape != self.block_shape or tier.dtype != self.dtype:
                 raise ValueError(
                     f"{tier.name} tier holds {tier.block_shape} {tier.dtype}, "
-                    f"store expects {self.block_shape} {dtype}"
+                    f"{tiers[0].name} tier holds {self.block_shape} {self.dtype}"
                 )
-        self.host = host
-        self.redis = redis
-        self.block_nbytes = int(torch.Size(self.block_shape).numel()) * dtype.itemsize
-        self._tiers: dict[str, BlockTier] = {
-            name: t for name, t in ((Tier.HOST, host), (Tier.REDIS, redis)) if t is not None
-        }
+        self._order: tuple[BlockTier, ...] = tuple(tiers)
+        self._tiers: dict[str, BlockTier] = {t.name: t for t in tiers}
+        self.block_nbytes = int(torch.Size(self.block_shape).numel()) * self.dtype.itemsize
         self.device = device
         priors = DEVICE_RESTORE_RATES.get(device, DEFAULT_RESTORE_RATES)
         if initial_restore_rates is not None:
@@ -217,42 +224,43 @@ class TieredStore:
         self._writer = threading.Thread(target=self._writer_loop, name="cachestore-writer", daemon=True)
         self._writer.start()
 
-        # Host evictions wait for Redis in staging copies: a memcpy on the evicting thread
-        # (the engine's, when it demotes a device block), the encoding on the writer's.
+        # Demotions into a tier that does I/O wait in staging copies: a memcpy on the
+        # evicting thread, the encoding on the writer's. Each tier's evictions go on to
+        # the next tier down.
         self._staging_free: list[torch.Tensor] = []
-        if host is not None and redis is not None:
-            self._staging_free = [torch.empty(self.block_shape, dtype=dtype) for _ in range(demotion_buffers)]
-            host.set_on_evict(self._demote)
+        if any(not t.writes_inline for t in self._order):
+            self._staging_free = [torch.empty(self.block_shape, dtype=self.dtype) for _ in range(demotion_buffers)]
+        for i, tier in enumerate(self._order[:-1]):
+            tier.set_on_evict(functools.partial(self._demote_into, i + 1))
 
     @property
     def tiers(self) -> tuple[str, ...]:
         """Names of the configured tiers, fastest first."""
         return tuple(self._tiers)
 
+    def tier(self, name: str) -> BlockTier | None:
+        """The configured tier of that name (None: not configured)."""
+        return self._tiers.get(name)
+
     # ---- lookups and restores (blocking: call from a worker thread) ------------------
 
     def match_prefix(self, namespace: Namespace, hashes: Sequence[BlockHash]) -> list[str]:
-        """For each leading block, the tier that holds it ("host" preferred, else
-        "redis"), stopping at the first block held by neither. Redis is asked once, in
-        one pipelined round trip, about every block the host does not hold."""
+        """For each leading block, the fastest tier that holds it, stopping at the first
+        block no tier holds. Each tier is asked once, in one batched call (Redis: one
+        pipelined round trip), about the blocks the tiers before it do not hold, from
+        the first of those on."""
         refs = [BlockRef(namespace, h) for h in hashes]
-        in_host = self.host.contains_many(refs) if self.host else [False] * len(refs)
-        if all(in_host):
-            return [Tier.HOST] * len(refs)
-        first_miss = in_host.index(False)
-        ask = [i for i in range(first_miss, len(refs)) if not in_host[i]]
-        in_redis: dict[int, bool] = {}
-        if self.redis is not None:
-            in_redis = dict(zip(ask, self.redis.contains_many([refs[i] for i in ask])))
-        where = [Tier.HOST] * first_miss
-        for i in range(first_miss, len(refs)):
-            if in_host[i]:
-                where.append(Tier.HOST)
-            elif in_redis.get(i, False):
-                where.append(Tier.REDIS)
-            else:
+        where: list[str | None] = [None] * len(refs)
+        for tier in self._order:
+            first = next((i for i, w in enumerate(where) if w is None), len(refs))
+            ask = [i for i in range(first, len(refs)) if where[i] is None]
+            if not ask:
                 break
-        return where
+            for i, held in zip(ask, tier.contains_many([refs[i] for i in ask])):
+                if held:
+                    where[i] = tier.name
+        n = next((i for i, w in enumerate(where) if w is None), len(refs))
+        return [w for w in where[:n] if w is not None]
 
     def fetch_into(
         self,
@@ -293,17 +301,15 @@ class TieredStore:
 
     def delete_many(self, namespace: Namespace, hashes: Sequence[BlockHash], timeout: float = 10.0) -> dict[str, int]:
         """Stop these blocks from being found in any tier; how many each tier dropped.
-        Queued writes are flushed first (so none lands afterwards), the host tier's
-        deletions are flushed too (its evictions demote to Redis through the writer),
-        then Redis deletes."""
+        Queued writes are flushed first (so none lands afterwards), then each tier
+        deletes, fastest first, with the writes its deletions queued (demotions to the
+        next tier) flushed before the next tier deletes."""
         refs = [BlockRef(namespace, h) for h in hashes]
         dropped: dict[str, int] = {}
         self.flush(timeout)
-        if self.host is not None:
-            dropped[Tier.HOST] = sum(self.host.delete_many(refs))
+        for tier in self._order:
+            dropped[tier.name] = sum(tier.delete_many(refs))
             self.flush(timeout)
-        if self.redis is not None:
-            dropped[Tier.REDIS] = sum(self.redis.delete_many(refs))
         return dropped
 
     # ---- restore rates -----------------------------------------------------------------
@@ -419,6 +425,14 @@ class TieredStore:
         held = self._write(refs, list(blocks), self._check_tiers(tiers))
         return [all(held[t][i] for t in held) for i in range(len(refs))]
 
+    def demote(self, namespace: Namespace, block_hash: BlockHash, block: torch.Tensor) -> None:
+        """A block the device pool evicts (``block`` is valid only during the call): into
+        the first tier, from which the tiers' own evictions carry it down the list. Never
+        waits on I/O and never raises for a tier's failure (drops are counted)."""
+        if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
+            raise ValueError(f"block must be {self.block_shape} {self.dtype}, got {tuple(block.shape)} {block.dtype}")
+        self._demote_into(0, BlockRef(namespace, block_hash), block)
+
     # ---- background writes ------------------------------------------------------------
 
     def submit_spill(
@@ -474,8 +488,8 @@ class TieredStore:
             self._closed = True
             self._cv.notify_all()
         self._writer.join(timeout)
-        if self.redis is not None:
-            self.redis.close()
+        for tier in self._order:
+            tier.close()
         return drained
 
     def __enter__(self) -> Self:
@@ -509,14 +523,15 @@ class TieredStore:
     # ---- internals ------------------------------------------------------------------
 
     def _check_tiers(self, tiers: Sequence[str]) -> tuple[str, ...]:
-        """Validate names; keep the configured ones, host first (a tier asked for but
-        not configured holds nothing)."""
+        """Validate names; the configured ones in the store's order, then the others
+        (a tier asked for but not configured holds nothing)."""
         if isinstance(tiers, str):
             raise TypeError("tiers must be a sequence of names, e.g. ('host', 'redis')")
         unknown = set(tiers) - set(TIER_NAMES)
         if unknown:
             raise ValueError(f"unknown tiers {sorted(unknown)}; known: {TIER_NAMES}")
-        return tuple(t for t in TIER_NAMES if t in tiers)
+        configured = tuple(t for t in self._tiers if t in tiers)
+        return configured + tuple(t for t in TIER_NAMES if t in tiers and t not in self._tiers)
 
     def _write(
         self, refs: list[BlockRef], blocks: list[torch.Tensor], tiers: tuple[str, ...]
@@ -528,9 +543,11 @@ class TieredStore:
         return held
 
     def _write_job(self, job: _Job) -> dict[str, list[bool]]:
-        """Write a job's blocks; blocks given as None are copied from the host tier (in
-        batches, through one scratch buffer per block of the batch) or, where the host
-        does not hold them, only looked up."""
+        """Write a job's blocks. A block given as None is copied out of the fastest tier
+        that hands copies out (``BlockTier.copy_out``: the host) and written into the
+        other tiers asked for, in batches through one scratch buffer per block of the
+        batch; where no tier hands it out, the tiers asked for are only asked whether
+        they hold it."""
         refs, blocks, tiers = job.refs, job.blocks, job.tiers
         given = [i for i, b in enumerate(blocks) if b is not None]
         if len(given) == len(refs):
@@ -545,34 +562,44 @@ class TieredStore:
         if given:
             scatter(given, self._write([refs[i] for i in given], [blocks[i] for i in given], tiers))  # type: ignore[misc]
         missing = [i for i, b in enumerate(blocks) if b is None]
-        others = tuple(t for t in tiers if t != Tier.HOST)
-        batch = self.redis.batch_blocks if self.redis is not None else 64
+        batch = min((self._tiers[t].batch_blocks for t in tiers if t in self._tiers), default=64)
         scratch: list[torch.Tensor] = []
         for start in range(0, len(missing), batch):
             idx = missing[start : start + batch]
             while len(scratch) < len(idx):
                 scratch.append(torch.empty(self.block_shape, dtype=self.dtype))
-            loaded: list[int] = []
+            copied: dict[str, list[tuple[int, torch.Tensor]]] = {}  # source tier -> (block, its copy)
             for i in idx:
-                if self.host is not None and self.host.copy_out(refs[i], scratch[len(loaded)]):
-                    loaded.append(i)
-            if Tier.HOST in tiers:
-                scatter(loaded, {Tier.HOST: [True] * len(loaded)})
-            if loaded and others:
-                scatter(loaded, self._write([refs[i] for i in loaded], scratch[: len(loaded)], others))
-            absent = [i for i in idx if i not in set(loaded)]
+                buf = scratch[sum(len(v) for v in copied.values())]
+                src = next((t.name for t in self._order if t.copy_out(refs[i], buf)), None)
+                if src is not None:
+                    copied.setdefault(src, []).append((i, buf))
+            for src, pairs in copied.items():
+                ids = [i for i, _ in pairs]
+                if src in tiers:
+                    scatter(ids, {src: [True] * len(ids)})
+                others = tuple(t for t in tiers if t != src)
+                if others:
+                    scatter(ids, self._write([refs[i] for i in ids], [b for _, b in pairs], others))
+            done = {i for pairs in copied.values() for i, _ in pairs}
+            absent = [i for i in idx if i not in done]
             for t in tiers:
                 tier = self._tiers.get(t)
                 if absent and tier is not None:
                     scatter(absent, {t: tier.contains_many([refs[i] for i in absent])})
         return held
 
-    def _demote(self, ref: BlockRef, block: torch.Tensor) -> None:
-        """Host eviction callback: copy the block into a staging buffer (its slot is
-        reused after we return) and queue it for Redis, which stores it only if it is
-        not there yet. Never waits: no buffer free or a full queue drops it (counted)."""
-        assert self.redis is not None
-        if self.redis.breaker_state == OPEN:
+    def _demote_into(self, i: int, ref: BlockRef, block: torch.Tensor) -> None:
+        """Put an evicted block (valid only during the call) into tier ``i``: inline
+        when its puts are a memcpy (its own evictions then come back here for tier
+        ``i + 1``), else copied into a staging buffer and queued for the writer, which
+        stores it only if the tier does not hold it yet. Never waits: an open breaker,
+        no staging buffer free or a full queue drops it (counted)."""
+        tier = self._order[i]
+        if tier.writes_inline:
+            tier.put(ref, block)
+            return
+        if tier.breaker_state == OPEN:
             self._bump(demotions_dropped=1)
             return
         with self._cv:
@@ -581,7 +608,7 @@ class TieredStore:
             self._bump(demotions_dropped=1)
             return
         copy_block(staging, block)
-        if self._enqueue(_Job(refs=[ref], tiers=(Tier.REDIS,), blocks=[staging], staging=[staging])):
+        if self._enqueue(_Job(refs=[ref], tiers=(tier.name,), blocks=[staging], staging=[staging])):
             self._bump(demoted=1)
         else:
             with self._cv:
@@ -618,11 +645,13 @@ class TieredStore:
                 self._cv.notify_all()
                 return None
             job = self._jobs.popleft()
-            if job.staging is not None and self.redis is not None:  # batch the demotions
+            if job.staging is not None:  # batch consecutive demotions into one tier
+                limit = self._tiers[job.tiers[0]].batch_blocks
                 while (
                     self._jobs
                     and self._jobs[0].staging is not None
-                    and len(job.refs) < self.redis.batch_blocks
+                    and self._jobs[0].tiers == job.tiers
+                    and len(job.refs) < limit
                 ):
                     nxt = self._jobs.popleft()
                     job = _Job(

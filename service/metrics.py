@@ -124,7 +124,8 @@ class CacheStoreCollector:
             yield GaugeMetricFamily(f"{p}_cache_writer_queued_blocks", "Blocks waiting for the background writer.", value=w.queued_blocks)
             yield CounterMetricFamily(f"{p}_cache_spilled_blocks", "Blocks accepted for background spill (idle sessions, drain).", value=w.submitted_blocks)
             yield CounterMetricFamily(f"{p}_cache_spill_dropped_blocks", "Blocks not spilled because the writer queue was full.", value=w.dropped_blocks)
-            yield CounterMetricFamily(f"{p}_cache_demoted_blocks", "Host evictions queued for Redis.", value=w.demoted_blocks)
+            yield CounterMetricFamily(f"{p}_cache_demoted_blocks", "Evicted blocks queued for Redis (host evictions; device evictions when there is no host tier).", value=w.demoted_blocks)
+            yield CounterMetricFamily(f"{p}_cache_demotions_dropped_blocks", "Evicted blocks not queued for Redis: no staging buffer free, writer queue full or Redis' breaker open.", value=w.demotions_dropped)
             redis = tiers.get(Tier.REDIS)
             if redis is not None:
                 breaker = GaugeMetricFamily(f"{p}_redis_breaker_open", "1 while the Redis circuit breaker skips Redis.", labels=["state"])

@@ -1,6 +1,6 @@
 """Idle sessions spill: their KV blocks are written to host memory and/or Redis.
 
-When a session's turn completes, the servicer calls ``touch``. Once the session has
+When a session's turn completes, the conversation calls ``touch``. Once the session has
 been idle for ``spill_after_s`` every full block of its transcript is queued for the
 cache store's background writer, from whichever tier holds it (the device pool, or the
 host tier for blocks already demoted there); from then on the device copy is evictable

@@ -9,14 +9,12 @@ import torch
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
 from service.types import Finished, GenerationRequest, SamplingParams
-from service.kv.cache import kv_bytes_per_token
 
 BS = 4
 
 
 def bytes_per_token(loaded) -> int:
-    c = loaded.config
-    return kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype)
+    return loaded.kv_spec(BS).bytes_per_token
 
 
 def make_engine(loaded, store=None, **kw) -> LLMEngine:

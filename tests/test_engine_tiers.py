@@ -161,7 +161,7 @@ def test_untrustworthy_value_is_a_miss_and_the_answer_is_right(loaded, redis_ser
     transcript, prompt, n = two_turns(loaded, a, a, seed=5)
     spill_now(a, transcript)
     a.close()
-    ns, keys = _keys_of(loaded, transcript, a.store.redis)
+    ns, keys = _keys_of(loaded, transcript, a.store.tier(Tier.REDIS))
     bad = 1  # the second block goes bad: only the first may be restored
     with redis_server.client() as c:
         value = bytearray(c.get(keys[bad]))
@@ -176,7 +176,7 @@ def test_untrustworthy_value_is_a_miss_and_the_answer_is_right(loaded, redis_ser
         c.set(keys[bad], bytes(value))
     b = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
     check_turn2(loaded, b, prompt, n, Tier.REDIS, bad * BS)
-    assert b.store.redis.stats().failures  # the reason was counted
+    assert b.store.tier(Tier.REDIS).stats().failures  # the reason was counted
     b.close()
 
 
@@ -237,7 +237,7 @@ def test_auto_policy_recomputes_when_the_tier_is_slower(loaded, redis_url):
     a.close()
     slow = store_for(loaded, redis_url=redis_url)
     # a Redis that restores at 1 kB/s (as measured) loses to any prefill
-    store = TieredStore(slow.block_shape, slow.dtype, redis=slow.redis, initial_restore_rates={"redis": 1e3})
+    store = TieredStore([slow.tier(Tier.REDIS)], initial_restore_rates={"redis": 1e3})
     b = make_engine(loaded, store=store, restore_policy="auto")
     (warm,) = prompts(loaded.config.vocab_size, [40], seed=12)
     run(b, [req("warm", warm, n=1)])  # measures the prefill rate

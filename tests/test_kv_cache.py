@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.kv.cache import NULL_BLOCK, BatchLayout, KVPool, SeqSlice, kv_bytes_per_token
+from cachestore.base import Tier
+from service.kv.cache import NULL_BLOCK, BatchLayout, KVCacheSpec, KVPool, SeqSlice
 from service.models.loading import load_model
 
 ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -24,18 +25,20 @@ def test_pool_allocation_equals_bytes_per_token_formula(dtype, layers, block_siz
     num_blocks = 7
     pool = KVPool(num_blocks, layers, block_size, kv_heads, head_dim, dtype)
     formula = 2 * layers * kv_heads * head_dim * ELEMENT_SIZE[dtype]
-    assert pool.bytes_per_token == formula == kv_bytes_per_token(layers, kv_heads, head_dim, dtype)
+    assert pool.bytes_per_token == formula == KVCacheSpec(layers, kv_heads, head_dim, block_size, dtype).bytes_per_token
     assert pool.bytes_per_block == block_size * formula
     assert pool.nbytes == num_blocks * block_size * formula  # the real allocation, no overhead
     assert pool.data.untyped_storage().nbytes() == pool.nbytes
 
 
 def test_pool_from_budget_fills_the_budget() -> None:
-    per_block = 4 * kv_bytes_per_token(2, 2, 16, torch.float32)
-    pool = KVPool.from_budget(10 * per_block + per_block - 1, 2, 4, 2, 16)
-    assert pool.num_blocks == 10 and pool.nbytes <= 11 * per_block - 1
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
+    per_block = spec.bytes_per_block
+    pool = KVPool.from_spec(spec, 10 * per_block + per_block - 1)
+    assert pool.num_blocks == 10 and pool.nbytes <= 11 * per_block - 1 and pool.spec == spec
+    assert spec.dtype_name == "float32"
     with pytest.raises(ValueError, match="need >= 2"):
-        KVPool.from_budget(per_block, 2, 4, 2, 16)
+        KVPool.from_spec(spec, per_block)
 
 
 def test_one_block_geometry_for_the_pool_and_the_store(tiny_llama_dir) -> None:
@@ -49,7 +52,7 @@ def test_one_block_geometry_for_the_pool_and_the_store(tiny_llama_dir) -> None:
     pool = lm.new_kv_pool(1 << 20, 8)
     assert pool.spec == spec and pool.bytes_per_block == spec.bytes_per_block
     store = build_store(EngineConfig(block_size=8, host_cache_memory=1 << 20), lm)
-    assert store is not None and store.block_shape == spec.block_shape and store.host.block_shape == spec.block_shape
+    assert store is not None and store.block_shape == spec.block_shape and store.tier(Tier.HOST).block_shape == spec.block_shape
     store.close()
 
 

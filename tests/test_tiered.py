@@ -39,7 +39,7 @@ def make_store(redis_url: str) -> Any:
     def make(host_blocks: int | None = 8, with_redis: bool = True, **kw: Any) -> TieredStore:
         host = HostTier(host_blocks * BLOCK_BYTES, SHAPE, torch.float32) if host_blocks is not None else None
         rt = RedisTier(redis_url, block_shape=SHAPE, dtype=torch.float32, key_prefix="t:") if with_redis else None
-        store = TieredStore(SHAPE, torch.float32, host=host, redis=rt, **kw)
+        store = TieredStore([t for t in (host, rt) if t is not None], **kw)
         stores.append(store)
         return store
 
@@ -111,7 +111,7 @@ def test_fetch_stops_at_the_first_bad_block(make_store: Any, redis_url: str, how
     store.put_many(NS, HASHES[:6], [value(i) for i in range(6)], [Tier.REDIS])
     tiers = store.match_prefix(NS, HASHES[:6])
     assert tiers == [Tier.REDIS] * 6
-    key = store.redis.key(BlockRef(NS, HASHES[3]))
+    key = store.tier(Tier.REDIS).key(BlockRef(NS, HASHES[3]))
     with redis.Redis.from_url(redis_url) as c:
         raw = bytearray(c.get(key))
         if how == "flip":
@@ -139,7 +139,7 @@ def test_fetch_stops_when_a_host_block_went_away(make_store: Any) -> None:
     store = make_store()
     store.put_many(NS, HASHES[:4], [value(i) for i in range(4)], [Tier.HOST])
     tiers = store.match_prefix(NS, HASHES[:4])
-    store.host.delete(BlockRef(NS, HASHES[1]))  # evicted between lookup and restore
+    store.tier(Tier.HOST).delete(BlockRef(NS, HASHES[1]))  # evicted between lookup and restore
     assert store.fetch_into(NS, HASHES[:4], tiers, list(pool(4))) == 1
     assert store.fetch_into(NS, HASHES[:2], ["nowhere", Tier.HOST], list(pool(2))) == 0
     with pytest.raises(ValueError):
@@ -153,7 +153,7 @@ def test_put_is_idempotent_across_sessions(make_store: Any) -> None:
     s = store.stats().tiers
     assert s[Tier.HOST].puts == 3 and s[Tier.HOST].put_skips == 6
     assert s[Tier.REDIS].puts == 3 and s[Tier.REDIS].put_skips == 6
-    assert len(store.host) == 3
+    assert len(store.tier(Tier.HOST)) == 3
 
 
 def test_spill_of_blocks_the_caller_no_longer_holds(make_store: Any) -> None:
@@ -169,8 +169,8 @@ def test_spill_of_blocks_the_caller_no_longer_holds(make_store: Any) -> None:
     assert store.flush(timeout=10)
     # host: 0-2 held, 4 written; Redis: 0-2 copied from the host, 3 there, 4 written; 5 nowhere
     assert done == [SpillResult(6, {Tier.HOST: 4, Tier.REDIS: 5})]
-    assert store.host.stats().hits == 0
-    store.host.clear()
+    assert store.tier(Tier.HOST).stats().hits == 0
+    store.tier(Tier.HOST).clear()
     outs = list(pool(5))
     assert store.fetch_into(NS, HASHES[:5], [Tier.REDIS] * 5, outs) == 5
     assert all(torch.equal(outs[i], value(i)) for i in range(5))
@@ -192,7 +192,7 @@ def test_spill_in_the_background(make_store: Any) -> None:
     assert released.is_set()
     assert done == [SpillResult(5, {Tier.HOST: 5, Tier.REDIS: 5})]
     assert store.location(NS, HASHES[:5]) == {Tier.HOST: 5, Tier.REDIS: 5}
-    store.host.clear()
+    store.tier(Tier.HOST).clear()
     outs = list(pool(5))
     assert store.fetch_into(NS, HASHES[:5], store.match_prefix(NS, HASHES[:5]), outs) == 5
     assert all(torch.equal(outs[i], p[i]) for i in range(5))
@@ -227,6 +227,45 @@ def test_host_eviction_demotes_to_redis(make_store: Any) -> None:
     s = store.stats()
     assert s.writer.demoted_blocks == 3 and s.tiers[Tier.HOST].evictions == 3
     assert s.tiers[Tier.REDIS].puts == 3
+
+
+def test_demote_goes_down_whatever_tiers_exist(make_store: Any) -> None:
+    """``demote`` (a device eviction) lands in the first tier: the host when there is
+    one (whose own evictions go on to Redis), else Redis through the writer. The block
+    passed in may be overwritten as soon as the call returns."""
+    both = make_store(host_blocks=1)
+    src = value(0)
+    both.demote(NS, HASHES[0], src)
+    src.fill_(-1.0)  # the device block is reused right away
+    assert both.location(NS, HASHES[:1]) == {Tier.HOST: 1, Tier.REDIS: 0}
+    both.demote(NS, HASHES[1], value(1))  # the host's eviction of block 0 goes on to Redis
+    assert both.flush(timeout=10)
+    assert both.match_prefix(NS, HASHES[:2]) == [Tier.REDIS, Tier.HOST]
+    redis_only = make_store(host_blocks=None)
+    src = value(2)
+    redis_only.demote(NS, HASHES[2], src)
+    src.fill_(-1.0)
+    assert redis_only.flush(timeout=10)
+    outs = list(pool(1))
+    assert redis_only.fetch_into(NS, HASHES[2:3], [Tier.REDIS], outs) == 1 and torch.equal(outs[0], value(2))
+    assert redis_only.stats().writer.demoted_blocks == 1
+    host_only = make_store(host_blocks=1, with_redis=False)
+    host_only.demote(NS, HASHES[3], value(3))
+    host_only.demote(NS, HASHES[4], value(4))  # evicts 3: the last tier drops it
+    assert host_only.match_prefix(NS, HASHES[3:5]) == [] and host_only.location(NS, HASHES[4:5]) == {Tier.HOST: 1}
+
+
+def test_tiers_are_an_ordered_list_of_distinct_tiers_of_one_geometry(redis_url: str) -> None:
+    host = HostTier(BLOCK_BYTES, SHAPE, torch.float32)
+    with pytest.raises(ValueError, match="at least one tier"):
+        TieredStore([])
+    with pytest.raises(ValueError, match="distinct"):
+        TieredStore([host, HostTier(BLOCK_BYTES, SHAPE, torch.float32)])
+    with pytest.raises(ValueError, match="holds"):
+        TieredStore([host, RedisTier(redis_url, block_shape=(1, 2, 3), dtype=torch.float32)])
+    store = TieredStore([host])
+    assert store.tiers == (Tier.HOST,) and store.tier(Tier.REDIS) is None and store.block_shape == SHAPE
+    store.close()
 
 
 def test_demotions_never_wait(make_store: Any) -> None:
@@ -368,7 +407,7 @@ def test_close_drains_then_refuses(make_store: Any) -> None:
     assert store.close(timeout=10)
     assert not store.submit_spill([(NS, HASHES[3], value(3))], [Tier.REDIS])
     assert store.stats().writer.dropped_blocks == 1
-    check = RedisTier(store.redis.url, block_shape=SHAPE, dtype=torch.float32, key_prefix="t:")
+    check = RedisTier(store.tier(Tier.REDIS).url, block_shape=SHAPE, dtype=torch.float32, key_prefix="t:")
     assert check.contains_many([BlockRef(NS, h) for h in HASHES[:3]]) == [True] * 3
 
 
@@ -381,7 +420,7 @@ def test_bad_arguments(make_store: Any) -> None:
     with pytest.raises(ValueError):
         store.submit_spill([(NS, HASHES[0], torch.zeros(3))], [Tier.HOST])
     with pytest.raises(ValueError):
-        TieredStore((1, 2, 3), torch.float32, host=store.host)
+        TieredStore([HostTier(BLOCK_BYTES, (1, 2, 3), torch.float32), store.tier(Tier.HOST)])
 
 
 def test_concurrent_spills_demotions_and_restores_never_return_wrong_kv(make_store: Any) -> None:

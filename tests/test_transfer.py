@@ -246,7 +246,7 @@ def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(l
 
     c = loaded.config
     shape = (c.num_layers, 2, BS, c.num_kv_heads, c.head_dim)
-    store = TieredStore(shape, torch.float32, host=HostTier(64 * BS * bytes_per_token(loaded), shape, torch.float32))
+    store = TieredStore([HostTier(64 * BS * bytes_per_token(loaded), shape, torch.float32)])
     a, _ = _logged_engine(loaded, store)
     (hist,) = prompts(c.vocab_size, [13], seed=5)
     run(a, [req("a", hist, n=1)])

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from cachestore.keys import BlockHash, block_hashes, make_namespace
+from cachestore.tiered import TieredStore
 from service.engine.config import EngineConfig
 from service.engine.output import TextStream
 from service.engine.sampling import RowState, make_generator, sample
@@ -50,7 +51,7 @@ from service.types import (
 )
 from service.validation import check_generation
 from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
-from service.kv.cache import BatchLayout, SeqSlice, dtype_name
+from service.kv.cache import BatchLayout, SeqSlice
 from service.kv.transfer import BlockTransfers
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ Emitted = list[tuple[str, Event]]
 
 
 class LLMEngine:
-    def __init__(self, loaded: Any, cfg: EngineConfig, store: Any | None = None) -> None:
+    def __init__(self, loaded: Any, cfg: EngineConfig, store: TieredStore | None = None) -> None:
         self.cfg = cfg
         self.loaded = loaded
         self.model = loaded.model
@@ -127,7 +128,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
         # restores into / demotions out of the pool (CUDA: streams, events, pinned staging)
         self.transfers = BlockTransfers.for_pool(self.pool, cfg.staging_memory)
-        self.kv_dtype = dtype_name(loaded.dtype)
+        self.kv_dtype = self.pool.spec.dtype_name
         self.eos_ids = frozenset(loaded.eos_token_ids)
         # Embeddings are often padded past the tokenizer (e.g. to a multiple of 64):
         # ids beyond the tokenizer's vocabulary can never be sampled.
@@ -432,7 +433,7 @@ class LLMEngine:
         self.running.append(seq)
         if not seq.started:
             seq.started = True
-            tiers = [t for t in (Tier.REDIS, Tier.HOST, Tier.DEVICE) if seq.cached_by_tier.get(t)]
+            slowest = next((t for t in reversed(self.model_info.tiers) if seq.cached_by_tier.get(t)), None)
             out.append(
                 (
                     seq.request_id,
@@ -440,7 +441,7 @@ class LLMEngine:
                         request_id=seq.request_id,
                         prompt_tokens=seq.num_prompt,
                         cached_tokens=seq.cached_tokens,
-                        cached_tier=tiers[0] if tiers else None,
+                        cached_tier=slowest,
                         cached_by_tier=dict(seq.cached_by_tier),
                     ),
                 )
@@ -702,24 +703,15 @@ class LLMEngine:
     # ---- cache store hooks -----------------------------------------------------------
 
     def _on_evict(self, block: Block) -> None:
-        """Device eviction demotes the block to the next tier instead of dropping it:
-        a copy into the host tier (whose own eviction demotes on to Redis), or, with
-        Redis alone, a copy queued for the background writer. On CUDA the device ->
-        host copy runs on the demotion stream and the tier receives it once it
+        """Device eviction demotes the block down the store's tiers instead of dropping
+        it (``TieredStore.demote``: the store decides where it goes). On CUDA the device
+        -> host copy runs on the demotion stream and the store receives it once it
         completed (service/kv/transfer.py); the block is reusable right away."""
         if self.store is None or block.block_hash is None or block.namespace is None:
             return
         ns, h, block_id = block.namespace, block.block_hash, block.block_id
-        to_host = Tier.HOST in self.store.tiers
-
-        def store(data: torch.Tensor) -> None:  # data: valid only during the call
-            if to_host:
-                self.store.put(ns, h, data, (Tier.HOST,))
-            else:
-                self.store.submit_spill([(ns, h, data.to("cpu", copy=True))], (Tier.REDIS,))
-
         try:
-            self.transfers.demote(block_id, store)
+            self.transfers.demote(block_id, lambda data: self.store.demote(ns, h, data))
         except Exception:
             log.exception("demoting block %d failed", block_id)
 
@@ -769,7 +761,7 @@ class LLMEngine:
         on_device = [self.blocks.lookup(h) for h in hashes]
         pinned = [b for b in on_device if b is not None]
         self.blocks.touch(pinned)
-        items = [(ns, h, self.pool.data[b.block_id] if b is not None else None) for h, b in zip(hashes, on_device)]
+        items = [(ns, h, self.pool.block_view(b.block_id) if b is not None else None) for h, b in zip(hashes, on_device)]
 
         def written(result) -> None:
             self.call_soon(lambda: self.blocks.free(pinned))

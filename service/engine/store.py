@@ -1,39 +1,39 @@
-"""Builds the host/Redis cache store for a loaded model from the engine settings."""
+"""Builds the cache store (the tiers below the device) for a loaded model from the engine settings."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from cachestore.base import BlockTier
 from cachestore.codec import STORAGE_FORMATS
 from cachestore.host import HostTier
 from cachestore.redis import RedisTier
 from cachestore.tiered import TieredStore
 from service.engine.config import EngineConfig
 
+if TYPE_CHECKING:
+    from service.models.loading import LoadedModel
 
-def build_store(cfg: EngineConfig, loaded: Any) -> TieredStore | None:
-    """None when neither a host budget nor a Redis URL is configured."""
-    if not cfg.host_cache_memory and not cfg.redis_url:
-        return None
-    block_shape = loaded.kv_spec(cfg.block_size).block_shape  # the pool's geometry, from one place
-    on_cuda = loaded.device.type == "cuda"
-    host = (
-        HostTier(cfg.host_cache_memory, block_shape, loaded.dtype, pin_memory=on_cuda)
-        if cfg.host_cache_memory
-        else None
-    )
-    redis = (
-        RedisTier(
-            cfg.redis_url,
-            block_shape=block_shape,
-            dtype=loaded.dtype,
-            cluster=cfg.redis_cluster,
-            ttl_s=cfg.redis_ttl_s or None,
-            key_prefix=cfg.redis_key_prefix,
-            storage_dtype=STORAGE_FORMATS[cfg.redis_kv_format],
-            compression=None if cfg.redis_compression == "none" else cfg.redis_compression,
+
+def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
+    """The tiers below the device, fastest first: host memory (``--host-cache-memory``),
+    then Redis (``--redis-url``), each holding blocks of the model's KV cache spec (the
+    pool's geometry, from one place). None when neither is configured."""
+    spec = loaded.kv_spec(cfg.block_size)
+    tiers: list[BlockTier] = []
+    if cfg.host_cache_memory:
+        tiers.append(HostTier(cfg.host_cache_memory, spec.block_shape, spec.dtype, pin_memory=loaded.device.type == "cuda"))
+    if cfg.redis_url:
+        tiers.append(
+            RedisTier(
+                cfg.redis_url,
+                block_shape=spec.block_shape,
+                dtype=spec.dtype,
+                cluster=cfg.redis_cluster,
+                ttl_s=cfg.redis_ttl_s or None,
+                key_prefix=cfg.redis_key_prefix,
+                storage_dtype=STORAGE_FORMATS[cfg.redis_kv_format],
+                compression=None if cfg.redis_compression == "none" else cfg.redis_compression,
+            )
         )
-        if cfg.redis_url
-        else None
-    )
-    return TieredStore(block_shape, loaded.dtype, host=host, redis=redis, device=loaded.device.type)
+    return TieredStore(tiers, device=loaded.device.type) if tiers else None

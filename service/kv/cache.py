@@ -31,16 +31,6 @@ from torch import Tensor
 from service.kv.block_manager import NULL_BLOCK
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The canonical short name ("float32", ...) of a KV dtype (used in the key namespace)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """2 (K and V) * layers * kv heads * head_dim * element size."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """The geometry of every KV block, built once from the model config
@@ -64,8 +54,14 @@ class KVCacheSpec:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype's short name ("float32", ...): a field of the block key namespace."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        """2 (K and V) * layers * kv heads * head_dim * element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -111,21 +107,6 @@ class KVPool:
         self._v = [self.data[:, layer, 1] for layer in range(num_layers)]
 
     @classmethod
-    def from_budget(
-        cls,
-        budget_bytes: int,
-        num_layers: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> "KVPool":
-        """As many blocks as fit in ``budget_bytes`` (including the null block)."""
-        spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype)
-        return cls.from_spec(spec, budget_bytes, device)
-
-    @classmethod
     def from_spec(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> "KVPool":
         """As many blocks of ``spec`` as fit in ``budget_bytes`` (including the null block)."""
         num_blocks = budget_bytes // spec.bytes_per_block
@@ -154,6 +135,14 @@ class KVPool:
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one exported block: (L, 2, block_size, n_kv, hd)."""
         return self.spec.block_shape
+
+    def block_view(self, block_id: int) -> Tensor:
+        """One block in place, (L, 2, bs, n_kv, hd): a view, no copy. What a spill reads
+        and a CPU restore loads into (``service/kv/transfer.py``); valid only while the
+        caller holds the block (a reference taken on the engine thread). For copies:
+        ``export_block`` / ``import_block``."""
+        self._check_id(block_id)
+        return self.data[block_id]
 
     def k(self, layer: int) -> Tensor:
         return self._k[layer]  # (N, bs, n_kv, hd)

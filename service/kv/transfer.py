@@ -248,7 +248,7 @@ class BlockTransfers:
         a slab of fixed size. Returns (blocks restored, the last copy's event for
         ``finish_restore``; None when nothing was copied)."""
         if self.in_place:
-            return load([self.pool.data[b] for b in block_ids], 0), None
+            return load([self.pool.block_view(b) for b in block_ids], 0), None
         done, event = 0, None
         bufs = self.staging.take(max(1, self.staging.capacity // 2))
         if not bufs:
@@ -262,7 +262,7 @@ class BlockTransfers:
                 if got:
                     with self.ops.use(self.restore_stream):
                         for i in range(got):
-                            self.ops.copy(self.pool.data[block_ids[done + i]], bufs[i])
+                            self.ops.copy(self.pool.block_view(block_ids[done + i]), bufs[i])
                         event = self.ops.record(self.restore_stream)
                     self.ops.synchronize(event)  # the buffers are refilled next round
                 done += got
@@ -287,18 +287,18 @@ class BlockTransfers:
         block may be reused as soon as this returns (the compute stream waits for the
         copy). With no staging buffer free the copy is synchronous (counted)."""
         if self.in_place:
-            on_copied(self.pool.data[block_id])
+            on_copied(self.pool.block_view(block_id))
             return
         bufs = self.staging.take(1)
         if not bufs:
             self.num_sync_demotions += 1
-            host = self.pool.data[block_id].to("cpu")  # waits for the compute stream
+            host = self.pool.block_view(block_id).to("cpu")  # waits for the compute stream
             on_copied(host)
             return
         compute = self.ops.current_stream()
         self.ops.wait_stream(self.demote_stream, compute)  # the block's last writes
         with self.ops.use(self.demote_stream):
-            self.ops.copy(bufs[0], self.pool.data[block_id])
+            self.ops.copy(bufs[0], self.pool.block_view(block_id))
             event = self.ops.record(self.demote_stream)
         self.ops.wait_event(compute, event)  # its next owner writes only after the copy
         self._inflight.append(_Pending(event, bufs, on_copied))
