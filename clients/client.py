@@ -14,7 +14,10 @@ sampling), ``edit(session_id, message)`` replaces the last message and answers i
 new_session_id, at_turn=None)`` branches a conversation; ``get_session(...,
 include_turns=True)`` lists the turn boundaries (``SessionInfo.turn_log``).
 
-A stream yields ``StreamStart``, then ``TextDelta``s, then ``StreamEnd``. Stop it early
+A stream yields ``StreamStart``, then ``TextDelta``s, then ``StreamEnd`` (with ``n > 1``:
+the n sequences' deltas interleaved, each event with its ``index``, and n ``StreamEnd``s;
+``complete`` returns them as ``Completion.choices``). ``json_schema=`` (a dict or JSON
+text), ``json_object=True`` or ``regex=`` constrain the output. Stop it early
 with ``stream.cancel()`` (sync or async) or by cancelling the task iterating it
 (async); the server stops generating within one engine step. ``timeout`` (seconds)
 is the call's deadline. Failed calls raise ``KVServeError`` carrying the gRPC status
@@ -31,6 +34,7 @@ conversation to the replica that holds its KV (deploy/haproxy/haproxy.cfg). For 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
@@ -108,6 +112,7 @@ class TextDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked
+    index: int = 0  # which of the request's n sequences
 
 
 @dataclass(frozen=True)
@@ -129,20 +134,34 @@ class StreamEnd:
     completion_tokens: int
     cached_tokens: int
     timings: Timings
+    index: int = 0  # which of the request's n sequences ended
 
 
 Event = StreamStart | TextDelta | StreamEnd
 
 
 @dataclass
+class Choice:
+    """One of a request's n sequences, gathered."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    end: StreamEnd
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
 class Completion:
-    """A whole stream gathered: the text, the token ids and the first and last events."""
+    """A whole stream gathered: the text, the token ids and the first and last events
+    (of sequence 0), and with ``n > 1`` every sequence in ``choices`` (by index)."""
 
     text: str
     token_ids: list[int]
     start: StreamStart
     end: StreamEnd
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -186,25 +205,30 @@ class TLSConfig:
 @dataclass
 class _Gather:
     start: StreamStart | None = None
-    end: StreamEnd | None = None
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    ends: dict[int, StreamEnd] = field(default_factory=dict)
+    text: dict[int, list[str]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
     def add(self, event: Event) -> None:
         if isinstance(event, StreamStart):
             self.start = event
         elif isinstance(event, TextDelta):
-            self.text.append(event.text)
-            self.token_ids.extend(event.token_ids)
-            self.logprobs.extend(event.logprobs)
+            self.text.setdefault(event.index, []).append(event.text)
+            self.token_ids.setdefault(event.index, []).extend(event.token_ids)
+            self.logprobs.setdefault(event.index, []).extend(event.logprobs)
         else:
-            self.end = event
+            self.ends[event.index] = event
 
     def result(self) -> Completion:
-        if self.start is None or self.end is None:
+        if self.start is None or 0 not in self.ends:
             raise KVServeError(grpc.StatusCode.UNKNOWN, "stream ended without its first or last event")
-        return Completion("".join(self.text), self.token_ids, self.start, self.end, self.logprobs)
+        choices = [
+            Choice(i, "".join(self.text.get(i, [])), self.token_ids.get(i, []), end, self.logprobs.get(i, []))
+            for i, end in sorted(self.ends.items())
+        ]
+        first = choices[0]
+        return Completion(first.text, first.token_ids, self.start, first.end, first.logprobs, choices)
 
 
 # ----------------------------------------------------------------------------- conversions
@@ -236,11 +260,17 @@ def build_request(
     require_existing_session: bool = False,
     turn_mode: str = "append",
     expected_turns: int | None = None,
+    n: int | None = None,
+    json_schema: dict[str, Any] | bool | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from keyword arguments; exactly one input must be given,
     none with ``turn_mode="regenerate"``.
 
-    Unset sampling fields (None) take the server's defaults (greedy).
+    Unset sampling fields (None) take the server's defaults (greedy). ``n``: sequences
+    sampled from the prompt. At most one of ``json_schema`` (a dict, or the schema as
+    JSON text), ``json_object`` and ``regex`` constrains the output.
     ``require_existing_session``: NOT_FOUND unless ``session_id`` names an existing
     session, instead of starting it over (for follow-up turns). ``turn_mode``:
     "append" (a new turn), "regenerate" (the last turn's answer again, replacing it) or
@@ -287,6 +317,18 @@ def build_request(
     s.min_new_tokens = min_new_tokens
     s.logprobs = logprobs
     s.top_logprobs = top_logprobs
+    if n is not None:
+        s.n = n
+    formats = [k for k, v in (("json_schema", json_schema), ("json_object", json_object or None), ("regex", regex))
+               if v is not None]  # fmt: skip
+    if len(formats) > 1:
+        raise ValueError(f"give at most one of json_schema, json_object, regex (got {', '.join(formats)})")
+    if json_schema is not None:
+        s.response_format.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        s.response_format.json_object.SetInParent()
+    elif regex is not None:
+        s.response_format.regex = regex
     req.sampling.SetInParent()
     return req
 
@@ -332,7 +374,8 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
             TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
             for lp in resp.delta.logprobs
         ]
-        return TextDelta(text=resp.delta.text, token_ids=list(resp.delta.token_ids), logprobs=lps)
+        return TextDelta(text=resp.delta.text, token_ids=list(resp.delta.token_ids), logprobs=lps,
+                         index=resp.delta.index)  # fmt: skip
     if kind == "final":
         f, t = resp.final, resp.final.timings
         return StreamEnd(
@@ -348,6 +391,7 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
                 decode_s=_seconds(t.decode),
                 decode_tokens_per_s=t.decode_tokens_per_second,
             ),
+            index=f.index,
         )
     raise KVServeError(grpc.StatusCode.UNKNOWN, f"unknown stream event {kind!r}")
 

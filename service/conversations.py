@@ -141,6 +141,9 @@ class Conversations:
         session_id = inp.session_id
         mode = inp.mode
         check_turn_options(inp)
+        if inp.sampling.response_format is not None:  # compiled (or refused) before any other work
+            await self.engine.check_format(inp.sampling.response_format)
+        remaining = inp.sampling.n  # the turn ends with the n-th Finished
         turn: Turn | None = None
         if session_id and mode is TurnMode.APPEND:
             turn = await self.sessions.begin_turn(owner, session_id, require_existing=inp.require_existing_session)
@@ -185,9 +188,13 @@ class Conversations:
                         last_token_at = self._observe_delta(event, arrival, last_token_at)
                         yield event
                     elif isinstance(event, Finished):
+                        self.metrics.finished.labels(event.finish_reason.value).inc()
+                        remaining -= 1
+                        if remaining:  # n > 1: another sequence ended; the others go on
+                            yield event
+                            continue
                         finished = True
                         observer.finished(event)
-                        self.metrics.finished.labels(event.finish_reason.value).inc()
                         if turn is not None:
                             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                                 rec = await self.sessions.commit_turn(

@@ -34,6 +34,9 @@ MAX_PRESENCE_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2,
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| <= 100
 MAX_TOP_LOGPROBS = 20  # alternatives per token
+MAX_N = 16  # sequences one request may ask for (SamplingParams.n)
+MAX_RESPONSE_FORMAT_CHARS = 32768  # a response_format's JSON schema or regex
+RESPONSE_FORMAT_KINDS = ("json_schema", "json_object", "regex")
 
 # Sampling values beyond these overflow float32 logits (x / 1e-45 = inf -> NaN probabilities).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
@@ -56,6 +59,30 @@ class TurnMode(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """A constraint on the generated text (service/engine/grammar.py compiles it):
+    ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON
+    object; ``spec`` empty) or ``regex`` (``spec``: the pattern the whole output matches)."""
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in RESPONSE_FORMAT_KINDS:
+            raise InvalidRequest(
+                f"response_format kind {self.kind!r} is unknown; use one of {', '.join(RESPONSE_FORMAT_KINDS)}"
+            )
+        if len(self.spec) > MAX_RESPONSE_FORMAT_CHARS:
+            raise InvalidRequest(
+                f"response_format {self.kind} has {len(self.spec)} characters; the limit is {MAX_RESPONSE_FORMAT_CHARS}"
+            )
+        if self.kind == "json_object" and self.spec:
+            raise InvalidRequest("response_format json_object takes no schema (use json_schema)")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequest(f"response_format {self.kind} is empty")
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token. ``temperature == 0`` means greedy."""
 
@@ -74,6 +101,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     min_new_tokens: int = 0  # no eos / stop token id before this many outputs
     logprobs: int | None = None  # None = off; k = the sampled token's logprob + top-k
+    n: int = 1  # sequences sampled from the one prompt (sharing its KV blocks)
+    response_format: ResponseFormat | None = None  # None = unconstrained text
 
     def validate(self, max_new_tokens_limit: int) -> None:
         """Raise InvalidRequest with a precise message on any bad field."""
@@ -138,6 +167,23 @@ class SamplingParams:
             raise InvalidRequest(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
             )
+        self._validate_outputs()
+
+    def _validate_outputs(self) -> None:
+        """n and response_format (its grammar is compiled, and checked, by the engine)."""
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}], got {self.n}")
+        fmt = self.response_format
+        if fmt is None:
+            return
+        fmt.validate()
+        # the grammar decides where the output ends: nothing else may end it early or hold it back
+        if self.stop:
+            raise InvalidRequest("stop strings cannot be combined with response_format (the grammar ends the output)")
+        if self.stop_token_ids:
+            raise InvalidRequest("stop_token_ids cannot be combined with response_format (the grammar ends the output)")
+        if self.min_new_tokens:
+            raise InvalidRequest("min_new_tokens cannot be combined with response_format (the grammar ends the output)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +244,7 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked
+    index: int = 0  # which of the request's n sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +269,7 @@ class Finished:
     text: str  # the full generated text, stop string removed
     timings: Timings = field(default_factory=Timings)
     error: str = ""
+    index: int = 0  # which of the request's n sequences (a request ends after n of these)
 
 
 Event = Started | Delta | Finished

@@ -77,7 +77,7 @@ def check_salt(salt: str, limits: Limits) -> None:
 
 def check_turn_options(inp: TurnInput) -> None:
     """The session options of a turn that need no session to check: they need a
-    session_id, and a regenerate takes no input."""
+    session_id, a regenerate takes no input, and n > 1 takes no session."""
     if not inp.session_id:
         if inp.require_existing_session:
             raise InvalidRequest("require_existing_session needs a session_id")
@@ -85,6 +85,11 @@ def check_turn_options(inp: TurnInput) -> None:
             raise InvalidRequest(f"turn_mode {inp.mode.name} needs a session_id")
         if inp.expected_turns is not None:
             raise InvalidRequest("expected_turns needs a session_id")
+    if inp.sampling.n > 1 and inp.session_id:
+        raise InvalidRequest(
+            f"n = {inp.sampling.n} cannot be used with a session_id: a session keeps one transcript "
+            f"(ask for n > 1 without a session)"
+        )
     if inp.mode is TurnMode.REGENERATE and inp.kind is not None:
         raise InvalidRequest(
             f"turn_mode REGENERATE takes no input (it reuses the last turn's), got {inp.kind}; "
@@ -149,15 +154,27 @@ def check_context(
     )
 
 
-def check_kv_capacity(n_prompt: int, max_new_tokens: int, context_length: int, block_size: int, kv_blocks: int) -> None:
+def check_kv_capacity(
+    n_prompt: int, max_new_tokens: int, context_length: int, block_size: int, kv_blocks: int, n: int = 1
+) -> None:
     """Whether a KV pool of ``kv_blocks`` usable blocks could ever hold the request (the
-    prompt and its new tokens, up to the context)."""
+    prompt and its new tokens, up to the context); with ``n`` > 1 sequences, all of them
+    at once: the prompt's full blocks once (shared), each sequence's own blocks n times."""
     need = -(-min(n_prompt + max_new_tokens, context_length) // block_size)
     if need > kv_blocks:
         raise InvalidRequest(
             f"prompt + max_new_tokens needs {need} KV blocks; the KV cache holds "
             f"{kv_blocks} (raise --kv-cache-memory or lower max_new_tokens)"
         )
+    if n > 1:
+        shared = n_prompt // block_size
+        group = shared + n * (need - shared)
+        if group > kv_blocks:
+            raise InvalidRequest(
+                f"n = {n} sequences of prompt + max_new_tokens need {group} KV blocks at once "
+                f"({shared} shared prompt blocks + {n} x {need - shared}); the KV cache holds "
+                f"{kv_blocks} (lower n or max_new_tokens, or raise --kv-cache-memory)"
+            )
 
 
 def check_generation(
@@ -177,4 +194,4 @@ def check_generation(
     check_vocabulary(req.prompt_token_ids, vocab_size, "prompt_token_ids")
     check_sampling(req.sampling, vocab_size=vocab_size, max_new_tokens_limit=max_new_tokens_limit)
     check_context(0, n, context_length)
-    check_kv_capacity(n, req.sampling.max_new_tokens, context_length, block_size, kv_blocks)
+    check_kv_capacity(n, req.sampling.max_new_tokens, context_length, block_size, kv_blocks, req.sampling.n)

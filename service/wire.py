@@ -69,6 +69,7 @@ from service.types import (
     InvalidRequest,
     ModelInfo,
     QueueFull,
+    ResponseFormat,
     SamplingParams,
     Started,
     Tier,
@@ -214,7 +215,17 @@ def _sampling_controls(s: pb.SamplingParams) -> dict[str, Any]:
         logit_bias=tuple(sorted((tok, f32(b)) for tok, b in s.logit_bias.items())),
         min_new_tokens=s.min_new_tokens,
         logprobs=s.top_logprobs if s.logprobs else None,
+        n=s.n if s.HasField("n") and s.n else 1,
+        response_format=response_format(s.response_format) if s.HasField("response_format") else None,
     )
+
+
+def response_format(f: pb.ResponseFormat) -> ResponseFormat:
+    """The domain form of a set ``response_format`` (its size and grammar are checked later)."""
+    kind = f.WhichOneof("format")
+    if kind is None:
+        raise InvalidRequest("response_format is set but empty: set one of json_schema, json_object, regex")
+    return ResponseFormat(kind, "" if kind == "json_object" else getattr(f, kind))
 
 
 def sampling(s: pb.SamplingParams, default_max_new_tokens: int) -> SamplingParams:
@@ -300,6 +311,7 @@ def start_event(ev: Started, session_id: str) -> pb.StartEvent:
 
 def delta_event(ev: Delta) -> pb.DeltaEvent:
     return pb.DeltaEvent(
+        index=ev.index,
         text=ev.text,
         token_ids=ev.token_ids,
         logprobs=[
@@ -314,6 +326,7 @@ def delta_event(ev: Delta) -> pb.DeltaEvent:
 def final_event(ev: Finished) -> pb.FinalEvent:
     t = ev.timings
     return pb.FinalEvent(
+        index=ev.index,
         finish_reason=FINISH_TO_PB[ev.finish_reason],
         usage=pb.Usage(
             prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens

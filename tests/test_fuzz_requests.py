@@ -74,7 +74,29 @@ def sampling_params(draw) -> pb.SamplingParams:
     s.logprobs = draw(st.booleans())
     if draw(st.booleans()):
         s.top_logprobs = draw(mostly(st.integers(0, 20), st.integers(0, 2**32 - 1)))
+    if draw(st.booleans()):
+        s.n = draw(mostly(st.integers(0, 4), st.integers(0, 2**32 - 1)))
+    if draw(st.integers(0, 3)) == 0:
+        kind = draw(st.sampled_from(["json_schema", "json_object", "regex", "empty"]))
+        if kind == "json_schema":
+            s.response_format.json_schema = draw(mostly(SCHEMAS, utf8_text | st.just("{" * 40000)))
+        elif kind == "json_object":
+            s.response_format.json_object.SetInParent()
+        elif kind == "regex":
+            s.response_format.regex = draw(mostly(st.sampled_from([r"[a-z]{1,4}", r"(yes|no)", r"\d+"]), utf8_text))
+        else:
+            s.response_format.SetInParent()
     return s
+
+
+SCHEMAS = st.sampled_from([
+    '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
+    '{"type": "array", "items": {"type": "boolean"}, "maxItems": 2}',
+    '{"enum": ["x", "y"]}',
+    '{"type": "string", "format": "no-such-format"}',
+    '{"type": 7}',
+    "true",
+])  # fmt: skip
 
 
 @st.composite
@@ -111,16 +133,21 @@ def stub(server):
 
 def _check_stream(req: pb.GenerateRequest, responses: list[pb.GenerateResponse]) -> None:
     kinds = [r.WhichOneof("event") for r in responses]
-    assert kinds[0] == "start" and kinds[-1] == "final" and set(kinds[1:-1]) <= {"delta"}, kinds
-    start, final = responses[0].start, responses[-1].final
-    tokens = [t for r in responses[1:-1] for t in r.delta.token_ids]
-    assert final.usage.completion_tokens == len(tokens) >= 1
-    assert final.usage.prompt_tokens == start.prompt_tokens >= 1
+    assert kinds[0] == "start" and kinds[-1] == "final" and set(kinds[1:]) <= {"delta", "final"}, kinds
+    n = req.sampling.n or 1
+    start = responses[0].start
+    finals = [r.final for r in responses if r.WhichOneof("event") == "final"]
+    assert sorted(f.index for f in finals) == list(range(n))  # one final per sequence
+    for final in finals:
+        tokens = [t for r in responses if r.WhichOneof("event") == "delta" and r.delta.index == final.index
+                  for t in r.delta.token_ids]  # fmt: skip
+        assert final.usage.completion_tokens == len(tokens) >= 1
+        assert final.usage.prompt_tokens == start.prompt_tokens >= 1
+        assert final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        if req.sampling.HasField("max_new_tokens"):
+            assert len(tokens) <= req.sampling.max_new_tokens
+        assert len(tokens) <= LIMIT
     assert start.cached_tokens < start.prompt_tokens  # the last prompt token is always computed
-    assert final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
-    if req.sampling.HasField("max_new_tokens"):
-        assert len(tokens) <= req.sampling.max_new_tokens
-    assert len(tokens) <= LIMIT
 
 
 @FUZZ

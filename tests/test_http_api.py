@@ -136,7 +136,8 @@ def test_a_client_that_goes_away_frees_its_stream(oai, model, server):
         ({"n": 2}, "n"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"no_such_field": 1}, "no_such_field"),
         ({"temperature": -1}, None),
         ({"max_tokens": 10_000_000}, None),
@@ -150,6 +151,29 @@ def test_unsupported_or_bad_fields_are_refused_with_400(oai, model, extra, param
     assert body["type"] == "invalid_request_error" and body["message"]
     if param:
         assert body["param"] == param
+
+
+def test_response_format_json_schema_constrains_the_reply(oai, model):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    r = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=80, seed=3, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=80, seed=3,
+                                    response_format={"type": "json_object"})  # fmt: skip
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=HELLO, response_format=bad)
+    assert "json_schema cannot be used" in e.value.body["message"]
 
 
 def test_not_found_too_large_and_bad_json(oai, model, server):

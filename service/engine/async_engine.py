@@ -1,6 +1,7 @@
 """asyncio front of the engine: the LLMEngine runs on its own thread.
 
-``generate()`` is an async generator of events. Closing it early (the gRPC call was
+``generate()`` is an async generator of events (a request with n > 1 ends after its
+n-th ``Finished``). Closing it early (the gRPC call was
 cancelled, the client went away, the deadline passed) aborts the request: the engine
 finishes it on its next step and releases its blocks.
 """
@@ -28,6 +29,7 @@ from service.types import (
     Finished,
     GenerationRequest,
     ModelInfo,
+    ResponseFormat,
     Tier,
 )
 
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """The front's one typed seam to the engine: ``generate``, ``validate``, ``abort``,
+    """The front's one typed seam to the engine: ``generate``, ``validate``, ``abort``, ``check_format``,
     ``stats``, ``cache_stats`` (a ``CacheStats`` snapshot), ``model_info``, ``tokenizer``,
     ``spill``, ``flush_store``, ``forget`` and ``block_locations``. The front (servicer,
     conversations, spill, metrics) uses nothing else; ``engine`` (the ``LLMEngine`` on its
@@ -117,24 +119,30 @@ class AsyncEngine:
         q: asyncio.Queue[Event] = asyncio.Queue()
         self._queues[req.request_id] = q
         finished = False
+        remaining = req.sampling.n  # the request ends with its n-th Finished
         held: Event | None = None  # taken from the queue while merging deltas, yielded next
         try:
             self.engine.add_request(req)  # raises InvalidRequest / QueueFull / EngineStopped
             while True:
                 event, held = (held, None) if held is not None else (await q.get(), None)
                 if isinstance(event, Delta):
-                    # a consumer that lags behind the engine gets every queued token in one
-                    # event (one message on the wire instead of one per token)
+                    # a consumer that lags behind the engine gets every queued token of a
+                    # sequence in one event (one message on the wire instead of one per token)
                     while not q.empty():
                         nxt = q.get_nowait()
-                        if not isinstance(nxt, Delta):
+                        if not isinstance(nxt, Delta) or nxt.index != event.index:
                             held = nxt
                             break
-                        event = Delta(event.token_ids + nxt.token_ids, event.text + nxt.text, event.logprobs + nxt.logprobs)
+                        event = Delta(
+                            event.token_ids + nxt.token_ids, event.text + nxt.text,
+                            event.logprobs + nxt.logprobs, event.index,
+                        )  # fmt: skip
                 yield event
                 if isinstance(event, Finished):
-                    finished = True
-                    return
+                    remaining -= 1
+                    if remaining == 0:
+                        finished = True
+                        return
         finally:
             self._queues.pop(req.request_id, None)
             if not finished:
@@ -142,6 +150,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    async def check_format(self, fmt: ResponseFormat) -> None:
+        """Compile a response_format's grammar (cached by hash) in a worker thread:
+        InvalidRequest when it is invalid or unsupported."""
+        await asyncio.to_thread(self.engine.grammars.compile, fmt)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

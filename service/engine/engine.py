@@ -14,10 +14,17 @@ One step:
 4. run one batched decode forward for sequences with one pending token, and prefill
    chunks (within ``max_num_batched_tokens``) for the rest,
 5. sample, detokenize, stop, register newly full blocks under their hashes, finish.
+
+A request with ``n > 1`` is one sequence until its prompt is computed; at its first
+sample it forks (``_fork``) into n sequences that share the prompt's full blocks
+(a reference each) and each own a copy of its partial last block (reserved when the
+request was admitted); from then on they run, stream (``index`` on every event) and
+finish as independent sequences. A request ends after n ``Finished`` events.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -32,6 +39,7 @@ import torch
 from cachestore.keys import BlockHash, block_hashes, make_namespace
 from cachestore.tiered import TieredStore
 from service.engine.config import EngineConfig
+from service.engine.grammar import GrammarCompiler
 from service.engine.output import TextStream
 from service.engine.sampling import RowState, make_generator, sample
 from service.types import (
@@ -83,6 +91,10 @@ class Sequence:
     long_rope: bool = False  # LongRoPE models: computed with the long factors (namespace follows)
     started: bool = False
     cancelled: bool = False
+    index: int = 0  # which of the request's n sequences
+    group: list["Sequence"] | None = None  # n > 1, once forked: every sequence of the request
+    fork_blocks: list[Block] = field(default_factory=list)  # n > 1: reserved for the forks' partial block
+    matcher: Any = None  # response_format: the llguidance matcher of this sequence's output
     restore: Future | None = None
     t_admit: float = 0.0
     t_restore0: float = 0.0
@@ -105,6 +117,11 @@ class Sequence:
     @property
     def cached_tokens(self) -> int:
         return sum(self.cached_by_tier.values())
+
+    @property
+    def fork_pending(self) -> bool:
+        """n > 1 and not forked yet (the prompt is still being computed)."""
+        return self.request.sampling.n > 1 and self.group is None
 
 
 Emitted = list[tuple[str, Event]]
@@ -158,6 +175,8 @@ class LLMEngine:
         self.num_seal_tokens = 0
         self.num_preempted = 0
         self.num_restores_skipped = 0  # restores cut because recomputing was faster
+        self.num_forked = 0  # sequences created by forking an n > 1 request
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.eos_token_ids)
         # measured prefill rate (tokens/s), for the restore-or-recompute decision
         self.prefill_tokens_per_s: float | None = None
         self._prefill_marks: deque[tuple[int, Any, Any]] = deque()  # (tokens, start, end) to read
@@ -220,6 +239,8 @@ class LLMEngine:
             block_size=self.block_size,
             kv_blocks=self.blocks.num_usable,
         )
+        if req.sampling.response_format is not None:
+            self.grammars.compile(req.sampling.response_format)  # cached: the conversation compiled it
 
     def add_request(self, req: GenerationRequest) -> None:
         self.validate(req)
@@ -235,6 +256,8 @@ class LLMEngine:
             stream=TextStream(self.tokenizer.detokenizer(), req.sampling.stop),
             generator=make_generator(req.sampling, self.device),
         )
+        if req.sampling.response_format is not None:
+            seq.matcher = self.grammars.matcher(req.sampling.response_format)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= self.cfg.max_queue:
                 raise QueueFull(
@@ -309,15 +332,16 @@ class LLMEngine:
             self._by_id[seq.request_id] = seq
             self.waiting.append(seq)
         for rid in aborts:
-            seq = self._by_id.get(rid)
-            if seq is None or seq.status is SeqStatus.FINISHED:
-                continue
-            if seq.status is SeqStatus.RESTORING:
-                seq.cancelled = True  # its blocks are being written; finished at poll time
-                continue
-            if seq.status is SeqStatus.WAITING:
-                self.waiting.remove(seq)
-            self._finish(seq, FinishReason.CANCELLED, out)
+            first = self._by_id.get(rid)
+            for seq in (first.group or [first]) if first is not None else []:
+                if seq.status is SeqStatus.FINISHED:
+                    continue
+                if seq.status is SeqStatus.RESTORING:
+                    seq.cancelled = True  # its blocks are being written; finished at poll time
+                    continue
+                if seq.status is SeqStatus.WAITING:
+                    self.waiting.remove(seq)
+                self._finish(seq, FinishReason.CANCELLED, out)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -344,11 +368,14 @@ class LLMEngine:
         device_hits = self.blocks.match_prefix(seq.hashes[:reusable])
         n_dev = len(device_hits)
         n_needed = -(-n_tokens // bs)
+        # n > 1: one block per extra sequence for its copy of the partial last prompt block
+        n_fork = seq.request.sampling.n - 1 if seq.fork_pending and n_tokens % bs else 0
         idle_hits = sum(1 for b in device_hits if b.ref_count == 0)
-        if self.blocks.num_free - idle_hits < n_needed - n_dev:
+        if self.blocks.num_free - idle_hits < n_needed - n_dev + n_fork:
             return False
         self.blocks.touch(device_hits)
         fresh = self.blocks.allocate(n_needed - n_dev)
+        seq.fork_blocks = self.blocks.allocate(n_fork)
         seq.blocks = device_hits + fresh
         seq.num_computed = n_dev * bs
         seq.num_registered = n_dev
@@ -573,6 +600,59 @@ class LLMEngine:
         self.blocks.free(seq.blocks[seq.num_released :])
         seq.blocks = []
         seq.num_released = 0
+        if seq.fork_blocks:
+            self.blocks.free(seq.fork_blocks)
+            seq.fork_blocks = []
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """An n > 1 request's prompt is computed (its last token's logits are about to be
+        sampled): make the other n - 1 sequences. Each takes a reference on the prompt's
+        full blocks and gets one reserved block holding a copy of the partial last block
+        (no recompute); its own generator (seed + index) and, with a response_format, a
+        copy of the matcher at the grammar's start."""
+        bs = self.block_size
+        full = seq.num_computed // bs
+        seq.group = [seq]
+        reserved = seq.fork_blocks
+        seq.fork_blocks = []
+        p = seq.request.sampling
+        for i in range(1, p.n):
+            blocks = list(seq.blocks[:full])
+            self.blocks.touch(blocks[seq.num_released :])
+            if full < len(seq.blocks):  # the partial last block: a copy of its KV
+                own = reserved.pop()
+                self.pool.data[own.block_id].copy_(self.pool.data[seq.blocks[full].block_id])
+                blocks.append(own)
+            seed = None if p.seed is None else (p.seed + i) & 0xFFFF_FFFF_FFFF_FFFF
+            child = Sequence(
+                request=seq.request,
+                namespace=seq.namespace,
+                token_ids=list(seq.token_ids),
+                num_prompt=seq.num_prompt,
+                arrival=seq.arrival,
+                stream=TextStream(self.tokenizer.detokenizer(), p.stop),
+                generator=make_generator(dataclasses.replace(p, seed=seed), self.device),
+                status=SeqStatus.RUNNING,
+                blocks=blocks,
+                hashes=list(seq.hashes),
+                num_computed=seq.num_computed,
+                num_registered=seq.num_registered,
+                num_released=seq.num_released,
+                cached_by_tier=dict(seq.cached_by_tier),
+                long_rope=seq.long_rope,
+                started=True,
+                t_admit=seq.t_admit,
+                restore_s=seq.restore_s,
+                index=i,
+                group=seq.group,
+                matcher=seq.matcher.deep_copy() if seq.matcher is not None else None,
+            )
+            seq.group.append(child)
+            self.running.append(child)
+        if reserved:  # not needed after all (cannot happen: reserved iff a partial block)
+            self.blocks.free(reserved)
+        self.num_forked += p.n - 1
+        return seq.group[1:]
 
     def _release_outside_window(self, seq: Sequence) -> None:
         """Sliding-window models (every layer windowed): give back the leading blocks no
@@ -602,15 +682,22 @@ class LLMEngine:
         seq.num_registered = full
 
     def _sample_and_emit(self, rows: list[tuple[Sequence, torch.Tensor]], out: Emitted) -> None:
+        if any(s.fork_pending for s, _ in rows):  # n > 1: every sequence samples the prompt's logits
+            rows = [(c, r) for s, r in rows for c in ([s] + self._fork(s) if s.fork_pending else [s])]
         logits = torch.stack([r for _, r in rows]).float()
         if self.sampleable_vocab < logits.shape[-1]:
             logits[:, self.sampleable_vocab :] = float("-inf")
         seqs = [s for s, _ in rows]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        masks = None
+        if constrained:
+            masks = (constrained, self.grammars.fill_masks([seqs[i].matcher for i in constrained]))
         sampled = sample(
             logits,
             [s.request.sampling for s in seqs],
             [s.generator for s in seqs],
             [RowState(s.token_ids, s.num_prompt, self._stop_ids(s)) for s in seqs],
+            masks,
         )
         now = time.monotonic()
         finished: list[tuple[Sequence, FinishReason]] = []
@@ -621,16 +708,22 @@ class LLMEngine:
                 seq.t_first = now
             seq.t_last = now
             is_stop_token = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+            grammar_end = False
+            if seq.matcher is not None:
+                if not seq.matcher.consume_token(tok):  # the mask allowed it: cannot happen
+                    log.error("request %s: the grammar refused token %d: %s", seq.request_id, tok, seq.matcher.get_error())
+                grammar_end = seq.matcher.is_stopped()  # the grammar accepts nothing more
+                is_stop_token = is_stop_token or (grammar_end and tok in self.eos_ids)
             text = "" if is_stop_token else seq.stream.push([tok])
             reason = None
-            if is_stop_token or seq.stream.stopped:
+            if is_stop_token or seq.stream.stopped or grammar_end:
                 reason = FinishReason.STOP
             elif seq.num_output >= p.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 text += seq.stream.finish()  # "" when a stop string ended it
             out.append(
-                (seq.request_id, Delta(token_ids=[tok], text=text, logprobs=[lp] if lp else []))
+                (seq.request_id, Delta(token_ids=[tok], text=text, logprobs=[lp] if lp else [], index=seq.index))
             )
             if reason is not None:
                 finished.append((seq, reason))
@@ -668,9 +761,10 @@ class LLMEngine:
         if seq in self.running:
             self.running.remove(seq)
         seq.status = SeqStatus.FINISHED
-        if seq.blocks:
+        if seq.blocks or seq.fork_blocks:
             self._release_blocks(seq)
-        self._by_id.pop(seq.request_id, None)
+        if seq.group is None or all(s.status is SeqStatus.FINISHED for s in seq.group):
+            self._by_id.pop(seq.request_id, None)
         now = time.monotonic()
         t_first = seq.t_first or now
         decode_s = (seq.t_last - seq.t_first) if seq.t_first else 0.0
@@ -696,9 +790,28 @@ class LLMEngine:
                     text=seq.stream.text,
                     timings=timings,
                     error=error,
+                    index=seq.index,
                 ),
             )
         )
+        if seq.fork_pending:  # n > 1 ended before forking: the other n - 1 end with it, empty
+            for i in range(1, seq.request.sampling.n):
+                out.append(
+                    (
+                        seq.request_id,
+                        Finished(
+                            finish_reason=reason,
+                            prompt_tokens=seq.num_prompt,
+                            completion_tokens=0,
+                            cached_tokens=seq.cached_tokens,
+                            output_token_ids=[],
+                            text="",
+                            timings=timings,
+                            error=error,
+                            index=i,
+                        ),
+                    )
+                )
 
     # ---- cache store hooks -----------------------------------------------------------
 

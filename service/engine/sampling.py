@@ -5,8 +5,12 @@ The pipeline, row by row but as batched tensor ops over the rows that need each 
 1. penalties on the raw logits: repetition (prompt + output, CTRL-style), presence and
    frequency (output tokens only, OpenAI-style), logit_bias, and, until a row has
    ``min_new_tokens`` outputs, its stop token ids (eos + ``stop_token_ids``) at -inf.
+   Then, for rows with a response_format, the grammar's token bitmask (computed on
+   CPU by llguidance for every constrained row at once, service/engine/grammar.py):
+   every token the grammar does not allow next is -inf.
    These are the *processed logits*; logprobs are ``log_softmax`` of them (after
-   penalties, before temperature and the top-k / top-p / min-p filters).
+   penalties and the grammar mask, before temperature and the top-k / top-p / min-p
+   filters).
 2. greedy rows (temperature 0): argmax of the processed logits.
 3. sampled rows: divide by temperature, min_p (drop tokens under min_p x the top
    token's probability), top_k, top_p, softmax, and one draw with the request's own
@@ -121,6 +125,17 @@ def apply_penalties(
         logits[r, t] = float("-inf")
 
 
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """-inf (in place) for the tokens the grammar forbids: ``bitmask[j]`` (llguidance's
+    int32 words, service/engine/grammar.py) is row ``rows[j]``'s; one batched op."""
+    from service.engine.grammar import allowed_tokens
+
+    V = logits.shape[-1]
+    allowed = allowed_tokens(bitmask, V).to(logits.device, non_blocking=True)  # (R, V) bool
+    idx = torch.tensor(rows, device=logits.device)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~allowed, float("-inf")))
+
+
 def filter_logits(
     logits: torch.Tensor,  # (R, V) temperature-scaled
     top_k: torch.Tensor,  # (R,) long, 0 = off
@@ -207,12 +222,15 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     states: Sequence[RowState],
+    masks: tuple[list[int], torch.Tensor] | None = None,  # (rows, their grammar bitmasks)
 ) -> Sampled:
     """One token id per row, plus its logprobs where the row asked for them."""
     B = logits.shape[0]
     dev = logits.device
     if any(_needs_penalties(p) for p in params):
         apply_penalties(logits, params, states)
+    if masks is not None:
+        apply_grammar_masks(logits, *masks)
     tokens: list[int] = logits.argmax(-1).tolist()  # every greedy row; sampled rows overwritten
     hot = [i for i in range(B) if params[i].temperature != 0.0]
     if hot:

@@ -20,15 +20,19 @@ top_k, repetition_penalty, ignore_eos,     the same (extensions, as vLLM names t
 stop_token_ids, cache_salt
 n, best_of                                 1 only
 frequency_penalty, presence_penalty        0 only
+response_format (chat)                     text: free text; json_object and
+                                           json_schema (its ``schema``): the
+                                           response_format of SamplingParams
 logprobs / top_logprobs, logit_bias,       refused (400 unsupported_parameter)
-tools, functions, response_format (other
-than text), echo, suffix
+tools, functions, echo, suffix
 user, metadata, store, stream_options      accepted; user/metadata/store change nothing
 =========================================  ==========================================
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -36,7 +40,16 @@ from typing import Any, Mapping
 import grpc
 
 from service import wire
-from service.types import ChatMessage, Finished, FinishReason, SamplingParams, Started, Tier, TurnInput
+from service.types import (
+    ChatMessage,
+    Finished,
+    FinishReason,
+    ResponseFormat,
+    SamplingParams,
+    Started,
+    Tier,
+    TurnInput,
+)
 
 # gRPC status (service/wire.py's table) -> HTTP status and OpenAI error type
 HTTP_OF_CODE: Mapping[grpc.StatusCode, tuple[int, str]] = {
@@ -231,17 +244,39 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
+def response_format(fmt: Any) -> ResponseFormat | None:
+    """OpenAI's response_format: ``{"type": "text"}`` (None), ``{"type": "json_object"}``
+    or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text" and set(fmt) == {"type"}:
+        return None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return ResponseFormat("json_object")
+    if kind == "json_schema" and set(fmt) == {"type", "json_schema"}:
+        spec = fmt["json_schema"]
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise HttpError(400, "response_format.json_schema must be an object with a schema object",
+                            param="response_format.json_schema")  # fmt: skip
+        if set(spec) - {"name", "schema", "strict", "description"}:
+            raise unsupported("response_format.json_schema", "takes name, description, schema and strict")
+        return ResponseFormat("json_schema", json.dumps(spec["schema"]))
+    raise HttpError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                    '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', param="response_format")  # fmt: skip
+
+
 def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     """A /v1/chat/completions body as a domain request (the whole history as messages)."""
     _check_common(body, CHAT_FIELDS, "/v1/chat/completions")
     for name in ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "top_logprobs"):
         if body.get(name) not in (None, [], "none"):
             raise unsupported(name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", "only {\"type\": \"text\"} is supported")
     stream, include_usage = _stream(body)
     sampling, max_tokens = _sampling(body, "max_completion_tokens", default_max_new_tokens)
+    fmt = response_format(body.get("response_format"))
+    if fmt is not None:
+        sampling = dataclasses.replace(sampling, response_format=fmt)
     inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
     return ParsedRequest(body.get("model"), inp, stream, include_usage)
 

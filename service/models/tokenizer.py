@@ -248,6 +248,37 @@ class Tokenizer:
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self)
 
+    # ---- the vocabulary as bytes (constrained decoding: service/engine/grammar.py) ----
+
+    def hf_tokenizer_json(self) -> str | None:
+        """The ``tokenizers`` serialization of an HF backend (None for sentencepiece)."""
+        return self._backend.tok.to_str() if isinstance(self._backend, _HFBackend) else None
+
+    def token_bytes(self) -> tuple[list[bytes], list[int]]:
+        """Sentencepiece: every id's bytes as they appear in decoded text ("▁" is a space,
+        ``<0xNN>`` the byte NN) and the ids of control/unknown pieces (no text)."""
+        if not isinstance(self._backend, _SentencePieceBackend):
+            raise TypeError("token_bytes is for sentencepiece tokenizers; use hf_tokenizer_json")
+        sp = self._backend.sp
+        out: list[bytes] = []
+        special: list[int] = []
+        for i in range(sp.get_piece_size()):
+            piece = sp.id_to_piece(i)
+            if sp.is_byte(i):
+                out.append(bytes([int(piece[3:5], 16)]))
+            elif sp.is_control(i) or sp.is_unknown(i):
+                out.append(piece.encode("utf-8"))
+                special.append(i)
+            else:
+                out.append(piece.replace("\u2581", " ").encode("utf-8"))
+        return out, special
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` as it would continue a sequence: no bos, no sentencepiece dummy prefix."""
+        if isinstance(self._backend, _SentencePieceBackend):
+            return self._backend.sp_cont.encode(text)
+        return self._backend.encode(text, add_special_tokens=False)
+
     # ---- chat -----------------------------------------------------------------------
 
     @property
