@@ -56,6 +56,26 @@ def test_kv_capacity_counts_blocks_up_to_the_context() -> None:
         "prompt + max_new_tokens needs 5 KV blocks; the KV cache holds 4 "
         "(raise --kv-cache-memory or lower max_new_tokens)"
     )
+    check_kv_capacity(20, 30, 128, 16, 7, n=2)  # 50 tokens: 4 blocks, 1 shared + 2 x 3
+    assert message(check_kv_capacity, 20, 30, 128, 16, 9, n=3) == (
+        "n = 3 sequences of prompt + max_new_tokens need 10 KV blocks at once (1 shared prompt blocks + 3 x 3); "
+        "the KV cache holds 9 (lower n or max_new_tokens, or raise --kv-cache-memory)"
+    )
+
+
+def test_n_and_response_format() -> None:
+    from service.types import ResponseFormat
+
+    limit = dict(vocab_size=100, max_new_tokens_limit=256)
+    check_sampling(SamplingParams(n=16, response_format=ResponseFormat("json_object")), **limit)
+    assert message(check_sampling, SamplingParams(n=0), **limit) == "n must be in [1, 16], got 0"
+    assert message(check_sampling, SamplingParams(response_format=ResponseFormat("regex", "x" * 32769)), **limit) == (
+        "response_format regex has 32769 characters; the limit is 32768"
+    )
+    assert message(check_sampling, SamplingParams(stop_token_ids=(5,), response_format=ResponseFormat("regex", "x")),
+                   **limit) == (
+        "stop_token_ids cannot be combined with response_format (the grammar ends the output)"
+    )  # fmt: skip
 
 
 def test_vocabulary_sampling_and_stop_lists() -> None:
@@ -115,6 +135,9 @@ def test_turn_options() -> None:
     )
     assert message(check_turn_options, TurnInput(text="x", mode=TurnMode.EDIT)) == "turn_mode EDIT needs a session_id"
     assert message(check_turn_options, TurnInput(text="x", expected_turns=0)) == "expected_turns needs a session_id"
+    assert message(check_turn_options, TurnInput(session_id="s", text="x", sampling=SamplingParams(n=3))) == (
+        "n = 3 cannot be used with a session_id: a session keeps one transcript (ask for n > 1 without a session)"
+    )
     assert message(check_turn_options, TurnInput(session_id="s", text="x", mode=TurnMode.REGENERATE)) == (
         "turn_mode REGENERATE takes no input (it reuses the last turn's), got text; use TURN_MODE_EDIT to replace the input"
     )
