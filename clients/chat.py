@@ -13,7 +13,10 @@ would come out the same; a number after it sets the temperature), ``/edit MESSAG
 replaces the last message and answers it, ``/undo`` drops the last turn (its KV stays
 cached: asking again restores it), ``/fork NAME`` branches the conversation into a new
 session NAME and continues there, ``/reset`` deletes the session and starts a new one,
-``/quit`` (or end of input) exits. ``--session NAME`` resumes that session (default: a new random id).
+``/quit`` (or end of input) exits. ``/regenerate``, ``/edit`` and ``/undo`` name the
+turn count the chat knows (expected_turns), so a turn another client added meanwhile
+is never replaced or dropped: the command fails, the chat reads the session again, and
+the same command then applies to the session as it is. ``--session NAME`` resumes that session (default: a new random id).
 Works with stdin from a pipe (no prompt is printed when stdin is not a terminal).
 Ctrl-C during a reply cancels that turn (the session is left as before the turn).
 Follow-up turns demand the existing session: if the server no longer has its history
@@ -49,7 +52,9 @@ def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str
 def _turn(
     client: KVServeClient, session: str, message: str | None, args: argparse.Namespace, out: TextIO,
     existing: bool = False, turn_mode: str = "append", temperature: float | None = None,
-) -> None:  # fmt: skip
+    expected_turns: int | None = None,
+) -> bool:  # fmt: skip
+    """One streamed turn; False if it was cancelled (Ctrl-C: the session is as before)."""
     sent = time.perf_counter()
     ttft: float | None = None
     start: StreamStart | None = None
@@ -61,6 +66,7 @@ def _turn(
         timeout=args.timeout,
         require_existing_session=existing and turn_mode == "append",
         turn_mode=turn_mode,
+        expected_turns=expected_turns,
     )
     try:
         for event in stream:
@@ -78,42 +84,58 @@ def _turn(
         stream.cancel()
         out.write("\n[cancelled]\n")
         out.flush()
+        return False
+    return True
 
 
 def _session_command(
-    client: KVServeClient, session: str, command: str, rest: str, args: argparse.Namespace, out: TextIO, err: TextIO
-) -> bool:
-    """``/regenerate``, ``/edit``, ``/undo`` or ``/fork``; False (the error printed) if it failed."""
+    client: KVServeClient, session: str, turns: int, command: str, rest: str, args: argparse.Namespace,
+    out: TextIO, err: TextIO,
+) -> int | None:  # fmt: skip
+    """``/regenerate``, ``/edit``, ``/undo`` or ``/fork`` on a session this chat knows to
+    have ``turns`` turns (sent as expected_turns: a turn another client added meanwhile is
+    never replaced or dropped). Returns the session's turns after it (the new session's
+    for ``/fork``), or None (the error printed) if it failed."""
     try:
         if command == "/regenerate":
             try:
                 temperature = float(rest) if rest else (args.temperature or 1.0)
             except ValueError:
                 err.write(f"[usage: /regenerate [TEMPERATURE], got {rest!r}]\n")
-                return False
-            _turn(client, session, None, args, out, turn_mode="regenerate", temperature=temperature)
+                return None
+            _turn(client, session, None, args, out, turn_mode="regenerate", temperature=temperature,
+                  expected_turns=turns)  # fmt: skip
         elif command == "/edit":
             if not rest:
                 err.write("[usage: /edit MESSAGE]\n")
-                return False
-            _turn(client, session, rest, args, out, turn_mode="edit")
+                return None
+            _turn(client, session, rest, args, out, turn_mode="edit", expected_turns=turns)
         elif command == "/undo":
-            info, dropped = client.rewind_session(session, 1)
+            info, dropped = client.rewind_session(session, 1, expected_turns=turns)
+            turns = info.turns
             out.write(f"[session {session}: undid the last turn ({dropped} tokens); {info.turns} turns, "
                       f"{info.token_count} tokens]\n")  # fmt: skip
         else:
             if not rest:
                 err.write("[usage: /fork NAME]\n")
-                return False
+                return None
             info = client.fork_session(session, rest)
+            turns = info.turns
             out.write(f"[session {rest}: forked from {session} at turn {info.turns}, {info.token_count} tokens "
                       f"({info.cached_blocks['device']}/{info.full_blocks} blocks shared on the device)]\n")  # fmt: skip
     except KVServeError as e:
         err.write(f"[error {e.code.name}: {e.details}]\n")
         err.flush()
-        return False
+        return None
     out.flush()
-    return True
+    return turns
+
+
+def _turns_now(client: KVServeClient, session: str, turns: int) -> int:
+    try:
+        return client.get_session(session).turns
+    except KVServeError:
+        return turns
 
 
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
@@ -132,11 +154,12 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
     session = args.session or f"chat-{uuid.uuid4().hex[:12]}"
 
     has_history = False  # the session has completed turns: later turns demand it exists
+    turns = 0  # the session's completed turns, as far as this chat knows
     with KVServeClient(args.address, token=args.token) as client:
         try:
             info = client.get_session(session)
             out.write(f"[session {session}: resumed, {info.turns} turns, {info.token_count} tokens]\n")
-            has_history = True
+            has_history, turns = True, info.turns
         except KVServeError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:
                 err.write(f"[error {e.code.name}: {e.details}]\n")
@@ -163,9 +186,14 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
             command, _, rest = message.partition(" ")
             rest = rest.strip()
             if command in ("/regenerate", "/edit", "/undo", "/fork"):
-                last_failed = not _session_command(client, session, command, rest, args, out, err)
-                if command == "/fork" and not last_failed:
-                    session, has_history = rest, True
+                after = _session_command(client, session, turns, command, rest, args, out, err)
+                last_failed = after is None
+                if after is None:  # another client may have changed the session: learn its turns
+                    turns = _turns_now(client, session, turns)
+                else:
+                    turns = after
+                    if command == "/fork":
+                        session, has_history = rest, True
                 continue
             if message == "/reset":
                 try:
@@ -176,18 +204,20 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 session = f"chat-{uuid.uuid4().hex[:12]}"
                 out.write(f"[session {session}: new]\n")
                 out.flush()
-                has_history = False
+                has_history, turns = False, 0
                 continue
             try:
                 try:
-                    _turn(client, session, message, args, out, existing=has_history)
+                    done = _turn(client, session, message, args, out, existing=has_history)
                 except KVServeError as e:
                     if not (has_history and e.code == grpc.StatusCode.NOT_FOUND):
                         raise
                     out.write(f"[session {session}: the server no longer has its history "
                               f"(expired, deleted or lost); starting it over]\n")  # fmt: skip
-                    _turn(client, session, message, args, out)
-                has_history = True
+                    turns = 0
+                    done = _turn(client, session, message, args, out)
+                if done:
+                    has_history, turns = True, turns + 1
                 last_failed = False
             except KVServeError as e:
                 last_failed = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -114,3 +115,40 @@ def test_regenerate_edit_undo_and_fork(server):
     assert "usage: /fork NAME" in bad.stderr
     bad = _chat(server.address, "/fork cli-branch\n", "--session", "cli-ops", status=1, quiet=False)
     assert "ALREADY_EXISTS" in bad.stderr
+
+
+class _Lines(io.StringIO):
+    """stdin whose lines may run an action first (another client acting between lines)."""
+
+    def __init__(self, lines: list) -> None:
+        super().__init__()
+        self._lines = list(lines)
+
+    def readline(self, *args: object) -> str:
+        if not self._lines:
+            return ""
+        item = self._lines.pop(0)
+        if callable(item):
+            item()
+            return self.readline()
+        return item + "\n"
+
+
+def test_undo_and_regenerate_never_touch_a_turn_another_client_added(server, capsys):
+    from clients.chat import main as chat_main
+
+    with KVServeClient(server.address) as other:
+        stdin = _Lines([
+            "hello there",
+            lambda: other.chat("cli-shared", "a turn from elsewhere", max_new_tokens=4),
+            "/undo",  # refused: the chat knows 1 turn, the session has 2
+            "/undo",  # the chat has read the session again: drops the other client's turn
+            "/regenerate",
+        ])  # fmt: skip
+        out = io.StringIO()
+        status = chat_main(["--address", server.address, "--session", "cli-shared", "--max-new-tokens", "4"],
+                           stdin=stdin, stdout=out)  # fmt: skip
+        assert status == 0, capsys.readouterr().err
+        assert "has 2 completed turns, the request expected 1 (expected_turns)" in capsys.readouterr().err
+        assert "undid the last turn" in out.getvalue() and len(STATS.findall(out.getvalue())) == 2
+        assert other.get_session("cli-shared").turns == 1

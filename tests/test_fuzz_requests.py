@@ -24,6 +24,7 @@ PRECISE = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
 }
 
 utf8_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80)
@@ -115,6 +116,10 @@ def generate_requests(draw) -> pb.GenerateRequest:
         req.tokens.SetInParent()
     if draw(st.booleans()):
         req.sampling.CopyFrom(draw(sampling_params()))
+    if draw(st.booleans()):
+        req.turn_mode = draw(mostly(st.sampled_from([0, 1, 2, 3]), st.integers(-(2**31), 2**31 - 1)))
+    if draw(st.integers(0, 3)) == 0:
+        req.expected_turns = draw(mostly(st.integers(0, 3), st.integers(0, 2**32 - 1)))
     return req
 
 
@@ -194,11 +199,20 @@ def test_extreme_sampling_values_are_served_or_refused(stub, temperature, top_p,
     session_id=st.sampled_from(["fz-1", "fz-2", "missing"]) | utf8_text,
     page_size=st.integers(-(2**31), 2**31 - 1) | st.integers(0, 3),
     page_token=st.sampled_from(["", "fz-1"]) | utf8_text,
+    turns=st.integers(0, 3) | st.integers(0, 2**32 - 1),
+    new_session_id=st.sampled_from(["fz-1", "fz-fork", ""]) | utf8_text,
 )
-def test_session_calls_get_an_answer_or_a_precise_status(stub, session_id, page_size, page_token):
+def test_session_calls_get_an_answer_or_a_precise_status(stub, session_id, page_size, page_token, turns,
+                                                         new_session_id):  # fmt: skip
+    get = pb.GetSessionRequest(session_id=session_id, include_token_ids=True, include_turns=True)
+    fork = pb.ForkSessionRequest(session_id=session_id, new_session_id=new_session_id)
+    if turns % 2:
+        fork.at_turn = turns
     calls = [
-        lambda: stub.GetSession(pb.GetSessionRequest(session_id=session_id, include_token_ids=True), timeout=DEADLINE_S),
+        lambda: stub.GetSession(get, timeout=DEADLINE_S),
         lambda: stub.ListSessions(pb.ListSessionsRequest(page_size=page_size, page_token=page_token), timeout=DEADLINE_S),
+        lambda: stub.ForkSession(fork, timeout=DEADLINE_S),
+        lambda: stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, turns=turns), timeout=DEADLINE_S),
     ]
     for call in calls:
         try:

@@ -6,6 +6,7 @@ written before turn boundaries existed (codec version 1) still load and continue
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import threading
@@ -15,7 +16,7 @@ import grpc
 import pytest
 import redis
 
-from clients import KVServeClient, KVServeError
+from clients import AsyncKVServeClient, KVServeClient, KVServeError
 from clients._proto.kvserve.v1 import generation_pb2 as pb
 from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from service.auth import hash_key
@@ -259,6 +260,29 @@ def test_a_cancelled_regenerate_keeps_the_old_answer(client):
     stream.cancel()
     assert wait_until(lambda: not client.get_session("keep").busy, timeout=30)
     assert client.get_session("keep", include_token_ids=True).token_ids == before
+
+
+def test_the_async_client_has_every_operation(client, server):
+    async def run() -> None:
+        async with AsyncKVServeClient(server.address, token=KEY_A, timeout=60) as c:
+            first = await c.chat("aio", MSGS[0], max_new_tokens=6)
+            second = await c.chat("aio", MSGS[1], max_new_tokens=6)
+            info = await c.get_session("aio", include_turns=True)
+            assert [t.output_tokens for t in info.turn_log] == [len(first.token_ids), len(second.token_ids)]
+            again = await c.regenerate("aio", max_new_tokens=6, expected_turns=2)
+            assert again.token_ids == second.token_ids  # greedy: the same answer
+            edited = await c.edit("aio", "where is the dog?", max_new_tokens=6)
+            assert (await c.get_session("aio", include_token_ids=True)).token_ids[-len(edited.token_ids):] \
+                == edited.token_ids  # fmt: skip
+            fork = await c.fork_session("aio", "aio-b", at_turn=1)
+            assert fork.turns == 1 and fork.turn_log == info.turn_log[:1]
+            rewound, dropped = await c.rewind_session("aio", 1)
+            assert rewound.turns == 1 and rewound.token_count == fork.token_count and dropped > 0
+            with pytest.raises(KVServeError) as err:
+                await c.fork_session("aio", "aio-b")
+            assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+
+    asyncio.run(run())
 
 
 # ----------------------------------------------------------------------------- races
