@@ -197,6 +197,9 @@ class BlockTier(Storage["torch.Tensor"]):
       a tier that evicts on its own without telling (Redis' maxmemory) ignores it.
     - ``breaker_state``: ``OPEN`` while the tier refuses calls (demotions to it are
       dropped, counted, instead of queued).
+    - ``shared``: the tier outlives this process and every replica reads it (Redis):
+      the drain writes sessions' blocks there so another replica, or this one
+      restarted, resumes them.
     - ``close()``: release connections.
     """
 
@@ -205,6 +208,7 @@ class BlockTier(Storage["torch.Tensor"]):
     block_nbytes: int  # bytes of one block in memory
     writes_inline: bool = False
     batch_blocks: int = 64
+    shared: bool = False
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return False

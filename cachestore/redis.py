@@ -128,6 +128,7 @@ class RedisTier(BlockTier):
     """KV blocks in Redis. See the module docstring and ``cachestore.base``."""
 
     name = Tier.REDIS
+    shared = True  # outlives the process, read by every replica
 
     def __init__(
         self,

@@ -238,6 +238,12 @@ class TieredStore:
         """Names of the configured tiers, fastest first."""
         return tuple(self._tiers)
 
+    @property
+    def shared_tier(self) -> str | None:
+        """The first tier that outlives this process and every replica reads
+        (``BlockTier.shared``: Redis), where the drain writes; None without one."""
+        return next((t.name for t in self._order if t.shared), None)
+
     def tier(self, name: str) -> BlockTier | None:
         """The configured tier of that name (None: not configured)."""
         return self._tiers.get(name)

@@ -7,7 +7,8 @@ host tier for blocks already demoted there); from then on the device copy is evi
 at no loss, and any replica (or this one after a restart) can restore them.
 
 On shutdown, ``persist_all`` writes every full block of every remembered session that
-Redis does not yet hold, from the device or the host tier, bounded by a timeout, so a
+the store's shared tier (``ModelInfo.shared_tier``: Redis, which every replica reads)
+does not yet hold, from the device or the host tier, bounded by a timeout, so a
 rolling deploy loses no cache; it reports how many blocks Redis holds and how many were
 left (``DrainReport``, logged by the server and counted in ``drained_blocks`` /
 ``drain_left_blocks``).
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from service.types import CacheScope, Tier
+from service.types import CacheScope
 
 if TYPE_CHECKING:
     from service.engine import AsyncEngine
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class DrainReport:
     sessions: int  # sessions this replica remembers
     blocks: int  # their full blocks
-    in_redis: int  # of those, held by Redis afterwards (written now or already there)
+    in_redis: int  # of those, held by the shared tier (Redis) afterwards (written now or already there)
     written: int  # blocks Redis newly stored during the drain
     left: int  # full blocks not in Redis when the drain ended (timeout, Redis away, queue full)
     complete: bool  # every block is in Redis and every queued write is through
@@ -62,6 +63,7 @@ class SpillScheduler:
         self.engine = engine
         self.spill_after_s = spill_after_s
         self.tiers = tuple(t for t in tiers if t in configured)
+        self.shared_tier = engine.model_info.shared_tier  # where the drain writes (Redis), or None
         self.max_sessions = max_sessions
         self._clock = clock
         self._sessions: OrderedDict[tuple[str, str], _Idle] = OrderedDict()
@@ -78,7 +80,7 @@ class SpillScheduler:
     def touch(self, owner: str, session_id: str, token_ids: list[int], scope: CacheScope) -> None:
         """A turn of this session completed now (remembered for the idle spill and, with
         Redis, for the drain)."""
-        if not self.enabled and Tier.REDIS not in self.engine.model_info.tiers:
+        if not self.enabled and self.shared_tier is None:
             return
         key = (owner, session_id)
         self._sessions[key] = _Idle(list(token_ids), scope, self._clock())
@@ -126,10 +128,11 @@ class SpillScheduler:
     async def persist_all(self, timeout_s: float) -> DrainReport:
         """Write every full block of every remembered session to Redis (the drain on
         shutdown), from the device or the host tier, within ``timeout_s``."""
-        if Tier.REDIS not in self.engine.model_info.tiers:
+        shared = self.shared_tier
+        if shared is None:
             return DrainReport(len(self._sessions), 0, 0, 0, 0, True)
         deadline = time.monotonic() + timeout_s
-        puts_before = self._redis_puts()
+        puts_before = self._shared_puts()
         blocks = in_redis = 0
         complete = True
         for s in list(self._sessions.values()):
@@ -140,24 +143,24 @@ class SpillScheduler:
                 complete = False
                 continue
             try:
-                n, held = await asyncio.wait_for(self._spill(s, (Tier.REDIS,), force=True), remaining)
+                n, held = await asyncio.wait_for(self._spill(s, (shared,), force=True), remaining)
             except asyncio.TimeoutError:
                 complete = False
                 continue
-            in_redis += min(held.get(Tier.REDIS, 0), n)
+            in_redis += min(held.get(shared, 0), n)
         flushed = await self.engine.flush_store(max(deadline - time.monotonic(), 0.0))
         report = DrainReport(
             sessions=len(self._sessions), blocks=blocks, in_redis=in_redis,
-            written=self._redis_puts() - puts_before, left=blocks - in_redis,
+            written=self._shared_puts() - puts_before, left=blocks - in_redis,
             complete=complete and flushed and in_redis == blocks,
         )  # fmt: skip
         self.drained_blocks += report.in_redis
         self.drain_left_blocks += report.left
         return report
 
-    def _redis_puts(self) -> int:
+    def _shared_puts(self) -> int:
         store = self.engine.cache_stats().store
-        stats = store.tiers.get(Tier.REDIS) if store is not None else None
+        stats = store.tiers.get(self.shared_tier) if store is not None and self.shared_tier else None
         return stats.puts if stats is not None else 0
 
     async def _spill(self, s: _Idle, tiers: tuple[str, ...], force: bool = False) -> tuple[int, dict[str, int]]:

@@ -353,3 +353,4 @@ class ModelInfo:
     bytes_per_token: int
     eos_token_ids: tuple[int, ...]
     tiers: tuple[Tier, ...]  # configured cache tiers, fastest first, e.g. (DEVICE, HOST, REDIS)
+    shared_tier: Tier | None = None  # the one every replica reads (REDIS), where the drain writes

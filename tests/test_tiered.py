@@ -265,7 +265,11 @@ def test_tiers_are_an_ordered_list_of_distinct_tiers_of_one_geometry(redis_url: 
         TieredStore([host, RedisTier(redis_url, block_shape=(1, 2, 3), dtype=torch.float32)])
     store = TieredStore([host])
     assert store.tiers == (Tier.HOST,) and store.tier(Tier.REDIS) is None and store.block_shape == SHAPE
+    assert store.shared_tier is None  # nothing for a drain to write to
     store.close()
+    both = TieredStore([HostTier(BLOCK_BYTES, SHAPE, torch.float32), RedisTier(redis_url, block_shape=SHAPE, dtype=torch.float32)])
+    assert both.tiers == (Tier.HOST, Tier.REDIS) and both.shared_tier == Tier.REDIS
+    both.close()
 
 
 def test_demotions_never_wait(make_store: Any) -> None:

@@ -196,6 +196,7 @@ class LLMEngine:
             bytes_per_token=self.pool.bytes_per_token,
             eos_token_ids=tuple(loaded.eos_token_ids),
             tiers=(Tier.DEVICE,) + (tuple(store.tiers) if store is not None else ()),
+            shared_tier=store.shared_tier if store is not None else None,
         )
 
     # ---- called from other threads ---------------------------------------------------
