@@ -32,7 +32,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -61,6 +61,9 @@ from service.validation import check_generation
 from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
 from service.kv.cache import BatchLayout, SeqSlice
 from service.kv.transfer import BlockTransfers
+
+if TYPE_CHECKING:
+    from service.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +131,7 @@ Emitted = list[tuple[str, Event]]
 
 
 class LLMEngine:
-    def __init__(self, loaded: Any, cfg: EngineConfig, store: TieredStore | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, store: TieredStore | None = None) -> None:
         self.cfg = cfg
         self.loaded = loaded
         self.model = loaded.model
