@@ -104,3 +104,20 @@ def test_node_client_regenerates_edits_undoes_and_forks(node_client, tiny_llama_
             trunk = client.get_session(session, include_token_ids=True)
             branch = client.get_session(f"{session}-b", include_token_ids=True, include_turns=True)
         assert trunk.turns == 1 and branch.turns == 2 and branch.token_ids[: trunk.token_count] == trunk.token_ids
+
+
+def test_node_client_constrains_replies_with_a_regex_or_a_json_schema(node_client, tiny_llama_dir):
+    import json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    with ServerThread(tiny_config(tiny_llama_dir)) as server:
+        base = [*node_client, "--address", server.address, "--max-new-tokens", "16", "--message", "hi"]
+        rx = subprocess.run([*base, "--regex", "[0-9]{3}"], capture_output=True, text=True, timeout=120)
+        js = subprocess.run([*base, "--json-schema", json.dumps(schema)], capture_output=True, text=True, timeout=120)
+        both = subprocess.run([*base, "--regex", "x", "--json-schema", "{}"], capture_output=True, text=True, timeout=120)
+        bad = subprocess.run([*base, "--regex", "(x"], capture_output=True, text=True, timeout=120)
+    reply = re.compile(r"^\[turn 1\] assistant: (.*)$", re.MULTILINE)
+    assert rx.returncode == 0 and re.fullmatch(r"[0-9]{3}", reply.search(rx.stdout).group(1)), rx.stdout + rx.stderr
+    assert js.returncode == 0 and isinstance(json.loads(reply.search(js.stdout).group(1))["ok"], bool), js.stdout
+    assert both.returncode == 2 and "at most one of --json-schema and --regex" in both.stderr
+    assert bad.returncode == 1 and "INVALID_ARGUMENT: response_format regex cannot be used" in bad.stderr, bad.stderr

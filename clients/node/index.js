@@ -8,13 +8,15 @@
 //
 //   npm install
 //   node index.js --address localhost:50051 [--session ID] [--max-new-tokens N]
-//                 [--message TEXT]... [--timeout SECONDS]
+//                 [--message TEXT]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]
 //
 // Each --message is one turn (default: two built-in turns), or a session operation:
 //   --message /regenerate     the last answer again (temperature 1.0), replacing it (Generate, TURN_MODE_REGENERATE)
 //   --message "/edit TEXT"    TEXT replaces the last message, answered anew (TURN_MODE_EDIT)
 //   --message /undo           drop the last turn (RewindSession, turns = 1)
 //   --message "/fork NAME"    branch into a new session NAME and continue there (ForkSession)
+// --json-schema / --regex constrain every reply (SamplingParams.response_format): the
+// reply is JSON valid against the schema, or text the whole of which matches the pattern.
 // Output, per turn:
 //   [turn 1] user: Hello! ...
 //   [turn 1] assistant: <streamed text>
@@ -63,6 +65,8 @@ function parseOptions(argv) {
       'max-new-tokens': { type: 'string', default: '32' },
       message: { type: 'string', multiple: true },
       timeout: { type: 'string', default: '60' },
+      'json-schema': { type: 'string' },
+      regex: { type: 'string' },
       help: { type: 'boolean', short: 'h', default: false },
     },
   });
@@ -71,6 +75,12 @@ function parseOptions(argv) {
   if (!(maxNewTokens > 0) || !(timeoutS > 0)) {
     throw new Error('--max-new-tokens and --timeout must be positive numbers');
   }
+  if (values['json-schema'] !== undefined && values.regex !== undefined) {
+    throw new Error('give at most one of --json-schema and --regex');
+  }
+  let responseFormat = null;
+  if (values['json-schema'] !== undefined) responseFormat = { json_schema: values['json-schema'] };
+  if (values.regex !== undefined) responseFormat = { regex: values.regex };
   return {
     help: values.help,
     address: values.address,
@@ -78,6 +88,7 @@ function parseOptions(argv) {
     maxNewTokens,
     timeoutS,
     messages: values.message && values.message.length ? values.message : DEFAULT_MESSAGES,
+    responseFormat,
   };
 }
 
@@ -111,6 +122,7 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     sampling: { max_new_tokens: opts.maxNewTokens },
     turn_mode: `TURN_MODE_${mode.toUpperCase()}`,
   };
+  if (opts.responseFormat) request.sampling.response_format = opts.responseFormat;
   if (mode === 'regenerate') {
     request.sampling.temperature = 1.0;
   } else {
@@ -199,7 +211,7 @@ async function main(argv) {
     return 2;
   }
   if (opts.help) {
-    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS]\n');
+    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]\n');
     return 0;
   }
   const GenerationService = loadService();
