@@ -38,12 +38,12 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachestore import codec  # noqa: E402
-from cachestore.base import BlockRef, Tier  # noqa: E402
-from cachestore.host import HostTier  # noqa: E402
-from cachestore.keys import block_hashes, make_namespace  # noqa: E402
-from cachestore.redis import RedisTier  # noqa: E402
-from cachestore.tiered import TieredStore  # noqa: E402
+from kvserve.cachestore import codec  # noqa: E402
+from kvserve.cachestore.base import BlockRef, Tier  # noqa: E402
+from kvserve.cachestore.host import HostTier  # noqa: E402
+from kvserve.cachestore.keys import block_hashes, make_namespace  # noqa: E402
+from kvserve.cachestore.redis import RedisTier  # noqa: E402
+from kvserve.cachestore.tiered import TieredStore  # noqa: E402
 from tests.fixtures.redis_server import start_redis_server  # noqa: E402
 
 # (num_layers, num_kv_heads, head_dim) of the model shapes in issue 4.

@@ -52,8 +52,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
-from service.models.loading import load_model  # noqa: E402
+from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
+from kvserve.service.models.loading import load_model  # noqa: E402
 from tests.fixtures import models as fixtures  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 

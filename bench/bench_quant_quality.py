@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine import SHAPES  # noqa: E402
-from service.engine.config import DEFAULT_MODEL_DIR  # noqa: E402
-from service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
-from service.models.loading import load_model  # noqa: E402
-from service.models.quant import WEIGHT_FORMATS  # noqa: E402
+from kvserve.service.engine.config import DEFAULT_MODEL_DIR  # noqa: E402
+from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
+from kvserve.service.models.loading import load_model  # noqa: E402
+from kvserve.service.models.quant import WEIGHT_FORMATS  # noqa: E402
 
 BLOCK = 16
 

@@ -43,12 +43,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cachestore.keys import block_hashes  # noqa: E402
-from service.engine.config import EngineConfig  # noqa: E402
-from service.engine.engine import LLMEngine  # noqa: E402
-from service.engine.store import build_store  # noqa: E402
-from service.types import CacheScope, Finished, GenerationRequest, SamplingParams  # noqa: E402
-from service.models.loading import load_model  # noqa: E402
+from kvserve.cachestore.keys import block_hashes  # noqa: E402
+from kvserve.service.engine.config import EngineConfig  # noqa: E402
+from kvserve.service.engine.engine import LLMEngine  # noqa: E402
+from kvserve.service.engine.store import build_store  # noqa: E402
+from kvserve.service.types import CacheScope, Finished, GenerationRequest, SamplingParams  # noqa: E402
+from kvserve.service.models.loading import load_model  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 from tests.fixtures.redis_server import start_redis_server  # noqa: E402
 
@@ -214,7 +214,7 @@ def measure_formats(
     import redis
 
     from bench.lossy_kv import measure_kv_error
-    from cachestore import codec
+    from kvserve.cachestore import codec
 
     loaded = load_model(
         str(checkpoint(shape, history + NEW_TURN + 16, cache)), dtype=RUN["dtype"], device=RUN["device"]

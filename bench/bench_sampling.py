@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from service.engine.sampling import RowState, make_generator, sample
-from service.types import SamplingParams
+from kvserve.service.engine.sampling import RowState, make_generator, sample
+from kvserve.service.types import SamplingParams
 
 B, V, STEPS = 32, 32000, 10
 

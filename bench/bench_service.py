@@ -6,7 +6,7 @@ each with its own random prompt of ``--prompt-len`` token ids, and generate
 
 - in-process: ``build_engine`` in this process, N asyncio tasks iterating
   ``engine.generate``;
-- gRPC: ``python -m service`` in a subprocess, N streams of ``AsyncKVServeClient``
+- gRPC: ``python -m kvserve.service`` in a subprocess, N streams of ``AsyncKVServeClient``
   over loopback (client and server in different processes, as deployed);
 - HTTP: the same server's OpenAI-compatible port (``--http-port``), N streaming
   ``/v1/completions`` calls of the official ``openai.AsyncOpenAI`` client (token-id
@@ -42,8 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from clients import AsyncKVServeClient, TextDelta  # noqa: E402
-from service.types import Delta, GenerationRequest, SamplingParams  # noqa: E402
+from kvserve.clients import AsyncKVServeClient, TextDelta  # noqa: E402
+from kvserve.service.types import Delta, GenerationRequest, SamplingParams  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
 # LlamaConfig overrides. The served models keep the test tokenizer's 400-token vocabulary
@@ -127,7 +127,7 @@ def engine_flags(model_dir: Path, max_seqs: int) -> list[str]:
 def start_server(model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, int, int]:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service", *engine_flags(model_dir, max_seqs), "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "kvserve.service", *engine_flags(model_dir, max_seqs), "--host", "127.0.0.1", "--port", "0",
          "--log-level", "info", "--drain-timeout", "5", "--http-port", str(_free_port())],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -184,7 +184,7 @@ async def run_http(client, model: str, batch: list[list[int]], max_new: int) -> 
 
 
 async def bench_shape(shape: str, model_dir: Path, args: argparse.Namespace) -> list[dict]:
-    from service.engine import EngineConfig, build_engine
+    from kvserve.service.engine import EngineConfig, build_engine
 
     streams = [int(s) for s in args.streams.split(",")]
     rng = random.Random(0)

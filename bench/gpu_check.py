@@ -34,12 +34,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.engine.config import EngineConfig  # noqa: E402
-from service.engine.engine import LLMEngine  # noqa: E402
-from service.engine.store import build_store  # noqa: E402
-from service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
-from service.models.loading import load_model  # noqa: E402
-from service.types import CacheScope, Finished, GenerationRequest, SamplingParams  # noqa: E402
+from kvserve.service.engine.config import EngineConfig  # noqa: E402
+from kvserve.service.engine.engine import LLMEngine  # noqa: E402
+from kvserve.service.engine.store import build_store  # noqa: E402
+from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
+from kvserve.service.models.loading import load_model  # noqa: E402
+from kvserve.service.types import CacheScope, Finished, GenerationRequest, SamplingParams  # noqa: E402
 from tests.fixtures.models import make_tiny_gpt2, make_tiny_llama  # noqa: E402
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 0.15}

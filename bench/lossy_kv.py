@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from cachestore import codec
-from service.kv.cache import BatchLayout, KVPool, SeqSlice
+from kvserve.cachestore import codec
+from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
 
 NS = b"\x01" * 32
 

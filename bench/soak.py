@@ -6,7 +6,7 @@ small device and host budgets (idle sessions spill to Redis), optionally with fa
     python bench/soak.py --faults                 # + Redis restart, down, frozen, flushed; server SIGKILL
     python bench/soak.py --duration 30 --clients 8 --faults --redis-down 3 --redis-freeze 3 --json out.json
 
-The server (``python -m service``) and Redis (a private ``redis-server``) are child
+The server (``python -m kvserve.service``) and Redis (a private ``redis-server``) are child
 processes, so both can be killed. Each client runs sessions of a few turns: random
 token-id input, greedy generation, a short think time; it keeps its own copy of the
 transcript (every prompt and output token it sent and received) and checks it against
@@ -59,7 +59,7 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from clients import AsyncKVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta  # noqa: E402
+from kvserve.clients import AsyncKVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta  # noqa: E402
 from tests.fixtures.redis_server import RedisProcess, free_port, start_redis_server  # noqa: E402
 from tests.serving import start_server_process  # noqa: E402
 

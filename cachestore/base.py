@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Generic, NamedTuple, Sequence, TypeVar
 
-from cachestore.keys import BlockHash, Namespace
+from kvserve.cachestore.keys import BlockHash, Namespace
 
 if TYPE_CHECKING:
     import torch

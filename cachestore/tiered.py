@@ -42,9 +42,9 @@ from typing import Callable, Mapping, Self, Sequence
 
 import torch
 
-from cachestore.base import OPEN, BlockRef, BlockTier, Tier, TierStats
-from cachestore.codec import copy_block
-from cachestore.keys import BlockHash, Namespace
+from kvserve.cachestore.base import OPEN, BlockRef, BlockTier, Tier, TierStats
+from kvserve.cachestore.codec import copy_block
+from kvserve.cachestore.keys import BlockHash, Namespace
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Python clients of kvserve (sync and asyncio) and the ``kvserve-chat`` console command."""
 
-from clients.client import (
+from kvserve.clients.client import (
     SESSION_METADATA_KEY,
     AsyncGenerateStream,
     AsyncKVServeClient,

@@ -35,7 +35,7 @@ from typing import Sequence, TextIO
 
 import grpc
 
-from clients.client import KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
+from kvserve.clients.client import KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
 
 
 def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str:

@@ -1,8 +1,8 @@
-"""``python -m service [flags]`` is ``kvserve serve [flags]``."""
+"""``python -m kvserve.service [flags]`` is ``kvserve serve [flags]``."""
 
 import sys
 
-from service.cli import main
+from kvserve.service.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", *sys.argv[1:]]))

@@ -7,7 +7,7 @@
                                    print the stored (hashed) form of an API key read
                                    from stdin (or given as KEY); --generate makes a new key
 
-``python -m service [flags]`` is ``kvserve serve [flags]``.
+``python -m kvserve.service [flags]`` is ``kvserve serve [flags]``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from service.config import ConfigError, ServerConfig, mask_url_password
+from kvserve.service.config import ConfigError, ServerConfig, mask_url_password
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hash_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from service.auth import ApiKeysError, check_tenant, generate_key, hash_key
+    from kvserve.service.auth import ApiKeysError, check_tenant, generate_key, hash_key
 
     if args.tenant is not None:
         try:
@@ -128,8 +128,8 @@ async def _serve(config: ServerConfig) -> int:
     """Run the server; a failure is one line on stderr (what, where, what to do) and
     exit status 2 (configuration) or 1 (anything else); ``--log-level debug`` adds the
     traceback."""
-    from service.auth import ApiKeysError
-    from service.server import StartupError, run
+    from kvserve.service.auth import ApiKeysError
+    from kvserve.service.server import StartupError, run
 
     log = logging.getLogger(__name__)
     try:

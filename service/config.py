@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from urllib.parse import urlencode
 
-from cachestore.base import Tier
+from kvserve.cachestore.base import Tier
 
 if TYPE_CHECKING:
-    from service.engine import EngineConfig
+    from kvserve.service.engine import EngineConfig
 
 ENV_PREFIX = "KVSERVE_"
 # cachestore.codec.STORAGE_FORMATS' names (kept here so that reading settings imports no torch)
@@ -284,7 +284,7 @@ class ServerConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings derived from these."""
-        from service.engine import EngineConfig
+        from kvserve.service.engine import EngineConfig
 
         return EngineConfig(
             model_path=self.model,

@@ -49,11 +49,11 @@ import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
-from service.metrics import ServiceMetrics
-from service.models.tokenizer import ChatTemplateError
-from service.sessions import SessionManager, SessionRecord, Turn
-from service.spill import SpillScheduler
-from service.types import (
+from kvserve.service.metrics import ServiceMetrics
+from kvserve.service.models.tokenizer import ChatTemplateError
+from kvserve.service.sessions import SessionManager, SessionRecord, Turn
+from kvserve.service.spill import SpillScheduler
+from kvserve.service.types import (
     CacheScope,
     Delta,
     Event,
@@ -67,7 +67,7 @@ from service.types import (
     TurnInput,
     TurnMode,
 )
-from service.validation import (
+from kvserve.service.validation import (
     Limits,
     check_context,
     check_input_size,
@@ -80,7 +80,7 @@ from service.validation import (
 )
 
 if TYPE_CHECKING:
-    from service.engine import AsyncEngine
+    from kvserve.service.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

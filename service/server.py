@@ -39,25 +39,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
-from service.config import ConfigError, ServerConfig, mask_url_password
-from service.admission import Admission
-from service.metrics import ServiceMetrics
-from service.conversations import Conversations
-from service.servicer import SERVICE_NAME, GenerationServicer, add_to_server
-from service.sessions import (
+from kvserve.service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
+from kvserve.service.config import ConfigError, ServerConfig, mask_url_password
+from kvserve.service.admission import Admission
+from kvserve.service.metrics import ServiceMetrics
+from kvserve.service.conversations import Conversations
+from kvserve.service.servicer import SERVICE_NAME, GenerationServicer, add_to_server
+from kvserve.service.sessions import (
     FallbackSessionStore,
     InMemorySessionStore,
     RedisSessionStore,
     SessionManager,
     SessionStore,
 )
-from service.spill import SpillScheduler
-from service.tracing import Tracing
-from service.validation import Limits
+from kvserve.service.spill import SpillScheduler
+from kvserve.service.tracing import Tracing
+from kvserve.service.validation import Limits
 
 if TYPE_CHECKING:
-    from service.engine import AsyncEngine
+    from kvserve.service.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -341,8 +341,8 @@ async def check_redis(config: ServerConfig) -> None:
 
 
 async def _build_engine(config: ServerConfig) -> Any:
-    from service.engine import build_engine
-    from service.models.config import ModelLoadError
+    from kvserve.service.engine import build_engine
+    from kvserve.service.models.config import ModelLoadError
 
     if config.torch_threads:
         import torch
@@ -418,7 +418,7 @@ async def serve(
             engine = await _build_engine(config)
         metrics.watch_engine(engine.stats)
         if len(engine.model_info.tiers) > 1:  # a host or Redis tier besides the device
-            from service.metrics import CacheStoreCollector
+            from kvserve.service.metrics import CacheStoreCollector
 
             metrics.register(CacheStoreCollector(engine.cache_stats))
         sessions = SessionManager(
@@ -426,7 +426,7 @@ async def serve(
             lock_ttl_s=config.session_lock_ttl,
             max_sessions_per_owner=config.max_sessions_per_tenant,
         )
-        from service.metrics import SessionStoreCollector, SpillCollector
+        from kvserve.service.metrics import SessionStoreCollector, SpillCollector
 
         metrics.register(SessionStoreCollector(sessions))
         spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
@@ -480,7 +480,7 @@ async def serve(
         http_server = http_task = None
         bound_http: int | None = None
         if http_socket is not None:
-            from service.http.app import HttpFront, make_uvicorn_server
+            from kvserve.service.http.app import HttpFront, make_uvicorn_server
 
             front = HttpFront(
                 conversations,

@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 
-from clients._proto.kvserve.v1 import generation_pb2 as pb
-from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
-from service import wire
-from service.admission import Admission, Ticket
-from service.conversations import Conversations
-from service.metrics import ServiceMetrics
-from service.sessions import InvalidSessionId
-from service.tracing import Tracing
-from service.types import Delta, Finished, Started
-from service.wire import SERVICE_NAME, InvalidMessage, RpcStatus
+from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.service import wire
+from kvserve.service.admission import Admission, Ticket
+from kvserve.service.conversations import Conversations
+from kvserve.service.metrics import ServiceMetrics
+from kvserve.service.sessions import InvalidSessionId
+from kvserve.service.tracing import Tracing
+from kvserve.service.types import Delta, Finished, Started
+from kvserve.service.wire import SERVICE_NAME, InvalidMessage, RpcStatus
 
 if TYPE_CHECKING:
-    from service.engine import AsyncEngine
+    from kvserve.service.engine import AsyncEngine
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "RpcStatus", "add_to_server"]
 

@@ -23,10 +23,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from service.types import CacheScope
+from kvserve.service.types import CacheScope
 
 if TYPE_CHECKING:
-    from service.engine import AsyncEngine
+    from kvserve.service.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

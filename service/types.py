@@ -7,10 +7,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from cachestore.base import Tier  # the tier names (device, host, redis); no torch
+from kvserve.cachestore.base import Tier  # the tier names (device, host, redis); no torch
 
 if TYPE_CHECKING:
-    from cachestore.tiered import TieredStats
+    from kvserve.cachestore.tiered import TieredStats
 
 
 class EngineError(Exception):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
+from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,10 +44,10 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from clients._proto.kvserve.v1 import generation_pb2 as pb
-from service.admission import Draining, TooManyStreams
-from service.auth import Unauthenticated
-from service.sessions import (
+from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.service.admission import Draining, TooManyStreams
+from kvserve.service.auth import Unauthenticated
+from kvserve.service.sessions import (
     BadTurnCount,
     InvalidSessionId,
     SessionBusy,
@@ -59,7 +59,7 @@ from service.sessions import (
     TurnsChanged,
     TurnUnavailable,
 )
-from service.types import (
+from kvserve.service.types import (
     ChatMessage,
     Delta,
     EngineStopped,

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from service.engine.config import EngineConfig
-from service.engine.engine import LLMEngine
-from service.types import Finished, GenerationRequest, SamplingParams
+from kvserve.service.engine.config import EngineConfig
+from kvserve.service.engine.engine import LLMEngine
+from kvserve.service.types import Finished, GenerationRequest, SamplingParams
 
 BS = 4
 

@@ -14,8 +14,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
-from service.config import ServerConfig
-from service.server import RunningServer, serve
+from kvserve.service.config import ServerConfig
+from kvserve.service.server import RunningServer, serve
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 8
@@ -124,12 +124,12 @@ _LISTEN_RE = re.compile(r"serving kvserve\.v1\.GenerationService on \S+:(\d+)")
 
 
 def start_server_process(args: list[str], timeout: float = 120.0) -> tuple[subprocess.Popen, int, list[str]]:
-    """``python -m service ARGS`` (use ``--port 0``); returns (process, port, stderr lines so far).
+    """``python -m kvserve.service ARGS`` (use ``--port 0``); returns (process, port, stderr lines so far).
 
     A thread keeps draining stderr into the returned list so the server never blocks on it.
     """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "kvserve.service", *args],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""service.admission: one stream count and one drain for both fronts (the servers'
+"""kvserve.service.admission: one stream count and one drain for both fronts (the servers'
 side is in tests/test_limits.py, tests/test_sigterm.py and tests/test_http_api.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from service import wire
-from service.admission import Admission, Draining, TooManyStreams
+from kvserve.service import wire
+from kvserve.service.admission import Admission, Draining, TooManyStreams
 
 
 def test_limits_count_per_tenant_and_in_all_and_a_ticket_releases_once() -> None:

@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from clients import KVServeClient, KVServeError
-from service.auth import (
+from kvserve.clients import KVServeClient, KVServeError
+from kvserve.service.auth import (
     ApiKeys,
     ApiKeysError,
     Authenticator,
@@ -95,7 +95,7 @@ def test_bearer_metadata_and_authenticator():
 def test_hash_key_command_prints_a_line_the_server_accepts():
     def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "service.cli", "hash-key", *args], cwd=REPO, env=subprocess_env(),
+            [sys.executable, "-m", "kvserve.service.cli", "hash-key", *args], cwd=REPO, env=subprocess_env(),
             input=stdin, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
 
@@ -118,7 +118,7 @@ def test_serve_refuses_a_bad_keys_file_before_loading_anything(tmp_path):
     bad = tmp_path / "keys"
     bad.write_text(f"acme:{KEY_A}\n")  # the key itself, not its hash
     out = subprocess.run(
-        [sys.executable, "-m", "service", "--api-keys-file", str(bad), "--model", str(tmp_path / "no-model")],
+        [sys.executable, "-m", "kvserve.service", "--api-keys-file", str(bad), "--model", str(tmp_path / "no-model")],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 2

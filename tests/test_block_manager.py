@@ -2,8 +2,8 @@
 
 import pytest
 
-from cachestore.keys import block_hashes, make_namespace
-from service.kv.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocks
+from kvserve.cachestore.keys import block_hashes, make_namespace
+from kvserve.service.kv.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocks
 
 NS = make_namespace("fp", "float32", 4, "")
 

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from clients import KVServeClient
+from kvserve.clients import KVServeClient
 from tests.serving import (
     BLOCK_SIZE,
     ServerThread,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from clients import KVServeClient
+from kvserve.clients import KVServeClient
 from tests.serving import BLOCK_SIZE, REPO, ServerThread, subprocess_env, tiny_config
 
 STATS = re.compile(r"\[cached (\d+)/(\d+) prompt tokens(?: \((\w+)\))? · ttft (\d+) ms · ([\d.]+) tok/s(?: · (\w+))?\]")
@@ -23,7 +23,7 @@ def server(tiny_llama_dir):
 
 def _chat(address: str, stdin: str, *args: str, status: int = 0, quiet: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "clients.chat", "--address", address, "--max-new-tokens", "10", *args],
+        [sys.executable, "-m", "kvserve.clients.chat", "--address", address, "--max-new-tokens", "10", *args],
         input=stdin, capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=120,
     )  # fmt: skip
     assert proc.returncode == status, proc.stderr
@@ -72,7 +72,7 @@ def test_exit_status_is_non_zero_when_the_last_turn_failed(server):
 
 def test_a_session_whose_history_is_gone_is_said_so_and_started_over(server):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.chat", "--address", server.address, "--max-new-tokens", "6",
+        [sys.executable, "-m", "kvserve.clients.chat", "--address", server.address, "--max-new-tokens", "6",
          "--session", "cli-gone"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env=subprocess_env(),
@@ -135,7 +135,7 @@ class _Lines(io.StringIO):
 
 
 def test_undo_and_regenerate_never_touch_a_turn_another_client_added(server, capsys):
-    from clients.chat import main as chat_main
+    from kvserve.clients.chat import main as chat_main
 
     with KVServeClient(server.address) as other:
         stdin = _Lines([

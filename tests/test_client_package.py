@@ -87,18 +87,20 @@ def _clean_env() -> dict[str, str]:
 def test_the_client_package_installs_without_torch_and_calls_a_live_server(client_venv, tiny_llama_dir, tmp_path):
     py = client_venv / "bin" / "python"
     probe = subprocess.run(
-        [py, "-c", "import importlib.util as u, importlib.metadata as m, clients\n"
-                   "print(u.find_spec('torch'), u.find_spec('service'), clients.__file__)\n"
+        [py, "-c", "import importlib.util as u, importlib.metadata as m, kvserve.clients as clients\n"
+                   "print(u.find_spec('torch'), u.find_spec('kvserve.service'), clients.__file__)\n"
+                   "print([n for n in ('service', 'clients', 'cachestore') if u.find_spec(n)])\n"
                    "print(sorted(d.metadata['Name'].lower() for d in m.distributions()))"],
         capture_output=True, text=True, cwd=tmp_path, env=_clean_env(),
     )  # fmt: skip
     assert probe.returncode == 0, probe.stderr
-    first, dists = probe.stdout.splitlines()[:2]
+    first, generic, dists = probe.stdout.splitlines()[:3]
     assert first.startswith("None None ") and str(client_venv) in first  # no torch, no server; the installed copy
     assert "torch" not in dists and "kvserve-client" in dists
+    assert generic == "[]"  # no generic top-level names in the user's site-packages
     with ServerThread(tiny_config(tiny_llama_dir)) as s:
         call = subprocess.run(
-            [py, "-c", "import sys\nfrom clients import KVServeClient\n"
+            [py, "-c", "import sys\nfrom kvserve.clients import KVServeClient\n"
                        "with KVServeClient(sys.argv[1], timeout=60) as c:\n"
                        "    r = c.complete(text='hello there', max_new_tokens=5, ignore_eos=True)\n"
                        "    print(r.usage.completion_tokens if hasattr(r, 'usage') else len(r.token_ids))\n",

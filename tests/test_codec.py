@@ -12,8 +12,8 @@ import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from cachestore import codec
-from cachestore.keys import block_hashes, make_namespace
+from kvserve.cachestore import codec
+from kvserve.cachestore.keys import block_hashes, make_namespace
 
 SHAPE = (3, 2, 4, 2, 8)  # (L, 2, block_size, n_kv, head_dim), small for speed
 NS = make_namespace("weights-a", "float32", 4)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError, ServerConfig, env_name, flag_name, parse_bytes, parse_duration
+from kvserve.service.config import ConfigError, ServerConfig, env_name, flag_name, parse_bytes, parse_duration
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,13 +110,13 @@ def test_docs_configuration_table_is_current():
 
 def test_cli_help_and_config_commands():
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "KVSERVE_PORT": "1234"}
-    out = subprocess.run([sys.executable, "-m", "service", "--help"], cwd=REPO, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kvserve.service", "--help"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0 and "--kv-cache-memory" in out.stdout and "KVSERVE_KV_CACHE_MEMORY" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "service.cli", "--help"], cwd=REPO, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kvserve.service.cli", "--help"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0 and "serve" in out.stdout and "config" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "service.cli", "config", "--block-size", "64"], cwd=REPO, env=env,
+    out = subprocess.run([sys.executable, "-m", "kvserve.service.cli", "config", "--block-size", "64"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0
     settings = {k.strip(): v for k, v in (line.split(" = ", 1) for line in out.stdout.splitlines())}
@@ -134,7 +134,7 @@ def test_boolean_settings_are_switches_and_keep_the_environment_form():
 
 
 def test_storage_format_names_are_the_codecs() -> None:
-    from cachestore.codec import STORAGE_FORMATS
-    from service.config import STORAGE_FORMAT_NAMES
+    from kvserve.cachestore.codec import STORAGE_FORMATS
+    from kvserve.service.config import STORAGE_FORMAT_NAMES
 
     assert STORAGE_FORMAT_NAMES == tuple(STORAGE_FORMATS)

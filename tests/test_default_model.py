@@ -19,8 +19,8 @@ import torch
 sentencepiece = pytest.importorskip("sentencepiece")
 transformers = pytest.importorskip("transformers")
 
-from service.engine.config import DEFAULT_MODEL_DIR  # noqa: E402
-from service.models.loading import load_model  # noqa: E402
+from kvserve.service.engine.config import DEFAULT_MODEL_DIR  # noqa: E402
+from kvserve.service.models.loading import load_model  # noqa: E402
 
 MODEL_DIR = Path(DEFAULT_MODEL_DIR)
 SHIPPED = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json",
@@ -223,8 +223,8 @@ def test_chat_template_accepts_system_user_and_assistant(sp, ours):
 def test_a_live_server_serves_every_chat_role_and_refuses_others():
     import grpc
 
-    from clients._proto.kvserve.v1 import generation_pb2 as pb
-    from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+    from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+    from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
     from tests.serving import ServerThread, tiny_config
 
     def chat(*messages):

@@ -37,10 +37,10 @@ import pytest
 import redis
 import yaml
 
-from clients import KVServeClient
-from clients._proto.kvserve.v1 import generation_pb2 as pb
-from service.config import ServerConfig, env_name, parse_bytes
-from service.engine.config import DEFAULT_MODEL_DIR
+from kvserve.clients import KVServeClient
+from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.service.config import ServerConfig, env_name, parse_bytes
+from kvserve.service.engine.config import DEFAULT_MODEL_DIR
 from tests.fixtures.redis_server import free_port, redis_server_binary
 from tests.serving import REPO, ServerThread, subprocess_env, tiny_config, wait_until
 
@@ -320,7 +320,7 @@ def test_dockerfile_cpu_torch_by_default_non_root_health_checked_kvserve_serve()
     options, cmd = df.healthcheck()
     assert cmd[1] in df.copies() and "start-period" in options
     assert df.exec_form("ENTRYPOINT") == ["kvserve", "serve"]
-    assert console_script_argv(["kvserve"])[2].startswith("import sys; from service.cli import main")
+    assert console_script_argv(["kvserve"])[2].startswith("import sys; from kvserve.service.cli import main")
     for ins, a in df.instructions:  # every COPY from the context names a file that exists
         if ins == "COPY" and "--from" not in a:
             for src in shlex.split(a)[:-1]:

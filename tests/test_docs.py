@@ -1,7 +1,7 @@
 """The docs stay true to the code: commands, flags, environment variables, metrics, links.
 
 * Every ``--flag`` in the README and docs is a flag of the command it follows
-  (``kvserve serve`` / ``python -m service`` -> ``ServerConfig``; ``kvserve-chat``, the
+  (``kvserve serve`` / ``python -m kvserve.service`` -> ``ServerConfig``; ``kvserve-chat``, the
   bench scripts, the Node client -> their own argument parsers) and, anywhere else, a flag
   of some command of this repository or of a listed external tool.
 * Every ``KVSERVE_*`` variable is a ``ServerConfig`` setting.
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients import KVServeClient
-from service.config import ServerConfig, env_name, flag_name, negative_flag_name
+from kvserve.clients import KVServeClient
+from kvserve.service.config import ServerConfig, env_name, flag_name, negative_flag_name
 from tests.fixtures.redis_server import free_port
 from tests.serving import REPO, ServerThread, tiny_config
 
@@ -105,7 +105,7 @@ def _command_flags() -> dict[str, set[str]]:
     """Command pattern -> the flags it takes."""
     cli = REPO / "service" / "cli.py"
     commands: dict[str, set[str]] = {
-        r"kvserve serve|python -m service(?![.\w])": set(SERVER_FLAGS),
+        r"kvserve serve|python -m kvserve.service(?![.\w])": set(SERVER_FLAGS),
         r"kvserve config": SERVER_FLAGS | {"--markdown"},
         r"kvserve hash-key": _py_flags(cli) - {"--markdown"},
         r"kvserve-chat": _py_flags(REPO / "clients" / "chat.py"),
@@ -153,7 +153,7 @@ def test_readme_starts_with_the_two_commands():
     ]
     ci = (REPO / ".ci" / "run").read_text()
     assert "pip install -q -e '.[test]'" in ci and "pytest" in ci.splitlines()[-1]
-    assert 'kvserve = "service.cli:main"' in (REPO / "pyproject.toml").read_text()
+    assert 'kvserve = "kvserve.service.cli:main"' in (REPO / "pyproject.toml").read_text()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))

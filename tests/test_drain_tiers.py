@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import signal
 
-from clients import KVServeClient
+from kvserve.clients import KVServeClient
 from tests.serving import BLOCK_SIZE, ServerThread, start_server_process, tiny_config, wait_until
 
 POOL = 96 << 10  # 24 blocks of 8 tokens for the tiny Llama (512 bytes per token)

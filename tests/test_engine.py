@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.types import (
+from kvserve.service.types import (
     Delta,
     FinishReason,
     Finished,
@@ -18,8 +18,8 @@ from service.types import (
     Started,
     Tier,
 )
-from service.models.loading import load_model
-from service.validation import check_context
+from kvserve.service.models.loading import load_model
+from kvserve.service.validation import check_context
 from tests.engine_util import BS, finished, greedy_reference, make_engine, prompts, req, run
 
 @pytest.fixture(scope="module")
@@ -200,8 +200,8 @@ def test_ids_past_the_tokenizer_are_never_sampled(tmp_path):
 def test_a_lagging_consumer_gets_the_queued_tokens_in_one_delta(loaded):
     import asyncio
 
-    from service.engine.async_engine import AsyncEngine
-    from service.types import Delta, Started
+    from kvserve.service.engine.async_engine import AsyncEngine
+    from kvserve.service.types import Delta, Started
 
     async def main():
         aeng = AsyncEngine(make_engine(loaded))

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from cachestore import codec
-from cachestore.keys import block_hashes, make_namespace
-from cachestore.redis import RedisTier
-from service.engine.config import EngineConfig
-from service.engine.store import build_store
-from service.types import CacheScope, Tier
-from service.models.loading import load_model
+from kvserve.cachestore import codec
+from kvserve.cachestore.keys import block_hashes, make_namespace
+from kvserve.cachestore.redis import RedisTier
+from kvserve.service.engine.config import EngineConfig
+from kvserve.service.engine.store import build_store
+from kvserve.service.types import CacheScope, Tier
+from kvserve.service.models.loading import load_model
 from tests.engine_util import (
     BS,
     bytes_per_token,
@@ -149,7 +149,7 @@ def test_pressure_three_times_the_device_pool(loaded, redis_url):
 
 
 def _keys_of(loaded, tokens, redis_tier):
-    from cachestore.base import BlockRef
+    from kvserve.cachestore.base import BlockRef
 
     ns = make_namespace(loaded.fingerprint, "float32", BS, "")
     return ns, [redis_tier.key(BlockRef(ns, h)) for h in block_hashes(ns, tokens, BS)]
@@ -229,7 +229,7 @@ def test_redis_at_maxmemory_evicting_keys(loaded, make_redis_server):
 
 
 def test_auto_policy_recomputes_when_the_tier_is_slower(loaded, redis_url):
-    from cachestore.tiered import TieredStore
+    from kvserve.cachestore.tiered import TieredStore
 
     a = make_engine(loaded, store=store_for(loaded, redis_url=redis_url))
     transcript, prompt, n = two_turns(loaded, a, a, seed=11)

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients import KVServeClient, KVServeError
+from kvserve.clients import KVServeClient, KVServeError
 from tests.serving import ServerThread, tiny_config, wait_until
 
 

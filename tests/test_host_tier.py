@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from cachestore.base import NOT_FOUND, BlockRef
-from cachestore.host import HostTier
-from cachestore.keys import block_hashes, make_namespace
+from kvserve.cachestore.base import NOT_FOUND, BlockRef
+from kvserve.cachestore.host import HostTier
+from kvserve.cachestore.keys import block_hashes, make_namespace
 
 SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4

@@ -13,8 +13,8 @@ import urllib.request
 import openai
 import pytest
 
-from clients import KVServeClient
-from service.auth import hash_key
+from kvserve.clients import KVServeClient
+from kvserve.service.auth import hash_key
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]

@@ -17,19 +17,19 @@ def _runs_without_torch(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_blocker_works():
-    assert _runs_without_torch("import service.engine").returncode != 0
+    assert _runs_without_torch("import kvserve.service.engine").returncode != 0
 
 
 def test_domain_types_import_without_torch():
-    out = _runs_without_torch("import service.types as t; assert t.SamplingParams().max_new_tokens > 0")
+    out = _runs_without_torch("import kvserve.service.types as t; assert t.SamplingParams().max_new_tokens > 0")
     assert out.returncode == 0, out.stderr
 
 
 def test_clients_and_their_stubs_import_without_torch_or_the_server():
     code = (
-        "import clients, clients.chat\n"
-        "from clients._proto.kvserve.v1 import generation_pb2\n"
-        "assert not [m for m in sys.modules if m == 'service' or m.startswith(('service.', 'cachestore'))]\n"
+        "import kvserve.clients, kvserve.clients.chat\n"
+        "from kvserve.clients._proto.kvserve.v1 import generation_pb2\n"
+        "assert not [m for m in sys.modules if m.startswith(('kvserve.service', 'kvserve.cachestore'))]\n"
     )
     out = _runs_without_torch(code)
     assert out.returncode == 0, out.stderr
@@ -50,7 +50,7 @@ def test_the_front_names_no_engine_or_store_internals():
             node.module for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and id(node) not in type_checking and node.module
         ]
-        inner = [m for m in imported if m.startswith(("cachestore", "service.engine", "service.kv", "torch"))]
+        inner = [m for m in imported if m.startswith(("kvserve.cachestore", "kvserve.service.engine", "kvserve.service.kv", "torch"))]
         assert not inner, f"service/{name}.py imports {inner}"
         source = (REPO / "service" / f"{name}.py").read_text()
         assert ".engine.engine" not in source and ".store" not in source, f"service/{name}.py reaches into the engine"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachestore.keys import block_hashes, hash_block_tokens, make_namespace, redis_key
+from kvserve.cachestore.keys import block_hashes, hash_block_tokens, make_namespace, redis_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ VECTOR_MAX_TOKEN_H1 = "10d51f3dbb874bba9a81d151aff7eb6cabe7a47d19a296f21076e1989
 
 _VECTOR_SCRIPT = """
 import json
-from cachestore.keys import block_hashes, make_namespace
+from kvserve.cachestore.keys import block_hashes, make_namespace
 ns = make_namespace("sha256:abc", "float32", 16, "tenant-a", "salt-1")
 ns2 = make_namespace("sha256:abc", "float32", 16)
 print(json.dumps({

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachestore.base import Tier
-from service.kv.cache import NULL_BLOCK, BatchLayout, KVCacheSpec, KVPool, SeqSlice
-from service.models.loading import load_model
+from kvserve.cachestore.base import Tier
+from kvserve.service.kv.cache import NULL_BLOCK, BatchLayout, KVCacheSpec, KVPool, SeqSlice
+from kvserve.service.models.loading import load_model
 
 ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -42,8 +42,8 @@ def test_pool_from_budget_fills_the_budget() -> None:
 
 
 def test_one_block_geometry_for_the_pool_and_the_store(tiny_llama_dir) -> None:
-    from service.engine.config import EngineConfig
-    from service.engine.store import build_store
+    from kvserve.service.engine.config import EngineConfig
+    from kvserve.service.engine.store import build_store
 
     lm = load_model(tiny_llama_dir, progress=False)
     spec = lm.kv_spec(8)

@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from clients import KVServeClient, KVServeError
-from service.auth import hash_key
+from kvserve.clients import KVServeClient, KVServeError
+from kvserve.service.auth import hash_key
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 KEY_A, KEY_B = "limits-key-a", "limits-key-b"
@@ -38,7 +38,7 @@ class GatedEngine:
 
 class GatedServer(ServerThread):
     async def _serve(self) -> None:
-        from service.engine import build_engine
+        from kvserve.service.engine import build_engine
 
         inner = await build_engine(self.config.engine_config())
         self.gated = GatedEngine(inner)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.models.config import ModelConfig, ModelLoadError
-from service.models.loading import load_model
+from kvserve.service.models.config import ModelConfig, ModelLoadError
+from kvserve.service.models.loading import load_model
 
 
 @pytest.fixture
@@ -189,7 +189,7 @@ def test_eos_ids_merge_config_and_generation_config(llama_copy: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_loads_and_tracks_float32(tiny_llama_dir: Path, dtype: str) -> None:
-    from service.kv.cache import BatchLayout, SeqSlice
+    from kvserve.service.kv.cache import BatchLayout, SeqSlice
 
     ref = load_model(tiny_llama_dir)
     half = load_model(tiny_llama_dir, dtype=dtype)

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from service.engine.config import EngineConfig
-from service.engine.store import build_store
-from service.models.config import ModelConfig, ModelLoadError
-from service.models.loading import load_model
-from service.types import CacheScope, Tier
+from kvserve.service.engine.config import EngineConfig
+from kvserve.service.engine.store import build_store
+from kvserve.service.models.config import ModelConfig, ModelLoadError
+from kvserve.service.models.loading import load_model
+from kvserve.service.types import CacheScope, Tier
 from tests.engine_util import BS, bytes_per_token, finished, make_engine, prompts, req, run
 
 FAMILIES = ["tiny_mistral_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",

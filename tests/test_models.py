@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from service.kv.cache import BatchLayout, KVPool, SeqSlice
-from service.models.loading import LoadedModel, load_model
+from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+from kvserve.service.models.loading import LoadedModel, load_model
 
 BLOCK = 4  # small blocks: every sequence spans several, partial last blocks everywhere
 VARIANTS = [
@@ -266,7 +266,7 @@ def test_mixed_prefill_and_decode_in_one_batch(loaded) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 130])
 def test_linear_fast_path_equals_nn_linear(rows: int, bias: bool) -> None:
-    from service.models.layers import SMALL_ROWS, Linear
+    from kvserve.service.models.layers import SMALL_ROWS, Linear
 
     torch.manual_seed(rows)
     ours = Linear(48, 80, bias=bias)

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from clients import KVServeClient
+from kvserve.clients import KVServeClient
 from tests.serving import REPO, ServerThread, tiny_config
 
 NODE_DIR = REPO / "clients" / "node"

@@ -14,8 +14,8 @@ import grpc
 import jsonschema
 import pytest
 
-from clients._proto.kvserve.v1 import generation_pb2 as pb
-from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.serving import ServerThread, tiny_config, wait_until
 
 PROMPT = [5, 17, 42, 9, 100, 23, 7, 5, 17, 3, 88]  # 11 tokens: a partial last block of 8
@@ -149,7 +149,7 @@ def test_n_with_a_session_is_refused(stub):
 
 
 def test_python_clients_expose_n_and_the_response_format(server):
-    from clients import AsyncKVServeClient, KVServeClient
+    from kvserve.clients import AsyncKVServeClient, KVServeClient
 
     kw = dict(token_ids=PROMPT, max_new_tokens=60, temperature=0.8, seed=4, n=3, json_schema=SCHEMA)
     with KVServeClient(server.address, timeout=60) as c:

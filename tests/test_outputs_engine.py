@@ -12,9 +12,9 @@ import re
 import jsonschema
 import pytest
 
-from service.engine.grammar import GrammarCompiler
-from service.models.loading import load_model
-from service.types import Delta, Finished, InvalidRequest, ResponseFormat
+from kvserve.service.engine.grammar import GrammarCompiler
+from kvserve.service.models.loading import load_model
+from kvserve.service.types import Delta, Finished, InvalidRequest, ResponseFormat
 from tests.engine_util import BS, bytes_per_token, make_engine, prompts, req, run
 
 

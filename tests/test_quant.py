@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.kv.cache import KVPool
-from service.models.layers import Linear, fuse_linears
-from service.models.loading import load_model
-from service.models.quant import QuantLinear, quantize_int8
+from kvserve.service.kv.cache import KVPool
+from kvserve.service.models.layers import Linear, fuse_linears
+from kvserve.service.models.loading import load_model
+from kvserve.service.models.quant import QuantLinear, quantize_int8
 from tests.test_models import greedy_nocache, greedy_paged, prompt_ids, trivial_tables
 
 BLOCK = 4

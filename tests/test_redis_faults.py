@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 
-from clients import KVServeClient, KVServeError
-from service.types import Finished
+from kvserve.clients import KVServeClient, KVServeError
+from kvserve.service.types import Finished
 from tests.serving import ServerThread, tiny_config, wait_until
 
 
@@ -42,7 +42,7 @@ class HoldFinal:
 
 class HoldServer(ServerThread):
     async def _serve(self) -> None:
-        from service.engine import build_engine
+        from kvserve.service.engine import build_engine
 
         inner = await build_engine(self.config.engine_config())
         self.engine_hold = HoldFinal(inner)

@@ -9,11 +9,11 @@ import pytest
 import redis
 import torch
 
-from cachestore import codec
-from cachestore.base import BACKEND_ERROR, BREAKER_OPEN, CLOSED, HALF_OPEN, NOT_FOUND, OPEN, TIMEOUT, BlockRef
-from cachestore.breaker import CircuitBreaker
-from cachestore.keys import block_hashes, make_namespace
-from cachestore.redis import RedisTier
+from kvserve.cachestore import codec
+from kvserve.cachestore.base import BACKEND_ERROR, BREAKER_OPEN, CLOSED, HALF_OPEN, NOT_FOUND, OPEN, TIMEOUT, BlockRef
+from kvserve.cachestore.breaker import CircuitBreaker
+from kvserve.cachestore.keys import block_hashes, make_namespace
+from kvserve.cachestore.redis import RedisTier
 
 SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
 NS = make_namespace("weights-a", "float32", 4)

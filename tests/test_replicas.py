@@ -3,7 +3,7 @@ Cluster, and a cluster that loses a master costs cache hits, never answers."""
 
 from __future__ import annotations
 
-from clients import KVServeClient
+from kvserve.clients import KVServeClient
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 MSGS = ["hello, tell me a short story about a fox", "what is the fox doing now", "and the dog?"]

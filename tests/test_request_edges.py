@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from clients import KVServeClient, KVServeError, TextDelta
+from kvserve.clients import KVServeClient, KVServeError, TextDelta
 from tests.serving import ServerThread, tiny_config, wait_until
 
 GENERATE = "/kvserve.v1.GenerationService/Generate"

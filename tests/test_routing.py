@@ -1,5 +1,5 @@
 """Many replicas, one conversation: deploy/haproxy/haproxy.cfg, run as is by a real
-haproxy in front of three real replicas (``python -m service``, the packaged default
+haproxy in front of three real replicas (``python -m kvserve.service``, the packaged default
 model) sharing one real redis-server.
 
 - With the session-affine config, >= 95% of returning turns find their whole cached
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from clients import AsyncKVServeClient, KVServeClient, StreamStart, TextDelta
+from kvserve.clients import AsyncKVServeClient, KVServeClient, StreamStart, TextDelta
 from tests.fixtures.redis_server import free_port
 from tests.serving import REPO, ServerThread, start_server_process, subprocess_env, tiny_config, wait_until
 from tests.test_deploy import COMPOSE, compose_env, k8s_resource, load_yaml
@@ -313,7 +313,7 @@ def test_k8s_router_finds_the_kvserve_pods_through_a_headless_service_and_mounts
 
 
 def test_every_client_sends_the_session_metadata_the_proxy_hashes_on(need_haproxy, tiny_llama_dir, node_client):
-    from clients.chat import main as chat_main
+    from kvserve.clients.chat import main as chat_main
 
     tag = uuid.uuid4().hex[:6]
     with ServerThread(tiny_config(tiny_llama_dir, metrics_port=free_port())) as server:

@@ -2,15 +2,15 @@
 
 import torch
 
-from service.engine.output import TextStream
-from service.engine.sampling import (
+from kvserve.service.engine.output import TextStream
+from kvserve.service.engine.sampling import (
     apply_repetition_penalty,
     filter_top_k_top_p,
     RowState,
     make_generator,
     sample as _sample,
 )
-from service.types import SamplingParams
+from kvserve.service.types import SamplingParams
 
 
 def sample(logits, params, gens, seen):
@@ -124,7 +124,7 @@ def test_repetition_penalty_matches_transformers_rule():
 def test_sampling_params_validation_messages():
     import pytest
 
-    from service.types import InvalidRequest
+    from kvserve.service.types import InvalidRequest
 
     cases = [
         (SamplingParams(max_new_tokens=0), "max_new_tokens must be >= 1"),
@@ -152,7 +152,7 @@ def _state(prompt, output=(), stop_ids=()):
 
 
 def test_min_p_drops_tokens_under_the_fraction_of_the_top_probability():
-    from service.engine.sampling import filter_logits
+    from kvserve.service.engine.sampling import filter_logits
 
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     kept = filter_logits(probs.log(), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.2]))
@@ -163,7 +163,7 @@ def test_min_p_drops_tokens_under_the_fraction_of_the_top_probability():
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
-    from service.engine.sampling import apply_penalties
+    from kvserve.service.engine.sampling import apply_penalties
 
     logits = torch.zeros(1, 6)
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
@@ -244,7 +244,7 @@ def test_sampling_control_validation_messages():
 
     import pytest
 
-    from service.types import InvalidRequest
+    from kvserve.service.types import InvalidRequest
 
     nan, inf = float("nan"), float("inf")
     cases = [
@@ -268,7 +268,7 @@ def test_sampling_control_validation_messages():
 
 
 def test_top_k_through_topk_and_through_the_full_sort_agree():
-    from service.engine.sampling import filter_logits
+    from kvserve.service.engine.sampling import filter_logits
 
     torch.manual_seed(4)
     logits = torch.randn(3, 500)

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from clients._proto.kvserve.v1 import generation_pb2 as pb
-from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.serving import ServerThread, tiny_config
 
 PROMPT = [5, 17, 42, 9, 100, 23, 7, 5, 17]
@@ -124,7 +124,7 @@ def test_bad_controls_get_invalid_argument(stub, sampling, message):
 def test_python_clients_pass_the_controls_and_return_logprobs(tiny_llama_dir):
     import asyncio
 
-    from clients import AsyncKVServeClient, KVServeClient
+    from kvserve.clients import AsyncKVServeClient, KVServeClient
 
     kw = dict(token_ids=PROMPT, max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=3, min_p=0.02,
               presence_penalty=0.4, frequency_penalty=0.2, logit_bias={77: 1.5}, min_new_tokens=2,

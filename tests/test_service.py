@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from clients import AsyncKVServeClient, KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
-from service.types import Finished, GenerationRequest, SamplingParams
+from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
+from kvserve.service.types import Finished, GenerationRequest, SamplingParams
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 

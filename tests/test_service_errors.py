@@ -11,9 +11,9 @@ import threading
 import grpc
 import pytest
 
-from clients import KVServeClient, KVServeError, TextDelta
-from service.types import InvalidRequest
-from service.validation import check_context
+from kvserve.clients import KVServeClient, KVServeError, TextDelta
+from kvserve.service.types import InvalidRequest
+from kvserve.service.validation import check_context
 from tests.serving import ServerThread, tiny_config, wait_until
 
 CONTEXT = 128
@@ -88,8 +88,8 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("kwargs,code,message", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_request_gets_its_status_then_a_good_request_succeeds(server, client, kwargs, code, message):
     if kwargs.get("text") is None and kwargs.get("token_ids") is None and "messages" not in kwargs:
-        from clients._proto.kvserve.v1 import generation_pb2 as pb
-        from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+        from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+        from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 
         # the client refuses to build a request without input; send a raw empty one
         with grpc.insecure_channel(server.address) as ch:
@@ -166,7 +166,7 @@ def test_unexpected_error_is_internal_with_a_logged_request_id(server, client, c
     real = servicer.engine
     servicer.engine = _Exploding(real)
     try:
-        with caplog.at_level(logging.ERROR, logger="service.servicer"):
+        with caplog.at_level(logging.ERROR, logger="kvserve.service.servicer"):
             err = _status(lambda: client.complete(text="boom", max_new_tokens=2))
     finally:
         servicer.engine = real

@@ -16,10 +16,10 @@ import grpc
 import pytest
 import redis
 
-from clients import AsyncKVServeClient, KVServeClient, KVServeError
-from clients._proto.kvserve.v1 import generation_pb2 as pb
-from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
-from service.auth import hash_key
+from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError
+from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.service.auth import hash_key
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 MSGS = ["hello, tell me a short story about a fox", "what is the fox doing now", "and the dog?"]

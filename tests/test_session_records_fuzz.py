@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.sessions import (
+from kvserve.service.sessions import (
     SESSION_ID_RE,
     TurnInfo,
     RedisSessionStore,
@@ -22,7 +22,7 @@ from service.sessions import (
     decode_record,
     encode_record,
 )
-from service.sessions.records import FINISH_REASONS
+from kvserve.service.sessions.records import FINISH_REASONS
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -200,7 +200,7 @@ def test_a_write_that_missed_redis_never_rolls_a_session_back(redis_url):
     wrote the newer one must not read the older one back (the transcript would lose turns)."""
     import redis.asyncio as aioredis
 
-    from service.sessions import FallbackSessionStore
+    from kvserve.service.sessions import FallbackSessionStore
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url)

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import pytest
 
-from service.models.tokenizer import ChatTemplateError, Tokenizer
-from service.sessions import (
+from kvserve.service.models.tokenizer import ChatTemplateError, Tokenizer
+from kvserve.service.sessions import (
     InMemorySessionStore,
     InvalidSessionId,
     RedisSessionStore,

@@ -1,4 +1,4 @@
-"""SIGTERM during a stream, against ``python -m service`` in a subprocess: health goes
+"""SIGTERM during a stream, against ``python -m kvserve.service`` in a subprocess: health goes
 NOT_SERVING, new calls get UNAVAILABLE, the stream completes (or, when the drain
 timeout is short, ends with a clear UNAVAILABLE status) and the process exits 0."""
 
@@ -10,7 +10,7 @@ import threading
 import grpc
 import pytest
 
-from clients import KVServeClient, KVServeError, StreamEnd, TextDelta
+from kvserve.clients import KVServeClient, KVServeError, StreamEnd, TextDelta
 from tests.fixtures.models import make_tiny_llama
 from tests.serving import start_server_process, wait_until
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.cli import main
-from service.server import StartupError, check_port
+from kvserve.service.cli import main
+from kvserve.service.server import StartupError, check_port
 from tests.serving import REPO, ServerThread, subprocess_env, tiny_config
 
 _SERVE = ["serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--log-level", "warning"]
@@ -94,7 +94,7 @@ def test_unreachable_redis_serves_degraded_and_says_so(caplog, tiny_llama_dir: P
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"redis://127.0.0.1:{s.getsockname()[1]}"
-    with caplog.at_level(logging.WARNING, logger="service.server"):
+    with caplog.at_level(logging.WARNING, logger="kvserve.service.server"):
         with ServerThread(tiny_config(tiny_llama_dir, redis_url=url, host_cache_memory=0)) as server:
             assert server.running is not None and server.running.port > 0
     degraded = [r.getMessage() for r in caplog.records if "serving DEGRADED" in r.getMessage()]
@@ -102,7 +102,7 @@ def test_unreachable_redis_serves_degraded_and_says_so(caplog, tiny_llama_dir: P
 
 
 def test_debug_log_level_shows_the_traceback(caplog, tmp_path: Path) -> None:
-    with caplog.at_level(logging.DEBUG, logger="service.cli"):
+    with caplog.at_level(logging.DEBUG, logger="kvserve.service.cli"):
         status = main([*_SERVE, "--log-level", "debug", "--model", str(tmp_path / "nope")], environ={})
     assert status == 2
     assert any(r.exc_info and "startup failed" in r.getMessage() for r in caplog.records)
@@ -110,7 +110,7 @@ def test_debug_log_level_shows_the_traceback(caplog, tmp_path: Path) -> None:
 
 def test_a_real_process_prints_one_line_and_exits_non_zero(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "service", "--model", str(tmp_path / "nope"), "--port", "0", "--log-level", "warning"],
+        [sys.executable, "-m", "kvserve.service", "--model", str(tmp_path / "nope"), "--port", "0", "--log-level", "warning"],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2

@@ -10,12 +10,12 @@ import pytest
 import redis
 import torch
 
-from cachestore import codec
-from cachestore.base import BlockRef, Tier
-from cachestore.host import HostTier
-from cachestore.keys import block_hashes, make_namespace
-from cachestore.redis import RedisTier
-from cachestore.tiered import SpillResult, TieredStore
+from kvserve.cachestore import codec
+from kvserve.cachestore.base import BlockRef, Tier
+from kvserve.cachestore.host import HostTier
+from kvserve.cachestore.keys import block_hashes, make_namespace
+from kvserve.cachestore.redis import RedisTier
+from kvserve.cachestore.tiered import SpillResult, TieredStore
 
 SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4

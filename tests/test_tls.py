@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients import KVServeClient, KVServeError, TLSConfig
-from service.auth import hash_key
+from kvserve.clients import KVServeClient, KVServeError, TLSConfig
+from kvserve.service.auth import hash_key
 from tests.fixtures.redis_server import TLSFiles, make_tls_files
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
@@ -100,7 +100,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_client_ca(tiny_llama_
 
 
 def test_tls_settings_are_checked_at_startup(tmp_path):
-    from service.config import ConfigError, ServerConfig
+    from kvserve.service.config import ConfigError, ServerConfig
 
     with pytest.raises(ConfigError, match="--tls-key / KVSERVE_TLS_KEY and --tls-cert"):
         ServerConfig(tls_cert="/x.crt")
@@ -111,7 +111,7 @@ def test_tls_settings_are_checked_at_startup(tmp_path):
     url = ServerConfig(redis_url="rediss://:pw@h:1/0", redis_tls_ca="/a b/ca.crt").redis_connection_url()
     assert url == "rediss://:pw@h:1/0?ssl_ca_certs=%2Fa+b%2Fca.crt"
 
-    from service.server import server_credentials
+    from kvserve.service.server import server_credentials
 
     with pytest.raises(ConfigError, match="cannot read the TLS certificate"):
         server_credentials(ServerConfig(tls_cert=str(tmp_path / "none.crt"), tls_key=str(tmp_path / "none.key")))

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.models.config import ModelLoadError
-from service.models.tokenizer import BUILTIN_CHAT_TEMPLATE, DEFAULT_ROLES, Tokenizer
+from kvserve.service.models.config import ModelLoadError
+from kvserve.service.models.tokenizer import BUILTIN_CHAT_TEMPLATE, DEFAULT_ROLES, Tokenizer
 
 TEXTS = [
     "Hello world",

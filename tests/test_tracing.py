@@ -18,9 +18,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from clients import KVServeClient, build_request
-from clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
-from service.tracing import Tracing
+from kvserve.clients import KVServeClient, build_request
+from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.service.tracing import Tracing
 from tests.serving import BLOCK_SIZE, REPO, ServerThread, subprocess_env, tiny_config, wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -150,7 +150,7 @@ def test_tracing_is_off_unless_the_otel_environment_asks_for_it(environ, enabled
 def test_an_unknown_exporter_is_a_one_line_startup_error():
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER='zipkin'"):
         Tracing.from_environment({"OTEL_TRACES_EXPORTER": "zipkin"})
-    result = subprocess.run([sys.executable, "-m", "service", "--port", "0"], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "kvserve.service", "--port", "0"], cwd=REPO, capture_output=True, text=True,
                             env={**subprocess_env(), "OTEL_TRACES_EXPORTER": "zipkin"}, timeout=120)  # fmt: skip
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if " INFO " not in line]  # the startup log line
@@ -160,12 +160,12 @@ def test_an_unknown_exporter_is_a_one_line_startup_error():
 
 
 def test_the_console_exporter_of_a_real_server_prints_the_callers_trace(tmp_path):
-    """``python -m service`` with OTEL_TRACES_EXPORTER=console: the spans of a call reach
+    """``python -m kvserve.service`` with OTEL_TRACES_EXPORTER=console: the spans of a call reach
     stdout (as JSON lines) by the time the server exits on SIGTERM."""
     env = {**subprocess_env(), "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "kvserve-test"}
     out = tmp_path / "stdout"
     with open(out, "w") as stdout:
-        proc = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.service", "--host", "127.0.0.1", "--port", "0",
                                  "--log-level", "info"], cwd=REPO, env=env, stdout=stdout,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from service.kv.cache import KVPool
-from service.kv.transfer import BlockTransfers, CudaOps, StagingSlab, SyncOps, stream_ops_for
+from kvserve.service.kv.cache import KVPool
+from kvserve.service.kv.transfer import BlockTransfers, CudaOps, StagingSlab, SyncOps, stream_ops_for
 
 
 class FakeEvent:
@@ -209,7 +209,7 @@ def test_staging_slab_is_one_allocation_and_checks_returns() -> None:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_llama_dir: Any) -> Any:
-    from service.models.loading import load_model
+    from kvserve.service.models.loading import load_model
 
     return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
 
@@ -238,10 +238,10 @@ def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(l
     copied into the pool on the restore stream in rounds (a slab of 4 buffers for 4
     blocks), and the compute stream waits for the last copy before the forward that
     reads them; the output equals recomputing and every staging buffer comes back."""
-    from cachestore.host import HostTier
-    from cachestore.keys import block_hashes
-    from cachestore.tiered import TieredStore
-    from service.types import CacheScope
+    from kvserve.cachestore.host import HostTier
+    from kvserve.cachestore.keys import block_hashes
+    from kvserve.cachestore.tiered import TieredStore
+    from kvserve.service.types import CacheScope
     from tests.engine_util import BS, bytes_per_token, finished, greedy_reference, prompts, req, run
 
     c = loaded.config

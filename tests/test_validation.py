@@ -1,4 +1,4 @@
-"""service.validation: every request check's message, asserted here once. The front
+"""kvserve.service.validation: every request check's message, asserted here once. The front
 (tests/test_service_errors.py, tests/test_limits.py) and the engine (tests/test_engine.py)
 raise these same messages through the same functions."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
-from service.validation import (
+from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
+from kvserve.service.validation import (
     Limits,
     check_context,
     check_generation,
@@ -64,7 +64,7 @@ def test_kv_capacity_counts_blocks_up_to_the_context() -> None:
 
 
 def test_n_and_response_format() -> None:
-    from service.types import ResponseFormat
+    from kvserve.service.types import ResponseFormat
 
     limit = dict(vocab_size=100, max_new_tokens_limit=256)
     check_sampling(SamplingParams(n=16, response_format=ResponseFormat("json_object")), **limit)

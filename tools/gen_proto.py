@@ -5,8 +5,8 @@
     python tools/gen_proto.py --out /tmp/x   # writes /tmp/x/kvserve/v1/... (the staleness test)
 
 protoc names imports after the proto package (``from kvserve.v1 import ...``); the
-stubs live in the ``clients._proto`` package, so one post-processing step rewrites
-that import prefix to ``clients._proto.kvserve.v1``. Nothing else is edited, so the
+stubs live in the ``kvserve.clients._proto`` package, so one post-processing step rewrites
+that import prefix to ``kvserve.clients._proto.kvserve.v1``. Nothing else is edited, so the
 output is byte-for-byte what ``grpc_tools.protoc`` of the installed grpcio-tools writes.
 """
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "proto"
 PROTO_FILES = ("kvserve/v1/generation.proto",)
 DEFAULT_OUT = REPO / "clients" / "_proto"
-IMPORT_REWRITES = (("from kvserve.v1 import ", "from clients._proto.kvserve.v1 import "),)
+IMPORT_REWRITES = (("from kvserve.v1 import ", "from kvserve.clients._proto.kvserve.v1 import "),)
 
 
 def generated_paths(out: Path) -> list[Path]:

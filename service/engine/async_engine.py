@@ -14,12 +14,12 @@ import threading
 import time
 from typing import AsyncIterator
 
-from cachestore.keys import block_hashes
-from service.engine.config import EngineConfig
-from service.engine.engine import Emitted, LLMEngine
-from service.engine.store import build_store
-from service.models.tokenizer import Tokenizer
-from service.types import (
+from kvserve.cachestore.keys import block_hashes
+from kvserve.service.engine.config import EngineConfig
+from kvserve.service.engine.engine import Emitted, LLMEngine
+from kvserve.service.engine.store import build_store
+from kvserve.service.models.tokenizer import Tokenizer
+from kvserve.service.types import (
     CacheScope,
     CacheStats,
     Delta,
@@ -240,7 +240,7 @@ class AsyncEngine:
 
 async def build_engine(cfg: EngineConfig) -> AsyncEngine:
     """Load the model (off the event loop), build the engine and start its thread."""
-    from service.models.loading import load_model
+    from kvserve.service.models.loading import load_model
 
     loaded = await asyncio.to_thread(
         load_model,

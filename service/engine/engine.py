@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from cachestore.keys import BlockHash, block_hashes, make_namespace
-from cachestore.tiered import TieredStore
-from service.engine.config import EngineConfig
-from service.engine.grammar import GrammarCompiler
-from service.engine.output import TextStream
-from service.engine.sampling import RowState, make_generator, sample
-from service.types import (
+from kvserve.cachestore.keys import BlockHash, block_hashes, make_namespace
+from kvserve.cachestore.tiered import TieredStore
+from kvserve.service.engine.config import EngineConfig
+from kvserve.service.engine.grammar import GrammarCompiler
+from kvserve.service.engine.output import TextStream
+from kvserve.service.engine.sampling import RowState, make_generator, sample
+from kvserve.service.types import (
     CacheScope,
     Delta,
     EngineStats,
@@ -57,13 +57,13 @@ from service.types import (
     Tier,
     Timings,
 )
-from service.validation import check_generation
-from service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
-from service.kv.cache import BatchLayout, SeqSlice
-from service.kv.transfer import BlockTransfers
+from kvserve.service.validation import check_generation
+from kvserve.service.kv.block_manager import NULL_BLOCK, Block, BlockManager, NoFreeBlocks
+from kvserve.service.kv.cache import BatchLayout, SeqSlice
+from kvserve.service.kv.transfer import BlockTransfers
 
 if TYPE_CHECKING:
-    from service.models.loading import LoadedModel
+    from kvserve.service.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from service.types import InvalidRequest, ResponseFormat
+from kvserve.service.types import InvalidRequest, ResponseFormat
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept (LRU)
 _JSON_OPTIONS = {"whitespace_flexible": False}

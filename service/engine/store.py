@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cachestore.base import BlockTier
-from cachestore.codec import STORAGE_FORMATS
-from cachestore.host import HostTier
-from cachestore.redis import RedisTier
-from cachestore.tiered import TieredStore
-from service.engine.config import EngineConfig
+from kvserve.cachestore.base import BlockTier
+from kvserve.cachestore.codec import STORAGE_FORMATS
+from kvserve.cachestore.host import HostTier
+from kvserve.cachestore.redis import RedisTier
+from kvserve.cachestore.tiered import TieredStore
+from kvserve.service.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from service.models.loading import LoadedModel
+    from kvserve.service.models.loading import LoadedModel
 
 
 def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:

@@ -38,17 +38,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from service import wire
-from service.http import openai as oa
-from service.sessions import SessionNotFound
-from service.tracing import Tracing
-from service.types import ChatMessage, Delta, Finished, Started, TurnInput
+from kvserve.service import wire
+from kvserve.service.http import openai as oa
+from kvserve.service.sessions import SessionNotFound
+from kvserve.service.tracing import Tracing
+from kvserve.service.types import ChatMessage, Delta, Finished, Started, TurnInput
 
 if TYPE_CHECKING:
-    from service.admission import Admission, Ticket
-    from service.auth import Authenticator
-    from service.conversations import Conversations
-    from service.metrics import ServiceMetrics
+    from kvserve.service.admission import Admission, Ticket
+    from kvserve.service.auth import Authenticator
+    from kvserve.service.conversations import Conversations
+    from kvserve.service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from typing import Any, Mapping
 
 import grpc
 
-from service import wire
-from service.types import (
+from kvserve.service import wire
+from kvserve.service.types import (
     ChatMessage,
     Finished,
     FinishReason,

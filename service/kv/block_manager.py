@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from cachestore.keys import BlockHash
+from kvserve.cachestore.keys import BlockHash
 
 NULL_BLOCK = 0  # never handed out: padding slots of a batch write their K/V here
 

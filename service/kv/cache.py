@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from service.kv.block_manager import NULL_BLOCK
+from kvserve.service.kv.block_manager import NULL_BLOCK
 
 
 @dataclass(frozen=True, slots=True)

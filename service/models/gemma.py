@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.kv.cache import BatchLayout, KVPool
-from service.models.config import ModelConfig
-from service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears
-from service.models.rope import Rotary, apply_rope
+from kvserve.service.kv.cache import BatchLayout, KVPool
+from kvserve.service.models.config import ModelConfig
+from kvserve.service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears
+from kvserve.service.models.rope import Rotary, apply_rope
 
 
 class RMSNorm(nn.Module):

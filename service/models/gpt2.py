@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.kv.cache import BatchLayout, KVPool
-from service.models.config import ModelConfig
-from service.models.layers import Linear
+from kvserve.service.kv.cache import BatchLayout, KVPool
+from kvserve.service.models.config import ModelConfig
+from kvserve.service.models.layers import Linear
 
 
 class Attention(nn.Module):

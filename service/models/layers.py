@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from service.kv.cache import BatchLayout, KVPool
+    from kvserve.service.kv.cache import BatchLayout, KVPool
 
 # Row counts (tokens in the forward) that take the CPU fast path of ``Linear``.
 SMALL_ROWS = range(2, 65)

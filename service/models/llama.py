@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.kv.cache import BatchLayout, KVPool
-from service.models import rope
-from service.models.config import ModelConfig
-from service.models.layers import Linear, PagedAttention, fuse_linears
+from kvserve.service.kv.cache import BatchLayout, KVPool
+from kvserve.service.models import rope
+from kvserve.service.models.config import ModelConfig
+from kvserve.service.models.layers import Linear, PagedAttention, fuse_linears
 
 
 class RMSNorm(nn.Module):

@@ -28,16 +28,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from service.kv.cache import KVCacheSpec, KVPool
-from service.models.config import ModelConfig, ModelLoadError
-from service.models.gemma import GemmaForCausalLM
-from service.models.gpt2 import GPT2LMHeadModel
-from service.models.layers import fuse_projections
-from service.models.llama import LlamaForCausalLM
-from service.models.phi3 import Phi3ForCausalLM
-from service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
-from service.models.qwen3 import Qwen3ForCausalLM
-from service.models.tokenizer import Tokenizer
+from kvserve.service.kv.cache import KVCacheSpec, KVPool
+from kvserve.service.models.config import ModelConfig, ModelLoadError
+from kvserve.service.models.gemma import GemmaForCausalLM
+from kvserve.service.models.gpt2 import GPT2LMHeadModel
+from kvserve.service.models.layers import fuse_projections
+from kvserve.service.models.llama import LlamaForCausalLM
+from kvserve.service.models.phi3 import Phi3ForCausalLM
+from kvserve.service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
+from kvserve.service.models.qwen3 import Qwen3ForCausalLM
+from kvserve.service.models.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
 

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.kv.cache import BatchLayout, KVPool
-from service.models.config import ModelConfig
-from service.models.layers import Linear, PagedAttention
-from service.models.llama import RMSNorm
-from service.models.rope import Rotary, apply_rope
+from kvserve.service.kv.cache import BatchLayout, KVPool
+from kvserve.service.models.config import ModelConfig
+from kvserve.service.models.layers import Linear, PagedAttention
+from kvserve.service.models.llama import RMSNorm
+from kvserve.service.models.rope import Rotary, apply_rope
 
 
 class Attention(PagedAttention):

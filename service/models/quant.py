@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.models.layers import Linear
+from kvserve.service.models.layers import Linear
 
 WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
 # From this many rows (prefill chunks) bf16/int8 products run on the widened weight in

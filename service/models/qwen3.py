@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from service.models import llama
-from service.models.config import ModelConfig
-from service.models.llama import RMSNorm, apply_rope
+from kvserve.service.models import llama
+from kvserve.service.models.config import ModelConfig
+from kvserve.service.models.llama import RMSNorm, apply_rope
 
 
 class Attention(llama.Attention):

@@ -57,7 +57,7 @@ many sessions one tenant holds; creating one more raises ``SessionLimit``.
 """
 
 
-from service.sessions.records import (
+from kvserve.service.sessions.records import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     SESSION_ID_RE,
@@ -78,13 +78,13 @@ from service.sessions.records import (
     decode_record,
     encode_record,
 )
-from service.sessions.stores import (
+from kvserve.service.sessions.stores import (
     FallbackSessionStore,
     InMemorySessionStore,
     RedisSessionStore,
     SessionStore,
 )
-from service.sessions.table import SessionManager, Turn
+from kvserve.service.sessions.table import SessionManager, Turn
 
 __all__ = [
     "BadTurnCount",

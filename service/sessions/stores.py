@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 from urllib.parse import quote
 
-from service.sessions.records import (
+from kvserve.service.sessions.records import (
     SessionRecord,
     SessionRecordError,
     decode_record,
@@ -506,7 +506,7 @@ class FallbackSessionStore:
         unlock_retry_s: float = 0.5,
         sync_every_s: float = 1.0,
     ) -> None:
-        from cachestore.breaker import CircuitBreaker
+        from kvserve.cachestore.breaker import CircuitBreaker
 
         self.primary = primary
         self.local = local or InMemorySessionStore()

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from service.sessions.records import (
+from kvserve.service.sessions.records import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     BadTurnCount,
@@ -25,7 +25,7 @@ from service.sessions.records import (
     TurnUnavailable,
     check_session_id,
 )
-from service.sessions.stores import (
+from kvserve.service.sessions.stores import (
     CONFLICT,
     REPLACED,
     RESTORED,
