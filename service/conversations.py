@@ -273,13 +273,20 @@ class Conversations:
 
     async def forget(self, rec: SessionRecord) -> dict[Tier, int]:
         """Stop a removed session's KV blocks from being found (device, host, Redis).
-        Blocks in a shared namespace are left alone: they are not the session's own."""
+        Blocks in a shared namespace are left alone: they are not the session's own; so
+        are a fork's leading blocks it still shares with its source
+        (``SessionManager.shared_prefix``)."""
         if self.spill is not None:
             self.spill.forget(rec.owner, rec.session_id)
         if self.is_shared_salt(rec.cache_salt) or not rec.token_ids:
             return {}
         try:
-            return await self.engine.forget(rec.token_ids, self.cache_scope(rec.owner, rec.cache_salt))
+            keep = await self.sessions.shared_prefix(rec) // self.engine.model_info.block_size
+            if keep >= len(rec.token_ids) // self.engine.model_info.block_size:
+                return {}
+            return await self.engine.forget(
+                rec.token_ids, self.cache_scope(rec.owner, rec.cache_salt), keep_blocks=keep
+            )
         except Exception:  # the transcript is gone already; dropping its cache is best effort
             log.exception("dropping the KV blocks of session %r failed", rec.session_id)
             return {}

@@ -195,6 +195,27 @@ def test_fork_shares_the_transcript_and_its_blocks(client):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions_per_tenant" in msg
 
 
+def test_deleting_a_fork_leaves_the_blocks_it_shares_with_its_source(client):
+    _three_turns(client, "keep-src", n=8)
+    src = client.get_session("keep-src", include_token_ids=True)
+    assert src.cached_blocks["device"] == src.full_blocks >= 4
+    fork = client.fork_session("keep-src", "keep-fork", at_turn=2)
+    client.chat("keep-fork", "a question of the branch alone, long enough to fill a block or two", max_new_tokens=8)
+    grown = client.get_session("keep-fork", include_token_ids=True)
+    assert grown.full_blocks > fork.full_blocks
+    client.delete_session("keep-fork")
+    # the source keeps every block; the branch's own blocks (past what it has in common
+    # with the source: the fork point and the chat template's framing after it) are gone
+    assert client.get_session("keep-src").cached_blocks["device"] == src.full_blocks
+    common = next(i for i, (a, b) in enumerate(zip(grown.token_ids, src.token_ids)) if a != b)
+    assert common >= fork.token_count and grown.full_blocks > common // BLOCK_SIZE
+    assert client.complete(token_ids=grown.token_ids, max_new_tokens=1).start.cached_tokens \
+        == common // BLOCK_SIZE * BLOCK_SIZE  # fmt: skip
+    # a session that is not a fork drops all its blocks when deleted, as before
+    client.delete_session("keep-src")
+    assert client.complete(token_ids=src.token_ids, max_new_tokens=1).start.cached_tokens == 0
+
+
 def test_another_tenants_session_is_not_found(client, server):
     _three_turns(client, "mine", n=2)
     with KVServeClient(server.address, token=KEY_B, timeout=60) as other:

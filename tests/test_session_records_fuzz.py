@@ -51,6 +51,7 @@ def records(draw) -> SessionRecord:
         turns=draw(st.integers(len(log), 2**32 - 1)),
         cache_salt=draw(st.text(max_size=40)),
         turn_log=log,
+        forked_from=draw(st.sampled_from(["", "src"]) | session_ids),
     )
 
 

@@ -292,6 +292,8 @@ def test_manager_rewind_fork_and_replace_last(store):
             # fork at turn 2, then from the fork; the source is untouched
             child = await m.fork("", "s", "c", 2)
             assert child.token_ids == [1, 2, 3, 4, 5, 6] and child.turn_log == rec.turn_log[:2]
+            assert child.forked_from == "s" and await m.shared_prefix(child) == 6
+            assert await m.shared_prefix(rec) == 0
             assert (await m.fork("", "c", "g", 1)).token_ids == [1, 2, 3]
             with pytest.raises(SessionExists):
                 await m.fork("", "s", "c")

@@ -197,10 +197,14 @@ class AsyncEngine:
             return True
         return await asyncio.to_thread(store.flush, timeout_s)
 
-    async def forget(self, token_ids: list[int], scope: CacheScope, timeout_s: float = 10.0) -> dict[Tier, int]:
+    async def forget(
+        self, token_ids: list[int], scope: CacheScope, timeout_s: float = 10.0, *, keep_blocks: int = 0
+    ) -> dict[Tier, int]:
         """Stop the full blocks of a transcript from being found: the device prefix map
         (on the engine thread, between steps), then every store tier
-        (``TieredStore.delete_many``). Returns how many entries each tier dropped.
+        (``TieredStore.delete_many``). The first ``keep_blocks`` full blocks are left (a
+        forked session's blocks shared with its source). Returns how many entries each
+        tier dropped.
 
         KV blocks are content-addressed, so "a session's blocks" are the full blocks of
         its transcript in its namespace. Another transcript of the same namespace (same
@@ -212,7 +216,7 @@ class AsyncEngine:
         def drop_device() -> None:  # on the engine thread
             n = 0
             try:
-                n = self.engine.forget_device(token_ids, scope)
+                n = self.engine.forget_device(token_ids, scope, keep_blocks=keep_blocks)
             finally:
                 loop.call_soon_threadsafe(lambda: dropped.done() or dropped.set_result(n))
 
@@ -221,7 +225,7 @@ class AsyncEngine:
         store = self.engine.store
         if store is not None:
             for ns in self.engine.namespaces(scope):  # LongRoPE models: both regimes
-                hashes = block_hashes(ns, token_ids, self.engine.block_size)
+                hashes = block_hashes(ns, token_ids, self.engine.block_size)[keep_blocks:]
                 got = await asyncio.to_thread(store.delete_many, ns, hashes, timeout_s)
                 for tier, n in got.items():
                     out[tier] = out.get(tier, 0) + n

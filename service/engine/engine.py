@@ -832,13 +832,13 @@ class LLMEngine:
         except Exception:
             log.exception("demoting block %d failed", block_id)
 
-    def forget_device(self, token_ids: list[int], scope: CacheScope) -> int:
-        """Drop the full blocks of ``token_ids`` in ``scope``'s namespace from the prefix
-        map (engine thread only). A block a running sequence still uses keeps its KV until
+    def forget_device(self, token_ids: list[int], scope: CacheScope, *, keep_blocks: int = 0) -> int:
+        """Drop the full blocks of ``token_ids`` in ``scope``'s namespace, past the first
+        ``keep_blocks``, from the prefix map (engine thread only). A block a running sequence still uses keeps its KV until
         that sequence frees it, then it is a plain free block. Returns how many were dropped."""
         n = 0
         for ns in self.namespaces(scope):  # LongRoPE models: both regimes
-            for h in block_hashes(ns, token_ids, self.block_size):
+            for h in block_hashes(ns, token_ids, self.block_size)[keep_blocks:]:
                 block = self.blocks.lookup(h)
                 if block is not None:
                     self.blocks.drop_hash(block)

@@ -114,6 +114,9 @@ class SessionRecord:
     cache_salt: str = ""  # the request cache_salt of the last completed turn (where its KV lives)
     etag: str = ""  # id of the write that stored this version (conditional writes compare it)
     turn_log: list[TurnInfo] = field(default_factory=list)  # boundaries of the last len(turn_log) turns
+    # The session this one was forked from ("" if none): deleting this one leaves the KV
+    # blocks of the transcript prefix it still has in common with that one.
+    forked_from: str = ""
 
     @property
     def untracked_turns(self) -> int:
@@ -156,6 +159,7 @@ def encode_record(rec: SessionRecord) -> bytes:
             "turns": rec.turns,
             "cache_salt": rec.cache_salt,
             "etag": rec.etag,
+            "forked_from": rec.forked_from,
         },
         separators=(",", ":"),
     ).encode()
@@ -219,6 +223,7 @@ def decode_record(data: bytes) -> SessionRecord:
             cache_salt=_meta_str(meta, "cache_salt", default=""),
             etag=_meta_str(meta, "etag", default=""),
             turn_log=turn_log,
+            forked_from=_meta_str(meta, "forked_from", default=""),
         )
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SessionRecordError(f"bad metadata: {type(e).__name__}: {e}"[:300]) from None

@@ -229,7 +229,7 @@ class InMemorySessionStore:
 def copy_record(rec: SessionRecord, **changes: Any) -> SessionRecord:
     out = SessionRecord(
         rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns,
-        rec.cache_salt, rec.etag, list(rec.turn_log),
+        rec.cache_salt, rec.etag, list(rec.turn_log), rec.forked_from,
     )  # fmt: skip
     for name, value in changes.items():
         setattr(out, name, value)

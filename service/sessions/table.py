@@ -344,7 +344,7 @@ class SessionManager:
         child = SessionRecord(
             session_id=new_session_id, owner=owner, token_ids=src.token_ids[: src.turn_end(at)], created_at=now,
             last_used_at=now, turns=at, cache_salt=src.cache_salt, etag=new_etag(),
-            turn_log=src.turn_log[: at - src.untracked_turns],
+            turn_log=src.turn_log[: at - src.untracked_turns], forked_from=session_id,
         )  # fmt: skip
         async with self._create_lock:
             if await self.store.get(owner, new_session_id) is not None:
@@ -423,6 +423,26 @@ class SessionManager:
         if not await self.store.delete(owner, session_id) or rec is None:
             raise SessionNotFound(f"session {session_id!r} not found")
         return rec
+
+    async def shared_prefix(self, rec: SessionRecord) -> int:
+        """How many leading tokens of ``rec``'s transcript the session it was forked from
+        still has (0 when it was not forked, or that session is gone or keyed elsewhere):
+        the KV blocks of that prefix are that session's too."""
+        if not rec.forked_from:
+            return 0
+        try:
+            src = await self.store.get(rec.owner, rec.forked_from)
+        except Exception:  # noqa: BLE001 - best effort: the caller then drops every block
+            log.warning("could not read session %r, the source of fork %r", rec.forked_from, rec.session_id)
+            return 0
+        if src is None or src.cache_salt != rec.cache_salt:
+            return 0
+        n = 0
+        for a, b in zip(rec.token_ids, src.token_ids):
+            if a != b:
+                break
+            n += 1
+        return n
 
     async def reap(self) -> list[SessionRecord]:
         """Remove sessions whose TTL passed; returns their last records."""
