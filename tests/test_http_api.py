@@ -133,7 +133,8 @@ def test_a_client_that_goes_away_frees_its_stream(oai, model, server):
     "extra, param",
     [
         ({"logprobs": True}, "logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, None),
+        ({"n": "2"}, "n"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
@@ -151,6 +152,33 @@ def test_unsupported_or_bad_fields_are_refused_with_400(oai, model, extra, param
     assert body["type"] == "invalid_request_error" and body["message"]
     if param:
         assert body["param"] == param
+
+
+def test_n_choices_whole_and_streamed(oai, model):
+    one = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    r = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=6, temperature=0, n=3,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content == one.choices[0].message.content for c in r.choices)  # greedy: n copies
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    stream = oai.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=7,
+                                    n=2, stream=True, stream_options={"include_usage": True})  # fmt: skip
+    text: dict[int, str] = {0: "", 1: ""}
+    finished, usage = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            text[c.index] += c.text
+            if c.finish_reason:
+                finished.append(c.index)
+        usage = chunk.usage or usage
+    assert sorted(finished) == [0, 1] and usage.completion_tokens == 10
+    whole = oai.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=7, n=2)
+    assert [c.text for c in whole.choices] == [text[0], text[1]]  # seeded per index
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=HELLO, n=2, extra_headers={"X-Session-Id": "n-two"})
+    assert "cannot be used with a session_id" in e.value.body["message"]
 
 
 def test_response_format_json_schema_constrains_the_reply(oai, model):

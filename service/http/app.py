@@ -287,7 +287,8 @@ class HttpFront:
         if diverged is not None:
             headers[DIVERGED_HEADER] = str(diverged)
         ext = oa.extension(request_id, session_id, start, diverged)
-        ctx = _Ctx(self, method, ticket, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace)
+        ctx = _Ctx(self, method, ticket, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace,
+                   inp.sampling.n)  # fmt: skip
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
@@ -327,11 +328,13 @@ class _Ctx:
     """One admitted generation: turns the rest of the events into a JSON body or SSE."""
 
     def __init__(self, front: HttpFront, method: str, ticket: Ticket, request_id: str, chat: bool, model: str,
-                 start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any], trace: Any) -> None:  # fmt: skip
+                 start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any], trace: Any,
+                 n: int = 1) -> None:  # fmt: skip
         self.front, self.method, self.ticket, self.request_id = front, method, ticket, request_id
         self.trace = trace  # service.tracing: ended with the call's HTTP status
         self.chat, self.model, self.start, self.ext = chat, model, start, ext
         self.events, self.gen = events, gen
+        self.n = n  # choices: the request's SamplingParams.n
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
 
@@ -346,21 +349,21 @@ class _Ctx:
         return oa.error_of(status, self.request_id) if status is not None else None
 
     async def whole(self) -> tuple[dict[str, Any], int]:
-        text: list[str] = []
         status, message = 499, "the client went away"  # unless the call gets further
+        ends: dict[int, Finished] = {}
         try:
             async for ev in self.gen:
-                if isinstance(ev, Delta):
-                    text.append(ev.text)
-                elif isinstance(ev, Finished):
+                if isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
                         status, message = err.status, err.message
                         self.front._count(self.method, err.status)
                         return err.body(), err.status
-                    status, message = 200, ""
-                    self.front._count(self.method, 200)
-                    return self._body(ev, ev.text), 200
+                    ends[ev.index] = ev
+                    if len(ends) == self.n:
+                        status, message = 200, ""
+                        self.front._count(self.method, 200)
+                        return self._body([ends[i] for i in sorted(ends)]), 200
             raise RuntimeError("the conversation ended without a Finished event")
         except Exception as exc:  # noqa: BLE001
             err = oa.error_of(exc, self.request_id)
@@ -371,23 +374,28 @@ class _Ctx:
             await self._close()
             self.trace.end(status, message)
 
-    def _body(self, fin: Finished, text: str) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": oa.finish_reason(fin), "logprobs": None}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": oa.finish_reason(fin), "logprobs": None}
+    def _body(self, ends: list[Finished]) -> dict[str, Any]:
+        """The whole response: one choice per sequence (``Finished.text`` is its text)."""
+        choices: list[dict[str, Any]] = []
+        for fin in ends:
+            if self.chat:
+                choices.append({"index": fin.index, "message": {"role": "assistant", "content": fin.text},
+                                "finish_reason": oa.finish_reason(fin), "logprobs": None})  # fmt: skip
+            else:
+                choices.append({"index": fin.index, "text": fin.text, "finish_reason": oa.finish_reason(fin),
+                                "logprobs": None})  # fmt: skip
+        used = oa.usage(self.start, ends[0], sum(f.completion_tokens for f in ends))
         return {
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-            "model": self.model, "choices": [choice], "usage": oa.usage(self.start, fin), "kvserve": self.ext,
+            "model": self.model, "choices": choices, "usage": used, "kvserve": self.ext,
         }  # fmt: skip
 
-    def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None, index: int = 0) -> dict[str, Any]:
         if self.chat:
-            choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+            choices = [{"index": index, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
             kind = "chat.completion.chunk"
         else:
-            choices = [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]
+            choices = [{"index": index, "text": delta or "", "finish_reason": finish, "logprobs": None}]
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
@@ -396,28 +404,35 @@ class _Ctx:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
         status = 200
+        completion_tokens = 0
+        left = self.n
         try:
             if self.chat:
-                yield data(self._chunk({"role": "assistant", "content": ""}, None))
+                for i in range(self.n):
+                    yield data(self._chunk({"role": "assistant", "content": ""}, None, i))
             async for ev in self.gen:
                 if isinstance(ev, Delta):
                     if ev.text:
-                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None))
+                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index))
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
                         status = err.status
                         yield data(err.body())
                         break
-                    last = self._chunk(None, oa.finish_reason(ev))
+                    completion_tokens += ev.completion_tokens
+                    left -= 1
+                    last = self._chunk(None, oa.finish_reason(ev), ev.index)
                     last["kvserve"] = self.ext
                     if include_usage:
                         last["usage"] = None
                     yield data(last)
+                    if left:  # n > 1: the other choices go on
+                        continue
                     if include_usage:
                         tail = self._chunk(None, None)
                         tail["choices"] = []
-                        tail["usage"] = oa.usage(self.start, ev)
+                        tail["usage"] = oa.usage(self.start, ev, completion_tokens)
                         tail["kvserve"] = self.ext
                         yield data(tail)
                     break

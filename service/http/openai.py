@@ -18,7 +18,9 @@ temperature, top_p, seed                   the same
 stop (string or list)                      stop
 top_k, repetition_penalty, ignore_eos,     the same (extensions, as vLLM names them)
 stop_token_ids, cache_salt
-n, best_of                                 1 only
+n                                          n (1 to 16; choices by index, streamed
+                                           interleaved; not with X-Session-Id)
+best_of                                    1 only
 frequency_penalty, presence_penalty        0 only
 response_format (chat)                     text: free text; json_object and
                                            json_schema (its ``schema``): the
@@ -136,9 +138,7 @@ def _check_common(body: Mapping[str, Any], allowed: set[str], where: str) -> Non
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise HttpError(400, "model must be a string", param="model")
-    n = _number(body, "n", int)
-    if n not in (None, 1):
-        raise unsupported("n", "kvserve returns one choice per request (n must be 1)")
+    _number(body, "n", int)  # its range: SamplingParams.validate
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name) not in (None, 0):
             raise unsupported(name, "only 0 is supported (repetition_penalty is kvserve's penalty)")
@@ -174,6 +174,7 @@ def _sampling(body: Mapping[str, Any], max_tokens_field: str, default_max_new_to
     top_k = _number(body, "top_k", int)
     rep = _number(body, "repetition_penalty")
     seed = _number(body, "seed", int)
+    n = _number(body, "n", int)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else default_max_new_tokens,
         temperature=1.0 if temperature is None else float(temperature),  # OpenAI's default is 1
@@ -184,6 +185,7 @@ def _sampling(body: Mapping[str, Any], max_tokens_field: str, default_max_new_to
         stop=stops,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=ignore_eos,
+        n=1 if n is None else n,
     )
     return params, max_tokens
 
@@ -316,14 +318,16 @@ def finish_reason(ev: Finished) -> str:
     return "length" if ev.finish_reason == FinishReason.LENGTH else "stop"
 
 
-def usage(start: Started | None, fin: Finished) -> dict[str, Any]:
+def usage(start: Started | None, fin: Finished, completion_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage with ``prompt_tokens_details.cached_tokens`` always present, and the
-    per-tier split in ``prompt_tokens_details.kvserve_cached_by_tier``."""
+    per-tier split in ``prompt_tokens_details.kvserve_cached_by_tier``. With n > 1,
+    ``completion_tokens`` is every choice's together (the prompt is counted once)."""
     by_tier = start.cached_by_tier if start is not None else {}
+    completion = fin.completion_tokens if completion_tokens is None else completion_tokens
     return {
         "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": fin.completion_tokens,
-        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": fin.prompt_tokens + completion,
         "prompt_tokens_details": {
             "cached_tokens": fin.cached_tokens,
             "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.REDIS)},
