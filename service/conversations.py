@@ -203,6 +203,8 @@ class Conversations:
                                 )  # fmt: skip
                                 if self.spill is not None:
                                     self.spill.touch(owner, session_id, rec.token_ids, scope)
+                                if mode is not TurnMode.APPEND:
+                                    self.metrics.session_operations.labels(mode.value).inc()
                             await self.sessions.end_turn(turn)
                             turn = None
                         yield event
@@ -223,6 +225,7 @@ class Conversations:
         """Drop the last ``turns`` turns; returns the new record and the tokens dropped.
         The dropped turns' KV stays cached (a re-ask restores it)."""
         before, after = await self.sessions.rewind(owner, session_id, turns, expected_turns=expected_turns)
+        self.metrics.session_operations.labels("rewind").inc()
         if self.spill is not None and after.token_ids:
             self.spill.touch(owner, session_id, after.token_ids, self.cache_scope(owner, after.cache_salt))
         return after, len(before.token_ids) - len(after.token_ids)
@@ -231,6 +234,7 @@ class Conversations:
         """A new session sharing ``session_id``'s transcript up to turn ``at_turn``; no KV
         is copied (same namespace, same tokens: the same block keys)."""
         rec = await self.sessions.fork(owner, session_id, new_session_id, at_turn)
+        self.metrics.session_operations.labels("fork").inc()
         if self.spill is not None and rec.token_ids:
             self.spill.touch(owner, new_session_id, rec.token_ids, self.cache_scope(owner, rec.cache_salt))
         return rec

@@ -252,6 +252,12 @@ class ServiceMetrics:
         for tier in Tier:
             self.cached_prompt_tokens.labels(tier)  # export zeros so rates exist from the start
         self.finished = Counter(f"{p}_finished_streams", "Generate streams by finish reason.", ["reason"], registry=r)
+        self.session_operations = Counter(
+            f"{p}_session_operations", "Session operations that completed: rewind, fork, regenerate, edit.",
+            ["operation"], registry=r,
+        )  # fmt: skip
+        for op in ("rewind", "fork", "regenerate", "edit"):
+            self.session_operations.labels(op)
         self._http: tuple[object, threading.Thread] | None = None
 
     def register(self, collector: object) -> None:

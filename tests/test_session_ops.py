@@ -257,6 +257,20 @@ def test_regenerate_replaces_the_last_answer_from_the_same_input(client):
     del first
 
 
+def test_completed_operations_are_counted(client, server):
+    ops = server.running.metrics.session_operations
+    before = {op: ops.labels(op)._value.get() for op in ("rewind", "fork", "regenerate", "edit")}
+    _three_turns(client, "count", n=2)
+    client.regenerate("count", max_new_tokens=2)
+    client.edit("count", "changed", max_new_tokens=2)
+    client.fork_session("count", "count-2")
+    client.rewind_session("count", 1)
+    _code(lambda: client.rewind_session("count", 9))  # refused: not counted
+    _code(lambda: client.regenerate("count", expected_turns=0))
+    assert {op: ops.labels(op)._value.get() - n for op, n in before.items()} == \
+        {"rewind": 1, "fork": 1, "regenerate": 1, "edit": 1}  # fmt: skip
+
+
 def test_edit_replaces_the_last_message_like_a_session_that_asked_it(client):
     client.chat("ed", MSGS[0], max_new_tokens=6)
     client.chat("ed", MSGS[1], max_new_tokens=6)
