@@ -188,3 +188,18 @@ def test_compiled_grammars_are_cached_by_hash_in_a_bounded_lru(loaded):
     g.compile(c)  # evicts a
     g.compile(a)
     assert g.num_compiled == 4
+
+
+def test_a_lagging_consumer_gets_each_sequence_merged_in_order():
+    import asyncio
+
+    from kvserve.service.engine.async_engine import _merge_deltas
+
+    q: asyncio.Queue = asyncio.Queue()
+    for ev in [Delta([2], "b", index=1), Delta([3], "c", index=0), Delta([4], "d", index=1),
+               Finished("stop", 3, 2, 0, [1, 3], "ac", index=0), Delta([5], "e", index=1)]:  # fmt: skip
+        q.put_nowait(ev)
+    out = _merge_deltas(Delta([1], "a", index=0), q)
+    assert [(type(e).__name__, e.index) for e in out] == [("Delta", 0), ("Delta", 1), ("Finished", 0)]
+    assert (out[0].token_ids, out[0].text) == ([1, 3], "ac") and (out[1].token_ids, out[1].text) == ([2, 4], "bd")
+    assert q.qsize() == 1  # index 1's later delta waits behind index 0's end

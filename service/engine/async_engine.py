@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from typing import AsyncIterator
 
 from kvserve.cachestore.keys import block_hashes
@@ -120,23 +121,13 @@ class AsyncEngine:
         self._queues[req.request_id] = q
         finished = False
         remaining = req.sampling.n  # the request ends with its n-th Finished
-        held: Event | None = None  # taken from the queue while merging deltas, yielded next
+        ready: deque[Event] = deque()  # taken from the queue while merging deltas, yielded next
         try:
             self.engine.add_request(req)  # raises InvalidRequest / QueueFull / EngineStopped
             while True:
-                event, held = (held, None) if held is not None else (await q.get(), None)
-                if isinstance(event, Delta):
-                    # a consumer that lags behind the engine gets every queued token of a
-                    # sequence in one event (one message on the wire instead of one per token)
-                    while not q.empty():
-                        nxt = q.get_nowait()
-                        if not isinstance(nxt, Delta) or nxt.index != event.index:
-                            held = nxt
-                            break
-                        event = Delta(
-                            event.token_ids + nxt.token_ids, event.text + nxt.text,
-                            event.logprobs + nxt.logprobs, event.index,
-                        )  # fmt: skip
+                if not ready:
+                    ready.extend(_merge_deltas(await q.get(), q))
+                event = ready.popleft()
                 yield event
                 if isinstance(event, Finished):
                     remaining -= 1
@@ -240,6 +231,27 @@ class AsyncEngine:
             hashes = block_hashes(ns, token_ids, self.engine.block_size)
             out.update(await asyncio.to_thread(store.location, ns, hashes))
         return out
+
+
+def _merge_deltas(first: Event, q: asyncio.Queue[Event]) -> list[Event]:
+    """A consumer that lags behind the engine gets every queued token of a sequence in
+    one event (one message on the wire instead of one per token): ``first`` and the
+    deltas queued behind it, merged per sequence index (first-seen order; each index's
+    tokens stay in order), then the first other event (a Finished) if one was reached."""
+    if not isinstance(first, Delta):
+        return [first]
+    merged: dict[int, Delta] = {first.index: first}
+    tail: list[Event] = []
+    while not q.empty():
+        nxt = q.get_nowait()
+        if not isinstance(nxt, Delta):
+            tail.append(nxt)
+            break
+        m = merged.get(nxt.index)
+        merged[nxt.index] = nxt if m is None else Delta(
+            m.token_ids + nxt.token_ids, m.text + nxt.text, m.logprobs + nxt.logprobs, m.index
+        )  # fmt: skip
+    return [*merged.values(), *tail]
 
 
 async def build_engine(cfg: EngineConfig) -> AsyncEngine:
