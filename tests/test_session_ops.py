@@ -286,6 +286,20 @@ def test_edit_replaces_the_last_message_like_a_session_that_asked_it(client):
     assert r.start.cached_tokens >= ed.turn_log[1].start_token // BLOCK_SIZE * BLOCK_SIZE > 0
 
 
+def test_regenerate_and_edit_of_a_first_text_turn(client):
+    first = client.complete(text="Once upon a time", session_id="t1", max_new_tokens=6)
+    again = client.regenerate("t1", max_new_tokens=6)
+    assert again.token_ids == first.token_ids and again.start.prompt_tokens == first.start.prompt_tokens
+    client.complete(text="The teacher said", session_id="t1", turn_mode="edit", max_new_tokens=6)  # any input kind
+    ref = client.complete(text="The teacher said", session_id="t1-ref", max_new_tokens=6)
+    got, want = (client.get_session(s, include_token_ids=True, include_turns=True) for s in ("t1", "t1-ref"))
+    assert got.token_ids == want.token_ids and got.turns == 1  # BOS and all, as a first turn
+    assert got.turn_log[0].input_tokens == want.turn_log[0].input_tokens == ref.start.prompt_tokens
+    client.rewind_session("t1", 1)
+    r = client.complete(text="Once upon a time", session_id="t1", max_new_tokens=6)
+    assert not r.start.session_created and r.token_ids == first.token_ids
+
+
 def test_a_cancelled_regenerate_keeps_the_old_answer(client):
     client.chat("keep", MSGS[0], max_new_tokens=6)
     before = client.get_session("keep", include_token_ids=True).token_ids
