@@ -203,3 +203,18 @@ def test_a_lagging_consumer_gets_each_sequence_merged_in_order():
     assert [(type(e).__name__, e.index) for e in out] == [("Delta", 0), ("Delta", 1), ("Finished", 0)]
     assert (out[0].token_ids, out[0].text) == ([1, 3], "ac") and (out[1].token_ids, out[1].text) == ([2, 4], "bd")
     assert q.qsize() == 1  # index 1's later delta waits behind index 0's end
+
+
+def test_hf_tokenizers_vocabulary_constrains_too(tiny_gpt2_dir):
+    """A tokenizer.json (byte-level BPE) model: llguidance reads the HF tokenizer itself."""
+    gpt2 = load_model(str(tiny_gpt2_dir), dtype="float32", device="cpu")
+    assert gpt2.tokenizer.hf_tokenizer_json() is not None
+    eng = make_engine(gpt2, max_num_seqs=8, kv_cache_memory=256 * BS * bytes_per_token(gpt2))
+    fmt = ResponseFormat("json_schema", json.dumps(SCHEMA))
+    events = run_until_finals(eng, _req_n([5, 17, 42], 4, n=120, temperature=1.0, seed=2, response_format=fmt), 4)
+    for f in finals(events).values():
+        assert f.finish_reason.value == "stop", f.text
+        jsonschema.validate(json.loads(f.text), SCHEMA)
+    r = req("rx", [5, 17, 42], n=40, temperature=1.0, seed=3, response_format=ResponseFormat("regex", r"[a-z]{2,5}-[0-9]{3}"))
+    (f,) = finals(run(eng, [r])["rx"]).values()
+    assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", f.text), f.text
