@@ -94,7 +94,7 @@ def test_get_session_returns_turn_boundaries_on_request(client, server):
 # ----------------------------------------------------------------------------- rewind
 
 
-def test_rewind_drops_turns_and_a_re_ask_restores_instead_of_prefilling(client):
+def test_rewind_drops_turns_and_a_re_ask_restores_instead_of_prefilling(client, server):
     replies = _three_turns(client, "rw")
     before = client.get_session("rw", include_turns=True, include_token_ids=True)
     end2 = before.turn_log[2].start_token
@@ -104,7 +104,10 @@ def test_rewind_drops_turns_and_a_re_ask_restores_instead_of_prefilling(client):
     assert client.get_session("rw", include_token_ids=True).token_ids == before.token_ids[:end2]
     # the same question again: its KV is still cached (the whole prompt up to the last
     # block, the dropped turn's input included), and greedy gives the same answer
+    device_hits = server.running.metrics.cached_prompt_tokens.labels("device")
+    hits_before = device_hits._value.get()
     again = client.chat("rw", f"{MSGS[2]} (rw)", max_new_tokens=6)
+    assert device_hits._value.get() - hits_before == again.start.cached_tokens  # the metrics say so too
     assert again.start.prompt_tokens == replies[2].start.prompt_tokens
     assert again.start.cached_tokens == _cached_prefix(again.start.prompt_tokens) > end2 // BLOCK_SIZE * BLOCK_SIZE
     assert again.start.cached_by_tier["device"] == again.start.cached_tokens
