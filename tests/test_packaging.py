@@ -51,8 +51,10 @@ def test_installed_in_a_fresh_venv_the_names_resolve_there(wheel, tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False, system_site_packages=True)
     py = env_dir / "bin" / "python"
+    # --ignore-installed: this interpreter's own kvserve (an editable checkout) is visible
+    # through the system site-packages, and pip would otherwise call it satisfied
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-                              str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
+                              "--ignore-installed", str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert install.returncode == 0, install.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     probe = subprocess.run(
