@@ -269,6 +269,7 @@ class Finished:
     text: str  # the full generated text, stop string removed
     timings: Timings = field(default_factory=Timings)
     error: str = ""
+    rejected: bool = False  # with ERROR: the request's own fault (INVALID_ARGUMENT with ``error``), not the server's
     index: int = 0  # which of the request's n sequences (a request ends after n of these)
 
 

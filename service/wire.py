@@ -151,8 +151,11 @@ def failure(exc: Exception, method: str, request_id: str) -> RpcStatus:
 
 
 def finish_status(event: Finished, request_id: str, draining: bool) -> RpcStatus | None:
-    """The status a stream ends with instead of its final event: INTERNAL when the
-    engine failed it, UNAVAILABLE when the drain stopped it."""
+    """The status a stream ends with instead of its final event: INVALID_ARGUMENT when
+    the request's own format failed it (a grammar llguidance gave up on), INTERNAL when
+    the engine failed it, UNAVAILABLE when the drain stopped it."""
+    if event.finish_reason == FinishReason.ERROR and event.rejected:
+        return RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, f"{event.error} (request id {request_id})")
     if event.finish_reason == FinishReason.ERROR:
         log.error("request %s failed in the engine: %s", request_id, event.error)
         return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")

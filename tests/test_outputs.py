@@ -129,6 +129,7 @@ def test_regex_output_matches(stub):
         (dict(response_format=pb.ResponseFormat(json_schema='{"type": "nope"}')), "json_schema cannot be used"),
         (dict(response_format=pb.ResponseFormat(regex="[a-")), "response_format regex cannot be used"),
         (dict(response_format=pb.ResponseFormat(regex="x" * 40000)), "the limit is 32768"),
+        (dict(response_format=pb.ResponseFormat(regex="[^\\x00-\\U0010FFFF]")), "regex matches no output"),
         (dict(response_format=pb.ResponseFormat(regex="x"), stop=["a"]), "stop strings cannot be combined"),
         (dict(response_format=pb.ResponseFormat(regex="x"), min_new_tokens=2), "min_new_tokens cannot be combined"),
     ],
@@ -138,6 +139,24 @@ def test_bad_fields_get_invalid_argument(stub, sampling, message):
         call(stub, **sampling)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in e.value.details()
+
+
+def test_a_grammar_llguidance_gives_up_on_mid_output_is_invalid_argument_not_a_stop(server, stub):
+    """a{1000000} compiles, but llguidance's lexer gives up at the first 'a': the stream
+    must end with a precise INVALID_ARGUMENT (never a ``stop`` on output that does not
+    match), every sequence's blocks come back and the server keeps serving."""
+    fmt = pb.ResponseFormat(regex="a{1000000}")
+    with pytest.raises(grpc.RpcError) as e:
+        call(stub, max_new_tokens=20, n=2, response_format=fmt)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response_format regex could not be followed after 0 output tokens" in e.value.details()
+    assert "too many expressions" in e.value.details() and "request id" in e.value.details()
+    engine = server.engine
+    assert wait_until(lambda: engine.stats().running == 0 and engine.stats().waiting == 0)
+    stats = engine.stats()
+    assert stats.blocks_free == stats.blocks_total
+    _, text, finals = by_index(call(stub, max_new_tokens=8, response_format=pb.ResponseFormat(regex="a{3}")))
+    assert finals[0].finish_reason == pb.FINISH_REASON_STOP and text[0] == "aaa"
 
 
 def test_n_with_a_session_is_refused(stub):

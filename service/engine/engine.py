@@ -39,7 +39,7 @@ import torch
 from kvserve.cachestore.keys import BlockHash, block_hashes, make_namespace
 from kvserve.cachestore.tiered import TieredStore
 from kvserve.service.engine.config import EngineConfig
-from kvserve.service.engine.grammar import GrammarCompiler
+from kvserve.service.engine.grammar import GrammarCompiler, matcher_error
 from kvserve.service.engine.output import TextStream
 from kvserve.service.engine.sampling import RowState, make_generator, sample
 from kvserve.service.types import (
@@ -705,8 +705,14 @@ class LLMEngine:
         )
         now = time.monotonic()
         finished: list[tuple[Sequence, FinishReason]] = []
+        failed: list[tuple[Sequence, str]] = []  # a grammar that failed: the request's error, not a stop
         for seq, tok, lp in zip(seqs, sampled.tokens, sampled.logprobs):
             p = seq.request.sampling
+            if seq.matcher is not None and (not seq.matcher.consume_token(tok) or seq.matcher.is_error()):
+                # llguidance gave up (e.g. its lexer limits on a huge regex): the output can no
+                # longer be guaranteed to match, so it is not ended as if the grammar had finished
+                failed.append((seq, self._grammar_failure(seq)))
+                continue
             seq.token_ids.append(tok)
             if not seq.t_first:
                 seq.t_first = now
@@ -714,8 +720,6 @@ class LLMEngine:
             is_stop_token = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
             grammar_end = False
             if seq.matcher is not None:
-                if not seq.matcher.consume_token(tok):  # the mask allowed it: cannot happen
-                    log.error("request %s: the grammar refused token %d: %s", seq.request_id, tok, seq.matcher.get_error())
                 grammar_end = seq.matcher.is_stopped()  # the grammar accepts nothing more
                 is_stop_token = is_stop_token or (grammar_end and tok in self.eos_ids)
             text = "" if is_stop_token else seq.stream.push([tok])
@@ -735,6 +739,18 @@ class LLMEngine:
             self._seal([s for s, _ in finished])
             for seq, reason in finished:
                 self._finish(seq, reason, out)
+        for seq, error in failed:
+            self._finish(seq, FinishReason.ERROR, out, error=error, rejected=True)
+
+    def _grammar_failure(self, seq: Sequence) -> str:
+        fmt = seq.request.sampling.response_format
+        kind = fmt.kind if fmt is not None else "grammar"
+        why = matcher_error(seq.matcher)
+        log.warning("request %s: response_format %s failed after %d tokens: %s", seq.request_id, kind, seq.num_output, why)
+        return (
+            f"response_format {kind} could not be followed after {seq.num_output} output tokens: {why} "
+            f"(the grammar is beyond llguidance's limits; simplify it, e.g. smaller repetition counts)"
+        )
 
     def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         """The ids min_new_tokens holds back: eos (unless ignored) and stop_token_ids;
@@ -760,7 +776,7 @@ class LLMEngine:
             self.num_seal_tokens += len(work)
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, out: Emitted, error: str = ""
+        self, seq: Sequence, reason: FinishReason, out: Emitted, error: str = "", rejected: bool = False
     ) -> None:
         if seq in self.running:
             self.running.remove(seq)
@@ -794,6 +810,7 @@ class LLMEngine:
                     text=seq.stream.text,
                     timings=timings,
                     error=error,
+                    rejected=rejected,
                     index=seq.index,
                 ),
             )
@@ -812,6 +829,7 @@ class LLMEngine:
                             text="",
                             timings=timings,
                             error=error,
+                            rejected=rejected,
                             index=i,
                         ),
                     )

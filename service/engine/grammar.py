@@ -68,6 +68,13 @@ def _llg_tokenizer(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), eos_token=eos)
 
 
+def matcher_error(matcher: Any) -> str:
+    """llguidance's error of a matcher, on one line and bounded."""
+    why = " ".join(line.strip() for line in matcher.get_error().splitlines() if line.strip())
+    why = why.replace("<non-verbose/>", "").strip()
+    return why[:_MAX_ERROR_CHARS] or "invalid"
+
+
 def format_key(fmt: ResponseFormat) -> str:
     return hashlib.sha256(f"{fmt.kind}\0{fmt.spec}".encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -132,8 +139,13 @@ class GrammarCompiler:
         limits = llguidance.LLParserLimits(verbose_errors=False)
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            why = " ".join(line.strip() for line in matcher.get_error().splitlines() if line.strip()) or "invalid"
-            raise InvalidRequest(f"response_format {fmt.kind} cannot be used: {why[:_MAX_ERROR_CHARS]}")
+            raise InvalidRequest(f"response_format {fmt.kind} cannot be used: {matcher_error(matcher)}")
+        probe = matcher.deep_copy()  # the first step's mask: a grammar that matches no string fails here
+        self.fill_masks([probe])
+        if probe.is_error():
+            raise InvalidRequest(
+                f"response_format {fmt.kind} matches no output (the grammar cannot start): {matcher_error(probe)}"
+            )
         self.num_compiled += 1
         with self._lock:
             self._cache[key] = matcher
