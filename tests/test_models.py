@@ -263,18 +263,39 @@ def test_mixed_prefill_and_decode_in_one_batch(loaded) -> None:
     torch.testing.assert_close(logits[1], want_b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 130])
-def test_linear_fast_path_equals_nn_linear(rows: int, bias: bool) -> None:
-    from kvserve.service.models.layers import SMALL_ROWS, Linear
+def test_linear_fast_path_equals_nn_linear(rows: int, bias: bool, packed: bool) -> None:
+    from kvserve.service.models.layers import PACKED_ROWS, SMALL_ROWS, Linear
 
     torch.manual_seed(rows)
     ours = Linear(48, 80, bias=bias)
     ref = torch.nn.Linear(48, 80, bias=bias)
     ref.load_state_dict(ours.state_dict())
+    if packed:
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("this torch build has no oneDNN")
+        assert ours.pack() and ours._packed is not None
     x = torch.randn(1, rows, 48)  # (B, T, D) as the models call it
     with torch.inference_mode():
         got, want = ours(x), ref(x)
     assert got.shape == want.shape == (1, rows, 80) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (rows in SMALL_ROWS) == (2 <= rows <= 64)
+    assert (rows in PACKED_ROWS) == (2 <= rows <= 64)
+
+
+def test_loader_packs_cpu_float32_linears_only(tiny_llama_dir) -> None:
+    """The loader packs every float32 CPU projection (oneDNN layout for decode-sized
+    products), not bfloat16 ones nor quantized ones; the dense weights stay (state_dict)."""
+    from kvserve.service.models.layers import Linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    fp32 = load_model(tiny_llama_dir, dtype="float32", device="cpu", progress=False)
+    linears = [m for m in fp32.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m._packed is not None for m in linears)
+    assert "lm_head.weight" in fp32.model.state_dict()
+    bf16 = load_model(tiny_llama_dir, dtype="bfloat16", device="cpu", progress=False)
+    assert all(m._packed is None for m in bf16.model.modules() if isinstance(m, Linear))

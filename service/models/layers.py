@@ -13,20 +13,50 @@ if TYPE_CHECKING:
 
 # Row counts (tokens in the forward) that take the CPU fast path of ``Linear``.
 SMALL_ROWS = range(2, 65)
+# Row counts that run on the oneDNN-packed weight when a ``Linear`` has one (``pack``);
+# at one row MKL's GEMV is as fast or faster.
+PACKED_ROWS = range(2, 65)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same result) with a CPU fast path for a few rows.
+    """``nn.Linear`` (same parameters, same result) with CPU fast paths for a few rows.
 
-    For 2..64 rows, as in batched decode, MKL computes ``x @ W.T`` several times slower
-    per weight byte than the same product as ``W @ x.T`` (measured with one thread on
-    AVX2, float32: 1.4x for a 5632x2048 MLP weight and 1.8x for a 32000x2048 LM head at
-    8 rows; equal at 1 row and from ~128 rows). Decode is bound by reading the weights,
-    so batched decode takes that path. Rounding may differ in the last bits.
+    Decode (1..64 rows) is bound by reading the weights. On the CPU, float32:
+
+    - ``pack()`` (called by the loader, ``pack_linears``) keeps a second copy of the
+      weight in oneDNN's blocked layout; 2..64 rows run oneDNN's GEMM on it
+      (``mkldnn._linear_pointwise``): 1.4-1.7x MKL per weight byte at 2-64 rows; one row
+      stays on MKL's GEMV (~5% faster than oneDNN there; docs/benchmarks.md). Costs one
+      more copy of the weight.
+    - Unpacked, 2..64 rows compute ``W @ x.T`` instead of ``x @ W.T`` (MKL is several
+      times slower per weight byte on the latter at a few rows on AVX2).
+
+    From 65 rows (prefill, compute-bound) MKL's ``F.linear`` runs. Rounding may differ in
+    the last bits between the paths.
     """
+
+    _packed: Tensor | None = None  # the weight in oneDNN's layout (opaque tensor); None: unpacked
+
+    def pack(self) -> bool:
+        """Keep a oneDNN-packed copy of the weight for decode-sized products (CPU,
+        float32); False (and nothing changes) where that does not apply or fails."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)  # packed for ~8 rows
+            x = torch.zeros(1, self.in_features)
+            torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        except (RuntimeError, AttributeError):
+            return False
+        self._packed = packed
+        return True
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
+        packed = self._packed
+        if packed is not None and rows in PACKED_ROWS and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         if x.device.type != "cpu" or rows not in SMALL_ROWS:
             return F.linear(x, self.weight, self.bias)
         xt = x.reshape(rows, x.shape[-1]).t()  # (in, rows)
@@ -35,6 +65,12 @@ class Linear(nn.Linear):
         else:
             y = torch.addmm(self.bias[:, None], self.weight, xt)
         return y.t().contiguous().view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """``pack()`` every ``Linear`` of ``model`` (after loading, fusing and quantizing:
+    quantized layers are not ``Linear``); returns how many were packed."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
 
 
 def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor | None, bool]:

@@ -32,7 +32,7 @@ from kvserve.service.kv.cache import KVCacheSpec, KVPool
 from kvserve.service.models.config import ModelConfig, ModelLoadError
 from kvserve.service.models.gemma import GemmaForCausalLM
 from kvserve.service.models.gpt2 import GPT2LMHeadModel
-from kvserve.service.models.layers import fuse_projections
+from kvserve.service.models.layers import fuse_projections, pack_linears
 from kvserve.service.models.llama import LlamaForCausalLM
 from kvserve.service.models.phi3 import Phi3ForCausalLM
 from kvserve.service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
@@ -144,6 +144,7 @@ def load_model(
     model.eval().requires_grad_(False)
     fuse_projections(model)
     quantize_model(model, weight_format, progress)
+    pack_linears(model)  # CPU float32: oneDNN-packed copies for decode-sized products
     return LoadedModel(
         config=config,
         model=model,
