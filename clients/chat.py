@@ -13,7 +13,9 @@ would come out the same; a number after it sets the temperature), ``/edit MESSAG
 replaces the last message and answers it, ``/undo`` drops the last turn (its KV stays
 cached: asking again restores it), ``/fork NAME`` branches the conversation into a new
 session NAME and continues there, ``/reset`` deletes the session and starts a new one,
-``/quit`` (or end of input) exits. ``/regenerate``, ``/edit`` and ``/undo`` name the
+``/help`` lists the commands, ``/quit`` (or end of input) exits. Any other line starting
+with ``/`` is refused as an unknown command (a mistyped command is never sent to the
+model); start a message with ``//`` to send one that begins with ``/``. ``/regenerate``, ``/edit`` and ``/undo`` name the
 turn count the chat knows (expected_turns), so a turn another client added meanwhile
 is never replaced or dropped: the command fails, the chat reads the session again, and
 the same command then applies to the session as it is. ``--session NAME`` resumes that session (default: a new random id).
@@ -36,6 +38,21 @@ from typing import Sequence, TextIO
 import grpc
 
 from kvserve.clients.client import KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
+
+
+COMMANDS = """\
+commands (typed on a line of their own):
+  /regenerate [TEMPERATURE]  answer the last message again, replacing the answer
+                             (at --temperature, or 1.0 when the chat is greedy)
+  /edit MESSAGE              replace the last message and answer it
+  /undo                      drop the last turn (its KV stays cached)
+  /fork NAME                 branch into a new session NAME (no KV copied) and go on there
+  /reset                     delete the session and start a new one
+  /help                      this list
+  /quit                      exit (as does end of input); Ctrl-C cancels a reply
+  //TEXT                     send the message /TEXT (a line starting with / is a command)
+"""
+_NO_ARGUMENT = ("/undo", "/reset", "/help", "/quit")
 
 
 def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str:
@@ -139,7 +156,10 @@ def _turns_now(client: KVServeClient, session: str, turns: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvserve-chat", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvserve-chat", description=__doc__.splitlines()[0], epilog=COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     parser.add_argument("--address", default="localhost:50051", help="server host:port (default: %(default)s)")
     parser.add_argument("--session", default=None, help="session to resume or create (default: a new random id)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="reply length limit (default: the server's)")
@@ -181,10 +201,27 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
             message = line.strip()
             if not message:
                 continue
-            if message == "/quit":
-                break
             command, _, rest = message.partition(" ")
             rest = rest.strip()
+            if message.startswith("//"):
+                message, command = message[1:], ""  # a message that begins with /
+            elif command in _NO_ARGUMENT and rest:
+                err.write(f"[usage: {command} takes no argument, got {rest!r}]\n")
+                err.flush()
+                last_failed = True
+                continue
+            elif message.startswith("/") and command not in ("/regenerate", "/edit", "/fork") + _NO_ARGUMENT:
+                err.write(f"[unknown command {command}: /help lists the commands; start a message with // "
+                          f"to send one that begins with /]\n")  # fmt: skip
+                err.flush()
+                last_failed = True
+                continue
+            if command == "/quit":
+                break
+            if command == "/help":
+                out.write(COMMANDS)
+                out.flush()
+                continue
             if command in ("/regenerate", "/edit", "/undo", "/fork"):
                 after = _session_command(client, session, turns, command, rest, args, out, err)
                 last_failed = after is None
@@ -195,7 +232,7 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                     if command == "/fork":
                         session, has_history = rest, True
                 continue
-            if message == "/reset":
+            if command == "/reset":
                 try:
                     client.delete_session(session)
                 except KVServeError as e:

@@ -152,3 +152,25 @@ def test_undo_and_regenerate_never_touch_a_turn_another_client_added(server, cap
         assert "has 2 completed turns, the request expected 1 (expected_turns)" in capsys.readouterr().err
         assert "undid the last turn" in out.getvalue() and len(STATS.findall(out.getvalue())) == 2
         assert other.get_session("cli-shared").turns == 1
+
+
+def test_an_unknown_command_is_refused_not_sent_and_help_lists_the_commands(server):
+    """A mistyped command (or one with a stray argument) is never a turn's text: the chat
+    says so, sends nothing, and exits 1 when it was the last line; /help lists the
+    commands, --help too; // sends a message that begins with /."""
+    bad = _chat(server.address, "/help\n/regen\n/undo 2\n", "--session", "cli-unknown", status=1, quiet=False)
+    assert "/regenerate [TEMPERATURE]" in bad.stdout and "/fork NAME" in bad.stdout  # /help
+    assert "[unknown command /regen: /help lists the commands" in bad.stderr
+    assert "[usage: /undo takes no argument, got '2']" in bad.stderr
+    assert not STATS.findall(bad.stdout)
+    with KVServeClient(server.address) as client:
+        assert "cli-unknown" not in {s.session_id for s in client.iter_sessions()}
+    slash = _chat(server.address, "//etc is a folder\n", "--session", "cli-slash")
+    assert len(STATS.findall(slash.stdout)) == 1
+    with KVServeClient(server.address) as client:
+        assert client.get_session("cli-slash").turns == 1
+    helped = subprocess.run(
+        [sys.executable, "-m", "kvserve.clients.chat", "--help"],
+        capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=60,
+    )  # fmt: skip
+    assert helped.returncode == 0 and "/edit MESSAGE" in helped.stdout and "//TEXT" in helped.stdout

@@ -121,3 +121,36 @@ def test_node_client_constrains_replies_with_a_regex_or_a_json_schema(node_clien
     assert js.returncode == 0 and isinstance(json.loads(reply.search(js.stdout).group(1))["ok"], bool), js.stdout
     assert both.returncode == 2 and "at most one of --json-schema and --regex" in both.stderr
     assert bad.returncode == 1 and "INVALID_ARGUMENT: response_format regex cannot be used" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        ("/edit", '--message "/edit": /edit needs TEXT'),
+        ("/fork", '--message "/fork": /fork needs NAME'),
+        ("/undo 2", '--message "/undo 2": /undo takes no argument'),
+        ("/help", '--message "/help": unknown operation /help'),
+    ],
+)
+def test_node_client_refuses_a_mistyped_operation_before_any_call(node_client, message, error):
+    """Never sent to the model as a turn's text: a usage error (exit 2) before connecting
+    (the address is unused), and // sends a message that begins with /."""
+    result = subprocess.run(
+        [*node_client, "--address", "127.0.0.1:1", "--message", "hi", "--message", message],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stderr.startswith(f"usage error: {error}"), result.stderr
+    assert result.stdout == ""
+
+
+def test_node_client_sends_a_double_slash_message_as_text(node_client, tiny_llama_dir):
+    with ServerThread(tiny_config(tiny_llama_dir)) as server:
+        result = subprocess.run(
+            [*node_client, "--address", server.address, "--session", "node-slash", "--max-new-tokens", "4",
+             "--message", "//etc is a folder"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert "[turn 1] user: /etc is a folder\n" in result.stdout
+        with KVServeClient(server.address, timeout=60) as client:
+            assert client.get_session("node-slash").turns == 1

@@ -15,6 +15,8 @@
 //   --message "/edit TEXT"    TEXT replaces the last message, answered anew (TURN_MODE_EDIT)
 //   --message /undo           drop the last turn (RewindSession, turns = 1)
 //   --message "/fork NAME"    branch into a new session NAME and continue there (ForkSession)
+// Any other message starting with "/" is a usage error (a mistyped operation is never sent
+// to the model as a turn); start it with "//" to send a message that begins with "/".
 // --json-schema / --regex constrain every reply (SamplingParams.response_format): the
 // reply is JSON valid against the schema, or text the whole of which matches the pattern.
 // Output, per turn:
@@ -81,15 +83,36 @@ function parseOptions(argv) {
   let responseFormat = null;
   if (values['json-schema'] !== undefined) responseFormat = { json_schema: values['json-schema'] };
   if (values.regex !== undefined) responseFormat = { regex: values.regex };
+  const messages = (values.message && values.message.length ? values.message : DEFAULT_MESSAGES).map(parseMessage);
   return {
     help: values.help,
     address: values.address,
     session: values.session || `node-${crypto.randomBytes(6).toString('hex')}`,
     maxNewTokens,
     timeoutS,
-    messages: values.message && values.message.length ? values.message : DEFAULT_MESSAGES,
+    messages,
     responseFormat,
   };
+}
+
+// One --message: {command, arg} for a session operation, {text} for a turn. A mistyped or
+// incomplete operation is a usage error here, before any call (never a turn's text).
+const OPERATIONS = { '/regenerate': false, '/undo': false, '/edit': 'TEXT', '/fork': 'NAME' };
+function parseMessage(message) {
+  if (message.startsWith('//')) return { text: message.slice(1) };
+  if (!message.startsWith('/')) return { text: message };
+  const [command, ...rest] = message.split(' ');
+  const arg = rest.join(' ').trim();
+  if (!(command in OPERATIONS)) {
+    throw new Error(
+      `--message ${JSON.stringify(message)}: unknown operation ${command} (one of ${Object.keys(OPERATIONS).join(', ')}; ` +
+        'start a message with // to send one that begins with /)',
+    );
+  }
+  const needs = OPERATIONS[command];
+  if (needs && !arg) throw new Error(`--message ${JSON.stringify(message)}: ${command} needs ${needs}`);
+  if (!needs && arg) throw new Error(`--message ${JSON.stringify(message)}: ${command} takes no argument`);
+  return { command, arg };
 }
 
 function deadline(timeoutS) {
@@ -211,7 +234,8 @@ async function main(argv) {
     return 2;
   }
   if (opts.help) {
-    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]\n');
+    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]\n' +
+        '(a --message starting with / other than these is a usage error; start it with // to send a message that begins with /)\n');
     return 0;
   }
   const GenerationService = loadService();
@@ -223,20 +247,18 @@ async function main(argv) {
         `block size ${model.block_size}, tiers ${model.tiers.map(tierName).join('/')})\n`,
     );
     let turns = 0; // completed turns of the current session
-    for (const message of opts.messages) {
-      const [command, ...rest] = message.split(' ');
-      const arg = rest.join(' ').trim();
+    for (const { command, arg, text } of opts.messages) {
       if (command === '/regenerate') {
         await runTurn(client, opts, turns, null, 'regenerate');
-      } else if (command === '/edit' && arg) {
+      } else if (command === '/edit') {
         await runTurn(client, opts, turns, arg, 'edit');
       } else if (command === '/undo') {
         turns = await undo(client, opts);
-      } else if (command === '/fork' && arg) {
+      } else if (command === '/fork') {
         turns = await fork(client, opts, arg);
       } else {
         turns += 1;
-        await runTurn(client, opts, turns, message);
+        await runTurn(client, opts, turns, text);
       }
     }
     return 0;
