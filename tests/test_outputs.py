@@ -129,6 +129,8 @@ def test_regex_output_matches(stub):
         (dict(response_format=pb.ResponseFormat(json_schema='{"type": "nope"}')), "json_schema cannot be used"),
         (dict(response_format=pb.ResponseFormat(regex="[a-")), "response_format regex cannot be used"),
         (dict(response_format=pb.ResponseFormat(regex="x" * 40000)), "the limit is 32768"),
+        (dict(response_format=pb.ResponseFormat(json_schema="[" * 5000 + "]" * 5000)), "nested too deeply to parse"),
+        (dict(response_format=pb.ResponseFormat(json_schema='{"items":' * 1000 + "{}" + "}" * 1000)), "too deeply"),
         (dict(response_format=pb.ResponseFormat(regex="[^\\x00-\\U0010FFFF]")), "regex matches no output"),
         (dict(response_format=pb.ResponseFormat(regex="x"), stop=["a"]), "stop strings cannot be combined"),
         (dict(response_format=pb.ResponseFormat(regex="x"), min_new_tokens=2), "min_new_tokens cannot be combined"),

@@ -112,6 +112,8 @@ class GrammarCompiler:
             schema = json.loads(fmt.spec)
         except ValueError as e:
             raise InvalidRequest(f"response_format json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequest("response_format json_schema is nested too deeply to parse") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest(
                 f"response_format json_schema must be a JSON object (or boolean), got {type(schema).__name__}"
