@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front, through the official ``openai`` client against a
 real server on loopback: chat and completions, sync and async, streaming and not, the
-errors (400/401/404/413/429/503), sessions by X-Session-Id (extension, divergence,
-restart from Redis) against the gRPC path's figures."""
+errors (400/401/404/413/429/503), sessions by X-Session-Id (extension, divergence
+rewound to the last turn the history follows, restart from Redis) against the gRPC
+path's figures."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from kvserve.clients import KVServeClient
 from kvserve.service.auth import hash_key
+from kvserve.service.sessions.stores import copy_record
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
@@ -289,19 +291,137 @@ def test_session_history_extends_or_diverges(oai, model, server):
             transcripts.append(t)
             msgs += [{"role": "assistant", "content": r.choices[0].message.content},
                      {"role": "user", "content": f"and then {i}?"}]  # fmt: skip
-        # an edited earlier message: the session follows the new history and says where
+        # an edited earlier message (turn 2's input): the session is rewound to turn 1, the
+        # last turn the history still follows, and the rest of the history is its next turn
         edited = [dict(m) for m in msgs]
         edited[3]["content"] = "something else entirely"
+        prefill = server.engine.stats().prefill_tokens
         r, headers = _turn(oai, model, "conv", edited)
-        # where the transcript could no longer be followed: the reply before the edited message
-        assert r.model_extra["kvserve"]["history_diverged_at"] == 2 == int(headers["x-kvserve-history-diverged-at"])
-        t = g.get_session("conv", include_token_ids=True).token_ids
-        fresh = server.engine.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in edited])
-        assert t[: len(fresh)] == fresh  # the whole new history is the session's transcript now
-        # the common prefix (turn 1) was still reused by content
-        assert r.usage.prompt_tokens_details.cached_tokens >= len(transcripts[0]) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+        ext = r.model_extra["kvserve"]
+        # where the history stopped following the session: the edited message
+        assert ext["history_diverged_at"] == 3 == int(headers["x-kvserve-history-diverged-at"])
+        assert ext["history_rewound_turns"] == 2 and ext["session_created"] is False
+        info = g.get_session("conv", include_token_ids=True)
+        assert info.turns == 2  # turn 1 kept, the new one after it
+        t = info.token_ids
+        assert t[: len(transcripts[0])] == transcripts[0]  # turn 1's tokens, exactly
+        assert r.usage.prompt_tokens == len(t) - 6
+        # turn 1's KV was restored, not prefilled again
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert cached >= len(transcripts[0]) // BLOCK_SIZE * BLOCK_SIZE > 0
+        assert server.engine.stats().prefill_tokens - prefill == r.usage.prompt_tokens - cached
+        # the answer (greedy) and the transcript are a fresh session's with the same history,
+        # computed cold in its own cache namespace
+        g.complete(messages=edited[:2], session_id="conv-ref", cache_salt="ref", max_new_tokens=6, ignore_eos=True)
+        ref = g.complete(messages=edited[3:], session_id="conv-ref", cache_salt="ref", max_new_tokens=6,
+                         ignore_eos=True)  # fmt: skip
+        assert r.choices[0].message.content == ref.text
+        assert g.get_session("conv-ref", include_token_ids=True).token_ids == t
+        for sid in ("conv", "conv-ref"):
+            g.delete_session(sid)
     with pytest.raises(openai.BadRequestError):  # completions have no history
         oai.completions.create(model=model, prompt="hi", extra_headers={"X-Session-Id": "conv"})
+
+
+def _three_turns(c: openai.OpenAI, model: str, sid: str) -> tuple[list[dict], list]:
+    msgs, replies = list(HELLO), []
+    for i in range(3):
+        r, _ = _turn(c, model, sid, msgs)
+        replies.append(r)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": f"and then {i}?"}]  # fmt: skip
+    return msgs[:-1], replies  # the history with the last reply, without the unasked question
+
+
+def test_session_regenerate_pattern_restores_the_earlier_turns(oai, model, server):
+    """The app regenerates the last answer: it resends the history without it. The
+    session is rewound one turn and the turn is asked again: its whole prompt is
+    restored from the device (nothing before the last prompt block prefilled again),
+    the answer (greedy) and the transcript are the first ones."""
+    msgs, replies = _three_turns(oai, model, "regen")
+    with KVServeClient(server.address, timeout=60) as g:
+        before = g.get_session("regen", include_token_ids=True)
+        device = server.running.metrics.cached_prompt_tokens.labels("device")
+        hits, prefill = device._value.get(), server.engine.stats().prefill_tokens
+        history = msgs[:-1]
+        r, headers = _turn(oai, model, "regen", history)
+        ext = r.model_extra["kvserve"]
+        assert ext["history_rewound_turns"] == 1 and ext["history_diverged_at"] == len(history) - 1
+        assert int(headers["x-kvserve-history-diverged-at"]) == len(history) - 1
+        assert r.usage.prompt_tokens == replies[2].usage.prompt_tokens
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert cached == (r.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0  # every full block
+        assert r.usage.prompt_tokens_details.model_extra["kvserve_cached_by_tier"]["device"] == cached
+        assert device._value.get() - hits == cached  # the metrics say so too
+        assert server.engine.stats().prefill_tokens - prefill == r.usage.prompt_tokens - cached
+        assert r.choices[0].message.content == replies[2].choices[0].message.content
+        after = g.get_session("regen", include_token_ids=True)
+        assert after.turns == 3 and after.token_ids == before.token_ids
+        # a fresh session asked the same turns, computed cold in its own cache namespace
+        for i, user in enumerate([history[:2], history[3:4], history[5:6]]):
+            ref = g.complete(messages=user, session_id="regen-ref", cache_salt="ref", max_new_tokens=6,
+                             ignore_eos=True)  # fmt: skip
+            assert ref.text == (history[2 * i + 2]["content"] if i < 2 else r.choices[0].message.content)
+        assert g.get_session("regen-ref", include_token_ids=True).token_ids == after.token_ids
+        g.delete_session("regen-ref")
+        # the regenerated answer as the history goes on: the session extends again
+        more = history + [{"role": "assistant", "content": r.choices[0].message.content},
+                          {"role": "user", "content": "and after that?"}]  # fmt: skip
+        r2, _ = _turn(oai, model, "regen", more)
+        assert r2.model_extra["kvserve"]["history_diverged_at"] is None
+        assert r2.model_extra["kvserve"]["history_rewound_turns"] is None
+        assert g.get_session("regen").turns == 4
+        g.delete_session("regen")
+
+
+def test_a_diverging_history_racing_a_turn_is_refused_and_rewinds_nothing(oai, model, server):
+    msgs, _ = _three_turns(oai, model, "busy")
+    with KVServeClient(server.address, timeout=60) as g:
+        before = g.get_session("busy", include_token_ids=True)
+        stream = g.generate(session_id="busy", text=" more", max_new_tokens=200, ignore_eos=True)
+        events = iter(stream)
+        assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
+        with pytest.raises(openai.ConflictError) as e:  # the regenerate pattern needs a rewind: refused
+            _turn(oai, model, "busy", msgs[:-1])
+        assert e.value.status_code == 409 and "in flight" in e.value.body["message"]
+        stream.cancel()
+        assert wait_until(lambda: not g.get_session("busy").busy, timeout=30)
+        after = g.get_session("busy", include_token_ids=True)
+        assert (after.turns, after.token_ids) == (3, before.token_ids)
+        g.delete_session("busy")
+
+
+def test_session_divergence_checks_the_request_before_rewinding(oai, model, server):
+    msgs, _ = _three_turns(oai, model, "keep")
+    with KVServeClient(server.address, timeout=60) as g:
+        before = g.get_session("keep", include_token_ids=True)
+        with pytest.raises(openai.BadRequestError) as e:  # refused: the session is left as it was
+            _turn(oai, model, "keep", msgs[:-1], repetition_penalty=-1.0)
+        assert "repetition_penalty" in e.value.body["message"]
+        after = g.get_session("keep", include_token_ids=True)
+        assert (after.turns, after.token_ids) == (3, before.token_ids)
+        g.delete_session("keep")
+
+
+def test_session_without_turn_boundaries_starts_over_on_divergence(oai, model, server):
+    """A record written before turn boundaries were kept cannot be rewound: a diverging
+    history replaces the session (today's rule), the response says no turns were rewound."""
+    msgs, _ = _three_turns(oai, model, "legacy")
+    store = server.running.sessions.store
+    rec = server.call(store.get("", "legacy"))
+    server.call(store.put(copy_record(rec, turn_log=[])))  # as a version 1 record loads
+    with KVServeClient(server.address, timeout=60) as g:
+        assert g.get_session("legacy", include_turns=True).turn_log == []
+        edited = [dict(m) for m in msgs] + [{"role": "user", "content": "and then?"}]
+        edited[3]["content"] = "something else entirely"
+        r, _ = _turn(oai, model, "legacy", edited)
+        ext = r.model_extra["kvserve"]
+        assert ext["history_rewound_turns"] is None and ext["session_created"] is True
+        assert ext["history_diverged_at"] == 2  # match_history: the reply the edited message follows
+        info = g.get_session("legacy", include_token_ids=True)
+        fresh = server.engine.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in edited])
+        assert info.turns == 1 and info.token_ids[: len(fresh)] == fresh  # the whole history as its first turn
+        g.delete_session("legacy")
 
 
 def test_multi_turn_openai_equals_grpc_from_device_then_redis_after_restart(tiny_llama_dir, redis_url):

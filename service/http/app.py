@@ -8,14 +8,24 @@ admission, the drain and per-tenant limits are the same ``Admission`` object as 
 ``Authenticator``; errors map through ``service.wire``'s status table to HTTP.
 
 Sessions (``X-Session-Id`` on chat): OpenAI clients resend the whole history. The
-front walks the session's transcript against the history (``match_history``): when
-the history extends it (every earlier message matches the tokens the transcript holds
-for it, assistant messages matching what the model generated) only the messages after
-the last assistant message are sent as the turn: the transcript's tokens are reused
-exactly. When it diverges (an edited or dropped message), the session is reset to the
-new history (the stale record is deleted, its KV left cached by content) and the whole
-history becomes the session's first turn; the response says where it diverged
-(``kvserve.history_diverged_at`` and the ``X-Kvserve-History-Diverged-At`` header).
+front walks the session's transcript against it, turn by turn by the turn boundaries of
+the record (``agreed_turns``): a turn is followed when its messages encode to exactly
+its input tokens and the assistant message after them is what the model generated.
+When the history follows every turn and only non-assistant messages come after, it
+extends the session: those messages are the turn, the transcript's tokens are reused
+exactly. Otherwise it diverges (an edited message, a changed reply, or the regenerate
+pattern: the history resent without the last reply): the session is rewound to the last
+turn the history follows (``Conversations.rewind``: under the turn lock, conditional on
+the turn count the walk saw) and the rest of the history runs as the next turn,
+conditional on the rewound count (``expected_turns``): the kept turns' tokens are the
+new prompt's prefix, so their KV blocks are restored, not prefilled. The response says
+where it diverged (``kvserve.history_diverged_at`` and the
+``X-Kvserve-History-Diverged-At`` header) and how many turns were rewound
+(``kvserve.history_rewound_turns``). A record without turn boundaries (written before
+they were kept) is walked by ``match_history`` (reply ends found by where the next
+turn's tokens start) and cannot be rewound: on divergence the session is reset to the
+new history (the stale record deleted, its KV left cached by content) and the whole
+history becomes its first turn; so is a history that ends with a reply the session has.
 Without a session id the whole history is the prompt and prefix caching by content
 applies.
 
@@ -40,9 +50,10 @@ from starlette.routing import Route
 
 from kvserve.service import wire
 from kvserve.service.http import openai as oa
-from kvserve.service.sessions import SessionNotFound
+from kvserve.service.sessions import SessionNotFound, SessionRecord
 from kvserve.service.tracing import Tracing
 from kvserve.service.types import ChatMessage, Delta, Finished, Started, TurnInput
+from kvserve.service.validation import check_salt, check_turn_options
 
 if TYPE_CHECKING:
     from kvserve.service.admission import Admission, Ticket
@@ -95,6 +106,42 @@ def match_history(tok: Any, transcript: list[int], messages: tuple[ChatMessage, 
         pos = end
         i = j + 1
     return 0, n  # ends with an assistant message: nothing new to answer
+
+
+def agreed_turns(tok: Any, rec: SessionRecord, messages: tuple[ChatMessage, ...]) -> tuple[int, int, int]:
+    """How many of the session's completed turns ``messages`` follow, by the turn
+    boundaries of its record: ``(turns, first, stop)``, ``messages[:first]`` being those
+    turns and ``stop`` the message where the walk stopped.
+
+    Turn ``t`` is followed when its run of non-assistant messages encodes to exactly the
+    turn's input tokens and the assistant message after them is what the turn generated
+    (its decoded tokens begin with the message, as in ``match_history``). The walk stops
+    at the first turn not followed: ``stop`` is that turn's first message when its input
+    differs or the history ends before its reply (the regenerate pattern), the reply
+    when that differs, ``first`` when every turn was followed. Needs a record whose every
+    turn has its boundaries (``untracked_turns == 0``)."""
+    transcript = rec.token_ids
+    n = len(messages)
+    pos = i = t = 0
+    while t < rec.turns:
+        j = i
+        while j < n and messages[j].role != "assistant":
+            j += 1
+        if j == n or j == i:  # no reply to compare (the history ends here) or two replies in a row
+            break
+        info = rec.turn_log[t]
+        try:
+            group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
+            seg = tok.encode_chat_turn(transcript[:pos], group)
+        except Exception:  # noqa: BLE001 - a template that cannot render it: not followed
+            break
+        if len(seg) != info.input_tokens or transcript[pos : pos + len(seg)] != seg:
+            break
+        out, end = pos + info.input_tokens, pos + info.tokens
+        if not tok.decode(transcript[out:end]).strip().startswith(messages[j].content.strip()):
+            return t, i, j
+        pos, i, t = end, j + 1, t + 1
+    return t, i, i
 
 
 def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[ChatMessage, ...], j: int) -> int | None:
@@ -266,7 +313,7 @@ class HttpFront:
                 raise oa.HttpError(400, "X-Session-Id works on /v1/chat/completions only (a completion has no history)",
                                    param="X-Session-Id")  # fmt: skip
             ticket = self.admission.admit(tenant, request_id)
-            inp, diverged = await self._session_input(tenant, parsed.inp, session_id)
+            inp, diverged, rewound = await self._session_input(tenant, parsed.inp, session_id)
             events = aclosing(self.conversations.run_turn(tenant, inp, request_id, trace))
             gen = await events.__aenter__()
             start = await anext(gen)
@@ -286,7 +333,7 @@ class HttpFront:
             headers["X-Session-Id"] = session_id
         if diverged is not None:
             headers[DIVERGED_HEADER] = str(diverged)
-        ext = oa.extension(request_id, session_id, start, diverged)
+        ext = oa.extension(request_id, session_id, start, diverged, rewound)
         ctx = _Ctx(self, method, ticket, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace,
                    inp.sampling.n)  # fmt: skip
         if parsed.stream:
@@ -295,29 +342,57 @@ class HttpFront:
         body_out, status = await ctx.whole()
         return JSONResponse(body_out, status_code=status, headers=headers)
 
-    async def _session_input(self, owner: str, inp: TurnInput, session_id: str) -> tuple[TurnInput, int | None]:
-        """The turn's input for ``session_id`` (see the module docstring) and where the
-        history diverged from the session (None: it extended it, or a new session)."""
+    async def _session_input(
+        self, owner: str, inp: TurnInput, session_id: str
+    ) -> tuple[TurnInput, int | None, int | None]:
+        """The turn's input for ``session_id`` (see the module docstring), where the
+        history diverged from the session (None: it extended it, or a new session) and
+        how many turns were rewound for it (None: none, or the session was started over)."""
         if not session_id:
-            return inp, None
+            return inp, None, None
         assert inp.messages is not None
         try:
             rec, _busy = await self.conversations.sessions.get(owner, session_id)
         except SessionNotFound:
-            return _with(inp, session_id=session_id), None
+            return _with(inp, session_id=session_id), None, None
         if not rec.token_ids:
-            return _with(inp, session_id=session_id), None
+            return _with(inp, session_id=session_id), None, None
         tok = self.conversations.engine.tokenizer
-        first_new, diverged = await asyncio.to_thread(match_history, tok, rec.token_ids, inp.messages)
-        if diverged is None and first_new > 0:
-            return _with(inp, session_id=session_id, messages=inp.messages[first_new:]), None
-        # diverged: the session follows the new history; the old transcript's KV stays
-        # cached by content, so the common prefix is still reused
+        msgs = inp.messages
+        if rec.untracked_turns == 0:  # every turn's boundaries are known: walk them
+            keep, first, stop = await asyncio.to_thread(agreed_turns, tok, rec, msgs)
+            rest = msgs[first:]
+            if keep == rec.turns and first > 0 and rest and all(m.role != "assistant" for m in rest):
+                return _with(inp, session_id=session_id, messages=rest), None, None  # it extends the session
+            if rest:
+                # diverged: rewind to the last turn the history follows (its KV stays cached:
+                # the new prompt starts with exactly its tokens) and run the rest of the
+                # history as the next turn, if that is still the next one (expected_turns)
+                self._precheck(inp)  # a request that would be refused rewinds nothing
+                if keep < rec.turns:
+                    await self.conversations.rewind(owner, session_id, rec.turns - keep, expected_turns=rec.turns)
+                return _with(inp, session_id=session_id, messages=rest, expected_turns=keep), stop, rec.turns - keep
+            diverged: int | None = stop  # it ends with a reply the session has: nothing new to answer
+        else:
+            first_new, diverged = await asyncio.to_thread(match_history, tok, rec.token_ids, msgs)
+            if diverged is None and first_new > 0:
+                return _with(inp, session_id=session_id, messages=msgs[first_new:]), None, None
+        # a record without turn boundaries (written before they were kept), or a history
+        # that ends with a reply: the session starts over with the new history; the old
+        # transcript's KV stays cached by content, so a common prefix is still reused
+        self._precheck(inp)
         try:
             await self.conversations.sessions.delete(owner, session_id)
         except SessionNotFound:
             pass
-        return _with(inp, session_id=session_id), diverged
+        return _with(inp, session_id=session_id), diverged, None
+
+    def _precheck(self, inp: TurnInput) -> None:
+        """The turn's checks that need no session (``run_turn`` makes them again), made
+        before a divergence changes the session."""
+        self.conversations.check_sampling(inp.sampling)
+        check_salt(inp.cache_salt, self.conversations.limits)
+        check_turn_options(_with(inp, session_id="x"))
 
 
 def _with(inp: TurnInput, **changes: Any) -> TurnInput:
@@ -470,4 +545,4 @@ def make_uvicorn_server(app: Any, *, ssl: dict[str, Any], log_level: str) -> Any
     return _Server(config)
 
 
-__all__ = ["HttpFront", "match_history", "make_uvicorn_server", "DIVERGED_HEADER"]
+__all__ = ["HttpFront", "match_history", "agreed_turns", "make_uvicorn_server", "DIVERGED_HEADER"]

@@ -335,10 +335,14 @@ def usage(start: Started | None, fin: Finished, completion_tokens: int | None = 
     }
 
 
-def extension(request_id: str, session_id: str, start: Started | None, diverged_at: int | None) -> dict[str, Any]:
+def extension(
+    request_id: str, session_id: str, start: Started | None, diverged_at: int | None, rewound: int | None = None
+) -> dict[str, Any]:
     """The ``kvserve`` object of a response: the request id and, with X-Session-Id, the
     session's part (``session_created``, ``history_diverged_at``: the first message the
-    session's transcript did not match, null when the history extended it)."""
+    session's transcript did not match, null when the history extended it;
+    ``history_rewound_turns``: the turns the divergence rewound, null when none was or
+    the session started over)."""
     out: dict[str, Any] = {"request_id": request_id}
     if start is not None:
         out["cached_tier"] = start.cached_tier.value if start.cached_tier is not None and start.cached_tokens else None
@@ -346,4 +350,5 @@ def extension(request_id: str, session_id: str, start: Started | None, diverged_
         out["session_id"] = session_id
         out["session_created"] = bool(start.session_created) if start is not None else False
         out["history_diverged_at"] = diverged_at
+        out["history_rewound_turns"] = rewound
     return out
