@@ -183,6 +183,8 @@ class Conversations:
                         event.session_created = turn is not None and turn.created
                         yield event
                     elif isinstance(event, Delta):
+                        if turn is not None and turn.deleted:  # deleted on another replica meanwhile
+                            raise self.sessions.deleted_error(turn)
                         if not event.token_ids and not event.text:
                             continue
                         last_token_at = self._observe_delta(event, arrival, last_token_at)

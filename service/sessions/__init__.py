@@ -47,6 +47,16 @@ behind Redis, with per-call timeouts and a circuit breaker, so a hung Redis stal
 turn. Sessions are keyed by ``(owner, session_id)``: another owner's session id is
 simply not found.
 
+Deletion
+--------
+``SessionManager.delete`` (refused while a turn is in flight) leaves a tombstone where
+the Redis record was, kept as long as a record would be: no write of the deleted session
+(a turn that started before the delete and lost its lock, a replica's write-back of its
+own copy) passes it (``DELETED``; the turn raises ``SessionDeleted``, NOT_FOUND, and
+records nothing). A creation, i.e. a first turn that found no record or a fork, replaces
+it: the id is free for a new session. See ``stores.RedisSessionStore`` and
+``stores.FallbackSessionStore``.
+
 Expiry and limits
 -----------------
 With ``ttl_s`` a session unused for that long is gone: Redis expires its record (the
@@ -65,6 +75,7 @@ from kvserve.service.sessions.records import (
     InvalidSessionId,
     SessionBusy,
     SessionConflict,
+    SessionDeleted,
     SessionError,
     SessionExists,
     SessionLimit,
@@ -97,6 +108,7 @@ __all__ = [
     "RedisSessionStore",
     "SessionBusy",
     "SessionConflict",
+    "SessionDeleted",
     "SessionError",
     "SessionExists",
     "SessionLimit",

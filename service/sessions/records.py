@@ -36,6 +36,11 @@ class SessionNotFound(SessionError):
     """No such session for this owner (NOT_FOUND)."""
 
 
+class SessionDeleted(SessionNotFound):
+    """The session was deleted (DeleteSession) while this turn held it: the turn ends
+    and nothing of it is recorded (NOT_FOUND)."""
+
+
 class SessionBusy(SessionError):
     """The session has a turn in flight (FAILED_PRECONDITION)."""
 

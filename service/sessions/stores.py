@@ -39,6 +39,14 @@ RESTORED = "restored"  # the store had lost the record (restart, FLUSHALL, evict
 REPLACED = "replaced"  # the store held another incarnation that no turn had completed yet: overwritten
 CONFLICT = "conflict"  # the store holds a version this writer did not expect: nothing written
 UNKNOWN = "unknown"  # the store could not be asked (down, hung): written to this replica's copy only
+DELETED = "deleted"  # the session was deleted (its tombstone is there) and the write was no creation: nothing written
+
+# What a deleted session's key holds in Redis instead of its record (then the unix time of
+# the delete); a record starts with b"KVSS" (records.encode_record), so the two never mix.
+TOMBSTONE_PREFIX = b"KVSDEL1:"
+# Etags of incarnations a stale writer must not replace (new_etag(kept=True)); the first
+# turn of such a session that does not complete leaves the tombstone back (delete_if).
+KEPT_ETAG_PREFIX = "d-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +56,7 @@ class Expect:
 
     etags: frozenset[str] = frozenset()
     absent_ok: bool = False
+    after_delete: bool = False  # (a read's answer) there is no record because the session was deleted
 
     def plus(self, etag: str) -> Expect:
         return Expect(self.etags | {etag}, self.absent_ok)
@@ -57,17 +66,33 @@ class Expect:
         return Expect(frozenset({rec.etag}), False) if rec is not None else Expect(frozenset(), True)
 
 
-def new_etag() -> str:
-    return uuid.uuid4().hex[:16]
+def new_etag(*, kept: bool = False) -> str:
+    """A version id. ``kept``: the version is a new incarnation that no writer of an
+    older one may replace while it has no completed turn (``replace_uncommitted``): a
+    session created again after a delete, a fork."""
+    return (KEPT_ETAG_PREFIX if kept else "") + uuid.uuid4().hex[:16]
 
 
-def cas_outcome(stored: SessionRecord | None, expect: Expect, replace_uncommitted: bool) -> str:
-    """The rule of ``put_if`` (the Redis store runs the same rule in Lua)."""
+def tombstone() -> bytes:
+    return TOMBSTONE_PREFIX + repr(time.time()).encode()
+
+
+def cas_outcome(
+    stored: SessionRecord | None, expect: Expect, replace_uncommitted: bool, *, deleted: bool = False,
+    create: bool = False,
+) -> str:
+    """The rule of ``put_if`` (the Redis store runs the same rule in Lua). ``deleted``:
+    the store holds the session's tombstone (it was deleted) instead of a record; only a
+    creation (``create``) may write then."""
+    if deleted:
+        if not create:
+            return DELETED
+        stored = None
     if stored is None:
         return WRITTEN if expect.absent_ok else RESTORED
     if stored.etag in expect.etags:
         return WRITTEN
-    if replace_uncommitted and stored.turns == 0:
+    if replace_uncommitted and stored.turns == 0 and not stored.etag.startswith(KEPT_ETAG_PREFIX):
         return REPLACED
     return CONFLICT
 
@@ -80,6 +105,9 @@ class SessionStore(Protocol):
     next version should expect; ``put_if`` writes unless the store holds a version
     ``expect`` does not name (see ``cas_outcome``; ``replace_uncommitted`` lets it
     overwrite another incarnation with no completed turn) and returns the outcome;
+    a store that keeps tombstones (Redis: ``delete`` leaves one) answers DELETED to any
+    write of a deleted session except a creation (``create``: a first turn or a fork
+    that found no record), which writes and so clears the tombstone;
     ``delete_if`` removes the record only if it is one of ``etags`` (True if removed);
     ``delete`` returns whether it existed; ``list`` pages through one owner's sessions
     ordered by session id, ``page_token`` being the ``next_page_token`` of the previous
@@ -95,7 +123,9 @@ class SessionStore(Protocol):
     async def get(self, owner: str, session_id: str) -> SessionRecord | None: ...
     async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]: ...
     async def put(self, rec: SessionRecord) -> None: ...
-    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str: ...
+    async def put_if(
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+    ) -> str: ...
     async def delete(self, owner: str, session_id: str) -> bool: ...
     async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool: ...
     async def list(
@@ -150,7 +180,11 @@ class InMemorySessionStore:
     async def put(self, rec: SessionRecord) -> None:
         self._records[(rec.owner, rec.session_id)] = self._copy(rec)
 
-    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str:
+    async def put_if(
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+    ) -> str:
+        # No tombstones here: this process's own deletes cannot race its turns (the
+        # table refuses a delete while one of its turns is in flight).
         outcome = cas_outcome(await self.get(rec.owner, rec.session_id), expect, replace_uncommitted)
         if outcome != CONFLICT:
             await self.put(rec)
@@ -256,7 +290,7 @@ return 1
 # nil when there is none or it cannot be read (an unreadable record counts as absent).
 _META_LUA = """
 local function stored_meta(v)
-  if not v then return nil end
+  if not v or string.sub(v, 1, 4) ~= 'KVSS' then return nil end
   local ok, meta = pcall(function()
     local n = struct.unpack('<I4', string.sub(v, 7, 10))
     return cjson.decode(string.sub(v, 11, 10 + n))
@@ -269,20 +303,28 @@ local function etag_of(meta)
   return ''
 end
 """
-# put_if: ARGV = value, px (0: none), absent_ok, replace_uncommitted, etags...
-# (the rule of cas_outcome).
+# put_if: ARGV = value, px (0: none), absent_ok, replace_uncommitted, create, etags...
+# (the rule of cas_outcome). A tombstone (TOMBSTONE_PREFIX) in the key stops every write
+# but a creation, which replaces it.
 _PUT_IF_LUA = _META_LUA + """
-local meta = stored_meta(redis.call('GET', KEYS[1]))
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, 8) == 'KVSDEL1:' then
+  if ARGV[5] ~= '1' then return 'deleted' end
+  v = false
+end
+local meta = stored_meta(v)
 local outcome
 if meta == nil then
   if ARGV[3] == '1' then outcome = 'written' else outcome = 'restored' end
 else
   local etag = etag_of(meta)
   outcome = 'conflict'
-  for i = 5, #ARGV do
+  for i = 6, #ARGV do
     if ARGV[i] == etag then outcome = 'written' end
   end
-  if outcome == 'conflict' and ARGV[4] == '1' and meta['turns'] == 0 then outcome = 'replaced' end
+  if outcome == 'conflict' and ARGV[4] == '1' and meta['turns'] == 0 and string.sub(etag, 1, 2) ~= 'd-' then
+    outcome = 'replaced'
+  end
 end
 if outcome ~= 'conflict' then
   if ARGV[2] == '0' then redis.call('SET', KEYS[1], ARGV[1])
@@ -290,13 +332,29 @@ if outcome ~= 'conflict' then
 end
 return outcome
 """
-# delete_if: ARGV = etags...; 1 deleted, 0 absent, -1 another version (kept).
+# delete: ARGV = tombstone, px (0: none); the record becomes the tombstone. 1 deleted,
+# 0 there was none (or only a tombstone).
+_DELETE_LUA = """
+local v = redis.call('GET', KEYS[1])
+if not v or string.sub(v, 1, 8) == 'KVSDEL1:' then return 0 end
+if ARGV[2] == '0' then redis.call('SET', KEYS[1], ARGV[1])
+else redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+return 1
+"""
+# delete_if: ARGV = tombstone, px (0: none), etags...; 1 deleted, 0 absent, -1 another
+# version (kept). For a first turn that did not complete: the key is removed, or for a
+# session created again after a delete ('d-' etag) holds the tombstone again.
 _DELETE_IF_LUA = _META_LUA + """
 local meta = stored_meta(redis.call('GET', KEYS[1]))
 if meta == nil then return 0 end
 local etag = etag_of(meta)
-for i = 1, #ARGV do
-  if ARGV[i] == etag then redis.call('DEL', KEYS[1]) return 1 end
+for i = 3, #ARGV do
+  if ARGV[i] == etag then
+    if string.sub(etag, 1, 2) ~= 'd-' then redis.call('DEL', KEYS[1])
+    elseif ARGV[2] == '0' then redis.call('SET', KEYS[1], ARGV[1])
+    else redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+    return 1
+  end
 end
 return -1
 """
@@ -307,13 +365,19 @@ class RedisSessionStore:
 
     Keys (``owner`` is percent-encoded so it cannot contain ``:``)::
 
-        {prefix}sess:{owner}:{session_id}       the record (encode_record), TTL ttl_s
+        {prefix}sess:{owner}:{session_id}       the record (encode_record), TTL ttl_s;
+                                                after a delete its tombstone
+                                                (TOMBSTONE_PREFIX + unix time), TTL ttl_s
         {prefix}sess-lock:{owner}:{session_id}  the turn lock (holder id), PX lease
         {prefix}sess-ids:{owner}                sorted set of the owner's ids (score 0,
                                                 so ZRANGEBYLEX pages them in id order)
 
     Conditional writes (``put_if``, ``delete_if``) are Lua scripts that read the stored
-    record's etag and write or delete in one step. An expired record leaves its id in
+    record's etag and write or delete in one step. ``delete`` leaves a tombstone in the
+    record's key (one key, so the scripts stay single-key for Redis Cluster), kept as
+    long as a record would be (``ttl_s``: every replica's own copy of the session has
+    expired by then; no TTL when records have none): a turn, a renewal or a write-back
+    that finds it writes nothing (DELETED); only a creation replaces it. An expired record leaves its id in
     the index until a ``list`` finds it gone and removes it. ``client`` is a
     ``redis.asyncio`` client (or cluster client) with ``decode_responses=False``; the
     store does not own it unless built by ``from_url``.
@@ -331,6 +395,7 @@ class RedisSessionStore:
         self._lock = client.register_script(_LOCK_LUA)
         self._put_if = client.register_script(_PUT_IF_LUA)
         self._delete_if = client.register_script(_DELETE_IF_LUA)
+        self._delete = client.register_script(_DELETE_LUA)
 
     @classmethod
     def from_url(cls, url: str, *, key_prefix: str = "kvserve:", ttl_s: float | None = None,
@@ -357,9 +422,19 @@ class RedisSessionStore:
         return f"{base}:{session_id}" if session_id else base
 
     async def get(self, owner: str, session_id: str) -> SessionRecord | None:
+        return (await self.get_state(owner, session_id))[0]
+
+    async def get_state(self, owner: str, session_id: str) -> tuple[SessionRecord | None, bool]:
+        """The record (None if there is none) and whether the session was deleted (its
+        tombstone is there)."""
         data = await self._r.get(self._key("sess", owner, session_id))
         if data is None:
-            return None
+            return None, False
+        if data.startswith(TOMBSTONE_PREFIX):
+            return None, True
+        return self._decode(owner, session_id, data), False
+
+    def _decode(self, owner: str, session_id: str, data: bytes) -> SessionRecord | None:
         try:
             rec = decode_record(data)
         except SessionRecordError as e:
@@ -380,26 +455,29 @@ class RedisSessionStore:
         pipe.zadd(self._key("sess-ids", rec.owner), {rec.session_id: 0})
         await pipe.execute()
 
-    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str:
+    async def put_if(
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+    ) -> str:
         args = [encode_record(rec), self._ttl_ms or 0, int(expect.absent_ok), int(replace_uncommitted),
-                *sorted(expect.etags)]  # fmt: skip
+                int(create), *sorted(expect.etags)]  # fmt: skip
         outcome = await self._put_if(keys=[self._key("sess", rec.owner, rec.session_id)], args=args)
         outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
-        if outcome != CONFLICT:
+        if outcome not in (CONFLICT, DELETED):
             await self._r.zadd(self._key("sess-ids", rec.owner), {rec.session_id: 0})
         return outcome
 
     async def delete(self, owner: str, session_id: str) -> bool:
-        pipe = self._r.pipeline(transaction=False)
-        pipe.delete(self._key("sess", owner, session_id))
-        pipe.zrem(self._key("sess-ids", owner), session_id)
-        deleted, _ = await pipe.execute()
-        return bool(deleted)
+        """Replace the record with a tombstone; True if there was a record."""
+        args = [tombstone(), self._ttl_ms or 0]
+        deleted = int(await self._delete(keys=[self._key("sess", owner, session_id)], args=args))
+        await self._r.zrem(self._key("sess-ids", owner), session_id)
+        return deleted == 1
 
     async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
         if not etags:
             return False
-        gone = int(await self._delete_if(keys=[self._key("sess", owner, session_id)], args=sorted(etags)))
+        args = [tombstone(), self._ttl_ms or 0, *sorted(etags)]
+        gone = int(await self._delete_if(keys=[self._key("sess", owner, session_id)], args=args))
         if gone >= 0:
             await self._r.zrem(self._key("sess-ids", owner), session_id)
         return gone == 1
@@ -494,6 +572,14 @@ class FallbackSessionStore:
     reach Redis is remembered and written back (conditionally, so never over a newer
     version) once Redis answers again. What cannot be had while Redis is down:
     sessions only another replica served.
+
+    A deleted session stays deleted: a read that finds its tombstone in Redis drops this
+    replica's copy (it is not written back), a write of it that finds the tombstone
+    (a turn's commit, a write-back) writes nothing and drops the copy (DELETED), and a
+    delete that missed Redis is retried in the background (meanwhile this replica
+    answers for the session from its own copy, which the delete removed). A session
+    created on this replica while Redis was away is written back as a creation: it
+    replaces a tombstone it finds (the id was free for a new session).
     """
 
     def __init__(
@@ -519,6 +605,8 @@ class FallbackSessionStore:
         self._sync_every_s = sync_every_s
         self._retries: set[asyncio.Task] = set()  # unlocks that missed Redis, tried again
         self._unsynced: dict[tuple[str, str], Expect] = {}  # records Redis may lack, what it may hold
+        self._deletes: set[tuple[str, str]] = set()  # deletes that missed Redis, tried again
+        self._creates: set[tuple[str, str]] = set()  # creations whose write has not reached Redis
         self._sync_task: asyncio.Task | None = None
         self._failing = False  # the last Redis call failed (log once per outage)
         self._closed = False
@@ -542,8 +630,29 @@ class FallbackSessionStore:
 
     @property
     def unsynced(self) -> int:
-        """Session records whose last write may not have reached Redis."""
-        return len(self._unsynced)
+        """Session records whose last write (or delete) may not have reached Redis."""
+        return len(self._unsynced) + len(self._deletes)
+
+    async def _primary_state(self, owner: str, session_id: str) -> tuple[SessionRecord | None, bool]:
+        get_state = getattr(self.primary, "get_state", None)
+        if get_state is not None:
+            return await get_state(owner, session_id)
+        return await self.primary.get(owner, session_id), False
+
+    async def _forget(self, key: tuple[str, str]) -> None:
+        """The session was deleted in Redis: this replica's copy must not come back."""
+        self._unsynced.pop(key, None)
+        self._creates.discard(key)
+        await self.local.delete(*key)
+
+    async def _flush_delete(self, key: tuple[str, str]) -> bool:
+        """Retry a delete that missed Redis; True once Redis has it (or it was not pending)."""
+        if key not in self._deletes:
+            return True
+        ok, _ = await self._try("delete", lambda: self.primary.delete(*key))
+        if ok:
+            self._deletes.discard(key)
+        return ok
 
     async def _try(self, what: str, call, timeout_s: float | None = None):
         if not self.breaker.allow():
@@ -575,9 +684,18 @@ class FallbackSessionStore:
         return (await self.read(owner, session_id))[0]
 
     async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]:
-        ok, rec = await self._try("get", lambda: self.primary.get(owner, session_id))
+        key = (owner, session_id)
+        if not await self._flush_delete(key):  # deleted here, Redis not told yet: only our copy counts
+            local = await self.local.get(owner, session_id)
+            pending = self._unsynced.get(key)
+            return local, (Expect.of(local) if pending is None or local is None else pending.plus(local.etag))
+        ok, state = await self._try("get", lambda: self._primary_state(owner, session_id))
+        rec, deleted = state if ok else (None, False)
+        if deleted:
+            await self._forget(key)
+            return None, Expect(frozenset(), True, after_delete=True)
         local = await self.local.get(owner, session_id)
-        pending = self._unsynced.get((owner, session_id))
+        pending = self._unsynced.get(key)
         if not ok or rec is None:
             # Redis is away, or lost it (eviction, restart): ours is still good.
             expect = Expect.of(local) if pending is None or local is None else pending.plus(local.etag)
@@ -596,25 +714,35 @@ class FallbackSessionStore:
         await self.local.put(rec)
         await self._try("put", lambda: self.primary.put(rec))
 
-    async def put_if(self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False) -> str:
+    async def put_if(
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+    ) -> str:
         async with self._one_writer((rec.owner, rec.session_id)):
-            return await self._put_if(rec, expect, replace_uncommitted)
+            return await self._put_if(rec, expect, replace_uncommitted, create)
 
-    async def _put_if(self, rec: SessionRecord, expect: Expect, replace_uncommitted: bool) -> str:
+    async def _put_if(self, rec: SessionRecord, expect: Expect, replace_uncommitted: bool, create: bool) -> str:
         key = (rec.owner, rec.session_id)
         pending = self._unsynced.get(key)
         if pending is not None:  # an earlier write may land (or have landed) late: it is ours too
             expect = Expect(expect.etags | pending.etags, expect.absent_ok or pending.absent_ok)
-        ok, outcome = await self._try(
-            "write", lambda: self.primary.put_if(rec, expect, replace_uncommitted=replace_uncommitted)
-        )
+        create = create or key in self._creates  # a creation not yet in Redis: its next writes create too
+        ok, outcome = False, None
+        if await self._flush_delete(key):  # else this replica's delete has not reached Redis: nothing after it may
+            ok, outcome = await self._try(
+                "write", lambda: self.primary.put_if(rec, expect, replace_uncommitted=replace_uncommitted, create=create)
+            )
         if not ok:
+            if create:
+                self._creates.add(key)
             await self.local.put(rec)
             self._unsynced[key] = expect.plus(rec.etag)
             self._start_sync()
             return UNKNOWN
         self._unsynced.pop(key, None)
-        if outcome == CONFLICT:
+        self._creates.discard(key)
+        if outcome == DELETED:
+            await self._forget(key)
+        elif outcome == CONFLICT:
             await self.local.delete(*key)  # Redis has another replica's version: ours is stale
         else:
             await self.local.put(rec)
@@ -625,7 +753,7 @@ class FallbackSessionStore:
             self._sync_task = asyncio.create_task(self._sync_loop(), name="kvserve-session-sync")
 
     async def _sync_loop(self) -> None:
-        while self._unsynced and not self._closed:
+        while (self._unsynced or self._deletes) and not self._closed:
             await asyncio.sleep(self._sync_every_s)
             try:
                 await self.sync()
@@ -633,21 +761,36 @@ class FallbackSessionStore:
                 log.warning("writing session records back to Redis failed", exc_info=True)
 
     async def sync(self) -> int:
-        """Write back the records whose last write may have missed Redis, each only over
-        a version this replica wrote or expected; returns how many reached Redis."""
+        """Send Redis the deletes that missed it, then write back the records whose last
+        write may have missed Redis, each only over a version this replica wrote or
+        expected and never over a tombstone (unless this replica created the session
+        while Redis was away); returns how many records reached Redis."""
         done = 0
+        for key in list(self._deletes):
+            async with self._one_writer(key):
+                if not await self._flush_delete(key):
+                    return done
         for key in list(self._unsynced):
             async with self._one_writer(key):
                 expect = self._unsynced.get(key)
                 rec = await self.local.get(*key)
                 if expect is None or rec is None:
                     self._unsynced.pop(key, None)
+                    self._creates.discard(key)
                     continue
-                ok, outcome = await self._try("write-back", lambda r=rec, e=expect: self.primary.put_if(r, e))
+                create = key in self._creates
+                ok, outcome = await self._try(
+                    "write-back", lambda r=rec, e=expect, c=create: self.primary.put_if(r, e, create=c)
+                )
                 if not ok:
                     return done  # still away; the breaker paces the next try
                 self._unsynced.pop(key, None)
-                if outcome == CONFLICT:
+                self._creates.discard(key)
+                if outcome == DELETED:
+                    log.warning("session %r was deleted while Redis missed this replica's last write of it; "
+                                "not written back", key[1])  # fmt: skip
+                    await self._forget(key)
+                elif outcome == CONFLICT:
                     log.warning("session %r: another replica wrote it while Redis missed this replica's version; "
                                 "keeping theirs", key[1])  # fmt: skip
                     await self.local.delete(*key)
@@ -659,13 +802,22 @@ class FallbackSessionStore:
         return done
 
     async def delete(self, owner: str, session_id: str) -> bool:
-        self._unsynced.pop((owner, session_id), None)
-        here = await self.local.delete(owner, session_id)
-        ok, there = await self._try("delete", lambda: self.primary.delete(owner, session_id))
-        return bool(there) or here
+        key = (owner, session_id)
+        async with self._one_writer(key):
+            self._unsynced.pop(key, None)
+            self._creates.discard(key)
+            here = await self.local.delete(owner, session_id)
+            ok, there = await self._try("delete", lambda: self.primary.delete(owner, session_id))
+            if ok:
+                self._deletes.discard(key)
+            elif here and len(self._deletes) < 100_000:  # Redis keeps the record until it hears of the delete
+                self._deletes.add(key)
+                self._start_sync()
+            return bool(there) or here
 
     async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
         pending = self._unsynced.pop((owner, session_id), None)
+        self._creates.discard((owner, session_id))
         if pending is not None:
             etags = etags | pending.etags
         here = await self.local.delete_if(owner, session_id, etags)
@@ -741,6 +893,7 @@ class FallbackSessionStore:
         out = []
         for rec in await self.local.expire():
             self._unsynced.pop((rec.owner, rec.session_id), None)
+            self._creates.discard((rec.owner, rec.session_id))
             ok, there = await self._try("get", lambda r=rec: self.primary.get(r.owner, r.session_id))
             if ok and there is not None and there.last_used_at > rec.last_used_at:
                 continue  # still alive elsewhere

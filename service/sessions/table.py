@@ -16,6 +16,7 @@ from kvserve.service.sessions.records import (
     BadTurnCount,
     SessionBusy,
     SessionConflict,
+    SessionDeleted,
     SessionExists,
     SessionLimit,
     SessionNotFound,
@@ -27,6 +28,7 @@ from kvserve.service.sessions.records import (
 )
 from kvserve.service.sessions.stores import (
     CONFLICT,
+    DELETED,
     REPLACED,
     RESTORED,
     UNKNOWN,
@@ -54,6 +56,7 @@ class Turn:
     _renewal: asyncio.Task | None = None
     committed: bool = False
     ended: bool = False
+    deleted: bool = False  # a write found the session deleted (its tombstone): the turn cannot commit
     started_at: float = 0.0  # unix seconds
 
 
@@ -75,6 +78,12 @@ class SessionManager:
       commit raises ``SessionConflict`` and the turn fails instead of an acknowledged
       turn vanishing. When Redis lost the record mid-turn, the commit writes this
       replica's copy back (logged, counted in ``records_lost``).
+    * A deleted session stays deleted: ``delete`` leaves a tombstone in the store
+      (Redis), and no write of a turn that started before it (a commit, the renewal's
+      write-back, a write-back after Redis missed writes) re-creates the session; such
+      a turn raises ``SessionDeleted`` (NOT_FOUND) and records nothing. Only a creation
+      (a first turn that found no record, a fork) writes over the tombstone: the same
+      id can be used again for a new session.
     * Lock holders are ``{replica_id}:{uuid}``: a lock left in Redis by an ended turn of
       this replica (an unlock that missed a hung Redis, a lock write applied late) is
       taken over by this replica's next turn instead of blocking it until its lease ends.
@@ -104,6 +113,7 @@ class SessionManager:
         self.records_lost = 0  # records the store had lost mid-session, written back from here
         self.conflicts = 0  # turns refused because another replica wrote the session meanwhile
         self.unconfirmed_writes = 0  # writes the store could not confirm (kept on this replica)
+        self.deleted_turns = 0  # turns that ended because their session was deleted meanwhile
 
     @property
     def turns_in_flight(self) -> int:
@@ -145,9 +155,13 @@ class SessionManager:
                         await self._check_room(owner)
                         rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
                 rec.last_used_at = self._clock() if not created else rec.created_at
-                rec.etag = new_etag()
-                outcome = await self.store.put_if(rec, expect)
+                rec.etag = new_etag(kept=created and expect.after_delete)
+                outcome = await self.store.put_if(rec, expect, create=created)
                 self._note(outcome, rec, "at the start of a turn")
+                if outcome == DELETED:  # a DeleteSession between the read and this write
+                    raise SessionDeleted(
+                        f"session {session_id!r} was deleted as this turn started; nothing was recorded"
+                    )
                 if outcome == CONFLICT:
                     raise SessionBusy(
                         f"session {session_id!r} was just written by another replica; retry when its turn finishes"
@@ -230,6 +244,9 @@ class SessionManager:
         rec = turn.record
         outcome = await self.store.put_if(new, turn.expect, replace_uncommitted=True)
         self._note(outcome, new, "while a turn ran")
+        if outcome == DELETED:
+            turn.deleted = True
+            raise self.deleted_error(turn)
         if outcome == CONFLICT:
             self.conflicts += 1
             log.warning(
@@ -244,6 +261,13 @@ class SessionManager:
         turn.expect = Expect(frozenset({new.etag}))
         turn.committed = True
         return new
+
+    def deleted_error(self, turn: Turn) -> SessionDeleted:
+        """The session of ``turn`` was deleted while it ran (counted, logged)."""
+        self.deleted_turns += 1
+        sid = turn.record.session_id
+        log.info("session %r was deleted while a turn ran; the turn is not recorded", sid)
+        return SessionDeleted(f"session {sid!r} was deleted while this turn ran; this turn was not recorded")
 
     # ------------------------------------------------------------------ rewind, fork
 
@@ -343,14 +367,14 @@ class SessionManager:
         now = self._clock()
         child = SessionRecord(
             session_id=new_session_id, owner=owner, token_ids=src.token_ids[: src.turn_end(at)], created_at=now,
-            last_used_at=now, turns=at, cache_salt=src.cache_salt, etag=new_etag(),
+            last_used_at=now, turns=at, cache_salt=src.cache_salt, etag=new_etag(kept=True),
             turn_log=src.turn_log[: at - src.untracked_turns], forked_from=session_id,
         )  # fmt: skip
         async with self._create_lock:
             if await self.store.get(owner, new_session_id) is not None:
                 raise exists
             await self._check_room(owner)
-            outcome = await self.store.put_if(child, Expect(frozenset(), absent_ok=True))
+            outcome = await self.store.put_if(child, Expect(frozenset(), absent_ok=True), create=True)
         if outcome == CONFLICT:
             raise exists
         self._note(outcome, child, "when it was forked")
@@ -398,7 +422,10 @@ class SessionManager:
                     back = copy_record(turn.record, etag=new_etag())
                     outcome = await self.store.put_if(back, turn.expect, replace_uncommitted=True)
                     self._note(outcome, back, "while a turn ran")
-                    if outcome != CONFLICT:
+                    if outcome == DELETED:  # deleted while its lock was gone: the turn ends
+                        turn.deleted = True
+                        log.info("session %r was deleted while its turn lock was gone", rec.session_id)
+                    elif outcome != CONFLICT:
                         turn.expect = turn.expect.plus(back.etag)
             except asyncio.CancelledError:
                 raise
