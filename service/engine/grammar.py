@@ -143,7 +143,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequest(f"response_format {fmt.kind} cannot be used: {matcher_error(matcher)}")
         probe = matcher.deep_copy()  # the first step's mask: a grammar that matches no string fails here
-        self.fill_masks([probe])
+        probe.compute_bitmask()  # on this (worker) thread, not through the engine's executor
         if probe.is_error():
             raise InvalidRequest(
                 f"response_format {fmt.kind} matches no output (the grammar cannot start): {matcher_error(probe)}"
