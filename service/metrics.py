@@ -175,6 +175,10 @@ class SessionStoreCollector:
             "the session while they ran.", value=m.conflicts,
         )  # fmt: skip
         yield CounterMetricFamily(
+            f"{p}_session_deleted_turns", "Turns that ended NOT_FOUND, nothing recorded, because their session was "
+            "deleted while they ran (through another replica, after Redis lost the turn lock).", value=m.deleted_turns,
+        )  # fmt: skip
+        yield CounterMetricFamily(
             f"{p}_session_unconfirmed_writes", "Session record writes Redis did not confirm (down, hung, breaker "
             "open): kept on this replica and written back later.", value=m.unconfirmed_writes,
         )  # fmt: skip

@@ -208,6 +208,7 @@ def test_delete_on_one_replica_while_a_turn_streams_on_the_other(tiny_llama_dir,
         assert a.result is None and a.error is not None
         assert a.error.code == grpc.StatusCode.NOT_FOUND and "deleted while this turn ran" in a.error.details
         assert r1.running.sessions.deleted_turns == 1
+        assert "kvserve_session_deleted_turns_total 1.0" in r1.running.metrics.exposition().decode()
         for c in (c1, c2):
             _not_found(lambda c=c: c.get_session("s"))
             _not_found(lambda c=c: c.chat("s", "still there?", max_new_tokens=4, require_existing_session=True))
