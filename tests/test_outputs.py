@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 
 import grpc
@@ -159,6 +160,16 @@ def test_a_grammar_llguidance_gives_up_on_mid_output_is_invalid_argument_not_a_s
     assert stats.blocks_free == stats.blocks_total
     _, text, finals = by_index(call(stub, max_new_tokens=8, response_format=pb.ResponseFormat(regex="a{3}")))
     assert finals[0].finish_reason == pb.FINISH_REASON_STOP and text[0] == "aaa"
+
+
+def test_top_logprobs_under_a_grammar_list_only_tokens_it_allows(stub):
+    """The first token of a JSON object can only be '{': its alternatives are not the
+    masked tokens at -inf but none (top holds fewer than top_logprobs entries)."""
+    fmt = pb.ResponseFormat(json_object=pb.ResponseFormat.JsonObject())
+    responses = call(stub, max_new_tokens=6, logprobs=True, top_logprobs=5, response_format=fmt)
+    lps = [lp for r in responses if r.WhichOneof("event") == "delta" for lp in r.delta.logprobs]
+    assert lps and all(math.isfinite(a.logprob) for lp in lps for a in lp.top)
+    assert len(lps[0].top) == 1 and lps[0].top[0].token_id == lps[0].token_id and lps[0].logprob == 0.0
 
 
 def test_n_with_a_session_is_refused(stub):

@@ -206,7 +206,9 @@ def token_logprobs(
         out[i] = TokenLogprob(
             token_id=tokens[i],
             logprob=chosen[j],
-            top=tuple(zip(top_i[j][:k], top_v[j][:k])),
+            # a token with no probability (masked by a grammar, or past the sampleable
+            # vocabulary) is no alternative: top may hold fewer than k entries
+            top=tuple((t, v) for t, v in zip(top_i[j][:k], top_v[j][:k]) if v != float("-inf")),
         )
     return out
 
