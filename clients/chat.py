@@ -23,8 +23,8 @@ Works with stdin from a pipe (no prompt is printed when stdin is not a terminal)
 Ctrl-C during a reply cancels that turn (the session is left as before the turn).
 Follow-up turns demand the existing session: if the server no longer has its history
 (expired, deleted, lost), the chat says so and starts the session over.
-Exit status: 0, or 1 when the last turn failed (its gRPC status is printed on stderr)
-or the session could not be looked up.
+Exit status: 0, or 1 when the last turn or command failed (its gRPC status, or what was
+wrong with the command, is printed on stderr) or the session could not be looked up.
 """
 
 from __future__ import annotations
