@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -126,6 +127,24 @@ def test_a_client_that_goes_away_frees_its_stream(oai, model, server):
     it = iter(stream)
     next(it), next(it)
     stream.close()  # the connection closes mid-stream
+    assert wait_until(lambda: server.running.admission.inflight == 0 and server.engine.stats().running == 0)
+    assert wait_until(lambda: server.engine.stats().blocks_free == free)
+    assert cancelled._value.get() == before + 1  # stopped early, not run to its end
+
+
+def test_a_client_that_goes_away_before_a_whole_response_stops_its_turn(model, server):
+    """stream: false: nothing is written until the end, yet a closed connection cancels
+    the turn (all n sequences) instead of generating on for no one."""
+    free = server.engine.stats().blocks_free
+    cancelled = server.running.metrics.requests.labels("http:ChatCompletions", "CANCELLED")
+    before = cancelled._value.get()
+    body = json.dumps({"model": model, "messages": HELLO, "max_tokens": 400, "n": 2, "temperature": 0,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.running.http_port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        assert wait_until(lambda: server.engine.stats().running == 2)
+        sock.shutdown(socket.SHUT_RDWR)
     assert wait_until(lambda: server.running.admission.inflight == 0 and server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == free)
     assert cancelled._value.get() == before + 1  # stopped early, not run to its end

@@ -339,7 +339,20 @@ class HttpFront:
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
-        body_out, status = await ctx.whole()
+        whole = asyncio.ensure_future(ctx.whole())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not whole.done():  # the client went away: cancelling the turn aborts it in the engine
+            whole.cancel()
+            try:
+                await whole
+            except asyncio.CancelledError:
+                pass
+            return Response(status_code=499)
+        body_out, status = whole.result()
         return JSONResponse(body_out, status_code=status, headers=headers)
 
     async def _session_input(
@@ -440,6 +453,9 @@ class _Ctx:
                         self.front._count(self.method, 200)
                         return self._body([ends[i] for i in sorted(ends)]), 200
             raise RuntimeError("the conversation ended without a Finished event")
+        except asyncio.CancelledError:  # the client went away (_generate cancels the call)
+            self.front._count(self.method, 499)
+            raise
         except Exception as exc:  # noqa: BLE001
             err = oa.error_of(exc, self.request_id)
             status, message = err.status, err.message
@@ -523,6 +539,13 @@ class _Ctx:
             await self._close()
             self.front._count(self.method, status)
             self.trace.end(status)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of a whole (non-streamed) response disconnects: its body
+    is read already, so the next ASGI message is ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @contextmanager
