@@ -156,7 +156,13 @@ def test_a_client_that_goes_away_before_a_whole_response_stops_its_turn(model, s
         ({"logprobs": True}, "logprobs"),
         ({"n": 17}, None),
         ({"n": "2"}, "n"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"frequency_penalty": 3}, None),
+        ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, None),
+        ({"logit_bias": {"5": 101}}, None),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
@@ -173,6 +179,26 @@ def test_unsupported_or_bad_fields_are_refused_with_400(oai, model, extra, param
     assert body["type"] == "invalid_request_error" and body["message"]
     if param:
         assert body["param"] == param
+
+
+def test_penalties_logit_bias_min_p_and_min_tokens_map_to_the_grpc_fields(oai, model, server):
+    """presence/frequency_penalty, logit_bias (OpenAI's token-id-string keys), and vLLM's
+    min_p and min_tokens: the same tokens as a gRPC request with the same fields."""
+    with KVServeClient(server.address, timeout=60) as g:
+        plain = g.complete(messages=HELLO, max_new_tokens=10, ignore_eos=True)
+        banned = plain.token_ids[0]
+        ref = g.complete(messages=HELLO, max_new_tokens=10, ignore_eos=True, presence_penalty=1.5,
+                         frequency_penalty=0.7, logit_bias={banned: -100.0, 7: 2.5}, min_p=0.1, min_new_tokens=3,
+                         temperature=0.9, seed=11)  # fmt: skip
+    r = oai.completions.create(model=model, prompt="x", max_tokens=2, presence_penalty=0.5, frequency_penalty=0.5,
+                               logit_bias={"5": 1})  # completions take them as well  # fmt: skip
+    assert r.choices[0].finish_reason in ("length", "stop")
+    r = oai.chat.completions.create(
+        model=model, messages=HELLO, max_tokens=10, presence_penalty=1.5, frequency_penalty=0.7,
+        logit_bias={str(banned): -100, "7": 2.5}, temperature=0.9, seed=11,
+        extra_body={"ignore_eos": True, "min_p": 0.1, "min_tokens": 3},
+    )  # fmt: skip
+    assert r.choices[0].message.content == ref.text and ref.token_ids[0] != banned
 
 
 def test_n_choices_whole_and_streamed(oai, model):

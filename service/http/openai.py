@@ -21,11 +21,15 @@ stop_token_ids, cache_salt
 n                                          n (1 to 16; choices by index, streamed
                                            interleaved; not with X-Session-Id)
 best_of                                    1 only
-frequency_penalty, presence_penalty        0 only
+frequency_penalty, presence_penalty        the same ([-2, 2]; counted over this reply's
+                                           tokens, as vLLM does)
+logit_bias                                 logit_bias (token id strings -> [-100, 100])
+min_p, min_tokens                          min_p, min_new_tokens (vLLM's extensions)
 response_format (chat)                     text: free text; json_object and
                                            json_schema (its ``schema``): the
                                            response_format of SamplingParams
-logprobs / top_logprobs, logit_bias,       refused (400 unsupported_parameter)
+logprobs / top_logprobs,                   refused (400 unsupported_parameter; gRPC's
+                                           DeltaEvent.logprobs has them)
 tools, functions, echo, suffix
 user, metadata, store, stream_options      accepted; user/metadata/store change nothing
 =========================================  ==========================================
@@ -43,6 +47,7 @@ import grpc
 
 from kvserve.service import wire
 from kvserve.service.types import (
+    MAX_LOGIT_BIAS,
     ChatMessage,
     Finished,
     FinishReason,
@@ -68,7 +73,7 @@ HTTP_OF_CODE: Mapping[grpc.StatusCode, tuple[int, str]] = {
 _COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
     "frequency_penalty", "presence_penalty", "user", "metadata", "store", "logprobs", "logit_bias",
-    "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "cache_salt",
+    "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "cache_salt", "min_p", "min_tokens",
 }  # fmt: skip
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
@@ -139,13 +144,8 @@ def _check_common(body: Mapping[str, Any], allowed: set[str], where: str) -> Non
     if model is not None and not isinstance(model, str):
         raise HttpError(400, "model must be a string", param="model")
     _number(body, "n", int)  # its range: SamplingParams.validate
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _number(body, name) not in (None, 0):
-            raise unsupported(name, "only 0 is supported (repetition_penalty is kvserve's penalty)")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias")
     if body.get("logprobs") not in (None, False):
-        raise unsupported("logprobs", "kvserve does not return log probabilities")
+        raise unsupported("logprobs", "not on the HTTP front (gRPC's SamplingParams.logprobs returns them)")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise HttpError(400, "user must be a string", param="user")
 
@@ -175,6 +175,8 @@ def _sampling(body: Mapping[str, Any], max_tokens_field: str, default_max_new_to
     rep = _number(body, "repetition_penalty")
     seed = _number(body, "seed", int)
     n = _number(body, "n", int)
+    presence, frequency = _number(body, "presence_penalty"), _number(body, "frequency_penalty")
+    min_p, min_tokens = _number(body, "min_p"), _number(body, "min_tokens", int)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else default_max_new_tokens,
         temperature=1.0 if temperature is None else float(temperature),  # OpenAI's default is 1
@@ -186,8 +188,33 @@ def _sampling(body: Mapping[str, Any], max_tokens_field: str, default_max_new_to
         stop_token_ids=tuple(stop_ids),
         ignore_eos=ignore_eos,
         n=1 if n is None else n,
+        min_p=0.0 if min_p is None else float(min_p),
+        presence_penalty=0.0 if presence is None else float(presence),
+        frequency_penalty=0.0 if frequency is None else float(frequency),
+        logit_bias=_logit_bias(body),
+        min_new_tokens=0 if min_tokens is None else min_tokens,
     )
     return params, max_tokens
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (ids as JSON object keys); ranges and the vocabulary
+    are checked by SamplingParams.validate and the conversation, as on gRPC."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise HttpError(400, "logit_bias must be an object of token id -> bias", param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise HttpError(400, f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}", param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise HttpError(400, f"logit_bias keys must be token ids, got {key!r}"[:200], param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise HttpError(400, f"logit_bias[{key}] must be a number, got {value!r}"[:200], param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
