@@ -225,7 +225,8 @@ def test_n_choices_whole_and_streamed(oai, model):
     assert [c.text for c in whole.choices] == [text[0], text[1]]  # seeded per index
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=HELLO, n=2, extra_headers={"X-Session-Id": "n-two"})
-    assert "cannot be used with a session_id" in e.value.body["message"]
+    assert e.value.body["message"].startswith("n = 2 cannot be used with X-Session-Id")  # the header this API has
+    assert e.value.body["param"] == "n"
 
 
 def test_response_format_json_schema_constrains_the_reply(oai, model):

@@ -312,6 +312,9 @@ class HttpFront:
             if session_id and not chat:
                 raise oa.HttpError(400, "X-Session-Id works on /v1/chat/completions only (a completion has no history)",
                                    param="X-Session-Id")  # fmt: skip
+            if session_id and parsed.inp.sampling.n > 1:
+                raise oa.HttpError(400, f"n = {parsed.inp.sampling.n} cannot be used with X-Session-Id: a session keeps "
+                                   "one transcript (ask for n > 1 without it)", param="n")  # fmt: skip
             ticket = self.admission.admit(tenant, request_id)
             inp, diverged, rewound = await self._session_input(tenant, parsed.inp, session_id)
             events = aclosing(self.conversations.run_turn(tenant, inp, request_id, trace))
