@@ -749,7 +749,7 @@ class LLMEngine:
         log.warning("request %s: response_format %s failed after %d tokens: %s", seq.request_id, kind, seq.num_output, why)
         return (
             f"response_format {kind} could not be followed after {seq.num_output} output tokens: {why} "
-            f"(the grammar is beyond llguidance's limits; simplify it, e.g. smaller repetition counts)"
+            f"(the format is beyond llguidance's limits: simplify it)"
         )
 
     def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
