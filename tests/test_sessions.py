@@ -316,6 +316,8 @@ def test_manager_rewind_fork_and_replace_last(store):
             assert before.turns == 3 and after.token_ids == [1, 2, 3] and after.turns == 1
             assert (await m.get("", "s"))[0] == after
             assert (await m.get("", "c"))[0].token_ids == [1, 2, 3, 4, 5, 6]
+            with pytest.raises(BadTurnCount, match="'s' has 1 completed turn; cannot rewind 2"):  # singular
+                await m.rewind("", "s", 2)
         finally:
             await m.store.close()
 

@@ -43,6 +43,10 @@ from kvserve.service.sessions.stores import (
 log = logging.getLogger(__name__)
 
 
+def _completed(turns: int) -> str:
+    return f"{turns} completed turn{'' if turns == 1 else 's'}"
+
+
 @dataclass(slots=True)
 class Turn:
     """One turn in flight: the record as it was at the start, the lock lease, and what a
@@ -276,7 +280,7 @@ class SessionManager:
         """TurnsChanged unless ``expected_turns`` is None or the session's turn count."""
         if expected_turns is not None and rec.turns != expected_turns:
             raise TurnsChanged(
-                f"session {rec.session_id!r} has {rec.turns} completed turns, the request expected "
+                f"session {rec.session_id!r} has {_completed(rec.turns)}, the request expected "
                 f"{expected_turns} (expected_turns): another turn or operation changed it; read it and retry"
             )
 
@@ -319,7 +323,7 @@ class SessionManager:
             self.check_expected_turns(rec, expected_turns)
             if turns > rec.turns:
                 raise BadTurnCount(
-                    f"session {session_id!r} has {rec.turns} completed turns; cannot rewind {turns}"
+                    f"session {session_id!r} has {_completed(rec.turns)}; cannot rewind {turns}"
                 )
             keep = rec.turns - turns
             if keep < rec.untracked_turns:
@@ -355,7 +359,7 @@ class SessionManager:
             raise SessionNotFound(f"session {session_id!r} not found")
         at = src.turns if at_turn is None else at_turn
         if at > src.turns:
-            raise BadTurnCount(f"at_turn is {at} but session {session_id!r} has {src.turns} completed turns")
+            raise BadTurnCount(f"at_turn is {at} but session {session_id!r} has {_completed(src.turns)}")
         if at < src.untracked_turns:
             raise TurnUnavailable(
                 f"session {session_id!r}: its first {src.untracked_turns} turns were recorded before turn "
