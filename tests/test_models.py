@@ -304,3 +304,36 @@ def test_loader_packs_large_cpu_float32_linears_only(tiny_llama_dir) -> None:
     assert pack_linears(fp32.model) == 1 and "lm_head.weight" in fp32.model.state_dict()
     bf16 = Linear(512, PACK_MIN_ELEMENTS // 512, dtype=torch.bfloat16)
     assert not bf16.pack() and bf16._packed is None
+
+
+def test_pack_weights_off_leaves_one_dense_copy(tmp_path) -> None:
+    """--no-pack-weights (EngineConfig.pack_weights, load_model(pack_weights=False)): a
+    checkpoint whose fused gate/up weight is above the packing size loads packed by
+    default and with no packed copy when asked, and both give the same logits."""
+    from kvserve.service.models.layers import PACK_MIN_ELEMENTS, Linear
+    from tests.fixtures.models import make_tiny_llama
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    path = make_tiny_llama(tmp_path / "m", hidden_size=256, intermediate_size=PACK_MIN_ELEMENTS // 256,
+                           num_hidden_layers=1)  # fmt: skip
+    on = load_model(path, dtype="float32", device="cpu", progress=False)
+    off = load_model(path, dtype="float32", device="cpu", progress=False, pack_weights=False)
+    packed = [m for m in on.model.modules() if isinstance(m, Linear) and m._packed is not None]
+    assert packed, "gate/up (2 x 1024 x 256) should be packed by default"
+    assert not [m for m in off.model.modules() if isinstance(m, Linear) and m._packed is not None]
+    assert on.fingerprint == off.fingerprint  # the same weights: packing is a layout, not a format
+    dense = [m for m in off.model.modules() if isinstance(m, Linear) and m.weight.numel() >= PACK_MIN_ELEMENTS]
+    assert len(dense) == len(packed)
+    with torch.inference_mode():
+        for a, b in zip(packed, dense):
+            x = torch.randn(1, 8, a.in_features)  # 8 rows: the packed path
+            torch.testing.assert_close(a(x), b(x), atol=1e-4, rtol=1e-5)
+
+
+def test_pack_weights_setting_reaches_the_engine_config() -> None:
+    from kvserve.service.config import ServerConfig
+
+    assert ServerConfig.from_args([], {}).engine_config().pack_weights is True
+    assert ServerConfig.from_args(["--no-pack-weights"], {}).engine_config().pack_weights is False
+    assert ServerConfig.from_args([], {"KVSERVE_PACK_WEIGHTS": "false"}).engine_config().pack_weights is False

@@ -264,6 +264,7 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         dtype=cfg.dtype,  # "auto" is resolved by the loader, as the device is
         device=cfg.device,
         weight_format=cfg.weight_format,
+        pack_weights=cfg.pack_weights,
     )
     if loaded.weight_format != "exact":
         log.info("weights served as %s (quantized at load; fingerprint %s)", loaded.weight_format, loaded.fingerprint[:12])

@@ -107,9 +107,13 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     weight_format: str = "exact",
+    pack_weights: bool = True,
 ) -> LoadedModel:
     """Load the model directory at ``path``. ``progress`` None: bars over shards and
-    quantized matrices on a TTY. ``weight_format``: one of quant.WEIGHT_FORMATS."""
+    quantized matrices on a TTY. ``weight_format``: one of quant.WEIGHT_FORMATS.
+    ``pack_weights``: keep oneDNN-packed copies of large float32 CPU weights for
+    batched decode (``layers.Linear.pack``: faster 2..64-row products, twice the float32
+    weights' memory); False serves every product from the one dense copy."""
     path = Path(path)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -144,7 +148,8 @@ def load_model(
     model.eval().requires_grad_(False)
     fuse_projections(model)
     quantize_model(model, weight_format, progress)
-    pack_linears(model)  # CPU float32: oneDNN-packed copies for decode-sized products
+    if pack_weights:
+        pack_linears(model)  # CPU float32: oneDNN-packed copies for decode-sized products
     return LoadedModel(
         config=config,
         model=model,
