@@ -17,7 +17,9 @@ import pytest
 
 from kvserve.clients import KVServeClient
 from kvserve.service.auth import hash_key
+from kvserve.service.http.app import _turn_floor, match_history
 from kvserve.service.sessions.stores import copy_record
+from kvserve.service.types import ChatMessage
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
@@ -468,6 +470,74 @@ def test_session_without_turn_boundaries_starts_over_on_divergence(oai, model, s
         fresh = server.engine.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in edited])
         assert info.turns == 1 and info.token_ids[: len(fresh)] == fresh  # the whole history as its first turn
         g.delete_session("legacy")
+
+
+def test_session_without_turn_boundaries_continues_only_a_history_that_covers_it(oai, model, server):
+    """A record without turn boundaries is continued only by a history that covers its
+    whole transcript. The regenerate pattern (the history without the last reply) and a
+    truncated history are divergences: the session starts over with that history, and the
+    answer (greedy) and transcript are a fresh session's, never an answer to turns the
+    client did not send."""
+    store = server.running.sessions.store
+
+    def as_version_1(sid: str) -> None:
+        rec = server.call(store.get("", sid))
+        server.call(store.put(copy_record(rec, turn_log=[])))  # as a version 1 record loads
+
+    msgs, _ = _three_turns(oai, model, "v1")
+    with KVServeClient(server.address, timeout=60) as g:
+        # the whole history and a new question: it extends the session
+        as_version_1("v1")
+        before = g.get_session("v1", include_token_ids=True).token_ids
+        more = msgs + [{"role": "user", "content": "and later?"}]
+        r, headers = _turn(oai, model, "v1", more)
+        ext = r.model_extra["kvserve"]
+        assert ext["session_created"] is False and ext["history_diverged_at"] is None
+        after = g.get_session("v1", include_token_ids=True)
+        assert after.turns == 4 and after.token_ids[: len(before)] == before
+        msgs = more + [{"role": "assistant", "content": r.choices[0].message.content}]
+        cases = [
+            ("regen", msgs[:-1], len(msgs) - 3),  # without the last reply: it follows the one before
+            ("cut", msgs[:4], 2),  # the first turn and one question of a four-turn session
+        ]
+        for name, history, diverged in cases:
+            g.delete_session("v1")
+            for i, user in enumerate([msgs[:2], msgs[3:4], msgs[5:6], msgs[7:8]]):  # the four turns again
+                ref = g.complete(messages=user, session_id="v1", max_new_tokens=6, ignore_eos=True)
+                assert ref.text == msgs[2 * i + 2]["content"]
+            as_version_1("v1")
+            if name == "regen":  # a history without a turn in the middle (turn 2) does not follow it either
+                t = g.get_session("v1", include_token_ids=True).token_ids
+                skipped = tuple(ChatMessage(m["role"], m["content"]) for m in msgs[:3] + msgs[5:])
+                skipped += (ChatMessage("user", "and then?"),)
+                assert match_history(server.engine.tokenizer, list(t), skipped) == (0, 2)
+            r, headers = _turn(oai, model, "v1", history)
+            ext = r.model_extra["kvserve"]
+            assert ext["session_created"] is True, name
+            assert ext["history_diverged_at"] == diverged == int(headers["x-kvserve-history-diverged-at"]), name
+            assert ext["history_rewound_turns"] is None, name
+            # a fresh session with that history, computed cold in its own cache namespace
+            ref = g.complete(messages=history, session_id=f"v1-{name}", cache_salt=name, max_new_tokens=6,
+                             ignore_eos=True)  # fmt: skip
+            assert r.choices[0].message.content == ref.text, name
+            info = g.get_session("v1", include_token_ids=True)
+            assert info.turns == 1, name
+            assert info.token_ids == g.get_session(f"v1-{name}", include_token_ids=True).token_ids, name
+            g.delete_session(f"v1-{name}")
+        g.delete_session("v1")
+
+
+def test_turn_floor_of_a_tokenizer_without_eos_or_a_template_that_renders_nothing():
+    """A tokenizer without eos ids whose template refuses every message: the floor is 2,
+    so only a reply followed by nothing continues a record without turn boundaries."""
+
+    class Refusing:
+        eos_token_ids = ()
+
+        def encode_chat_turn(self, transcript, messages):
+            raise ValueError("no")
+
+    assert _turn_floor(Refusing(), [5]) == 2
 
 
 def test_multi_turn_openai_equals_grpc_from_device_then_redis_after_restart(tiny_llama_dir, redis_url):

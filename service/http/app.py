@@ -23,9 +23,11 @@ where it diverged (``kvserve.history_diverged_at`` and the
 ``X-Kvserve-History-Diverged-At`` header) and how many turns were rewound
 (``kvserve.history_rewound_turns``). A record without turn boundaries (written before
 they were kept) is walked by ``match_history`` (reply ends found by where the next
-turn's tokens start) and cannot be rewound: on divergence the session is reset to the
-new history (the stale record deleted, its KV left cached by content) and the whole
-history becomes its first turn; so is a history that ends with a reply the session has.
+turn's tokens start) and cannot be rewound: it extends the session only when it covers
+the whole transcript; any other history (an edit, the regenerate pattern, a truncated
+history) diverges: the session is reset to the new history (the stale record deleted,
+its KV left cached by content) and the whole history becomes its first turn; so is a
+history that ends with a reply the session has.
 Without a session id the whole history is the prompt and prefix caching by content
 applies.
 
@@ -72,18 +74,23 @@ def match_history(tok: Any, transcript: list[int], messages: tuple[ChatMessage, 
     The transcript of a session served through this front is, per turn, the tokens of
     the turn's new messages (``encode_chat_turn``) then the generated tokens. Walk it:
     each run of non-assistant messages must encode to the next tokens; each assistant
-    message must be what the model generated there (its decoded tokens, up to where
-    the next run's tokens start, begin with the message: a stop string may follow).
-    When everything matched and the transcript is used up, ``first_new`` is the index
-    after the last assistant message and ``diverged_at`` None; otherwise ``first_new``
-    is 0 and ``diverged_at`` the message where the transcript could no longer be
-    followed: the first message of a turn whose tokens differ, or the assistant reply
-    that the next (edited) message follows (a reply's end is found by where the next
-    turn's tokens start).
+    message must be what the model generated there: its decoded tokens begin with the
+    message, and what follows the message up to the reply's end (where the next run's
+    tokens start, or the transcript's end after the last reply) is too short to hold
+    another turn (``_turn_floor``: a stop string or the eos may follow, a turn the
+    history lacks may not). When everything matched and the transcript is used up,
+    ``first_new`` is the index after the last assistant message and ``diverged_at``
+    None; otherwise ``first_new`` is 0 and ``diverged_at`` the message where the
+    transcript could no longer be followed: the first message of a turn whose tokens
+    differ, or the assistant reply after which the transcript goes on differently (an
+    edited next message, or turns the history lacks: the regenerate pattern, a
+    truncated history). A history that does not cover the whole transcript is never
+    taken as continuing it.
     """
     n = len(messages)
     pos = 0
     i = 0
+    floor: list[int] = []  # _turn_floor, computed at the first reply
     while i < n:
         j = i
         while j < n and messages[j].role != "assistant":
@@ -100,7 +107,9 @@ def match_history(tok: Any, transcript: list[int], messages: tuple[ChatMessage, 
         if transcript[pos : pos + len(seg)] != seg:
             return 0, i
         pos += len(seg)
-        end = _assistant_end(tok, transcript, pos, messages, j)
+        if not floor:
+            floor.append(_turn_floor(tok, transcript))
+        end = _assistant_end(tok, transcript, pos, messages, j, floor[0])
         if end is None:
             return 0, j
         pos = end
@@ -144,20 +153,59 @@ def agreed_turns(tok: Any, rec: SessionRecord, messages: tuple[ChatMessage, ...]
     return t, i, i
 
 
-def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[ChatMessage, ...], j: int) -> int | None:
-    """Where the generated tokens of assistant message ``j`` (from ``pos``) end, or None."""
+def _turn_floor(tok: Any, transcript: list[int]) -> int:
+    """The fewest tokens one more turn adds to a session's transcript: its input (a
+    message rendered as a continuation; an empty one of the shortest role, after the
+    eos or not) and at least one generated token. Never below 2."""
+    eos = set(getattr(tok, "eos_token_ids", ()) or ())
+    other = next(t for t in range(len(eos) + 1) if t not in eos)
+    lengths = []
+    for ctx in [[other]] + ([[min(eos)]] if eos else []):
+        for role in ("user", "system", "tool", "developer"):
+            try:
+                lengths.append(len(tok.encode_chat_turn(ctx, [{"role": role, "content": ""}])))
+            except Exception:  # noqa: BLE001 - a template that refuses the role
+                pass
+    return max(2, min(lengths, default=1) + 1)
+
+
+def _spelled_end(tok: Any, transcript: list[int], pos: int, want: str) -> int | None:
+    """The first ``end`` where ``transcript[pos:end]`` decodes to text that begins with
+    ``want`` (stripped), or None when its text stops agreeing with ``want`` first."""
+    if not want:
+        return pos
+    for end in range(pos + 1, len(transcript) + 1):
+        text = tok.decode(transcript[pos:end]).strip()
+        if text.startswith(want):
+            return end
+        if not want.startswith(text.rstrip("\ufffd")):  # (an incomplete UTF-8 character decodes to U+FFFD)
+            return None
+    return None
+
+
+def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[ChatMessage, ...], j: int,
+                   floor: int) -> int | None:  # fmt: skip
+    """Where the generated tokens of assistant message ``j`` (from ``pos``) end, or None.
+
+    Past the tokens that spell the message, the reply may hold fewer than ``floor - 1``
+    more (a stop string, the eos; one below the floor for tokenization's slack): more
+    could be a turn the history lacks."""
     want = messages[j].content.strip()
+    spelled = _spelled_end(tok, transcript, pos, want)
+    if spelled is None:
+        return None
+    last = min(len(transcript), spelled + floor - 2)  # the reply's end is at most here
     k = j + 1
     while k < len(messages) and messages[k].role != "assistant":
         k += 1
     if k == len(messages):  # the messages after j are the new ones: the transcript ends here
-        return len(transcript) if tok.decode(transcript[pos:]).strip().startswith(want) else None
+        return len(transcript) if len(transcript) <= last else None
     nxt = [{"role": m.role, "content": m.content} for m in messages[j + 1 : k]]
     if not nxt:
         return None
     eos = set(getattr(tok, "eos_token_ids", ()) or ())
     segs: dict[bool, list[int]] = {}
-    for end in range(pos + 1, len(transcript) + 1):
+    for end in range(max(spelled, pos + 1), last + 1):
         after_eos = transcript[end - 1] in eos
         if after_eos not in segs:
             try:
