@@ -31,7 +31,7 @@ figures per weight format against the matching llama.cpp type (exact-F32, bf16-F
 int8/w8a8-Q8_0).
 
     python bench/bench_engine.py --shapes 110m --threads 2 --weight-formats exact,bf16,int8,w8a8 \
-        --llama-cpp /work/llama-build
+        --llama-cpp ~/llama-build   # any directory outside the repository
 """
 
 from __future__ import annotations
