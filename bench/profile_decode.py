@@ -4,11 +4,15 @@ Writes a random checkpoint at one of bench_engine.py's shapes, loads it in a wei
 format, prefills B sequences of ``--context`` tokens, then times decode steps (layout build,
 forward, argmax, as bench_engine.py drives them) without the profiler, and profiles 10
 more. Prints the step time and each category's share of the profiled self CPU time:
-matmuls, SDPA, KV write + gather, RMSNorm, everything else.
+matmuls, SDPA, KV write + gather, RMSNorm, everything else; and the op counts of one
+step (``model(layout, kv)`` alone): the ops the model calls, and the compute ops they
+run (profiler events with no child that are not views or allocations: about one
+kernel launch each), per step and per decoder layer.
 
     python bench/profile_decode.py --shape 110m --weight-format exact --batch 8 --threads 1
     python bench/profile_decode.py --weight-format exact --batch 8 --no-pack   # MKL instead of oneDNN-packed
     python bench/profile_decode.py --table 25                                   # also the top ops
+    python bench/profile_decode.py --shape tiny --layers 12 --clock cpu         # per-op overhead alone
 """
 
 from __future__ import annotations
@@ -33,7 +37,28 @@ from tests.fixtures.models import make_tiny_llama  # noqa: E402
 MATMULS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
            "quantized::linear_dynamic")
 KV_OPS = ("aten::index_select", "aten::_index_put_impl_", "aten::index_put_")
-NORM_OPS = ("aten::pow", "aten::mean", "aten::rsqrt")
+NORM_OPS = ("aten::pow", "aten::mean", "aten::sum", "aten::div_", "aten::rsqrt", "aten::rsqrt_")
+# events that launch no kernel: views, metadata, allocations
+NO_KERNEL = {
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::slice", "aten::select",
+    "aten::narrow", "aten::transpose", "aten::t", "aten::permute", "aten::expand", "aten::unsqueeze",
+    "aten::squeeze", "aten::alias", "aten::detach", "aten::detach_", "aten::lift_fresh", "aten::empty",
+    "aten::empty_strided", "aten::empty_like", "aten::result_type", "aten::split", "aten::split_with_sizes",
+    "aten::chunk", "aten::unflatten", "aten::flatten", "aten::contiguous", "aten::to", "aten::type_as",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::unbind", "aten::resize_",
+}
+# ops that only call other ops (their children are counted)
+COMPOSITE = {
+    "aten::linear", "aten::matmul", "aten::rms_norm", "aten::_fused_rms_norm", "aten::mean", "aten::index_put_",
+    "aten::scaled_dot_product_attention", "aten::_to_copy", "aten::roll", "aten::clone", "aten::embedding",
+    "aten::flatten", "aten::silu",
+}
+
+
+def is_compute(e) -> bool:
+    """A profiler event that runs a kernel itself: not a view or allocation, and not an op
+    that only calls others (aten::linear -> aten::mm counts once, as aten::mm)."""
+    return e.name not in NO_KERNEL and e.name not in COMPOSITE
 
 
 def category(op: str) -> str:
@@ -56,13 +81,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache per sequence")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (without the profiler)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's)")
+    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"),
+                    help="step time as this process's CPU time (robust on a loaded host) or wall time")
     ap.add_argument("--no-pack", action="store_true", help="drop the oneDNN-packed float32 weights (MKL paths)")
     ap.add_argument("--table", type=int, default=0, help="also print the profiler's top N ops")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     B, ctx = args.batch, args.context
     with tempfile.TemporaryDirectory(prefix="kvserve-prof-") as tmp:
-        path = make_tiny_llama(Path(tmp) / args.shape, max_position_embeddings=max(512, ctx + 64), **SHAPES[args.shape])
+        shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
+        path = make_tiny_llama(Path(tmp) / args.shape, max_position_embeddings=max(512, ctx + 64), **shape)
         loaded = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=args.weight_format)
     model, cfg = loaded.model, loaded.config
     if args.no_pack:
@@ -81,13 +110,19 @@ def main() -> None:
 
         for i in range(3):
             step(i)
-        t0 = time.process_time()
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        t0 = clock()
         for i in range(args.steps):
             step(i)
-        step_s = (time.process_time() - t0) / args.steps
+        step_s = (clock() - t0) / args.steps
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(10):
                 step(i)
+        layout = BatchLayout.build([SeqSlice(t, ctx, [7]) for t in tables], BLOCK_SIZE, "cpu")
+        with profile(activities=[ProfilerActivity.CPU]) as one:
+            model(layout, pool)
+    called = [e for e in one.events() if e.cpu_parent is None]
+    compute = [e for e in one.events() if is_compute(e)]
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     shares: dict[str, float] = dict.fromkeys(("matmuls", "SDPA", "KV write + gather", "RMSNorm", "other ops"), 0.0)
@@ -95,8 +130,11 @@ def main() -> None:
         shares[category(e.key)] += e.self_cpu_time_total
     mm_calls = sum(e.count for e in events if e.key in MATMULS) / 10
     packed = "MKL" if args.no_pack else "packed where float32"
-    print(f"{args.shape} {args.weight_format} batch {B} ({packed}), context {ctx}, {args.threads} thread(s): "
-          f"step {step_s * 1e3:.1f} ms CPU = {B / step_s:.1f} tok/s; {mm_calls:.0f} matmul calls/step")
+    L = cfg.num_layers
+    print(f"{args.shape} ({L} layers) {args.weight_format} batch {B} ({packed}), context {ctx}, {args.threads} "
+          f"thread(s): step {step_s * 1e3:.2f} ms {args.clock} = {B / step_s:.1f} tok/s; {mm_calls:.0f} matmul calls/step")
+    print(f"ops per step (model forward): {len(called)} called ({len(called) / L:.1f} per layer), "
+          f"{len(compute)} compute ({len(compute) / L:.1f} per layer)")
     print("profiled self CPU time: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in shares.items()))
     if args.table:
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.table))

@@ -67,6 +67,30 @@ def test_k_and_v_are_views_of_the_one_tensor() -> None:
     assert pool.data[3].is_contiguous()  # one block is one contiguous span
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 5)])
+def test_update_writes_side_by_side_k_and_v_in_one_op_same_as_two(B: int, T: int) -> None:
+    """k and v as adjacent heads of one fused q/k/v output take the one-index_put_ path;
+    the same values as separate tensors take the two-op path; the pools end up equal."""
+    from torch.profiler import profile
+
+    n_kv, hd, bs, nh = 2, 8, 4, 3
+    tables = [[1 + 3 * b, 2 + 3 * b, 3 + 3 * b] for b in range(B)]
+    layout = BatchLayout.build([SeqSlice(t, 2 + b, list(range(T - (b % 2 if T > 1 else 0))))
+                                for b, t in enumerate(tables)], bs)
+    qkv = torch.randn(B, T, nh + 2 * n_kv, hd)
+    q, k, v = qkv.split((nh, n_kv, n_kv), dim=2)  # views: v's heads follow k's
+    one, two = KVPool(1 + 3 * B, 2, bs, n_kv, hd), KVPool(1 + 3 * B, 2, bs, n_kv, hd)
+    with torch.inference_mode():
+        with profile() as prof:
+            got = one.update(1, layout, k, v)
+        want = two.update(1, layout, k.clone(), v.clone())  # not adjacent: two writes
+    writes = [e.name for e in prof.events() if e.name == "aten::index_put_"]
+    assert writes == ["aten::index_put_"]
+    assert torch.equal(one.data, two.data) and one.data.count_nonzero() > 0
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert one.data[:, 0].count_nonzero() == 0  # layer 0 untouched
+
+
 # ---- export / import ----------------------------------------------------------------
 
 

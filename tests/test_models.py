@@ -287,6 +287,49 @@ def test_linear_fast_path_equals_nn_linear(rows: int, bias: bool, packed: bool) 
     assert (rows in PACKED_ROWS) == (2 <= rows <= 64)
 
 
+@pytest.mark.parametrize("dim", [16, 64, 768])
+def test_rmsnorm_float32_is_torch_rms_norm_bit_for_bit(dim: int) -> None:
+    """llama.RMSNorm's float32 path (fewer kernels than F.rms_norm on the CPU) computes the
+    same ops in the same order: equal bits, in and out of inference mode."""
+    import torch.nn.functional as F
+
+    from kvserve.service.models.llama import RMSNorm
+
+    torch.manual_seed(dim)
+    norm = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    x = torch.randn(2, 5, dim) * 4
+    want = F.rms_norm(x, (dim,), norm.weight, eps=1e-6)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), want)
+    assert torch.equal(norm(x), want)
+
+
+def test_llama_rope_with_signed_sin_equals_rotate_half_bit_for_bit() -> None:
+    """apply_rope / apply_rope_ with RotaryEmbedding's signed sin give exactly HF's
+    x * cos + rotate_half(x) * sin."""
+    from kvserve.service.models.llama import RotaryEmbedding, apply_rope, apply_rope_
+
+    torch.manual_seed(0)
+    hd = 16
+    rot = RotaryEmbedding.__new__(RotaryEmbedding)
+    torch.nn.Module.__init__(rot)
+    rot.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd)), persistent=False)
+    positions = torch.tensor([[0, 5, 17], [300, 1, 2]])
+    cos, sin = rot(positions, torch.float32)  # (B, T, 1, hd)
+    freqs = positions[..., None].float() * rot.inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    ref_cos, ref_sin = emb.cos()[:, :, None], emb.sin()[:, :, None]
+    x = torch.randn(2, 3, 5, hd)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = x * ref_cos + torch.cat((-x2, x1), -1) * ref_sin
+    assert torch.equal(cos, ref_cos)
+    assert torch.equal(apply_rope(x, cos, sin), want)
+    y = x.clone()
+    assert apply_rope_(y, cos, sin).data_ptr() == y.data_ptr() and torch.equal(y, want)
+
+
 def test_loader_packs_large_cpu_float32_linears_only(tiny_llama_dir) -> None:
     """The loader packs the float32 CPU projections big enough to gain (oneDNN layout for
     decode-sized products), not smaller ones, nor bfloat16 or quantized ones; the dense

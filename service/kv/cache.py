@@ -105,6 +105,7 @@ class KVPool:
         )  # (N, L, 2, bs, n_kv, hd)
         self._k = [self.data[:, layer, 0] for layer in range(num_layers)]  # (N, bs, n_kv, hd) views
         self._v = [self.data[:, layer, 1] for layer in range(num_layers)]
+        self._kv = [self.data[:, layer] for layer in range(num_layers)]  # (N, 2, bs, n_kv, hd) views
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> "KVPool":
@@ -158,10 +159,17 @@ class KVPool:
         k, v: (B, T, n_kv, hd) for the batch's new tokens. Returns (k_ctx, v_ctx) of shape
         (B, C, n_kv, hd): the new K/V themselves when the layout is ``fresh`` (no cached
         context), else each sequence's gathered context (C = ``layout.ctx_len``).
+
+        When v directly follows k in memory (the heads of one fused q/k/v output, as
+        llama.py leaves them), K and V are written by one ``index_put_``; else by two.
         """
         k_cache, v_cache = self._k[layer], self._v[layer]
-        k_cache.index_put_((layout.slot_blocks, layout.slot_offsets), k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v_cache.index_put_((layout.slot_blocks, layout.slot_offsets), v.reshape(-1, self.num_kv_heads, self.head_dim))
+        pair = _side_by_side(k, v)
+        if pair is not None:  # one write for K and V: (B*T, 2, n_kv, hd) at (block, K|V, offset)
+            self._kv[layer].index_put_(layout.kv_slots(), pair.reshape(-1, 2, self.num_kv_heads, self.head_dim))
+        else:
+            k_cache.index_put_((layout.slot_blocks, layout.slot_offsets), k.reshape(-1, self.num_kv_heads, self.head_dim))
+            v_cache.index_put_((layout.slot_blocks, layout.slot_offsets), v.reshape(-1, self.num_kv_heads, self.head_dim))
         if layout.fresh:
             return k, v
         # index_select over the flat block list (several times faster on CPU than
@@ -236,6 +244,20 @@ class KVPool:
             raise ValueError(f"{name}: expected {tuple(shape)} {self.dtype}, got {tuple(t.shape)} {t.dtype}")
 
 
+def _side_by_side(k: Tensor, v: Tensor) -> Tensor | None:
+    """A (B, T, 2, n_kv, hd) view over k and v (each (B, T, n_kv, hd)) when v's heads follow
+    k's in the same storage with the same strides; else None. Reads no data."""
+    if k.dim() != 4 or k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype:
+        return None
+    B, T, n, hd = k.shape
+    sb, st, sh, sd = k.stride()
+    if v.storage_offset() - k.storage_offset() != n * sh:
+        return None
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    return k.as_strided((B, T, 2, n, hd), (sb, st, n * sh, sh, sd))
+
+
 @dataclass(frozen=True, slots=True)
 class SeqSlice:
     """Run ``token_ids`` at positions ``start_pos .. start_pos + len - 1``.
@@ -272,7 +294,7 @@ class BatchLayout:
     num_new_tokens: tuple[int, ...]  # new (real) tokens per sequence
     block_size: int
     long_rope: Tensor | None = None  # (B,) bool: LongRoPE long factors per sequence; None: none was given
-    _bias: dict[object, Tensor] = field(default_factory=dict, repr=False)  # per dtype (and window)
+    _bias: dict[object, object] = field(default_factory=dict, repr=False)  # per-layout cache: masks per dtype (and window), kv_slots
 
     def attn_bias(self, dtype: torch.dtype) -> Tensor | None:
         """``attn_mask`` in ``dtype`` (converted once per layout, then shared by every layer)."""
@@ -282,6 +304,15 @@ class BatchLayout:
         if dtype not in self._bias:
             self._bias[dtype] = mask.to(dtype)
         return self._bias[dtype]
+
+    def kv_slots(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Indices of a one-op K and V write into a layer's (N, 2, bs, n_kv, hd) pool view:
+        (block (B*T, 1), K|V (1, 2), offset (B*T, 1)); built once per layout, shared by
+        every layer."""
+        if "kv_slots" not in self._bias:
+            kv = torch.arange(2, device=self.slot_blocks.device)[None, :]  # (1, 2)
+            self._bias["kv_slots"] = (self.slot_blocks[:, None], kv, self.slot_offsets[:, None])
+        return self._bias["kv_slots"]
 
     def mask_for(self, dtype: torch.dtype, window: int | None) -> tuple[Tensor | None, bool]:
         """(additive mask or None, is_causal) for a layer whose queries see only the last

@@ -29,14 +29,34 @@ from kvserve.service.models.layers import Linear, PagedAttention, fuse_linears
 
 
 class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim.
+
+    float32: the ops of torch's ``F.rms_norm`` (on the CPU it is not one kernel but ten:
+    pow, sum, fill, div, add, rsqrt, two muls and two copies wrapping the Python scalars
+    1/D and eps), bit for bit the same result, in eight: the scalars are 0-dim tensors
+    made once per dtype and device, and the divide, add and rsqrt run in place."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._consts: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}  # (D, eps) as 0-dim
+
+    def _scalars(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        key = (x.dtype, x.device)
+        if key not in self._consts:
+            with torch.inference_mode(False):  # plain tensors: usable with autograd too
+                self._consts[key] = (
+                    torch.tensor(float(x.shape[-1]), dtype=x.dtype, device=x.device),
+                    torch.tensor(self.eps, dtype=x.dtype, device=x.device),
+                )
+        return self._consts[key]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:  # one fused op
-            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+        if x.dtype == torch.float32 == self.weight.dtype:
+            d, eps = self._scalars(x)
+            inv = x.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_()  # (..., 1)
+            return torch.mul(x, inv).mul_(self.weight)
         # normalize in float32 (as the reference does), scale in the model dtype
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
@@ -48,7 +68,8 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for given positions; computed per forward, so no max-length table."""
+    """cos and signed sin for given positions; computed per forward (once per step, shared
+    by every layer), so no max-length table."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -59,19 +80,27 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin) (B, T, 1, hd): cos = [cos f, cos f], sin = [-sin f, sin f] (the sign
+        of ``rotate_half`` folded in, so ``apply_rope`` needs no negation per layer)."""
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        s = freqs.sin()
+        cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)  # (B, T, hd)
+        sin = torch.cat((-s, s), dim=-1).to(dtype)  # (B, T, hd)
         return cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, hd): broadcast over heads
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + rotate_half(x) * sin  # x: (B, T, nh, hd)
+    """x (B, T, nh, hd) rotated: x * cos + rotate_half(x) * sin with ``RotaryEmbedding``'s
+    signed sin, where rotate_half(x) = [-x2, x1] becomes roll(x) = [x2, x1] (bit for bit the
+    same products: (-a) * b == a * (-b))."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``apply_rope`` in place on x (a view into the fused q/k/v output): 4 kernels (the
+    roll's copy, two multiplies, one add), no new (B, T, nh, hd) result."""
+    rot = x.roll(x.shape[-1] // 2, -1).mul_(sin)  # (B, T, nh, hd)
+    return x.mul_(cos).add_(rot)
 
 
 class Attention(PagedAttention):
@@ -97,9 +126,9 @@ class Attention(PagedAttention):
         B, T, _ = x.shape
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-            qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together
-            q, k = qk.split((self.n_heads, self.n_kv), dim=2)  # (B, T, nh, hd), (B, T, n_kv, hd)
-            return q, k, qkv[:, :, self.n_heads + self.n_kv :]  # v: (B, T, n_kv, hd)
+            apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together, in place
+            # k and v stay side by side in qkv: KVPool.update writes both with one index_put_
+            return qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # (B, T, nh | n_kv | n_kv, hd)
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, nh, hd)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)  # (B, T, n_kv, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
@@ -138,8 +167,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))  # x is this block's own tensor
+        # in place: x is the model's own running tensor (the embedding's output, never shared)
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, layout, kv))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
     def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn.forward_nocache(self.input_layernorm(x), cos, sin)
