@@ -330,6 +330,28 @@ def test_llama_rope_with_signed_sin_equals_rotate_half_bit_for_bit() -> None:
     assert apply_rope_(y, cos, sin).data_ptr() == y.data_ptr() and torch.equal(y, want)
 
 
+@pytest.mark.parametrize("rot_dim", [16, 8])  # full and partial rotary (Phi-3)
+@pytest.mark.parametrize("longrope", [False, True])
+def test_shared_rope_in_place_with_signed_sin_is_apply_rope_bit_for_bit(rot_dim: int, longrope: bool) -> None:
+    from kvserve.service.models.rope import Rotary, apply_rope, apply_rope_
+
+    torch.manual_seed(rot_dim)
+    scaling = None
+    if longrope:
+        scaling = {"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(rot_dim // 2)],
+                   "long_factor": [2.0 + i for i in range(rot_dim // 2)], "attention_factor": 1.19}
+    rotary = Rotary(rot_dim, 10000.0, scaling)
+    positions = torch.tensor([[0, 9, 40], [7, 8, 300]])
+    long = torch.tensor([False, True]) if longrope else None
+    cos, sin = rotary(positions, torch.float32, long)
+    cos_s, sin_s = rotary(positions, torch.float32, long, signed=True)
+    assert torch.equal(cos, cos_s)
+    qkv = torch.randn(2, 3, 7, 16)
+    want = apply_rope(qkv[:, :, :5], cos, sin)
+    got = apply_rope_(qkv[:, :, :5], cos_s, sin_s)  # in place in the view
+    assert torch.equal(got, want) and torch.equal(qkv[:, :, :5], want)
+
+
 def test_loader_packs_large_cpu_float32_linears_only(tiny_llama_dir) -> None:
     """The loader packs the float32 CPU projections big enough to gain (oneDNN layout for
     decode-sized products), not smaller ones, nor bfloat16 or quantized ones; the dense

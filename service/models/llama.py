@@ -61,6 +61,15 @@ class RMSNorm(nn.Module):
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
 
+    def forward_(self, x: Tensor) -> Tensor:
+        """``forward`` written into x itself (a view into a larger output: qwen3.py's
+        per-head norms on the fused q/k/v); the same values."""
+        if x.dtype == torch.float32 == self.weight.dtype:
+            d, eps = self._scalars(x)
+            inv = x.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_()  # (..., 1)
+            return x.mul_(inv).mul_(self.weight)
+        return x.copy_(self(x))
+
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     """Inverse frequencies (head_dim/2,) in float32, with rope_scaling applied (rope.py)."""

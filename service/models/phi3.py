@@ -33,7 +33,7 @@ from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
 from kvserve.service.models.layers import Linear, PagedAttention
 from kvserve.service.models.llama import RMSNorm
-from kvserve.service.models.rope import Rotary, apply_rope
+from kvserve.service.models.rope import Rotary, apply_rope_
 
 
 class Attention(PagedAttention):
@@ -50,9 +50,9 @@ class Attention(PagedAttention):
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together
-        q, k = qk.split((self.n_heads, self.n_kv), dim=2)  # (B, T, nh, hd), (B, T, n_kv, hd)
-        return q, k, qkv[:, :, self.n_heads + self.n_kv :]  # v: (B, T, n_kv, hd)
+        apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together, in place
+        # k and v stay side by side in qkv: KVPool.update writes both with one index_put_
+        return qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # (B, T, nh | n_kv | n_kv, hd)
 
 
 class MLP(nn.Module):
@@ -78,7 +78,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
+        # in place: x is the model's own running tensor (the embedding's output, never shared)
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, layout, kv))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
     def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -131,7 +132,7 @@ class Phi3ForCausalLM(nn.Module):
 
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
         x = self.model.embed_tokens(layout.input_ids)  # (B, T, D)
-        cos, sin = self.model.rotary_emb(layout.positions, x.dtype, self._long(layout))  # (B, T, 1, rot)
+        cos, sin = self.model.rotary_emb(layout.positions, x.dtype, self._long(layout), signed=True)  # (B, T, 1, rot)
         for layer in self.model.layers:
             x = layer(x, cos, sin, layout, kv)
         if not all_logits:
@@ -145,7 +146,7 @@ class Phi3ForCausalLM(nn.Module):
         long = None
         if self.threshold is not None:
             long = torch.full((B,), T > self.threshold, dtype=torch.bool, device=input_ids.device)
-        cos, sin = self.model.rotary_emb(positions, x.dtype, long)
+        cos, sin = self.model.rotary_emb(positions, x.dtype, long, signed=True)
         for layer in self.model.layers:
             x = layer.forward_nocache(x, cos, sin)
         return self.lm_head(self.model.norm(x)).float()  # (B, T, V)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kvserve.service.models import llama
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.llama import RMSNorm, apply_rope
+from kvserve.service.models.llama import RMSNorm, apply_rope, apply_rope_
 
 
 class Attention(llama.Attention):
@@ -33,10 +33,15 @@ class Attention(llama.Attention):
         if self.qkv_proj is not None:  # fused after loading (llama.Attention.fuse)
             qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
             q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)
-        else:
-            q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
-            k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
-            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
+            # in place in qkv: per-head norms, then q and k rotated together; k and v stay
+            # side by side, so KVPool.update writes them with one op
+            self.q_norm.forward_(q)
+            self.k_norm.forward_(k)
+            apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
+            return q, k, v
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
         q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 

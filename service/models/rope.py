@@ -3,6 +3,7 @@
     inv_freq(dim, theta, scaling)        -> (dim/2,) float32 inverse frequencies
     Rotary(dim, theta, scaling)          -> module: positions -> (cos, sin) of width dim
     apply_rope(x, cos, sin)              -> x rotated on its first cos.shape[-1] dims
+    apply_rope_(x, cos, signed sin)      -> the same, in place (Rotary(..., signed=True))
 
 ``scaling`` is the normalized ``ModelConfig.rope_scaling`` (None: plain RoPE):
 ``linear`` and ``llama3`` rescale the frequencies; ``longrope`` (Phi-3's "su") has two
@@ -63,8 +64,12 @@ class Rotary(nn.Module):
         self.inv_freq = inv_freq(self.dim, self.theta, self.scaling).to(device)
         self.long_inv_freq = inv_freq(self.dim, self.theta, self.scaling, long=True).to(device)
 
-    def forward(self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """positions (B, T); ``long`` (B,) bool: which sequences use longrope's long factors."""
+    def forward(
+        self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None, signed: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """positions (B, T); ``long`` (B,) bool: which sequences use longrope's long factors.
+        ``signed``: sin as [-sin f, sin f], the sign of ``rotate_half`` folded in once per
+        step (for ``apply_rope_``)."""
         freq = self.inv_freq  # (hd/2,)
         if self.longrope and long is not None:
             freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)[:, None, :]  # (B, 1, hd/2)
@@ -73,6 +78,9 @@ class Rotary(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        if signed:
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos.to(dtype)[:, :, None, :], sin.to(dtype)[:, :, None, :]  # (B, T, 1, hd): broadcast over heads
 
 
@@ -88,3 +96,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``apply_rope`` in place on x, with ``Rotary(..., signed=True)``'s sin: roll(x) =
+    [x2, x1] times [-sin, sin] is rotate_half(x) * sin bit for bit, so 4 kernels (the roll's
+    copy, two multiplies, an add) and no new tensor. x may be a view (fused q/k heads)."""
+    rot = cos.shape[-1]
+    x_rot = x if rot == x.shape[-1] else x[..., :rot]
+    r = x_rot.roll(rot // 2, -1).mul_(sin)
+    x_rot.mul_(cos).add_(r)
+    return x
