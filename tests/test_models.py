@@ -306,6 +306,27 @@ def test_rmsnorm_float32_is_torch_rms_norm_bit_for_bit(dim: int) -> None:
     assert torch.equal(norm(x), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rmsnorm_is_the_plain_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """gemma.RMSNorm (fewer kernels, (1 + w) cached per weight version) equals
+    F.rms_norm(x.float()) * (1 + w) in float32, cast back; a new weight is picked up."""
+    import torch.nn.functional as F
+
+    from kvserve.service.models.gemma import RMSNorm
+
+    torch.manual_seed(1)
+    norm = RMSNorm(64, 1e-6)
+    x = (torch.randn(3, 2, 64) * 3).to(dtype)
+    for _ in range(2):
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(64))
+        want = (F.rms_norm(x.float(), (64,), eps=1e-6) * (1.0 + norm.weight.float())).to(dtype)
+        with torch.inference_mode():
+            assert torch.equal(norm(x), want)
+            y = x.clone()
+            assert torch.equal(norm.forward_(y), want) and torch.equal(y, want)
+
+
 def test_llama_rope_with_signed_sin_equals_rotate_half_bit_for_bit() -> None:
     """apply_rope / apply_rope_ with RotaryEmbedding's signed sin give exactly HF's
     x * cos + rotate_half(x) * sin."""
