@@ -423,3 +423,31 @@ def test_pack_weights_setting_reaches_the_engine_config() -> None:
     assert ServerConfig.from_args([], {}).engine_config().pack_weights is True
     assert ServerConfig.from_args(["--no-pack-weights"], {}).engine_config().pack_weights is False
     assert ServerConfig.from_args([], {"KVSERVE_PACK_WEIGHTS": "false"}).engine_config().pack_weights is False
+
+
+def test_one_row_runs_on_the_packed_weight_only_with_more_than_one_thread() -> None:
+    """One-row products (single-stream decode) take oneDNN's packed GEMM when torch runs
+    more than one thread (MKL's GEMV barely gains from the second), MKL at one thread."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvserve.service.models.layers import PACK_MIN_ELEMENTS, Linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    lin = Linear(512, PACK_MIN_ELEMENTS // 512)
+    ref = torch.nn.Linear(512, PACK_MIN_ELEMENTS // 512)
+    ref.load_state_dict(lin.state_dict())
+    assert lin.pack()
+    x = torch.randn(1, 1, 512)
+    threads = torch.get_num_threads()
+    try:
+        for n, packed_op in ((1, False), (2, True)):
+            torch.set_num_threads(n)
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                got = lin(x)
+            names = {e.name for e in prof.events()}
+            assert ("mkldnn::_linear_pointwise" in names) == packed_op, (n, sorted(names))
+            with torch.inference_mode():
+                torch.testing.assert_close(got, ref(x), atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

@@ -13,8 +13,10 @@ if TYPE_CHECKING:
 
 # Row counts (tokens in the forward) that take the CPU fast path of ``Linear``.
 SMALL_ROWS = range(2, 65)
-# Row counts that run on the oneDNN-packed weight when a ``Linear`` has one (``pack``);
-# at one row MKL's GEMV is as fast or faster.
+# Row counts that run on the oneDNN-packed weight when a ``Linear`` has one (``pack``).
+# One row joins them when torch runs more than one thread: MKL's one-row GEMV barely
+# gains from a second thread where oneDNN's packed GEMM does (a ~110M model's products at
+# one row, two threads: 34.8 ms MKL, 24.8 ms packed; one thread: 39.6 ms vs 45.2 ms).
 PACKED_ROWS = range(2, 65)
 # Smaller weights are not packed: oneDNN's fixed cost per call (~35 us against ~20 us for
 # MKL) outweighs its faster read below ~256K elements (measured at 4 rows, one thread).
@@ -29,8 +31,9 @@ class Linear(nn.Linear):
     - ``pack()`` (called by the loader, ``pack_linears``) keeps a second copy of the
       weight in oneDNN's blocked layout; 2..64 rows run oneDNN's GEMM on it
       (``mkldnn._linear_pointwise``): 1.4-1.7x MKL per weight byte at 2-64 rows; one row
-      stays on MKL's GEMV (~5% faster than oneDNN there; docs/benchmarks.md). Costs one
-      more copy of the weight.
+      runs there too when torch has more than one thread (1.4x MKL's GEMV at two), and
+      stays on MKL's GEMV at one thread (~5-15% faster there; docs/benchmarks.md). Costs
+      one more copy of the weight.
     - Unpacked, 2..64 rows compute ``W @ x.T`` instead of ``x @ W.T`` (MKL is several
       times slower per weight byte on the latter at a few rows on AVX2).
 
@@ -61,7 +64,9 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
         packed = self._packed
-        if packed is not None and rows in PACKED_ROWS and x.dtype == torch.float32:
+        if packed is not None and x.dtype == torch.float32 and (
+            rows in PACKED_ROWS or (rows == 1 and torch.get_num_threads() > 1)
+        ):
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         if x.device.type != "cpu" or rows not in SMALL_ROWS:
             return F.linear(x, self.weight, self.bias)
