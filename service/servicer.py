@@ -33,7 +33,7 @@ from kvserve.service import wire
 from kvserve.service.admission import Admission, Ticket
 from kvserve.service.conversations import Conversations
 from kvserve.service.metrics import ServiceMetrics
-from kvserve.service.sessions import InvalidSessionId
+from kvserve.service.sessions import InvalidSessionId, SessionRecord
 from kvserve.service.tracing import Tracing
 from kvserve.service.types import Delta, Finished, Started
 from kvserve.service.wire import SERVICE_NAME, InvalidMessage, RpcStatus
@@ -140,14 +140,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     # ------------------------------------------------------------------ sessions
 
+    async def _session(
+        self, owner: str, rec: SessionRecord, busy: bool = False, token_ids: bool = False, turns: bool = True
+    ) -> pb.Session:
+        """A session's message with where its blocks are (GetSession, RewindSession, ForkSession)."""
+        where = await self.conversations.block_locations(owner, rec)
+        return wire.session(rec, busy, self.engine.model_info.block_size, token_ids, where, turns)
+
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.GetSessionResponse:
         async def handle() -> pb.GetSessionResponse:
             owner = self._tenant_of(context)
             rec, busy = await self.sessions.get(owner, request.session_id)
-            where = await self.conversations.block_locations(owner, rec)
-            block_size = self.engine.model_info.block_size
             return pb.GetSessionResponse(
-                session=wire.session(rec, busy, block_size, request.include_token_ids, where, request.include_turns)
+                session=await self._session(owner, rec, busy, request.include_token_ids, request.include_turns)
             )
 
         return await self._unary("GetSession", request, context, handle)
@@ -188,11 +193,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             owner = self._tenant_of(context)
             expected = request.expected_turns if request.HasField("expected_turns") else None
             rec, dropped = await self.conversations.rewind(owner, request.session_id, request.turns, expected)
-            where = await self.conversations.block_locations(owner, rec)
-            block_size = self.engine.model_info.block_size
-            return pb.RewindSessionResponse(
-                session=wire.session(rec, False, block_size, where=where, include_turns=True), dropped_tokens=dropped
-            )
+            return pb.RewindSessionResponse(session=await self._session(owner, rec), dropped_tokens=dropped)
 
         return await self._unary("RewindSession", request, context, handle)
 
@@ -203,9 +204,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             owner = self._tenant_of(context)
             at_turn = request.at_turn if request.HasField("at_turn") else None
             rec = await self.conversations.fork(owner, request.session_id, request.new_session_id, at_turn)
-            where = await self.conversations.block_locations(owner, rec)
-            block_size = self.engine.model_info.block_size
-            return pb.ForkSessionResponse(session=wire.session(rec, False, block_size, where=where, include_turns=True))
+            return pb.ForkSessionResponse(session=await self._session(owner, rec))
 
         return await self._unary("ForkSession", request, context, handle)
 

@@ -625,7 +625,7 @@ class LLMEngine:
             self.blocks.touch(blocks[seq.num_released :])
             if full < len(seq.blocks):  # the partial last block: a copy of its KV
                 own = reserved.pop()
-                self.pool.data[own.block_id].copy_(self.pool.data[seq.blocks[full].block_id])
+                self.pool.import_block(own.block_id, self.pool.block_view(seq.blocks[full].block_id))
                 blocks.append(own)
             seed = None if p.seed is None else (p.seed + i) & 0xFFFF_FFFF_FFFF_FFFF
             child = Sequence(
