@@ -340,10 +340,16 @@ def test_the_async_client_has_every_operation(client, server):
 # ----------------------------------------------------------------------------- races
 
 
+# The held turn's length: the server does not wait for the client to read a stream, so
+# the turn must outlast the racing calls (12 tokens of the tiny model could finish and
+# release the lock before them on a quiet machine).
+HOLD_TOKENS = 200
+
+
 def _racing(holder: KVServeClient, other: KVServeClient, sid: str, hold: dict, race) -> None:
     """Start ``hold`` (a Generate) on ``holder``, and while its turn is in flight run each
     of ``race`` on ``other``: every one gets FAILED_PRECONDITION. Then let ``hold`` finish."""
-    stream = holder.generate(session_id=sid, max_new_tokens=12, ignore_eos=True, **hold)
+    stream = holder.generate(session_id=sid, max_new_tokens=HOLD_TOKENS, ignore_eos=True, **hold)
     events = iter(stream)
     assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
     for call in race:
@@ -364,7 +370,7 @@ def test_regenerate_racing_a_new_turn_is_refused_and_the_transcript_stays_whole(
         lambda: client.chat("race", "also", max_new_tokens=4),
     ])  # fmt: skip
     after = client.get_session("race", include_turns=True, include_token_ids=True)
-    assert after.turns == 2 and after.token_ids[: len(base)] == base and after.turn_log[1].output_tokens == 12
+    assert after.turns == 2 and after.token_ids[: len(base)] == base and after.turn_log[1].output_tokens == HOLD_TOKENS
     _check_log(after)
     # a regenerate in flight: a new turn and a rewind are refused
     _racing(client, client, "race", {"turn_mode": "regenerate"}, [
