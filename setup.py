@@ -17,5 +17,5 @@ for root in ROOTS:
 setup(
     packages=packages,
     package_dir={f"kvserve.{root}": root for root in ROOTS},
-    package_data={"kvserve.service": ["default_model/*"]},
+    package_data={"kvserve.service": ["default_model/*", "models/native/*.cpp"]},
 )

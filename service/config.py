@@ -150,7 +150,8 @@ class ServerConfig:
     device: str = setting("auto", "Compute device: cpu, cuda or auto (cuda when available).", choice("auto", "cpu", "cuda"))
     dtype: str = setting("auto", "Compute and KV dtype: float32, bfloat16, float16 or auto (float32 on CPU, bfloat16 on CUDA).", choice("auto", "float32", "bfloat16", "float16"))
     weight_format: str = setting("exact", "Served weight format: exact (the --dtype weights), bf16, int8 (weight-only, per-output-channel scales, bfloat16 activations) or w8a8 (the same int8 weights with per-row int8 activations through fbgemm: the fast int8 path on CPUs without AVX-512; CPU only); quantized at load. The format is part of the model fingerprint (KV cache namespace).", choice("exact", "bf16", "int8", "w8a8"))
-    pack_weights: bool = setting(True, "Keep a oneDNN-packed copy of each large float32 CPU weight for decode (2 to 64 rows per product: 1.4-1.5x faster batch-8 steps; one row too when torch runs more than one thread: 1.2x single-stream decode at two threads); it doubles the float32 weights' memory. --no-pack-weights serves every product from the one dense copy (prefill is unchanged). Not used by bf16, int8, w8a8 or on CUDA.", parse_bool)
+    pack_weights: bool = setting(True, "Where the native kernels are off or unavailable: keep a oneDNN-packed copy of each large float32 CPU weight for decode (2 to 64 rows per product: 1.4-1.5x faster batch-8 steps; one row too when torch runs more than one thread: 1.2x single-stream decode at two threads); it doubles the float32 weights' memory. --no-pack-weights serves every product from the one dense copy (prefill is unchanged). Not used by bf16, int8, w8a8 or on CUDA.", parse_bool)
+    native_kernels: str = setting("auto", "Native CPU decode kernels (C++, AVX2 + FMA, built on first use with the system C++ compiler and cached under $XDG_CACHE_HOME/kvserve or ~/.cache/kvserve): every 1..64-row product reads the weights in their stored format (float32, bf16, int8; w8a8 with int8 activations per block of 32). auto: use them where they build, else torch's kernels with one log line saying why; on: refuse to start without them; off: torch's kernels only. CPU, float32 compute only.", choice("auto", "on", "off"))
     kv_cache_memory: int = setting(1 << 30, "Bytes for the device KV block pool (512MiB, 2GiB, or plain bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
     block_size: int = setting(16, "Tokens per KV block (the unit of caching).", int)
     max_num_seqs: int = setting(32, "Most sequences running in one engine step.", int)
@@ -293,6 +294,7 @@ class ServerConfig:
             dtype=self.dtype,
             weight_format=self.weight_format,
             pack_weights=self.pack_weights,
+            native_kernels=self.native_kernels,
             kv_cache_memory=self.kv_cache_memory,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,

@@ -395,7 +395,9 @@ def test_loader_packs_large_cpu_float32_linears_only(tiny_llama_dir) -> None:
 def test_pack_weights_off_leaves_one_dense_copy(tmp_path) -> None:
     """--no-pack-weights (EngineConfig.pack_weights, load_model(pack_weights=False)): a
     checkpoint whose fused gate/up weight is above the packing size loads packed by
-    default and with no packed copy when asked, and both give the same logits."""
+    default and with no packed copy when asked, and both give the same logits. Packing
+    is the torch path's: loaded with the native kernels off (with them on nothing is
+    packed, test_native.py)."""
     from kvserve.service.models.layers import PACK_MIN_ELEMENTS, Linear
     from tests.fixtures.models import make_tiny_llama
 
@@ -403,8 +405,8 @@ def test_pack_weights_off_leaves_one_dense_copy(tmp_path) -> None:
         pytest.skip("this torch build has no oneDNN")
     path = make_tiny_llama(tmp_path / "m", hidden_size=256, intermediate_size=PACK_MIN_ELEMENTS // 256,
                            num_hidden_layers=1)  # fmt: skip
-    on = load_model(path, dtype="float32", device="cpu", progress=False)
-    off = load_model(path, dtype="float32", device="cpu", progress=False, pack_weights=False)
+    on = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
+    off = load_model(path, dtype="float32", device="cpu", progress=False, pack_weights=False, native_kernels="off")
     packed = [m for m in on.model.modules() if isinstance(m, Linear) and m._packed is not None]
     assert packed, "gate/up (2 x 1024 x 256) should be packed by default"
     assert not [m for m in off.model.modules() if isinstance(m, Linear) and m._packed is not None]

@@ -265,7 +265,12 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         device=cfg.device,
         weight_format=cfg.weight_format,
         pack_weights=cfg.pack_weights,
+        native_kernels=cfg.native_kernels,
     )
+    if loaded.native == "on":
+        log.info("decode products by the native CPU kernels")
+    elif loaded.native is not None:
+        log.info("native CPU kernels unavailable (%s): torch's kernels serve decode", loaded.native)
     if loaded.weight_format != "exact":
         log.info("weights served as %s (quantized at load; fingerprint %s)", loaded.weight_format, loaded.fingerprint[:12])
     store = build_store(cfg, loaded)

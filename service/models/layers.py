@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
+from kvserve.service.models.native import ops as native_ops
+
 if TYPE_CHECKING:
     from kvserve.service.kv.cache import BatchLayout, KVPool
 
@@ -26,7 +28,10 @@ PACK_MIN_ELEMENTS = 1 << 18
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same result) with CPU fast paths for a few rows.
 
-    Decode (1..64 rows) is bound by reading the weights. On the CPU, float32:
+    Decode (1..64 rows) is bound by reading the weights. On the CPU, float32, the native
+    kernel runs them when the loader enabled it (``enable_native``: ``native/gemv.cpp``
+    reads the weight in place, one dot product per output, the same sum whatever the
+    other rows). Without it:
 
     - ``pack()`` (called by the loader, ``pack_linears``) keeps a second copy of the
       weight in oneDNN's blocked layout; 2..64 rows run oneDNN's GEMM on it
@@ -42,6 +47,7 @@ class Linear(nn.Linear):
     """
 
     _packed: Tensor | None = None  # the weight in oneDNN's layout (opaque tensor); None: unpacked
+    _native: bool = False  # decode-sized float32 products by the native kernel (``enable_native``)
 
     def pack(self) -> bool:
         """Keep a oneDNN-packed copy of the weight for decode-sized products (CPU,
@@ -63,6 +69,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
+        if self._native and rows <= native_ops.MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+            return native_ops.gemv(x, self.weight, None, self.bias)
         packed = self._packed
         if packed is not None and x.dtype == torch.float32 and (
             rows in PACKED_ROWS or (rows == 1 and torch.get_num_threads() > 1)
@@ -82,6 +90,22 @@ def pack_linears(model: nn.Module) -> int:
     """``pack()`` every ``Linear`` of ``model`` (after loading, fusing and quantizing:
     quantized layers are not ``Linear``); returns how many were packed."""
     return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
+
+
+def enable_native(model: nn.Module) -> int:
+    """Route the decode-sized products of every module of ``model`` that has a native
+    path (``_native`` attribute: ``Linear``, ``quant.QuantLinear``) to the native kernels;
+    returns how many modules were switched. The caller checks ``native.available()``."""
+    count = 0
+    for m in model.modules():
+        if hasattr(m, "_native"):
+            enable = getattr(m, "enable_native", None)
+            if enable is not None:
+                count += bool(enable())
+            else:
+                m._native = True
+                count += 1
+    return count
 
 
 def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor | None, bool]:

@@ -32,7 +32,8 @@ from kvserve.service.kv.cache import KVCacheSpec, KVPool
 from kvserve.service.models.config import ModelConfig, ModelLoadError
 from kvserve.service.models.gemma import GemmaForCausalLM
 from kvserve.service.models.gpt2 import GPT2LMHeadModel
-from kvserve.service.models.layers import fuse_projections, pack_linears
+from kvserve.service.models import native
+from kvserve.service.models.layers import enable_native, fuse_projections, pack_linears
 from kvserve.service.models.llama import LlamaForCausalLM
 from kvserve.service.models.phi3 import Phi3ForCausalLM
 from kvserve.service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
@@ -65,6 +66,7 @@ class LoadedModel:
     device: torch.device
     path: Path
     weight_format: str = "exact"  # quant.WEIGHT_FORMATS
+    native: str | None = None  # "on": decode products by the native kernels; else why not (None: not asked)
 
     def kv_spec(self, block_size: int) -> KVCacheSpec:
         """The geometry of this model's KV blocks: the one source for the pool and the store."""
@@ -108,13 +110,19 @@ def load_model(
     progress: bool | None = None,
     weight_format: str = "exact",
     pack_weights: bool = True,
+    native_kernels: str = "auto",
 ) -> LoadedModel:
     """Load the model directory at ``path``. ``progress`` None: bars over shards and
     quantized matrices on a TTY. ``weight_format``: one of quant.WEIGHT_FORMATS.
     ``pack_weights``: keep oneDNN-packed copies of large float32 CPU weights for
     batched decode (``layers.Linear.pack``: faster 2..64-row products, twice the float32
-    weights' memory); False serves every product from the one dense copy."""
+    weights' memory); False serves every product from the one dense copy.
+    ``native_kernels`` (native.MODES): auto uses the native decode kernels on a CPU
+    where they build (then nothing is packed: they read the dense copy as fast), on
+    requires them (``ModelLoadError`` otherwise), off keeps torch's kernels."""
     path = Path(path)
+    if native_kernels not in native.MODES:
+        raise ValueError(f"native_kernels must be one of {', '.join(native.MODES)}, got {native_kernels!r}")
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     torch_device = resolve_device(device)
@@ -148,7 +156,18 @@ def load_model(
     model.eval().requires_grad_(False)
     fuse_projections(model)
     quantize_model(model, weight_format, progress)
-    if pack_weights:
+    native_state = None
+    if native_kernels != "off" and torch_device.type == "cpu":
+        if native.available():
+            enable_native(model)
+            native_state = "on"
+        else:
+            native_state = native.reason()
+            if native_kernels == "on":
+                raise ModelLoadError(f"native_kernels=on: {native_state}")
+    elif native_kernels == "on":
+        raise ModelLoadError(f"native_kernels=on: the native kernels run on the CPU, the device is {torch_device}")
+    if pack_weights and native_state != "on":
         pack_linears(model)  # CPU float32: oneDNN-packed copies for decode-sized products
     return LoadedModel(
         config=config,
@@ -160,6 +179,7 @@ def load_model(
         device=torch_device,
         path=path,
         weight_format=weight_format,
+        native=native_state,
     )
 
 

@@ -4,9 +4,16 @@
     bf16   weights stored as bfloat16 (half the bytes); products in bfloat16
     int8   weight-only int8, symmetric, one scale per output channel (a quarter of the
            bytes); products by torch's ``_weight_int8pack_mm`` with bfloat16 activations
-    w8a8   the same int8 weights, activations quantized too (per row, 7 bits) and the
-           product done in integers by fbgemm (CPU only): the fast int8 path on CPUs
-           without AVX-512, where torch's weight-only int8 kernel is scalar code
+    w8a8   the same int8 weights, activations quantized too and the product done in
+           integers (CPU only): the fast int8 path
+
+With the native kernels (``native/``, CPU, float32 compute: the default where a C++
+compiler is present) every 1..64-row product reads the stored weight directly: bf16
+and int8 with float32 activations (weight-only: the activations are not rounded), w8a8
+with the activations quantized per block of 32 values (symmetric int8, one float scale
+per block: llama.cpp's Q8_0 activations) and integer dot products. Without them, bf16
+and int8 run torch's kernels with bfloat16 activations as below, and w8a8 runs
+fbgemm's dynamic int8 linear with per-row 7-bit activations.
 
 Decode reads every weight once per step, so its speed follows the weight bytes. Only
 the matmul weights change (every ``layers.Linear``, lm_head included); embeddings,
@@ -34,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.service.models.layers import Linear
+from kvserve.service.models.native import ops as native_ops
 
 WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
 # From this many rows (prefill chunks) bf16/int8 products run on the widened weight in
@@ -66,6 +74,8 @@ class QuantLinear(nn.Module):
         # torch's int8 weight-only kernel runs on the CPU (and, in recent builds, CUDA)
         self._packed_kernel = fmt == "int8" and weight.device.type == "cpu"
         self._fbgemm = None
+        self._native = False  # set by enable_native(): decode-sized products by native/gemv.cpp
+        self._scales32: Tensor | None = None  # scales in float32 for the native kernels
         if fmt == "w8a8":
             if weight.device.type != "cpu":
                 raise ValueError("weight format w8a8 runs on the CPU only (use int8 or bf16 on CUDA)")
@@ -94,8 +104,21 @@ class QuantLinear(nn.Module):
         w = self.weight.float()  # a new tensor: scaled in place
         return w.mul_(self.scales.float()[:, None]) if self.scales is not None else w
 
+    def enable_native(self) -> bool:
+        """Use the native kernels for 1..64-row float32 products (CPU weights only)."""
+        if self.weight.device.type != "cpu":
+            return False
+        if self.scales is not None:
+            self._scales32 = self.scales.float().contiguous()
+        self._native = True
+        return True
+
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
+        if self._native and rows <= native_ops.MAX_ROWS and x.dtype == torch.float32:
+            if self.fmt == "w8a8" and self.in_features % 32 == 0:
+                return native_ops.gemv_q8(x, self.weight, self._scales32, self.bias)
+            return native_ops.gemv(x, self.weight, self._scales32, self.bias)
         if self._fbgemm is not None:
             return self._forward_w8a8(x, rows)
         if rows >= DEQUANT_ROWS and x.device.type == "cpu":

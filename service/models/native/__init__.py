@@ -1,0 +1,170 @@
+"""Native CPU kernels for decode: C++ (AVX2 + FMA, OpenMP) called through ctypes.
+
+Decode reads every weight once per token, so its speed is the speed of a one-row
+product; torch's CPU kernels for that are slower than the memory allows (MKL's
+float32 GEMV), scalar (the int8 weight-only kernel on AVX2) or missing (bfloat16 on
+CPUs without AVX-512 BF16). The kernels here read the weights in their own storage
+((out, in) row-major: float32, bfloat16, int8 with per-row scales), so nothing is
+repacked or copied.
+
+Built on first use from the sources beside this file with the system C++ compiler
+(``c++``, a few seconds), cached by source, compiler and CPU under
+``$XDG_CACHE_HOME/kvserve/native`` (default ``~/.cache/kvserve/native``) and loaded with
+ctypes. Where it cannot be built or loaded (no compiler, as in the slim container
+image; a CPU without AVX2/FMA; not x86-64), ``available()`` is False, ``reason()``
+says why in one line and every caller keeps its torch path.
+
+The library links OpenMP by soname (``libgomp.so.1``): torch has already loaded its
+own copy under that name, so both share one thread pool. Each call is told torch's
+thread count.
+
+Switched by ``configure(mode)`` (the ``native_kernels`` setting): ``auto`` uses the
+kernels when they build, ``on`` requires them (``NativeUnavailable`` otherwise), ``off``
+never loads them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+MODES = ("auto", "on", "off")
+SOURCES = ("gemv.cpp",)
+_HERE = Path(__file__).resolve().parent
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None  # why the library is unavailable (None: not tried yet, or loaded)
+_tried = False
+ENABLED = False  # read on every decode-sized product: True once configure() loaded the library
+
+
+class NativeUnavailable(RuntimeError):
+    """``native_kernels = on`` and the kernels cannot be built or loaded here."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
+    return Path(root) / "native"
+
+
+def _compiler() -> str | None:
+    import shutil
+
+    for cc in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or find cached) and load the library; raises RuntimeError with one line."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"native kernels are x86-64 only (this is {platform.machine()})")
+    flags = _cpu_flags()
+    missing = sorted({"avx2", "fma"} - flags)
+    if missing:
+        raise RuntimeError(f"native kernels need AVX2 and FMA; this CPU lacks {', '.join(missing)}")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("native kernels need a C++ compiler (c++, g++ or clang++); none found")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"native kernels: {cc} --version failed: {e}") from None
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((_HERE / name).read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(version.encode())
+    digest.update(" ".join(sorted(flags)).encode())  # -march=native: a library per CPU model
+    target = _cache_dir() / f"libkvnative-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, rename: safe across processes
+        os.close(fd)
+        cmd = [cc, *_FLAGS, *(str(_HERE / s) for s in SOURCES), "-o", tmp]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            os.unlink(tmp)
+            raise RuntimeError(f"native kernels: compiling failed: {e}") from None
+        if done.returncode != 0:
+            os.unlink(tmp)
+            first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:200])
+            raise RuntimeError(f"native kernels: {cc} failed: {first}")
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in ("kv_gemv_f32", "kv_gemv_bf16", "kv_gemv_i8"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, i32, i32]
+        fn.restype = None
+    lib.kv_gemv_q8.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, i32, i32, p, p]
+    lib.kv_gemv_q8.restype = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded library, building it on first call; None where it cannot be (``reason()``)."""
+    global _lib, _reason, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _build()
+            except (RuntimeError, OSError) as e:
+                _reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reason() -> str | None:
+    """One line saying why the kernels are unavailable (None when they are loaded)."""
+    load()
+    return _reason
+
+
+def configure(mode: str) -> bool:
+    """Apply the ``native_kernels`` setting; returns whether the kernels are in use."""
+    global ENABLED
+    if mode not in MODES:
+        raise ValueError(f"native_kernels must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off":
+        ENABLED = False
+        return False
+    lib = load()
+    if lib is None and mode == "on":
+        raise NativeUnavailable(f"native_kernels=on but {reason()}")
+    ENABLED = lib is not None
+    return ENABLED
+
+
+def threads() -> int:
+    return torch.get_num_threads()

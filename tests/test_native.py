@@ -1,0 +1,201 @@
+"""The native CPU decode kernels (service/models/native/): built here with the system
+compiler, checked against float64 references, in the model against torch's kernels,
+and their absence (no compiler) handled as a fallback or a one-line refusal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.service.models import native
+from kvserve.service.models.config import ModelLoadError
+from kvserve.service.models.loading import load_model
+from kvserve.service.models.native import ops
+from tests.engine_util import greedy_reference, make_engine, prompts, req, run, finished
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.reason()}")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _weights(dtype: torch.dtype, N: int, K: int, g: torch.Generator):
+    """(weight in ``dtype``, float32 scales or None, the float64 weight it stands for)."""
+    if dtype == torch.int8:
+        w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        s = torch.rand(N, generator=g) + 0.01
+        return w, s, w.double() * s.double()[:, None]
+    w = torch.randn(N, K, generator=g).to(dtype)
+    return w, None, w.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
+@pytest.mark.parametrize("K", [64, 771])  # 771: a tail past the last 16 and 8
+def test_gemv_matches_float64_reference(dtype, rows, K) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + K)
+    N = 37
+    w, s, ref_w = _weights(dtype, N, K, g)
+    x = torch.randn(rows, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    ref = x.double() @ ref_w.T + bias.double()
+    got = ops.gemv(x, w, s, bias)
+    assert got.shape == (rows, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+    # accumulate: out += x W^T + b in the same pass (a residual add)
+    out = torch.randn(rows, N, generator=g)
+    expect = out.double() + ref
+    ops.gemv(x, w, s, bias, out=out, accumulate=True)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4 * expect.abs().max().item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_rows_result_does_not_depend_on_the_other_rows(dtype) -> None:
+    """Bit for bit: each output is one row's dot product, summed in the same order
+    whatever the batch (a seeded request decodes the same tokens beside others)."""
+    g = torch.Generator().manual_seed(7)
+    w, s, _ = _weights(dtype, 50, 256, g)
+    x = torch.randn(11, 256, generator=g)
+    batch = ops.gemv(x, w, s)
+    for i in range(11):
+        assert torch.equal(ops.gemv(x[i : i + 1], w, s), batch[i : i + 1])
+    if dtype == torch.int8:
+        batch = ops.gemv_q8(x, w, s)
+        for i in range(11):
+            assert torch.equal(ops.gemv_q8(x[i : i + 1], w, s), batch[i : i + 1])
+
+
+def _q8_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """What gemv_q8 computes, in float64: x quantized per block of 32 (scale amax / 127,
+    round half to even), exact integer block products, times the block and row scales."""
+    rows, K = x.shape
+    xb = x.view(rows, K // 32, 32)
+    d = xb.abs().amax(-1) / 127.0  # (rows, nb) float32, as the kernel
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).to(torch.int64)  # torch.round: half to even
+    wb = w.view(w.shape[0], K // 32, 32).to(torch.int64)
+    block = torch.einsum("rbk,nbk->rnb", q, wb).double()  # exact integers
+    return (block * d.double()[:, None, :]).sum(-1) * s.double()[None, :]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_gemv_q8_is_llama_cpp_q8_0_arithmetic(rows) -> None:
+    g = torch.Generator().manual_seed(rows)
+    N, K = 45, 256
+    w, s, ref_w = _weights(torch.int8, N, K, g)
+    x = torch.randn(rows, K, generator=g)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+    got = ops.gemv_q8(x, w, s)
+    ref = _q8_reference(x, w, s)  # float32 sums in the kernel: tolerance relative to the largest output
+    torch.testing.assert_close(got.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+    exact = x.double() @ ref_w.T
+    err = (got.double() - exact).abs().max() / exact.abs().max()
+    assert err < 0.02  # 8-bit activations: close to the exact product, not equal
+    assert err > 0
+
+
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
+    w = torch.zeros(8, 64)
+    with pytest.raises(ValueError, match="features"):
+        ops.gemv(torch.zeros(1, 63), w)
+    with pytest.raises(ValueError, match="rows"):
+        ops.gemv(torch.zeros(ops.MAX_ROWS + 1, 64), w)
+    with pytest.raises(ValueError, match="scales"):
+        ops.gemv(torch.zeros(1, 64), w.to(torch.int8))
+    with pytest.raises(ValueError, match="bias"):
+        ops.gemv(torch.zeros(1, 64), w, bias=torch.zeros(7))
+    with pytest.raises(ValueError, match="out"):
+        ops.gemv(torch.zeros(2, 64), w, out=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.gemv_q8(torch.zeros(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    from tests.fixtures.models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("native") / "m", hidden_size=128, intermediate_size=352)
+
+
+@pytest.mark.parametrize("fmt", ["exact", "bf16", "int8", "w8a8"])
+def test_model_with_native_kernels_is_at_least_as_close_to_exact(llama_dir, fmt) -> None:
+    """Every weight format loads onto the native kernels by default and its logits are
+    no further from the float32 checkpoint's than torch's kernels' (bf16/int8 keep float32
+    activations; w8a8's per-32 activation scales beat fbgemm's per-row 7 bits)."""
+    ref = load_model(llama_dir, dtype="float32", device="cpu", progress=False, native_kernels="off")
+    on = load_model(llama_dir, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    off = load_model(llama_dir, dtype="float32", device="cpu", progress=False, weight_format=fmt,
+                     native_kernels="off")  # fmt: skip
+    assert on.native == "on" and off.native is None
+    assert all(not getattr(m, "_packed", None) is not None for m in on.model.modules())  # nothing packed
+    assert any(getattr(m, "_native", False) for m in on.model.modules())
+    ids = torch.tensor([prompts(ref.config.vocab_size, [24])[0]])
+    with torch.inference_mode():
+        exact = ref.model.forward_nocache(ids)
+        got_on, got_off = on.model.forward_nocache(ids), off.model.forward_nocache(ids)
+    err_on = (got_on - exact).abs().max().item()
+    err_off = (got_off - exact).abs().max().item()
+    if fmt == "exact":
+        assert err_on < 1e-4
+    else:
+        assert err_on <= err_off, (err_on, err_off)
+
+
+@pytest.mark.parametrize("fmt", ["exact", "w8a8"])
+def test_engine_decodes_with_native_kernels_as_the_uncached_model(llama_dir, fmt) -> None:
+    """The engine's cached one-row decode steps and the same model's uncached forward
+    over the whole sequence agree on the greedy tokens."""
+    loaded = load_model(llama_dir, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    assert loaded.native == "on"
+    prompt = prompts(loaded.config.vocab_size, [21])[0]
+    events = run(make_engine(loaded), [req("a", prompt, n=12)])
+    assert finished(events["a"]).output_token_ids == greedy_reference(loaded.model, prompt, 12)
+
+
+def _no_compiler_env(tmp_path: Path) -> dict[str, str]:
+    """An environment with python but no C++ compiler on PATH and an empty kernel cache."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)
+    env = dict(os.environ, PATH=str(bindir), XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    env.pop("CXX", None)
+    return env
+
+
+def test_without_a_compiler_auto_falls_back_and_on_refuses_in_one_line(tmp_path, llama_dir) -> None:
+    script = f"""
+import sys
+from kvserve.service.models import native
+from kvserve.service.models.config import ModelLoadError
+from kvserve.service.models.loading import load_model
+assert not native.available()
+print("REASON", native.reason())
+m = load_model({str(llama_dir)!r}, dtype="float32", device="cpu", progress=False)
+print("AUTO", m.native, any(getattr(x, "_native", False) for x in m.model.modules()))
+try:
+    load_model({str(llama_dir)!r}, dtype="float32", device="cpu", progress=False, native_kernels="on")
+except ModelLoadError as e:
+    print("ON", str(e).count(chr(10)), e)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=_no_compiler_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert "C++ compiler" in lines["REASON"]
+    assert lines["AUTO"].startswith("needs a C++ compiler") or "C++ compiler" in lines["AUTO"]
+    assert lines["AUTO"].endswith("False")  # torch's kernels serve
+    assert lines["ON"].startswith("0 native_kernels=on:") and "C++ compiler" in lines["ON"]
+
+
+def test_native_kernels_setting_reaches_the_engine_config() -> None:
+    from kvserve.service.config import ServerConfig
+
+    assert ServerConfig.from_args([], {}).engine_config().native_kernels == "auto"
+    assert ServerConfig.from_args(["--native-kernels", "off"], {}).engine_config().native_kernels == "off"
+    assert ServerConfig.from_args([], {"KVSERVE_NATIVE_KERNELS": "on"}).engine_config().native_kernels == "on"
+    with pytest.raises(ValueError):
+        load_model(REPO / "service" / "default_model", native_kernels="sometimes")
