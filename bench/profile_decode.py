@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"),
                     help="step time as this process's CPU time (robust on a loaded host) or wall time")
     ap.add_argument("--no-pack", action="store_true", help="drop the oneDNN-packed float32 weights (MKL paths)")
+    ap.add_argument("--native-kernels", default="auto", choices=("auto", "off"),
+                    help="products by the native kernels (their time is not in the profiler's ops) or torch's")
     ap.add_argument("--table", type=int, default=0, help="also print the profiler's top N ops")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -92,7 +94,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvserve-prof-") as tmp:
         shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
         path = make_tiny_llama(Path(tmp) / args.shape, max_position_embeddings=max(512, ctx + 64), **shape)
-        loaded = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=args.weight_format)
+        loaded = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=args.weight_format,
+                            native_kernels=args.native_kernels)
     model, cfg = loaded.model, loaded.config
     if args.no_pack:
         for m in model.modules():
@@ -130,6 +133,8 @@ def main() -> None:
         shares[category(e.key)] += e.self_cpu_time_total
     mm_calls = sum(e.count for e in events if e.key in MATMULS) / 10
     packed = "MKL" if args.no_pack else "packed where float32"
+    if loaded.native == "on":
+        packed = "native products"
     L = cfg.num_layers
     print(f"{args.shape} ({L} layers) {args.weight_format} batch {B} ({packed}), context {ctx}, {args.threads} "
           f"thread(s): step {step_s * 1e3:.2f} ms {args.clock} = {B / step_s:.1f} tok/s; {mm_calls:.0f} matmul calls/step")

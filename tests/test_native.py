@@ -199,3 +199,114 @@ def test_native_kernels_setting_reaches_the_engine_config() -> None:
     assert ServerConfig.from_args([], {"KVSERVE_NATIVE_KERNELS": "on"}).engine_config().native_kernels == "on"
     with pytest.raises(ValueError):
         load_model(REPO / "service" / "default_model", native_kernels="sometimes")
+
+
+# ---- the decode step's other kernels: attention over the pool, norms, RoPE, gates ----------
+
+
+def _ref_attention(q, k_ctx, v_ctx, lens, window, scale, softcap):
+    """float64 attention of q (B, nh, hd) over k/v (B, C, n_kv, hd), sequence b's first
+    lens[b] positions, the last ``window`` only when given."""
+    B, nh, hd = q.shape
+    nkv = k_ctx.shape[2]
+    out = torch.zeros(B, nh, hd, dtype=torch.float64)
+    for b in range(B):
+        n = lens[b]
+        start = max(0, n - window) if window else 0
+        for h in range(nh):
+            kk = k_ctx[b, start:n, h // (nh // nkv)].double()
+            s = kk @ q[b, h].double() * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            out[b, h] = torch.softmax(s, 0) @ v_ctx[b, start:n, h // (nh // nkv)].double()
+    return out
+
+
+@pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (4, 4, None, None), (6, 1, 5, None),
+                                                    (4, 2, None, 30.0)])  # fmt: skip
+def test_decode_attention_reads_the_pool_in_place(nh, nkv, window, softcap) -> None:
+    """The new token's K/V land in their slot and the output is the float64 attention over
+    each sequence's own blocks (scattered, different lengths, GQA, window, soft-cap)."""
+    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+
+    g = torch.Generator().manual_seed(nh * 10 + nkv)
+    hd, bs, L = 32, 4, 3
+    pool = KVPool(40, L, bs, nkv, hd)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    tables = [[7, 3, 22, 9], [30, 1, 15], [12]]
+    lens = [14, 9, 2]  # context before the new token: 13, 8, 1
+    layout = BatchLayout.build([SeqSlice(t, n - 1, [5]) for t, n in zip(tables, lens)], bs)
+    q = torch.randn(3, 1, nh, hd, generator=g)
+    kv_new = torch.randn(3, 1, 2 * nkv, hd, generator=g)  # k and v side by side, as the fused projection
+    k, v = kv_new.split(nkv, dim=2)
+    layer = 1
+    out = ops.decode_attention(q, k, v, pool.data, layer, layout.slot_blocks, layout.slot_offsets, layout.ctx_blocks,
+                               layout.lens_tensor(), window, hd**-0.5, softcap)  # fmt: skip
+    for b, (t, n) in enumerate(zip(tables, lens)):
+        blk, off = t[(n - 1) // bs], (n - 1) % bs
+        assert torch.equal(pool.k(layer)[blk, off], k[b, 0]) and torch.equal(pool.v(layer)[blk, off], v[b, 0])
+    ids = layout.ctx_blocks.view(-1)
+    k_ctx = pool.k(layer).index_select(0, ids).view(3, -1, nkv, hd)
+    v_ctx = pool.v(layer).index_select(0, ids).view(3, -1, nkv, hd)
+    ref = _ref_attention(q[:, 0], k_ctx, v_ctx, lens, window, hd**-0.5, softcap)
+    torch.testing.assert_close(out.view(3, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_norm_rope_and_gates_match_torch() -> None:
+    import torch.nn.functional as F
+
+    from kvserve.service.models.rope import Rotary, apply_rope_
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 1, 100, generator=g), torch.randn(100, generator=g)
+    torch.testing.assert_close(ops.rmsnorm(x, w, 1e-5), F.rms_norm(x, (100,), w, 1e-5), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6, offset=1.0), F.rms_norm(x, (100,), w + 1, 1e-6),
+                               atol=1e-6, rtol=1e-6)  # fmt: skip
+    for rot in (64, 32):  # full and partial rotary: bit for bit torch's in-place ops
+        cos, sin = Rotary(rot, 10000.0, None)(torch.arange(6).view(2, 3) + 40, torch.float32, signed=True)
+        qkv = torch.randn(2, 3, 7, 64, generator=g)
+        a, b = qkv.clone(), qkv.clone()
+        apply_rope_(a[:, :, :5], cos, sin)
+        ops.rope_(b[:, :, :5], cos, sin)
+        assert torch.equal(a, b)
+    gu = torch.randn(4, 2 * 300, generator=g) * 4
+    gate, up = gu[:, :300], gu[:, 300:]
+    torch.testing.assert_close(ops.act_mul(gu, "silu"), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.act_mul(gu, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up, atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+
+
+FAMILIES = ["tiny_llama_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
+            "tiny_phi3_dir", "tiny_phi4_mini_dir", "tiny_mistral_dir", "tiny_gpt2_dir"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_with_native_kernels_match_torch_per_family(family, request, monkeypatch) -> None:
+    """Prefill two sequences of different lengths, then decode 6 tokens each: the logits
+    of every step agree with torch's kernels (float32 tolerance), and the native attention
+    ran in every decoder layer of every step (families whose attention is PagedAttention)."""
+    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+    from kvserve.service.models.layers import PagedAttention
+
+    path = request.getfixturevalue(family)
+    on = load_model(path, dtype="float32", device="cpu", progress=False)
+    off = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
+    calls = []
+    real = ops.decode_attention
+    monkeypatch.setattr(ops, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg, bs = on.config, 4
+    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
+    tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
+    prompts_ = prompts(cfg.vocab_size, [11, 6], seed=5)
+    seqs = [list(p) for p in prompts_]
+    with torch.inference_mode():
+        for m, pool in ((on, pools[0]), (off, pools[1])):
+            m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
+        for _ in range(6):
+            layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
+            a, b = on.model(layout, pools[0]), off.model(layout, pools[1])
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            for s, tok in zip(seqs, b.argmax(-1).tolist()):
+                s.append(tok)
+    attn_layers = sum(isinstance(m, PagedAttention) for m in on.model.modules())
+    assert len(calls) == 6 * attn_layers

@@ -333,6 +333,13 @@ class BatchLayout:
             self._bias[key] = bias.unsqueeze(1)  # (B, 1, T, C)
         return self._bias[key], False
 
+    def lens_tensor(self) -> Tensor:
+        """``seq_lens`` as a (B,) int64 tensor (built once per layout): the context length
+        of each sequence, new tokens included."""
+        if "lens" not in self._bias:
+            self._bias["lens"] = torch.tensor(self.seq_lens, dtype=torch.long, device=self.slot_blocks.device)
+        return self._bias["lens"]
+
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)

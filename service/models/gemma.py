@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
 from kvserve.service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears
+from kvserve.service.models.native import ops as native_ops
 from kvserve.service.models.rope import Rotary, apply_rope_
 
 
@@ -40,6 +41,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
         self._cache: dict[object, Tensor] = {}  # (D, eps) per device; (1 + w) per weight version
+
+    _native = False  # decode-sized float32 CPU rows by one native call (layers.enable_native)
 
     def _consts(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         w = self.weight
@@ -58,6 +61,8 @@ class RMSNorm(nn.Module):
         return xf.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_(), scale  # (..., 1), (D,)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
+            return native_ops.rmsnorm(x, self.weight, self.eps, offset=1.0)
         xf = x.float()
         inv, scale = self._inv(xf)
         return torch.mul(xf, inv).mul_(scale).to(x.dtype)
@@ -123,7 +128,7 @@ class Attention(PagedAttention):
             if self.qk_norm:
                 self.q_norm.forward_(q)
                 self.k_norm.forward_(k)
-            apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
+            self.rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
             return q, k, v
         else:
             q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
@@ -155,8 +160,13 @@ class MLP(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
+    _native = False  # decode-sized float32 CPU rows: gelu_tanh(gate) * up in one native call
+
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
+            if (self._native and self.approximate == "tanh" and x.dtype == torch.float32 and x.device.type == "cpu"
+                    and x.numel() <= 64 * x.shape[-1]):
+                return self.down_proj(native_ops.act_mul(self.gate_up_proj(x), "gelu_tanh"))
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
             return self.down_proj(F.gelu(gate, approximate=self.approximate).mul_(up))
         return self.down_proj(F.gelu(self.gate_proj(x), approximate=self.approximate).mul_(self.up_proj(x)))

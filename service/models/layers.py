@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from kvserve.service.models.native import ops as native_ops
+from kvserve.service.models.rope import apply_rope_
 
 if TYPE_CHECKING:
     from kvserve.service.kv.cache import BatchLayout, KVPool
@@ -160,6 +161,8 @@ class PagedAttention(nn.Module):
     scale: float
     window: int | None
     o_proj: nn.Module
+    softcap: float | None = None  # attention logit soft-cap (Gemma 2)
+    _native = False  # decode tokens by native/decode.cpp (``enable_native``)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
@@ -178,8 +181,22 @@ class PagedAttention(nn.Module):
         y = self.sdpa(q, k, v, mask, is_causal)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
+    def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``rope.apply_rope_`` on x (B, T, heads, hd), in place: one native call for
+        decode-sized float32 CPU inputs when enabled, torch's four ops otherwise."""
+        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] == 1:
+            return native_ops.rope_(x, cos, sin)
+        return apply_rope_(x, cos, sin)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
+        if (self._native and q.shape[1] == 1 and layout.ctx_blocks is not None and q.dtype == torch.float32
+                and kv.data.dtype == torch.float32 and kv.device.type == "cpu"):
+            # one new token per sequence: K/V written and the context attended in place in the pool
+            y = native_ops.decode_attention(q, k, v, kv.data, self.layer_idx, layout.slot_blocks, layout.slot_offsets,
+                                            layout.ctx_blocks, layout.lens_tensor(), self.window, self.scale,
+                                            self.softcap)  # (B, 1, nh * hd)
+            return self.o_proj(y)
         k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
         return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
 

@@ -26,6 +26,7 @@ from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models import rope
 from kvserve.service.models.config import ModelConfig
 from kvserve.service.models.layers import Linear, PagedAttention, fuse_linears
+from kvserve.service.models.native import ops as native_ops
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +43,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self._consts: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}  # (D, eps) as 0-dim
 
+    _native = False  # decode-sized float32 CPU rows by one native call (layers.enable_native)
+
     def _scalars(self, x: Tensor) -> tuple[Tensor, Tensor]:
         key = (x.dtype, x.device)
         if key not in self._consts:
@@ -53,6 +56,8 @@ class RMSNorm(nn.Module):
         return self._consts[key]
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
+            return native_ops.rmsnorm(x, self.weight, self.eps)
         if x.dtype == torch.float32 == self.weight.dtype:
             d, eps = self._scalars(x)
             inv = x.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_()  # (..., 1)
@@ -135,7 +140,7 @@ class Attention(PagedAttention):
         B, T, _ = x.shape
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-            apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together, in place
+            self.rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together, in place
             # k and v stay side by side in qkv: KVPool.update writes both with one index_put_
             return qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # (B, T, nh | n_kv | n_kv, hd)
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, nh, hd)
@@ -155,6 +160,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(h, d, bias=bias)
         self.gate_up_proj: Linear | None = None  # gate and up side by side: set by fuse() after loading
 
+    _native = False  # decode-sized float32 CPU rows: silu(gate) * up in one native call
+
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
@@ -162,6 +169,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # in place: no extra (B, T, intermediate) temporaries (each a page-faulting allocation when large)
         if self.gate_up_proj is not None:
+            if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
+                return self.down_proj(native_ops.act_mul(self.gate_up_proj(x), "silu"))
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
             return self.down_proj(F.silu(gate, inplace=True).mul_(up))
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))

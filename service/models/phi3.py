@@ -33,7 +33,8 @@ from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
 from kvserve.service.models.layers import Linear, PagedAttention
 from kvserve.service.models.llama import RMSNorm
-from kvserve.service.models.rope import Rotary, apply_rope_
+from kvserve.service.models.native import ops as native_ops
+from kvserve.service.models.rope import Rotary
 
 
 class Attention(PagedAttention):
@@ -50,7 +51,7 @@ class Attention(PagedAttention):
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together, in place
+        self.rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)  # q and k heads rotated together, in place
         # k and v stay side by side in qkv: KVPool.update writes both with one index_put_
         return qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # (B, T, nh | n_kv | n_kv, hd)
 
@@ -64,7 +65,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(d, 2 * h, bias=config.mlp_bias)
         self.down_proj = Linear(h, d, bias=config.mlp_bias)
 
+    _native = False  # decode-sized float32 CPU rows: silu(gate) * up in one native call
+
     def forward(self, x: Tensor) -> Tensor:
+        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
+            return self.down_proj(native_ops.act_mul(self.gate_up_proj(x), "silu"))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 

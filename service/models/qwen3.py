@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kvserve.service.models import llama
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.llama import RMSNorm, apply_rope, apply_rope_
+from kvserve.service.models.llama import RMSNorm, apply_rope
 
 
 class Attention(llama.Attention):
@@ -37,7 +37,7 @@ class Attention(llama.Attention):
             # side by side, so KVPool.update writes them with one op
             self.q_norm.forward_(q)
             self.k_norm.forward_(k)
-            apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
+            self.rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
             return q, k, v
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)

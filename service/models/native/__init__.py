@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 MODES = ("auto", "on", "off")
-SOURCES = ("gemv.cpp",)
+SOURCES = ("gemv.cpp", "decode.cpp")
 _HERE = Path(__file__).resolve().parent
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -126,6 +126,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = None
     lib.kv_gemv_q8.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, i32, i32, p, p]
     lib.kv_gemv_q8.restype = None
+    f32 = ctypes.c_float
+    lib.kv_rmsnorm.argtypes = [p, i64, i64, i64, p, f32, f32, p, i64]
+    lib.kv_rope.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p]
+    lib.kv_act_mul.argtypes = [p, i64, i64, i64, i32, p, i32]
+    lib.kv_decode_attention.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, p, i64, i64, i64,
+                                        p, p, p, i64, p, i64, f32, f32, p, i32]
+    for name in ("kv_rmsnorm", "kv_rope", "kv_act_mul", "kv_decode_attention"):
+        getattr(lib, name).restype = None
 
 
 def load() -> ctypes.CDLL | None:

@@ -103,22 +103,35 @@ void gemv(const float* x, int64_t rows, int64_t ldx, int64_t K, const WT* W, int
 template <int R>
 inline void dot_rows_q8(const int8_t* w, const int8_t* xq, const float* xs, int64_t K, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[2][R];  // two chains per row: the float multiply-add's latency, not its throughput, bounds one
-  for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  // two chains per row (even and odd blocks): the float multiply-add's latency, not its
+  // throughput, would bound a single chain
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
   const int64_t nb = K / 32;
   int64_t b = 0;
-  for (; b < nb; b++) {
-    const int j = b & 1;
-    const __m256i wb = _mm256_loadu_si256((const __m256i*)(w + b * 32));
-    const __m256i uw = _mm256_sign_epi8(wb, wb);  // |w| (w >= -127)
+  for (; b + 2 <= nb; b += 2) {
+    const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + b * 32));
+    const __m256i w1 = _mm256_loadu_si256((const __m256i*)(w + b * 32 + 32));
+    const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);  // |w| (w >= -127)
     for (int r = 0; r < R; r++) {
-      const __m256i xb = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * 32));
-      const __m256i p16 = _mm256_maddubs_epi16(uw, _mm256_sign_epi8(xb, wb));  // pairs: <= 2*127*127
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-      acc[j][r] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(xs + r * nb + b), acc[j][r]);
+      const int8_t* x = xq + r * K + b * 32;
+      const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + 32));
+      const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(x0, w0)), ones));
+      const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(x1, w1)), ones));
+      a0[r] = _mm256_fmadd_ps(p0, _mm256_broadcast_ss(xs + r * nb + b), a0[r]);
+      a1[r] = _mm256_fmadd_ps(p1, _mm256_broadcast_ss(xs + r * nb + b + 1), a1[r]);
     }
   }
-  for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
+  if (b < nb) {
+    const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + b * 32));
+    const __m256i u0 = _mm256_sign_epi8(w0, w0);
+    for (int r = 0; r < R; r++) {
+      const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * 32));
+      const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(x0, w0)), ones));
+      a0[r] = _mm256_fmadd_ps(p0, _mm256_broadcast_ss(xs + r * nb + b), a0[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 
 void quantize_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, int8_t* xq, float* xs) {

@@ -98,3 +98,82 @@ def gemv_q8(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = Non
         xq.data_ptr(), xs.data_ptr(),
     )
     return out
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """x (..., D) * rsqrt(mean(x^2) + eps) * (weight + offset) per row, as a new tensor;
+    float32 CPU (offset 1.0: Gemma's (1 + w))."""
+    D = x.shape[-1]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.numel() != D or not weight.is_contiguous():
+        raise ValueError("rmsnorm: float32 x (..., D) and a contiguous float32 (D,) weight")
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    native.load().kv_rmsnorm(x2.data_ptr(), x2.shape[0], x2.stride(0), D, weight.data_ptr(), float(eps),
+                             float(offset), out.data_ptr(), D)
+    return out
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rope.apply_rope_`` (x (B, T, H, hd), a view; cos and signed sin (B, T, 1, rot))
+    in place in one call. float32 CPU, x's last dim contiguous."""
+    B, T, H, hd = x.shape
+    rot = cos.shape[-1]
+    if (x.dtype != torch.float32 or x.stride(-1) != 1 or rot > hd or rot % 2 or cos.shape[:2] != (B, T)
+            or sin.shape != cos.shape):
+        raise ValueError("rope_: float32 x (B, T, H, hd) with a contiguous last dim and cos/sin (B, T, 1, rot)")
+    c = cos.reshape(B, T, rot).contiguous()
+    s = sin.reshape(B, T, rot).contiguous()
+    if c.dtype != torch.float32 or s.dtype != torch.float32:
+        raise ValueError("rope_: float32 cos/sin")
+    native.load().kv_rope(x.data_ptr(), B, T, H, x.stride(0), x.stride(1), x.stride(2), rot, c.data_ptr(), s.data_ptr())
+    return x
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def act_mul(gate_up: Tensor, act: str) -> Tensor:
+    """act(gate) * up from gate_up (..., 2I) = [gate | up]: (..., I) float32."""
+    two_i = gate_up.shape[-1]
+    if gate_up.dtype != torch.float32 or gate_up.stride(-1) != 1 or two_i % 2:
+        raise ValueError("act_mul: float32 (..., 2I) with a contiguous last dim")
+    g2 = gate_up.reshape(-1, two_i)
+    I = two_i // 2
+    out = torch.empty(*gate_up.shape[:-1], I, dtype=torch.float32)
+    native.load().kv_act_mul(g2.data_ptr(), g2.shape[0], g2.stride(0), I, ACTIVATIONS[act], out.data_ptr(),
+                             torch.get_num_threads())
+    return out
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, slot_blocks: Tensor,
+                     slot_offsets: Tensor, tables: Tensor, lens: Tensor, window: int | None, scale: float,
+                     softcap: float | None) -> Tensor:
+    """One new token per sequence: write k, v (B, 1, n_kv, hd) into ``pool`` (the KVPool's
+    (N, L, 2, bs, n_kv, hd) float32 tensor) at (slot_blocks, slot_offsets) (B,), then
+    attend q (B, 1, nh, hd) over each sequence's ``lens[b]`` positions in the blocks
+    ``tables`` (B, nb), the last ``window`` only when given: (B, 1, nh * hd)."""
+    B, T, nh, hd = q.shape
+    N, L, two, bs, nkv, hd2 = pool.shape
+    if T != 1 or k.shape != (B, 1, nkv, hd) or v.shape != k.shape or hd2 != hd or two != 2 or nh % nkv:
+        raise ValueError("decode_attention: q (B, 1, nh, hd), k and v (B, 1, n_kv, hd) matching the pool")
+    for t in (q, k, v):
+        if t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != hd:
+            raise ValueError("decode_attention: float32 q, k, v with contiguous heads")
+    if k.stride(0) != v.stride(0) or pool.dtype != torch.float32 or not pool.is_contiguous():
+        raise ValueError("decode_attention: k and v rows at one stride; a contiguous float32 pool")
+    for t in (slot_blocks, slot_offsets, lens):
+        if t.dtype != torch.long or t.numel() != B or not t.is_contiguous():
+            raise ValueError("decode_attention: slot_blocks, slot_offsets and lens are (B,) int64")
+    if tables.dtype != torch.long or tables.dim() != 2 or tables.shape[0] != B or not tables.is_contiguous():
+        raise ValueError("decode_attention: tables (B, nb) int64 contiguous")
+    if not 0 <= layer < L:
+        raise ValueError(f"decode_attention: layer {layer} of {L}")
+    out = torch.empty(B, 1, nh * hd, dtype=torch.float32)
+    native.load().kv_decode_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), B, nh, nkv, hd, pool.data_ptr(), layer, L,
+        bs, slot_blocks.data_ptr(), slot_offsets.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        int(window or 0), float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),
+    )
+    return out

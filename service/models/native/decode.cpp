@@ -1,0 +1,216 @@
+// The per-layer work of a decode step around the products (gemv.cpp): RMSNorm, RoPE,
+// the SwiGLU/GeGLU gate, and attention of one new token per sequence over its paged KV
+// context, read in place from the block pool (no gather into a contiguous copy).
+// float32 throughout. Elementwise results are rounded as torch's ops round them (this
+// file is built with -ffp-contract=off: a * b + c is two roundings, as in torch).
+//
+// Pool layout (kv/cache.py): (num_blocks, L, 2, block_size, n_kv, hd), K then V.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+// exp(x) for 8 floats: Cephes' polynomial after range reduction by ln 2 (relative error
+// ~1e-7 over the float range; under/overflow clamped as expf).
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 x2 = _mm256_mul_ps(x, x);
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, x2), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+// y += p * x over n floats
+inline void axpy(float* y, const float* x, float p, int64_t n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; i++) y[i] += p * x[i];
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * (w + offset)   (offset 1: Gemma's (1 + w))
+// x rows at stride ldx, out rows at stride ldo (out may be x: in place).
+void kv_rmsnorm(const float* x, int64_t rows, int64_t ldx, int64_t D, const float* w, float eps, float offset,
+                float* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * ldx;
+    float* o = out + r * ldo;
+    const float ss = dot(xr, xr, D);
+    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    int64_t i = 0;
+    const __m256 iv = _mm256_set1_ps(inv), off = _mm256_set1_ps(offset);
+    for (; i + 8 <= D; i += 8) {
+      const __m256 wv = _mm256_add_ps(_mm256_loadu_ps(w + i), off);
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), iv), wv));
+    }
+    for (; i < D; i++) o[i] = (xr[i] * inv) * (w[i] + offset);
+  }
+}
+
+// RoPE in place on x (B, T, H, hd) with element strides sB, sT, sH (last dim contiguous):
+// the first `rot` dims of each head, with cos and signed sin (B, T, rot) contiguous as
+// rope.Rotary(signed=True) makes them: x_i' = x_i cos_i + x_{(i + rot/2) mod rot} sin_i.
+void kv_rope(float* x, int64_t B, int64_t T, int64_t H, int64_t sB, int64_t sT, int64_t sH, int64_t rot,
+             const float* cos, const float* sin) {
+  const int64_t half = rot / 2;
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t t = 0; t < T; t++) {
+      const float* c = cos + (b * T + t) * rot;
+      const float* s = sin + (b * T + t) * rot;
+      for (int64_t h = 0; h < H; h++) {
+        float* v = x + b * sB + t * sT + h * sH;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          const __m256 a = _mm256_loadu_ps(v + i), d = _mm256_loadu_ps(v + half + i);
+          const __m256 lo = _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)), _mm256_mul_ps(d, _mm256_loadu_ps(s + i)));
+          const __m256 hi = _mm256_add_ps(_mm256_mul_ps(d, _mm256_loadu_ps(c + half + i)),
+                                          _mm256_mul_ps(a, _mm256_loadu_ps(s + half + i)));
+          _mm256_storeu_ps(v + i, lo);
+          _mm256_storeu_ps(v + half + i, hi);
+        }
+        for (; i < half; i++) {
+          const float a = v[i], d = v[half + i];
+          v[i] = a * c[i] + d * s[i];
+          v[half + i] = d * c[half + i] + a * s[half + i];
+        }
+      }
+    }
+}
+
+// out (rows, I) = act(gate) * up from gu (rows, 2I) = [gate | up] (row stride ldg).
+// act 0: silu(g) = g / (1 + exp(-g)); 1: gelu tanh approximation.
+void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, float* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * I >= 32768)
+  for (int64_t r = 0; r < rows; r++) {
+    const float* g = gu + r * ldg;
+    const float* u = g + I;
+    float* o = out + r * I;
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (act == 0) {
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    } else {
+      const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f), half = _mm256_set1_ps(0.5f);
+      const __m256 two = _mm256_set1_ps(2.0f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 inner = _mm256_mul_ps(k0, _mm256_add_ps(x, _mm256_mul_ps(k1, _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
+        // tanh(y) = 1 - 2 / (exp(2y) + 1)
+        const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_mul_ps(two, inner)), one)));
+        const __m256 ge = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(ge, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; i++) {
+        const float x = g[i];
+        const float ge = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        o[i] = ge * u[i];
+      }
+    }
+  }
+}
+
+// One decode token per sequence: write its K and V into the pool, then attend its query
+// over the sequence's context read in place from the pool.
+//   q (B, nh, hd), k and v (B, n_kv, hd): heads contiguous, rows at element stride sq / skv
+//   pool: the whole block pool; layer, L, bs: this layer, layers, block size
+//   slot_block, slot_off (B,): where this token's K/V go; tables (B, nb) block ids, lens (B,)
+//   context lengths including the new token; window 0: full, else the last `window` positions
+//   scale; softcap 0: none, else cap * tanh(s / cap)
+//   out (B, nh * hd) contiguous
+void kv_decode_attention(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
+                         int64_t nh, int64_t nkv, int64_t hd, float* pool, int64_t layer, int64_t L, int64_t bs,
+                         const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
+                         const int64_t* lens, int64_t window, float scale, float softcap, float* out,
+                         int nthreads) {
+  const int64_t tok = nkv * hd;            // one token's K (or V) of all kv heads
+  const int64_t half_blk = bs * tok;       // K or V of one block in one layer
+  const int64_t blk = L * 2 * half_blk;    // one block, all layers
+  for (int64_t b = 0; b < B; b++) {
+    float* dst = pool + slot_block[b] * blk + layer * 2 * half_blk + slot_off[b] * tok;
+    memcpy(dst, k + b * skv, tok * sizeof(float));
+    memcpy(dst + half_blk, v + b * skv, tok * sizeof(float));
+  }
+  const int64_t group = nh / nkv;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> scores;
+    std::vector<float> acc(hd);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * nh; bh++) {
+      const int64_t b = bh / nh, h = bh % nh, kvh = h / group;
+      const float* qv = q + b * sq + h * hd;
+      const int64_t len = lens[b];
+      const int64_t start = (window > 0 && len > window) ? len - window : 0;
+      scores.resize(len - start);
+      float mx = -INFINITY;
+      for (int64_t p = start; p < len; p++) {
+        const float* kp = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
+        float s = dot(qv, kp, hd) * scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        scores[p - start] = s;
+        mx = s > mx ? s : mx;
+      }
+      float sum = 0.0f;
+      for (int64_t i = 0; i < len - start; i++) {
+        scores[i] = expf(scores[i] - mx);
+        sum += scores[i];
+      }
+      const float inv = 1.0f / sum;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = start; p < len; p++) {
+        const float* vp =
+            pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + half_blk + (p % bs) * tok + kvh * hd;
+        axpy(acc.data(), vp, scores[p - start] * inv, hd);
+      }
+      memcpy(out + b * nh * hd + h * hd, acc.data(), hd * sizeof(float));
+    }
+  }
+}
+
+}  // extern "C"
