@@ -280,33 +280,63 @@ FAMILIES = ["tiny_llama_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_g
             "tiny_phi3_dir", "tiny_phi4_mini_dir", "tiny_mistral_dir", "tiny_gpt2_dir"]  # fmt: skip
 
 
+NO_QK_NORM = {"tiny_llama_dir", "tiny_qwen2_window_dir", "tiny_gemma2_dir", "tiny_phi3_dir", "tiny_phi4_mini_dir",
+              "tiny_mistral_dir"}  # fmt: skip
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_steps_with_native_kernels_match_torch_per_family(family, request, monkeypatch) -> None:
-    """Prefill two sequences of different lengths, then decode 6 tokens each: the logits
-    of every step agree with torch's kernels (float32 tolerance), and the native attention
-    ran in every decoder layer of every step (families whose attention is PagedAttention)."""
+    """Prefill two sequences of different lengths, then decode 6 tokens each, three ways:
+    whole native layers (the default), native kernels op by op (the layers' per-op path),
+    torch's kernels. Every step's logits agree with torch's (float32 tolerance); the whole
+    layer gives the per-op path's bits (the same kernels in the same order) except where
+    per-head q/k norms run in torch on the per-op path; and each path really ran: one
+    native layer call per decoder layer per step, one native attention call per layer per
+    step on the per-op path (families whose blocks have a native layer)."""
     from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
-    from kvserve.service.models.layers import PagedAttention
+    from kvserve.service.models.native import layer as native_layer
 
     path = request.getfixturevalue(family)
-    on = load_model(path, dtype="float32", device="cpu", progress=False)
+    whole = load_model(path, dtype="float32", device="cpu", progress=False)
+    per_op = load_model(path, dtype="float32", device="cpu", progress=False)
     off = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
-    calls = []
-    real = ops.decode_attention
-    monkeypatch.setattr(ops, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    cfg, bs = on.config, 4
-    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
+    blocks = [m for m in per_op.model.modules() if hasattr(m, "native_spec")]
+    for m in blocks:
+        m._native_layer = None
+    calls = {"layer": 0, "attention": 0}
+    real_layer, real_attn = native_layer.run_layer, ops.decode_attention
+
+    def spy_layer(*a, **kw):
+        calls["layer"] += 1
+        return real_layer(*a, **kw)
+
+    def spy_attn(*a, **kw):
+        calls["attention"] += 1
+        return real_attn(*a, **kw)
+
+    monkeypatch.setattr(native_layer, "run_layer", spy_layer)
+    monkeypatch.setattr(ops, "decode_attention", spy_attn)
+    cfg, bs = whole.config, 4
+    runs = (whole, per_op, off)
+    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in runs]
     tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
     prompts_ = prompts(cfg.vocab_size, [11, 6], seed=5)
     seqs = [list(p) for p in prompts_]
     with torch.inference_mode():
-        for m, pool in ((on, pools[0]), (off, pools[1])):
+        for m, pool in zip(runs, pools):
             m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
         for _ in range(6):
             layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
-            a, b = on.model(layout, pools[0]), off.model(layout, pools[1])
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-            for s, tok in zip(seqs, b.argmax(-1).tolist()):
+            a, b, c = (m.model(layout, pool) for m, pool in zip(runs, pools))
+            torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(b, c, atol=1e-4, rtol=1e-4)
+            if family in NO_QK_NORM:
+                assert torch.equal(a, b)
+            for s, tok in zip(seqs, c.argmax(-1).tolist()):
                 s.append(tok)
-    attn_layers = sum(isinstance(m, PagedAttention) for m in on.model.modules())
-    assert len(calls) == 6 * attn_layers
+    native_blocks = sum(m._native_layer is not None for m in whole.model.modules() if hasattr(m, "native_spec"))
+    if family == "tiny_gpt2_dir":
+        assert native_blocks == 0 and calls == {"layer": 0, "attention": 0}
+    else:
+        assert native_blocks == cfg.num_layers
+        assert calls == {"layer": 6 * cfg.num_layers, "attention": 6 * cfg.num_layers}

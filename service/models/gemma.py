@@ -25,7 +25,9 @@ from torch import Tensor, nn
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
 from kvserve.service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears
+from kvserve.service.models.native import layer as native_layer
 from kvserve.service.models.native import ops as native_ops
+from kvserve.service.models.native.layer import LayerSpec
 from kvserve.service.models.rope import Rotary, apply_rope_
 
 
@@ -173,6 +175,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    _native_layer = None  # native.layer.NativeLayer: the whole block in one call on decode steps
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.norm_eps
@@ -184,7 +188,20 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.post_feedforward_layernorm = RMSNorm(d, eps)
 
+    def native_spec(self) -> LayerSpec | None:
+        """This block for the native decode layer: (1 + w) norms, sandwich norms around
+        attention and MLP, GeGLU with the tanh gelu only (exact gelu keeps the per-op path)."""
+        a, m = self.self_attn, self.mlp
+        if a.qkv_proj is None or m.gate_up_proj is None or m.approximate != "tanh":
+            return None
+        return LayerSpec(norm_in=self.input_layernorm, qkv=a.qkv_proj, o=a.o_proj, norm_mlp=self.pre_feedforward_layernorm,
+                         gate_up=m.gate_up_proj, down=m.down_proj, act="gelu_tanh", attn=a, norm_offset=1.0,
+                         norm_post_attn=self.post_attention_layernorm, norm_post_mlp=self.post_feedforward_layernorm,
+                         q_norm=a.q_norm if a.qk_norm else None, k_norm=a.k_norm if a.qk_norm else None)  # fmt: skip
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
+        if self._native_layer is not None and native_layer.applies(x, layout, kv):
+            return native_layer.run_layer(self._native_layer, x, cos, sin, layout, kv)
         h = self.input_layernorm(x)
         if layout is None:
             h = self.self_attn.forward_nocache(h, cos, sin)

@@ -94,9 +94,13 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def enable_native(model: nn.Module) -> int:
-    """Route the decode-sized products of every module of ``model`` that has a native
-    path (``_native`` attribute: ``Linear``, ``quant.QuantLinear``) to the native kernels;
-    returns how many modules were switched. The caller checks ``native.available()``."""
+    """Route the decode-sized work of every module of ``model`` that has a native path
+    to the native kernels (the caller checks ``native.available()``): modules with a
+    ``_native`` flag (products, norms, gates, attention) run their own op natively, and
+    blocks with a ``native_spec()`` run whole on decode steps (``native/layer.py``).
+    Returns how many modules were switched."""
+    from kvserve.service.models.native.layer import NativeLayer
+
     count = 0
     for m in model.modules():
         if hasattr(m, "_native"):
@@ -106,6 +110,14 @@ def enable_native(model: nn.Module) -> int:
             else:
                 m._native = True
                 count += 1
+    for m in model.modules():  # after the products: a QuantLinear's float scales are made above
+        spec = getattr(m, "native_spec", None)
+        if callable(spec) and (s := spec()) is not None:
+            try:
+                m._native_layer = NativeLayer(s)
+                count += 1
+            except ValueError:
+                pass  # a part the native layer cannot read: the block keeps its per-op path
     return count
 
 

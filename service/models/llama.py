@@ -26,7 +26,9 @@ from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models import rope
 from kvserve.service.models.config import ModelConfig
 from kvserve.service.models.layers import Linear, PagedAttention, fuse_linears
+from kvserve.service.models.native import layer as native_layer
 from kvserve.service.models.native import ops as native_ops
+from kvserve.service.models.native.layer import LayerSpec
 
 
 class RMSNorm(nn.Module):
@@ -177,6 +179,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    _native_layer = None  # native.layer.NativeLayer: the whole block in one call on decode steps
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -184,7 +188,18 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
+    def native_spec(self) -> LayerSpec | None:
+        """This block for the native decode layer (after fusing); Qwen3's per-head norms included."""
+        a, m = self.self_attn, self.mlp
+        if a.qkv_proj is None or m.gate_up_proj is None:
+            return None
+        return LayerSpec(norm_in=self.input_layernorm, qkv=a.qkv_proj, o=a.o_proj, norm_mlp=self.post_attention_layernorm,
+                         gate_up=m.gate_up_proj, down=m.down_proj, act="silu", attn=a,
+                         q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None))  # fmt: skip
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+        if self._native_layer is not None and native_layer.applies(x, layout, kv):
+            return native_layer.run_layer(self._native_layer, x, cos, sin, layout, kv)
         # in place: x is the model's own running tensor (the embedding's output, never shared)
         x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, layout, kv))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))

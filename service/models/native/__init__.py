@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 MODES = ("auto", "on", "off")
-SOURCES = ("gemv.cpp", "decode.cpp")
+SOURCES = ("gemv.cpp", "decode.cpp", "layer.cpp")
 _HERE = Path(__file__).resolve().parent
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
 
@@ -132,7 +132,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_act_mul.argtypes = [p, i64, i64, i64, i32, p, i32]
     lib.kv_decode_attention.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, p, i64, i64, i64,
                                         p, p, p, i64, p, i64, f32, f32, p, i32]
-    for name in ("kv_rmsnorm", "kv_rope", "kv_act_mul", "kv_decode_attention"):
+    lib.kv_decode_layer.argtypes = [p, p, p, p, p, i64]
+    for name in ("kv_rmsnorm", "kv_rope", "kv_act_mul", "kv_decode_attention", "kv_decode_layer"):
         getattr(lib, name).restype = None
 
 

@@ -1,0 +1,140 @@
+// One whole decoder layer of a decode step in one call: the pre-norm block every
+// PagedAttention family shares (Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3), composed
+// from the kernels of gemv.cpp and decode.cpp, so a layer costs one call from Python
+// instead of ~10. Intermediates live in per-thread scratch buffers reused across calls.
+//
+//   h = norm_in(x)
+//   q, k, v = split(qkv(h))             [q_norm, k_norm per head]  [RoPE on q, k]
+//   a = o(attention(q, k, v))           K/V written into the pool, context read in place
+//   x += post_attn_norm(a)  or  x += a  (the residual add fused into o's product)
+//   h = norm_mlp(x)
+//   d = down(act(gate(h)) * up(h))
+//   x += post_mlp_norm(d)   or  x += d
+//
+// Each step is the same arithmetic as the per-op path (same kernels, same order), so
+// the results are the same bits, except the per-head q/k norms (torch there).
+
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+extern "C" {
+void kv_gemv_f32(const float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const float*, float*,
+                 int64_t, int, int);
+void kv_gemv_bf16(const float*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, const float*, const float*,
+                  float*, int64_t, int, int);
+void kv_gemv_i8(const float*, int64_t, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*, float*,
+                int64_t, int, int);
+void kv_gemv_q8(const float*, int64_t, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*, float*,
+                int64_t, int, int, int8_t*, float*);
+void kv_rmsnorm(const float*, int64_t, int64_t, int64_t, const float*, float, float, float*, int64_t);
+void kv_rope(float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*);
+void kv_act_mul(const float*, int64_t, int64_t, int64_t, int, float*, int);
+void kv_decode_attention(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, float*, int64_t, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*,
+                         int64_t, const int64_t*, int64_t, float, float, float*, int);
+}
+
+// Mirrored by ctypes Structures in native/layer.py: keep the field order and types.
+struct KvLinear {
+  const void* w;         // (N, K) float32 | bf16 | int8
+  const float* scales;   // (N,) int8 only
+  const float* bias;     // (N,) or null
+  int64_t N, K;
+  int64_t fmt;           // 0 float32, 1 bf16, 2 int8 (float32 input), 3 int8 (input quantized per 32: w8a8)
+};
+
+struct KvLayer {
+  const float* norm_in;
+  const float* norm_post_attn;  // null: none (the residual add rides on o's product)
+  const float* norm_mlp;
+  const float* norm_post_mlp;   // null: none
+  const float* q_norm;          // (hd,) per-head norms or null
+  const float* k_norm;
+  KvLinear qkv, o, gate_up, down;
+  float eps, norm_offset, scale, softcap;
+  int64_t nh, nkv, hd, window, layer, act;
+};
+
+struct KvStep {
+  int64_t B, D;
+  float* pool;
+  int64_t L, bs;
+  const int64_t* slot_block;
+  const int64_t* slot_off;
+  const int64_t* tables;
+  int64_t nb;
+  const int64_t* lens;
+  int64_t nthreads;
+};
+
+namespace {
+
+thread_local std::vector<int8_t> xq_buf;
+thread_local std::vector<float> xs_buf;
+
+void linear(const KvLinear& l, const float* x, int64_t rows, float* y, int accumulate, int nt) {
+  switch (l.fmt) {
+    case 0: kv_gemv_f32(x, rows, l.K, l.K, (const float*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
+    case 1: kv_gemv_bf16(x, rows, l.K, l.K, (const uint16_t*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
+    case 2: kv_gemv_i8(x, rows, l.K, l.K, (const int8_t*)l.w, l.N, l.scales, l.bias, y, l.N, accumulate, nt); break;
+    default:
+      xq_buf.resize(rows * l.K);
+      xs_buf.resize(rows * (l.K / 32));
+      kv_gemv_q8(x, rows, l.K, l.K, (const int8_t*)l.w, l.N, l.scales, l.bias, y, l.N, accumulate, nt,
+                 xq_buf.data(), xs_buf.data());
+  }
+}
+
+void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
+}
+
+}  // namespace
+
+extern "C" void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, const float* cos, const float* sin,
+                                int64_t rot) {
+  thread_local std::vector<float> h, qkv, att, tmp, gu, m;
+  const int64_t B = s->B, D = s->D, nt = s->nthreads;
+  const int64_t nq = l->qkv.N, I = l->gate_up.N / 2, hd = l->hd;
+  h.resize(B * D);
+  qkv.resize(B * nq);
+  att.resize(B * l->nh * hd);
+  tmp.resize(B * D);
+  gu.resize(B * 2 * I);
+  m.resize(B * I);
+
+  kv_rmsnorm(x, B, D, D, l->norm_in, l->eps, l->norm_offset, h.data(), D);
+  linear(l->qkv, h.data(), B, qkv.data(), 0, nt);
+  if (l->q_norm) {
+    for (int64_t b = 0; b < B; b++) {
+      float* q = qkv.data() + b * nq;
+      kv_rmsnorm(q, l->nh, hd, hd, l->q_norm, l->eps, l->norm_offset, q, hd);
+      float* k = q + l->nh * hd;
+      kv_rmsnorm(k, l->nkv, hd, hd, l->k_norm, l->eps, l->norm_offset, k, hd);
+    }
+  }
+  if (rot > 0) kv_rope(qkv.data(), B, 1, l->nh + l->nkv, nq, nq, hd, rot, cos, sin);
+  const float* q = qkv.data();
+  kv_decode_attention(q, nq, q + l->nh * hd, q + (l->nh + l->nkv) * hd, nq, B, l->nh, l->nkv, hd, s->pool, l->layer,
+                      s->L, s->bs, s->slot_block, s->slot_off, s->tables, s->nb, s->lens, l->window, l->scale,
+                      l->softcap, att.data(), nt);
+  if (l->norm_post_attn) {
+    linear(l->o, att.data(), B, tmp.data(), 0, nt);
+    kv_rmsnorm(tmp.data(), B, D, D, l->norm_post_attn, l->eps, l->norm_offset, tmp.data(), D);
+    add_into(x, tmp.data(), B * D);
+  } else {
+    linear(l->o, att.data(), B, x, 1, nt);
+  }
+  kv_rmsnorm(x, B, D, D, l->norm_mlp, l->eps, l->norm_offset, h.data(), D);
+  linear(l->gate_up, h.data(), B, gu.data(), 0, nt);
+  kv_act_mul(gu.data(), B, 2 * I, I, (int)l->act, m.data(), nt);
+  if (l->norm_post_mlp) {
+    linear(l->down, m.data(), B, tmp.data(), 0, nt);
+    kv_rmsnorm(tmp.data(), B, D, D, l->norm_post_mlp, l->eps, l->norm_offset, tmp.data(), D);
+    add_into(x, tmp.data(), B * D);
+  } else {
+    linear(l->down, m.data(), B, x, 1, nt);
+  }
+}
