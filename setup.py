@@ -17,5 +17,5 @@ for root in ROOTS:
 setup(
     packages=packages,
     package_dir={f"kvserve.{root}": root for root in ROOTS},
-    package_data={"kvserve.service": ["default_model/*", "models/native/*.cpp"]},
+    package_data={"kvserve.service": ["default_model/*", "models/native/*.cpp", "models/native/*.h"]},
 )

@@ -1,4 +1,4 @@
-"""Native CPU kernels for decode: C++ (AVX2 + FMA, OpenMP) called through ctypes.
+"""Native CPU kernels for decode: C++ (AVX2 + FMA, own thread pool) called through ctypes.
 
 Decode reads every weight once per token, so its speed is the speed of a one-row
 product; torch's CPU kernels for that are slower than the memory allows (MKL's
@@ -14,9 +14,9 @@ ctypes. Where it cannot be built or loaded (no compiler, as in the slim containe
 image; a CPU without AVX2/FMA; not x86-64), ``available()`` is False, ``reason()``
 says why in one line and every caller keeps its torch path.
 
-The library links OpenMP by soname (``libgomp.so.1``): torch has already loaded its
-own copy under that name, so both share one thread pool. Each call is told torch's
-thread count.
+Threads: ``pool.h``, a work-claiming pool (not OpenMP's fork-join: a thread the OS
+has not scheduled does not hold the others up); each call is told torch's thread
+count.
 
 Switched by ``configure(mode)`` (the ``native_kernels`` setting): ``auto`` uses the
 kernels when they build, ``on`` requires them (``NativeUnavailable`` otherwise), ``off``
@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 
 MODES = ("auto", "on", "off")
-SOURCES = ("gemv.cpp", "decode.cpp", "layer.cpp")
+SOURCES = ("pool.cpp", "gemv.cpp", "decode.cpp", "layer.cpp")
+HEADERS = ("pool.h",)
 _HERE = Path(__file__).resolve().parent
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -92,7 +93,7 @@ def _build() -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"native kernels: {cc} --version failed: {e}") from None
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         digest.update((_HERE / name).read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(version.encode())

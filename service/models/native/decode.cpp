@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "pool.h"
+
 namespace {
 
 // exp(x) for 8 floats: Cephes' polynomial after range reduction by ln 2 (relative error
@@ -121,8 +123,8 @@ void kv_rope(float* x, int64_t B, int64_t T, int64_t H, int64_t sB, int64_t sT, 
 // out (rows, I) = act(gate) * up from gu (rows, 2I) = [gate | up] (row stride ldg).
 // act 0: silu(g) = g / (1 + exp(-g)); 1: gelu tanh approximation.
 void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, float* out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * I >= 32768)
-  for (int64_t r = 0; r < rows; r++) {
+  kvpool::parallel_for(rows, 1, rows * I >= 32768 ? nthreads : 1, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r++) {
     const float* g = gu + r * ldg;
     const float* u = g + I;
     float* o = out + r * I;
@@ -153,6 +155,7 @@ void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, 
       }
     }
   }
+  });
 }
 
 // One decode token per sequence: write its K and V into the pool, then attend its query
@@ -177,12 +180,10 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
     memcpy(dst + half_blk, v + b * skv, tok * sizeof(float));
   }
   const int64_t group = nh / nkv;
-#pragma omp parallel num_threads(nthreads)
-  {
-    std::vector<float> scores;
-    std::vector<float> acc(hd);
-#pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < B * nh; bh++) {
+  kvpool::parallel_for(B * nh, 1, nthreads, [&](int64_t bh0, int64_t bh1) {
+    thread_local std::vector<float> scores, acc;
+    acc.resize(hd);
+    for (int64_t bh = bh0; bh < bh1; bh++) {
       const int64_t b = bh / nh, h = bh % nh, kvh = h / group;
       const float* qv = q + b * sq + h * hd;
       const int64_t len = lens[b];
@@ -210,7 +211,7 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
       }
       memcpy(out + b * nh * hd + h * hd, acc.data(), hd * sizeof(float));
     }
-  }
+  });
 }
 
 }  // extern "C"

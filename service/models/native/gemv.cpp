@@ -1,7 +1,7 @@
 // Decode-sized products y = x W^T (+ bias) for 1..64 rows, read straight from the
 // weights' own (out, in) row-major storage: float32, bfloat16, or int8 with one float
-// scale per output row. AVX2 + FMA, OpenMP over output rows (the caller passes the
-// thread count: torch's).
+// scale per output row. AVX2 + FMA, output rows split over the threads of pool.h (the
+// caller passes the thread count: torch's).
 //
 // Decode is bound by reading the weights once per step. Each output row's weights
 // (in floats, <= a few KiB in the products of the models served) are loaded once per
@@ -16,6 +16,8 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "pool.h"
 
 namespace {
 
@@ -42,58 +44,70 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[r] = dot(w[0:K], x[r*ldx : r*ldx + K]) for r < R: two accumulators per row
-// (16 weights per iteration), then the tail one by one.
+// out[r] = dot(w[0:K], x[r*ldx : r*ldx + K]) for r < R <= 2: four accumulators per row
+// (32 weights per iteration: one chain would be bound by the multiply-add's latency),
+// then 8 at a time, then the tail one by one. The summation order depends on K only, so a
+// row's result is the same whichever rows it is grouped with.
 template <typename WT, int R>
 inline void dot_rows(const WT* w, const float* x, int64_t ldx, int64_t K, float* out) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+  __m256 a[4][R];
+  for (int c = 0; c < 4; c++)
+    for (int r = 0; r < R; r++) a[c][r] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
+  for (; k + 32 <= K; k += 32) {
+    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
     for (int r = 0; r < R; r++) {
-      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
-      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), a1[r]);
+      const float* xr = x + r * ldx + k;
+      a[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[0][r]);
+      a[1][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[1][r]);
+      a[2][r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a[2][r]);
+      a[3][r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a[3][r]);
     }
   }
   for (; k + 8 <= K; k += 8) {
     const __m256 w0 = load8(w + k);
-    for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
+    for (int r = 0; r < R; r++) a[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a[0][r]);
   }
-  for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+  for (int r = 0; r < R; r++)
+    out[r] = hsum(_mm256_add_ps(_mm256_add_ps(a[0][r], a[1][r]), _mm256_add_ps(a[2][r], a[3][r])));
   for (; k < K; k++) {
     const float wk = load1(w + k);
     for (int r = 0; r < R; r++) out[r] += wk * x[r * ldx + k];
   }
 }
 
+// Output rows per chunk of the pool: about four chunks per thread (balance when a thread
+// runs late), at least 16 rows (the claim costs an atomic add).
+inline int64_t grain_for(int64_t N, int nthreads) {
+  const int64_t g = (N + 4 * nthreads - 1) / (4 * nthreads);
+  return g < 16 ? 16 : g;
+}
+
 template <typename WT>
 void gemv(const float* x, int64_t rows, int64_t ldx, int64_t K, const WT* W, int64_t N, const float* scales,
           const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t n = 0; n < N; n++) {
-    const WT* w = W + n * K;
-    const float s = scales ? scales[n] : 1.0f;
-    const float b = bias ? bias[n] : 0.0f;
-    float out[4];
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const float* xr = x + r0 * ldx;
-      const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
-      switch (rr) {
-        case 1: dot_rows<WT, 1>(w, xr, ldx, K, out); break;
-        case 2: dot_rows<WT, 2>(w, xr, ldx, K, out); break;
-        case 3: dot_rows<WT, 3>(w, xr, ldx, K, out); break;
-        default: dot_rows<WT, 4>(w, xr, ldx, K, out); break;
-      }
-      for (int64_t r = 0; r < rr; r++) {
-        float* yv = y + (r0 + r) * ldy + n;
-        const float v = out[r] * s + b;
-        *yv = accumulate ? *yv + v : v;
+  kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const WT* w = W + n * K;
+      const float s = scales ? scales[n] : 1.0f;
+      const float b = bias ? bias[n] : 0.0f;
+      float out[2];
+      for (int64_t r0 = 0; r0 < rows; r0 += 2) {  // rows in pairs: the weight row is read from L1 after the first
+        const float* xr = x + r0 * ldx;
+        const int64_t rr = rows - r0 < 2 ? rows - r0 : 2;
+        if (rr == 1)
+          dot_rows<WT, 1>(w, xr, ldx, K, out);
+        else
+          dot_rows<WT, 2>(w, xr, ldx, K, out);
+        for (int64_t r = 0; r < rr; r++) {
+          float* yv = y + (r0 + r) * ldy + n;
+          const float v = out[r] * s + b;
+          *yv = accumulate ? *yv + v : v;
+        }
       }
     }
-  }
+  });
 }
-
 
 // ---- int8 x int8 (llama.cpp's Q8_0 dot) ---------------------------------------------
 // The input quantized per block of 32 (one float scale each, symmetric, 127 steps);
@@ -169,29 +183,30 @@ void quantize_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, int8_t* x
 void gemv_q8(const int8_t* xq, const float* xs, int64_t rows, int64_t K, const int8_t* W, int64_t N,
              const float* scales, const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
   const int64_t nb = K / 32;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t n = 0; n < N; n++) {
-    const int8_t* w = W + n * K;
-    const float s = scales[n];
-    const float b = bias ? bias[n] : 0.0f;
-    float out[4];
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int8_t* xr = xq + r0 * K;
-      const float* sr = xs + r0 * nb;
-      const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
-      switch (rr) {
-        case 1: dot_rows_q8<1>(w, xr, sr, K, out); break;
-        case 2: dot_rows_q8<2>(w, xr, sr, K, out); break;
-        case 3: dot_rows_q8<3>(w, xr, sr, K, out); break;
-        default: dot_rows_q8<4>(w, xr, sr, K, out); break;
-      }
-      for (int64_t r = 0; r < rr; r++) {
-        float* yv = y + (r0 + r) * ldy + n;
-        const float v = out[r] * s + b;
-        *yv = accumulate ? *yv + v : v;
+  kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const int8_t* w = W + n * K;
+      const float s = scales[n];
+      const float b = bias ? bias[n] : 0.0f;
+      float out[4];
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int8_t* xr = xq + r0 * K;
+        const float* sr = xs + r0 * nb;
+        const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
+        switch (rr) {
+          case 1: dot_rows_q8<1>(w, xr, sr, K, out); break;
+          case 2: dot_rows_q8<2>(w, xr, sr, K, out); break;
+          case 3: dot_rows_q8<3>(w, xr, sr, K, out); break;
+          default: dot_rows_q8<4>(w, xr, sr, K, out); break;
+        }
+        for (int64_t r = 0; r < rr; r++) {
+          float* yv = y + (r0 + r) * ldy + n;
+          const float v = out[r] * s + b;
+          *yv = accumulate ? *yv + v : v;
+        }
       }
     }
-  }
+  });
 }
 
 }  // namespace
