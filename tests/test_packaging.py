@@ -38,6 +38,10 @@ def test_the_wheel_holds_only_the_kvserve_namespace(wheel):
                  "kvserve/service/default_model/model.safetensors", "kvserve/cachestore/tiered.py",
                  "kvserve/clients/client.py", "kvserve/clients/_proto/kvserve/v1/generation_pb2_grpc.py"):
         assert path in names, path
+    from kvserve.service.models import native  # the native kernels' sources: built from the installed copy
+
+    for source in (*native.SOURCES, *native.HEADERS):
+        assert f"kvserve/service/models/native/{source}" in names, source
     assert not [n for n in names if "/node/" in n or "/tests/" in n]
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()

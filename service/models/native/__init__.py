@@ -8,10 +8,12 @@ CPUs without AVX-512 BF16). The kernels here read the weights in their own stora
 repacked or copied.
 
 Built on first use from the sources beside this file with the system C++ compiler
-(``c++``, a few seconds), cached by source, compiler and CPU under
+(``c++``, a few seconds; AVX2/FMA code, not ``-march=native``, so a library built on
+one x86-64 machine runs on any with those), cached by source and flags under
 ``$XDG_CACHE_HOME/kvserve/native`` (default ``~/.cache/kvserve/native``) and loaded with
-ctypes. Where it cannot be built or loaded (no compiler, as in the slim container
-image; a CPU without AVX2/FMA; not x86-64), ``available()`` is False, ``reason()``
+ctypes; a library already in the cache needs no compiler (the container image builds
+one in its build stage). Where it cannot be built or loaded (no compiler and nothing
+cached; a CPU without AVX2/FMA; not x86-64), ``available()`` is False, ``reason()``
 says why in one line and every caller keeps its torch path.
 
 Threads: ``pool.h``, a work-claiming pool (not OpenMP's fork-join: a thread the OS
@@ -40,7 +42,7 @@ MODES = ("auto", "on", "off")
 SOURCES = ("pool.cpp", "gemv.cpp", "decode.cpp", "layer.cpp")
 HEADERS = ("pool.h",)
 _HERE = Path(__file__).resolve().parent
-_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -77,31 +79,32 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (or find cached) and load the library; raises RuntimeError with one line."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"native kernels are x86-64 only (this is {platform.machine()})")
-    flags = _cpu_flags()
-    missing = sorted({"avx2", "fma"} - flags)
-    if missing:
-        raise RuntimeError(f"native kernels need AVX2 and FMA; this CPU lacks {', '.join(missing)}")
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("native kernels need a C++ compiler (c++, g++ or clang++); none found")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"native kernels: {cc} --version failed: {e}") from None
+def library_path() -> Path:
+    """Where the library for these sources and flags is (or will be) cached."""
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update((_HERE / name).read_bytes())
     digest.update(" ".join(_FLAGS).encode())
-    digest.update(version.encode())
-    digest.update(" ".join(sorted(flags)).encode())  # -march=native: a library per CPU model
-    target = _cache_dir() / f"libkvnative-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, rename: safe across processes
+    return _cache_dir() / f"libkvnative-{digest.hexdigest()[:16]}.so"
+
+
+def _build() -> ctypes.CDLL:
+    """Find the cached library or compile it, and load it; raises RuntimeError with one line."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"native kernels are x86-64 only (this is {platform.machine()})")
+    missing = sorted({"avx2", "fma", "f16c"} - _cpu_flags())
+    if missing:
+        raise RuntimeError(f"native kernels need AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}")
+    target = library_path()
+    if not target.exists():  # a prebuilt library (the container image ships one) needs no compiler
+        cc = _compiler()
+        if cc is None:
+            raise RuntimeError("native kernels need a C++ compiler (c++, g++ or clang++); none found")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, rename: safe across processes
+        except OSError as e:
+            raise RuntimeError(f"native kernels: cannot write the cache {target.parent}: {e.strerror}") from None
         os.close(fd)
         cmd = [cc, *_FLAGS, *(str(_HERE / s) for s in SOURCES), "-o", tmp]
         try:
