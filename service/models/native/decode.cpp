@@ -179,37 +179,62 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
     memcpy(dst, k + b * skv, tok * sizeof(float));
     memcpy(dst + half_blk, v + b * skv, tok * sizeof(float));
   }
+  // Work units: (sequence, kv head, slice of that kv head's query heads). The query heads
+  // of a slice share each K and V row read from the pool (grouped-query attention reads
+  // the context once per slice, not once per query head); a group is split into slices
+  // only as far as needed to give every thread work.
   const int64_t group = nh / nkv;
-  kvpool::parallel_for(B * nh, 1, nthreads, [&](int64_t bh0, int64_t bh1) {
+  int64_t slices = (2 * (int64_t)nthreads + B * nkv - 1) / (B * nkv);
+  slices = slices < 1 ? 1 : (slices > group ? group : slices);
+  const int64_t per = (group + slices - 1) / slices;
+  kvpool::parallel_for(B * nkv * slices, 1, nthreads, [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scores, acc;
-    acc.resize(hd);
-    for (int64_t bh = bh0; bh < bh1; bh++) {
-      const int64_t b = bh / nh, h = bh % nh, kvh = h / group;
-      const float* qv = q + b * sq + h * hd;
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t b = u / (nkv * slices), kvh = (u / slices) % nkv, sl = u % slices;
+      const int64_t h0 = kvh * group + sl * per;
+      const int64_t h1 = h0 + per < (kvh + 1) * group ? h0 + per : (kvh + 1) * group;
+      const int64_t G = h1 - h0;
+      if (G <= 0) continue;
       const int64_t len = lens[b];
       const int64_t start = (window > 0 && len > window) ? len - window : 0;
-      scores.resize(len - start);
-      float mx = -INFINITY;
+      const int64_t n = len - start;
+      scores.resize(G * n);
+      acc.assign(G * hd, 0.0f);
+      const float* qb = q + b * sq + h0 * hd;
       for (int64_t p = start; p < len; p++) {
         const float* kp = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
-        float s = dot(qv, kp, hd) * scale;
-        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-        scores[p - start] = s;
-        mx = s > mx ? s : mx;
+        for (int64_t g = 0; g < G; g++) {
+          float sc = dot(qb + g * hd, kp, hd) * scale;
+          if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+          scores[g * n + (p - start)] = sc;
+        }
       }
-      float sum = 0.0f;
-      for (int64_t i = 0; i < len - start; i++) {
-        scores[i] = expf(scores[i] - mx);
-        sum += scores[i];
+      for (int64_t g = 0; g < G; g++) {  // softmax over the context, per query head
+        float* sg = scores.data() + g * n;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sv = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));
+          _mm256_storeu_ps(sg + i, e);
+          sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum(sv);
+        for (; i < n; i++) {
+          sg[i] = expf(sg[i] - mx);
+          sum += sg[i];
+        }
+        const float inv = 1.0f / sum;
+        for (i = 0; i < n; i++) sg[i] *= inv;
       }
-      const float inv = 1.0f / sum;
-      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t p = start; p < len; p++) {
         const float* vp =
             pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + half_blk + (p % bs) * tok + kvh * hd;
-        axpy(acc.data(), vp, scores[p - start] * inv, hd);
+        for (int64_t g = 0; g < G; g++) axpy(acc.data() + g * hd, vp, scores[g * n + (p - start)], hd);
       }
-      memcpy(out + b * nh * hd + h * hd, acc.data(), hd * sizeof(float));
+      memcpy(out + b * nh * hd + h0 * hd, acc.data(), G * hd * sizeof(float));
     }
   });
 }
