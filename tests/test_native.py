@@ -340,3 +340,21 @@ def test_decode_steps_with_native_kernels_match_torch_per_family(family, request
     else:
         assert native_blocks == cfg.num_layers
         assert calls == {"layer": 6 * cfg.num_layers, "attention": 6 * cfg.num_layers}
+
+
+def test_concurrent_callers_from_several_threads_get_their_own_results() -> None:
+    """The kernels' thread pool runs one task at a time; callers on other threads (two
+    engines in one process, a test beside a server) run theirs alone meanwhile. Every
+    caller's result is its own, exactly as computed on one thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(3000, 256, generator=g)  # many output rows: chunks for every pool thread
+    xs = [torch.randn(3, 256, generator=g) for _ in range(6)]
+    want = [ops.gemv(x, w) for x in xs]
+
+    def work(i: int) -> bool:
+        return all(torch.equal(ops.gemv(xs[i], w), want[i]) for _ in range(40))
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(work, range(6)))
