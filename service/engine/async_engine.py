@@ -1,7 +1,13 @@
 """asyncio front of the engine: the LLMEngine runs on its own thread.
 
 ``generate()`` is an async generator of events (a request with n > 1 ends after its
-n-th ``Finished``). Closing it early (the gRPC call was
+n-th ``Finished``). A stream's tokens reach it at most once per ``stream_interval_s``
+(``STREAM_INTERVAL_S``, 20 ms): the first token goes at once, tokens generated within
+the interval after a delivery are held and delivered together in one ``Delta`` (one
+message on the wire, not one per token), and the sequence's end ends the hold. A model
+slower than one token per interval per stream gets each token as it comes; a fast one
+(a tiny model, many streams on a CPU) sends a few tokens per message instead of paying
+the per-message cost of gRPC or SSE per token. Closing it early (the gRPC call was
 cancelled, the client went away, the deadline passed) aborts the request: the engine
 finishes it on its next step and releases its blocks.
 """
@@ -36,6 +42,8 @@ from kvserve.service.types import (
 
 log = logging.getLogger(__name__)
 
+STREAM_INTERVAL_S = 0.020  # a stream's deltas are at least this far apart (see the module docstring)
+
 
 class AsyncEngine:
     """The front's one typed seam to the engine: ``generate``, ``validate``, ``abort``, ``check_format``,
@@ -44,11 +52,14 @@ class AsyncEngine:
     conversations, spill, metrics) uses nothing else; ``engine`` (the ``LLMEngine`` on its
     thread) is for this package and the engine's tests."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.engine = engine
+        self.stream_interval_s = stream_interval_s  # 0: every delta as it comes
         self.model_info: ModelInfo = engine.model_info
         self.tokenizer: Tokenizer = engine.tokenizer
         self._queues: dict[str, asyncio.Queue[Event]] = {}
+        # streams holding deltas: the future that ends the hold, the loop time it may end
+        self._holds: dict[str, tuple[asyncio.Future[None], float]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -85,10 +96,15 @@ class AsyncEngine:
             pass
 
     def _dispatch(self, emitted: Emitted) -> None:
+        holds = self._holds
+        now = self._loop.time() if holds and self._loop is not None else 0.0
         for rid, event in emitted:
             q = self._queues.get(rid)
             if q is not None:
                 q.put_nowait(event)
+                hold = holds.get(rid) if holds else None
+                if hold is not None and (now >= hold[1] or not isinstance(event, Delta)):
+                    _wake(hold[0])  # its interval is over (released with this step's token) or it ended
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admitting, let running requests finish for up to ``grace_s``, then stop."""
@@ -122,13 +138,21 @@ class AsyncEngine:
         finished = False
         remaining = req.sampling.n  # the request ends with its n-th Finished
         ready: deque[Event] = deque()  # taken from the queue while merging deltas, yielded next
+        interval = self.stream_interval_s
+        loop = asyncio.get_running_loop()
+        next_at = 0.0  # loop time before which a delta is held (the first is not)
         try:
             self.engine.add_request(req)  # raises InvalidRequest / QueueFull / EngineStopped
             while True:
                 if not ready:
-                    ready.extend(_merge_deltas(await q.get(), q))
+                    first = await q.get()
+                    if interval > 0 and isinstance(first, Delta) and loop.time() < next_at:
+                        await self._hold(req.request_id, q, next_at, interval)
+                    ready.extend(_merge_deltas(first, q))
                 event = ready.popleft()
                 yield event
+                if interval > 0 and isinstance(event, Delta):
+                    next_at = loop.time() + interval
                 if isinstance(event, Finished):
                     remaining -= 1
                     if remaining == 0:
@@ -138,6 +162,24 @@ class AsyncEngine:
             self._queues.pop(req.request_id, None)
             if not finished:
                 self.engine.abort(req.request_id)
+
+    async def _hold(self, rid: str, q: asyncio.Queue[Event], until: float, interval: float) -> None:
+        """Hold ``rid``'s deltas until the first step that emits after loop time ``until``
+        (``_dispatch`` ends the hold, so the streams of one step are released together, in
+        one pass of the event loop) or until its sequence ends; the deltas queued meanwhile
+        are then merged into one. A timer ends the hold one interval later if no step
+        comes (a preempted sequence)."""
+        if any(not isinstance(e, Delta) for e in q._queue):  # type: ignore[attr-defined]
+            return  # the end is already there: deliver what is queued now
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_at(until + interval, _wake, fut)
+        self._holds[rid] = (fut, until)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._holds.pop(rid, None)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -231,6 +273,11 @@ class AsyncEngine:
             hashes = block_hashes(ns, token_ids, self.engine.block_size)
             out.update(await asyncio.to_thread(store.location, ns, hashes))
         return out
+
+
+def _wake(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
 
 
 def _merge_deltas(first: Event, q: asyncio.Queue[Event]) -> list[Event]:
