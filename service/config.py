@@ -174,6 +174,7 @@ class ServerConfig:
     redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
     redis_kv_format: str = setting("exact", "How KV blocks are stored in Redis: exact (the KV dtype), or LOSSY bf16, fp16, int8 or fp8 (e4m3; int8 and fp8 with a float32 scale per head and token); fewer bytes per restore, restored KV rounded (measured error in docs/benchmarks.md). Each format has its own keys: replicas read only blocks stored in their format.", choice(*STORAGE_FORMAT_NAMES))
     redis_compression: str = setting("none", "Lossless compression of KV blocks in Redis: none, zstd or lz4 (pays only on slow links: random-weight KV hardly compresses).", choice("none", "zstd", "lz4"))
+    stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
     spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.REDIS), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
@@ -217,6 +218,7 @@ class ServerConfig:
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
             ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),
             ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
+            ("stream_interval", math.isfinite(self.stream_interval) and 0 <= self.stream_interval <= 10, "must be between 0 and 10 seconds"),
             ("redis_url", self.redis_url is None or self.redis_url.split("://")[0] in ("redis", "rediss", "unix"),
              "must start with redis://, rediss:// or unix://"),
             ("tls_key", bool(self.tls_cert) == bool(self.tls_key), "and --tls-cert / KVSERVE_TLS_CERT must be set together"),
@@ -310,6 +312,7 @@ class ServerConfig:
             redis_kv_format=self.redis_kv_format,
             redis_compression=self.redis_compression,
             spill_after_s=self.spill_after,
+            stream_interval_s=self.stream_interval,
             spill_to=self.spill_to,
             restore_policy=self.restore_policy,
         )

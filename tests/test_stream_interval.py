@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvserve.service.engine.async_engine import AsyncEngine
+from kvserve.service.engine.async_engine import STREAM_INTERVAL_S, AsyncEngine
 from kvserve.service.models.loading import load_model
 from kvserve.service.types import Delta, Finished, GenerationRequest, SamplingParams, Started
 from tests.engine_util import finished, make_engine, prompts, req
@@ -121,3 +121,15 @@ def test_a_step_after_the_interval_releases_the_hold_a_step_before_does_not(load
         assert q.qsize() == 3
 
     asyncio.run(main())
+
+
+def test_stream_interval_setting_reaches_the_engine_config() -> None:
+    """--stream-interval / KVSERVE_STREAM_INTERVAL (a duration; 0 sends every token as it
+    comes) is what build_engine hands AsyncEngine; out of range is refused in one line."""
+    from kvserve.service.config import ConfigError, ServerConfig
+
+    assert ServerConfig.from_args([], {}).engine_config().stream_interval_s == STREAM_INTERVAL_S == 0.02
+    assert ServerConfig.from_args(["--stream-interval", "0"], {}).engine_config().stream_interval_s == 0.0
+    assert ServerConfig.from_args([], {"KVSERVE_STREAM_INTERVAL": "50ms"}).engine_config().stream_interval_s == 0.05
+    with pytest.raises(ConfigError, match="--stream-interval .* between 0 and 10 seconds"):
+        ServerConfig.from_args(["--stream-interval", "11"], {})

@@ -2,8 +2,8 @@
 
 ``generate()`` is an async generator of events (a request with n > 1 ends after its
 n-th ``Finished``). A stream's tokens reach it at most once per ``stream_interval_s``
-(``STREAM_INTERVAL_S``, 20 ms): the first token goes at once, tokens generated within
-the interval after a delivery are held and delivered together in one ``Delta`` (one
+(the ``--stream-interval`` setting; ``STREAM_INTERVAL_S``, 20 ms, by default): the first
+token goes at once, tokens generated within the interval after a delivery are held and delivered together in one ``Delta`` (one
 message on the wire, not one per token), and the sequence's end ends the hold. A model
 slower than one token per interval per stream gets each token as it comes; a fast one
 (a tiny model, many streams on a CPU) sends a few tokens per message instead of paying
@@ -322,6 +322,6 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         log.info("weights served as %s (quantized at load; fingerprint %s)", loaded.weight_format, loaded.fingerprint[:12])
     store = build_store(cfg, loaded)
     engine = LLMEngine(loaded, cfg, store=store)
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(engine, stream_interval_s=cfg.stream_interval_s)
     aengine.start()
     return aengine

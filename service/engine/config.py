@@ -34,6 +34,7 @@ class EngineConfig:
     redis_kv_format: str = "exact"  # codec.STORAGE_FORMATS: exact | bf16 | fp16 | int8 | fp8
     redis_compression: str = "none"  # none | zstd | lz4
     spill_after_s: float = 30.0  # idle seconds before a session's blocks are written out
+    stream_interval_s: float = 0.02  # least time between two deltas of one stream (AsyncEngine.generate)
     spill_to: tuple[Tier, ...] = (Tier.HOST, Tier.REDIS)
     # "auto": restore a tier's blocks only when the measured rates say it beats
     # recomputing them (by restore_min_speedup); "always": restore every hit.
