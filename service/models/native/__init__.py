@@ -20,9 +20,9 @@ Threads: ``pool.h``, a work-claiming pool (not OpenMP's fork-join: a thread the 
 has not scheduled does not hold the others up); each call is told torch's thread
 count.
 
-Switched by ``configure(mode)`` (the ``native_kernels`` setting): ``auto`` uses the
-kernels when they build, ``on`` requires them (``NativeUnavailable`` otherwise), ``off``
-never loads them.
+The ``native_kernels`` setting (``MODES``) is applied by ``loading.load_model``: ``auto``
+uses the kernels when they build, ``on`` refuses to load without them, ``off`` never
+loads them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch
 
 MODES = ("auto", "on", "off")
 SOURCES = ("pool.cpp", "gemv.cpp", "decode.cpp", "layer.cpp")
@@ -48,11 +47,6 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the library is unavailable (None: not tried yet, or loaded)
 _tried = False
-ENABLED = False  # read on every decode-sized product: True once configure() loaded the library
-
-
-class NativeUnavailable(RuntimeError):
-    """``native_kernels = on`` and the kernels cannot be built or loaded here."""
 
 
 def _cpu_flags() -> set[str]:
@@ -162,22 +156,3 @@ def reason() -> str | None:
     """One line saying why the kernels are unavailable (None when they are loaded)."""
     load()
     return _reason
-
-
-def configure(mode: str) -> bool:
-    """Apply the ``native_kernels`` setting; returns whether the kernels are in use."""
-    global ENABLED
-    if mode not in MODES:
-        raise ValueError(f"native_kernels must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "off":
-        ENABLED = False
-        return False
-    lib = load()
-    if lib is None and mode == "on":
-        raise NativeUnavailable(f"native_kernels=on but {reason()}")
-    ENABLED = lib is not None
-    return ENABLED
-
-
-def threads() -> int:
-    return torch.get_num_threads()

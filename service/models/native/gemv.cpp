@@ -115,6 +115,16 @@ inline void dot_rows_bf16(const uint16_t* w, const float* xp, int64_t K, float* 
     out[r] = hsum(_mm256_add_ps(_mm256_add_ps(a[0][r], a[1][r]), _mm256_add_ps(a[2][r], a[3][r])));
 }
 
+// y[r0 + r, n] (+)= out[r] * s + b for the rr rows of a group (accumulate: a residual add).
+inline void store(float* y, int64_t ldy, int64_t r0, int64_t rr, int64_t n, const float* out, float s, float b,
+                  int accumulate) {
+  for (int64_t r = 0; r < rr; r++) {
+    float* yv = y + (r0 + r) * ldy + n;
+    const float v = out[r] * s + b;
+    *yv = accumulate ? *yv + v : v;
+  }
+}
+
 // Output rows per chunk of the pool: about four chunks per thread (balance when a thread
 // runs late), at least 16 rows (the claim costs an atomic add).
 inline int64_t grain_for(int64_t N, int nthreads) {
@@ -138,11 +148,7 @@ void gemv(const float* x, int64_t rows, int64_t ldx, int64_t K, const WT* W, int
           dot_rows<WT, 1>(w, xr, ldx, K, out);
         else
           dot_rows<WT, 2>(w, xr, ldx, K, out);
-        for (int64_t r = 0; r < rr; r++) {
-          float* yv = y + (r0 + r) * ldy + n;
-          const float v = out[r] * s + b;
-          *yv = accumulate ? *yv + v : v;
-        }
+        store(y, ldy, r0, rr, n, out, s, b, accumulate);
       }
     }
   });
@@ -174,11 +180,7 @@ void gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint1
           dot_rows_bf16<1>(w, xp + r0 * K, K, out);
         else
           dot_rows_bf16<2>(w, xp + r0 * K, K, out);
-        for (int64_t r = 0; r < rr; r++) {
-          float* yv = y + (r0 + r) * ldy + n;
-          const float v = out[r] + b;
-          *yv = accumulate ? *yv + v : v;
-        }
+        store(y, ldy, r0, rr, n, out, 1.0f, b, accumulate);
       }
     }
   });
@@ -274,11 +276,7 @@ void gemv_q8(const int8_t* xq, const float* xs, int64_t rows, int64_t K, const i
           case 3: dot_rows_q8<3>(w, xr, sr, K, out); break;
           default: dot_rows_q8<4>(w, xr, sr, K, out); break;
         }
-        for (int64_t r = 0; r < rr; r++) {
-          float* yv = y + (r0 + r) * ldy + n;
-          const float v = out[r] * s + b;
-          *yv = accumulate ? *yv + v : v;
-        }
+        store(y, ldy, r0, rr, n, out, s, b, accumulate);
       }
     }
   });

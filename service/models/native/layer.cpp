@@ -87,8 +87,17 @@ void linear(const KvLinear& l, const float* x, int64_t rows, float* y, int accum
   }
 }
 
-void add_into(float* x, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
+// x += post_norm(lin(in)), or x += lin(in) added inside the product when there is no
+// post-norm; tmp (rows, D) is scratch.
+void residual_add(const KvLayer& l, const KvLinear& lin, const float* post_norm, const float* in, int64_t rows,
+                  int64_t D, float* x, float* tmp, int nt) {
+  if (!post_norm) {
+    linear(lin, in, rows, x, 1, nt);
+    return;
+  }
+  linear(lin, in, rows, tmp, 0, nt);
+  kv_rmsnorm(tmp, rows, D, D, post_norm, l.eps, l.norm_offset, tmp, D);
+  for (int64_t i = 0; i < rows * D; i++) x[i] = x[i] + tmp[i];
 }
 
 }  // namespace
@@ -120,21 +129,9 @@ extern "C" void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, con
   kv_decode_attention(q, nq, q + l->nh * hd, q + (l->nh + l->nkv) * hd, nq, B, l->nh, l->nkv, hd, s->pool, l->layer,
                       s->L, s->bs, s->slot_block, s->slot_off, s->tables, s->nb, s->lens, l->window, l->scale,
                       l->softcap, att.data(), nt);
-  if (l->norm_post_attn) {
-    linear(l->o, att.data(), B, tmp.data(), 0, nt);
-    kv_rmsnorm(tmp.data(), B, D, D, l->norm_post_attn, l->eps, l->norm_offset, tmp.data(), D);
-    add_into(x, tmp.data(), B * D);
-  } else {
-    linear(l->o, att.data(), B, x, 1, nt);
-  }
+  residual_add(*l, l->o, l->norm_post_attn, att.data(), B, D, x, tmp.data(), nt);
   kv_rmsnorm(x, B, D, D, l->norm_mlp, l->eps, l->norm_offset, h.data(), D);
   linear(l->gate_up, h.data(), B, gu.data(), 0, nt);
   kv_act_mul(gu.data(), B, 2 * I, I, (int)l->act, m.data(), nt);
-  if (l->norm_post_mlp) {
-    linear(l->down, m.data(), B, tmp.data(), 0, nt);
-    kv_rmsnorm(tmp.data(), B, D, D, l->norm_post_mlp, l->eps, l->norm_offset, tmp.data(), D);
-    add_into(x, tmp.data(), B * D);
-  } else {
-    linear(l->down, m.data(), B, x, 1, nt);
-  }
+  residual_add(*l, l->down, l->norm_post_mlp, m.data(), B, D, x, tmp.data(), nt);
 }

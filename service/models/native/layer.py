@@ -75,9 +75,9 @@ def _linear(m: nn.Module, keep: list[Tensor]) -> KvLinear | None:
         if m.fmt == "bf16":
             fmt, scales = 1, None
         else:
-            if m._scales32 is None:
-                m._scales32 = m.scales.float().contiguous()
-            scales = m._scales32
+            scales = m._scales32  # made by QuantLinear.enable_native, which layers.enable_native runs first
+            if scales is None:
+                return None
             fmt = 3 if m.fmt == "w8a8" and m.in_features % 32 == 0 else 2
     elif isinstance(m, Linear):
         w, fmt, scales = m.weight, 0, None

@@ -1,8 +1,8 @@
 """Python entry points of the native kernels (``native/__init__.py``): argument checks
 that keep a bad call from reading out of bounds, then one ctypes call.
 
-Every function takes and returns CPU tensors; the caller decides when to use them
-(``native.ENABLED``) and keeps its torch path for everything else.
+Every function takes and returns CPU tensors; the caller decides when to use them (the
+modules ``layers.enable_native`` switched) and keeps its torch path for everything else.
 """
 
 from __future__ import annotations
@@ -15,19 +15,6 @@ from kvserve.service.models import native
 MAX_ROWS = 64  # decode-sized products; more rows (prefill) are compute-bound: torch's GEMM
 
 _GEMV = {torch.float32: "kv_gemv_f32", torch.bfloat16: "kv_gemv_bf16", torch.int8: "kv_gemv_i8"}
-
-
-def gemv_supported(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``gemv(x, weight, ...)`` applies: CPU float32 input of 1..MAX_ROWS rows,
-    a contiguous CPU weight of a supported dtype."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and weight.dtype in _GEMV
-        and weight.is_contiguous()
-        and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
-    )
 
 
 def _check(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, out: Tensor | None,
