@@ -303,18 +303,24 @@ def test_decode_steps_with_native_kernels_match_torch_per_family(family, request
     blocks = [m for m in per_op.model.modules() if hasattr(m, "native_spec")]
     for m in blocks:
         m._native_layer = None
+    per_op.model._native_stack = None
     calls = {"layer": 0, "attention": 0}
-    real_layer, real_attn = native_layer.run_layer, ops.decode_attention
+    real_layer, real_stack, real_attn = native_layer.run_layer, native_layer.NativeStack.run, ops.decode_attention
 
     def spy_layer(*a, **kw):
         calls["layer"] += 1
         return real_layer(*a, **kw)
+
+    def spy_stack(stack, *a, **kw):
+        calls["layer"] += len(stack)
+        return real_stack(stack, *a, **kw)
 
     def spy_attn(*a, **kw):
         calls["attention"] += 1
         return real_attn(*a, **kw)
 
     monkeypatch.setattr(native_layer, "run_layer", spy_layer)
+    monkeypatch.setattr(native_layer.NativeStack, "run", spy_stack)
     monkeypatch.setattr(ops, "decode_attention", spy_attn)
     cfg, bs = whole.config, 4
     runs = (whole, per_op, off)
@@ -338,7 +344,7 @@ def test_decode_steps_with_native_kernels_match_torch_per_family(family, request
     if family == "tiny_gpt2_dir":
         assert native_blocks == 0 and calls == {"layer": 0, "attention": 0}
     else:
-        assert native_blocks == cfg.num_layers
+        assert native_blocks == cfg.num_layers and len(whole.model._native_stack) == cfg.num_layers
         assert calls == {"layer": 6 * cfg.num_layers, "attention": 6 * cfg.num_layers}
 
 

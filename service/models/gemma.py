@@ -24,10 +24,10 @@ from torch import Tensor, nn
 
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears
+from kvserve.service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears, last_tokens
 from kvserve.service.models.native import layer as native_layer
 from kvserve.service.models.native import ops as native_ops
-from kvserve.service.models.native.layer import LayerSpec
+from kvserve.service.models.native.layer import LayerSpec, NativeStack
 from kvserve.service.models.rope import Rotary, apply_rope_
 
 
@@ -257,6 +257,13 @@ class GemmaForCausalLM(nn.Module):
         if self.model.rotary_emb_local is not None:
             self.model.rotary_emb_local.reset_buffers()
 
+    _native_stack = None  # native.layer.NativeStack: every block of a decode step natively (layers.enable_native)
+
+    def native_stack(self) -> NativeStack | None:
+        """The blocks' native layers; the sliding ones rotate with the local pair (Gemma 3)."""
+        local = self.model.rotary_emb_local is not None
+        return NativeStack.of(self.model.layers, [int(local and layer.is_sliding) for layer in self.model.layers])
+
     def _embed(self, input_ids: Tensor) -> Tensor:
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
         # the scale rounded to the model dtype first, as the reference does
@@ -266,6 +273,9 @@ class GemmaForCausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, x.dtype, signed=True)  # (B, T, 1, hd); sin signed (apply_rope_)
         local = self.model.rotary_emb_local
         cos_l, sin_l = local(positions, x.dtype, signed=True) if local is not None else (cos, sin)
+        stack = self._native_stack
+        if stack is not None and native_layer.applies(x, layout, kv):
+            return stack.run(x, ((cos, sin), (cos_l, sin_l)), layout, kv)  # a decode step: decided once, not per block
         for layer in self.model.layers:
             if layer.is_sliding:
                 x = layer(x, cos_l, sin_l, layout, kv)
@@ -282,7 +292,7 @@ class GemmaForCausalLM(nn.Module):
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
         x = self._layers(self._embed(layout.input_ids), layout.positions, layout, kv)  # (B, T, D)
         if not all_logits:
-            x = x.flatten(0, 1).index_select(0, layout.last_index)  # (B, D)
+            x = last_tokens(x, layout)  # (B, D)
         return self._logits(x)  # (B, V) or (B, T, V)
 
     def forward_nocache(self, input_ids: Tensor) -> Tensor:

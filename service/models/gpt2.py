@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear
+from kvserve.service.models.layers import Linear, last_tokens
 
 
 class Attention(nn.Module):
@@ -134,7 +134,7 @@ class GPT2LMHeadModel(nn.Module):
         for block in self.transformer.h:
             x = block(x, layout, kv)
         if not all_logits:
-            x = x.flatten(0, 1).index_select(0, layout.last_index)  # (B, D)
+            x = last_tokens(x, layout)  # (B, D)
         return self.lm_head(self.transformer.ln_f(x)).float()  # (B, V) or (B, T, V)
 
     def forward_nocache(self, input_ids: Tensor) -> Tensor:

@@ -96,9 +96,10 @@ def pack_linears(model: nn.Module) -> int:
 def enable_native(model: nn.Module) -> int:
     """Route the decode-sized work of every module of ``model`` that has a native path
     to the native kernels (the caller checks ``native.available()``): modules with a
-    ``_native`` flag (products, norms, gates, attention) run their own op natively, and
-    blocks with a ``native_spec()`` run whole on decode steps (``native/layer.py``).
-    Returns how many modules were switched."""
+    ``_native`` flag (products, norms, gates, attention) run their own op natively,
+    blocks with a ``native_spec()`` run whole on decode steps (``native/layer.py``), and
+    a model with a ``native_stack()`` runs its blocks' native layers as one stack (None
+    when a block has none). Returns how many modules were switched."""
     from kvserve.service.models.native.layer import NativeLayer
 
     count = 0
@@ -118,7 +119,19 @@ def enable_native(model: nn.Module) -> int:
                 count += 1
             except ValueError:
                 pass  # a part the native layer cannot read: the block keeps its per-op path
+    for m in model.modules():  # after the blocks: a model whose blocks all have a native layer runs them as one stack
+        stack = getattr(m, "native_stack", None)
+        if callable(stack):
+            m._native_stack = stack()
     return count
+
+
+def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
+    """(B, D): each sequence's last new token's row of x (B, T, D); a decode step's x
+    (T == 1) as it is, a view (no copy)."""
+    if x.shape[1] == 1:
+        return x.flatten(0, 1)
+    return x.flatten(0, 1).index_select(0, layout.last_index)
 
 
 def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor | None, bool]:

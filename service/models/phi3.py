@@ -31,11 +31,11 @@ from torch import Tensor, nn
 
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear, PagedAttention
+from kvserve.service.models.layers import Linear, PagedAttention, last_tokens
 from kvserve.service.models.llama import RMSNorm
 from kvserve.service.models.native import layer as native_layer
 from kvserve.service.models.native import ops as native_ops
-from kvserve.service.models.native.layer import LayerSpec
+from kvserve.service.models.native.layer import LayerSpec, NativeStack
 from kvserve.service.models.rope import Rotary
 
 
@@ -147,13 +147,22 @@ class Phi3ForCausalLM(nn.Module):
             return layout.long_rope
         return torch.tensor([n > self.threshold for n in layout.seq_lens], device=layout.input_ids.device)
 
+    _native_stack = None  # native.layer.NativeStack: every block of a decode step natively (layers.enable_native)
+
+    def native_stack(self) -> NativeStack | None:
+        return NativeStack.of(self.model.layers)
+
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
         x = self.model.embed_tokens(layout.input_ids)  # (B, T, D)
         cos, sin = self.model.rotary_emb(layout.positions, x.dtype, self._long(layout), signed=True)  # (B, T, 1, rot)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, layout, kv)
+        stack = self._native_stack
+        if stack is not None and native_layer.applies(x, layout, kv):
+            x = stack.run(x, ((cos, sin),), layout, kv)  # a decode step: decided once, not per block
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, layout, kv)
         if not all_logits:
-            x = x.flatten(0, 1).index_select(0, layout.last_index)  # (B, D)
+            x = last_tokens(x, layout)  # (B, D)
         return self.lm_head(self.model.norm(x)).float()  # (B, V) or (B, T, V)
 
     def forward_nocache(self, input_ids: Tensor) -> Tensor:

@@ -3,9 +3,10 @@
 A family's ``Block`` describes itself with ``native_spec()`` (its norms, the fused
 q/k/v and gate/up products, the attention's geometry), ``NativeLayer`` turns that into
 the C struct once at load time (pointers into the module's own tensors: nothing is
-copied), and ``Block.forward`` calls ``run_layer`` for a batch of one new token per
-sequence. The per-step arguments (the pool, block tables, slots) are built once per
-``BatchLayout`` and shared by every layer.
+copied), and the model's forward runs every block of a decode step (one new token per sequence) through
+``NativeStack.run``: what the step needs (the pool, block tables, slots, cos/sin) is made
+once, then one native call per block, with no per-block Python checks. A block alone
+(``Block.forward``, when some block of the model has no native layer) calls ``run_layer``.
 """
 
 from __future__ import annotations
@@ -149,13 +150,74 @@ def applies(x: Tensor, layout, kv) -> bool:
             and kv.data.dtype == torch.float32)  # fmt: skip
 
 
+def _rope_args(cos: Tensor, sin: Tensor, B: int) -> tuple[Tensor, Tensor]:
+    """cos and signed sin (B, 1, 1, rot) as the (B, rot) float32 contiguous rows the layer reads."""
+    c = cos.reshape(cos.shape[0], -1)  # (B, rot): one token per sequence
+    s = sin.reshape(sin.shape[0], -1)
+    if c.dtype != torch.float32 or not c.is_contiguous() or not s.is_contiguous() or c.shape[0] != B:
+        c, s = c.float().contiguous(), s.float().contiguous()
+    return c, s
+
+
 def run_layer(layer: NativeLayer, x: Tensor, cos: Tensor, sin: Tensor, layout, kv) -> Tensor:
     """x (B, 1, D) through one decoder layer, in place; returns x."""
     step = step_args(layout, kv)
     step.D = layer.hidden
-    c = cos.reshape(cos.shape[0], -1)  # (B, rot): one token per sequence
-    s = sin.reshape(sin.shape[0], -1)
-    if c.dtype != torch.float32 or not c.is_contiguous() or not s.is_contiguous() or c.shape[0] != x.shape[0]:
-        c, s = c.float().contiguous(), s.float().contiguous()
+    c, s = _rope_args(cos, sin, x.shape[0])
     native.load().kv_decode_layer(layer._ref, x.data_ptr(), ctypes.byref(step), c.data_ptr(), s.data_ptr(), c.shape[1])
     return x
+
+
+class NativeStack:
+    """Every decoder block of a model on a decode step, in order, each by its
+    ``NativeLayer``: the step's arguments (``step_args``, cos/sin rows, the library's
+    function) are made once per step, then one native call per block. Built by
+    ``layers.enable_native`` from the family's ``native_stack()`` when every block has a
+    native layer; the family's forward checks ``applies`` once per step and runs ``run``.
+
+    ``groups[i]``: which of the step's (cos, sin) pairs block i rotates with (Gemma 3's
+    sliding layers have their own RoPE base: pair 1); pair 0 for every block by default."""
+
+    def __init__(self, layers: list[NativeLayer], groups: list[int] | None = None) -> None:
+        groups = [0] * len(layers) if groups is None else list(groups)
+        if not layers or len(groups) != len(layers) or min(groups) < 0:
+            raise ValueError("a native stack needs one layer and one rope group per block")
+        if len({layer.hidden for layer in layers}) != 1:
+            raise ValueError("the blocks of a native stack differ in hidden size")
+        self.hidden = layers[0].hidden
+        self.layers = list(layers)
+        self.num_groups = max(groups) + 1
+        self._fn = native.load().kv_decode_layer  # loaded: a NativeLayer exists only when it is
+        self._calls = [(layer._ref, g) for layer, g in zip(layers, groups)]
+        self._refs = [layer._ref for layer in layers]
+
+    @classmethod
+    def of(cls, blocks, groups: list[int] | None = None) -> NativeStack | None:
+        """The stack of ``blocks`` (their ``_native_layer``s); None when one has none."""
+        layers = [getattr(b, "_native_layer", None) for b in blocks]
+        if not layers or any(layer is None for layer in layers):
+            return None
+        return cls(layers, groups)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def run(self, x: Tensor, ropes: tuple[tuple[Tensor, Tensor], ...], layout, kv) -> Tensor:
+        """x (B, 1, D) through every block, in place (the caller checked ``applies``);
+        ``ropes``: the step's (cos, sin) pairs, (B, 1, 1, rot) each. Returns x."""
+        step = step_args(layout, kv)
+        step.D = self.hidden
+        B = x.shape[0]
+        rows = [_rope_args(*ropes[g], B) for g in range(self.num_groups)]  # kept referenced through the calls
+        fn, xp, sp = self._fn, x.data_ptr(), ctypes.byref(step)
+        if self.num_groups == 1:
+            c, s = rows[0]
+            cp, snp, rot = c.data_ptr(), s.data_ptr(), c.shape[1]
+            for ref in self._refs:
+                fn(ref, xp, sp, cp, snp, rot)
+            return x
+        ptrs = [(c.data_ptr(), s.data_ptr(), c.shape[1]) for c, s in rows]
+        for ref, g in self._calls:
+            cp, snp, rot = ptrs[g]
+            fn(ref, xp, sp, cp, snp, rot)
+        return x
