@@ -213,6 +213,50 @@ def test_layout_slots_positions_and_last_index(specs, bs: int) -> None:
         assert allowed.any(-1).all()  # no fully masked row (would be NaN), padding included
 
 
+@settings(max_examples=100, deadline=None)
+@given(specs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.sampled_from([None, False, True])),
+                      min_size=1, max_size=6),
+       bs=st.sampled_from([1, 2, 4, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))  # fmt: skip
+def test_decode_layout_is_every_field_of_the_general_one(specs, bs: int, dtype) -> None:
+    """A decode step (one new token per sequence, some context: built from one tensor of
+    views) has every field the general layout defines: ids, positions, slots, the
+    context's blocks padded with the null block, lengths, last index, mask, LongRoPE."""
+    if all(start == 0 for start, _, _ in specs):
+        specs = [(1, *specs[0][1:]), *specs[1:]]
+    seqs, nxt = [], 1
+    for i, (start, spare, long) in enumerate(specs):
+        nb = math.ceil((start + 1) / bs) + spare
+        seqs.append(SeqSlice(list(range(nxt + nb - 1, nxt - 1, -1)), start, [100 + i], long))
+        nxt += nb
+    lay = BatchLayout.build(seqs, bs, dtype=dtype)
+    B = len(seqs)
+    totals = [s.start_pos + 1 for s in seqs]
+    C, nb = max(totals), math.ceil(max(totals) / bs)
+    assert lay.input_ids.tolist() == [[100 + i] for i in range(B)] and lay.positions.tolist() == [[s.start_pos] for s in seqs]
+    got = [(int(b), int(o), int(p)) for b, o, p in zip(lay.slot_blocks, lay.slot_offsets, lay.positions[:, 0])]
+    assert got == _reference_slots(seqs, bs)
+    tables = [list(s.block_table[:nb]) + [NULL_BLOCK] * (nb - len(s.block_table[:nb])) for s in seqs]
+    assert lay.ctx_blocks.tolist() == tables and lay.ctx_len == C
+    assert lay.last_index.tolist() == list(range(B)) and lay.lens_tensor().tolist() == totals
+    assert lay.seq_lens == tuple(totals) and lay.num_new_tokens == (1,) * B and lay.block_size == bs
+    assert not lay.fresh and not lay.is_causal
+    for t in (lay.input_ids, lay.positions, lay.slot_blocks, lay.slot_offsets, lay.ctx_blocks, lay.last_index,
+              lay.lens_tensor()):
+        assert t.dtype == torch.long and t.is_contiguous()
+    assert (lay.slot_blocks.shape, lay.ctx_blocks.shape, lay.input_ids.shape) == ((B,), (B, nb), (B, 1))
+    if B == 1:
+        assert lay.attn_mask is None
+    else:
+        assert lay.attn_mask.shape == (B, 1, 1, C) and lay.attn_mask.dtype == dtype
+        allowed = lay.attn_mask[:, 0, 0] == 0
+        assert all(allowed[b].nonzero().flatten().tolist() == list(range(totals[b])) for b in range(B))
+        assert torch.isneginf(lay.attn_mask[~(lay.attn_mask == 0)]).all()
+    if all(long is None for _, _, long in specs):
+        assert lay.long_rope is None
+    else:
+        assert lay.long_rope.tolist() == [bool(long) for _, _, long in specs]
+
+
 def test_layout_fast_paths() -> None:
     one = BatchLayout.build([SeqSlice([1, 2], 0, [5, 6, 7])], 4)
     assert one.fresh and one.is_causal and one.attn_mask is None and one.ctx_blocks is None

@@ -21,6 +21,7 @@ the target device when the layout is built.
 
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -374,6 +375,8 @@ class BatchLayout:
                 )
         B, T = len(seqs), max(lens)
         num_blocks = max(math.ceil(t / block_size) for t in totals)
+        if T == 1 and any(starts):
+            return cls._build_decode(seqs, starts, totals, num_blocks, block_size, device, dtype)
         ids = [list(s.token_ids) + [0] * (T - n) for s, n in zip(seqs, lens)]
         tables = [list(s.block_table[:num_blocks]) + [NULL_BLOCK] * (num_blocks - len(s.block_table[:num_blocks]))
                   for s in seqs]
@@ -430,3 +433,55 @@ class BatchLayout:
             block_size=block_size,
             long_rope=long_rope,
         )
+
+    @classmethod
+    def _build_decode(cls, seqs: Sequence[SeqSlice], starts: list[int], totals: list[int], num_blocks: int,
+                      block_size: int, device: torch.device, dtype: torch.dtype) -> "BatchLayout":
+        """``build`` for a decode step (one new token per sequence, some cached context):
+        the same layout, its integer tensors views of one tensor made from one Python list
+        (one host-to-device copy), not a dozen small ops."""
+        B = len(seqs)
+        tables = [list(s.block_table[:num_blocks]) for s in seqs]
+        flat = [s.token_ids[0] for s in seqs]  # input_ids
+        flat += starts  # positions: the new token's
+        flat += [t[p // block_size] for t, p in zip(tables, starts)]  # slot_blocks
+        flat += [p % block_size for p in starts]  # slot_offsets
+        flat += totals  # lens_tensor()
+        flat += range(B)  # last_index: one token per sequence
+        for t in tables:
+            flat += t
+            flat += [NULL_BLOCK] * (num_blocks - len(t))
+        # int64 from the list through an array: several times faster than torch.tensor(list)
+        data = torch.frombuffer(array.array("q", flat), dtype=torch.long)  # shares the array's memory (kept alive)
+        if device.type != "cpu":
+            data = data.to(device)
+        input_ids, positions, slot_blocks, slot_offsets, lens, last_index, table = data.split_with_sizes(
+            (B, B, B, B, B, B, B * num_blocks))
+        positions = positions.view(B, 1)
+        ctx_len = max(totals)
+        attn_mask = None
+        if B > 1:  # a lone decode token sees its whole (sliced) context
+            allowed = torch.arange(ctx_len, device=device)[None, None, :] <= positions[:, :, None]  # (B, 1, C)
+            attn_mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            attn_mask = attn_mask.unsqueeze(1)  # (B, 1, 1, C)
+        long_rope = None
+        if any(s.long_rope is not None for s in seqs):
+            long_rope = torch.tensor([bool(s.long_rope) for s in seqs], dtype=torch.bool, device=device)
+        layout = cls(
+            input_ids=input_ids.view(B, 1),
+            positions=positions,
+            slot_blocks=slot_blocks,
+            slot_offsets=slot_offsets,
+            ctx_blocks=table.view(B, num_blocks),  # num_blocks covers ctx_len = max(totals) exactly
+            ctx_len=ctx_len,
+            attn_mask=attn_mask,
+            is_causal=False,
+            fresh=False,
+            last_index=last_index,
+            seq_lens=tuple(totals),
+            num_new_tokens=(1,) * B,
+            block_size=block_size,
+            long_rope=long_rope,
+        )
+        layout._bias["lens"] = lens
+        return layout
