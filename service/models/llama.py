@@ -95,13 +95,18 @@ class RotaryEmbedding(nn.Module):
     def reset_buffers(self) -> None:
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
+    _rows: tuple[Tensor, Tensor, Tensor] | None = None  # (inv_freq, rope.doubled(inv_freq)): remade when it changes
+
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, sin) (B, T, 1, hd): cos = [cos f, cos f], sin = [-sin f, sin f] (the sign
         of ``rotate_half`` folded in, so ``apply_rope`` needs no negation per layer)."""
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
-        s = freqs.sin()
-        cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)  # (B, T, hd)
-        sin = torch.cat((-s, s), dim=-1).to(dtype)  # (B, T, hd)
+        inv = self.inv_freq
+        rows = self._rows
+        if rows is None or rows[0] is not inv:
+            rows = self._rows = (inv, *rope.doubled(inv))
+        emb = positions[..., None].float() * rows[1]  # (B, T, hd): [freqs, freqs]
+        cos = emb.cos().to(dtype)  # (B, T, hd)
+        sin = emb.sin().mul_(rows[2]).to(dtype)  # (B, T, hd)
         return cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, hd): broadcast over heads
 
 

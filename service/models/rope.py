@@ -48,8 +48,22 @@ def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long: bool 
     return torch.where(is_medium, smoothed, scaled)
 
 
+def doubled(freq: Tensor) -> tuple[Tensor, Tensor]:
+    """([f, f], [-1 .. -1, 1 .. 1]) for inverse frequencies f (dim/2,): position * [f, f]
+    is the angle row ``cat((freqs, freqs))`` elementwise (the same products, bit for bit),
+    and the sign row turns its sin into the signed [-sin f, sin f] with one multiply.
+    Plain tensors (not inference ones): usable with autograd too."""
+    with torch.inference_mode(False):
+        f2 = torch.cat((freq, freq), dim=-1)
+        sign = torch.ones_like(f2)
+        sign[..., : freq.shape[-1]] = -1.0
+    return f2, sign
+
+
 class Rotary(nn.Module):
     """cos/sin (B, T, 1, dim) for given positions; computed per forward, no max-length table."""
+
+    _rows: tuple[Tensor, ...] | None = None  # (inv_freq, long_inv_freq, their ``doubled`` rows): remade when they change
 
     def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -70,17 +84,19 @@ class Rotary(nn.Module):
         """positions (B, T); ``long`` (B,) bool: which sequences use longrope's long factors.
         ``signed``: sin as [-sin f, sin f], the sign of ``rotate_half`` folded in once per
         step (for ``apply_rope_``)."""
-        freq = self.inv_freq  # (hd/2,)
+        inv, long_inv = self.inv_freq, self.long_inv_freq
+        rows = self._rows
+        if rows is None or rows[0] is not inv or rows[1] is not long_inv:
+            rows = self._rows = (inv, long_inv, *doubled(inv), doubled(long_inv)[0])
+        freq, sign = rows[2], rows[3]  # (hd,): [f, f]; [-1.., 1..]
         if self.longrope and long is not None:
-            freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)[:, None, :]  # (B, 1, hd/2)
-        freqs = positions[..., None].float() * freq  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+            freq = torch.where(long[:, None], rows[4], freq)[:, None, :]  # (B, 1, hd)
+        emb = positions[..., None].float() * freq  # (B, T, hd): [freqs, freqs]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         if signed:
-            half = sin.shape[-1] // 2
-            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            sin = sin.mul_(sign)  # [-sin f, sin f]
         return cos.to(dtype)[:, :, None, :], sin.to(dtype)[:, :, None, :]  # (B, T, 1, hd): broadcast over heads
 
 
