@@ -23,6 +23,27 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels 
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(params=[name for name, _, _ in native.ISAS])
+def isa(request):
+    """Each ISA level the library builds at (AVX-512, AVX2) that this CPU runs, selected
+    for the test; the best level is selected again after."""
+    if request.param not in native.cpu_isas():
+        pytest.skip(f"this CPU does not run {request.param}")
+    native.select(request.param)
+    yield request.param
+    native.select(native.cpu_isas()[0])
+
+
+def test_the_library_is_built_for_the_best_level_this_cpu_runs() -> None:
+    assert native.isa() == native.cpu_isas()[0]
+    assert native.library_path().name.startswith(f"libkvnative-{native.isa()}-")
+    with pytest.raises(ValueError, match="unknown ISA"):
+        native.build("sse2")
+    built = native.compile_all()  # every level compiles on any x86-64 host (the container's build stage)
+    assert set(built) == {name for name, _, _ in native.ISAS}
+    assert all(Path(path).is_file() for path in built.values())
+
+
 def _weights(dtype: torch.dtype, N: int, K: int, g: torch.Generator):
     """(weight in ``dtype``, float32 scales or None, the float64 weight it stands for)."""
     if dtype == torch.int8:
@@ -35,8 +56,8 @@ def _weights(dtype: torch.dtype, N: int, K: int, g: torch.Generator):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
-@pytest.mark.parametrize("K", [64, 771])  # 771: a tail past the last 16 and 8
-def test_gemv_matches_float64_reference(dtype, rows, K) -> None:
+@pytest.mark.parametrize("K", [64, 96, 771])  # 96: bf16 in blocks of 32 (not 64); 771: a tail past the last 16 and 8
+def test_gemv_matches_float64_reference(isa, dtype, rows, K) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + K)
     N = 37
     w, s, ref_w = _weights(dtype, N, K, g)
@@ -54,7 +75,7 @@ def test_gemv_matches_float64_reference(dtype, rows, K) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_a_rows_result_does_not_depend_on_the_other_rows(dtype) -> None:
+def test_a_rows_result_does_not_depend_on_the_other_rows(isa, dtype) -> None:
     """Bit for bit: each output is one row's dot product, summed in the same order
     whatever the batch (a seeded request decodes the same tokens beside others)."""
     g = torch.Generator().manual_seed(7)
@@ -63,10 +84,16 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(dtype) -> None:
     batch = ops.gemv(x, w, s)
     for i in range(11):
         assert torch.equal(ops.gemv(x[i : i + 1], w, s), batch[i : i + 1])
+    # nor on the weight rows computed beside it (the tiles of output rows start elsewhere)
+    for start in (1, 3, 5):
+        part = ops.gemv(x, w[start:], None if s is None else s[start:])
+        assert torch.equal(part, batch[:, start:])
     if dtype == torch.int8:
         batch = ops.gemv_q8(x, w, s)
         for i in range(11):
             assert torch.equal(ops.gemv_q8(x[i : i + 1], w, s), batch[i : i + 1])
+        for start in (1, 3):
+            assert torch.equal(ops.gemv_q8(x, w[start:], s[start:]), batch[:, start:])
 
 
 def _q8_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -83,9 +110,10 @@ def _q8_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Te
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
-def test_gemv_q8_is_llama_cpp_q8_0_arithmetic(rows) -> None:
+@pytest.mark.parametrize("K", [256, 288])  # 288: an odd number of blocks (AVX-512 takes two at a time)
+def test_gemv_q8_is_llama_cpp_q8_0_arithmetic(isa, rows, K) -> None:
     g = torch.Generator().manual_seed(rows)
-    N, K = 45, 256
+    N = 45
     w, s, ref_w = _weights(torch.int8, N, K, g)
     x = torch.randn(rows, K, generator=g)
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
@@ -224,13 +252,14 @@ def _ref_attention(q, k_ctx, v_ctx, lens, window, scale, softcap):
 
 @pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (4, 4, None, None), (6, 1, 5, None),
                                                     (4, 2, None, 30.0)])  # fmt: skip
-def test_decode_attention_reads_the_pool_in_place(nh, nkv, window, softcap) -> None:
+@pytest.mark.parametrize("hd", [32, 96, 12])  # 96: past one 64-float chunk of the value sums; 12: not a multiple of 8
+def test_decode_attention_reads_the_pool_in_place(isa, nh, nkv, window, softcap, hd) -> None:
     """The new token's K/V land in their slot and the output is the float64 attention over
     each sequence's own blocks (scattered, different lengths, GQA, window, soft-cap)."""
     from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
 
     g = torch.Generator().manual_seed(nh * 10 + nkv)
-    hd, bs, L = 32, 4, 3
+    bs, L = 4, 3
     pool = KVPool(40, L, bs, nkv, hd)
     pool.data.copy_(torch.randn(pool.data.shape, generator=g))
     tables = [[7, 3, 22, 9], [30, 1, 15], [12]]
@@ -252,7 +281,7 @@ def test_decode_attention_reads_the_pool_in_place(nh, nkv, window, softcap) -> N
     torch.testing.assert_close(out.view(3, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
 
 
-def test_norm_rope_and_gates_match_torch() -> None:
+def test_norm_rope_and_gates_match_torch(isa) -> None:
     import torch.nn.functional as F
 
     from kvserve.service.models.rope import Rotary, apply_rope_
@@ -285,7 +314,7 @@ NO_QK_NORM = {"tiny_llama_dir", "tiny_qwen2_window_dir", "tiny_gemma2_dir", "tin
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_steps_with_native_kernels_match_torch_per_family(family, request, monkeypatch) -> None:
+def test_decode_steps_with_native_kernels_match_torch_per_family(isa, family, request, monkeypatch) -> None:
     """Prefill two sequences of different lengths, then decode 6 tokens each, three ways:
     whole native layers (the default), native kernels op by op (the layers' per-op path),
     torch's kernels. Every step's logits agree with torch's (float32 tolerance); the whole
@@ -348,7 +377,7 @@ def test_decode_steps_with_native_kernels_match_torch_per_family(family, request
         assert calls == {"layer": 6 * cfg.num_layers, "attention": 6 * cfg.num_layers}
 
 
-def test_concurrent_callers_from_several_threads_get_their_own_results() -> None:
+def test_concurrent_callers_from_several_threads_get_their_own_results(isa) -> None:
     """The kernels' thread pool runs one task at a time; callers on other threads (two
     engines in one process, a test beside a server) run theirs alone meanwhile. Every
     caller's result is its own, exactly as computed on one thread."""

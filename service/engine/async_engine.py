@@ -315,7 +315,9 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         native_kernels=cfg.native_kernels,
     )
     if loaded.native == "on":
-        log.info("decode products by the native CPU kernels")
+        from kvserve.service.models import native
+
+        log.info("decode products by the native CPU kernels (%s)", native.isa())
     elif loaded.native is not None:
         log.info("native CPU kernels unavailable (%s): torch's kernels serve decode", loaded.native)
     if loaded.weight_format != "exact":

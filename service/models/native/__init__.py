@@ -1,4 +1,5 @@
-"""Native CPU kernels for decode: C++ (AVX2 + FMA, own thread pool) called through ctypes.
+"""Native CPU kernels for decode: C++ (AVX2 + FMA or AVX-512 + VNNI, own thread pool)
+called through ctypes.
 
 Decode reads every weight once per token, so its speed is the speed of a one-row
 product; torch's CPU kernels for that are slower than the memory allows (MKL's
@@ -8,13 +9,14 @@ CPUs without AVX-512 BF16). The kernels here read the weights in their own stora
 repacked or copied.
 
 Built on first use from the sources beside this file with the system C++ compiler
-(``c++``, a few seconds; AVX2/FMA code, not ``-march=native``, so a library built on
-one x86-64 machine runs on any with those), cached by source and flags under
+(``c++``, a few seconds) at the best ISA level the CPU runs (``ISAS``: AVX-512 with
+VNNI, else AVX2 + FMA; explicit flags, not ``-march=native``, so a library built on one
+x86-64 machine runs on any with that level), cached by source, flags and level under
 ``$XDG_CACHE_HOME/kvserve/native`` (default ``~/.cache/kvserve/native``) and loaded with
-ctypes; a library already in the cache needs no compiler (the container image builds
-one in its build stage). Where it cannot be built or loaded (no compiler and nothing
-cached; a CPU without AVX2/FMA; not x86-64), ``available()`` is False, ``reason()``
-says why in one line and every caller keeps its torch path.
+ctypes; a library already in the cache needs no compiler (the container image compiles
+every level in its build stage: ``compile_all``). Where it cannot be built or loaded (no
+compiler and nothing cached; a CPU without AVX2/FMA; not x86-64), ``available()`` is
+False, ``reason()`` says why in one line and every caller keeps its torch path.
 
 Threads: ``pool.h``, a work-claiming pool (not OpenMP's fork-join: a thread the OS
 has not scheduled does not hold the others up); each call is told torch's thread
@@ -22,8 +24,7 @@ count.
 
 The ``native_kernels`` setting (``MODES``) is applied by ``loading.load_model``: ``auto``
 uses the kernels when they build, ``on`` refuses to load without them, ``off`` never
-loads them.
-"""
+loads them."""
 
 from __future__ import annotations
 
@@ -41,10 +42,19 @@ MODES = ("auto", "on", "off")
 SOURCES = ("pool.cpp", "gemv.cpp", "decode.cpp", "layer.cpp")
 HEADERS = ("pool.h",)
 _HERE = Path(__file__).resolve().parent
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off", "-Wl,-Bsymbolic"]
+# ISA levels, best first: (name, compiler flags, the /proc/cpuinfo flags the CPU needs).
+# The library is built for the best level this CPU has; gemv.cpp's AVX-512 products
+# (512-bit, and VNNI's byte dot for w8a8) are compiled in when its flags are on.
+ISAS = (
+    ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
+     {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+    ("avx2", ["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_isa: str | None = None  # the ISA level of the loaded library
 _reason: str | None = None  # why the library is unavailable (None: not tried yet, or loaded)
 _tried = False
 
@@ -73,23 +83,58 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path() -> Path:
-    """Where the library for these sources and flags is (or will be) cached."""
+def _isa_flags(isa: str) -> list[str]:
+    for name, flags, _ in ISAS:
+        if name == isa:
+            return flags
+    raise ValueError(f"unknown ISA level {isa!r}; one of {', '.join(n for n, _, _ in ISAS)}")
+
+
+def cpu_isas() -> list[str]:
+    """The ISA levels this CPU runs, best first (empty: none; not x86-64 or no AVX2)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    have = _cpu_flags()
+    return [name for name, _, needs in ISAS if needs <= have]
+
+
+def library_path(isa: str | None = None) -> Path:
+    """Where the library for these sources, flags and ISA level (default: the best this
+    CPU runs, else AVX2) is (or will be) cached."""
+    isa = isa or (cpu_isas() or ["avx2"])[0]
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update((_HERE / name).read_bytes())
-    digest.update(" ".join(_FLAGS).encode())
-    return _cache_dir() / f"libkvnative-{digest.hexdigest()[:16]}.so"
+    digest.update(" ".join(_FLAGS + _isa_flags(isa)).encode())
+    return _cache_dir() / f"libkvnative-{isa}-{digest.hexdigest()[:16]}.so"
 
 
-def _build() -> ctypes.CDLL:
-    """Find the cached library or compile it, and load it; raises RuntimeError with one line."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"native kernels are x86-64 only (this is {platform.machine()})")
-    missing = sorted({"avx2", "fma", "f16c"} - _cpu_flags())
-    if missing:
-        raise RuntimeError(f"native kernels need AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}")
-    target = library_path()
+def build(isa: str) -> ctypes.CDLL:
+    """The library for one ISA level, compiled (or found in the cache) and loaded; raises
+    RuntimeError with one line. It runs only on a CPU that has the level (``cpu_isas``)."""
+    lib = ctypes.CDLL(str(compile_library(isa)))
+    _declare(lib)
+    return lib
+
+
+def compile_all() -> dict[str, str]:
+    """Compile the library at every ISA level into the cache, loading none (any level
+    compiles on any x86-64 host: the container image's build stage, whose runtime has no
+    compiler, prepares every level for whatever host it runs on). {isa: path or why not}."""
+    done = {}
+    for isa, _, _ in ISAS:
+        try:
+            done[isa] = str(compile_library(isa))
+        except RuntimeError as e:
+            done[isa] = str(e)
+    return done
+
+
+def compile_library(isa: str) -> Path:
+    """The cached library file for one ISA level, compiled when missing; RuntimeError with
+    one line when it cannot be."""
+    flags = _isa_flags(isa)
+    target = library_path(isa)
     if not target.exists():  # a prebuilt library (the container image ships one) needs no compiler
         cc = _compiler()
         if cc is None:
@@ -100,7 +145,7 @@ def _build() -> ctypes.CDLL:
         except OSError as e:
             raise RuntimeError(f"native kernels: cannot write the cache {target.parent}: {e.strerror}") from None
         os.close(fd)
-        cmd = [cc, *_FLAGS, *(str(_HERE / s) for s in SOURCES), "-o", tmp]
+        cmd = [cc, *_FLAGS, *flags, *(str(_HERE / s) for s in SOURCES), "-o", tmp]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
@@ -111,9 +156,7 @@ def _build() -> ctypes.CDLL:
             first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:200])
             raise RuntimeError(f"native kernels: {cc} failed: {first}")
         os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
-    _declare(lib)
-    return lib
+    return target
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -135,17 +178,45 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = None
 
 
+def _best() -> tuple[str, ctypes.CDLL]:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"native kernels are x86-64 only (this is {platform.machine()})")
+    isas = cpu_isas()
+    if not isas:
+        missing = sorted(ISAS[-1][2] - _cpu_flags())
+        raise RuntimeError(f"native kernels need AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}")
+    return isas[0], build(isas[0])
+
+
 def load() -> ctypes.CDLL | None:
-    """The loaded library, building it on first call; None where it cannot be (``reason()``)."""
-    global _lib, _reason, _tried
+    """The loaded library (the best ISA level this CPU runs), building it on first call;
+    None where it cannot be (``reason()``)."""
+    global _lib, _isa, _reason, _tried
     with _lock:
         if not _tried:
             _tried = True
             try:
-                _lib = _build()
+                _isa, _lib = _best()
             except (RuntimeError, OSError) as e:
                 _reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         return _lib
+
+
+def select(isa: str) -> None:
+    """Serve with the library of this ISA level instead of the best one (benchmarks and
+    tests compare the levels); RuntimeError when this CPU lacks it or it cannot build."""
+    global _lib, _isa, _reason, _tried
+    if isa not in cpu_isas():
+        raise RuntimeError(f"native kernels: this CPU does not run {isa} (it runs: {', '.join(cpu_isas()) or 'none'})")
+    lib = build(isa)
+    with _lock:
+        _lib, _isa, _reason, _tried = lib, isa, None, True
+
+
+def isa() -> str | None:
+    """The ISA level of the loaded library ("avx512" or "avx2"; None when unavailable)."""
+    load()
+    return _isa
 
 
 def available() -> bool:

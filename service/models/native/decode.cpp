@@ -59,12 +59,44 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y += p * x over n floats
-inline void axpy(float* y, const float* x, float p, int64_t n) {
-  const __m256 pv = _mm256_set1_ps(p);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; i++) y[i] += p * x[i];
+// The 8 lane sums of a[0..7] as one vector: out[j] = hsum(a[j]).
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // s0123 lanes: [0 1 2 3 | 0 1 2 3] (low and high 128-bit halves), s4567 the same for 4..7
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// out[j] = dot(q, k[j]) for the n <= 8 rows k[j] (hd floats each, hd % 8 == 0): one
+// accumulator per row, so the eight multiply-add chains run side by side.
+inline void dot8(const float* q, const float* const* k, int n, int64_t hd, float* out) {
+  __m256 a[8];
+  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < hd; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+  }
+  float r[8];
+  _mm256_storeu_ps(r, hsum8(a));
+  for (int j = 0; j < n; j++) out[j] = r[j];
+}
+
+// acc (hd) = sum_p w[p] * v[p] (hd floats each, hd % 8 == 0), in chunks of 64 floats held
+// in registers across the positions.
+inline void weighted_sum(const float* const* v, const float* w, int64_t n, int64_t hd, float* acc) {
+  for (int64_t c = 0; c < hd; c += 64) {
+    const int m = (int)((hd - c < 64 ? hd - c : 64) / 8);
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n; p++) {
+      const __m256 wp = _mm256_broadcast_ss(w + p);
+      const float* vp = v[p] + c;
+      for (int j = 0; j < m; j++) a[j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * j), a[j]);
+    }
+    for (int j = 0; j < m; j++) _mm256_storeu_ps(acc + c + 8 * j, a[j]);
+  }
 }
 
 }  // namespace
@@ -189,6 +221,7 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
   const int64_t per = (group + slices - 1) / slices;
   kvpool::parallel_for(B * nkv * slices, 1, nthreads, [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scores, acc;
+    thread_local std::vector<const float*> kps, vps;
     for (int64_t u = u0; u < u1; u++) {
       const int64_t b = u / (nkv * slices), kvh = (u / slices) % nkv, sl = u % slices;
       const int64_t h0 = kvh * group + sl * per;
@@ -199,14 +232,28 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
       const int64_t start = (window > 0 && len > window) ? len - window : 0;
       const int64_t n = len - start;
       scores.resize(G * n);
-      acc.assign(G * hd, 0.0f);
+      acc.resize(G * hd);
+      kps.resize(n);
+      vps.resize(n);
+      for (int64_t p = start; p < len; p++) {  // where each position's K and V rows are in the pool
+        kps[p - start] = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
+        vps[p - start] = kps[p - start] + half_blk;
+      }
       const float* qb = q + b * sq + h0 * hd;
-      for (int64_t p = start; p < len; p++) {
-        const float* kp = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
-        for (int64_t g = 0; g < G; g++) {
-          float sc = dot(qb + g * hd, kp, hd) * scale;
+      for (int64_t g = 0; g < G; g++) {
+        float* sg = scores.data() + g * n;
+        for (int64_t i = 0; i < n; i += 8) {
+          const int m = n - i < 8 ? (int)(n - i) : 8;
+          if (hd % 8 == 0) {
+            dot8(qb + g * hd, kps.data() + i, m, hd, sg + i);
+          } else {
+            for (int j = 0; j < m; j++) sg[i + j] = dot(qb + g * hd, kps[i + j], hd);
+          }
+        }
+        for (int64_t i = 0; i < n; i++) {
+          float sc = sg[i] * scale;
           if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-          scores[g * n + (p - start)] = sc;
+          sg[i] = sc;
         }
       }
       for (int64_t g = 0; g < G; g++) {  // softmax over the context, per query head
@@ -229,10 +276,15 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
         const float inv = 1.0f / sum;
         for (i = 0; i < n; i++) sg[i] *= inv;
       }
-      for (int64_t p = start; p < len; p++) {
-        const float* vp =
-            pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + half_blk + (p % bs) * tok + kvh * hd;
-        for (int64_t g = 0; g < G; g++) axpy(acc.data() + g * hd, vp, scores[g * n + (p - start)], hd);
+      for (int64_t g = 0; g < G; g++) {
+        if (hd % 8 == 0) {
+          weighted_sum(vps.data(), scores.data() + g * n, n, hd, acc.data() + g * hd);
+        } else {
+          float* ag = acc.data() + g * hd;
+          for (int64_t d = 0; d < hd; d++) ag[d] = 0.0f;
+          for (int64_t p = 0; p < n; p++)
+            for (int64_t d = 0; d < hd; d++) ag[d] += scores[g * n + p] * vps[p][d];
+        }
       }
       memcpy(out + b * nh * hd + h0 * hd, acc.data(), G * hd * sizeof(float));
     }

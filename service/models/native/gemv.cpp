@@ -1,14 +1,20 @@
 // Decode-sized products y = x W^T (+ bias) for 1..64 rows, read straight from the
 // weights' own (out, in) row-major storage: float32, bfloat16, or int8 with one float
-// scale per output row. AVX2 + FMA, output rows split over the threads of pool.h (the
-// caller passes the thread count: torch's).
+// scale per output row (its input float32, or quantized per block of 32: w8a8). Output
+// rows are split over the threads of pool.h (the caller passes torch's thread count).
 //
-// Decode is bound by reading the weights once per step. Each output row's weights
-// (in floats, <= a few KiB in the products of the models served) are loaded once per
-// group of up to 4 input rows and stay in L1 across the groups, so the weights stream
-// from memory once per call at any row count. Every output is the dot product of one
-// input row and one weight row summed in the same order whatever the other rows are:
-// a row's result does not depend on what else is in the batch.
+// The library is built at one of two ISA levels (native/__init__.py picks the best the
+// CPU has): AVX2 + FMA with 256-bit vectors, or AVX-512 (F, BW, VL, DQ, VNNI) with
+// 512-bit vectors and VNNI's byte dot product for w8a8. The code is the same, written
+// over the vector type V (V8 or V16 below).
+//
+// Register blocking: a tile of NB weight rows x RB input rows is computed at once, so
+// each weight vector loaded feeds RB multiply-adds and each input vector NB: one stream
+// (decode) reads the weights once at memory speed, a batch (8 streams) is bound by the
+// multiply-adds instead of by loads. Every output is still the dot product of one input
+// row and one weight row with its own accumulator, summed in an order that depends on K
+// only: a row's result does not depend on the tile it was in, nor on what else is in
+// the batch (bit for bit; tested).
 //
 //   x (rows, K) float32, row stride ldx        W (N, K): float32 | bf16 | int8
 //   scales (N,) float32 or null (int8 only)    bias (N,) float32 or null
@@ -21,15 +27,14 @@
 
 #include "pool.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KV_AVX512 1
+#else
+#define KV_AVX512 0
+#endif
+
 namespace {
 
-inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 load8(const uint16_t* w) {  // bfloat16: the high half of a float32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
-}
-inline __m256 load8(const int8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
-}
 inline float load1(const float* w) { return *w; }
 inline float load1(const uint16_t* w) {
   uint32_t bits = (uint32_t)(*w) << 16;
@@ -39,124 +44,254 @@ inline float load1(const uint16_t* w) {
 }
 inline float load1(const int8_t* w) { return (float)(*w); }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+#if KV_AVX512
+struct V {  // 16 floats
+  using T = __m512;
+  static constexpr int W = 16;
+  static constexpr int NB = 4, RB = 4;  // 16 accumulators + 4 weight vectors of 32 registers
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const uint16_t* p) {  // bfloat16: the high half of a float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+  static T load(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+  // 2W bfloat16 widened in two ops without a shuffle: the even elements are each 32-bit
+  // lane shifted left 16, the odd ones the lane with its low half cleared
+  static void load_bf16_pair(const uint16_t* p, T& even, T& odd) {
+    const __m512i v = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+  }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(T v) { return _mm512_reduce_add_ps(v); }
+};
+#else
+struct V {  // 8 floats
+  using T = __m256;
+  static constexpr int W = 8;
+  static constexpr int NB = 4, RB = 2;  // 8 accumulators + 4 weight vectors of 16 registers
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+  static T load(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static void load_bf16_pair(const uint16_t* p, T& even, T& odd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+  }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(T v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#endif
+
+// A tile's NB weight rows are NB short streams (K values each) that the hardware
+// prefetcher does not follow well; each step of a tile prefetches the same share of the
+// next tile (the NB rows after it, contiguous), so the next tile streams in while this
+// one is computed. [k, k + step) of each row: this step's values.
+template <int NB, typename WT>
+inline void prefetch_next(const WT* w, int64_t K, int64_t k, int64_t step) {
+  const char* next = (const char*)(w + NB * K);
+  const int64_t b0 = k * (int64_t)sizeof(WT) * NB, b1 = (k + step) * (int64_t)sizeof(WT) * NB;
+  for (int64_t off = (b0 + 63) & ~(int64_t)63; off < b1; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
 }
 
-// out[r] = dot(w[0:K], x[r*ldx : r*ldx + K]) for r < R <= 2: four accumulators per row
-// (32 weights per iteration: one chain would be bound by the multiply-add's latency),
-// then 8 at a time, then the tail one by one. The summation order depends on K only, so a
-// row's result is the same whichever rows it is grouped with.
-template <typename WT, int R>
-inline void dot_rows(const WT* w, const float* x, int64_t ldx, int64_t K, float* out) {
-  __m256 a[4][R];
-  for (int c = 0; c < 4; c++)
-    for (int r = 0; r < R; r++) a[c][r] = _mm256_setzero_ps();
+// out[i][r] = dot(w[i*K : i*K + K], x[r*ldx : r*ldx + K]), i < NB, r < RB: one W-wide
+// accumulator per output, W weights at a time, the tail one by one.
+template <typename WT, int NB, int RB>
+inline void tile(const WT* w, int64_t K, const float* x, int64_t ldx, float (*out)[V::RB]) {
+  typename V::T a[NB][RB];
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) a[i][r] = V::zero();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
-    for (int r = 0; r < R; r++) {
-      const float* xr = x + r * ldx + k;
-      a[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[0][r]);
-      a[1][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[1][r]);
-      a[2][r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a[2][r]);
-      a[3][r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a[3][r]);
+  for (; k + V::W <= K; k += V::W) {
+    typename V::T wv[NB];
+    prefetch_next<NB>(w, K, k, V::W);
+    for (int i = 0; i < NB; i++) wv[i] = V::load(w + i * K + k);
+    for (int r = 0; r < RB; r++) {
+      const typename V::T xv = V::load(x + r * ldx + k);
+      for (int i = 0; i < NB; i++) a[i][r] = V::fmadd(wv[i], xv, a[i][r]);
     }
   }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 w0 = load8(w + k);
-    for (int r = 0; r < R; r++) a[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a[0][r]);
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+  for (; k < K; k++)
+    for (int i = 0; i < NB; i++) {
+      const float wk = load1(w + i * K + k);
+      for (int r = 0; r < RB; r++) out[i][r] += wk * x[r * ldx + k];
+    }
+}
+
+// bfloat16 with K % (2W) == 0: 2W weights per load, widened in two ops (V::load_bf16_pair);
+// the input is permuted once per call to match, per block of 2W: its even elements, then
+// its odd ones (xp, row stride K).
+template <int NB, int RB>
+inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, int64_t, float (*out)[V::RB]) {
+  typename V::T a[NB][RB];
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) a[i][r] = V::zero();
+  for (int64_t k = 0; k < K; k += 2 * V::W) {
+    typename V::T e[NB], o[NB];
+    prefetch_next<NB>(w, K, k, 2 * V::W);
+    for (int i = 0; i < NB; i++) V::load_bf16_pair(w + i * K + k, e[i], o[i]);
+    for (int r = 0; r < RB; r++) {
+      const typename V::T xe = V::load(xp + r * K + k), xo = V::load(xp + r * K + k + V::W);
+      for (int i = 0; i < NB; i++) a[i][r] = V::fmadd(o[i], xo, V::fmadd(e[i], xe, a[i][r]));
+    }
   }
-  for (int r = 0; r < R; r++)
-    out[r] = hsum(_mm256_add_ps(_mm256_add_ps(a[0][r], a[1][r]), _mm256_add_ps(a[2][r], a[3][r])));
-  for (; k < K; k++) {
-    const float wk = load1(w + k);
-    for (int r = 0; r < R; r++) out[r] += wk * x[r * ldx + k];
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+}
+
+// ---- int8 x int8 (llama.cpp's Q8_0 dot) ---------------------------------------------
+// The input quantized per block of 32 (one float scale each, symmetric, 127 steps); the
+// integer products of a block summed exactly, then one float multiply-add per block
+// with the input's block scale. The weights are signed and the byte products take an
+// unsigned operand, so the weight's sign is moved onto the input (|w| * (x sign w)).
+
+#if KV_AVX512
+// dpbusd sums four byte products per 32-bit lane: a 512-bit register holds two blocks'
+// dot products (lanes 0-7: block b, 8-15: block b + 1). xs holds each block scale 8
+// times (one per lane), so one load scales two blocks; K % 64 == 32 masks the last half.
+constexpr int64_t XS_REPEAT = 8;
+template <int NB, int RB>
+inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* xs, float (*out)[V::RB]) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 a[NB][RB];
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) a[i][r] = _mm512_setzero_ps();
+  const int64_t nb = K / 32, ls = nb * XS_REPEAT;
+  for (int64_t b = 0; b < nb; b += 2) {
+    const __mmask64 m = b + 2 <= nb ? ~0ull : 0xFFFFFFFFull;
+    const __mmask16 ms = b + 2 <= nb ? 0xFFFF : 0x00FF;
+    __m512i u[NB];
+    __mmask64 neg[NB];
+    prefetch_next<NB>(w, K, b * 32, 64);
+    for (int i = 0; i < NB; i++) {
+      const __m512i wv = _mm512_maskz_loadu_epi8(m, w + i * K + b * 32);
+      u[i] = _mm512_abs_epi8(wv);
+      neg[i] = _mm512_movepi8_mask(wv);
+    }
+    for (int r = 0; r < RB; r++) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(m, xq + r * K + b * 32);
+      const __m512 sc = _mm512_maskz_loadu_ps(ms, xs + r * ls + b * XS_REPEAT);
+      for (int i = 0; i < NB; i++) {
+        const __m512i d = _mm512_dpbusd_epi32(zero, u[i], _mm512_mask_sub_epi8(xv, neg[i], zero, xv));
+        a[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, a[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) out[i][r] = _mm512_reduce_add_ps(a[i][r]);
+}
+#else
+// maddubs: pairs of byte products to int16 (|w| <= 127: no saturation), madd with ones
+// to int32 lanes; one block of 32 per 256-bit register.
+constexpr int64_t XS_REPEAT = 1;
+template <int NB, int RB>
+inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* xs, float (*out)[V::RB]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a[NB][RB];
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) a[i][r] = _mm256_setzero_ps();
+  const int64_t nb = K / 32;
+  for (int64_t b = 0; b < nb; b++) {
+    __m256i wv[NB], u[NB];
+    prefetch_next<NB>(w, K, b * 32, 32);
+    for (int i = 0; i < NB; i++) {
+      wv[i] = _mm256_loadu_si256((const __m256i*)(w + i * K + b * 32));
+      u[i] = _mm256_sign_epi8(wv[i], wv[i]);
+    }
+    for (int r = 0; r < RB; r++) {
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * 32));
+      const __m256 sc = _mm256_broadcast_ss(xs + r * nb + b);
+      for (int i = 0; i < NB; i++) {
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], _mm256_sign_epi8(xv, wv[i])), ones);
+        a[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, a[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+}
+#endif
+
+// y[r0 + r, n0 + i] (+)= out[i][r] * scale + bias for the tile's nb x rb outputs.
+inline void store(float* y, int64_t ldy, int64_t r0, int rb, int64_t n0, int nb, const float (*out)[V::RB],
+                  const float* scales, const float* bias, int accumulate) {
+  for (int i = 0; i < nb; i++) {
+    const float s = scales ? scales[n0 + i] : 1.0f;
+    const float b = bias ? bias[n0 + i] : 0.0f;
+    for (int r = 0; r < rb; r++) {
+      float* yv = y + (r0 + r) * ldy + n0 + i;
+      const float v = out[i][r] * s + b;
+      *yv = accumulate ? *yv + v : v;
+    }
   }
 }
 
-// bfloat16: 16 weights per 256-bit load, widened in two ops without a shuffle: the even
-// elements are each 32-bit lane shifted left 16, the odd ones the lane with its low half
-// cleared. The input is permuted once per call to match, per block of 16: its even
-// elements, then its odd ones (xp below); K % 16 == 0 for this path.
-template <int R>
-inline void dot_rows_bf16(const uint16_t* w, const float* xp, int64_t K, float* out) {
-  const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
-  __m256 a[4][R];
-  for (int c = 0; c < 4; c++)
-    for (int r = 0; r < R; r++) a[c][r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(w + k));
-    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
-    for (int r = 0; r < R; r++) {
-      const float* xr = xp + r * K + k;
-      a[0][r] = _mm256_fmadd_ps(e0, _mm256_loadu_ps(xr), a[0][r]);
-      a[1][r] = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xr + 8), a[1][r]);
-      a[2][r] = _mm256_fmadd_ps(e1, _mm256_loadu_ps(xr + 16), a[2][r]);
-      a[3][r] = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xr + 24), a[3][r]);
-    }
+// Dispatch a tile of nb <= NB weight rows x rb <= RB input rows to its instantiation.
+template <int NB, int RB, typename F>
+inline void dispatch_rb(int rb, const F& f) {
+  if constexpr (RB > 1) {
+    if (rb < RB) return dispatch_rb<NB, RB - 1>(rb, f);
   }
-  if (k < K) {  // one block of 16 left
-    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(w + k));
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
-    for (int r = 0; r < R; r++) {
-      const float* xr = xp + r * K + k;
-      a[0][r] = _mm256_fmadd_ps(e0, _mm256_loadu_ps(xr), a[0][r]);
-      a[1][r] = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xr + 8), a[1][r]);
-    }
-  }
-  for (int r = 0; r < R; r++)
-    out[r] = hsum(_mm256_add_ps(_mm256_add_ps(a[0][r], a[1][r]), _mm256_add_ps(a[2][r], a[3][r])));
+  f.template operator()<NB, RB>();
 }
-
-// y[r0 + r, n] (+)= out[r] * s + b for the rr rows of a group (accumulate: a residual add).
-inline void store(float* y, int64_t ldy, int64_t r0, int64_t rr, int64_t n, const float* out, float s, float b,
-                  int accumulate) {
-  for (int64_t r = 0; r < rr; r++) {
-    float* yv = y + (r0 + r) * ldy + n;
-    const float v = out[r] * s + b;
-    *yv = accumulate ? *yv + v : v;
+template <int NB, typename F>
+inline void dispatch(int nb, int rb, const F& f) {
+  if constexpr (NB > 1) {
+    if (nb < NB) return dispatch<NB - 1>(nb, rb, f);
   }
+  dispatch_rb<NB, V::RB>(rb, f);
 }
 
 // Output rows per chunk of the pool: about four chunks per thread (balance when a thread
-// runs late), at least 16 rows (the claim costs an atomic add).
+// runs late), at least 16 rows (the claim costs an atomic add), a multiple of V::NB.
 inline int64_t grain_for(int64_t N, int nthreads) {
-  const int64_t g = (N + 4 * nthreads - 1) / (4 * nthreads);
-  return g < 16 ? 16 : g;
+  int64_t g = (N + 4 * nthreads - 1) / (4 * nthreads);
+  g = g < 16 ? 16 : g;
+  return (g + V::NB - 1) / V::NB * V::NB;
 }
 
-template <typename WT>
-void gemv(const float* x, int64_t rows, int64_t ldx, int64_t K, const WT* W, int64_t N, const float* scales,
-          const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
+// The products' loop: chunks of output rows over the threads; in a chunk, tiles of NB
+// weight rows, each over the input rows RB at a time (a weight tile is read from memory
+// by the first and from cache by the rest). tile_fn<nb, rb>(w, x_row0, r0, out).
+template <typename WT, typename TileFn>
+void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* scales, const float* bias, float* y,
+               int64_t ldy, int accumulate, int nthreads, const TileFn& tile_fn) {
   kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-      const WT* w = W + n * K;
-      const float s = scales ? scales[n] : 1.0f;
-      const float b = bias ? bias[n] : 0.0f;
-      float out[2];
-      for (int64_t r0 = 0; r0 < rows; r0 += 2) {  // rows in pairs: the weight row is read from L1 after the first
-        const float* xr = x + r0 * ldx;
-        const int64_t rr = rows - r0 < 2 ? rows - r0 : 2;
-        if (rr == 1)
-          dot_rows<WT, 1>(w, xr, ldx, K, out);
-        else
-          dot_rows<WT, 2>(w, xr, ldx, K, out);
-        store(y, ldy, r0, rr, n, out, s, b, accumulate);
+    float out[V::NB][V::RB];
+    for (int64_t n = n0; n < n1; n += V::NB) {
+      const int nb = n1 - n < V::NB ? (int)(n1 - n) : V::NB;
+      for (int64_t r0 = 0; r0 < rows; r0 += V::RB) {
+        const int rb = rows - r0 < V::RB ? (int)(rows - r0) : V::RB;
+        dispatch<V::NB>(nb, rb, [&]<int NB_, int RB_>() { tile_fn.template operator()<NB_, RB_>(W + n * K, r0, out); });
+        store(y, ldy, r0, rb, n, nb, out, scales, bias, accumulate);
       }
     }
   });
 }
 
+template <typename WT>
+void gemv(const float* x, int64_t rows, int64_t ldx, int64_t K, const WT* W, int64_t N, const float* scales,
+          const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
+  run_tiles(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
+            [&]<int NB, int RB>(const WT* w, int64_t r0, float (*out)[V::RB]) {
+              tile<WT, NB, RB>(w, K, x + r0 * ldx, ldx, out);
+            });
+}
+
 void gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint16_t* W, int64_t N,
                const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
-  if (K % 16) {
+  constexpr int64_t block = 2 * V::W;
+  if (K % block) {
     gemv<uint16_t>(x, rows, ldx, K, W, N, nullptr, bias, y, ldy, accumulate, nthreads);
     return;
   }
@@ -164,65 +299,15 @@ void gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint1
   xp_buf.resize(rows * K);
   float* xp = xp_buf.data();
   for (int64_t r = 0; r < rows; r++)
-    for (int64_t k = 0; k < K; k += 16)
-      for (int j = 0; j < 8; j++) {
+    for (int64_t k = 0; k < K; k += block)
+      for (int j = 0; j < V::W; j++) {
         xp[r * K + k + j] = x[r * ldx + k + 2 * j];
-        xp[r * K + k + 8 + j] = x[r * ldx + k + 2 * j + 1];
+        xp[r * K + k + V::W + j] = x[r * ldx + k + 2 * j + 1];
       }
-  kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-      const uint16_t* w = W + n * K;
-      const float b = bias ? bias[n] : 0.0f;
-      float out[2];
-      for (int64_t r0 = 0; r0 < rows; r0 += 2) {
-        const int64_t rr = rows - r0 < 2 ? rows - r0 : 2;
-        if (rr == 1)
-          dot_rows_bf16<1>(w, xp + r0 * K, K, out);
-        else
-          dot_rows_bf16<2>(w, xp + r0 * K, K, out);
-        store(y, ldy, r0, rr, n, out, 1.0f, b, accumulate);
-      }
-    }
-  });
-}
-
-// ---- int8 x int8 (llama.cpp's Q8_0 dot) ---------------------------------------------
-// The input quantized per block of 32 (one float scale each, symmetric, 127 steps);
-// integer products of 32 weights at a time (maddubs: unsigned x signed bytes, the sign
-// of the weight moved onto the input), one float multiply-add per block. K % 32 == 0.
-
-template <int R>
-inline void dot_rows_q8(const int8_t* w, const int8_t* xq, const float* xs, int64_t K, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  // two chains per row (even and odd blocks): the float multiply-add's latency, not its
-  // throughput, would bound a single chain
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-  const int64_t nb = K / 32;
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + b * 32));
-    const __m256i w1 = _mm256_loadu_si256((const __m256i*)(w + b * 32 + 32));
-    const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);  // |w| (w >= -127)
-    for (int r = 0; r < R; r++) {
-      const int8_t* x = xq + r * K + b * 32;
-      const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + 32));
-      const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(x0, w0)), ones));
-      const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(x1, w1)), ones));
-      a0[r] = _mm256_fmadd_ps(p0, _mm256_broadcast_ss(xs + r * nb + b), a0[r]);
-      a1[r] = _mm256_fmadd_ps(p1, _mm256_broadcast_ss(xs + r * nb + b + 1), a1[r]);
-    }
-  }
-  if (b < nb) {
-    const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + b * 32));
-    const __m256i u0 = _mm256_sign_epi8(w0, w0);
-    for (int r = 0; r < R; r++) {
-      const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * 32));
-      const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(x0, w0)), ones));
-      a0[r] = _mm256_fmadd_ps(p0, _mm256_broadcast_ss(xs + r * nb + b), a0[r]);
-    }
-  }
-  for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+  run_tiles(rows, K, W, N, nullptr, bias, y, ldy, accumulate, nthreads,
+            [&]<int NB, int RB>(const uint16_t* w, int64_t r0, float (*out)[V::RB]) {
+              tile_bf16<NB, RB>(w, K, xp + r0 * K, K, out);
+            });
 }
 
 void quantize_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, int8_t* xq, float* xs) {
@@ -260,26 +345,18 @@ void quantize_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, int8_t* x
 void gemv_q8(const int8_t* xq, const float* xs, int64_t rows, int64_t K, const int8_t* W, int64_t N,
              const float* scales, const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
   const int64_t nb = K / 32;
-  kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-      const int8_t* w = W + n * K;
-      const float s = scales[n];
-      const float b = bias ? bias[n] : 0.0f;
-      float out[4];
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int8_t* xr = xq + r0 * K;
-        const float* sr = xs + r0 * nb;
-        const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
-        switch (rr) {
-          case 1: dot_rows_q8<1>(w, xr, sr, K, out); break;
-          case 2: dot_rows_q8<2>(w, xr, sr, K, out); break;
-          case 3: dot_rows_q8<3>(w, xr, sr, K, out); break;
-          default: dot_rows_q8<4>(w, xr, sr, K, out); break;
-        }
-        store(y, ldy, r0, rr, n, out, s, b, accumulate);
-      }
-    }
-  });
+  thread_local std::vector<float> xsr_buf;  // each block scale XS_REPEAT times (tile_q8)
+  if (XS_REPEAT > 1) {
+    xsr_buf.resize(rows * nb * XS_REPEAT);
+    for (int64_t i = 0; i < rows * nb; i++)
+      for (int j = 0; j < XS_REPEAT; j++) xsr_buf[i * XS_REPEAT + j] = xs[i];
+    xs = xsr_buf.data();
+  }
+  const int64_t ls = nb * XS_REPEAT;
+  run_tiles(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
+            [&]<int NB, int RB>(const int8_t* w, int64_t r0, float (*out)[V::RB]) {
+              tile_q8<NB, RB>(w, K, xq + r0 * K, xs + r0 * ls, out);
+            });
 }
 
 }  // namespace
