@@ -48,7 +48,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from kvserve.service.models import native  # torch-free
+
+native.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

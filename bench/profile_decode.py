@@ -23,7 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from kvserve.service.models import native  # torch-free
+
+native.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -118,6 +118,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         config.model or "(packaged default)", config.device, config.port, mask_url_password(config.redis_url),
     )  # fmt: skip
     log.debug("settings:\n%s", config.describe())
+    from kvserve.service.models import native  # torch-free: before torch loads
+
+    native.passive_openmp()
     try:
         return asyncio.run(_serve(config))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are in place

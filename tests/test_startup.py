@@ -119,3 +119,29 @@ def test_a_real_process_prints_one_line_and_exits_non_zero(tmp_path: Path) -> No
         "--model (KVSERVE_MODEL) takes a Hugging Face model directory (config.json, *.safetensors, tokenizer) "
         "of a supported family"
     ]
+
+
+_OPENMP_PROBE = """
+import os, sys
+from kvserve.service import cli
+from kvserve.service.models import native
+seen = []
+passive = native.passive_openmp
+native.passive_openmp = lambda environ=os.environ: (seen.append("torch" in sys.modules), passive(environ))
+status = cli.main(["serve", "--model", sys.argv[1], "--port", "0", "--log-level", "warning"])
+print(status, os.environ.get("OMP_WAIT_POLICY"), seen)
+"""
+
+
+@pytest.mark.parametrize("preset,expect", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_serve_asks_openmp_to_wait_passively_before_torch_loads(tmp_path: Path, preset, expect) -> None:
+    """torch's idle OpenMP threads spinning would take the cores the native kernels' own
+    threads need: ``serve`` sets OMP_WAIT_POLICY=PASSIVE before torch is imported (libgomp
+    reads it once, when it loads); a value the user set wins."""
+    env = subprocess_env()
+    env.pop("OMP_WAIT_POLICY", None)
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    out = subprocess.run([sys.executable, "-c", _OPENMP_PROBE, str(tmp_path / "nope")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.stdout.split() == ["2", expect, "[False]"], out.stderr

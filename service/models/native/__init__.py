@@ -59,6 +59,17 @@ _reason: str | None = None  # why the library is unavailable (None: not tried ye
 _tried = False
 
 
+def passive_openmp(environ=os.environ) -> None:
+    """Ask torch's OpenMP threads to sleep between parallel ops instead of spinning
+    (``OMP_WAIT_POLICY=PASSIVE``, unless the environment already says). libgomp's default
+    spins each idle thread for a while after every parallel op; on a host with few cores
+    that spinning takes the cores this library's own threads need, as soon as a step runs
+    one torch op big enough to go parallel (the logits of a batch: a batch-8 step at ~110M
+    w8a8 on 2 cores took 21 ms instead of 13). libgomp reads this once, when torch loads,
+    so callers (the server's command line, the benchmarks) call it before importing torch."""
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
