@@ -119,6 +119,34 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(loaded):
     assert eng.blocks.num_free == eng.blocks.num_usable
 
 
+def test_decode_batches_that_change_every_few_steps_keep_every_sequence_exact(loaded):
+    """Sequences join while others decode and finish at different lengths, and a small
+    pool preempts some (their blocks given back and taken again), so the decode batch
+    changes size and members from step to step and each sequence's block table (kept on
+    the sequence across steps) is extended, and made again after a preemption: every
+    output equals the uncached reference."""
+    ps = prompts(loaded.config.vocab_size, [5, 9, 13, 7, 3], seed=12)
+    ns = [20, 6, 14, 9, 17]
+    alone = [greedy_reference(loaded.model, p, n) for p, n in zip(ps, ns)]
+    bpt = loaded.config.num_layers * 2 * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+    eng = make_engine(loaded, kv_cache_memory=16 * BS * bpt)  # 15 usable blocks, 27 wanted
+    joins = {0: [0, 1], 3: [2], 6: [3, 4]}  # step -> requests added before it
+    outputs: dict[str, list[int]] = {}
+    sizes = []
+    for i in range(500):
+        for r in joins.get(i, []):
+            eng.add_request(req(f"r{r}", ps[r], n=ns[r]))
+        sizes.append(len(eng.running))
+        for rid, ev in eng.step():
+            if isinstance(ev, Finished):
+                outputs[rid] = ev.output_token_ids
+        if len(outputs) == len(ps):
+            break
+    assert eng.num_preempted > 0 and len(set(sizes)) >= 4
+    assert [outputs[f"r{i}"] for i in range(len(ps))] == alone
+    assert eng.blocks.num_free == eng.blocks.num_usable
+
+
 def test_abort_releases_every_block(loaded):
     eng = make_engine(loaded)
     ps = prompts(loaded.config.vocab_size, [9, 17], seed=7)

@@ -24,6 +24,7 @@ finish as independent sequences. A request ends after n ``Finished`` events.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import logging
@@ -99,6 +100,7 @@ class Sequence:
     fork_blocks: list[Block] = field(default_factory=list)  # n > 1: reserved for the forks' partial block
     matcher: Any = None  # response_format: the llguidance matcher of this sequence's output
     restore: Future | None = None
+    table: tuple[list[Block], int, array.array] | None = None  # (blocks, num_released, block table): _block_table
     t_admit: float = 0.0
     t_restore0: float = 0.0
     restore_s: float = 0.0
@@ -581,10 +583,27 @@ class LLMEngine:
                 p = self.prefill_tokens_per_s
                 self.prefill_tokens_per_s = r if p is None else 0.8 * p + 0.2 * r
 
+    def _block_table(self, seq: Sequence) -> array.array:
+        """The sequence's block table as the model reads it: int64 block ids, the released
+        leading blocks as the null block. Kept on the sequence and extended by the blocks
+        added since (O(new blocks) a step, not O(all)); made again when its block list is
+        replaced or blocks are released."""
+        blocks, released = seq.blocks, seq.num_released
+        cached = seq.table
+        if cached is not None and cached[0] is blocks and cached[1] == released and len(cached[2]) <= len(blocks):
+            table = cached[2]
+            if len(table) < len(blocks):
+                table.extend(b.block_id for b in blocks[len(table) :])
+        else:
+            table = array.array("q", [NULL_BLOCK] * released)
+            table.extend(b.block_id for b in blocks[released:])
+        seq.table = (blocks, released, table)
+        return table
+
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         slices = [
             SeqSlice(
-                block_table=[NULL_BLOCK] * seq.num_released + [b.block_id for b in seq.blocks[seq.num_released :]],
+                block_table=self._block_table(seq),
                 start_pos=seq.num_computed,
                 token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
                 long_rope=seq.long_rope if self.longrope_threshold is not None else None,

@@ -287,7 +287,7 @@ class BatchLayout:
     slot_offsets: Tensor  # (B*T,) long: offset inside that block
     ctx_blocks: Tensor | None  # (B, nb) long: blocks holding each sequence's context; None if fresh
     ctx_len: int  # C: key length attended over (T when fresh)
-    attn_mask: Tensor | None  # (B, 1, T, C) additive (0 / -inf) in the model dtype; None: no mask
+    _mask: Tensor | None  # ``attn_mask`` as built (a batched decode step's is made on first use instead)
     is_causal: bool  # use SDPA's causal mask (fresh, equal lengths, T > 1)
     fresh: bool  # every start_pos == 0: attend over the new K/V directly, no gather
     last_index: Tensor  # (B,) long: flat index (b*T + t) of each sequence's last new token
@@ -295,7 +295,21 @@ class BatchLayout:
     num_new_tokens: tuple[int, ...]  # new (real) tokens per sequence
     block_size: int
     long_rope: Tensor | None = None  # (B,) bool: LongRoPE long factors per sequence; None: none was given
+    _deferred_mask: torch.dtype | None = None  # a batched decode step: ``attn_mask``'s dtype, made on first use
     _bias: dict[object, object] = field(default_factory=dict, repr=False)  # per-layout cache: masks per dtype (and window), kv_slots
+
+    @property
+    def attn_mask(self) -> Tensor | None:
+        """(B, 1, T, C) additive (0 / -inf) in the model dtype; None: no mask. A batched
+        decode step's is made on first use (the native decode layer never reads it)."""
+        if self._deferred_mask is None:
+            return self._mask
+        if "decode_mask" not in self._bias:
+            c_idx = torch.arange(self.ctx_len, device=self.positions.device)
+            allowed = c_idx[None, None, :] <= self.positions[:, :, None]  # (B, 1, C)
+            mask = torch.zeros(allowed.shape, dtype=self._deferred_mask, device=allowed.device)
+            self._bias["decode_mask"] = mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)  # (B, 1, 1, C)
+        return self._bias["decode_mask"]
 
     def attn_bias(self, dtype: torch.dtype) -> Tensor | None:
         """``attn_mask`` in ``dtype`` (converted once per layout, then shared by every layer)."""
@@ -424,7 +438,7 @@ class BatchLayout:
             slot_offsets=slot_offsets,
             ctx_blocks=ctx_blocks,
             ctx_len=ctx_len,
-            attn_mask=attn_mask,
+            _mask=attn_mask,
             is_causal=is_causal,
             fresh=fresh,
             last_index=last_index,
@@ -439,31 +453,29 @@ class BatchLayout:
                       block_size: int, device: torch.device, dtype: torch.dtype) -> "BatchLayout":
         """``build`` for a decode step (one new token per sequence, some cached context):
         the same layout, its integer tensors views of one tensor made from one Python list
-        (one host-to-device copy), not a dozen small ops."""
+        (one host-to-device copy), not a dozen small ops, and its mask made only if read.
+        Block tables given as int64 arrays (the engine's) are copied whole, not id by id."""
         B = len(seqs)
-        tables = [list(s.block_table[:num_blocks]) for s in seqs]
         flat = [s.token_ids[0] for s in seqs]  # input_ids
         flat += starts  # positions: the new token's
-        flat += [t[p // block_size] for t, p in zip(tables, starts)]  # slot_blocks
+        flat += [s.block_table[p // block_size] for s, p in zip(seqs, starts)]  # slot_blocks
         flat += [p % block_size for p in starts]  # slot_offsets
         flat += totals  # lens_tensor()
         flat += range(B)  # last_index: one token per sequence
-        for t in tables:
-            flat += t
-            flat += [NULL_BLOCK] * (num_blocks - len(t))
-        # int64 from the list through an array: several times faster than torch.tensor(list)
-        data = torch.frombuffer(array.array("q", flat), dtype=torch.long)  # shares the array's memory (kept alive)
+        # int64 through an array: several times faster than torch.tensor(list)
+        buf = array.array("q", flat)
+        for s in seqs:  # ctx_blocks (B, num_blocks): each table cut or padded with the null block
+            t = s.block_table[:num_blocks]
+            buf.extend(t.tolist() if isinstance(t, array.array) and t.typecode != "q" else t)
+            if len(t) < num_blocks:
+                buf.extend([NULL_BLOCK] * (num_blocks - len(t)))
+        data = torch.frombuffer(buf, dtype=torch.long)  # shares the array's memory (kept alive)
         if device.type != "cpu":
             data = data.to(device)
         input_ids, positions, slot_blocks, slot_offsets, lens, last_index, table = data.split_with_sizes(
             (B, B, B, B, B, B, B * num_blocks))
         positions = positions.view(B, 1)
         ctx_len = max(totals)
-        attn_mask = None
-        if B > 1:  # a lone decode token sees its whole (sliced) context
-            allowed = torch.arange(ctx_len, device=device)[None, None, :] <= positions[:, :, None]  # (B, 1, C)
-            attn_mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-            attn_mask = attn_mask.unsqueeze(1)  # (B, 1, 1, C)
         long_rope = None
         if any(s.long_rope is not None for s in seqs):
             long_rope = torch.tensor([bool(s.long_rope) for s in seqs], dtype=torch.bool, device=device)
@@ -474,7 +486,7 @@ class BatchLayout:
             slot_offsets=slot_offsets,
             ctx_blocks=table.view(B, num_blocks),  # num_blocks covers ctx_len = max(totals) exactly
             ctx_len=ctx_len,
-            attn_mask=attn_mask,
+            _mask=None,  # a lone decode token sees its whole (sliced) context; a batch's mask: on first use
             is_causal=False,
             fresh=False,
             last_index=last_index,
@@ -482,6 +494,7 @@ class BatchLayout:
             num_new_tokens=(1,) * B,
             block_size=block_size,
             long_rope=long_rope,
+            _deferred_mask=dtype if B > 1 else None,
         )
         layout._bias["lens"] = lens
         return layout
