@@ -551,10 +551,11 @@ class LLMEngine:
         prefill = [(s, n) for s, n in prefill if s in self.running]
 
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        decode_logits = None
         if decode:
-            logits = self._forward([(s, 1) for s in decode])
+            decode_logits = self._forward([(s, 1) for s in decode])
             self.num_decode_tokens += len(decode)
-            to_sample.extend((s, logits[i]) for i, s in enumerate(decode))
+            to_sample.extend((s, decode_logits[i]) for i, s in enumerate(decode))
         ops = self.transfers.ops
         for seq, n in prefill:
             t0 = ops.mark()
@@ -566,7 +567,8 @@ class LLMEngine:
                 to_sample.append((seq, logits[0]))
         self._poll_prefill_rate()
         if to_sample:
-            self._sample_and_emit(to_sample, out)
+            # the decode rows alone: their (B, V) logits as they are, not stacked again row by row
+            self._sample_and_emit(to_sample, out, decode_logits if len(to_sample) == len(decode) else None)
 
     def _poll_prefill_rate(self) -> None:
         """Fold timed prefill chunks into the EWMA of prefill tokens/s, in order, as far
@@ -704,10 +706,14 @@ class LLMEngine:
             self.blocks.register(seq.blocks[i], seq.hashes[i], seq.namespace)
         seq.num_registered = full
 
-    def _sample_and_emit(self, rows: list[tuple[Sequence, torch.Tensor]], out: Emitted) -> None:
+    def _sample_and_emit(self, rows: list[tuple[Sequence, torch.Tensor]], out: Emitted,
+                         logits: torch.Tensor | None = None) -> None:
+        """Sample a token for every row and emit it; ``logits``: the rows' logits as one
+        (len(rows), V) tensor when the caller has it (else they are stacked)."""
         if any(s.fork_pending for s, _ in rows):  # n > 1: every sequence samples the prompt's logits
             rows = [(c, r) for s, r in rows for c in ([s] + self._fork(s) if s.fork_pending else [s])]
-        logits = torch.stack([r for _, r in rows]).float()
+            logits = None
+        logits = torch.stack([r for _, r in rows]).float() if logits is None else logits.float()
         if self.sampleable_vocab < logits.shape[-1]:
             logits[:, self.sampleable_vocab :] = float("-inf")
         seqs = [s for s, _ in rows]
