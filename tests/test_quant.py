@@ -123,3 +123,30 @@ def test_w8a8_row_does_not_depend_on_the_rest_of_the_batch() -> None:
         want = torch.nn.functional.linear(row, q.dequantized(), q.bias)
     assert torch.equal(alone, batched)
     torch.testing.assert_close(alone, want, atol=0.05, rtol=0.05)  # 7-bit activations
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("bf16_gemm", [False, True])
+def test_prefill_products_widen_the_weight_to_bfloat16_only_where_the_cpu_has_a_bf16_gemm(
+        monkeypatch, fmt: str, bf16_gemm: bool) -> None:  # fmt: skip
+    """From DEQUANT_ROWS rows: without AVX-512 BF16 the weight is widened to float32 and
+    the product is float32's (tight); with it, a bfloat16 GEMM (activations and output
+    rounded to bfloat16: within bfloat16's error of the float64 product)."""
+    from kvserve.service.models import quant
+
+    if bf16_gemm and not quant._has_bf16_gemm():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    monkeypatch.setattr(quant, "BF16_GEMM", bf16_gemm)
+    torch.manual_seed(5)
+    ref = torch.nn.Linear(256, 48, bias=True)
+    q = QuantLinear.from_linear(ref, fmt)
+    x = torch.randn(1, quant.DEQUANT_ROWS + 7, 256)
+    with torch.inference_mode():
+        got = q(x)
+    want = x.double() @ q.dequantized().double().T + ref.bias.detach().double()
+    assert got.dtype == torch.float32 and got.shape == (1, quant.DEQUANT_ROWS + 7, 48)
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    if bf16_gemm:
+        assert 1e-6 < err < 2e-2  # bfloat16 activations and output: rounded, not float32-exact
+    else:
+        assert err < 1e-5

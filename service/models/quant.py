@@ -22,9 +22,13 @@ cast back to it, so the residual stream keeps full precision. Activations go int
 product as bfloat16: the int8 kernel is ~2x slower with float32 activations than the
 float32 matmul, and several times faster with bfloat16 ones (docs/benchmarks.md).
 
-From ``DEQUANT_ROWS`` rows up (prefill), bf16 and int8 products run on the weight widened
-to the compute dtype for the call: prefill is compute-bound, and on CPUs without AVX-512
-BF16 torch's bf16/int8 kernels are several times slower than float32 GEMM there.
+From ``DEQUANT_ROWS`` rows up (prefill, compute-bound), bf16 and int8 products on the CPU
+run a GEMM on the weight widened for the call: to bfloat16 where the CPU has AVX-512 BF16
+(``BF16_GEMM``: oneDNN's bfloat16 GEMM, ~2.3x float32's there; the activations and the
+product's output are rounded to bfloat16, as on CUDA and as llama.cpp rounds F16's
+activations; int8 values are exact in bfloat16, the scales are applied in float32 after),
+else to the compute dtype (without AVX-512 BF16 torch's bf16/int8 kernels are several
+times slower than float32 GEMM).
 
 The format is part of the model fingerprint (``format_fingerprint``): KV computed with
 other weights is never restored. New model families get this for free as long as their
@@ -47,6 +51,16 @@ WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
 # From this many rows (prefill chunks) bf16/int8 products run on the widened weight in
 # the compute dtype: same weights, the compute dtype's fast GEMM.
 DEQUANT_ROWS = 64
+
+
+def _has_bf16_gemm() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+BF16_GEMM = _has_bf16_gemm()  # CPU prefill of bf16/int8 as a bfloat16 GEMM (module docstring)
 
 
 class QuantLinear(nn.Module):
@@ -122,9 +136,15 @@ class QuantLinear(nn.Module):
         if self._fbgemm is not None:
             return self._forward_w8a8(x, rows)
         if rows >= DEQUANT_ROWS and x.device.type == "cpu":
-            # prefill: compute-bound, and the bf16/int8 kernels have no fast many-row path
-            # on CPUs without AVX-512 BF16 (a 512-token bf16 prefill ran 5x slower than
-            # float32); widening the weight once per call costs far less than the product.
+            # prefill: compute-bound; widening the weight once per call costs far less than
+            # the product (module docstring)
+            if BF16_GEMM and x.dtype == torch.float32:
+                y = F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float()  # (.., out)
+                if self.scales is not None:
+                    y.mul_(self.scales.float())
+                return y if self.bias is None else y.add_(self.bias)
+            # torch's bf16/int8 kernels have no fast many-row path on CPUs without AVX-512
+            # BF16 (a 512-token bf16 prefill ran 5x slower than float32)
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         xa = x.reshape(rows, self.in_features).to(torch.bfloat16)  # (rows, in)
         if self._packed_kernel:
