@@ -24,6 +24,7 @@ namespace {
 constexpr int kNextBits = 20, kChunkBits = 20;
 constexpr uint64_t kMask = (1u << 20) - 1;
 constexpr int64_t kMaxChunks = (1 << 20) - 1024;
+constexpr int kSpins = 4000;
 
 struct Pool {
   std::mutex busy;                   // one task at a time (the caller's thread runs in it too)
@@ -60,11 +61,15 @@ void run_chunks(Pool* p) {
 void worker(Pool* p, int index) {
   uint32_t seen = p->wake.load(std::memory_order_acquire);
   for (;;) {
-    // spin a while (a decode step issues its kernels back to back), then sleep
+    // spin a little (a decode step issues its kernels back to back: a layer's products
+    // follow each other inside one call, layers a few microseconds apart), then sleep:
+    // between steps the caller's thread runs Python (sampling, the server's bookkeeping)
+    // for a millisecond or more, and a spinning worker would take the core the host's
+    // other threads (the server's event loop) need. kSpins pauses: ~0.1 ms.
     uint32_t now;
     int spins = 0;
     while ((now = p->wake.load(std::memory_order_acquire)) == seen) {
-      if (++spins < 50000)
+      if (++spins < kSpins)
         _mm_pause();
       else
         p->wake.wait(seen, std::memory_order_acquire);

@@ -5,8 +5,9 @@
 // nothing: with fork-join every parallel region waits for every thread of the team,
 // which on a busy 2-core host turned 10 ms decode steps into 300 ms ones.
 //
-// Workers spin briefly between tasks (a decode step issues ~100 back to back), then
-// sleep on the task counter (futex). One task runs at a time; a second caller, from
+// Workers spin briefly between tasks (~0.1 ms: a decode step issues its kernels back to
+// back), then sleep on the task counter (futex), so between steps they leave the cores to
+// the host's other threads. One task runs at a time; a second caller, from
 // another thread, runs its loop alone instead of waiting.
 #pragma once
 #include <stdint.h>
