@@ -171,7 +171,7 @@ def run_layer(layer: NativeLayer, x: Tensor, cos: Tensor, sin: Tensor, layout, k
 class NativeStack:
     """Every decoder block of a model on a decode step, in order, each by its
     ``NativeLayer``: the step's arguments (``step_args``, cos/sin rows, the library's
-    function) are made once per step, then one native call per block. Built by
+    function) are looked up once per step, then one native call per block. Built by
     ``layers.enable_native`` from the family's ``native_stack()`` when every block has a
     native layer; the family's forward checks ``applies`` once per step and runs ``run``.
 
@@ -187,7 +187,6 @@ class NativeStack:
         self.hidden = layers[0].hidden
         self.layers = list(layers)
         self.num_groups = max(groups) + 1
-        self._fn = native.load().kv_decode_layer  # loaded: a NativeLayer exists only when it is
         self._calls = [(layer._ref, g) for layer, g in zip(layers, groups)]
         self._refs = [layer._ref for layer in layers]
 
@@ -209,7 +208,7 @@ class NativeStack:
         step.D = self.hidden
         B = x.shape[0]
         rows = [_rope_args(*ropes[g], B) for g in range(self.num_groups)]  # kept referenced through the calls
-        fn, xp, sp = self._fn, x.data_ptr(), ctypes.byref(step)
+        fn, xp, sp = native.load().kv_decode_layer, x.data_ptr(), ctypes.byref(step)  # the library served now
         if self.num_groups == 1:
             c, s = rows[0]
             cp, snp, rot = c.data_ptr(), s.data_ptr(), c.shape[1]
