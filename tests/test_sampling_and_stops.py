@@ -6,6 +6,7 @@ from kvserve.service.engine.output import TextStream
 from kvserve.service.engine.sampling import (
     apply_repetition_penalty,
     filter_top_k_top_p,
+    greedy,
     RowState,
     make_generator,
     sample as _sample,
@@ -73,6 +74,24 @@ def test_greedy_is_argmax_per_row():
     logits = torch.randn(5, 50)
     params = [SamplingParams()] * 5
     assert sample(logits, params, [None] * 5, [()] * 5) == logits.argmax(-1).tolist()
+
+
+def test_greedy_picks_torch_argmax_row_by_row_ties_infinities_and_nans_included():
+    """The sampler's argmax (numpy's on CPU float32) is torch.argmax's: the first of equal
+    maxima, NaN above +inf, an all -inf row at 0; other dtypes and strided rows too."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        B, V = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
+        logits = torch.randint(-3, 3, (B, V), generator=g).float()  # many ties
+        r = torch.rand(B, V, generator=g)
+        logits[r < 0.03] = float("nan")
+        logits[(r > 0.05) & (r < 0.1)] = float("-inf")
+        logits[(r > 0.1) & (r < 0.12)] = float("inf")
+        if trial % 7 == 0:
+            logits[0] = float("-inf")
+        assert greedy(logits) == logits.argmax(-1).tolist()
+        assert greedy(logits.t().contiguous().t()) == logits.argmax(-1).tolist()  # column-major rows
+        assert greedy(logits.bfloat16()) == logits.bfloat16().argmax(-1).tolist()
 
 
 def test_same_seed_same_tokens_different_seed_differs():

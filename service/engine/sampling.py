@@ -213,6 +213,15 @@ def token_logprobs(
     return out
 
 
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax: the first of equal maxima, NaN above everything (torch.argmax's
+    rule). float32 on the CPU by numpy's, which is vectorized (torch's is a scalar loop:
+    29 against 3 us a row at V = 32000)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 @dataclass(slots=True)
 class Sampled:
     tokens: list[int]
@@ -233,7 +242,7 @@ def sample(
         apply_penalties(logits, params, states)
     if masks is not None:
         apply_grammar_masks(logits, *masks)
-    tokens: list[int] = logits.argmax(-1).tolist()  # every greedy row; sampled rows overwritten
+    tokens = greedy(logits)  # every greedy row; sampled rows overwritten
     hot = [i for i in range(B) if params[i].temperature != 0.0]
     if hot:
         idx = torch.tensor(hot, device=dev)
