@@ -2,7 +2,7 @@
 
 Writes a random checkpoint at one of bench_engine.py's shapes, loads it in a weight
 format, prefills B sequences of ``--context`` tokens, then times decode steps (layout build,
-forward, argmax, as bench_engine.py drives them) without the profiler, and profiles 10
+forward, greedy pick by the engine's sampler) without the profiler, and profiles 10
 more. Prints the step time and each category's share of the profiled self CPU time:
 matmuls, SDPA, KV write + gather, RMSNorm, everything else; and the op counts of one
 step (``model(layout, kv)`` alone): the ops the model calls, and the compute ops they
@@ -13,11 +13,18 @@ kernel launch each), per step and per decoder layer.
     python bench/profile_decode.py --weight-format exact --batch 8 --no-pack   # MKL instead of oneDNN-packed
     python bench/profile_decode.py --table 25                                   # also the top ops
     python bench/profile_decode.py --shape tiny --layers 12 --clock cpu         # per-op overhead alone
+    python bench/profile_decode.py --weight-format w8a8 --empty-kernels         # what runs around the kernels
+
+``--empty-kernels`` times the same steps with every native kernel an empty C function of
+the same signature (libc's ``abs``: it reads one register and returns), so a step costs
+only what runs around the kernels: Python, ctypes, torch's ops (embedding, RoPE, the
+layout's tensors, argmax). Its logits are meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import tempfile
 import time
@@ -32,7 +39,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_engine import BLOCK_SIZE, SHAPES  # noqa: E402
+from kvserve.service.engine.sampling import greedy  # noqa: E402
 from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
+from kvserve.service.models import native  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
 from kvserve.service.models.quant import WEIGHT_FORMATS  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
@@ -56,6 +65,24 @@ COMPOSITE = {
     "aten::scaled_dot_product_attention", "aten::_to_copy", "aten::roll", "aten::clone", "aten::embedding",
     "aten::flatten", "aten::silu",
 }
+
+
+class EmptyKernels:
+    """The native library with every ``kv_*`` entry point an empty C function taking the
+    same arguments (``--empty-kernels``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._empty = ctypes.cast(ctypes.CDLL(None).abs, ctypes.c_void_p).value
+
+    def __getattr__(self, name: str):
+        real = getattr(self._lib, name)
+        if not name.startswith("kv_"):
+            return real
+        fn = type(real)(self._empty)
+        fn.argtypes, fn.restype = real.argtypes, None
+        setattr(self, name, fn)
+        return fn
 
 
 def is_compute(e) -> bool:
@@ -91,6 +118,8 @@ def main() -> None:
     ap.add_argument("--native-kernels", default="auto", choices=("auto", "off"),
                     help="products by the native kernels (their time is not in the profiler's ops) or torch's")
     ap.add_argument("--table", type=int, default=0, help="also print the profiler's top N ops")
+    ap.add_argument("--empty-kernels", action="store_true",
+                    help="every native kernel an empty function: time what runs around them (meaningless logits)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     B, ctx = args.batch, args.context
@@ -109,10 +138,15 @@ def main() -> None:
     tables = [list(range(1 + b * nb, 1 + (b + 1) * nb)) for b in range(B)]
     with torch.inference_mode():
         model(BatchLayout.build([SeqSlice(t, 0, [5] * ctx) for t in tables], BLOCK_SIZE, "cpu"), pool)
+        if args.empty_kernels:
+            if loaded.native != "on":
+                raise SystemExit("--empty-kernels: the native kernels are not serving")
+            empty = EmptyKernels(native.load())
+            native.load = lambda: empty  # what the model's native calls look up
 
         def step(i: int) -> list[int]:
             layout = BatchLayout.build([SeqSlice(t, ctx + i % 8, [7]) for t in tables], BLOCK_SIZE, "cpu")
-            return model(layout, pool).argmax(-1).tolist()
+            return greedy(model(layout, pool))
 
         for i in range(3):
             step(i)
@@ -137,7 +171,7 @@ def main() -> None:
     mm_calls = sum(e.count for e in events if e.key in MATMULS) / 10
     packed = "MKL" if args.no_pack else "packed where float32"
     if loaded.native == "on":
-        packed = "native products"
+        packed = "native products, emptied" if args.empty_kernels else "native products"
     L = cfg.num_layers
     print(f"{args.shape} ({L} layers) {args.weight_format} batch {B} ({packed}), context {ctx}, {args.threads} "
           f"thread(s): step {step_s * 1e3:.2f} ms {args.clock} = {B / step_s:.1f} tok/s; {mm_calls:.0f} matmul calls/step")
