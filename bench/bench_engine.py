@@ -50,6 +50,7 @@ from pathlib import Path
 
 from kvserve.service.models import native  # torch-free
 
+ENV_AT_START = dict(os.environ)  # llama-bench runs with this: its own OpenMP threads keep libgomp's default wait
 native.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
 import torch  # noqa: E402
 
@@ -380,7 +381,7 @@ def bench_llama_cpp(args, checkpoints: dict[str, Path], workdir: Path) -> dict[t
     """{(shape, llama type, metric): tok/s} from llama-bench on GGUF conversions of the
     same checkpoints; metrics "prefill N tok" (pp N) and "decode single-stream" (tg)."""
     src, binary = ensure_llama_cpp(Path(args.llama_cpp))
-    env = dict(os.environ)
+    env = dict(ENV_AT_START)  # not this process's OMP_WAIT_POLICY (passive_openmp): llama.cpp's threads are OpenMP's
     if (src / "gguf-py").is_dir():  # the converter's own gguf package (else the installed `gguf`)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src / "gguf-py"), env.get("PYTHONPATH")) if p)
     threads = args.threads or torch.get_num_threads()
@@ -397,7 +398,7 @@ def bench_llama_cpp(args, checkpoints: dict[str, Path], workdir: Path) -> dict[t
                    "-r", str(args.repeats or 3), "-o", "json"]
             if prefill:
                 cmd += ["-p", ",".join(map(str, prefill))]
-            res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            res = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             for rec in json.loads(res.stdout):
                 metric = f"prefill {rec['n_prompt']} tok" if rec["n_prompt"] else "decode single-stream"
                 out[(shape, qtype, metric)] = float(rec["avg_ts"])

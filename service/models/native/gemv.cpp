@@ -94,12 +94,15 @@ struct V {  // 8 floats
 // A tile's NB weight rows are NB short streams (K values each) that the hardware
 // prefetcher does not follow well; each step of a tile prefetches the same share of the
 // next tile (the NB rows after it, contiguous), so the next tile streams in while this
-// one is computed. [k, k + step) of each row: this step's values.
+// one is computed. [k, k + step) of each row: this step's values. int8 tiles (a few KiB)
+// are fetched into L1; float tiles (up to 32 KiB at K = 2048) into L2, where they do not
+// evict the tile being read (measured: L1 for float lost 10-35%, L2 for int8 lost 30%).
 template <int NB, typename WT>
 inline void prefetch_next(const WT* w, int64_t K, int64_t k, int64_t step) {
+  constexpr _mm_hint hint = sizeof(WT) == 1 ? _MM_HINT_T0 : _MM_HINT_T1;
   const char* next = (const char*)(w + NB * K);
   const int64_t b0 = k * (int64_t)sizeof(WT) * NB, b1 = (k + step) * (int64_t)sizeof(WT) * NB;
-  for (int64_t off = (b0 + 63) & ~(int64_t)63; off < b1; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+  for (int64_t off = (b0 + 63) & ~(int64_t)63; off < b1; off += 64) _mm_prefetch(next + off, hint);
 }
 
 // out[i][r] = dot(w[i*K : i*K + K], x[r*ldx : r*ldx + K]), i < NB, r < RB: one W-wide
