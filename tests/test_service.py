@@ -75,7 +75,9 @@ def test_two_concurrent_streams_both_progress_before_either_finishes(server, cli
 
     def consume(i: int) -> None:
         try:
-            for ev in client.generate(text=f"stream number {i} says", max_new_tokens=40, ignore_eos=True):
+            # long enough that neither can finish in one stream interval (20 ms) on a fast
+            # host: the tiny model makes 40 tokens in a few milliseconds
+            for ev in client.generate(text=f"stream number {i} says", max_new_tokens=480, ignore_eos=True):
                 with lock:
                     log.append((i, type(ev).__name__))
         except BaseException as e:  # surfaced below
@@ -118,8 +120,9 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
     async def scenario() -> None:
         async with AsyncKVServeClient(server.address) as c:
             # deadline: the call fails with DEADLINE_EXCEEDED and the engine stops the sequence
+            # (shorter than 480 tokens take even on a fast host: the tiny model makes ~5 a ms)
             with pytest.raises(KVServeError) as err:
-                async for _ in c.generate(text="tell me everything", max_new_tokens=480, ignore_eos=True, timeout=0.3):
+                async for _ in c.generate(text="tell me everything", max_new_tokens=480, ignore_eos=True, timeout=0.03):
                     pass
             assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
