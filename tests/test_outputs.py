@@ -63,12 +63,15 @@ def by_index(responses) -> tuple[dict[int, list[int]], dict[int, str], dict[int,
 
 
 def test_greedy_n2_gives_two_copies_of_n1_interleaved_with_indexes(server, stub):
-    one = by_index(call(stub, max_new_tokens=10, ignore_eos=True))[0][0]
+    # as many tokens as the module's server allows: 10 took about a millisecond on a fast
+    # host, inside one 20 ms stream interval, so each choice came as one message
+    count = 96
+    one = by_index(call(stub, max_new_tokens=count, ignore_eos=True))[0][0]
     before = server.engine.stats().prefill_tokens
-    responses = call(stub, max_new_tokens=10, ignore_eos=True, n=2)
+    responses = call(stub, max_new_tokens=count, ignore_eos=True, n=2)
     tokens, _, finals = by_index(responses)
     assert tokens == {0: one, 1: one}
-    assert sorted(finals) == [0, 1] and all(f.usage.completion_tokens == 10 for f in finals.values())
+    assert sorted(finals) == [0, 1] and all(f.usage.completion_tokens == count for f in finals.values())
     kinds = [r.WhichOneof("event") for r in responses]
     assert kinds[0] == "start" and kinds.count("start") == 1 and kinds.count("final") == 2
     indexes = [r.delta.index for r in responses if r.WhichOneof("event") == "delta"]
