@@ -269,10 +269,15 @@ inline int64_t grain_for(int64_t N, int nthreads) {
 template <typename WT, typename TileFn>
 void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* scales, const float* bias, float* y,
                int64_t ldy, int accumulate, int nthreads, const TileFn& tile_fn) {
+  // One bfloat16 input row: one weight row at a time (measured here over the products of
+  // a ~110M step, two threads: ~29 GB/s against ~27 for 4-row tiles; float32 measured no
+  // better that way, int8 worse). The summation order does not depend on the tile, so no
+  // result changes.
+  const int nbmax = (rows == 1 && sizeof(WT) == 2) ? 1 : V::NB;
   kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
     float out[V::NB][V::RB];
-    for (int64_t n = n0; n < n1; n += V::NB) {
-      const int nb = n1 - n < V::NB ? (int)(n1 - n) : V::NB;
+    for (int64_t n = n0; n < n1; n += nbmax) {
+      const int nb = n1 - n < nbmax ? (int)(n1 - n) : nbmax;
       for (int64_t r0 = 0; r0 < rows; r0 += V::RB) {
         const int rb = rows - r0 < V::RB ? (int)(rows - r0) : V::RB;
         dispatch<V::NB>(nb, rb, [&]<int NB_, int RB_>() { tile_fn.template operator()<NB_, RB_>(W + n * K, r0, out); });
