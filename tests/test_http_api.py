@@ -74,7 +74,11 @@ def test_chat_equals_grpc_streamed_or_not(oai, model, server):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == ref.text
-    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed, not one lump
+    # streamed, not one lump: a stream long enough to outlast a 20 ms stream interval (the
+    # tiny model can make 12 tokens before the first chunk goes out)
+    longer = list(oai.chat.completions.create(model=model, messages=HELLO, max_tokens=240, temperature=0,
+                                              extra_body={"ignore_eos": True}, stream=True))  # fmt: skip
+    assert len([c for c in longer if c.choices and c.choices[0].delta.content]) > 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     # the same prompt again: its full blocks are on the device

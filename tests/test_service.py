@@ -36,7 +36,11 @@ def test_streamed_greedy_text_equals_the_engine_and_the_reference_model(server, 
     events = list(client.generate(text=prompt, max_new_tokens=24, ignore_eos=True))
     assert isinstance(events[0], StreamStart) and isinstance(events[-1], StreamEnd)
     deltas = [e for e in events[1:-1] if isinstance(e, TextDelta)]
-    assert len(deltas) == len(events) - 2 and len(deltas) > 1  # streamed, not one lump
+    assert len(deltas) == len(events) - 2
+    # streamed, not one lump: a stream long enough to outlast a 20 ms stream interval (the
+    # tiny model can make 24 tokens before the first message goes out)
+    longer = [e for e in client.generate(text=prompt, max_new_tokens=240, ignore_eos=True) if isinstance(e, TextDelta)]
+    assert len(longer) > 1
     tokens = [t for d in deltas for t in d.token_ids]
     text = "".join(d.text for d in deltas)
     assert events[-1].completion_tokens == len(tokens) == 24
