@@ -120,10 +120,22 @@ def test_a_session_turn_that_would_exceed_the_context_gives_the_numbers(client):
     _good_request_works(client)
 
 
-def test_busy_session_is_failed_precondition_and_queue_full_is_resource_exhausted(server, client):
+@pytest.fixture
+def long_turns(tiny_llama_dir):
+    """A client of a server like ``server`` whose turns can run long enough (480 tokens) to
+    still hold the running slot while a test makes several calls: 64 tiny-model tokens
+    take ~15 ms on a fast host."""
+    cfg = tiny_config(tiny_llama_dir, max_model_len=512, max_new_tokens_limit=480, default_max_new_tokens=8,
+                      max_num_seqs=1, max_queue=1)  # fmt: skip
+    with ServerThread(cfg) as s, KVServeClient(s.address, timeout=60) as c:
+        yield s, c
+
+
+def test_busy_session_is_failed_precondition_and_queue_full_is_resource_exhausted(long_turns):
+    server, client = long_turns
     sid = "busy"
     client.complete(text="first turn", session_id=sid, max_new_tokens=2)
-    stream = client.generate(text="long running turn", session_id=sid, max_new_tokens=LIMIT, ignore_eos=True)
+    stream = client.generate(text="long running turn", session_id=sid, max_new_tokens=480, ignore_eos=True)
     events = iter(stream)
     next(events)  # Started: the turn holds the session and the only running slot
 
