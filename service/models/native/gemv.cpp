@@ -135,7 +135,7 @@ inline void tile(const WT* w, int64_t K, const float* x, int64_t ldx, float (*ou
 // the input is permuted once per call to match, per block of 2W: its even elements, then
 // its odd ones (xp, row stride K).
 template <int NB, int RB>
-inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, int64_t, float (*out)[V::RB]) {
+inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, float (*out)[V::RB]) {
   typename V::T a[NB][RB];
   for (int i = 0; i < NB; i++)
     for (int r = 0; r < RB; r++) a[i][r] = V::zero();
@@ -314,7 +314,7 @@ void gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint1
       }
   run_tiles(rows, K, W, N, nullptr, bias, y, ldy, accumulate, nthreads,
             [&]<int NB, int RB>(const uint16_t* w, int64_t r0, float (*out)[V::RB]) {
-              tile_bf16<NB, RB>(w, K, xp + r0 * K, K, out);
+              tile_bf16<NB, RB>(w, K, xp + r0 * K, out);
             });
 }
 
