@@ -162,10 +162,14 @@ inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, float (*out
 // dpbusd sums four byte products per 32-bit lane: a 512-bit register holds two blocks'
 // dot products (lanes 0-7: block b, 8-15: block b + 1). xs holds each block scale 8
 // times (one per lane), so one load scales two blocks; K % 64 == 32 masks the last half.
+// The unsigned operand is the input offset by 128 (x ^ 0x80, once per input vector), and
+// each lane's sum starts at -128 * (its four weights' sum), computed once per weight
+// vector: (x + 128) . w - 128 * sum(w) = x . w, exactly, in one dpbusd per pair (the
+// sign trick of the AVX2 kernel costs a second op per pair).
 constexpr int64_t XS_REPEAT = 8;
 template <int NB, int RB>
 inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* xs, float (*out)[V::RB]) {
-  const __m512i zero = _mm512_setzero_si512();
+  const __m512i zero = _mm512_setzero_si512(), off = _mm512_set1_epi8((char)0x80);
   __m512 a[NB][RB];
   for (int i = 0; i < NB; i++)
     for (int r = 0; r < RB; r++) a[i][r] = _mm512_setzero_ps();
@@ -173,19 +177,17 @@ inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* x
   for (int64_t b = 0; b < nb; b += 2) {
     const __mmask64 m = b + 2 <= nb ? ~0ull : 0xFFFFFFFFull;
     const __mmask16 ms = b + 2 <= nb ? 0xFFFF : 0x00FF;
-    __m512i u[NB];
-    __mmask64 neg[NB];
+    __m512i wv[NB], c[NB];
     prefetch_next<NB>(w, K, b * 32, 64);
     for (int i = 0; i < NB; i++) {
-      const __m512i wv = _mm512_maskz_loadu_epi8(m, w + i * K + b * 32);
-      u[i] = _mm512_abs_epi8(wv);
-      neg[i] = _mm512_movepi8_mask(wv);
+      wv[i] = _mm512_maskz_loadu_epi8(m, w + i * K + b * 32);
+      c[i] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, wv[i]));
     }
     for (int r = 0; r < RB; r++) {
-      const __m512i xv = _mm512_maskz_loadu_epi8(m, xq + r * K + b * 32);
+      const __m512i xu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, xq + r * K + b * 32), off);
       const __m512 sc = _mm512_maskz_loadu_ps(ms, xs + r * ls + b * XS_REPEAT);
       for (int i = 0; i < NB; i++) {
-        const __m512i d = _mm512_dpbusd_epi32(zero, u[i], _mm512_mask_sub_epi8(xv, neg[i], zero, xv));
+        const __m512i d = _mm512_dpbusd_epi32(c[i], xu, wv[i]);
         a[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, a[i][r]);
       }
     }
