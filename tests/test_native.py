@@ -250,9 +250,11 @@ def _ref_attention(q, k_ctx, v_ctx, lens, window, scale, softcap):
     return out
 
 
+# query heads per kv head: 2, 1, 3 (6 over 1 head, split in two slices for two threads), 5 (a group of 3 and one of 2)
 @pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (4, 4, None, None), (6, 1, 5, None),
-                                                    (4, 2, None, 30.0)])  # fmt: skip
-@pytest.mark.parametrize("hd", [32, 96, 12])  # 96: past one 64-float chunk of the value sums; 12: not a multiple of 8
+                                                    (4, 2, None, 30.0), (10, 2, None, None)])  # fmt: skip
+# 96: past one 64-float chunk of the value sums; 40: a chunk and a tail; 12: not a multiple of 8
+@pytest.mark.parametrize("hd", [32, 96, 40, 12])
 def test_decode_attention_reads_the_pool_in_place(isa, nh, nkv, window, softcap, hd) -> None:
     """The new token's K/V land in their slot and the output is the float64 attention over
     each sequence's own blocks (scattered, different lengths, GQA, window, soft-cap)."""

@@ -83,20 +83,57 @@ inline void dot8(const float* q, const float* const* k, int n, int64_t hd, float
   for (int j = 0; j < n; j++) out[j] = r[j];
 }
 
-// acc (hd) = sum_p w[p] * v[p] (hd floats each, hd % 8 == 0), in chunks of 64 floats held
-// in registers across the positions.
-inline void weighted_sum(const float* const* v, const float* w, int64_t n, int64_t hd, float* acc) {
-  for (int64_t c = 0; c < hd; c += 64) {
-    const int m = (int)((hd - c < 64 ? hd - c : 64) / 8);
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+// The weighted sums of GN query heads over one kv head's V rows, in chunks of CH vectors
+// of 8 floats: acc[g] (hd) = sum_p w[g * n + p] * v[p] for g < GN. Each V row chunk is read
+// once for the GN heads (grouped-query attention shares V rows among a kv head's query
+// heads); the GN * CH accumulators stay in registers across the positions. hd % 8 == 0.
+// Per element the sum runs over p in order, whatever GN and CH are: the same bits.
+template <int GN, int CH>
+inline void weighted_sum_group(const float* const* v, const float* w, int64_t n, int64_t hd, float* acc) {
+  int64_t c = 0;
+  for (; c + 8 * CH <= hd; c += 8 * CH) {
+    __m256 a[GN][CH];
+    for (int g = 0; g < GN; g++)
+      for (int j = 0; j < CH; j++) a[g][j] = _mm256_setzero_ps();
     for (int64_t p = 0; p < n; p++) {
-      const __m256 wp = _mm256_broadcast_ss(w + p);
       const float* vp = v[p] + c;
-      for (int j = 0; j < m; j++) a[j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * j), a[j]);
+      __m256 wp[GN];
+      for (int g = 0; g < GN; g++) wp[g] = _mm256_broadcast_ss(w + g * n + p);
+      for (int j = 0; j < CH; j++) {
+        const __m256 x = _mm256_loadu_ps(vp + 8 * j);
+        for (int g = 0; g < GN; g++) a[g][j] = _mm256_fmadd_ps(wp[g], x, a[g][j]);
+      }
     }
-    for (int j = 0; j < m; j++) _mm256_storeu_ps(acc + c + 8 * j, a[j]);
+    for (int g = 0; g < GN; g++)
+      for (int j = 0; j < CH; j++) _mm256_storeu_ps(acc + g * hd + c + 8 * j, a[g][j]);
   }
+  if (c < hd) {  // the last hd % (8 * CH) floats, one vector at a time
+    for (; c < hd; c += 8) {
+      __m256 a[GN];
+      for (int g = 0; g < GN; g++) a[g] = _mm256_setzero_ps();
+      for (int64_t p = 0; p < n; p++) {
+        const __m256 x = _mm256_loadu_ps(v[p] + c);
+        for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * n + p), x, a[g]);
+      }
+      for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * hd + c, a[g]);
+    }
+  }
+}
+
+// acc (G, hd) = the weighted sums of G query heads (weights w (G, n)) over the same V rows,
+// taken in groups of up to 3 heads sized to the vector registers: 16 with AVX2, 32 with
+// AVX-512 (its __m256 code reaches ymm16-31).
+inline void weighted_sum_heads(const float* const* v, const float* w, int64_t G, int64_t n, int64_t hd,
+                               float* acc) {
+#ifdef __AVX512F__
+  constexpr int C1 = 8, C2 = 8, C3 = 8;
+#else
+  constexpr int C1 = 8, C2 = 4, C3 = 4;
+#endif
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) weighted_sum_group<3, C3>(v, w + g * n, n, hd, acc + g * hd);
+  if (G - g == 2) weighted_sum_group<2, C2>(v, w + g * n, n, hd, acc + g * hd);
+  if (G - g == 1) weighted_sum_group<1, C1>(v, w + g * n, n, hd, acc + g * hd);
 }
 
 }  // namespace
@@ -240,16 +277,23 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
         vps[p - start] = kps[p - start] + half_blk;
       }
       const float* qb = q + b * sq + h0 * hd;
-      for (int64_t g = 0; g < G; g++) {
-        float* sg = scores.data() + g * n;
-        for (int64_t i = 0; i < n; i += 8) {
-          const int m = n - i < 8 ? (int)(n - i) : 8;
+      // Scores, eight positions at a time for all G heads: the eight K rows are read from
+      // the pool once and stay in L1 for the G dot products; the next eight are prefetched.
+      for (int64_t i = 0; i < n; i += 8) {
+        const int m = n - i < 8 ? (int)(n - i) : 8;
+        for (int64_t j = i + 8; j < i + 16 && j < n; j++)
+          for (int64_t o = 0; o < hd; o += 16) _mm_prefetch((const char*)(kps[j] + o), _MM_HINT_T0);
+        for (int64_t g = 0; g < G; g++) {
+          float* sg = scores.data() + g * n + i;
           if (hd % 8 == 0) {
-            dot8(qb + g * hd, kps.data() + i, m, hd, sg + i);
+            dot8(qb + g * hd, kps.data() + i, m, hd, sg);
           } else {
-            for (int j = 0; j < m; j++) sg[i + j] = dot(qb + g * hd, kps[i + j], hd);
+            for (int j = 0; j < m; j++) sg[j] = dot(qb + g * hd, kps[i + j], hd);
           }
         }
+      }
+      for (int64_t g = 0; g < G; g++) {
+        float* sg = scores.data() + g * n;
         for (int64_t i = 0; i < n; i++) {
           float sc = sg[i] * scale;
           if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
@@ -276,10 +320,10 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
         const float inv = 1.0f / sum;
         for (i = 0; i < n; i++) sg[i] *= inv;
       }
-      for (int64_t g = 0; g < G; g++) {
-        if (hd % 8 == 0) {
-          weighted_sum(vps.data(), scores.data() + g * n, n, hd, acc.data() + g * hd);
-        } else {
+      if (hd % 8 == 0) {
+        weighted_sum_heads(vps.data(), scores.data(), G, n, hd, acc.data());
+      } else {
+        for (int64_t g = 0; g < G; g++) {
           float* ag = acc.data() + g * hd;
           for (int64_t d = 0; d < hd; d++) ag[d] = 0.0f;
           for (int64_t p = 0; p < n; p++)
