@@ -271,11 +271,13 @@ inline int64_t grain_for(int64_t N, int nthreads) {
 template <typename WT, typename TileFn>
 void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* scales, const float* bias, float* y,
                int64_t ldy, int accumulate, int nthreads, const TileFn& tile_fn) {
-  // One bfloat16 input row: one weight row at a time (measured here over the products of
-  // a ~110M step, two threads: ~29 GB/s against ~27 for 4-row tiles; float32 measured no
-  // better that way, int8 worse). The summation order does not depend on the tile, so no
-  // result changes.
-  const int nbmax = (rows == 1 && sizeof(WT) == 2) ? 1 : V::NB;
+  // One bfloat16 input row on AVX-512: one weight row at a time (measured there over the
+  // products of a ~110M step, two threads: ~29 GB/s against ~27 for 4-row tiles; float32
+  // measured no better that way, int8 worse). On AVX2 the tiles: one row's chain of
+  // multiply-adds (two per 16 weights, 4-cycle latency) bounds it below the memory's speed
+  // (the same products 11.2-11.8 ms a row against 9.7-11.2 in tiles). The summation order
+  // does not depend on the tile, so no result changes.
+  const int nbmax = (KV_AVX512 && rows == 1 && sizeof(WT) == 2) ? 1 : V::NB;
   kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
     float out[V::NB][V::RB];
     for (int64_t n = n0; n < n1; n += nbmax) {
