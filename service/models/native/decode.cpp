@@ -70,10 +70,30 @@ inline __m256 hsum8(const __m256* a) {
 }
 
 // out[j] = dot(q, k[j]) for the n <= 8 rows k[j] (hd floats each, hd % 8 == 0): one
-// accumulator per row, so the eight multiply-add chains run side by side.
+// accumulator per row, so the eight multiply-add chains run side by side. Eight rows (all
+// but a context's last block) take the unrolled form, whose accumulators and row pointers
+// stay in registers; the same sums in the same order either way.
 inline void dot8(const float* q, const float* const* k, int n, int64_t hd, float* out) {
   __m256 a[8];
   for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+  if (n == 8) {
+    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
+    __m256 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], a4 = a[4], a5 = a[5], a6 = a[6], a7 = a[7];
+    for (int64_t i = 0; i < hd; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+      a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
+      a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
+      a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
+      a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
+    }
+    const __m256 r[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    _mm256_storeu_ps(out, hsum8(r));
+    return;
+  }
   for (int64_t i = 0; i < hd; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
     for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
@@ -272,9 +292,13 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
       acc.resize(G * hd);
       kps.resize(n);
       vps.resize(n);
-      for (int64_t p = start; p < len; p++) {  // where each position's K and V rows are in the pool
-        kps[p - start] = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
-        vps[p - start] = kps[p - start] + half_blk;
+      for (int64_t p = start; p < len;) {  // where each position's K and V rows are in the pool, a block at a time
+        const float* row = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
+        const int64_t end = std::min(len, (p / bs + 1) * bs);
+        for (; p < end; p++, row += tok) {
+          kps[p - start] = row;
+          vps[p - start] = row + half_blk;
+        }
       }
       const float* qb = q + b * sq + h0 * hd;
       // Scores, eight positions at a time for all G heads: the eight K rows are read from
@@ -292,18 +316,32 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
           }
         }
       }
-      for (int64_t g = 0; g < G; g++) {
-        float* sg = scores.data() + g * n;
-        for (int64_t i = 0; i < n; i++) {
-          float sc = sg[i] * scale;
-          if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-          sg[i] = sc;
-        }
-      }
-      for (int64_t g = 0; g < G; g++) {  // softmax over the context, per query head
+      for (int64_t g = 0; g < G; g++) {  // scale (and cap), then softmax over the context, per query head
         float* sg = scores.data() + g * n;
         float mx = -INFINITY;
-        for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;
+        if (softcap > 0.0f) {
+          for (int64_t i = 0; i < n; i++) {
+            const float sc = softcap * tanhf(sg[i] * scale / softcap);
+            sg[i] = sc;
+            mx = sc > mx ? sc : mx;
+          }
+        } else {  // the same products, eight at a time (the maximum is exact in any order)
+          const __m256 sv8 = _mm256_set1_ps(scale);
+          __m256 mv8 = _mm256_set1_ps(-INFINITY);
+          int64_t i = 0;
+          for (; i + 8 <= n; i += 8) {
+            const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sg + i), sv8);
+            _mm256_storeu_ps(sg + i, sc);
+            mv8 = _mm256_max_ps(mv8, sc);
+          }
+          float r[8];
+          _mm256_storeu_ps(r, mv8);
+          for (int j = 0; j < 8; j++) mx = r[j] > mx ? r[j] : mx;
+          for (; i < n; i++) {
+            sg[i] *= scale;
+            mx = sg[i] > mx ? sg[i] : mx;
+          }
+        }
         const __m256 mv = _mm256_set1_ps(mx);
         __m256 sv = _mm256_setzero_ps();
         int64_t i = 0;
