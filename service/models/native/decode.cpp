@@ -74,11 +74,9 @@ inline __m256 hsum8(const __m256* a) {
 // but a context's last block) take the unrolled form, whose accumulators and row pointers
 // stay in registers; the same sums in the same order either way.
 inline void dot8(const float* q, const float* const* k, int n, int64_t hd, float* out) {
-  __m256 a[8];
-  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
   if (n == 8) {
     const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
-    __m256 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], a4 = a[4], a5 = a[5], a6 = a[6], a7 = a[7];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t i = 0; i < hd; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
       a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
@@ -94,6 +92,8 @@ inline void dot8(const float* q, const float* const* k, int n, int64_t hd, float
     _mm256_storeu_ps(out, hsum8(r));
     return;
   }
+  __m256 a[8];
+  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < hd; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
     for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
@@ -137,16 +137,14 @@ inline void weighted_sum_group(const float* const* v, const float* w, int64_t n,
     for (int g = 0; g < GN; g++)
       for (int j = 0; j < CH; j++) _mm256_storeu_ps(acc + g * hd + c + 8 * j, a[g][j]);
   }
-  if (c < hd) {  // the last hd % (8 * CH) floats, one vector at a time
-    for (; c < hd; c += 8) {
-      __m256 a[GN];
-      for (int g = 0; g < GN; g++) a[g] = _mm256_setzero_ps();
-      for (int64_t p = 0; p < n; p++) {
-        const __m256 x = _mm256_loadu_ps(v[p] + c);
-        for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * n + p), x, a[g]);
-      }
-      for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * hd + c, a[g]);
+  for (; c < hd; c += 8) {  // the last hd % (8 * CH) floats, one vector at a time
+    __m256 a[GN];
+    for (int g = 0; g < GN; g++) a[g] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n; p++) {
+      const __m256 x = _mm256_loadu_ps(v[p] + c);
+      for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * n + p), x, a[g]);
     }
+    for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * hd + c, a[g]);
   }
 }
 
