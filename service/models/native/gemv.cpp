@@ -49,6 +49,8 @@ struct V {  // 16 floats
   using T = __m512;
   static constexpr int W = 16;
   static constexpr int NB = 4, RB = 4;  // 16 accumulators + 4 weight vectors of 32 registers
+  // every format's tile: 4 x 4 (``Shape``)
+  static constexpr int NB_F32 = 4, RB_F32 = 4, NB_BF16 = 4, RB_BF16 = 4, NB_Q8 = 4, RB_Q8 = 4;
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
   static T load(const uint16_t* p) {  // bfloat16: the high half of a float32
@@ -69,7 +71,12 @@ struct V {  // 16 floats
 struct V {  // 8 floats
   using T = __m256;
   static constexpr int W = 8;
-  static constexpr int NB = 4, RB = 2;  // 8 accumulators + 4 weight vectors of 16 registers
+  static constexpr int NB = 4, RB = 4;  // the largest tile (``Shape``)
+  // float32 and int8: 8 accumulators + 4 weight vectors + the input, of 16 registers. bfloat16
+  // 2 x 4: its 4 x 2 tile needs 8 accumulators + 8 widened weight vectors + the input and the
+  // mask, and the compiler kept three accumulators on the stack (a store and a load per
+  // step); 2 x 4 fits (8 + 4 + 2 + 1). w8a8 keeps 4 x 2 (2 x 4 and 4 x 3 measured within 5%).
+  static constexpr int NB_F32 = 4, RB_F32 = 2, NB_BF16 = 2, RB_BF16 = 4, NB_Q8 = 4, RB_Q8 = 2;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
   static T load(const uint16_t* p) {
@@ -254,12 +261,12 @@ inline void dispatch_rb(int rb, const F& f) {
   }
   f.template operator()<NB, RB>();
 }
-template <int NB, typename F>
+template <int NB, int RB, typename F>
 inline void dispatch(int nb, int rb, const F& f) {
   if constexpr (NB > 1) {
-    if (nb < NB) return dispatch<NB - 1>(nb, rb, f);
+    if (nb < NB) return dispatch<NB - 1, RB>(nb, rb, f);
   }
-  dispatch_rb<NB, V::RB>(rb, f);
+  dispatch_rb<NB, RB>(rb, f);
 }
 
 // Output rows per chunk of the pool: about four chunks per thread (balance when a thread
@@ -272,8 +279,9 @@ inline int64_t grain_for(int64_t N, int nthreads) {
 
 // The products' loop: chunks of output rows over the threads; in a chunk, tiles of NB
 // weight rows, each over the input rows RB at a time (a weight tile is read from memory
-// by the first and from cache by the rest). tile_fn<nb, rb>(w, x_row0, r0, out).
-template <typename WT, typename TileFn>
+// by the first and from cache by the rest), at most NBM x RBM (the format's shape).
+// tile_fn<nb, rb>(w, x_row0, r0, out).
+template <int NBM, int RBM, typename WT, typename TileFn>
 void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* scales, const float* bias, float* y,
                int64_t ldy, int accumulate, int nthreads, const TileFn& tile_fn) {
   // One bfloat16 input row on AVX-512: one weight row at a time (measured there over the
@@ -283,14 +291,23 @@ void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* sca
   // (a ~110M step's 49 products at one row: 8.3-10.2 ms in tiles against 10.0-12.3, four
   // alternating runs). The summation order does not depend on the tile, so no result
   // changes.
-  const int nbmax = (KV_AVX512 && rows == 1 && sizeof(WT) == 2) ? 1 : V::NB;
+  // One or two input rows: tiles of V::NB weight rows for every format, which read the
+  // weights faster (bfloat16 at two rows: 9.1 ms in 4 x 2 tiles against 10.7 in 2 x 2, the
+  // ~110M step's products on AVX2); the formats' shapes from three rows on.
+  const bool few = rows <= 2;
+  const int nbmax = few ? ((KV_AVX512 && rows == 1 && sizeof(WT) == 2) ? 1 : V::NB) : NBM;
   kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
     float out[V::NB][V::RB];
     for (int64_t n = n0; n < n1; n += nbmax) {
       const int nb = n1 - n < nbmax ? (int)(n1 - n) : nbmax;
-      for (int64_t r0 = 0; r0 < rows; r0 += V::RB) {
-        const int rb = rows - r0 < V::RB ? (int)(rows - r0) : V::RB;
-        dispatch<V::NB>(nb, rb, [&]<int NB_, int RB_>() { tile_fn.template operator()<NB_, RB_>(W + n * K, r0, out); });
+      if (few) {
+        dispatch<V::NB, 2>(nb, (int)rows, [&]<int NB_, int RB_>() { tile_fn.template operator()<NB_, RB_>(W + n * K, 0, out); });
+        store(y, ldy, 0, (int)rows, n, nb, out, scales, bias, accumulate);
+        continue;
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += RBM) {
+        const int rb = rows - r0 < RBM ? (int)(rows - r0) : RBM;
+        dispatch<NBM, RBM>(nb, rb, [&]<int NB_, int RB_>() { tile_fn.template operator()<NB_, RB_>(W + n * K, r0, out); });
         store(y, ldy, r0, rb, n, nb, out, scales, bias, accumulate);
       }
     }
@@ -300,10 +317,10 @@ void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* sca
 template <typename WT>
 void gemv(const float* x, int64_t rows, int64_t ldx, int64_t K, const WT* W, int64_t N, const float* scales,
           const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
-  run_tiles(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
-            [&]<int NB, int RB>(const WT* w, int64_t r0, float (*out)[V::RB]) {
-              tile<WT, NB, RB>(w, K, x + r0 * ldx, ldx, out);
-            });
+  run_tiles<V::NB_F32, V::RB_F32>(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
+                                  [&]<int NB, int RB>(const WT* w, int64_t r0, float (*out)[V::RB]) {
+                                    tile<WT, NB, RB>(w, K, x + r0 * ldx, ldx, out);
+                                  });
 }
 
 void gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint16_t* W, int64_t N,
@@ -322,10 +339,10 @@ void gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint1
         xp[r * K + k + j] = x[r * ldx + k + 2 * j];
         xp[r * K + k + V::W + j] = x[r * ldx + k + 2 * j + 1];
       }
-  run_tiles(rows, K, W, N, nullptr, bias, y, ldy, accumulate, nthreads,
-            [&]<int NB, int RB>(const uint16_t* w, int64_t r0, float (*out)[V::RB]) {
-              tile_bf16<NB, RB>(w, K, xp + r0 * K, out);
-            });
+  run_tiles<V::NB_BF16, V::RB_BF16>(rows, K, W, N, nullptr, bias, y, ldy, accumulate, nthreads,
+                                    [&]<int NB, int RB>(const uint16_t* w, int64_t r0, float (*out)[V::RB]) {
+                                      tile_bf16<NB, RB>(w, K, xp + r0 * K, out);
+                                    });
 }
 
 void quantize_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, int8_t* xq, float* xs) {
@@ -371,10 +388,10 @@ void gemv_q8(const int8_t* xq, const float* xs, int64_t rows, int64_t K, const i
     xs = xsr_buf.data();
   }
   const int64_t ls = nb * XS_REPEAT;
-  run_tiles(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
-            [&]<int NB, int RB>(const int8_t* w, int64_t r0, float (*out)[V::RB]) {
-              tile_q8<NB, RB>(w, K, xq + r0 * K, xs + r0 * ls, out);
-            });
+  run_tiles<V::NB_Q8, V::RB_Q8>(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
+                                [&]<int NB, int RB>(const int8_t* w, int64_t r0, float (*out)[V::RB]) {
+                                  tile_q8<NB, RB>(w, K, xq + r0 * K, xs + r0 * ls, out);
+                                });
 }
 
 }  // namespace
