@@ -49,7 +49,7 @@ struct V {  // 16 floats
   using T = __m512;
   static constexpr int W = 16;
   static constexpr int NB = 4, RB = 4;  // 16 accumulators + 4 weight vectors of 32 registers
-  // every format's tile: 4 x 4 (``Shape``)
+  // each format's tile (weight rows x input rows) from three input rows on (run_tiles): 4 x 4
   static constexpr int NB_F32 = 4, RB_F32 = 4, NB_BF16 = 4, RB_BF16 = 4, NB_Q8 = 4, RB_Q8 = 4;
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
@@ -71,11 +71,13 @@ struct V {  // 16 floats
 struct V {  // 8 floats
   using T = __m256;
   static constexpr int W = 8;
-  static constexpr int NB = 4, RB = 4;  // the largest tile (``Shape``)
-  // float32 and int8: 8 accumulators + 4 weight vectors + the input, of 16 registers. bfloat16
-  // 2 x 4: its 4 x 2 tile needs 8 accumulators + 8 widened weight vectors + the input and the
-  // mask, and the compiler kept three accumulators on the stack (a store and a load per
-  // step); 2 x 4 fits (8 + 4 + 2 + 1). w8a8 keeps 4 x 2 (2 x 4 and 4 x 3 measured within 5%).
+  static constexpr int NB = 4, RB = 4;  // the largest tile (the buffers' size)
+  // Each format's tile from three input rows on (run_tiles), sized to AVX2's 16 registers.
+  // float32 and int8 4 x 2: 8 accumulators + 4 weight vectors + the input. bfloat16 2 x 4:
+  // its 4 x 2 tile needs 8 accumulators + 8 widened weight vectors + the input and the mask,
+  // and the compiler kept three accumulators on the stack (a store and a load per step);
+  // 2 x 4 fits (8 + 4 + 2 + 1). w8a8 keeps 4 x 2 (2 x 4, 2 x 3, 3 x 2 and 4 x 3 measured
+  // within the noise, 10%).
   static constexpr int NB_F32 = 4, RB_F32 = 2, NB_BF16 = 2, RB_BF16 = 4, NB_Q8 = 4, RB_Q8 = 2;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
