@@ -62,14 +62,11 @@ def build_from_revision(rev: str, isa: str, out_dir: Path) -> Path:
         if done.returncode != 0:
             raise SystemExit(f"--against {rev}: {done.stderr.decode().strip() or 'git show failed'}")
         (src / name).write_bytes(done.stdout)
-    cc = native._compiler()
-    if cc is None:
-        raise SystemExit("no C++ compiler (c++, g++ or clang++)")
     lib = out_dir / f"libkvnative-{isa}-{rev.replace('/', '_')}.so"
-    cmd = [cc, *native._FLAGS, *native._isa_flags(isa), *(str(src / s) for s in native.SOURCES), "-o", str(lib)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"--against {rev}: compiling failed: {done.stderr.strip().splitlines()[:1]}")
+    try:
+        native.compile_sources(src, isa, lib)
+    except RuntimeError as e:
+        raise SystemExit(f"--against {rev}: {e}") from None
     return lib
 
 

@@ -144,7 +144,6 @@ def compile_all() -> dict[str, str]:
 def compile_library(isa: str) -> Path:
     """The cached library file for one ISA level, compiled when missing; RuntimeError with
     one line when it cannot be."""
-    flags = _isa_flags(isa)
     target = library_path(isa)
     if not target.exists():  # a prebuilt library (the container image ships one) needs no compiler
         cc = _compiler()
@@ -156,18 +155,30 @@ def compile_library(isa: str) -> Path:
         except OSError as e:
             raise RuntimeError(f"native kernels: cannot write the cache {target.parent}: {e.strerror}") from None
         os.close(fd)
-        cmd = [cc, *_FLAGS, *flags, *(str(_HERE / s) for s in SOURCES), "-o", tmp]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
+            compile_sources(_HERE, isa, Path(tmp), cc)
+        except RuntimeError:
             os.unlink(tmp)
-            raise RuntimeError(f"native kernels: compiling failed: {e}") from None
-        if done.returncode != 0:
-            os.unlink(tmp)
-            first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:200])
-            raise RuntimeError(f"native kernels: {cc} failed: {first}")
+            raise
         os.replace(tmp, target)
     return target
+
+
+def compile_sources(source_dir: Path, isa: str, out: Path, cc: str | None = None) -> None:
+    """Compile the library's ``SOURCES`` found in ``source_dir`` (this package's, or
+    another revision's: bench/bench_kernels.py) at ``isa`` into ``out``, with this
+    package's flags; RuntimeError with one line when it cannot be."""
+    cc = cc or _compiler()
+    if cc is None:
+        raise RuntimeError("native kernels need a C++ compiler (c++, g++ or clang++); none found")
+    cmd = [cc, *_FLAGS, *_isa_flags(isa), *(str(source_dir / s) for s in SOURCES), "-o", str(out)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"native kernels: compiling failed: {e}") from None
+    if done.returncode != 0:
+        first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:200])
+        raise RuntimeError(f"native kernels: {cc} failed: {first}")
 
 
 def _declare(lib: ctypes.CDLL) -> None:

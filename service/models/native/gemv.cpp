@@ -300,18 +300,20 @@ void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* sca
   const int nbmax = few ? ((KV_AVX512 && rows == 1 && sizeof(WT) == 2) ? 1 : V::NB) : NBM;
   kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
     float out[V::NB][V::RB];
-    for (int64_t n = n0; n < n1; n += nbmax) {
-      const int nb = n1 - n < nbmax ? (int)(n1 - n) : nbmax;
-      if (few) {
-        dispatch<V::NB, 2>(nb, (int)rows, [&]<int NB_, int RB_>() { tile_fn.template operator()<NB_, RB_>(W + n * K, 0, out); });
-        store(y, ldy, 0, (int)rows, n, nb, out, scales, bias, accumulate);
-        continue;
-      }
-      for (int64_t r0 = 0; r0 < rows; r0 += RBM) {
-        const int rb = rows - r0 < RBM ? (int)(rows - r0) : RBM;
-        dispatch<NBM, RBM>(nb, rb, [&]<int NB_, int RB_>() { tile_fn.template operator()<NB_, RB_>(W + n * K, r0, out); });
+    // weight rows [n, n + nb) over every input row, RB_ at a time in tiles of at most NB_ x RB_
+    auto rows_of = [&]<int NB_, int RB_>(int64_t n, int nb) {
+      for (int64_t r0 = 0; r0 < rows; r0 += RB_) {
+        const int rb = rows - r0 < RB_ ? (int)(rows - r0) : RB_;
+        dispatch<NB_, RB_>(nb, rb, [&]<int nb_, int rb_>() { tile_fn.template operator()<nb_, rb_>(W + n * K, r0, out); });
         store(y, ldy, r0, rb, n, nb, out, scales, bias, accumulate);
       }
+    };
+    for (int64_t n = n0; n < n1; n += nbmax) {
+      const int nb = n1 - n < nbmax ? (int)(n1 - n) : nbmax;
+      if (few)
+        rows_of.template operator()<V::NB, 2>(n, nb);
+      else
+        rows_of.template operator()<NBM, RBM>(n, nb);
     }
   });
 }
