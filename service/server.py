@@ -159,6 +159,23 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_limits_of(config: ServerConfig, context_length: int) -> Any:
+    """The HTTP front's limits (service.http.limits.HttpLimits) from the settings; any
+    JSON array or object other than the messages may hold the context length's items
+    (a token-id prompt), at least 65536."""
+    from kvserve.service.http.limits import HttpLimits
+
+    return HttpLimits(
+        max_body_bytes=config.max_message_size,
+        max_messages=config.max_chat_messages,
+        max_items=max(context_length, 1 << 16),
+        header_timeout_s=config.http_header_timeout,
+        body_timeout_s=config.http_body_timeout,
+        keep_alive_timeout_s=config.http_keep_alive_timeout,
+        max_connections=config.http_max_connections,
+    )
+
+
 def http_ssl_options(config: ServerConfig) -> dict[str, Any]:
     """uvicorn's TLS options from the same certificates as the gRPC port."""
     if not config.tls_cert:
@@ -387,6 +404,8 @@ async def serve(
     if owns_engine:
         check_device(config)
     check_port(config.host, config.port)
+    if config.metrics_port:
+        _bind(config.host, config.metrics_port, "metrics port", "--metrics-port (KVSERVE_METRICS_PORT)").close()
     want_http = http_port if http_port is not None else (config.http_port or None)
     http_socket = bind_http_socket(config.host, want_http) if want_http is not None else None
     http_ssl = http_ssl_options(config) if http_socket is not None else {}
@@ -412,7 +431,14 @@ async def serve(
         raise StartupError(f"cannot listen on {bind}; choose another --port (KVSERVE_PORT) or --host (KVSERVE_HOST)")
     running: RunningServer | None = None
     reaper: asyncio.Task | None = None
+    metrics_port: int | None = None
     try:
+        if config.metrics_port:  # served from now on (kvserve_ready is 0 until the model is loaded)
+            try:
+                metrics_port = metrics.serve_http(config.host, config.metrics_port)
+            except OSError as e:
+                raise StartupError(f"metrics port {config.metrics_port} on {config.host}: {e.strerror or e}; choose "
+                                   "another --metrics-port (KVSERVE_METRICS_PORT)") from None  # fmt: skip
         await check_redis(config)
         if engine is None:
             engine = await _build_engine(config)
@@ -476,12 +502,12 @@ async def serve(
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.ready.set(1)
-        metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port else None
         http_server = http_task = None
         bound_http: int | None = None
         if http_socket is not None:
             from kvserve.service.http.app import HttpFront, make_uvicorn_server
 
+            http_limits = http_limits_of(config, engine.model_info.context_length)
             front = HttpFront(
                 conversations,
                 admission,
@@ -491,8 +517,11 @@ async def serve(
                 max_body_bytes=config.max_message_size,
                 default_max_new_tokens=default_max_new_tokens,
                 tracing=tracing,
+                limits=http_limits,
             )
-            http_server = make_uvicorn_server(front.app, ssl=http_ssl, log_level=config.log_level)
+            http_server = make_uvicorn_server(
+                front.app, ssl=http_ssl, log_level=config.log_level, limits=http_limits, metrics=metrics
+            )
             bound_http = http_socket.getsockname()[1]
             http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="kvserve-http")
             while not http_server.started and not http_task.done():
@@ -547,6 +576,7 @@ async def serve(
             if owns_engine and engine is not None:
                 await engine.shutdown(0.0)
             await server.stop(None)  # releases the port
+            metrics.stop_http()
         if http_socket is not None:
             http_socket.close()
         if owns_tracing:
