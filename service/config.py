@@ -397,6 +397,8 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """argparse prints ``invalid <__name__> value`` on ValueError; keep our precise message instead."""
 
     def convert(text: str) -> Any:
+        if parse is int and not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
         try:
             return parse(text)
         except ValueError as e:

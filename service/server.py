@@ -7,7 +7,8 @@ Two entries:
   (tests, benchmarks, embedding). ``running.port`` is the bound port (``port=0``
   picks a free one). Leaving the block drains and stops it.
 * ``run(config)`` is what ``kvserve serve`` calls: serve until SIGTERM or SIGINT,
-  then drain and return exit status 0.
+  then drain and return exit status 0 (a signal during startup: 128 + its number,
+  before anything is served).
 
 Drain (``RunningServer.shutdown``): health turns NOT_SERVING for every service, new
 calls get UNAVAILABLE, in-flight streams get up to ``drain_timeout`` seconds to finish;
@@ -118,13 +119,15 @@ class RunningServer:
         # Write the blocks of sessions this replica served to Redis, so another replica
         # (or this one restarted) resumes them without prefill; bounded by the time left.
         left = max(grace - (time.monotonic() - t0), 1.0)
+        errors_before, t_persist = self._redis_errors(), time.monotonic()
         report = await self.spill.persist_all(left)
         if report.sessions:
             log.log(
                 logging.INFO if report.complete else logging.WARNING,
                 "drain: %d session(s), %d full block(s): %d in Redis (%d written now), %d left%s",
                 report.sessions, report.blocks, report.in_redis, report.written, report.left,
-                "" if report.complete else f" (not all through within {left:.1f} s)",
+                "" if report.complete else _drain_shortfall(left, time.monotonic() - t_persist,
+                                                            self._redis_errors() - errors_before),
             )  # fmt: skip
         if self.owns_engine:
             await self.engine.shutdown(0.0)
@@ -133,6 +136,11 @@ class RunningServer:
         await self.sessions.store.close()
         log.info("stopped")
 
+
+    def _redis_errors(self) -> int:
+        store = self.engine.cache_stats().store
+        stats = store.tiers.get("redis") if store is not None else None
+        return stats.errors if stats is not None else 0
 
     async def _stop_http(self) -> None:
         if self.http_task is None:
@@ -144,6 +152,16 @@ class RunningServer:
             self.http_task.cancel()
             await asyncio.gather(self.http_task, return_exceptions=True)
         self.http_task = None
+
+
+def _drain_shortfall(budget_s: float, took_s: float, redis_errors: int) -> str:
+    """Why the drain left blocks out of Redis, for its log line: the time ran out, or
+    Redis failed the writes or was not there (long before the time was up)."""
+    if took_s >= 0.9 * budget_s:
+        return f" (not all through within {budget_s:.1f} s)"
+    if redis_errors:
+        return f" (Redis failed {redis_errors} call(s) during the drain: it is down or refusing writes)"
+    return " (Redis did not take them: it is unreachable or its circuit breaker is open)"
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -584,25 +602,48 @@ async def serve(
 
 
 async def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT, drain for ``config.drain_timeout``, return 0."""
+    """Serve until SIGTERM/SIGINT, drain for ``config.drain_timeout``, return 0.
+
+    A signal during startup (the model loading) stops it there, before anything is
+    served ("serving ..." is never logged): 128 + the signal's number (130 for Ctrl-C)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    got: list[signal.Signals] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, sig, stop)
-    try:
+        loop.add_signal_handler(sig, _on_signal, sig, stop, got)
+    started = asyncio.Event()
+
+    async def serving() -> None:
         async with serve(config) as running:
+            started.set()
             await stop.wait()
             log.info("shutting down: draining for up to %.1f s", config.drain_timeout)
             await running.shutdown()
+
+    main = asyncio.create_task(serving(), name="kvserve-serve")
+    signalled = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({main, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if main.done() or started.is_set():  # startup failed, or the signal came while serving: the drain ran
+            await main
+            return 0
+        log.info("%s during startup: stopping before serving", got[0].name)
+        main.cancel()
+        try:
+            await main
+        except asyncio.CancelledError:
+            pass
+        return 128 + int(got[0])
     finally:
+        signalled.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    return 0
 
 
-def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+def _on_signal(sig: signal.Signals, stop: asyncio.Event, got: list[signal.Signals]) -> None:
     if stop.is_set():
-        log.info("%s again: already draining", sig.name)
+        log.info("%s again: already stopping", sig.name)
     else:
         log.info("received %s", sig.name)
+        got.append(sig)
     stop.set()

@@ -35,7 +35,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SLICE_S = 0.004  # the longest the parse holds the event loop at once (about)
-FAST_ITEMS = 2048  # a body with at most this many ',', '{' and '[' bytes is parsed in one go
+FAST_BYTES = 16 << 10  # a body up to this size is parsed in one go (at most ~5,000 values: a few ms)
+# a container below the second level (a message, a content part) that closes within this
+# many characters is parsed whole by json's scanner (bigger ones are walked); it holds
+# fewer items than any limit
+WINDOW = 512
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class BodyReader:
         if text.startswith("\ufeff"):
             raise HttpError(400, "the request body starts with a byte order mark; send JSON in UTF-8 without one")
         async with self._lock:
-            if data.count(b",") + data.count(b"{") + data.count(b"[") <= FAST_ITEMS:
+            if len(data) <= FAST_BYTES:
                 try:
                     value = json.loads(text)
                 except (ValueError, RecursionError) as e:
@@ -125,7 +129,7 @@ def _limit_of(path: str, limits: HttpLimits) -> int:
 
 
 def _check_items(value: Any, limits: HttpLimits) -> None:
-    """The item limits on a body parsed in one go (small: ``FAST_ITEMS`` at most)."""
+    """The item limits on a body parsed in one go (``FAST_BYTES`` at most)."""
     stack: list[tuple[str, Any]] = [("", value)]
     while stack:
         path, v = stack.pop()
@@ -144,8 +148,9 @@ _STRING = json.decoder.scanstring
 def _walk(s: str, limits: HttpLimits) -> Iterator[None]:
     """``json.loads(s)`` as a generator: it yields every 256 values (the caller gives
     the event loop a turn when its slice is over) and returns the value; containers
-    are walked here (so their item counts are checked as they grow), scalars parsed by
-    json's own scanner. Raises ValueError where ``s`` is not JSON."""
+    are walked here (so their item counts are checked as they grow), scalars and small
+    containers below the second level (a ``WINDOW`` at most) parsed by json's own
+    scanner. Raises ValueError where ``s`` is not JSON."""
     ws = _WS.match
     n = len(s)
     # a frame: [container, path, limit, key (objects)]
@@ -157,7 +162,16 @@ def _walk(s: str, limits: HttpLimits) -> Iterator[None]:
         if i >= n:
             raise json.JSONDecodeError("Expecting value", s, i)
         c = s[i]
-        if c == "{" or c == "[":
+        if (c == "{" or c == "[") and len(stack) >= 2:  # an item's container: whole, when it ends within WINDOW
+            try:
+                value_done, end = _SCAN(s[i : i + WINDOW], 0)
+                i += end
+                c = ""
+            except (StopIteration, ValueError, RecursionError):
+                pass  # longer than the window (or not JSON): walked below
+        if c == "":
+            pass
+        elif c == "{" or c == "[":
             path = _child_path(stack)
             value: Any = {} if c == "{" else []
             stack.append([value, path, _limit_of(path, limits), None])
