@@ -55,6 +55,30 @@ commands (typed on a line of their own):
 _NO_ARGUMENT = ("/undo", "/reset", "/help", "/quit")
 
 
+DEFAULT_PORT = 50051
+
+
+def with_port(address: str) -> str:
+    """``host`` -> ``host:50051`` (gRPC would otherwise try port 443); an address with a
+    port, an IPv6 one in brackets with a port, or a gRPC target URI (``dns:///...``,
+    ``unix:...``) is left as it is."""
+    if "://" in address or address.startswith(("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{DEFAULT_PORT}"
+    if address.count(":") > 1:  # a bare IPv6 address
+        return f"[{address}]:{DEFAULT_PORT}"
+    return address if ":" in address else f"{address}:{DEFAULT_PORT}"
+
+
+def _error_line(e: KVServeError) -> str:
+    """A failed call for the chat's user: the status, its details and, for a missing or
+    wrong key, the flag that sends one."""
+    if e.code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"[error UNAUTHENTICATED: the server wants an API key: pass it with --token KEY ({e.details})]\n"
+    return f"[error {e.code.name}: {e.details}]\n"
+
+
 def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str:
     tier = f" ({start.cached_tier})" if start.cached_tokens else ""
     parts = [f"cached {start.cached_tokens}/{start.prompt_tokens} prompt tokens{tier}"]
@@ -141,7 +165,7 @@ def _session_command(
             out.write(f"[session {rest}: forked from {session} at turn {info.turns}, {info.token_count} tokens "
                       f"({info.cached_blocks['device']}/{info.full_blocks} blocks shared on the device)]\n")  # fmt: skip
     except KVServeError as e:
-        err.write(f"[error {e.code.name}: {e.details}]\n")
+        err.write(_error_line(e))
         err.flush()
         return None
     out.flush()
@@ -157,15 +181,16 @@ def _turns_now(client: KVServeClient, session: str, turns: int) -> int:
 
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="kvserve-chat", description=__doc__.splitlines()[0], epilog=COMMANDS,
+        prog="kvserve-chat", description=__doc__.splitlines()[0].replace("``", ""), epilog=COMMANDS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--address", default="localhost:50051", help="server host:port (default: %(default)s)")
+    parser.add_argument("--address", default=f"localhost:{DEFAULT_PORT}",
+                        help=f"server host:port; a host alone means port {DEFAULT_PORT} (default: %(default)s)")  # fmt: skip
     parser.add_argument("--session", default=None, help="session to resume or create (default: a new random id)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="reply length limit (default: the server's)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each turn in seconds")
-    parser.add_argument("--token", default=None, help="API key, sent as a bearer token")
+    parser.add_argument("--token", default=None, help="API key (for a server with --api-keys), sent as a bearer token")
     args = parser.parse_args(argv)
     stdin = stdin or sys.stdin
     out = stdout or sys.stdout
@@ -175,14 +200,14 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
 
     has_history = False  # the session has completed turns: later turns demand it exists
     turns = 0  # the session's completed turns, as far as this chat knows
-    with KVServeClient(args.address, token=args.token) as client:
+    with KVServeClient(with_port(args.address), token=args.token) as client:
         try:
             info = client.get_session(session)
             out.write(f"[session {session}: resumed, {info.turns} turns, {info.token_count} tokens]\n")
             has_history, turns = True, info.turns
         except KVServeError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:
-                err.write(f"[error {e.code.name}: {e.details}]\n")
+                err.write(_error_line(e))
                 return 1
             out.write(f"[session {session}: new]\n")
         out.flush()
@@ -222,6 +247,11 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 out.write(COMMANDS)
                 out.flush()
                 continue
+            if command in ("/regenerate", "/edit", "/undo") and turns == 0:
+                err.write(f"[{command}: session {session} has no turns yet; send a message first]\n")
+                err.flush()
+                last_failed = True
+                continue
             if command in ("/regenerate", "/edit", "/undo", "/fork"):
                 after = _session_command(client, session, turns, command, rest, args, out, err)
                 last_failed = after is None
@@ -237,7 +267,7 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                     client.delete_session(session)
                 except KVServeError as e:
                     if e.code != grpc.StatusCode.NOT_FOUND:
-                        err.write(f"[error {e.code.name}: {e.details}]\n")
+                        err.write(_error_line(e))
                 session = f"chat-{uuid.uuid4().hex[:12]}"
                 out.write(f"[session {session}: new]\n")
                 out.flush()
@@ -258,7 +288,7 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 last_failed = False
             except KVServeError as e:
                 last_failed = True
-                err.write(f"[error {e.code.name}: {e.details}]\n")
+                err.write(_error_line(e))
                 err.flush()
     return 1 if last_failed else 0
 

@@ -122,3 +122,53 @@ def test_a_drain_cut_short_by_redis_says_so(tiny_llama_dir, caplog):
     assert lines, [r.getMessage() for r in caplog.records]
     assert "left" in lines[0] and "Redis" in lines[0]
     assert "within 30.0 s" not in lines[0]  # it took milliseconds, not the drain timeout
+
+
+# ----------------------------------------------------------------------------- kvserve-chat
+
+CHAT_KEY = "first-hour-key"
+
+
+def test_chat_address_without_a_port_means_50051():
+    from kvserve.clients.chat import with_port
+
+    assert with_port("localhost") == "localhost:50051"
+    assert with_port("10.0.0.7") == "10.0.0.7:50051"
+    assert with_port("[::1]") == "[::1]:50051" and with_port("::1") == "[::1]:50051"
+    for kept in ("localhost:7000", "[::1]:7000", "dns:///kvserve.internal:7000", "unix:/tmp/kvserve.sock"):
+        assert with_port(kept) == kept
+
+
+def test_chat_help_is_plain_text(capsys):
+    from kvserve.clients.chat import main as chat
+
+    try:
+        chat(["--help"])
+    except SystemExit:
+        pass
+    out = capsys.readouterr().out
+    assert "kvserve-chat: chat with a kvserve server" in out
+    assert "``" not in out
+
+
+def test_chat_with_a_key_server(tiny_llama_dir, capsys):
+    import io
+
+    from kvserve.clients.chat import main as chat
+    from kvserve.service.auth import hash_key
+
+    cfg = tiny_config(tiny_llama_dir, api_keys=f"acme:{hash_key(CHAT_KEY)}")
+    with ServerThread(cfg) as s:
+        # without --token: the error says how to send the key
+        assert chat(["--address", s.address, "--session", "fh-401"], stdin=io.StringIO("hi\n"), stdout=io.StringIO()) == 1
+        err = capsys.readouterr().err
+        assert "UNAUTHENTICATED" in err and "--token" in err
+        # /undo, /regenerate, /edit before the first turn: said here, not a NOT_FOUND from the server
+        out = io.StringIO()
+        code = chat(["--address", s.address, "--session", "fh-cmds", "--token", CHAT_KEY],
+                    stdin=io.StringIO("/undo\n/regenerate\n/edit hello\n"), stdout=out)  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 1
+        assert out.getvalue().startswith("[session fh-cmds: new]\n")
+        assert err.count("has no turns yet") == 3, err
+        assert "NOT_FOUND" not in err
