@@ -191,7 +191,8 @@ class SessionStoreCollector:
         breaker = getattr(store, "breaker", None)
         if breaker is not None:
             yield CounterMetricFamily(
-                f"{p}_session_store_errors", "Session-store calls to Redis that failed or timed out.",
+                f"{p}_session_store_errors", "Session-store calls to Redis that failed (Redis itself: connection, "
+                "server state) or timed out; these count against the breaker.",
                 value=store.primary_errors,
             )  # fmt: skip
             yield CounterMetricFamily(

@@ -7,13 +7,24 @@ Two replicas share one real redis-server; the records are damaged in Redis direc
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import redis
 
 from kvserve.clients import KVServeClient, KVServeError
 from kvserve.service.metrics import SessionStoreCollector
-from kvserve.service.sessions import decode_record
+from kvserve.service.sessions import (
+    FallbackSessionStore,
+    InMemorySessionStore,
+    RedisSessionStore,
+    SessionLimit,
+    SessionManager,
+    SessionRecord,
+    decode_record,
+)
+from kvserve.service.sessions.stores import CONFLICT, HEALED, WRITTEN, Expect
 from tests.serving import ServerThread, tiny_config
 
 OWNER = ""  # no auth: every caller is the tenant ""
@@ -156,3 +167,100 @@ def test_deleting_a_corrupt_session_answers_not_found_and_clears_it(pair):
     r.set(record_key("gone"), r.get(record_key("gone"))[:-5], keepttl=True)
     assert "not found" in not_found(lambda: b.delete_session("gone"))
     assert b.chat("gone", "new", max_new_tokens=2).start.session_created
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+def _rec(sid: str, etag: str = "e1", turns: int = 1) -> SessionRecord:
+    return SessionRecord(session_id=sid, owner="o", token_ids=[1, 2, 3], created_at=1.0, last_used_at=2.0,
+                         turns=turns, etag=etag)  # fmt: skip
+
+
+def test_the_store_replaces_only_the_unreadable_value_its_read_found(redis_url):
+    r = redis.Redis.from_url(redis_url)
+
+    async def run() -> None:
+        s = RedisSessionStore.from_url(redis_url, key_prefix="heal:", ttl_s=60)
+        try:
+            assert await s.put_if(_rec("a"), Expect(absent_ok=True), create=True) == WRITTEN
+            key = "heal:sess:o:a"
+            r.set(key, flip_a_token_byte(r.get(key)))
+            rec, expect = await s.read("o", "a")
+            assert rec is None and expect.absent_ok and expect.unreadable
+            # another value since the read (a healthy write elsewhere) is not replaced
+            r.set(key, flip_a_token_byte(flip_a_token_byte(r.get(key))[:-1] + b"\x00"))
+            assert await s.put_if(_rec("a", "e2"), expect, create=True) == CONFLICT
+            rec, expect = await s.read("o", "a")
+            assert await s.put_if(_rec("a", "e2"), expect, create=True) == HEALED
+            assert (await s.get("o", "a")).etag == "e2"
+            assert s.unreadable_records == 2
+            # a HASH in the record's key: absent, replaced by the next write, never an error
+            r.delete(key)
+            r.hset(key, "x", "y")
+            rec, expect = await s.read("o", "a")
+            assert rec is None and expect.unreadable == "type:hash"
+            assert await s.put_if(_rec("a", "e3"), expect, create=True) == HEALED
+            assert (await s.get("o", "a")).etag == "e3"
+            r.delete(key)
+            r.hset(key, "x", "y")
+            assert await s.delete("o", "a") is True and await s.get_state("o", "a") == (None, True)
+        finally:
+            await s.close()
+
+    asyncio.run(run())
+
+
+def test_a_key_error_fails_that_call_alone_and_never_opens_the_breaker(redis_url):
+    r = redis.Redis.from_url(redis_url)
+
+    async def run() -> None:
+        fb = FallbackSessionStore(RedisSessionStore.from_url(redis_url, key_prefix="keyerr:", ttl_s=60))
+        try:
+            r.hset("keyerr:sess-ids:o", "x", "y")  # the owner's index is a HASH
+            for _ in range(5):
+                assert await fb.count("o") == 0  # zcard fails for this key: answered from this replica
+            assert fb.key_errors == 5 and fb.primary_errors == 0
+            assert fb.breaker.state == "closed"
+            # a write replaces the index (not ours) and the session is there for everyone
+            assert await fb.put_if(_rec("a"), Expect(absent_ok=True), create=True, limit=3) == WRITTEN
+            assert r.type("keyerr:sess-ids:o") == b"zset" and await fb.primary.count("o") == 1
+        finally:
+            await fb.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("store", ["memory", "redis", "redis-down"])
+def test_concurrent_creations_hold_the_limit_in_every_store(redis_url, store):
+    async def run() -> None:
+        if store == "memory":
+            stores = [InMemorySessionStore()]
+        else:
+            url = redis_url if store == "redis" else "redis://127.0.0.1:1/0"  # nothing listens there
+            # (a generous timeout: on a loaded machine 60 calls at once pass 0.3 s, and a
+            # call that times out is decided by this replica alone, as while Redis is away)
+            timeout = 5.0 if store == "redis" else 0.3
+            stores = [FallbackSessionStore(RedisSessionStore.from_url(url, key_prefix="lim:", socket_timeout_s=0.2),
+                                           timeout_s=timeout) for _ in range(2)]  # fmt: skip
+        managers = [SessionManager(st, max_sessions_per_owner=5) for st in stores]
+
+        async def create(i: int) -> bool:
+            m = managers[i % len(managers)]
+            try:
+                turn = await m.begin_turn("o", f"s{i}")
+            except SessionLimit:
+                return False
+            await m.commit_turn(turn, [1, 2, 3], [4])
+            await m.end_turn(turn)
+            return True
+
+        try:
+            made = await asyncio.gather(*(create(i) for i in range(60)))
+            per = 5 if store != "redis-down" else 5 * len(managers)  # Redis away: each replica counts its own
+            assert sum(made) == per
+        finally:
+            for st in stores:
+                await st.close()
+
+    asyncio.run(run())
