@@ -12,7 +12,13 @@ import pytest
 import redis
 
 from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError
-from kvserve.service.sessions import decode_record
+from kvserve.service.sessions import (
+    FallbackSessionStore,
+    RedisSessionStore,
+    SessionLimit,
+    SessionManager,
+    decode_record,
+)
 from tests.serving import ServerThread, tiny_config
 
 CALLS = 60
@@ -115,3 +121,37 @@ def test_concurrent_forks_hold_the_limit(tiny_llama_dir, redis_url):
         assert len(ok) == limit - 1
         assert all(x.code == grpc.StatusCode.RESOURCE_EXHAUSTED for x in results if isinstance(x, Exception))
         assert len(stored_sessions(redis.Redis.from_url(redis_url))) == limit
+
+
+def test_an_expired_session_frees_its_place_and_its_id_can_be_used_again(redis_url):
+    """The index still lists a session whose record Redis expired: at the limit it is
+    pruned, and a first turn on that very id is no extra session."""
+    r = redis.Redis.from_url(redis_url)
+
+    async def run() -> None:
+        store = FallbackSessionStore(RedisSessionStore.from_url(redis_url, key_prefix="lim:"), timeout_s=5.0)
+        m = SessionManager(store, max_sessions_per_owner=2)
+
+        async def turn(sid: str) -> None:
+            t = await m.begin_turn("o", sid)
+            await m.commit_turn(t, [1, 2, 3], [4])
+            await m.end_turn(t)
+
+        try:
+            await turn("a")
+            await turn("b")
+            with pytest.raises(SessionLimit):
+                await turn("c")
+            r.delete("lim:sess:o:a")  # as Redis expiring it; the index still lists it
+            await store.local.delete("o", "a")  # and this replica's copy expired too
+            await turn("a")  # the same id again: its place is its own
+            with pytest.raises(SessionLimit):
+                await turn("c")
+            r.delete("lim:sess:o:b")
+            await store.local.delete("o", "b")
+            await turn("c")  # b's place, pruned from the index
+            assert sorted(i.decode() for i in r.zrange("lim:sess-ids:o", 0, -1)) == ["a", "c"]
+        finally:
+            await store.close()
+
+    asyncio.run(run())

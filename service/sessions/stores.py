@@ -537,10 +537,11 @@ class RedisSessionStore:
             if not is_key_error(e):
                 raise
             key_type = (await self._r.type(key)).decode()
-            if key_type == "string":  # it was replaced by a record meanwhile: read that
-                return await self.read(owner, session_id)
-            self._unreadable(owner, session_id, fingerprint(key_type=key_type), f"the key is a Redis {key_type}")
-            return None, Expect(absent_ok=True, unreadable=fingerprint(key_type=key_type))
+            if key_type == "string":  # replaced by a record meanwhile: read that (once)
+                data = await self._r.get(key)
+            else:
+                self._unreadable(owner, session_id, fingerprint(key_type=key_type), f"the key is a Redis {key_type}")
+                return None, Expect(absent_ok=True, unreadable=fingerprint(key_type=key_type))
         if data is None:
             return None, Expect(absent_ok=True)
         if data.startswith(TOMBSTONE_PREFIX):
@@ -658,16 +659,17 @@ class RedisSessionStore:
     async def is_locked(self, owner: str, session_id: str) -> bool:
         return await self._r.type(self._key("sess-lock", owner, session_id)) == b"string"  # another type is no lock
 
-    async def count(self, owner: str, *, prune_at: int | None = None) -> int:
+    async def count(self, owner: str, *, prune_at: int | None = None, creating: str = "") -> int:
         """The owner's sessions. The index may still list expired ones; when the count
         reaches ``prune_at`` the index is checked against the records and pruned first
         (of ids whose record is gone and whose lock is free: a creation holds the lock
-        from before its record is written until after its id is indexed)."""
+        from before its record is written until after its id is indexed), and the id
+        ``creating`` (a session about to be created: its place is its own) is not counted."""
         index = self._key("sess-ids", owner)
         n = int(await self._r.zcard(index))
         if prune_at is None or n < prune_at:
             return n
-        ids = [i.decode() for i in await self._r.zrange(index, 0, -1)]
+        ids = [i.decode() for i in await self._r.zrange(index, 0, -1) if i.decode() != creating]
         pipe = self._r.pipeline(transaction=False)
         for sid in ids:  # one key per command (Redis Cluster)
             pipe.exists(self._key("sess", owner, sid))
@@ -1033,10 +1035,10 @@ class FallbackSessionStore:
         ok, got = await self._try("lock check", lambda: self.primary.is_locked(owner, session_id))
         return bool(got) if ok else await self.local.is_locked(owner, session_id)
 
-    async def count(self, owner: str, *, prune_at: int | None = None) -> int:
+    async def count(self, owner: str, *, prune_at: int | None = None, creating: str = "") -> int:
         primary = self.primary
         if isinstance(primary, RedisSessionStore):
-            call = lambda: primary.count(owner, prune_at=prune_at)  # noqa: E731
+            call = lambda: primary.count(owner, prune_at=prune_at, creating=creating)  # noqa: E731
         else:
             call = lambda: primary.count(owner)  # noqa: E731
         ok, n = await self._try("count", call, timeout_s=self.timeout_s * 10)

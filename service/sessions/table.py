@@ -164,7 +164,7 @@ class SessionManager:
                             f"session {session_id!r} not found (require_existing_session is set): it expired, "
                             f"was deleted, or the server lost it"
                         )
-                    await self._check_room(owner)  # the store decides (put_if's limit); this spares a write
+                    await self._check_room(owner, session_id)
                     rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
                 rec.last_used_at = self._clock() if not created else rec.created_at
                 rec.etag = new_etag(kept=created and expect.after_delete)
@@ -210,12 +210,14 @@ class SessionManager:
         elif outcome == UNKNOWN:
             self.unconfirmed_writes += 1
 
-    async def _check_room(self, owner: str) -> None:
+    async def _check_room(self, owner: str, session_id: str) -> None:
+        """SessionLimit if the owner, ``session_id`` apart, holds the limit already (the
+        store's ``put_if`` decides exactly; this spares a refused creation its write)."""
         limit = self.max_sessions_per_owner
         if not limit:
             return
         count = self.store.count
-        n = await (count(owner, prune_at=limit) if _takes_prune_at(self.store) else count(owner))
+        n = await (count(owner, prune_at=limit, creating=session_id) if _takes_prune_at(self.store) else count(owner))
         if n >= limit:
             raise self._limit_error(n)
 
@@ -405,7 +407,7 @@ class SessionManager:
                 there, expect = await self.store.read(owner, new_session_id)
                 if there is not None:
                     raise exists
-                await self._check_room(owner)
+                await self._check_room(owner, new_session_id)
                 expect = Expect(frozenset(), absent_ok=True, unreadable=expect.unreadable)
                 outcome = await self.store.put_if(child, expect, create=True, limit=self.max_sessions_per_owner)
             finally:
