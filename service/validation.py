@@ -6,7 +6,7 @@ Two callers, one set of messages:
   ``check_sampling`` (every sampling field, the integers that reach a tensor or the
   seeded generator range-checked here, so no request can fail the engine step that
   serves every stream) and ``check_stop_lists``, ``check_salt``, ``check_turn_options``
-  (the input's text is valid Unicode, ``check_text``; the session options:
+  (the input's text is valid Unicode, ``check_input_text``; the session options:
   require_existing_session, turn_mode, expected_turns), ``check_input_size``
   (text that cannot fit, before it is tokenized), ``check_vocabulary`` on input token
   ids, ``check_prompt_limit`` and ``check_context`` (which also fits an unset
