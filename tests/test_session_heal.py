@@ -23,6 +23,7 @@ from kvserve.service.sessions import (
     SessionManager,
     SessionRecord,
     decode_record,
+    encode_record,
 )
 from kvserve.service.sessions.stores import CONFLICT, HEALED, WRITTEN, Expect
 from tests.serving import ServerThread, tiny_config
@@ -222,6 +223,9 @@ def test_a_key_error_fails_that_call_alone_and_never_opens_the_breaker(redis_url
                 assert await fb.count("o") == 0  # zcard fails for this key: answered from this replica
             assert fb.key_errors == 5 and fb.primary_errors == 0
             assert fb.breaker.state == "closed"
+            # a delete of a session is not held up by its tenant's index
+            r.set("keyerr:sess:o:z", encode_record(_rec("z")))
+            assert await fb.delete("o", "z") is True and fb.unsynced == 0
             # a write replaces the index (not ours) and the session is there for everyone
             assert await fb.put_if(_rec("a"), Expect(absent_ok=True), create=True, limit=3) == WRITTEN
             assert r.type("keyerr:sess-ids:o") == b"zset" and await fb.primary.count("o") == 1

@@ -576,6 +576,15 @@ class RedisSessionStore:
         index = self._key("sess-ids", owner)
         return bool(int(await self._index_add(keys=[index], args=[session_id, limit])))
 
+    async def _unindex(self, owner: str, *session_ids: str) -> None:
+        """Remove ids from the owner's index; an index key of another type (the next
+        ``_index`` replaces it) is no error of the delete that asked."""
+        try:
+            await self._r.zrem(self._key("sess-ids", owner), *session_ids)
+        except ResponseError as e:
+            if not is_key_error(e):
+                raise
+
     async def put_if(
         self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False,
         limit: int = 0,
@@ -599,7 +608,7 @@ class RedisSessionStore:
         """Replace the record with a tombstone; True if there was a record."""
         args = [tombstone(), self._ttl_ms or 0]
         deleted = int(await self._delete(keys=[self._key("sess", owner, session_id)], args=args))
-        await self._r.zrem(self._key("sess-ids", owner), session_id)
+        await self._unindex(owner, session_id)
         return deleted == 1
 
     async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
@@ -608,7 +617,7 @@ class RedisSessionStore:
         args = [tombstone(), self._ttl_ms or 0, *sorted(etags)]
         gone = int(await self._delete_if(keys=[self._key("sess", owner, session_id)], args=args))
         if gone >= 0:
-            await self._r.zrem(self._key("sess-ids", owner), session_id)
+            await self._unindex(owner, session_id)
         return gone == 1
 
     async def list(
@@ -626,7 +635,7 @@ class RedisSessionStore:
             recs = await asyncio.gather(*(self.get(owner, sid) for sid in ids))
             gone = [sid for sid, rec in zip(ids, recs) if rec is None]
             if gone:
-                await self._r.zrem(index, *gone)
+                await self._unindex(owner, *gone)
             for rec in recs:
                 if rec is None:
                     continue
@@ -677,7 +686,7 @@ class RedisSessionStore:
         found = await pipe.execute()
         gone = [sid for i, sid in enumerate(ids) if not found[2 * i] and not found[2 * i + 1]]
         if gone:
-            await self._r.zrem(index, *gone)
+            await self._unindex(owner, *gone)
         return len(ids) - len(gone)
 
     async def expire(self) -> list[SessionRecord]:
