@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvserve.service.http.limits import BodyReader, HttpLimits
+from kvserve.service.http.limits import FAST_BYTES, BodyReader, HttpLimits
 from kvserve.service.http.openai import HttpError
 from tests.serving import ServerThread, tiny_config, wait_until
 
@@ -303,10 +303,19 @@ def test_large_parse_matches_json_and_gives_the_loop_turns():
     assert ticks > 2  # the parse yielded to the loop (one go would give the ticker no turn at all)
 
 
-@pytest.mark.parametrize("bad", [b"[1,]", b'{"a":1,}', b'{"a" 1}', b"[1 2]", b'{"a":1}x', b"", b"[" * 300 + b"]" * 300])
+@pytest.mark.parametrize("bad", [b"[1,]", b'{"a":1,}', b'{"a" 1}', b"[1 2]", b'{"a":1}x', b"", b"[" * 1100 + b"]" * 1100])
 def test_large_parse_refuses_what_json_refuses(bad):
     reader = BodyReader(HttpLimits())
-    big = b'{"pad": [' + b",".join([b"0"] * 5000) + b'], "v": ' + bad + b"}"  # past the one-go size
+    big = b'{"pad": [' + b",".join([b"0"] * 10_000) + b'], "v": ' + bad + b"}"
+    assert len(big) > FAST_BYTES  # parsed in slices, not in one go
+    with pytest.raises((ValueError, RecursionError)):
+        json.loads(big)
     with pytest.raises(HttpError) as e:
         asyncio.run(reader.parse(big))
     assert e.value.status == 400
+
+
+def test_large_parse_takes_what_json_takes_nested():
+    reader = BodyReader(HttpLimits())
+    big = b'{"pad": [' + b",".join([b"0"] * 10_000) + b'], "v": ' + b"[" * 300 + b"{}" + b"]" * 300 + b"}"
+    assert asyncio.run(reader.parse(big)) == json.loads(big)

@@ -40,6 +40,7 @@ FAST_BYTES = 16 << 10  # a body up to this size is parsed in one go (at most ~5,
 # many characters is parsed whole by json's scanner (bigger ones are walked); it holds
 # fewer items than any limit
 WINDOW = 512
+MAX_DEPTH = 900  # json.loads' own limit is the recursion limit (1000): about the same either way
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,9 @@ def _walk(s: str, limits: HttpLimits) -> Iterator[None]:
         if i >= n:
             raise json.JSONDecodeError("Expecting value", s, i)
         c = s[i]
-        if (c == "{" or c == "[") and len(stack) >= 2:  # an item's container: whole, when it ends within WINDOW
+        # an item's container: whole, when it ends within WINDOW (whose at most WINDOW / 2
+        # levels keep it within MAX_DEPTH)
+        if (c == "{" or c == "[") and 2 <= len(stack) <= MAX_DEPTH - WINDOW // 2:
             try:
                 value_done, end = _SCAN(s[i : i + WINDOW], 0)
                 i += end
@@ -175,8 +178,8 @@ def _walk(s: str, limits: HttpLimits) -> Iterator[None]:
             path = _child_path(stack)
             value: Any = {} if c == "{" else []
             stack.append([value, path, _limit_of(path, limits), None])
-            if len(stack) > 200:
-                raise ValueError("nested too deeply (more than 200 levels)")
+            if len(stack) > MAX_DEPTH:
+                raise ValueError(f"nested too deeply (more than {MAX_DEPTH} levels)")
             i = ws(s, i + 1).end()
             close = "}" if c == "{" else "]"
             if i < n and s[i] == close:
