@@ -17,7 +17,7 @@ import pytest
 
 from kvserve.clients import KVServeClient
 from kvserve.service.auth import hash_key
-from kvserve.service.http.app import _turn_floor, match_history
+from kvserve.service.history import _turn_floor, match_history
 from kvserve.service.sessions.stores import copy_record
 from kvserve.service.types import ChatMessage
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
