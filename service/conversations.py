@@ -47,7 +47,7 @@ import dataclasses
 import logging
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
 from kvserve.service.history import HistoryAction, HistoryPlan, plan_history
 from kvserve.service.metrics import ServiceMetrics
@@ -130,6 +130,7 @@ class Conversations:
         self.shared_cache_salts = frozenset(shared_cache_salts)
         self.spill = spill
         self._max_bytes_per_token: int | None = None
+        self._piece_bytes: list[bytes] | None = None  # token_pieces: sentencepiece's bytes per id, once
 
     # ------------------------------------------------------------------ the turn
 
@@ -331,6 +332,23 @@ class Conversations:
             self.spill.touch(owner, new_session_id, rec.token_ids, self.cache_scope(owner, rec.cache_salt))
         return rec
 
+    async def session(self, owner: str, session_id: str) -> tuple[SessionRecord, bool, str]:
+        """A session's record, whether a turn is in flight, and its last completed turn's
+        reply as text ("" before its first turn). Raises SessionNotFound."""
+        rec, busy = await self.sessions.get(owner, session_id)
+        reply = ""
+        if rec.turn_log:
+            out = rec.token_ids[len(rec.token_ids) - rec.turn_log[-1].output_tokens :]
+            reply = await asyncio.to_thread(self.engine.tokenizer.decode, out)
+        return rec, busy, reply
+
+    async def remove(self, owner: str, session_id: str) -> SessionRecord:
+        """Delete a session and stop its KV blocks from being found (``forget``); its last
+        record. Raises SessionNotFound, SessionBusy."""
+        rec = await self.sessions.delete(owner, session_id)
+        await self.forget(rec)
+        return rec
+
     def _observe_start(self, ev: Started) -> None:
         self.metrics.prompt_tokens.inc(ev.prompt_tokens)
         for tier, n in ev.cached_by_tier.items():
@@ -398,6 +416,22 @@ class Conversations:
         info = self.engine.model_info
         check_sampling(params, vocab_size=info.vocab_size, max_new_tokens_limit=self.max_new_tokens_limit)
         check_stop_lists(params, self.limits)
+
+    def token_pieces(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
+        """Each token's text and bytes as it appears in decoded text (logprobs): a
+        sentencepiece piece's own bytes (its leading space, a byte piece's one byte),
+        else the token decoded alone."""
+        tok = self.engine.tokenizer
+        if self._piece_bytes is None:
+            try:
+                self._piece_bytes = tok.token_bytes()[0]
+            except Exception:  # noqa: BLE001 - not sentencepiece: decode tokens alone
+                self._piece_bytes = []
+        out = []
+        for i in ids:
+            raw = self._piece_bytes[i] if i < len(self._piece_bytes) else tok.decode([i]).encode("utf-8", "replace")
+            out.append((raw.decode("utf-8", "replace"), raw))
+        return out
 
     def max_bytes_per_token(self) -> int:
         """An upper bound on the bytes of text one token covers: twice the longest

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front: translates, nothing more (like the gRPC servicer).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
+``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` (``service.http.responses``),
 ``GET /v1/models``, ``GET /health``. A request is parsed by ``service.http.openai`` into
 a ``TurnInput`` and run by the same ``Conversations`` as gRPC's Generate; stream
 admission, the drain and per-tenant limits are the same ``Admission`` object as gRPC's
@@ -39,6 +40,7 @@ from starlette.routing import Route
 
 from kvserve.service import wire
 from kvserve.service.http import openai as oa
+from kvserve.service.http.responses import ResponsesRoutes
 from kvserve.service.tracing import Tracing
 from kvserve.service.types import Delta, Finished, Started, TurnInput
 
@@ -77,10 +79,14 @@ class HttpFront:
         self.model_id = model_id
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self.responses = ResponsesRoutes(self)  # /v1/responses (service.http.responses)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/responses", self.responses.create, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.responses.retrieve, methods=["GET"]),
+                Route("/v1/responses/{response_id}", self.responses.delete, methods=["DELETE"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -98,7 +104,14 @@ class HttpFront:
 
     @staticmethod
     def _error(err: oa.HttpError, headers: dict[str, str] | None = None) -> Response:
+        """OpenAI's error object; 429 and 503 say when to retry (``Retry-After``)."""
+        if err.status in oa.RETRY_AFTER_S:
+            headers = {**(headers or {}), "Retry-After": str(oa.RETRY_AFTER_S[err.status])}
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def error_of(self, exc: BaseException, request_id: str, names: Any = None) -> oa.HttpError:
+        """``oa.error_of`` with the served model's context length."""
+        return oa.error_of(exc, request_id, names, self.conversations.engine.model_info.context_length)
 
     def _tenant(self, request: Request) -> str:
         return self.authenticator.authenticate([("authorization", request.headers.get("authorization", ""))])
@@ -183,6 +196,7 @@ class HttpFront:
         session_id = request.headers.get("x-session-id", "")
         ticket: Ticket | None = None
         events: Any = None
+        names: Any = None
         route = "/v1/chat/completions" if chat else "/v1/completions"
         trace = self.tracing.generate(request.headers.items(), request_id, session_id, http_route=route)
         try:
@@ -191,6 +205,7 @@ class HttpFront:
             body = await self._body(request)
             default = self.default_max_new_tokens
             parsed = oa.chat_request(body, default) if chat else oa.completion_request(body, default)
+            names = parsed.names
             self._check_model(parsed.model)
             if session_id and not chat:
                 raise oa.HttpError(400, "X-Session-Id works on /v1/chat/completions only (a completion has no history)",
@@ -212,7 +227,7 @@ class HttpFront:
                 await events.__aexit__(None, None, None)
             if ticket is not None:
                 ticket.release()
-            err = oa.error_of(exc, request_id)
+            err = self.error_of(exc, request_id, names)
             self._count(method, err.status)
             trace.end(err.status, err.message)
             return self._error(err)
@@ -223,7 +238,7 @@ class HttpFront:
             headers[DIVERGED_HEADER] = str(diverged)
         ext = oa.extension(request_id, session_id, start, diverged, rewound)
         ctx = _Ctx(self, method, ticket, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace,
-                   inp.sampling.n)  # fmt: skip
+                   inp.sampling.n, names, inp.sampling.logprobs is not None)  # fmt: skip
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
@@ -253,12 +268,15 @@ class _Ctx:
 
     def __init__(self, front: HttpFront, method: str, ticket: Ticket, request_id: str, chat: bool, model: str,
                  start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any], trace: Any,
-                 n: int = 1) -> None:  # fmt: skip
+                 n: int = 1, names: Any = None, logprobs: bool = False) -> None:  # fmt: skip
         self.front, self.method, self.ticket, self.request_id = front, method, ticket, request_id
         self.trace = trace  # service.tracing: ended with the call's HTTP status
         self.chat, self.model, self.start, self.ext = chat, model, start, ext
         self.events, self.gen = events, gen
         self.n = n  # choices: the request's SamplingParams.n
+        self.names = names  # the request's field names (errors in its words)
+        self.logprobs = logprobs  # the request asked for them
+        self.pieces = front.conversations.token_pieces if logprobs else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
 
@@ -270,13 +288,16 @@ class _Ctx:
 
     def _finish_error(self, fin: Finished) -> oa.HttpError | None:
         status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
-        return oa.error_of(status, self.request_id) if status is not None else None
+        return self.front.error_of(status, self.request_id, self.names) if status is not None else None
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         status, message = 499, "the client went away"  # unless the call gets further
         ends: dict[int, Finished] = {}
+        lps: dict[int, list[Any]] = {}  # choice -> its tokens' TokenLogprob
         try:
             async for ev in self.gen:
+                if isinstance(ev, Delta) and self.logprobs:
+                    lps.setdefault(ev.index, []).extend(ev.logprobs)
                 if isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
@@ -287,13 +308,13 @@ class _Ctx:
                     if len(ends) == self.n:
                         status, message = 200, ""
                         self.front._count(self.method, 200)
-                        return self._body([ends[i] for i in sorted(ends)]), 200
+                        return self._body([ends[i] for i in sorted(ends)], lps), 200
             raise RuntimeError("the conversation ended without a Finished event")
         except asyncio.CancelledError:  # the client went away (_generate cancels the call)
             self.front._count(self.method, 499)
             raise
         except Exception as exc:  # noqa: BLE001
-            err = oa.error_of(exc, self.request_id)
+            err = self.front.error_of(exc, self.request_id, self.names)
             status, message = err.status, err.message
             self.front._count(self.method, err.status)
             return err.body(), err.status
@@ -301,28 +322,39 @@ class _Ctx:
             await self._close()
             self.trace.end(status, message)
 
-    def _body(self, ends: list[Finished]) -> dict[str, Any]:
+    def _logprobs(self, items: list[Any] | None) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) logprobs in the route's shape, None when not asked for."""
+        if self.pieces is None:
+            return None
+        render = oa.chat_logprobs if self.chat else oa.completion_logprobs
+        return render(items or [], self.pieces)
+
+    def _body(self, ends: list[Finished], lps: dict[int, list[Any]] | None = None) -> dict[str, Any]:
         """The whole response: one choice per sequence (``Finished.text`` is its text)."""
         choices: list[dict[str, Any]] = []
+        lps = lps or {}
         for fin in ends:
+            logprobs = self._logprobs(lps.get(fin.index))
             if self.chat:
-                choices.append({"index": fin.index, "message": {"role": "assistant", "content": fin.text},
-                                "finish_reason": oa.finish_reason(fin), "logprobs": None})  # fmt: skip
+                message = {"role": "assistant", "content": fin.text, "refusal": None}
+                choices.append({"index": fin.index, "message": message, "finish_reason": oa.finish_reason(fin),
+                                "logprobs": logprobs})  # fmt: skip
             else:
                 choices.append({"index": fin.index, "text": fin.text, "finish_reason": oa.finish_reason(fin),
-                                "logprobs": None})  # fmt: skip
+                                "logprobs": logprobs})  # fmt: skip
         used = oa.usage(self.start, ends[0], sum(f.completion_tokens for f in ends))
         return {
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
             "model": self.model, "choices": choices, "usage": used, "kvserve": self.ext,
         }  # fmt: skip
 
-    def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None, index: int = 0) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         if self.chat:
-            choices = [{"index": index, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+            choices = [{"index": index, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}]
             kind = "chat.completion.chunk"
         else:
-            choices = [{"index": index, "text": delta or "", "finish_reason": finish, "logprobs": None}]
+            choices = [{"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}]
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
@@ -339,8 +371,9 @@ class _Ctx:
                     yield data(self._chunk({"role": "assistant", "content": ""}, None, i))
             async for ev in self.gen:
                 if isinstance(ev, Delta):
-                    if ev.text:
-                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index))
+                    if ev.text or (self.logprobs and ev.logprobs):
+                        lp = self._logprobs(ev.logprobs)
+                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index, lp))
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
@@ -368,7 +401,7 @@ class _Ctx:
             status = 499  # the client went away
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            err = oa.error_of(exc, self.request_id)
+            err = self.front.error_of(exc, self.request_id, self.names)
             status = err.status
             yield data(err.body())
         finally:
