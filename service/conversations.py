@@ -165,6 +165,8 @@ class Conversations:
             raise InvalidRequest("a resent history or a fork source needs an appending session turn")
         if resent_history and inp.messages is None:
             raise InvalidRequest("a resent history needs chat messages")
+        if inp.messages is not None:  # every message, before a history is matched (indexes as sent)
+            self._check_roles(inp.messages)
         source: SessionRecord | None = None
         if fork_from:
             source, _busy = await self.sessions.get(owner, fork_from)  # its last committed version
@@ -472,10 +474,7 @@ class Conversations:
         if inp.messages is not None:
             if not inp.messages:
                 raise InvalidRequest("empty input: chat.messages is empty")
-            roles = tok.known_roles
-            for i, m in enumerate(inp.messages):
-                if m.role not in roles:
-                    raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
+            self._check_roles(inp.messages)
             try:
                 return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in inp.messages])
             except ChatTemplateError as e:
@@ -487,6 +486,12 @@ class Conversations:
             raise InvalidRequest("empty input: tokens.ids is empty")
         check_vocabulary(ids, self.engine.model_info.vocab_size, "tokens.ids")
         return ids
+
+    def _check_roles(self, messages: tuple[ChatMessage, ...]) -> None:
+        roles = self.engine.tokenizer.known_roles
+        for i, m in enumerate(messages):
+            if m.role not in roles:
+                raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
 
     def _fit_to_context(self, inp: TurnInput, transcript: list[int], new_tokens: list[int]) -> SamplingParams:
         """Check the prompt against the context; an unset max_new_tokens fills what is left."""
