@@ -28,11 +28,19 @@ min_p, min_tokens                          min_p, min_new_tokens (vLLM's extensi
 response_format (chat)                     text: free text; json_object and
                                            json_schema (its ``schema``): the
                                            response_format of SamplingParams
-logprobs / top_logprobs,                   refused (400 unsupported_parameter; gRPC's
-                                           DeltaEvent.logprobs has them)
-tools, functions, echo, suffix
-user, metadata, store, stream_options      accepted; user/metadata/store change nothing
+logprobs + top_logprobs (chat),            logprobs (top_logprobs, or 0): OpenAI's
+logprobs (completions)                     shapes (chat_logprobs, completion_logprobs)
+tools, functions, echo, suffix,            refused (400 unsupported_parameter) unless
+reasoning_effort, verbosity, audio, ...    null / empty
+user, metadata, store, service_tier,       accepted; they change nothing
+parallel_tool_calls, prompt_cache_key,
+safety_identifier, stream_options
 =========================================  ==========================================
+
+Messages take what an SDK's own response message dumps (refusal, tool_calls,
+function_call, audio, annotations, parsed: null or empty). ``error_of`` speaks OpenAI's
+vocabulary: ``context_length_exceeded``, the request's field names (``names``: the
+domain's -> the route's) in the message and ``param``, an HTTP-worded 401.
 """
 
 from __future__ import annotations
