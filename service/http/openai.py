@@ -144,7 +144,7 @@ def rename_fields(message: str, names: Mapping[str, str]) -> str:
     if not keys:
         return message
     pattern = "|".join(re.escape(k) for k in sorted(keys, key=len, reverse=True))
-    return re.sub(rf"(?<![\w.])({pattern})(?![\w])", lambda m: names[m.group(1)], message)
+    return re.sub(rf"(?<![\w.])({pattern})(?![\w])", lambda m: names[m.group(1)], message)  # "text:" ends in \W
 
 
 def param_of(message: str) -> str | None:
@@ -204,10 +204,10 @@ def chat_names(max_name: str = "max_completion_tokens") -> Mapping[str, str]:
 
 COMPLETION_NAMES: Mapping[str, str] = {
     **_BASE_NAMES, "max_new_tokens": "max_tokens", "tokens.ids": "prompt", "top_logprobs": "logprobs",
-    "prompt": "prompt",
+    "prompt": "prompt", "text:": "prompt:",
 }  # fmt: skip
 RESPONSES_NAMES: Mapping[str, str] = {
-    **_BASE_NAMES, "max_new_tokens": "max_output_tokens", "chat.messages": "input", "prompt": "input",
+    **_BASE_NAMES, "max_new_tokens": "max_output_tokens", "chat.messages": "input", "prompt": "input", "text:": "input:",
     "response_format": "text.format",
 }  # fmt: skip
 # Request fields an error message may start with (after renaming): the error's param.
