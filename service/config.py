@@ -268,7 +268,7 @@ class ServerConfig:
             elif env_name(f.name) in environ:
                 raw = environ[env_name(f.name)]
                 try:
-                    values[f.name] = f.metadata["parse"](raw)
+                    values[f.name] = _parse_value(f.metadata["parse"], raw)
                 except ValueError as e:
                     raise ConfigError(f"{env_name(f.name)}={raw!r}: {e}") from None
         return cls(**values)
@@ -393,14 +393,19 @@ def _fmt_default(f: dataclasses.Field) -> str:
     return _fmt_value(f, f.default)
 
 
+def _parse_value(parse: Callable[[str], Any], text: str) -> Any:
+    """``parse(text)``; an int setting says "not an integer" rather than int()'s message."""
+    if parse is int and not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
+        raise ValueError(f"not an integer: {text!r}")
+    return parse(text)
+
+
 def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """argparse prints ``invalid <__name__> value`` on ValueError; keep our precise message instead."""
 
     def convert(text: str) -> Any:
-        if parse is int and not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
         try:
-            return parse(text)
+            return _parse_value(parse, text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -99,6 +99,12 @@ def test_a_bad_flag_value_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert "--port" in err and "not an integer: 'abc'" in err and "--help" in err
+    try:  # the same from the environment
+        main(["config"], environ={"KVSERVE_PORT": "abc"})
+    except SystemExit as e:
+        assert e.code == 2
+    err = capsys.readouterr().err
+    assert err == "kvserve config: error: KVSERVE_PORT='abc': not an integer: 'abc' (kvserve config --help lists the flags)\n"
 
 
 def test_config_refuses_the_keys_serve_refuses(capsys):
