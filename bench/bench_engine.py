@@ -53,10 +53,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.service.models import native  # torch-free
+from kvserve.service import kernels  # torch-free
 
 ENV_AT_START = dict(os.environ)  # llama-bench runs with this: its own OpenMP threads keep libgomp's default wait
-native.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -24,14 +24,14 @@ from torch import Tensor, nn
 
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears, last_tokens
-from kvserve.service.models.native import layer as native_layer
-from kvserve.service.models.native import ops as native_ops
-from kvserve.service.models.native.layer import LayerSpec, NativeStack
+from kvserve.service.kernels import ops as kernel_ops
+from kvserve.service.kernels.layer import MAX_ROWS, DecoderStack, LayerWeights, NormWeights, norm
+from kvserve.service.models.layers import (Linear, PagedAttention, UsesKernels, causal_mask, decode_step, fuse_linears,
+                                           last_tokens, layer_weights)
 from kvserve.service.models.rope import Rotary, apply_rope_
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, UsesKernels):
     """Gemma's RMSNorm: x / rms(x) * (1 + w), all in float32 (w starts at zero).
 
     The ops of ``F.rms_norm`` without its two scalar copies (llama.RMSNorm), the divide,
@@ -44,7 +44,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self._cache: dict[object, Tensor] = {}  # (D, eps) per device; (1 + w) per weight version
 
-    _native = False  # decode-sized float32 CPU rows by one native call (layers.enable_native)
+    kernel: NormWeights | None = None  # decode-sized rows by one native call (``use_kernels``)
+
+    def use_kernels(self) -> None:
+        self.kernel = NormWeights.of(self.weight, self.eps, offset=1.0)
 
     def _consts(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         w = self.weight
@@ -63,8 +66,8 @@ class RMSNorm(nn.Module):
         return xf.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_(), scale  # (..., 1), (D,)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
-            return native_ops.rmsnorm(x, self.weight, self.eps, offset=1.0)
+        if self.kernel is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+            return norm(self.kernel, x)
         xf = x.float()
         inv, scale = self._inv(xf)
         return torch.mul(xf, inv).mul_(scale).to(x.dtype)
@@ -146,7 +149,7 @@ class Attention(PagedAttention):
         return super().sdpa(q, k, v, mask, is_causal)
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, UsesKernels):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -156,27 +159,28 @@ class MLP(nn.Module):
         self.up_proj = Linear(d, h, bias=False)
         self.down_proj = Linear(h, d, bias=False)
         self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
+        self.act = "gelu" if config.hidden_act == "gelu" else "gelu_tanh"  # the kernels' name
         self.gate_up_proj: Linear | None = None  # gate and up side by side: set by fuse() after loading
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    _native = False  # decode-sized float32 CPU rows: gelu_tanh(gate) * up in one native call
+    kernel: bool = False  # decode-sized rows: gelu(gate) * up in one native call (``use_kernels``)
+
+    def use_kernels(self) -> None:
+        self.kernel = True
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
-            if (self._native and self.approximate == "tanh" and x.dtype == torch.float32 and x.device.type == "cpu"
-                    and x.numel() <= 64 * x.shape[-1]):
-                return self.down_proj(native_ops.act_mul(self.gate_up_proj(x), "gelu_tanh"))
+            if self.kernel and x.numel() <= MAX_ROWS * x.shape[-1]:
+                return self.down_proj(kernel_ops.act_mul(self.gate_up_proj(x), self.act))
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
             return self.down_proj(F.gelu(gate, approximate=self.approximate).mul_(up))
         return self.down_proj(F.gelu(self.gate_proj(x), approximate=self.approximate).mul_(self.up_proj(x)))
 
 
 class Block(nn.Module):
-    _native_layer = None  # native.layer.NativeLayer: the whole block in one call on decode steps
-
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.norm_eps
@@ -188,20 +192,17 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.post_feedforward_layernorm = RMSNorm(d, eps)
 
-    def native_spec(self) -> LayerSpec | None:
-        """This block for the native decode layer: (1 + w) norms, sandwich norms around
-        attention and MLP, GeGLU with the tanh gelu only (exact gelu keeps the per-op path)."""
+    def kernel_layer(self) -> LayerWeights | None:
+        """This block for the native decoder stack: (1 + w) norms, sandwich norms around
+        attention and MLP, GeGLU."""
         a, m = self.self_attn, self.mlp
-        if a.qkv_proj is None or m.gate_up_proj is None or m.approximate != "tanh":
+        if m.gate_up_proj is None:
             return None
-        return LayerSpec(norm_in=self.input_layernorm, qkv=a.qkv_proj, o=a.o_proj, norm_mlp=self.pre_feedforward_layernorm,
-                         gate_up=m.gate_up_proj, down=m.down_proj, act="gelu_tanh", attn=a, norm_offset=1.0,
-                         norm_post_attn=self.post_attention_layernorm, norm_post_mlp=self.post_feedforward_layernorm,
-                         q_norm=a.q_norm if a.qk_norm else None, k_norm=a.k_norm if a.qk_norm else None)  # fmt: skip
+        return layer_weights(a, self.input_layernorm, self.pre_feedforward_layernorm, m.gate_up_proj, m.down_proj, m.act,
+                             norm_post_attn=self.post_attention_layernorm, norm_post_mlp=self.post_feedforward_layernorm,
+                             q_norm=a.q_norm if a.qk_norm else None, k_norm=a.k_norm if a.qk_norm else None)  # fmt: skip
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
-        if self._native_layer is not None and native_layer.applies(x, layout, kv):
-            return native_layer.run_layer(self._native_layer, x, cos, sin, layout, kv)
         h = self.input_layernorm(x)
         if layout is None:
             h = self.self_attn.forward_nocache(h, cos, sin)
@@ -257,12 +258,15 @@ class GemmaForCausalLM(nn.Module):
         if self.model.rotary_emb_local is not None:
             self.model.rotary_emb_local.reset_buffers()
 
-    _native_stack = None  # native.layer.NativeStack: every block of a decode step natively (layers.enable_native)
+    stack: DecoderStack | None = None  # every block of a decode step natively (layers.use_kernels)
 
-    def native_stack(self) -> NativeStack | None:
-        """The blocks' native layers; the sliding ones rotate with the local pair (Gemma 3)."""
+    def decoder_stack(self) -> DecoderStack | None:
+        """The blocks' layers; the sliding ones rotate with the local pair (Gemma 3)."""
         local = self.model.rotary_emb_local is not None
-        return NativeStack.of(self.model.layers, [int(local and layer.is_sliding) for layer in self.model.layers])
+        layers = [block.kernel_layer() for block in self.model.layers]
+        if any(layer is None for layer in layers):
+            return None
+        return DecoderStack(layers, [int(local and block.is_sliding) for block in self.model.layers])
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
@@ -273,9 +277,9 @@ class GemmaForCausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, x.dtype, signed=True)  # (B, T, 1, hd); sin signed (apply_rope_)
         local = self.model.rotary_emb_local
         cos_l, sin_l = local(positions, x.dtype, signed=True) if local is not None else (cos, sin)
-        stack = self._native_stack
-        if stack is not None and native_layer.applies(x, layout, kv):
-            return stack.run(x, ((cos, sin), (cos_l, sin_l)), layout, kv)  # a decode step: decided once, not per block
+        stack = self.stack
+        if stack is not None and stack.applies(x) and (step := decode_step(layout, kv)) is not None:
+            return stack.run(x, ((cos, sin), (cos_l, sin_l)), step)  # a decode step: decided once, not per block
         for layer in self.model.layers:
             if layer.is_sliding:
                 x = layer(x, cos_l, sin_l, layout, kv)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from kvserve.service.models.native import ops as native_ops
+from kvserve.service.kernels.layer import MAX_ROWS, DecodeStep, LayerWeights, NormWeights, ProductWeights, norm, product
 from kvserve.service.models.rope import apply_rope_
 
 if TYPE_CHECKING:
@@ -26,13 +26,22 @@ PACKED_ROWS = range(2, 65)
 PACK_MIN_ELEMENTS = 1 << 18
 
 
-class Linear(nn.Linear):
+class UsesKernels:
+    """A module with a native implementation of its decode-sized work: ``use_kernels()``
+    (called once at load by ``use_kernels(model)``, only where the kernels loaded and the
+    model computes in float32 on the CPU) takes the typed view of its weights that the
+    kernels read; its forward then runs them for 1..``MAX_ROWS`` rows."""
+
+    def use_kernels(self) -> None:
+        raise NotImplementedError
+
+
+class Linear(nn.Linear, UsesKernels):
     """``nn.Linear`` (same parameters, same result) with CPU fast paths for a few rows.
 
-    Decode (1..64 rows) is bound by reading the weights. On the CPU, float32, the native
-    kernel runs them when the loader enabled it (``enable_native``: ``native/gemv.cpp``
-    reads the weight in place, one dot product per output, the same sum whatever the
-    other rows). Without it:
+    Decode (1..64 rows) is bound by reading the weights. With the native kernels
+    (``use_kernels``) their product reads the float32 weight in place, one dot product
+    per output, the same sum whatever the other rows. Without them (torch's path):
 
     - ``pack()`` (called by the loader, ``pack_linears``) keeps a second copy of the
       weight in oneDNN's blocked layout; 2..64 rows run oneDNN's GEMM on it
@@ -48,7 +57,13 @@ class Linear(nn.Linear):
     """
 
     _packed: Tensor | None = None  # the weight in oneDNN's layout (opaque tensor); None: unpacked
-    _native: bool = False  # decode-sized float32 products by the native kernel (``enable_native``)
+    kernel: ProductWeights | None = None  # the weight as the native product reads it (``use_kernels``)
+
+    def kernel_weights(self) -> ProductWeights | None:
+        return ProductWeights.of(self.weight, None, self.bias, "f32")
+
+    def use_kernels(self) -> None:
+        self.kernel = self.kernel_weights()
 
     def pack(self) -> bool:
         """Keep a oneDNN-packed copy of the weight for decode-sized products (CPU,
@@ -70,8 +85,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if self._native and rows <= native_ops.MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-            return native_ops.gemv(x, self.weight, None, self.bias)
+        if self.kernel is not None and rows <= MAX_ROWS:
+            return product(self.kernel, x)
         packed = self._packed
         if packed is not None and x.dtype == torch.float32 and (
             rows in PACKED_ROWS or (rows == 1 and torch.get_num_threads() > 1)
@@ -93,37 +108,50 @@ def pack_linears(model: nn.Module) -> int:
     return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
 
 
-def enable_native(model: nn.Module) -> int:
-    """Route the decode-sized work of every module of ``model`` that has a native path
-    to the native kernels (the caller checks ``native.available()``): modules with a
-    ``_native`` flag (products, norms, gates, attention) run their own op natively,
-    blocks with a ``native_spec()`` run whole on decode steps (``native/layer.py``), and
-    a model with a ``native_stack()`` runs its blocks' native layers as one stack (None
-    when a block has none). Returns how many modules were switched."""
-    from kvserve.service.models.native.layer import NativeLayer
+def use_kernels(model: nn.Module) -> int:
+    """Route the decode-sized work of ``model`` to the native kernels (the caller checked
+    that they loaded and that the model computes in float32 on the CPU): every
+    ``UsesKernels`` module takes its weights' view, then the model builds its decoder
+    stack (``decoder_stack()``: every block of a decode step in one native call each;
+    None when a block cannot run natively). Returns how many modules were switched."""
+    users = [m for m in model.modules() if isinstance(m, UsesKernels)]
+    for m in users:
+        m.use_kernels()
+    stack = getattr(model, "decoder_stack", None)
+    if callable(stack):
+        model.stack = stack()
+    return len(users)
 
-    count = 0
-    for m in model.modules():
-        if hasattr(m, "_native"):
-            enable = getattr(m, "enable_native", None)
-            if enable is not None:
-                count += bool(enable())
-            else:
-                m._native = True
-                count += 1
-    for m in model.modules():  # after the products: a QuantLinear's float scales are made above
-        spec = getattr(m, "native_spec", None)
-        if callable(spec) and (s := spec()) is not None:
-            try:
-                m._native_layer = NativeLayer(s)
-                count += 1
-            except ValueError:
-                pass  # a part the native layer cannot read: the block keeps its per-op path
-    for m in model.modules():  # after the blocks: a model whose blocks all have a native layer runs them as one stack
-        stack = getattr(m, "native_stack", None)
-        if callable(stack):
-            m._native_stack = stack()
-    return count
+
+def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | None:
+    """The kernels' view of a decode step over ``kv`` (made once per layout), or None
+    when ``layout`` is no decode step over a cached float32 context."""
+    if layout is None or layout.ctx_blocks is None or kv.data.dtype != torch.float32:
+        return None
+    key = ("kernels_step", id(kv))
+    step = layout._bias.get(key)
+    if step is None:
+        step = layout._bias[key] = DecodeStep(kv.data, layout.slot_blocks, layout.slot_offsets, layout.ctx_blocks,
+                                              layout.lens_tensor())  # fmt: skip
+    return step
+
+
+def layer_weights(attn: PagedAttention, norm_in: nn.Module, norm_mlp: nn.Module, gate_up: nn.Module,
+                  down: nn.Module, act: str, norm_post_attn: nn.Module | None = None,
+                  norm_post_mlp: nn.Module | None = None, q_norm: nn.Module | None = None,
+                  k_norm: nn.Module | None = None) -> LayerWeights | None:
+    """A block's ``LayerWeights`` for the decoder stack, from its modules' kernel views
+    (after ``use_kernels``; the q/k/v and gate/up products fused); None when one part has
+    no view (the block keeps its per-op path)."""
+    parts = {"norm_in": norm_in, "qkv": getattr(attn, "qkv_proj", None), "o": attn.o_proj, "norm_mlp": norm_mlp,
+             "gate_up": gate_up, "down": down}  # fmt: skip
+    optional = {"norm_post_attn": norm_post_attn, "norm_post_mlp": norm_post_mlp, "q_norm": q_norm, "k_norm": k_norm}
+    views = {name: getattr(m, "kernel", None) for name, m in parts.items()}
+    if any(v is None for v in views.values()) or any(getattr(m, "kernel", 0) is None for m in optional.values()):
+        return None
+    views.update({name: None if m is None else m.kernel for name, m in optional.items()})
+    return LayerWeights(**views, act=act, n_heads=attn.n_heads, n_kv=attn.n_kv, head_dim=attn.head_dim,
+                        scale=attn.scale, layer=attn.layer_idx, window=attn.window, softcap=attn.softcap)  # fmt: skip
 
 
 def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
@@ -187,7 +215,6 @@ class PagedAttention(nn.Module):
     window: int | None
     o_proj: nn.Module
     softcap: float | None = None  # attention logit soft-cap (Gemma 2)
-    _native = False  # decode tokens by native/decode.cpp (``enable_native``)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
@@ -207,21 +234,11 @@ class PagedAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``rope.apply_rope_`` on x (B, T, heads, hd), in place: one native call for
-        decode-sized float32 CPU inputs when enabled, torch's four ops otherwise."""
-        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] == 1:
-            return native_ops.rope_(x, cos, sin)
+        """``rope.apply_rope_`` on x (B, T, heads, hd), in place."""
         return apply_rope_(x, cos, sin)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
-        if (self._native and q.shape[1] == 1 and layout.ctx_blocks is not None and q.dtype == torch.float32
-                and kv.data.dtype == torch.float32 and kv.device.type == "cpu"):
-            # one new token per sequence: K/V written and the context attended in place in the pool
-            y = native_ops.decode_attention(q, k, v, kv.data, self.layer_idx, layout.slot_blocks, layout.slot_offsets,
-                                            layout.ctx_blocks, layout.lens_tensor(), self.window, self.scale,
-                                            self.softcap)  # (B, 1, nh * hd)
-            return self.o_proj(y)
         k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
         return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
 

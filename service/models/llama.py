@@ -25,13 +25,13 @@ from torch import Tensor, nn
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models import rope
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear, PagedAttention, fuse_linears, last_tokens
-from kvserve.service.models.native import layer as native_layer
-from kvserve.service.models.native import ops as native_ops
-from kvserve.service.models.native.layer import LayerSpec, NativeStack
+from kvserve.service.kernels import ops as kernel_ops
+from kvserve.service.kernels.layer import MAX_ROWS, DecoderStack, LayerWeights, NormWeights, norm
+from kvserve.service.models.layers import (Linear, PagedAttention, UsesKernels, decode_step, fuse_linears, last_tokens,
+                                           layer_weights)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, UsesKernels):
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim.
 
     float32: the ops of torch's ``F.rms_norm`` (on the CPU it is not one kernel but ten:
@@ -45,7 +45,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self._consts: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}  # (D, eps) as 0-dim
 
-    _native = False  # decode-sized float32 CPU rows by one native call (layers.enable_native)
+    kernel: NormWeights | None = None  # decode-sized rows by one native call (``use_kernels``)
+
+    def use_kernels(self) -> None:
+        self.kernel = NormWeights.of(self.weight, self.eps)
 
     def _scalars(self, x: Tensor) -> tuple[Tensor, Tensor]:
         key = (x.dtype, x.device)
@@ -58,8 +61,8 @@ class RMSNorm(nn.Module):
         return self._consts[key]
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
-            return native_ops.rmsnorm(x, self.weight, self.eps)
+        if self.kernel is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+            return norm(self.kernel, x)
         if x.dtype == torch.float32 == self.weight.dtype:
             d, eps = self._scalars(x)
             inv = x.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_()  # (..., 1)
@@ -156,7 +159,7 @@ class Attention(PagedAttention):
         return q, k, v
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, UsesKernels):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -167,7 +170,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(h, d, bias=bias)
         self.gate_up_proj: Linear | None = None  # gate and up side by side: set by fuse() after loading
 
-    _native = False  # decode-sized float32 CPU rows: silu(gate) * up in one native call
+    kernel: bool = False  # decode-sized rows: silu(gate) * up in one native call (``use_kernels``)
+
+    def use_kernels(self) -> None:
+        self.kernel = True
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
@@ -176,16 +182,14 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # in place: no extra (B, T, intermediate) temporaries (each a page-faulting allocation when large)
         if self.gate_up_proj is not None:
-            if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
-                return self.down_proj(native_ops.act_mul(self.gate_up_proj(x), "silu"))
+            if self.kernel and x.numel() <= MAX_ROWS * x.shape[-1]:
+                return self.down_proj(kernel_ops.act_mul(self.gate_up_proj(x), "silu"))
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
             return self.down_proj(F.silu(gate, inplace=True).mul_(up))
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class Block(nn.Module):
-    _native_layer = None  # native.layer.NativeLayer: the whole block in one call on decode steps
-
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -193,18 +197,15 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
-    def native_spec(self) -> LayerSpec | None:
-        """This block for the native decode layer (after fusing); Qwen3's per-head norms included."""
+    def kernel_layer(self) -> LayerWeights | None:
+        """This block for the native decoder stack (after fusing); Qwen3's per-head norms included."""
         a, m = self.self_attn, self.mlp
-        if a.qkv_proj is None or m.gate_up_proj is None:
+        if m.gate_up_proj is None:
             return None
-        return LayerSpec(norm_in=self.input_layernorm, qkv=a.qkv_proj, o=a.o_proj, norm_mlp=self.post_attention_layernorm,
-                         gate_up=m.gate_up_proj, down=m.down_proj, act="silu", attn=a,
-                         q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None))  # fmt: skip
+        return layer_weights(a, self.input_layernorm, self.post_attention_layernorm, m.gate_up_proj, m.down_proj,
+                             "silu", q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None))  # fmt: skip
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        if self._native_layer is not None and native_layer.applies(x, layout, kv):
-            return native_layer.run_layer(self._native_layer, x, cos, sin, layout, kv)
         # in place: x is the model's own running tensor (the embedding's output, never shared)
         x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, layout, kv))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
@@ -253,17 +254,18 @@ class LlamaForCausalLM(nn.Module):
         """Recompute non-persistent buffers (after construction on the meta device)."""
         self.model.rotary_emb.reset_buffers()
 
-    _native_stack = None  # native.layer.NativeStack: every block of a decode step natively (layers.enable_native)
+    stack: DecoderStack | None = None  # every block of a decode step natively (layers.use_kernels)
 
-    def native_stack(self) -> NativeStack | None:
-        return NativeStack.of(self.model.layers)
+    def decoder_stack(self) -> DecoderStack | None:
+        layers = [block.kernel_layer() for block in self.model.layers]
+        return None if any(layer is None for layer in layers) else DecoderStack(layers)
 
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
         x = self.model.embed_tokens(layout.input_ids)  # (B, T, D)
         cos, sin = self.model.rotary_emb(layout.positions, x.dtype)  # (B, T, 1, hd)
-        stack = self._native_stack
-        if stack is not None and native_layer.applies(x, layout, kv):
-            x = stack.run(x, ((cos, sin),), layout, kv)  # a decode step: decided once, not per block
+        stack = self.stack
+        if stack is not None and stack.applies(x) and (step := decode_step(layout, kv)) is not None:
+            x = stack.run(x, ((cos, sin),), step)  # a decode step: decided once, not per block
         else:
             for layer in self.model.layers:
                 x = layer(x, cos, sin, layout, kv)

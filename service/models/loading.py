@@ -32,8 +32,8 @@ from kvserve.service.kv.cache import KVCacheSpec, KVPool
 from kvserve.service.models.config import ModelConfig, ModelLoadError
 from kvserve.service.models.gemma import GemmaForCausalLM
 from kvserve.service.models.gpt2 import GPT2LMHeadModel
-from kvserve.service.models import native
-from kvserve.service.models.layers import enable_native, fuse_projections, pack_linears
+from kvserve.service import kernels
+from kvserve.service.models.layers import fuse_projections, pack_linears, use_kernels
 from kvserve.service.models.llama import LlamaForCausalLM
 from kvserve.service.models.phi3 import Phi3ForCausalLM
 from kvserve.service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
@@ -117,12 +117,13 @@ def load_model(
     ``pack_weights``: keep oneDNN-packed copies of large float32 CPU weights for
     batched decode (``layers.Linear.pack``: faster 2..64-row products, twice the float32
     weights' memory); False serves every product from the one dense copy.
-    ``native_kernels`` (native.MODES): auto uses the native decode kernels on a CPU
-    where they build (then nothing is packed: they read the dense copy as fast), on
-    requires them (``ModelLoadError`` otherwise), off keeps torch's kernels."""
+    ``native_kernels`` (kernels.MODES): auto uses the native decode kernels (built at
+    install, service/kernels/) for a float32 model on a CPU they were built for (then
+    nothing is packed: they read the dense copy as fast), on requires them
+    (``ModelLoadError`` otherwise), off keeps torch's kernels."""
     path = Path(path)
-    if native_kernels not in native.MODES:
-        raise ValueError(f"native_kernels must be one of {', '.join(native.MODES)}, got {native_kernels!r}")
+    if native_kernels not in kernels.MODES:
+        raise ValueError(f"native_kernels must be one of {', '.join(kernels.MODES)}, got {native_kernels!r}")
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     torch_device = resolve_device(device)
@@ -158,13 +159,15 @@ def load_model(
     quantize_model(model, weight_format, progress)
     native_state = None
     if native_kernels != "off" and torch_device.type == "cpu":
-        if native.available():
-            enable_native(model)
+        if torch_dtype != torch.float32:
+            native_state = f"the native kernels compute in float32, the model in {str(torch_dtype).removeprefix('torch.')}"
+        elif kernels.available():
+            use_kernels(model)
             native_state = "on"
         else:
-            native_state = native.reason()
-            if native_kernels == "on":
-                raise ModelLoadError(f"native_kernels=on: {native_state}")
+            native_state = kernels.reason()
+        if native_state != "on" and native_kernels == "on":
+            raise ModelLoadError(f"native_kernels=on: {native_state}")
     elif native_kernels == "on":
         raise ModelLoadError(f"native_kernels=on: the native kernels run on the CPU, the device is {torch_device}")
     if pack_weights and native_state != "on":

@@ -31,11 +31,10 @@ from torch import Tensor, nn
 
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear, PagedAttention, last_tokens
+from kvserve.service.kernels import ops as kernel_ops
+from kvserve.service.kernels.layer import MAX_ROWS, DecoderStack, LayerWeights
+from kvserve.service.models.layers import Linear, PagedAttention, UsesKernels, decode_step, last_tokens, layer_weights
 from kvserve.service.models.llama import RMSNorm
-from kvserve.service.models.native import layer as native_layer
-from kvserve.service.models.native import ops as native_ops
-from kvserve.service.models.native.layer import LayerSpec, NativeStack
 from kvserve.service.models.rope import Rotary
 
 
@@ -58,7 +57,7 @@ class Attention(PagedAttention):
         return qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # (B, T, nh | n_kv | n_kv, hd)
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, UsesKernels):
     """SwiGLU with gate and up fused: down(silu(gate) * up)."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -67,18 +66,19 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(d, 2 * h, bias=config.mlp_bias)
         self.down_proj = Linear(h, d, bias=config.mlp_bias)
 
-    _native = False  # decode-sized float32 CPU rows: silu(gate) * up in one native call
+    kernel: bool = False  # decode-sized rows: silu(gate) * up in one native call (``use_kernels``)
+
+    def use_kernels(self) -> None:
+        self.kernel = True
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
-            return self.down_proj(native_ops.act_mul(self.gate_up_proj(x), "silu"))
+        if self.kernel and x.numel() <= MAX_ROWS * x.shape[-1]:
+            return self.down_proj(kernel_ops.act_mul(self.gate_up_proj(x), "silu"))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class Block(nn.Module):
-    _native_layer = None  # native.layer.NativeLayer: the whole block in one call on decode steps
-
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -86,15 +86,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
-    def native_spec(self) -> LayerSpec:
-        """This block for the native decode layer (q/k/v and gate/up are fused in the checkpoint)."""
-        a, m = self.self_attn, self.mlp
-        return LayerSpec(norm_in=self.input_layernorm, qkv=a.qkv_proj, o=a.o_proj, norm_mlp=self.post_attention_layernorm,
-                         gate_up=m.gate_up_proj, down=m.down_proj, act="silu", attn=a)  # fmt: skip
+    def kernel_layer(self) -> LayerWeights | None:
+        """This block for the native decoder stack (q/k/v and gate/up are fused in the checkpoint)."""
+        m = self.mlp
+        return layer_weights(self.self_attn, self.input_layernorm, self.post_attention_layernorm, m.gate_up_proj,
+                             m.down_proj, "silu")  # fmt: skip
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        if self._native_layer is not None and native_layer.applies(x, layout, kv):
-            return native_layer.run_layer(self._native_layer, x, cos, sin, layout, kv)
         # in place: x is the model's own running tensor (the embedding's output, never shared)
         x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, layout, kv))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
@@ -147,17 +145,18 @@ class Phi3ForCausalLM(nn.Module):
             return layout.long_rope
         return torch.tensor([n > self.threshold for n in layout.seq_lens], device=layout.input_ids.device)
 
-    _native_stack = None  # native.layer.NativeStack: every block of a decode step natively (layers.enable_native)
+    stack: DecoderStack | None = None  # every block of a decode step natively (layers.use_kernels)
 
-    def native_stack(self) -> NativeStack | None:
-        return NativeStack.of(self.model.layers)
+    def decoder_stack(self) -> DecoderStack | None:
+        layers = [block.kernel_layer() for block in self.model.layers]
+        return None if any(layer is None for layer in layers) else DecoderStack(layers)
 
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
         x = self.model.embed_tokens(layout.input_ids)  # (B, T, D)
         cos, sin = self.model.rotary_emb(layout.positions, x.dtype, self._long(layout), signed=True)  # (B, T, 1, rot)
-        stack = self._native_stack
-        if stack is not None and native_layer.applies(x, layout, kv):
-            x = stack.run(x, ((cos, sin),), layout, kv)  # a decode step: decided once, not per block
+        stack = self.stack
+        if stack is not None and stack.applies(x) and (step := decode_step(layout, kv)) is not None:
+            x = stack.run(x, ((cos, sin),), step)  # a decode step: decided once, not per block
         else:
             for layer in self.model.layers:
                 x = layer(x, cos, sin, layout, kv)
