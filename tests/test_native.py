@@ -359,7 +359,7 @@ def test_norm_rope_and_gates_match_torch(isa) -> None:
     torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6, offset=1.0), F.rms_norm(x, (100,), w + 1, 1e-6),
                                atol=1e-6, rtol=1e-6)  # fmt: skip
     for rot in (64, 32):  # full and partial rotary: bit for bit torch's in-place ops
-        cos, sin = Rotary(rot, 10000.0, None)(torch.arange(6).view(2, 3) + 40, torch.float32, signed=True)
+        cos, sin = Rotary(rot, 10000.0, None)(torch.arange(6).view(2, 3) + 40, torch.float32)
         qkv = torch.randn(2, 3, 7, 64, generator=g)
         a, b = qkv.clone(), qkv.clone()
         apply_rope_(a[:, :, :5], cos, sin)

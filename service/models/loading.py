@@ -1,7 +1,7 @@
 """Load an HF-format model directory: config, weights, tokenizer, eos ids, fingerprint.
 
     loaded = load_model("path/to/model", dtype="float32", device="auto", weight_format="int8")
-    loaded.model(layout, kv)          # see llama.py for the forward contract
+    loaded.model(layout, kv)          # layers.CausalLM: the forward contract
 
 Weights are read memory-mapped (safetensors ``safe_open``) one tensor at a time and
 copied into a model whose parameters were allocated once, on the target device and in
@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from kvserve.service.kv.cache import KVCacheSpec, KVPool
 from kvserve.service.models.config import ModelConfig, ModelLoadError
 from kvserve.service.models.gemma import GemmaForCausalLM
 from kvserve.service.models.gpt2 import GPT2LMHeadModel
 from kvserve.service import kernels
-from kvserve.service.models.layers import fuse_projections, pack_linears, use_kernels
+from kvserve.service.models.layers import CausalLM, fuse_projections, pack_linears, use_kernels
 from kvserve.service.models.llama import LlamaForCausalLM
 from kvserve.service.models.phi3 import Phi3ForCausalLM
 from kvserve.service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
@@ -43,7 +42,7 @@ from kvserve.service.models.tokenizer import Tokenizer
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
 
 # ModelConfig.architecture (the family) -> the class in its model file
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma": GemmaForCausalLM,
@@ -58,7 +57,7 @@ _CHUNK = 8 << 20
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     config: ModelConfig
-    model: nn.Module  # eval mode, requires_grad False
+    model: CausalLM  # eval mode, requires_grad False; the forward and loader contract: layers.CausalLM
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]  # config.json + generation_config.json (+ tokenizer if both empty)
     fingerprint: str  # hex sha256 of the canonical config.json, every weight file's bytes and the weight format
@@ -233,7 +232,7 @@ def _weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path}: no weights: expected model.safetensors or model.safetensors.index.json{hint}")
 
 
-def _load_weights(model: nn.Module, files: list[Path], path: Path, progress: bool) -> None:
+def _load_weights(model: CausalLM, files: list[Path], path: Path, progress: bool) -> None:
     from safetensors import safe_open
     from tqdm import tqdm
 
