@@ -31,13 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvserve.service import kernels  # torch-free
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvserve, not an installed one
+
+from kvserve.service import kernels  # noqa: E402  torch-free
 
 kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_engine import BLOCK_SIZE, SHAPES  # noqa: E402
 from kvserve.service.engine.sampling import greedy  # noqa: E402
