@@ -37,8 +37,7 @@ from kvserve.service import kernels  # noqa: E402  torch-free
 
 kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile
-
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.bench_engine import BLOCK_SIZE, SHAPES  # noqa: E402
 from kvserve.service.engine.sampling import greedy  # noqa: E402
