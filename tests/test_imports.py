@@ -3,6 +3,7 @@ without loading the engine) and the Python clients with their generated stubs.""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -53,7 +54,7 @@ def test_the_front_names_no_engine_or_store_internals():
         inner = [m for m in imported if m.startswith(("kvserve.cachestore", "kvserve.service.engine", "kvserve.service.kv", "torch"))]
         assert not inner, f"service/{name}.py imports {inner}"
         source = (REPO / "service" / f"{name}.py").read_text()
-        assert ".engine.engine" not in source and ".store" not in source, f"service/{name}.py reaches into the engine"
+        assert ".engine.engine" not in source and not re.search(r"\.store\b", source), f"service/{name}.py reaches into the engine"
 
 
 def _imports(path) -> list[str]:
