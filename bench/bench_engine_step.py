@@ -2,10 +2,15 @@
 tables, the batched forward, sampling, detokenizing, events) for B greedy sequences.
 
 bench_engine.py times the model over a KV pool alone; this times what the engine adds
-around it, so a change to the engine's Python (not the model's) shows here. Each figure
-is the median over ``--repeats`` runs of the decode steps only (after every sequence's
-prompt is computed), on the process's CPU clock (``--clock cpu``, with one torch thread:
-fair on a machine shared with other jobs) or the wall clock.
+around it, so a change to the engine's Python (not the model's) shows here. Figures, over
+the decode steps only (after every sequence's prompt is computed), of ``--repeats`` runs
+after an untimed one, on the process's CPU clock (``--clock cpu``, with one torch thread:
+fair on a machine shared with other jobs) or the wall clock:
+
+- ``decode_bB_tok_s``: tokens/s, the median run;
+- ``step_bB_us``: the fastest decode step (min is what contention cannot inflate);
+- ``engine_bB_us``: the fastest step's time outside the model's forward (the scheduler,
+  block tables, layout, sampling, detokenizing, events), min over steps.
 
 ``--repo DIR`` runs another checkout's engine (e.g. ``git archive REV | tar -x -C DIR``)
 with this script, so two revisions can be timed in turn:
@@ -17,6 +22,7 @@ with this script, so two revisions can be timed in turn:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -58,6 +64,18 @@ def main() -> None:
         make_tiny_llama(ckpt, **shapes[args.shape])
     loaded = load_model(str(ckpt), dtype="float32", device="cpu")
     now = time.process_time if args.clock == "cpu" else time.perf_counter
+    model = loaded.model
+    in_model = [0.0]  # seconds inside the model's forward, this step
+
+    class Timed:  # the model, its forward timed (the engine calls model(layout, pool))
+        def __call__(self, layout, pool):
+            t = now()
+            try:
+                return model(layout, pool)
+            finally:
+                in_model[0] += now() - t
+
+    loaded = dataclasses.replace(loaded, model=Timed())
     batches = [int(b) for b in args.batches.split(",")]
     per_token = loaded.kv_spec(16).bytes_per_token
     out: dict[str, float] = {}
@@ -67,7 +85,7 @@ def main() -> None:
                            max_num_batched_tokens=max(512, args.prompt * batch))
         eng = LLMEngine(loaded, cfg)
         g = torch.Generator().manual_seed(0)
-        rates = []
+        rates, steps, outside = [], [], []
         for rep in range(args.repeats + 1):
             for b in range(batch):
                 prompt = torch.randint(3, loaded.config.vocab_size, (args.prompt,), generator=g).tolist()
@@ -78,10 +96,15 @@ def main() -> None:
             t0 = None
             n_tokens = 0
             while done < batch:
+                in_model[0] = 0.0
                 t = now()
                 events = eng.step()
+                dt_step = now() - t
                 if t0 is not None:
                     n_tokens += sum(len(e.token_ids) for _, e in events if isinstance(e, Delta))
+                    if rep and len(started) == batch and done == 0:  # a full decode step
+                        steps.append(dt_step)
+                        outside.append(dt_step - in_model[0])
                 for rid, e in events:
                     if isinstance(e, Delta):
                         started.add(rid)
@@ -89,12 +112,13 @@ def main() -> None:
                         done += 1
                 if t0 is None and len(started) == batch:
                     t0 = now()  # every prompt computed: the decode steps from here
-                del t
             dt = now() - t0
             if rep:  # the first run is untimed (warm-up)
                 rates.append(n_tokens / dt)
         eng.close()
         out[f"decode_b{batch}_tok_s"] = round(statistics.median(rates), 1)
+        out[f"step_b{batch}_us"] = round(min(steps) * 1e6, 1)
+        out[f"engine_b{batch}_us"] = round(min(outside) * 1e6, 1)
     print(json.dumps({"repo": args.repo, "shape": args.shape, "clock": args.clock, **out}))
 
 

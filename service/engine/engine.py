@@ -316,12 +316,13 @@ class LLMEngine:
                 self.scheduler.start_running(seq)
                 self._started(seq, out)
         admitted = self.scheduler.admit()
-        for seq in admitted.refused:
-            self._finish(seq, FinishReason.ERROR, out, error="not enough KV blocks")
-        for seq, hashes, blocks in admitted.restoring:
-            self.restorer.start(seq, hashes, blocks, self.runner.prefill_tokens_per_s)
-        for seq in admitted.running:
-            self._started(seq, out)
+        if admitted is not None:
+            for seq in admitted.refused:
+                self._finish(seq, FinishReason.ERROR, out, error="not enough KV blocks")
+            for seq, hashes, blocks in admitted.restoring:
+                self.restorer.start(seq, hashes, blocks, self.runner.prefill_tokens_per_s)
+            for seq in admitted.running:
+                self._started(seq, out)
         if not self.scheduler.running and self.scheduler.restoring and not out:
             # Nothing to compute until a restore lands: sleep until one does (or new
             # work arrives) instead of spinning; the restore thread needs the GIL.

@@ -26,6 +26,7 @@ from kvserve.service.types import (
     FinishReason,
     GenerationRequest,
     InvalidRequest,
+    SamplingParams,
     Started,
     Tier,
     Timings,
@@ -97,7 +98,7 @@ class TextStream:
 Sampler = Callable[..., Sampled]  # sampling.sample's signature: (logits, params, generators, states, masks)
 
 
-@dataclass
+@dataclass(slots=True)
 class Emission:
     """What one ``emit`` produced: the deltas, the sequences that ended (to seal and finish)
     and those that failed alone: (sequence, error, rejected: INVALID_ARGUMENT rather than
@@ -253,22 +254,24 @@ class Output:
         """The batch at once; when that raises, row by row (see the class docstring).
         A failed row's token is None (and the row is in ``out.failed``)."""
         params = [s.request.sampling for s in seqs]
+        gens = [s.generator for s in seqs]
         # what a retry row by row needs to give the batch's answer: the logits before the
         # in-place penalties (masks are idempotent) and the generators before their draws
-        pristine = logits.clone() if any(needs_penalties(p) for p in params) else logits
-        saved = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        pristine = logits.clone() if any(map(needs_penalties, params)) else logits
+        saved = [None if g is None else g.get_state() for g in gens]
         try:
-            got = self._sample_rows(seqs, logits)
-            return list(got.tokens), got.logprobs
+            got = self._sample_rows(seqs, params, gens, logits)
+            return got.tokens, got.logprobs
         except Exception:
             log.exception("sampling a batch of %d rows failed; sampling them one at a time", len(seqs))
         tokens: list[int | None] = []
         logprobs: list[TokenLogprob | None] = []
         for i, seq in enumerate(seqs):
-            if saved[i] is not None:
-                seq.generator.set_state(saved[i])
+            gen, state = gens[i], saved[i]
+            if gen is not None and state is not None:
+                gen.set_state(state)
             try:
-                one = self._sample_rows([seq], pristine[i : i + 1])
+                one = self._sample_rows([seq], [params[i]], [gen], pristine[i : i + 1])
             except Exception as exc:
                 rejected = isinstance(exc, InvalidRequest)
                 error = str(exc) if rejected else self._internal(seq, exc, "sampling")
@@ -280,18 +283,19 @@ class Output:
             logprobs.append(one.logprobs[0])
         return tokens, logprobs
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
+    def _sample_rows(
+        self,
+        seqs: list[Sequence],
+        params: list[SamplingParams],
+        gens: list[torch.Generator | None],
+        logits: torch.Tensor,  # (len(seqs), V) float32
+    ) -> Sampled:
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         masks = None
         if constrained:
             masks = (constrained, self.grammars.fill_masks([seqs[i].matcher for i in constrained]))
-        return self._sampler(
-            logits,
-            [s.request.sampling for s in seqs],
-            [s.generator for s in seqs],
-            [RowState(s.token_ids, s.num_prompt, self._stop_ids(s)) for s in seqs],
-            masks,
-        )
+        states = [RowState(s.token_ids, s.num_prompt, self._stop_ids(s)) for s in seqs]
+        return self._sampler(logits, params, gens, states, masks)
 
     def _internal(self, seq: Sequence, exc: BaseException, where: str) -> str:
         log.error("request %s failed in %s after %d output tokens", seq.request_id, where, seq.num_output, exc_info=exc)

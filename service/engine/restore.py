@@ -100,6 +100,8 @@ class Restorer:
         """The sequences of ``restoring`` whose restore landed, with what it loaded
         registered under their hashes and counted per tier (a failed job loaded nothing:
         those tokens are recomputed)."""
+        if not restoring:
+            return []
         landed = [s for s in restoring if s.restore is not None and s.restore.done()]
         for seq in landed:
             try:

@@ -112,7 +112,10 @@ class Scheduler:
                 cancelled.append(seq)
         return calls, cancelled
 
-    def admit(self) -> Admitted:
+    def admit(self) -> Admitted | None:
+        """Take waiting sequences in while blocks and sequence slots allow (None: none waits)."""
+        if not self.waiting:
+            return None
         out = Admitted()
         while self.waiting and len(self.running) + len(self.restoring) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
