@@ -53,6 +53,7 @@ from kvserve.service.metrics import ServiceMetrics
 from kvserve.service.models.tokenizer import ChatTemplateError
 from kvserve.service.sessions import SessionManager, SessionRecord, Turn
 from kvserve.service.spill import SpillScheduler
+from kvserve.service.tools import ToolCalling, uses_tools
 from kvserve.service.types import (
     CacheScope,
     Delta,
@@ -118,6 +119,7 @@ class Conversations:
         spill: SpillScheduler | None = None,
         limits: Limits = Limits(),
         shared_cache_salts: frozenset[str] | tuple[str, ...] = (),
+        tool_call_parser: str = "auto",
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -127,6 +129,15 @@ class Conversations:
         self.shared_cache_salts = frozenset(shared_cache_salts)
         self.spill = spill
         self._max_bytes_per_token: int | None = None
+        self.tool_call_parser = tool_call_parser
+        self._tools: ToolCalling | None = None
+
+    @property
+    def tools(self) -> ToolCalling:
+        """Tool calling over the engine's tokenizer (``service/tools``), built on first use."""
+        if self._tools is None or self._tools.tokenizer is not self.engine.tokenizer:
+            self._tools = ToolCalling(self.engine.tokenizer, self.tool_call_parser)
+        return self._tools
 
     # ------------------------------------------------------------------ the turn
 
@@ -134,7 +145,20 @@ class Conversations:
         self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER
     ) -> AsyncIterator[Event]:
         """Serve one Generate call of ``owner``: see the module docstring. ``observer``
-        (the call's trace) hears of the start event and of the finish, before the commit."""
+        (the call's trace) hears of the start event and of the finish, before the commit.
+        With tools, the events leave with the calls parsed out (``ToolCalling.events``),
+        after the commit: the transcript keeps the tokens as the model wrote them."""
+        if not uses_tools(inp):
+            async with aclosing(self._turn(owner, inp, request_id, observer)) as events:
+                async for event in events:
+                    yield event
+            return
+        inp = self.tools.prepare(inp)  # tools checked; tool_choice required / named: its grammar
+        async with aclosing(self._turn(owner, inp, request_id, observer)) as events:
+            async for event in self.tools.events(inp, events):
+                yield event
+
+    async def _turn(self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver) -> AsyncIterator[Event]:
         arrival = time.perf_counter()
         self.check_sampling(inp.sampling)
         check_salt(inp.cache_salt, self.limits)
@@ -330,7 +354,7 @@ class Conversations:
         if inp.text is not None:
             n_bytes = len(inp.text.encode("utf-8", "surrogatepass"))
         elif inp.messages is not None:
-            n_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in inp.messages)
+            n_bytes = sum(m.text_bytes() for m in inp.messages)
         else:
             return
         limit = self.limits.max_prompt_tokens or self.engine.model_info.context_length
@@ -349,11 +373,19 @@ class Conversations:
             if not inp.messages:
                 raise InvalidRequest("empty input: chat.messages is empty")
             roles = tok.known_roles
-            for i, m in enumerate(inp.messages):
-                if m.role not in roles:
-                    raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
+            if uses_tools(inp):
+                msgs, tools = self.tools.template_messages(inp.messages, inp.tools, first=not transcript)
+            else:
+                msgs, tools = [{"role": m.role, "content": m.content} for m in inp.messages], None
+            shift = len(msgs) - len(inp.messages)  # the fallback tools prompt may lead the messages
+            for i, m in enumerate(msgs):
+                if m["role"] not in roles:
+                    raise InvalidRequest(
+                        f"chat.messages[{max(0, i - shift)}].role {inp.messages[max(0, i - shift)].role!r} is unknown; "
+                        f"use one of {', '.join(roles)}"
+                    )
             try:
-                return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in inp.messages])
+                return tok.encode_chat_turn(transcript, msgs, tools=tools)
             except ChatTemplateError as e:
                 raise InvalidRequest(str(e)) from None
         if inp.token_ids is None:

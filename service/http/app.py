@@ -53,8 +53,9 @@ from starlette.routing import Route
 from kvserve.service import wire
 from kvserve.service.http import openai as oa
 from kvserve.service.sessions import SessionNotFound, SessionRecord
+from kvserve.service.tools import uses_tools
 from kvserve.service.tracing import Tracing
-from kvserve.service.types import ChatMessage, Delta, Finished, Started, TurnInput
+from kvserve.service.types import ChatMessage, Delta, Finished, Started, ToolCallDelta, TurnInput
 from kvserve.service.validation import check_salt, check_turn_options
 
 if TYPE_CHECKING:
@@ -97,11 +98,11 @@ def match_history(tok: Any, transcript: list[int], messages: tuple[ChatMessage, 
             j += 1
         if j == n:  # the new messages
             return (i, None) if i > 0 and pos == len(transcript) else (0, i)
-        group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
+        group = messages[i:j]
         if not group:  # an assistant message first or two in a row: not a history of this session
             return 0, i
         try:
-            seg = tok.encode_chat_turn(transcript[:pos], group)
+            seg = _encode(tok, transcript[:pos], group)
         except Exception:  # noqa: BLE001 - a template that cannot render it: no match
             return 0, i
         if transcript[pos : pos + len(seg)] != seg:
@@ -140,8 +141,7 @@ def agreed_turns(tok: Any, rec: SessionRecord, messages: tuple[ChatMessage, ...]
             break
         info = rec.turn_log[t]
         try:
-            group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
-            seg = tok.encode_chat_turn(transcript[:pos], group)
+            seg = _encode(tok, transcript[:pos], messages[i:j])
         except Exception:  # noqa: BLE001 - a template that cannot render it: not followed
             break
         if len(seg) != info.input_tokens or transcript[pos : pos + len(seg)] != seg:
@@ -151,6 +151,16 @@ def agreed_turns(tok: Any, rec: SessionRecord, messages: tuple[ChatMessage, ...]
             return t, i, j
         pos, i, t = end, j + 1, t + 1
     return t, i, i
+
+
+def _encode(tok: Any, transcript: list[int], messages: tuple[ChatMessage, ...]) -> list[int]:
+    """A run of messages as a continuation of ``transcript``, rendered as the conversation
+    renders them: through tool calling's encoder (``ToolCalling.turn_encoder``) for a
+    request with tools, else as plain role and content."""
+    encode = getattr(tok, "encode_messages", None)
+    if encode is not None:
+        return encode(transcript, messages)
+    return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in messages])
 
 
 def _turn_floor(tok: Any, transcript: list[int]) -> int:
@@ -200,7 +210,7 @@ def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[Ch
         k += 1
     if k == len(messages):  # the messages after j are the new ones: the transcript ends here
         return len(transcript) if len(transcript) <= last else None
-    nxt = [{"role": m.role, "content": m.content} for m in messages[j + 1 : k]]
+    nxt = messages[j + 1 : k]
     if not nxt:
         return None
     eos = set(getattr(tok, "eos_token_ids", ()) or ())
@@ -209,7 +219,7 @@ def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[Ch
         after_eos = transcript[end - 1] in eos
         if after_eos not in segs:
             try:
-                segs[after_eos] = tok.encode_chat_turn(transcript[end - 1 : end], nxt)
+                segs[after_eos] = _encode(tok, transcript[end - 1 : end], nxt)
             except Exception:  # noqa: BLE001
                 return None
         seg = segs[after_eos]
@@ -422,6 +432,8 @@ class HttpFront:
         if not rec.token_ids:
             return _with(inp, session_id=session_id), None, None
         tok = self.conversations.engine.tokenizer
+        if uses_tools(inp):  # the history's tool calls and results render as the conversation renders them
+            tok = self.conversations.tools.turn_encoder(inp.tools)
         msgs = inp.messages
         if rec.untracked_turns == 0:  # every turn's boundaries are known: walk them
             keep, first, stop = await asyncio.to_thread(agreed_turns, tok, rec, msgs)
@@ -521,7 +533,7 @@ class _Ctx:
         choices: list[dict[str, Any]] = []
         for fin in ends:
             if self.chat:
-                choices.append({"index": fin.index, "message": {"role": "assistant", "content": fin.text},
+                choices.append({"index": fin.index, "message": oa.chat_message(fin),
                                 "finish_reason": oa.finish_reason(fin), "logprobs": None})  # fmt: skip
             else:
                 choices.append({"index": fin.index, "text": fin.text, "finish_reason": oa.finish_reason(fin),
@@ -556,6 +568,8 @@ class _Ctx:
                 if isinstance(ev, Delta):
                     if ev.text:
                         yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index))
+                elif isinstance(ev, ToolCallDelta):  # a piece of a tool call (service/tools)
+                    yield data(self._chunk(oa.tool_call_delta(ev), None, ev.index))
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:

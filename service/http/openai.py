@@ -28,9 +28,14 @@ min_p, min_tokens                          min_p, min_new_tokens (vLLM's extensi
 response_format (chat)                     text: free text; json_object and
                                            json_schema (its ``schema``): the
                                            response_format of SamplingParams
+tools, tool_choice, parallel_tool_calls    tools, tool_choice (none, auto, required, a
+                                           named function), parallel_tool_calls
+                                           (service/tools; docs/api.md, Tools)
+messages: tool_calls, role tool            assistant tool_calls, tool results
+                                           (tool_call_id, name)
 logprobs / top_logprobs,                   refused (400 unsupported_parameter; gRPC's
                                            DeltaEvent.logprobs has them)
-tools, functions, echo, suffix
+functions, function_call, echo, suffix
 user, metadata, store, stream_options      accepted; user/metadata/store change nothing
 =========================================  ==========================================
 """
@@ -55,6 +60,10 @@ from kvserve.service.types import (
     SamplingParams,
     Started,
     Tier,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolSpec,
     TurnInput,
 )
 
@@ -258,6 +267,33 @@ def _content(value: Any, i: int) -> str:
     raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
 
 
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise HttpError(400, f"{where} must be a string", param=where)
+    return value
+
+
+def _tool_calls(value: Any, i: int) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``."""
+    where = f"messages[{i}].tool_calls"
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise HttpError(400, f"{where} must be a list", param=where)
+    out = []
+    for j, c in enumerate(value):
+        w = f"{where}[{j}]"
+        if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
+            raise HttpError(400, f'{w} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=w)
+        fn = c["function"]
+        args = fn.get("arguments", "{}")
+        if isinstance(args, (dict, list)):  # some clients send the object itself
+            args = json.dumps(args, ensure_ascii=False)
+        out.append(ToolCall(_string(c.get("id", ""), f"{w}.id"), _string(fn.get("name"), f"{w}.function.name"),
+                            _string(args, f"{w}.function.arguments")))  # fmt: skip
+    return tuple(out)
+
+
 def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -267,10 +303,63 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HttpError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
         for key in m:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise unsupported(f"messages[{i}].{key}")
-        out.append(ChatMessage(m["role"], _content(m.get("content"), i)))
+        role = m["role"]
+        calls = _tool_calls(m.get("tool_calls"), i)
+        if calls and role != "assistant":
+            raise HttpError(400, f"messages[{i}].tool_calls: only assistant messages make calls", param=f"messages[{i}].tool_calls")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise HttpError(400, f"messages[{i}]: a tool message needs tool_call_id (a string)",
+                            param=f"messages[{i}].tool_call_id")  # fmt: skip
+        name = m.get("name") or ""
+        out.append(ChatMessage(role, _content(m.get("content"), i), calls, m.get("tool_call_id") or "",
+                               _string(name, f"messages[{i}].name") if role == "tool" else ""))  # fmt: skip
     return tuple(out)
+
+
+def chat_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice | None, bool]:
+    """``tools`` ([{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}]), ``tool_choice`` and ``parallel_tool_calls``; names, schemas and their
+    combination are checked by ``service.tools.check_tools``."""
+    raw = body.get("tools")
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise HttpError(400, "tools must be a list", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise HttpError(400, f'{w} must be {{"type": "function", "function": {{"name", "parameters", ...}}}}', param=w)
+        fn = t["function"]
+        if set(fn) - {"name", "description", "parameters", "strict"}:
+            raise unsupported(f"{w}.function", "takes name, description, parameters and strict")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise HttpError(400, f"{w}.function.parameters must be a JSON schema object", param=f"{w}.function.parameters")
+        strict = fn.get("strict") or False
+        if not isinstance(strict, bool):
+            raise HttpError(400, f"{w}.function.strict must be a boolean", param=f"{w}.function.strict")
+        tools.append(ToolSpec(_string(fn.get("name"), f"{w}.function.name"),
+                              _string(fn.get("description") or "", f"{w}.function.description"),
+                              json.dumps(params) if params is not None else "{}", strict))  # fmt: skip
+    choice = body.get("tool_choice")
+    tc: ToolChoice | None
+    if choice is None:
+        tc = None
+    elif choice in ("none", "auto", "required"):
+        tc = ToolChoice(choice)
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice  # Responses: {"type", "name"}
+        tc = ToolChoice("function", _string(fn.get("name"), "tool_choice.function.name"))
+    else:
+        raise HttpError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                        '{"name": ...}}', param="tool_choice")  # fmt: skip
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise HttpError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    return tuple(tools), tc, parallel is not False
 
 
 def response_format(fmt: Any) -> ResponseFormat | None:
@@ -298,15 +387,18 @@ def response_format(fmt: Any) -> ResponseFormat | None:
 def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     """A /v1/chat/completions body as a domain request (the whole history as messages)."""
     _check_common(body, CHAT_FIELDS, "/v1/chat/completions")
-    for name in ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "top_logprobs"):
+    for name in ("functions", "function_call", "top_logprobs"):
         if body.get(name) not in (None, [], "none"):
-            raise unsupported(name)
+            raise unsupported(name, "kvserve does not support it (use tools and tool_choice)" if "func" in name else
+                              "kvserve does not support it")  # fmt: skip
+    tools, tool_choice, parallel = chat_tools(body)
     stream, include_usage = _stream(body)
     sampling, max_tokens = _sampling(body, "max_completion_tokens", default_max_new_tokens)
     fmt = response_format(body.get("response_format"))
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
-    inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
+    inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body),
+                    tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)  # fmt: skip
     return ParsedRequest(body.get("model"), inp, stream, include_usage)
 
 
@@ -342,7 +434,32 @@ def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
 
 
 def finish_reason(ev: Finished) -> str:
+    if ev.finish_reason == FinishReason.TOOL_CALLS:
+        return "tool_calls"
     return "length" if ev.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def chat_message(fin: Finished) -> dict[str, Any]:
+    """The assistant message of a choice: content (null when the reply is only calls)
+    and ``tool_calls`` when it made any."""
+    if not fin.tool_calls:
+        return {"role": "assistant", "content": fin.text}
+    return {
+        "role": "assistant",
+        "content": fin.text or None,
+        "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                       for c in fin.tool_calls],
+    }  # fmt: skip
+
+
+def tool_call_delta(d: ToolCallDelta) -> dict[str, Any]:
+    """A streamed chunk's ``delta`` for a piece of a call, as OpenAI streams them: the
+    first with index, id, type and name (arguments ""), then index and argument text."""
+    if d.name:
+        call = {"index": d.call_index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
+    else:
+        call = {"index": d.call_index, "function": {"arguments": d.arguments}}
+    return {"tool_calls": [call]}
 
 
 def usage(start: Started | None, fin: Finished, completion_tokens: int | None = None) -> dict[str, Any]:
