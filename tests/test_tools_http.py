@@ -1,0 +1,284 @@
+"""Tool calling over the OpenAI-compatible HTTP front, with the official ``openai``
+client against a real server on loopback (service/tools): every tool_choice, a
+three-step tool loop with results, streamed tool-call deltas reassembled by the SDK,
+``chat.completions.parse`` with tools, the tools reaching the template (or the
+fallback rendering), and a session whose tool-result turns find every full block of the
+previous step cached, from the device and from Redis after a restart.
+
+The tiny random-weight models rarely call a tool on their own (``auto``); required and
+named calls are grammar-constrained, so their arguments always validate against the
+tool's schema."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.fixtures.models import make_tiny_llama
+from tests.serving import BLOCK_SIZE, ServerThread, tiny_config
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_SCHEMA = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 10}}, "required": ["tz"],
+               "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": WEATHER_SCHEMA}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME_SCHEMA}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+ASK = [{"role": "system", "content": "You are a helpful assistant with tools."},
+       {"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]  # fmt: skip
+
+# A Qwen 2.5 style template that takes tools (its tools block, <tool_call> calls, <tool_response> results).
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{%- else %}You are a helpful assistant.{%- endif %}\n\n# Tools\n\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\nFor each function call, return a json "
+    "object within <tool_call></tool_call> XML tags.<|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- elif message.role == 'assistant' %}<|im_start|>assistant{%- if message.content %}\n{{ message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}{%- set f = tool_call.function %}\n<tool_call>\n"
+    '{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n'
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{%- endif %}"
+    "\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{%- endif %}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+LONG = dict(max_position_embeddings=4096)  # the tools prompt alone is ~900 tokens of the tiny vocabulary
+
+
+def config(path, **kw):
+    return tiny_config(path, default_max_new_tokens=64, kv_cache_memory=16 << 20, **kw)
+
+
+@pytest.fixture(scope="module")
+def fallback_dir(tmp_path_factory):
+    """A Llama whose (zephyr) template takes no tools: the fallback rendering."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_fallback"), **LONG)
+
+
+@pytest.fixture(scope="module")
+def hermes_dir(tmp_path_factory):
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny_hermes"), seed=3, **LONG)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = HERMES_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(fallback_dir):
+    with ServerThread(config(fallback_dir), http_port=0) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def hermes_server(hermes_dir):
+    with ServerThread(config(hermes_dir), http_port=0) as s:
+        yield s
+
+
+def client(s: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{s.running.http_port}/v1", api_key="unused", max_retries=0,
+                         timeout=120)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with client(server) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hermes(hermes_server):
+    with client(hermes_server) as c:
+        yield c
+
+
+def _model(c: openai.OpenAI) -> str:
+    return c.models.list().data[0].id
+
+
+def _valid(calls) -> None:
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_")
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("fixture", ["oai", "hermes"])
+def test_required_calls_always_validate_whatever_the_seed(fixture, request):
+    c = request.getfixturevalue(fixture)
+    for seed in range(6):
+        r = c.chat.completions.create(model=_model(c), messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0,
+                                      seed=seed, max_tokens=300, parallel_tool_calls=seed % 2 == 0)  # fmt: skip
+        ch = r.choices[0]
+        calls = ch.message.tool_calls
+        assert ch.message.content is None or ch.finish_reason == "length"  # (the text of a block cut before its name)
+        if seed % 2:
+            assert ch.finish_reason == "tool_calls" and len(calls) == 1, ch
+        elif ch.finish_reason == "length":  # a random model may go on calling: the last call is cut short
+            assert len(calls) > 1
+            calls = calls[:-1]
+        else:
+            assert ch.finish_reason == "tool_calls", ch
+        _valid(calls)
+
+
+def test_named_function_and_parallel_tool_calls_false(oai):
+    c = oai
+    for seed in range(4):
+        r = oai.chat.completions.create(model=_model(c), messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=200,
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+        calls = r.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["get_time"] and r.choices[0].finish_reason == "tool_calls"
+        _valid(calls)
+        r = oai.chat.completions.create(model=_model(c), messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0,
+                                        seed=seed, max_tokens=200, parallel_tool_calls=False)  # fmt: skip
+        assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_none_and_auto_give_text_and_none_never_parses(oai):
+    c = oai
+    r = oai.chat.completions.create(model=_model(c), messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    r = oai.chat.completions.create(model=_model(c), messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=8, temperature=0)
+    assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
+    # the same prompt either way: the tools are rendered under none too (its blocks are cached)
+    assert r.usage.prompt_tokens_details.cached_tokens >= (r.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_streamed_tool_calls_reassemble_to_the_whole_response(oai):
+    c = oai
+    kw = dict(model=_model(c), messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, max_tokens=200)
+    whole = oai.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    calls: dict[int, dict] = {}
+    firsts = 0
+    for ch in chunks:
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            if d.id:  # the first delta of a call: index, id, type, name
+                firsts += 1
+                assert d.type == "function" and d.function.name and d.index not in calls
+                calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments or ""}
+            else:
+                assert d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert firsts == len(whole)
+    assert [calls[i]["name"] for i in sorted(calls)] == [c.function.name for c in whole]
+    assert [calls[i]["arguments"] for i in sorted(calls)] == [c.function.arguments for c in whole]
+    # the SDK's own stream helper accumulates the same calls
+    with oai.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole]
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    unit: str
+
+
+def test_parse_with_pydantic_tools(oai):
+    c = oai
+    tool = openai.pydantic_function_tool(GetWeather)
+    r = oai.chat.completions.parse(model=_model(c), messages=ASK, tools=[tool], tool_choice="required", temperature=1.0,
+                                   seed=5, max_tokens=200)  # fmt: skip
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def _loop(c: openai.OpenAI, session: str | None, steps: int = 3) -> list:
+    """A tool loop: each step's calls get results and go back; returns the responses."""
+    messages = list(ASK)
+    out = []
+    headers = {"X-Session-Id": session} if session else None
+    for step in range(steps):
+        r = c.chat.completions.create(model=_model(c), messages=messages, tools=TOOLS, tool_choice="required", temperature=0,
+                                      max_tokens=200, extra_headers=headers)  # fmt: skip
+        out.append(r)
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"step": step, "ok": True})})
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["oai", "hermes"])
+def test_three_step_tool_loop_in_a_session_finds_the_previous_step_cached(fixture, request):
+    c = request.getfixturevalue(fixture)
+    steps = _loop(c, f"loop-{fixture}")
+    for prev, r in zip(steps, steps[1:]):
+        _valid(r.choices[0].message.tool_calls)
+        assert r.kvserve["history_diverged_at"] is None  # the tool results extended the session
+        # every full block of the previous step (its prompt and its calls) is a cache hit
+        before = prev.usage.prompt_tokens + prev.usage.completion_tokens
+        assert r.usage.prompt_tokens > before
+        assert r.usage.prompt_tokens_details.cached_tokens >= before // BLOCK_SIZE * BLOCK_SIZE
+    # without a session the same loop runs (the whole history each time), prefix-cached by content
+    plain = _loop(c, None, steps=2)
+    _valid(plain[1].choices[0].message.tool_calls)
+
+
+def test_hermes_template_sees_the_tools_and_the_calls(hermes_server, hermes):
+    tok = hermes_server.running.engine.tokenizer if hasattr(hermes_server.running, "engine") else None
+    steps = _loop(hermes, None, steps=2)
+    r = steps[0]
+    assert r.choices[0].finish_reason == "tool_calls"
+    from kvserve.service.tools import ToolCalling
+    from kvserve.service.types import ChatMessage, ToolSpec
+
+    tok = tok or hermes_server.engine.tokenizer
+    calling = ToolCalling(tok)
+    assert calling.family == "hermes"  # the template names <tool_call>
+    specs = tuple(ToolSpec(t["function"]["name"], t["function"]["description"], json.dumps(t["function"]["parameters"]))
+                  for t in TOOLS)  # fmt: skip
+    text = tok.decode(calling.encode_turn([], [ChatMessage(m["role"], m["content"]) for m in ASK], specs))
+    assert "# Tools" in text and '"name": "get_weather"' in text and text.count("<|im_start|>system") == 1
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
+        ({"tool_choice": "required"}, None),
+        ({"tools": TOOLS, "tool_choice": "required", "stop": ["x"]}, None),
+        ({"tools": "x"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, None),
+    ],
+)
+def test_bad_tools_are_400(oai, extra, param):
+    c = oai
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=_model(c), messages=ASK, max_tokens=4, **extra)
+    if param:
+        assert e.value.body["param"] == param
+
+
+def test_tool_messages_need_a_tool_call_id(oai):
+    c = oai
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        oai.chat.completions.create(model=_model(c), messages=ASK + [{"role": "tool", "content": "x"}], max_tokens=4)
