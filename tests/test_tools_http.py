@@ -282,3 +282,35 @@ def test_tool_messages_need_a_tool_call_id(oai):
     c = oai
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         oai.chat.completions.create(model=_model(c), messages=ASK + [{"role": "tool", "content": "x"}], max_tokens=4)
+
+
+def test_langchain_bind_tools_runs_a_tool_loop(server, oai):
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    llm = lc.ChatOpenAI(model=_model(oai), base_url=f"http://127.0.0.1:{server.running.http_port}/v1", api_key="x",
+                        temperature=0, max_tokens=200, max_retries=0)  # fmt: skip
+    bound = llm.bind_tools(TOOLS, tool_choice="required")
+    messages = [HumanMessage(ASK[1]["content"])]
+    for step in range(2):
+        ai = bound.invoke(messages)
+        assert ai.tool_calls and ai.response_metadata["finish_reason"] == "tool_calls"
+        for call in ai.tool_calls:
+            jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+        messages += [ai] + [ToolMessage(json.dumps({"step": step}), tool_call_id=c["id"]) for c in ai.tool_calls]
+    streamed = None
+    for chunk in bound.stream(messages):  # streamed tool-call chunks, merged by LangChain
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed.tool_calls and all(c["name"] in SCHEMAS for c in streamed.tool_calls)
+
+
+def test_litellm_tool_calls(server, oai, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network for its price list
+    litellm = pytest.importorskip("litellm")
+    r = litellm.completion(model="openai/" + _model(oai), api_base=f"http://127.0.0.1:{server.running.http_port}/v1",
+                           api_key="x", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+                           max_tokens=200)  # fmt: skip
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])

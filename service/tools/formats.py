@@ -144,11 +144,16 @@ class ToolFormat:
 
     def grammar(self, tools: Sequence[ToolSpec], parallel: bool) -> str:
         """A lark grammar for one call (``parallel``: one or more) of one of ``tools``,
-        in this family's format, the arguments constrained by the tool's schema."""
+        in this family's format, the arguments constrained by the tool's schema (with
+        ``additionalProperties: false`` where the schema lists properties and says
+        nothing of others, so that a model writes only the named arguments)."""
         rules = []
         alts = []
         for k, t in enumerate(tools):
             params = dict(parameters_schema(t))
+            if "properties" in params and "additionalProperties" not in params:
+                # only the named arguments (a subset of what the schema allows: still valid)
+                params["additionalProperties"] = False
             if self.family == "mistral" and self.mistral_named:
                 params["x-guidance"] = JSON_STYLE
                 rules.append(f"call_{k}: {json.dumps(t.name)} {self._lit('[ARGS]')} %json {json.dumps(params)}")
