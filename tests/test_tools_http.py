@@ -242,14 +242,13 @@ def test_three_step_tool_loop_in_a_session_finds_the_previous_step_cached(fixtur
 
 
 def test_hermes_template_sees_the_tools_and_the_calls(hermes_server, hermes):
-    tok = hermes_server.running.engine.tokenizer if hasattr(hermes_server.running, "engine") else None
     steps = _loop(hermes, None, steps=2)
     r = steps[0]
     assert r.choices[0].finish_reason == "tool_calls"
     from kvserve.service.tools import ToolCalling
     from kvserve.service.types import ChatMessage, ToolSpec
 
-    tok = tok or hermes_server.engine.tokenizer
+    tok = hermes_server.engine.tokenizer
     calling = ToolCalling(tok)
     assert calling.family == "hermes"  # the template names <tool_call>
     specs = tuple(ToolSpec(t["function"]["name"], t["function"]["description"], json.dumps(t["function"]["parameters"]))
@@ -312,5 +311,52 @@ def test_litellm_tool_calls(server, oai, monkeypatch):
                            max_tokens=200)  # fmt: skip
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    """A Llama whose sentencepiece vocabulary has Mistral's [TOOL_CALLS] and [ARGS] as
+    control tokens (special: decoding skips them unless kept)."""
+    import io
+
+    import sentencepiece as spm
+
+    from tests.fixtures.models import english_corpus
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny_mistral_tools"), seed=5, **LONG)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(english_corpus()), model_writer=buf, vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2, control_symbols=["[TOOL_CALLS]", "[ARGS]"],
+    )  # fmt: skip
+    (path / "tokenizer.model").write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {str(sp.piece_to_id(t)): {"content": t, "special": True} for t in ("[TOOL_CALLS]", "[ARGS]")}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_special_token_markers_mistral_calls_by_grammar_and_back(mistral_dir):
+    """[TOOL_CALLS] is a control token: the grammar writes it by id, the decoded text keeps
+    it, the mistral parser reads the calls (named form: [TOOL_CALLS]name[ARGS]{...})."""
+    with ServerThread(config(mistral_dir), http_port=0) as s, client(s) as c:
+        tok = s.engine.tokenizer
+        marker = tok.token_to_id("[TOOL_CALLS]")
+        assert tok.decode([marker]) == "[TOOL_CALLS]"  # kept, though special
+        for seed in range(3):
+            r = c.chat.completions.create(model=_model(c), messages=ASK, tools=TOOLS, tool_choice="required",
+                                          temperature=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False)  # fmt: skip
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None
+            assert len(ch.message.tool_calls[0].id) == 9  # Mistral's templates want 9 letters and digits
+            _valid_any(ch.message.tool_calls)
+
+
+def _valid_any(calls) -> None:
+    assert calls
     for c in calls:
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
