@@ -14,6 +14,7 @@ import pytest
 
 from kvserve.clients import KVServeClient, KVServeError
 from tests.serving import BLOCK_SIZE, ServerThread, wait_until
+from tests.test_node_client import node_client  # noqa: F401 - fixture
 from tests.test_tools_http import ASK, SCHEMAS, TOOLS, _model, client, config, fallback_dir  # noqa: F401 - fixture
 
 STEPS = 3
@@ -94,3 +95,32 @@ def test_tool_loop_grpc_equals_http_from_the_device_then_redis_after_a_restart(f
         assert prompt > prev_total and cached >= prev_total // BLOCK_SIZE * BLOCK_SIZE
     assert grpc_out[1][4]["device"] == grpc_out[1][3]  # step 2 from the device
     assert grpc_out[2][4]["redis"] == grpc_out[2][3]  # step 3 from Redis
+
+
+def test_node_client_runs_a_tool_loop(fallback_dir, node_client):
+    """clients/node with --tools and --tool-choice required: each reply's calls are
+    printed, the next --message is their result, and that turn finds the previous
+    step cached."""
+    import re
+    import subprocess
+
+    from tests.test_node_client import TURN_FIGURES
+
+    argv = node_client
+    with ServerThread(config(fallback_dir)) as s:
+        result = subprocess.run(
+            [*argv, "--address", s.address, "--session", "node-tools", "--max-new-tokens", "300",
+             "--tools", json.dumps(TOOLS), "--tool-choice", "required",
+             "--message", ASK[1]["content"], "--message", _result(0), "--message", _result(1)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        calls = re.findall(r"^\[turn (\d)\] tool_call (\S+) (.*) \(id (\S+)\)$", result.stdout, re.M)
+        assert {int(t) for t, *_ in calls} == {1, 2, 3}, result.stdout
+        for _, name, args, _ in calls:
+            jsonschema.validate(json.loads(args), SCHEMAS[name])
+        figures = {int(n): dict(kv.split("=", 1) for kv in line.split()) for n, line in TURN_FIGURES.findall(result.stdout)}
+        for k in (2, 3):
+            prev = int(figures[k - 1]["prompt_tokens"]) + int(figures[k - 1]["completion_tokens"])
+            assert figures[k]["finish_reason"] == "tool_calls"
+            assert int(figures[k]["cached_tokens"]) >= prev // BLOCK_SIZE * BLOCK_SIZE
