@@ -360,3 +360,23 @@ def _valid_any(calls) -> None:
     assert calls
     for c in calls:
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+def test_a_history_with_an_edited_tool_call_diverges_from_the_session(oai):
+    c = oai
+    headers = {"X-Session-Id": "edited-call"}
+    kw = dict(model=_model(c), tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200, extra_headers=headers,
+              parallel_tool_calls=False)  # fmt: skip
+    r = c.chat.completions.create(messages=ASK, **kw)
+    msg = r.choices[0].message.model_dump(exclude_none=True)
+    result = {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "ok"}
+    follows = c.chat.completions.create(messages=ASK + [msg, result], **kw)
+    assert follows.kvserve["history_diverged_at"] is None
+    msg2 = follows.choices[0].message.model_dump(exclude_none=True)
+    edited = json.loads(json.dumps(msg2))
+    edited["tool_calls"][0]["function"]["arguments"] = json.dumps({"tz": "edited"})
+    edited["tool_calls"][0]["function"]["name"] = "get_time"
+    result2 = {"role": "tool", "tool_call_id": edited["tool_calls"][0]["id"], "content": "ok"}
+    r3 = c.chat.completions.create(messages=ASK + [msg, result, edited, result2], **kw)
+    assert r3.kvserve["history_diverged_at"] == len(ASK) + 2  # the edited reply
+    assert r3.kvserve["history_rewound_turns"] == 1

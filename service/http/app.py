@@ -147,7 +147,7 @@ def agreed_turns(tok: Any, rec: SessionRecord, messages: tuple[ChatMessage, ...]
         if len(seg) != info.input_tokens or transcript[pos : pos + len(seg)] != seg:
             break
         out, end = pos + info.input_tokens, pos + info.tokens
-        if not tok.decode(transcript[out:end]).strip().startswith(messages[j].content.strip()):
+        if not _reply_matches(tok, transcript[out:end], messages[j]):
             return t, i, j
         pos, i, t = end, j + 1, t + 1
     return t, i, i
@@ -161,6 +161,16 @@ def _encode(tok: Any, transcript: list[int], messages: tuple[ChatMessage, ...]) 
     if encode is not None:
         return encode(transcript, messages)
     return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in messages])
+
+
+def _reply_matches(tok: Any, ids: list[int], message: ChatMessage) -> bool:
+    """Whether a turn's generated ``ids`` are the assistant ``message``: its text begins
+    with the message's content and, through tool calling's encoder
+    (``TurnEncoder.reply_matches``), its calls are the message's calls."""
+    check = getattr(tok, "reply_matches", None)
+    if check is not None:
+        return check(ids, message)
+    return tok.decode(ids).strip().startswith(message.content.strip())
 
 
 def _turn_floor(tok: Any, transcript: list[int]) -> int:

@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any, AsyncIterator, Sequence
 
-from kvserve.service.tools.formats import ToolFormat
+from kvserve.service.tools.formats import ToolFormat, arguments_value
 from kvserve.service.tools.parsers import Piece, ToolCallParser, fold
 from kvserve.service.tools.render import template_messages
 from kvserve.service.types import (
@@ -176,6 +176,18 @@ class TurnEncoder:
 
     def encode_messages(self, transcript: Sequence[int], messages: Sequence[ChatMessage]) -> list[int]:
         return self._calling.encode_turn(transcript, messages, self._tools)
+
+    def reply_matches(self, ids: Sequence[int], message: ChatMessage) -> bool:
+        """Whether generated ``ids`` are the assistant ``message``: the same calls (names,
+        arguments as JSON values, in order) and text that begins with its content."""
+        text = self.decode(ids)
+        content, calls = self._calling.format.parser().parse(text)
+        want = [(c.name, arguments_value(c.arguments)) for c in message.tool_calls]
+        if want != [(c.name, arguments_value(c.arguments)) for c in calls]:
+            return False
+        if content.strip().startswith(message.content.strip()):
+            return True
+        return not want and text.strip().startswith(message.content.strip())  # a reply that was not parsed (none)
 
 
 def _limit(pieces: list[Piece], limit: int | None) -> list[Piece]:
