@@ -3,8 +3,11 @@
 Two callers, one set of messages:
 
 - the front (``Conversations.run_turn``) checks a turn's input before the turn starts:
-  ``check_sampling`` and ``check_stop_lists``, ``check_salt``, ``check_turn_options``
-  (the session options: require_existing_session, turn_mode, expected_turns), ``check_input_size``
+  ``check_sampling`` (every sampling field, the integers that reach a tensor or the
+  seeded generator range-checked here, so no request can fail the engine step that
+  serves every stream) and ``check_stop_lists``, ``check_salt``, ``check_turn_options``
+  (the input's text is valid Unicode, ``check_input_text``; the session options:
+  require_existing_session, turn_mode, expected_turns), ``check_input_size``
   (text that cannot fit, before it is tokenized), ``check_vocabulary`` on input token
   ids, ``check_prompt_limit`` and ``check_context`` (which also fits an unset
   ``max_new_tokens`` to the context left);
@@ -19,8 +22,10 @@ torch and no gRPC.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
 
@@ -37,6 +42,60 @@ class Limits:
     max_stop_token_ids: int = 64
 
 
+# The integer sampling fields that become tensors or seed a generator. Both fronts share
+# these ranges (gRPC's fields are narrower by type: top_k int32, seed uint64).
+MAX_TOP_K = 2**31 - 1  # the proto's int32; a top_k at or above the vocabulary size keeps every token
+MIN_SEED, SEED_END = -(2**63), 2**64  # torch.Generator.manual_seed's [-2^63, 2^64): int64 or uint64
+
+# A JSON "\ud800"-style escape of a surrogate: the only way a lone surrogate gets into
+# the JSON text of a response_format (json.dumps writes non-ASCII as such escapes).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _shown(value: int) -> str:
+    """An integer for a message: itself, or its first digits and its length when long."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
+
+
+def check_text(text: str, what: str) -> None:
+    """``text`` must be valid Unicode, encodable as UTF-8: a JSON body's ``"\\ud800"``
+    decodes to a lone surrogate, which no tokenizer, hash or store can take (gRPC's
+    strings are UTF-8 by the wire format: its parser refuses the bytes)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"{what}: character {e.start} is a lone surrogate (U+{ord(text[e.start]):04X}), "
+            f"not valid Unicode text (UTF-8 cannot encode it)"
+        ) from None
+
+
+def _check_json_text(spec: str, what: str) -> None:
+    """Every string (keys included) of the JSON text ``spec`` is valid Unicode: its
+    escapes may spell a lone surrogate where the text itself is ASCII. Text that is not
+    JSON is left to the grammar's compiler."""
+    check_text(spec, what)
+    if not _SURROGATE_ESCAPE.search(spec):
+        return
+    try:
+        doc = json.loads(spec)
+    except (ValueError, RecursionError):
+        return
+    stack: list[Any] = [doc]
+    while stack:  # no recursion: a schema may nest as deep as json.loads allows
+        node = stack.pop()
+        if isinstance(node, str):
+            check_text(node, f"{what} (a string in its JSON)")
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def check_vocabulary(ids: Sequence[int], vocab_size: int, what: str) -> None:
     """``what[i]`` for the first id outside ``[0, vocab_size)``: prompts, input tokens
     and stop token ids alike."""
@@ -46,9 +105,23 @@ def check_vocabulary(ids: Sequence[int], vocab_size: int, what: str) -> None:
 
 
 def check_sampling(params: SamplingParams, *, vocab_size: int, max_new_tokens_limit: int) -> None:
-    """Every sampling field (``SamplingParams.validate``), then the token ids it names
+    """Every sampling field (``SamplingParams.validate``; top_k's and seed's upper ranges
+    and the text of stop strings and response_format here), then the token ids it names
     (stop token ids, logit_bias) against the vocabulary."""
     params.validate(max_new_tokens_limit)
+    if params.top_k > MAX_TOP_K:
+        raise InvalidRequest(
+            f"top_k must be in [0, {MAX_TOP_K}] (0 = off; at or above the vocabulary size it keeps every "
+            f"token), got {_shown(params.top_k)}"
+        )
+    if params.seed is not None and not MIN_SEED <= params.seed < SEED_END:
+        raise InvalidRequest(
+            f"seed must be a 64-bit integer, signed or unsigned: in [-2**63, 2**64), got {_shown(params.seed)}"
+        )
+    for i, stop in enumerate(params.stop):
+        check_text(stop, f"sampling.stop[{i}]")
+    if params.response_format is not None:
+        _check_json_text(params.response_format.spec, f"response_format {params.response_format.kind}")
     check_vocabulary(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
     bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -73,11 +146,33 @@ def check_stop_lists(params: SamplingParams, limits: Limits) -> None:
 def check_salt(salt: str, limits: Limits) -> None:
     if len(salt) > limits.max_cache_salt_chars:
         raise InvalidRequest(f"cache_salt has {len(salt)} characters; the limit is {limits.max_cache_salt_chars}")
+    check_text(salt, "cache_salt")
+
+
+def check_input_text(inp: TurnInput) -> None:
+    """Every text of a turn's input is valid Unicode (``check_text``): the text, each chat
+    message's role, content and tool-call fields, the tools' definitions, the session id."""
+    if inp.text is not None:
+        check_text(inp.text, "text")
+    for i, m in enumerate(inp.messages or ()):
+        check_text(m.role, f"chat.messages[{i}].role")
+        check_text(m.content, f"chat.messages[{i}].content")
+        check_text(m.tool_call_id, f"chat.messages[{i}].tool_call_id")
+        check_text(m.name, f"chat.messages[{i}].name")
+        for j, c in enumerate(m.tool_calls):
+            for field in ("id", "name", "arguments"):
+                check_text(getattr(c, field), f"chat.messages[{i}].tool_calls[{j}].{field}")
+    for i, t in enumerate(inp.tools):
+        for field in ("name", "description", "parameters"):
+            check_text(getattr(t, field), f"tools[{i}].{field}")
+    check_text(inp.session_id, "session_id")
 
 
 def check_turn_options(inp: TurnInput) -> None:
-    """The session options of a turn that need no session to check: they need a
-    session_id, a regenerate takes no input, and n > 1 takes no session."""
+    """What a turn's input must be before any session is touched: its text valid Unicode
+    (``check_input_text``), and the session options that need no session to check: they
+    need a session_id, a regenerate takes no input, and n > 1 takes no session."""
+    check_input_text(inp)
     if not inp.session_id:
         if inp.require_existing_session:
             raise InvalidRequest("require_existing_session needs a session_id")

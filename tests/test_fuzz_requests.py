@@ -1,10 +1,17 @@
 """Property tests over request fields through a live server on loopback.
 
 Every generated request gets either a well-formed stream (start, deltas, final) or a
-precise error status with a message: never INTERNAL, UNKNOWN, a hang or a dead server.
-After the run the server is healthy, serves a good request and holds no blocks."""
+precise error status with a message: never INTERNAL, UNKNOWN, a hang or a dead server;
+over HTTP, JSON bodies with integers of any size, any float JSON can spell and text with
+lone surrogates get a 200 or a 4xx with a message, never a 500. After the run the
+server is healthy, serves a good request, holds no blocks and no engine step failed."""
 
 from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -55,7 +62,7 @@ def sampling_params(draw) -> pb.SamplingParams:
     if draw(st.booleans()):
         s.repetition_penalty = draw(mostly(st.floats(0.5, 2.0, width=32), wild_floats))
     if draw(st.booleans()):
-        s.seed = draw(st.integers(0, 2**64 - 1))
+        s.seed = draw(st.integers(0, 2**64 - 1) | st.sampled_from([2**64 - 1, 2**63]))  # n > 1 wraps seed + i
     s.stop.extend(draw(mostly(st.just([]), st.lists(utf8_text, max_size=3))))
     s.stop_token_ids.extend(draw(mostly(st.lists(st.integers(0, 399), max_size=2), st.lists(st.integers(0, 2**32 - 1), max_size=3))))
     s.ignore_eos = draw(st.booleans())
@@ -126,7 +133,7 @@ def generate_requests(draw) -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     cfg = tiny_config(tiny_llama_dir, max_new_tokens_limit=LIMIT, default_max_new_tokens=4, max_prompt_tokens=400)
-    with ServerThread(cfg) as s:
+    with ServerThread(cfg, http_port=0) as s:
         yield s
 
 
@@ -174,11 +181,12 @@ def test_every_request_gets_a_stream_or_a_precise_status(stub, req):
     temperature=wild_floats | st.sampled_from([0.0, 1.0]),
     top_p=wild_floats | st.just(1.0),
     repetition_penalty=wild_floats | st.just(1.0),
-    top_k=st.integers(-2, 500),
+    top_k=st.integers(-2, 500) | st.sampled_from([399, 400, 401, 2**31 - 1]),  # about the vocabulary, int32's top
 )
 @example(temperature=1e-45, top_p=1.0, repetition_penalty=1.0, top_k=0)  # x / 1e-45 = inf
 @example(temperature=1.0, top_p=1.0, repetition_penalty=1e-45, top_k=0)
 @example(temperature=float("inf"), top_p=1.0, repetition_penalty=1.0, top_k=0)
+@example(temperature=1.0, top_p=0.5, repetition_penalty=1.0, top_k=2**31 - 1)
 def test_extreme_sampling_values_are_served_or_refused(stub, temperature, top_p, repetition_penalty, top_k):
     """Values at the edges of float32 (denormals, huge, inf, NaN) never break the sampler:
     a NaN there fails the whole engine step, every stream in the batch with it."""
@@ -192,6 +200,77 @@ def test_extreme_sampling_values_are_served_or_refused(stub, temperature, top_p,
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details(), (e.code(), e.details(), req)
         return
     _check_stream(req, responses)
+
+
+any_text = st.text(max_size=40)  # lone surrogates (category Cs) included: json.dumps writes "\\ud800"
+any_int = st.integers() | st.integers(-(2**80), 2**80) | st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, -1])
+any_number = any_int | st.floats() | st.sampled_from([10**400, -(10**309), 1e-45])  # NaN and inf as JSON's NaN/Infinity
+
+
+@st.composite
+def http_bodies(draw) -> tuple[str, dict]:
+    """A /v1/completions or /v1/chat/completions body, mostly valid, every field wild at times."""
+    body: dict = {"max_tokens": draw(mostly(st.integers(1, LIMIT), any_int))}
+    chat = draw(st.booleans())
+    if chat:
+        roles = mostly(st.sampled_from(["system", "user"]), any_text)
+        body["messages"] = [{"role": r, "content": c} for r, c in draw(st.lists(st.tuples(roles, any_text), min_size=1, max_size=2))]
+        if draw(st.integers(0, 5)) == 0:
+            schema = {"enum": draw(st.lists(any_text, min_size=1, max_size=2))}
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}
+    else:
+        body["prompt"] = draw(mostly(utf8_text.filter(bool), any_text | st.lists(st.integers(3, 399) | any_int, min_size=1, max_size=4)))
+    floats = dict(temperature=(0.0, 2.0), top_p=(0.1, 1.0), min_p=(0.0, 0.5), presence_penalty=(-2.0, 2.0),
+                  frequency_penalty=(-2.0, 2.0), repetition_penalty=(0.5, 2.0))  # fmt: skip
+    for name, (lo, hi) in floats.items():
+        if draw(st.booleans()):
+            body[name] = draw(mostly(st.floats(lo, hi), any_number))
+    ints = dict(top_k=st.integers(-1, 500), seed=st.integers(-(2**63), 2**64 - 1), n=st.integers(1, 3),
+                min_tokens=st.integers(0, 2))  # fmt: skip
+    for name, valid in ints.items():
+        if draw(st.booleans()):
+            body[name] = draw(mostly(valid, any_int))
+    if draw(st.booleans()):
+        body["stop"] = draw(mostly(st.lists(utf8_text.filter(bool), max_size=2), st.lists(any_text, max_size=2)))
+    if draw(st.booleans()):
+        body["stop_token_ids"] = draw(st.lists(mostly(st.integers(0, 399), any_int), max_size=2))
+    if draw(st.booleans()):
+        ids = mostly(st.integers(0, 399), st.integers(0, 2**40))
+        body["logit_bias"] = {str(k): v for k, v in draw(st.dictionaries(ids, mostly(st.floats(-5, 5), any_number), max_size=2)).items()}
+    if draw(st.booleans()):
+        body["cache_salt"] = draw(mostly(st.sampled_from(["", "a"]), any_text))
+    return ("chat/completions" if chat else "completions"), body
+
+
+@FUZZ
+@given(request=http_bodies())
+@example(request=("completions", {"prompt": "hi", "max_tokens": 2, "temperature": 1.0, "top_k": 2**63}))
+@example(request=("completions", {"prompt": "hi", "max_tokens": 2, "temperature": 1.0, "seed": 2**70}))
+@example(request=("completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": "\ud800"}))
+@example(request=("completions", {"prompt": "\ud800", "max_tokens": 2}))
+@example(request=("completions", {"prompt": "hi", "max_tokens": 2, "temperature": 10**400}))
+@example(request=("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}))
+def test_every_http_body_gets_a_reply_or_a_4xx(server, request):
+    path, body = request
+    data = json.dumps(body).encode()  # NaN and inf as NaN / Infinity, which JSON parsers (and this one) take
+    req = urllib.request.Request(f"http://127.0.0.1:{server.running.http_port}/v1/{path}", data=data,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=DEADLINE_S) as r:
+            status, out = r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        status, out = e.code, json.loads(e.read())
+    event(str(status))
+    if status != 200:
+        assert status in (400, 409, 429), (status, out, body)
+        assert out["error"]["message"], out
+        return
+    n = body.get("n", 1)
+    assert sorted(c["index"] for c in out["choices"]) == list(range(n)), out
+    assert all(c["finish_reason"] in ("stop", "length") for c in out["choices"]), out
+    assert 1 <= out["usage"]["completion_tokens"] <= n * min(LIMIT, body["max_tokens"]), out
+    if isinstance(body.get("temperature"), float) and not math.isfinite(body["temperature"]):
+        raise AssertionError(f"a non-finite temperature was served: {body}")
 
 
 @FUZZ

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
+from kvserve.service.types import (
+    ChatMessage,
+    GenerationRequest,
+    InvalidRequest,
+    ResponseFormat,
+    SamplingParams,
+    TurnInput,
+    TurnMode,
+)
 from kvserve.service.validation import (
     Limits,
     check_context,
@@ -17,6 +25,8 @@ from kvserve.service.validation import (
     check_salt,
     check_sampling,
     check_stop_lists,
+    check_input_text,
+    check_text,
     check_turn_options,
     check_vocabulary,
 )
@@ -141,3 +151,46 @@ def test_turn_options() -> None:
     assert message(check_turn_options, TurnInput(session_id="s", text="x", mode=TurnMode.REGENERATE)) == (
         "turn_mode REGENERATE takes no input (it reuses the last turn's), got text; use TURN_MODE_EDIT to replace the input"
     )
+
+
+def test_integers_that_reach_a_tensor_or_the_generator() -> None:
+    limit = dict(vocab_size=400, max_new_tokens_limit=128)
+    for ok in (SamplingParams(top_k=2**31 - 1), SamplingParams(seed=2**64 - 1), SamplingParams(seed=-(2**63))):
+        check_sampling(ok, **limit)
+    assert message(check_sampling, SamplingParams(temperature=1.0, top_k=2**63), **limit) == (
+        "top_k must be in [0, 2147483647] (0 = off; at or above the vocabulary size it keeps every token), "
+        "got 9223372036854775808"
+    )
+    seed = "seed must be a 64-bit integer, signed or unsigned: in [-2**63, 2**64), got "
+    assert message(check_sampling, SamplingParams(seed=2**64), **limit) == seed + "18446744073709551616"
+    assert message(check_sampling, SamplingParams(seed=-(2**63) - 1), **limit) == seed + "-9223372036854775809"
+    assert message(check_sampling, SamplingParams(seed=7**99), **limit) == seed + f"{str(7**99)[:20]}... (84 digits)"
+    # the engine's guard is the same check
+    assert message(check_generation, GenerationRequest("r", [1], SamplingParams(seed=2**64)), vocab_size=400,
+                   context_length=64, max_new_tokens_limit=128, block_size=16, kv_blocks=3) == seed + str(2**64)  # fmt: skip
+
+
+def test_text_must_be_valid_unicode() -> None:
+    def lone(what: str, at: int, code: str = "D800") -> str:
+        return f"{what}: character {at} is a lone surrogate (U+{code}), not valid Unicode text (UTF-8 cannot encode it)"
+
+    check_text("plain \U0001f600 \ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16"), "text")  # a pair: one char
+    assert message(check_text, "ab\udfff", "text") == lone("text", 2, "DFFF")
+    assert message(check_salt, "\ud800", Limits()) == lone("cache_salt", 0)
+    assert message(check_input_text, TurnInput(text="x\ud800")) == lone("text", 1)
+    msgs = (ChatMessage("user", "ok"), ChatMessage("user\ud800", "ok"))
+    assert message(check_input_text, TurnInput(messages=msgs)) == lone("chat.messages[1].role", 4)
+    msgs = (ChatMessage("user", "ok \udbff"),)
+    assert message(check_turn_options, TurnInput(messages=msgs)) == lone("chat.messages[0].content", 3, "DBFF")
+    assert message(check_turn_options, TurnInput(session_id="s\ud800")) == lone("session_id", 1)
+    limit = dict(vocab_size=400, max_new_tokens_limit=128)
+    assert message(check_sampling, SamplingParams(stop=("a", "b\ud800")), **limit) == lone("sampling.stop[1]", 1)
+    # a schema's JSON text may be ASCII and still spell a lone surrogate in an escape
+    schema = ResponseFormat("json_schema", '{"properties": {"a": {"enum": ["x\\ud800"]}}}')
+    assert message(check_sampling, SamplingParams(response_format=schema), **limit) == lone(
+        "response_format json_schema (a string in its JSON)", 1)
+    pair = ResponseFormat("json_schema", '{"enum": ["\\ud83d\\ude00", "\\\\ud800"]}')  # a pair; an escaped backslash
+    check_sampling(SamplingParams(response_format=pair), **limit)
+    check_sampling(SamplingParams(response_format=ResponseFormat("json_schema", '["\\ud800"')), **limit)  # not JSON: the grammar's to refuse
+    assert message(check_sampling, SamplingParams(response_format=ResponseFormat("regex", "a\ud800")), **limit) == lone(
+        "response_format regex", 1)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -137,7 +137,7 @@ def _number(body: Mapping[str, Any], name: str, kind: type = float) -> Any:
     if value is None:
         return None
     ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or (kind is float and not math.isfinite(value)):
+    if isinstance(value, bool) or not ok or (kind is float and not abs(value) <= sys.float_info.max):
         raise HttpError(400, f"{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}"[:200],
                         param=name)  # fmt: skip
     return value
@@ -220,7 +220,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
             raise HttpError(400, f"logit_bias keys must be token ids, got {key!r}"[:200], param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= sys.float_info.max:
             raise HttpError(400, f"logit_bias[{key}] must be a number, got {value!r}"[:200], param="logit_bias")
         out.append((int(key), float(value)))
     return tuple(sorted(out))

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Sequence
 from kvserve.service.tools.formats import ToolFormat, arguments_value
 from kvserve.service.tools.parsers import Piece, ToolCallParser, fold
 from kvserve.service.tools.render import template_messages
+from kvserve.service.validation import check_text
 from kvserve.service.types import (
     MAX_TOOLS,
     ChatMessage,
@@ -69,6 +70,7 @@ def check_tools(inp: TurnInput) -> ToolChoice:
             raise InvalidRequest(f"tools[{i}].function.parameters is not valid JSON") from None
         if not isinstance(schema, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object")
+        check_text(json.dumps(schema, ensure_ascii=False), f"tools[{i}].function.parameters")  # a "\ud800" escape
     if tools and inp.kind not in ("chat", None):
         raise InvalidRequest("tools need chat messages as input (not text or token ids)")
     if choice.kind in ("required", "function") and not tools:

@@ -46,8 +46,10 @@ def arguments_value(arguments: str) -> Any:
     """A call's arguments for a template or a transcript: the JSON value when they parse
     (templates write ``arguments | tojson``), else the text as it is."""
     try:
-        return json.loads(arguments)
-    except ValueError:
+        value = json.loads(arguments)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # a "\ud800" escape: keep the text as it is
+        return value
+    except (ValueError, RecursionError):  # (UnicodeEncodeError is a ValueError)
         return arguments
 
 
