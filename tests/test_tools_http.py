@@ -380,3 +380,23 @@ def test_a_history_with_an_edited_tool_call_diverges_from_the_session(oai):
     r3 = c.chat.completions.create(messages=ASK + [msg, result, edited, result2], **kw)
     assert r3.kvserve["history_diverged_at"] == len(ASK) + 2  # the edited reply
     assert r3.kvserve["history_rewound_turns"] == 1
+
+
+@pytest.mark.parametrize("field", [
+    '"tools": [{"type": "function", "function": {"name": "f", "description": "\\ud800"}}]',
+    '"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": ["\\ud800"]}}}]',
+    '"messages": [{"role": "assistant", "tool_calls": [{"id": "\\ud800", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "user", "content": "x"}]',
+])
+def test_lone_surrogates_in_tool_fields_are_400(server, field):
+    """A JSON "\\ud800" escape in a tool definition or a call is refused with a message
+    (the SDK cannot even send one: raw bytes)."""
+    import urllib.error
+    import urllib.request
+
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, ' + field + "}"
+    req = urllib.request.Request(f"http://127.0.0.1:{server.running.http_port}/v1/chat/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400
+    assert "surrogate" in json.loads(e.value.read())["error"]["message"]
