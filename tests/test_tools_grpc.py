@@ -124,3 +124,30 @@ def test_node_client_runs_a_tool_loop(fallback_dir, node_client):
             prev = int(figures[k - 1]["prompt_tokens"]) + int(figures[k - 1]["completion_tokens"])
             assert figures[k]["finish_reason"] == "tool_calls"
             assert int(figures[k]["cached_tokens"]) >= prev // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_kvserve_chat_runs_a_tool_loop(fallback_dir, tmp_path):
+    """kvserve-chat --tools --tool-choice required: calls are printed and the next line
+    answers them; the session's next turn finds the previous step cached."""
+    import io
+    import re
+
+    from kvserve.clients.chat import main
+
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    with ServerThread(config(fallback_dir, default_max_new_tokens=300)) as s:
+        out = io.StringIO()
+        lines = io.StringIO(ASK[1]["content"] + "\n" + _result(0) + "\n")
+        rc = main(["--address", s.address, "--session", "chat-tools", "--tools", str(tmp_path / "tools.json"),
+                   "--tool-choice", "required"], stdin=lines, stdout=out)  # fmt: skip
+        text = out.getvalue()
+        assert rc == 0, text
+        calls = re.findall(r"^\[tool call (\S+) (.*) \(id (\S+)\)\]$", text, re.M)
+        assert len(calls) >= 2, text
+        for name, args, _ in calls:
+            jsonschema.validate(json.loads(args), SCHEMAS[name])
+        cached = [int(c) for c in re.findall(r"\[cached (\d+)/\d+ prompt tokens", text)]
+        assert cached[0] == 0 and cached[1] > 0
+        with KVServeClient(s.address) as g:
+            info = g.get_session("chat-tools", include_turns=True)
+        assert info.turns == 2 and cached[1] >= (info.turn_log[0].input_tokens + info.turn_log[0].output_tokens) // BLOCK_SIZE * BLOCK_SIZE

@@ -67,7 +67,7 @@ LONG = dict(max_position_embeddings=4096)  # the tools prompt alone is ~900 toke
 
 
 def config(path, **kw):
-    return tiny_config(path, default_max_new_tokens=64, kv_cache_memory=16 << 20, **kw)
+    return tiny_config(path, **{"default_max_new_tokens": 64, "kv_cache_memory": 16 << 20, **kw})
 
 
 @pytest.fixture(scope="module")
