@@ -47,15 +47,18 @@ import dataclasses
 import logging
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
+from kvserve.service.history import HistoryAction, HistoryPlan, plan_history
 from kvserve.service.metrics import ServiceMetrics
 from kvserve.service.models.tokenizer import ChatTemplateError
-from kvserve.service.sessions import SessionManager, SessionRecord, Turn
+from kvserve.service.sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
+from kvserve.service.sessions.stores import copy_record
 from kvserve.service.spill import SpillScheduler
 from kvserve.service.tools import ToolCalling, uses_tools
 from kvserve.service.types import (
     CacheScope,
+    ChatMessage,
     Delta,
     Event,
     Finished,
@@ -131,6 +134,7 @@ class Conversations:
         self._max_bytes_per_token: int | None = None
         self.tool_call_parser = tool_call_parser
         self._tools: ToolCalling | None = None
+        self._piece_bytes: list[bytes] | None = None  # token_pieces: sentencepiece's bytes per id, once
 
     @property
     def tools(self) -> ToolCalling:
@@ -142,29 +146,54 @@ class Conversations:
     # ------------------------------------------------------------------ the turn
 
     async def run_turn(
-        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER
-    ) -> AsyncIterator[Event]:
+        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER, *,
+        resent_history: bool = False, fork_from: str = "",
+    ) -> AsyncIterator[Event]:  # fmt: skip
         """Serve one Generate call of ``owner``: see the module docstring. ``observer``
         (the call's trace) hears of the start event and of the finish, before the commit.
         With tools, the events leave with the calls parsed out (``ToolCalling.events``),
-        after the commit: the transcript keeps the tokens as the model wrote them."""
-        if not uses_tools(inp):
-            async with aclosing(self._turn(owner, inp, request_id, observer)) as events:
-                async for event in events:
-                    yield event
-            return
-        inp = self.tools.prepare(inp)  # tools checked; tool_choice required / named: its grammar
-        async with aclosing(self._turn(owner, inp, request_id, observer)) as events:
-            async for event in self.tools.events(inp, events):
+        after the commit: the transcript keeps the tokens as the model wrote them.
+
+        ``resent_history`` (a session turn of chat messages): the messages are the whole
+        history, as OpenAI clients send it; under the turn lock it is matched against the
+        session's record (``service.history.plan_history``) and the turn extends the
+        session, rewinds it to the last turn the history follows or starts it over. The
+        start event says where it diverged (``history_diverged_at``) and how many turns
+        it rewound (``history_rewound_turns``).
+
+        ``fork_from`` (a session turn that creates ``inp.session_id``): the new session
+        starts with that session's whole transcript, as ``fork`` would make it, and this
+        turn is its next one (the Responses API's ``previous_response_id``).
+
+        Both change the session only through the turn's commit: a turn refused, failed or
+        cancelled after them leaves every session exactly as it was."""
+        tooled = uses_tools(inp)
+        if tooled:
+            inp = self.tools.prepare(inp)  # tools checked; tool_choice required / named: its grammar
+        turn = self._turn(owner, inp, request_id, observer, resent_history, fork_from)
+        async with aclosing(turn) as events:
+            async for event in self.tools.events(inp, events) if tooled else events:
                 yield event
 
-    async def _turn(self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver) -> AsyncIterator[Event]:
+    async def _turn(
+        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver, resent_history: bool, fork_from: str
+    ) -> AsyncIterator[Event]:
         arrival = time.perf_counter()
         self.check_sampling(inp.sampling)
         check_salt(inp.cache_salt, self.limits)
+        inp = self._with_template_roles(inp)
         session_id = inp.session_id
         mode = inp.mode
         check_turn_options(inp)
+        if (resent_history or fork_from) and (mode is not TurnMode.APPEND or not session_id):
+            raise InvalidRequest("a resent history or a fork source needs an appending session turn")
+        if resent_history and inp.messages is None:
+            raise InvalidRequest("a resent history needs chat messages")
+        if inp.messages is not None:  # every message, before a history is matched (indexes as sent)
+            self._check_roles(inp.messages)
+        source: SessionRecord | None = None
+        if fork_from:
+            source, _busy = await self.sessions.get(owner, fork_from)  # its last committed version
         if inp.sampling.response_format is not None:  # compiled (or refused) before any other work
             await self.engine.check_format(inp.sampling.response_format)
         remaining = inp.sampling.n  # the turn ends with the n-th Finished
@@ -174,12 +203,30 @@ class Conversations:
         elif session_id:
             turn = await self.sessions.begin_op(owner, session_id)
         finished = False
+        base: SessionRecord | None = None  # the record the turn extends, when it is not the stored one
+        history: HistoryPlan | None = None
         try:
             transcript = turn.record.token_ids if turn else []
             if turn is not None:
                 self.sessions.check_expected_turns(turn.record, inp.expected_turns)
                 if mode is not TurnMode.APPEND:  # the transcript as it was before the last turn
                     transcript = transcript[: self.sessions.last_turn_start(turn.record, mode.value)]
+            if turn is not None and source is not None:
+                if not turn.created:
+                    raise SessionExists(f"session {session_id!r} already exists; a fork needs a new session id")
+                base = copy_record(turn.record, token_ids=list(source.token_ids), turns=source.turns,
+                                   turn_log=list(source.turn_log), cache_salt=source.cache_salt,
+                                   forked_from=source.session_id)  # fmt: skip
+                if base.untracked_turns:
+                    raise TurnUnavailable(f"session {fork_from!r} was recorded before turn boundaries were kept")
+                transcript = base.token_ids
+            if turn is not None and resent_history:
+                assert inp.messages is not None
+                tok = self.tools.turn_encoder(inp.tools) if uses_tools(inp) else self.engine.tokenizer  # tool messages
+                history = await asyncio.to_thread(plan_history, tok, turn.record, inp.messages)  # as _input_tokens renders
+                inp, base = self._apply_history(inp, turn.record, history)
+                if base is not None:
+                    transcript = base.token_ids
             await self._check_input_size(inp, transcript)
             if mode is TurnMode.REGENERATE:  # the last turn's own input tokens
                 assert turn is not None
@@ -204,7 +251,12 @@ class Conversations:
                         self._observe_start(event)
                         info = self.engine.model_info
                         observer.started(event, info.block_size, info.bytes_per_token)
-                        event.session_created = turn is not None and turn.created
+                        event.session_created = turn is not None and (
+                            turn.created or (history is not None and history.action is HistoryAction.RESET)
+                        )
+                        if history is not None:
+                            event.history_diverged_at = history.diverged_at
+                            event.history_rewound_turns = history.rewound_turns
                         yield event
                     elif isinstance(event, Delta):
                         if turn is not None and turn.deleted:  # deleted on another replica meanwhile
@@ -223,10 +275,9 @@ class Conversations:
                         observer.finished(event)
                         if turn is not None:
                             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                                rec = await self.sessions.commit_turn(
-                                    turn, prompt, event.output_token_ids, cache_salt=inp.cache_salt,
-                                    finish_reason=event.finish_reason.value, replace_last=mode is not TurnMode.APPEND,
-                                )  # fmt: skip
+                                rec = await self._commit(turn, base, prompt, event, inp.cache_salt, mode)
+                                if history is not None and history.action is HistoryAction.REWIND:
+                                    self.metrics.session_operations.labels("rewind").inc()
                                 if self.spill is not None:
                                     self.spill.touch(owner, session_id, rec.token_ids, scope)
                                 if mode is not TurnMode.APPEND:
@@ -242,6 +293,49 @@ class Conversations:
         finally:
             if turn is not None:  # cancelled or failed: the transcript stays as before the turn
                 await asyncio.shield(self.sessions.end_turn(turn))
+
+    async def _commit(
+        self, turn: Turn, base: SessionRecord | None, prompt: list[int], fin: Finished, salt: str, mode: TurnMode
+    ) -> SessionRecord:
+        """Commit the turn; with ``base`` (a rewound, reset or forked copy of the record)
+        the turn extends that instead of the stored version, in the same one write
+        (conditional on the version the turn started from)."""
+        stored = turn.record
+        if base is not None:
+            turn.record = base
+        try:
+            return await self.sessions.commit_turn(
+                turn, prompt, fin.output_token_ids, cache_salt=salt, finish_reason=fin.finish_reason.value,
+                replace_last=mode is not TurnMode.APPEND,
+            )  # fmt: skip
+        except BaseException:
+            if not turn.committed:
+                turn.record = stored  # nothing was written: the lock's renewal keeps the stored version
+            raise
+
+    def _apply_history(
+        self, inp: TurnInput, rec: SessionRecord, plan: HistoryPlan
+    ) -> tuple[TurnInput, SessionRecord | None]:
+        """The turn's input and the record it extends (None: the stored one) under ``plan``."""
+        assert inp.messages is not None
+        messages = inp.messages[plan.first :]
+        if plan.action is HistoryAction.REWIND:
+            keep = plan.keep_turns
+            base = copy_record(rec, token_ids=rec.token_ids[: rec.turn_end(keep)], turns=keep,
+                               turn_log=rec.turn_log[: keep - rec.untracked_turns])  # fmt: skip
+            return dataclasses.replace(inp, messages=messages), base
+        if plan.action is HistoryAction.RESET:  # the old transcript's KV stays cached by content
+            return inp, copy_record(rec, token_ids=[], turns=0, turn_log=[])
+        return dataclasses.replace(inp, messages=messages), None
+
+    def _with_template_roles(self, inp: TurnInput) -> TurnInput:
+        """OpenAI's ``developer`` role is ``system`` for a template that has no such role."""
+        if inp.messages is None or not any(m.role == "developer" for m in inp.messages):
+            return inp
+        if "developer" in self.engine.tokenizer.known_roles:
+            return inp
+        msgs = tuple(ChatMessage("system", m.content) if m.role == "developer" else m for m in inp.messages)
+        return dataclasses.replace(inp, messages=msgs)
 
     # ------------------------------------------------------------------ session operations
 
@@ -263,6 +357,23 @@ class Conversations:
         self.metrics.session_operations.labels("fork").inc()
         if self.spill is not None and rec.token_ids:
             self.spill.touch(owner, new_session_id, rec.token_ids, self.cache_scope(owner, rec.cache_salt))
+        return rec
+
+    async def session(self, owner: str, session_id: str) -> tuple[SessionRecord, bool, str]:
+        """A session's record, whether a turn is in flight, and its last completed turn's
+        reply as text ("" before its first turn). Raises SessionNotFound."""
+        rec, busy = await self.sessions.get(owner, session_id)
+        reply = ""
+        if rec.turn_log:
+            out = rec.token_ids[len(rec.token_ids) - rec.turn_log[-1].output_tokens :]
+            reply = await asyncio.to_thread(self.engine.tokenizer.decode, out)
+        return rec, busy, reply
+
+    async def remove(self, owner: str, session_id: str) -> SessionRecord:
+        """Delete a session and stop its KV blocks from being found (``forget``); its last
+        record. Raises SessionNotFound, SessionBusy."""
+        rec = await self.sessions.delete(owner, session_id)
+        await self.forget(rec)
         return rec
 
     def _observe_start(self, ev: Started) -> None:
@@ -333,6 +444,22 @@ class Conversations:
         check_sampling(params, vocab_size=info.vocab_size, max_new_tokens_limit=self.max_new_tokens_limit)
         check_stop_lists(params, self.limits)
 
+    def token_pieces(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
+        """Each token's text and bytes as it appears in decoded text (logprobs): a
+        sentencepiece piece's own bytes (its leading space, a byte piece's one byte),
+        else the token decoded alone."""
+        tok = self.engine.tokenizer
+        if self._piece_bytes is None:
+            try:
+                self._piece_bytes = tok.token_bytes()[0]
+            except Exception:  # noqa: BLE001 - not sentencepiece: decode tokens alone
+                self._piece_bytes = []
+        out = []
+        for i in ids:
+            raw = self._piece_bytes[i] if i < len(self._piece_bytes) else tok.decode([i]).encode("utf-8", "replace")
+            out.append((raw.decode("utf-8", "replace"), raw))
+        return out
+
     def max_bytes_per_token(self) -> int:
         """An upper bound on the bytes of text one token covers: twice the longest
         decoded vocabulary entry plus one (a leading space a decoder drops, text that
@@ -372,18 +499,10 @@ class Conversations:
         if inp.messages is not None:
             if not inp.messages:
                 raise InvalidRequest("empty input: chat.messages is empty")
-            roles = tok.known_roles
-            if uses_tools(inp):
+            if uses_tools(inp):  # tool calls and results, the tools: service/tools renders them
                 msgs, tools = self.tools.template_messages(inp.messages, inp.tools, first=not transcript)
             else:
                 msgs, tools = [{"role": m.role, "content": m.content} for m in inp.messages], None
-            shift = len(msgs) - len(inp.messages)  # the fallback tools prompt may lead the messages
-            for i, m in enumerate(msgs):
-                if m["role"] not in roles:
-                    raise InvalidRequest(
-                        f"chat.messages[{max(0, i - shift)}].role {inp.messages[max(0, i - shift)].role!r} is unknown; "
-                        f"use one of {', '.join(roles)}"
-                    )
             try:
                 return tok.encode_chat_turn(transcript, msgs, tools=tools)
             except ChatTemplateError as e:
@@ -395,6 +514,14 @@ class Conversations:
             raise InvalidRequest("empty input: tokens.ids is empty")
         check_vocabulary(ids, self.engine.model_info.vocab_size, "tokens.ids")
         return ids
+
+    def _check_roles(self, messages: tuple[ChatMessage, ...]) -> None:
+        """Every role is the template's, or ``tool`` (service/tools renders a tool result as
+        the template takes it: a ``user`` message where it knows no tool role)."""
+        roles = self.engine.tokenizer.known_roles
+        for i, m in enumerate(messages):
+            if m.role not in roles and m.role != "tool":
+                raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
 
     def _fit_to_context(self, inp: TurnInput, transcript: list[int], new_tokens: list[int]) -> SamplingParams:
         """Check the prompt against the context; an unset max_new_tokens fills what is left."""
