@@ -19,6 +19,10 @@ model); start a message with ``//`` to send one that begins with ``/``. ``/regen
 turn count the chat knows (expected_turns), so a turn another client added meanwhile
 is never replaced or dropped: the command fails, the chat reads the session again, and
 the same command then applies to the session as it is. ``--session NAME`` resumes that session (default: a new random id).
+``--tools FILE`` (a JSON list of OpenAI tools) offers functions to the model and
+``--tool-choice`` (auto, required, none or a function's name) says how it calls them; a
+reply's calls are printed as ``[tool call NAME ARGUMENTS (id ID)]`` and the next line is
+sent as every call's result (a ``tool`` message per call): a tool loop in the session.
 Works with stdin from a pipe (no prompt is printed when stdin is not a terminal).
 Ctrl-C during a reply cancels that turn (the session is left as before the turn).
 Follow-up turns demand the existing session: if the server no longer has its history
@@ -30,6 +34,7 @@ wrong with the command, is printed on stderr) or the session could not be looked
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import uuid
@@ -93,14 +98,26 @@ def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str
 def _turn(
     client: KVServeClient, session: str, message: str | None, args: argparse.Namespace, out: TextIO,
     existing: bool = False, turn_mode: str = "append", temperature: float | None = None,
-    expected_turns: int | None = None,
+    expected_turns: int | None = None, calls: list | None = None,
 ) -> bool:  # fmt: skip
-    """One streamed turn; False if it was cancelled (Ctrl-C: the session is as before)."""
+    """One streamed turn; False if it was cancelled (Ctrl-C: the session is as before).
+    ``calls``: the previous reply's tool calls, which ``message`` answers; replaced by
+    this reply's."""
     sent = time.perf_counter()
     ttft: float | None = None
     start: StreamStart | None = None
+    pending = calls if calls is not None else []
+    if message is None:
+        messages = None
+    elif pending and turn_mode == "append":
+        messages = [{"role": "tool", "tool_call_id": c.id, "name": c.name, "content": message} for c in pending]
+    else:
+        messages = [{"role": "user", "content": message}]
+    tools = getattr(args, "tools", None)
     stream = client.generate(
-        messages=[{"role": "user", "content": message}] if message is not None else None,
+        messages=messages,
+        tools=tools,
+        tool_choice=getattr(args, "tool_choice", None) if tools else None,
         session_id=session,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature if temperature is None else temperature,
@@ -119,8 +136,12 @@ def _turn(
                 out.write(event.text)
                 out.flush()
             elif start is not None:
+                for c in event.tool_calls:
+                    out.write(f"\n[tool call {c.name} {c.arguments} (id {c.id})]")
                 out.write("\n" + _stats_line(start, event, ttft) + "\n")
                 out.flush()
+                if calls is not None:
+                    calls[:] = event.tool_calls
     except KeyboardInterrupt:
         stream.cancel()
         out.write("\n[cancelled]\n")
@@ -191,13 +212,27 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each turn in seconds")
     parser.add_argument("--token", default=None, help="API key (for a server with --api-keys), sent as a bearer token")
+    parser.add_argument("--tools", default=None, metavar="FILE",
+                        help="JSON file of tools (OpenAI's list) the model may call")  # fmt: skip
+    parser.add_argument("--tool-choice", default=None, help="with --tools: auto, required, none or a function's name")
     args = parser.parse_args(argv)
+    if args.tools is not None:
+        try:
+            with open(args.tools, encoding="utf-8") as f:
+                args.tools = json.load(f)
+        except (OSError, ValueError) as e:
+            parser.error(f"--tools {args.tools}: {e}")
+        if not isinstance(args.tools, list):
+            parser.error("--tools must hold a JSON list of tools")
+    elif args.tool_choice is not None:
+        parser.error("--tool-choice needs --tools")
     stdin = stdin or sys.stdin
     out = stdout or sys.stdout
     err = sys.stderr
     interactive = stdin.isatty()
     session = args.session or f"chat-{uuid.uuid4().hex[:12]}"
 
+    pending_calls: list = []  # the last reply's tool calls: the next line is their result
     has_history = False  # the session has completed turns: later turns demand it exists
     turns = 0  # the session's completed turns, as far as this chat knows
     with KVServeClient(with_port(args.address), token=args.token) as client:
@@ -252,6 +287,8 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 err.flush()
                 last_failed = True
                 continue
+            if command in ("/regenerate", "/edit", "/undo", "/fork", "/reset"):
+                pending_calls.clear()  # the next line is a user message again
             if command in ("/regenerate", "/edit", "/undo", "/fork"):
                 after = _session_command(client, session, turns, command, rest, args, out, err)
                 last_failed = after is None
@@ -275,14 +312,15 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 continue
             try:
                 try:
-                    done = _turn(client, session, message, args, out, existing=has_history)
+                    done = _turn(client, session, message, args, out, existing=has_history, calls=pending_calls)
                 except KVServeError as e:
                     if not (has_history and e.code == grpc.StatusCode.NOT_FOUND):
                         raise
                     out.write(f"[session {session}: the server no longer has its history "
                               f"(expired, deleted or lost); starting it over]\n")  # fmt: skip
                     turns = 0
-                    done = _turn(client, session, message, args, out)
+                    pending_calls.clear()
+                    done = _turn(client, session, message, args, out, calls=pending_calls)
                 if done:
                     has_history, turns = True, turns + 1
                 last_failed = False

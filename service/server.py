@@ -487,6 +487,7 @@ async def serve(
             spill=spill,
             limits=limits,
             shared_cache_salts=config.shared_cache_salts,
+            tool_call_parser=config.tool_call_parser,
         )
         admission = Admission(  # one count and one drain for the gRPC and the HTTP front
             max_streams=config.max_streams,

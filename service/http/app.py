@@ -43,7 +43,7 @@ from kvserve.service.http import openai as oa
 from kvserve.service.http.limits import BodyReader, HttpLimits, front_protocol, status_label
 from kvserve.service.http.responses import ResponsesRoutes
 from kvserve.service.tracing import Tracing
-from kvserve.service.types import Delta, Finished, Started, TurnInput
+from kvserve.service.types import Delta, Finished, Started, ToolCallDelta, TurnInput
 
 if TYPE_CHECKING:
     from kvserve.service.admission import Admission, Ticket
@@ -325,7 +325,7 @@ class _Ctx:
         for fin in ends:
             logprobs = self._logprobs(lps.get(fin.index))
             if self.chat:
-                message = {"role": "assistant", "content": fin.text, "refusal": None}
+                message = {**oa.chat_message(fin), "refusal": None}
                 choices.append({"index": fin.index, "message": message, "finish_reason": oa.finish_reason(fin),
                                 "logprobs": logprobs})  # fmt: skip
             else:
@@ -363,6 +363,8 @@ class _Ctx:
                     if ev.text or (self.logprobs and ev.logprobs):
                         lp = self._logprobs(ev.logprobs)
                         yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index, lp))
+                elif isinstance(ev, ToolCallDelta):  # a piece of a tool call (service/tools)
+                    yield data(self._chunk(oa.tool_call_delta(ev), None, ev.index))
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
