@@ -198,7 +198,7 @@ class ServerConfig:
     max_streams: int = setting(0, "Most Generate streams in flight at once, all tenants together (0 = no limit).", int)
     max_streams_per_tenant: int = setting(0, "Most Generate streams in flight at once per tenant (0 = no limit).", int)
     max_sessions_per_tenant: int = setting(0, "Most sessions a tenant may hold at once (0 = no limit).", int)
-    max_chat_messages: int = setting(2048, "Most chat messages in one HTTP request (a longer messages list is refused with 400 too_many_messages while the body is parsed, before any of it is checked or tokenized).", int, metavar="N")
+    max_chat_messages: int = setting(2048, "Most chat messages in one request: over HTTP a longer messages list is refused with 400 too_many_messages while the body is parsed, over gRPC with INVALID_ARGUMENT before any of it is checked or tokenized.", int, metavar="N")
     max_message_size: int = setting(4 << 20, "Largest gRPC message the server accepts or sends, and largest HTTP request body (413 as soon as a body passes it, by its Content-Length or while it is read) (bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
     session_ttl: float = setting(24 * 3600.0, "A session unused this long is removed, transcript and KV blocks (0 = never).", parse_duration, metavar="SECONDS")
     session_lock_ttl: float = setting(30.0, "Lease of a session's turn lock, renewed while the turn runs; a crashed replica's lock frees itself after this long.", parse_duration, metavar="SECONDS")

@@ -79,6 +79,7 @@ from kvserve.service.validation import (
     check_salt,
     check_sampling,
     check_stop_lists,
+    check_message_count,
     check_turn_options,
     check_vocabulary,
 )
@@ -179,6 +180,7 @@ class Conversations:
         self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver, resent_history: bool, fork_from: str
     ) -> AsyncIterator[Event]:
         arrival = time.perf_counter()
+        check_message_count(inp, self.limits)
         self.check_sampling(inp.sampling)
         check_salt(inp.cache_salt, self.limits)
         inp = self._with_template_roles(inp)

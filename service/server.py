@@ -478,6 +478,7 @@ async def serve(
         spill.start()
         limits = Limits(
             max_prompt_tokens=config.max_prompt_tokens,
+            max_chat_messages=config.max_chat_messages,
         )
         conversations = Conversations(
             engine,
