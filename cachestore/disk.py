@@ -77,8 +77,9 @@ class DiskCacheLocked(RuntimeError):
     """Another tier (this process or another) holds the directory's lock."""
 
 
-def _hold_lock(root: Path) -> int:
-    """An fd holding an exclusive flock on ``root/LOCK`` (our pid written in it)."""
+def hold_dir_lock(root: Path) -> int:
+    """An fd holding an exclusive flock on ``root/LOCK`` (our pid written in it; closing
+    the fd, or the process ending, releases it). ``DiskCacheLocked`` when held."""
     path = root / "LOCK"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -129,7 +130,7 @@ class DiskTier(BlockTier):
         self._bytes = 0
         self._seq = 0
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = _hold_lock(self.root)
+        self._lock_fd: int | None = hold_dir_lock(self.root)
         self._blocks_dir = self.root / "blocks"
         self._tmp_dir = self.root / "tmp"
         self._blocks_dir.mkdir(exist_ok=True)
