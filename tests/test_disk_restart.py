@@ -87,3 +87,44 @@ def test_a_second_server_on_the_directory_refuses_to_start(tiny_llama_dir, tmp_p
             second.__enter__()
         msg = str(err.value.__cause__)
         assert "--disk-cache-dir" in msg and "in use by another kvserve process" in msg and "\n" not in msg
+
+
+# ---- the session record store on its own -------------------------------------------------
+
+
+def test_disk_session_store_survives_a_restart_and_drops_bad_files(tmp_path):
+    import asyncio
+
+    from kvserve.cachestore.disk import DiskCacheLocked
+    from kvserve.service.sessions import SessionRecord
+    from kvserve.service.sessions.disk import DiskSessionStore
+    from kvserve.service.sessions.stores import CONFLICT, WRITTEN, Expect
+
+    async def scenario() -> None:
+        root = tmp_path / "sessions"
+        store = DiskSessionStore(root)
+        a = SessionRecord("a", owner="t1", token_ids=[1, 2, 3], etag="e1", turns=1)
+        b = SessionRecord("b", owner="t1", token_ids=[4], etag="e1")
+        c = SessionRecord("c", owner="t2", token_ids=[5], etag="e1")
+        assert await store.put_if(a, Expect.of(None), create=True) == WRITTEN
+        await store.put(b)
+        await store.put(c)
+        a2 = SessionRecord("a", owner="t1", token_ids=[1, 2, 3, 9], etag="e2", turns=2)
+        assert await store.put_if(a2, Expect(frozenset({"e1"}))) == WRITTEN
+        stale = SessionRecord("a", owner="t1", token_ids=[7], etag="e3", turns=2)
+        assert await store.put_if(stale, Expect(frozenset({"e1"}))) == CONFLICT  # nothing written
+        assert await store.delete("t1", "b")
+        with pytest.raises(DiskCacheLocked):
+            DiskSessionStore(root)  # one process (one store) per directory
+        await store.close()
+        (root / "tmp" / "x.1.1.tmp").write_bytes(b"half")  # a crash mid-write
+        f = store.path("t2", "c")
+        f.write_bytes(f.read_bytes()[:-3])  # torn
+        again = DiskSessionStore(root)
+        assert await again.get("t1", "a") == a2  # the last acknowledged version
+        assert await again.get("t1", "b") is None  # deleted stays deleted
+        assert await again.get("t2", "c") is None and again.unreadable == 1 and not f.exists()
+        assert list((root / "tmp").iterdir()) == []
+        await again.close()
+
+    asyncio.run(scenario())
