@@ -128,3 +128,32 @@ def test_disk_session_store_survives_a_restart_and_drops_bad_files(tmp_path):
         await again.close()
 
     asyncio.run(scenario())
+
+
+# ---- the deploy files show it on a volume -------------------------------------------------
+
+
+def test_compose_and_k8s_put_the_disk_tier_on_a_volume():
+    from kvserve.service.config import ServerConfig
+    from tests.test_deploy import COMPOSE, DOCKERFILE, Dockerfile, compose_env, k8s_resource, load_yaml
+
+    compose = load_yaml(COMPOSE)
+    svc = compose["services"]["kvserve-disk"]
+    df = Dockerfile.parse(DOCKERFILE)
+    cfg = ServerConfig.from_args([], {**{k: v for k, v in df.env().items() if k.startswith("KVSERVE_")}, **compose_env(svc)})
+    assert cfg.redis_url is None and cfg.disk_cache_dir  # one machine: sessions persist beside the blocks
+    volume, target = svc["volumes"][0].split(":")[:2]
+    assert target == cfg.disk_cache_dir and volume in compose["volumes"]  # a named volume, its own
+    assert all("kvserve-disk" not in str(s.get("volumes", "")) for n, s in compose["services"].items() if n != "kvserve-disk")
+    dockerfile = DOCKERFILE.read_text()
+    assert f"chown 10001:10001 {cfg.disk_cache_dir}" in dockerfile and "USER 10001:10001" in dockerfile
+
+    config = load_yaml(Path(COMPOSE).parent / "deploy" / "k8s" / "configmap.yaml")["data"]
+    k8s_cfg = ServerConfig.from_args([], config)
+    pod = k8s_resource("Deployment", "kvserve")["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert k8s_cfg.disk_cache_dir in mounts
+    vol = next(v for v in pod["volumes"] if v["name"] == mounts[k8s_cfg.disk_cache_dir])
+    from kvserve.service.config import parse_bytes
+
+    assert parse_bytes(vol["emptyDir"]["sizeLimit"] + "B") > k8s_cfg.disk_cache_size
