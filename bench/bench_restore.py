@@ -38,6 +38,7 @@ writes bench/out/restore_ttft.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -86,11 +87,19 @@ def checkpoint(shape: str, max_pos: int, cache: Path) -> Path:
 def engine(loaded, store=None) -> LLMEngine:
     cfg = EngineConfig(
         block_size=BLOCK,
-        kv_cache_memory=1 << 30 if loaded.config.num_layers > 4 else 64 << 20,
+        kv_cache_memory=256 << 20 if loaded.config.num_layers > 4 else 64 << 20,  # fits 2k tokens of tinyllama
         max_num_batched_tokens=4096,
         max_model_len=loaded.config.max_position_embeddings,
     )
     return LLMEngine(loaded, cfg, store=store)
+
+
+def done(*engines: LLMEngine) -> None:
+    """Close engines and free their pools now (a 1 GiB pool is zero-filled: resident
+    until collected, and engines hold reference cycles)."""
+    for e in engines:
+        e.close()
+    gc.collect()
 
 
 def run_once(eng: LLMEngine, tokens: list[int], rid: str) -> Finished:
@@ -209,12 +218,12 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
         for r in range(reps):
             e = engine(loaded)
             res["cold"].append(run_once(e, turn, f"cold{r}"))
-            e.close()
+            done(e)
 
             e = engine(loaded)
             run_once(e, history, "h")
             res["device"].append(run_once(e, turn, f"dev{r}"))
-            e.close()
+            done(e)
 
             shared = store(loaded, host=True)
             a = engine(loaded, shared)
@@ -222,19 +231,19 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
             spill(a, history, "host")
             b = engine(loaded, shared)  # a new device pool, the same host tier
             res["host"].append(run_once(b, turn, f"host{r}"))
-            shared.close()
+            done(a, b)  # and the shared store
 
             for path in ("disk", "disk_cold"):
                 shutil.rmtree(disk_root, ignore_errors=True)
                 a = engine(loaded, store(loaded, disk=disk_root))
                 run_once(a, history, "h")
                 spill(a, history, "disk")
-                a.close()  # the process ends: only the directory is left
+                done(a)  # the process ends: only the directory is left
                 if path == "disk_cold":
                     drop_page_cache(disk_root)
                 b = engine(loaded, store(loaded, disk=disk_root))  # restarted: the index rebuilt from the files
                 res[path].append(run_once(b, turn, f"{path}{r}"))
-                b.close()
+                done(b)
             shutil.rmtree(disk_root, ignore_errors=True)
 
             import redis
@@ -243,10 +252,10 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
             a = engine(loaded, store(loaded, redis_url=redis_url))
             run_once(a, history, "h")
             spill(a, history, "redis")
-            a.close()
+            done(a)
             b = engine(loaded, store(loaded, redis_url=redis_url))  # "another replica"
             res["redis"].append(run_once(b, turn, f"redis{r}"))
-            b.close()
+            done(b)
         row = dict(shape=shape, history=H, kv_mb=n_blocks * block_bytes / 1e6, block_bytes=block_bytes)
         for k, fins in res.items():
             row[f"{k}_ms"] = statistics.median(f.timings.ttft_s for f in fins) * 1000
@@ -291,10 +300,10 @@ def measure_formats(
             a = engine(loaded, store(loaded, redis_url=redis_url, kv_format=fmt))
             run_once(a, hist, "h")
             spill(a, hist, "redis")
-            a.close()
+            done(a)
             b = engine(loaded, store(loaded, redis_url=redis_url, kv_format=fmt))
             fins.append(run_once(b, turn, f"{fmt}{r}"))
-            b.close()
+            done(b)
         err = measure_kv_error(
             loaded, codec.STORAGE_FORMATS[fmt], sessions=sessions, history=256, new_turn=NEW_TURN, decode=16,
             block_size=BLOCK,

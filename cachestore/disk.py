@@ -56,6 +56,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -70,6 +71,10 @@ log = logging.getLogger(__name__)
 EvictCallback = Callable[[BlockRef, torch.Tensor], None]
 
 SUFFIX = ".kvb"
+_HASH_AT = 4 + 2 + 2 + 32  # offset of the block hash in the codec header (magic, version, size, namespace)
+# A hit refreshes the file's mtime (the LRU order a restart rebuilds) when it is older
+# than this: one syscall fewer per block for blocks restored again soon.
+_TOUCH_AFTER_S = 60.0
 _HEX_LEN = 64
 
 
@@ -110,16 +115,20 @@ class DiskTier(BlockTier):
         dtype: torch.dtype,
         *,
         fsync: bool = False,
+        read_threads: int = 2,
         on_evict: EvictCallback | None = None,
     ) -> None:
         """Creates ``root`` if needed and takes its lock (``DiskCacheLocked`` if taken;
-        ``OSError`` if it cannot be created or written)."""
+        ``OSError`` if it cannot be created or written). ``read_threads``: files one
+        restore reads at once (1: one after another)."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self._init_block(block_shape, dtype)
         self._torch_shape = torch.Size(self.block_shape)
         self.root = Path(root)
         self.fsync = fsync
+        self.read_threads = max(1, read_threads)
+        self._readers: ThreadPoolExecutor | None = None
         self.file_nbytes = codec.encoded_size(self.block_shape, dtype)
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_bytes // self.file_nbytes
@@ -132,6 +141,8 @@ class DiskTier(BlockTier):
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = hold_dir_lock(self.root)
         self._blocks_dir = self.root / "blocks"
+        self._blocks_str = str(self._blocks_dir)
+        self._prefixes: dict[bytes, tuple[bytes, bytes]] = {}
         self._tmp_dir = self.root / "tmp"
         self._blocks_dir.mkdir(exist_ok=True)
         self._tmp_dir.mkdir(exist_ok=True)
@@ -141,8 +152,23 @@ class DiskTier(BlockTier):
 
     def path(self, ref: BlockRef) -> Path:
         """The file holding ``ref``."""
-        h = ref.block_hash.hex()
-        return self._blocks_dir / h[:2] / (h + SUFFIX)
+        return Path(self._file(ref.block_hash))
+
+    def _file(self, digest: bytes) -> str:
+        h = digest.hex()
+        return f"{self._blocks_str}/{h[:2]}/{h}{SUFFIX}"
+
+    def _prefix(self, ref: BlockRef) -> bytes:
+        """``codec.plain_prefix`` of ``ref``: the bytes before its tensor bytes, from a
+        per-namespace template (only the block hash differs between blocks)."""
+        parts = self._prefixes.get(ref.namespace)
+        if parts is None:
+            full = codec.plain_prefix(ref.namespace, ref.block_hash, self.block_shape, self.dtype)
+            parts = self._prefixes[ref.namespace] = (full[:_HASH_AT], full[_HASH_AT + 32 :])
+            if len(self._prefixes) > 1024:
+                self._prefixes.clear()
+                self._prefixes[ref.namespace] = parts
+        return parts[0] + ref.block_hash + parts[1]
 
     def set_on_evict(self, on_evict: EvictCallback | None) -> None:
         self._on_evict = on_evict
@@ -190,26 +216,45 @@ class DiskTier(BlockTier):
     # ---- reads ---------------------------------------------------------------------
 
     def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
-        """Load ``refs[i]`` into ``outs[i]`` in order, each verified; stops at the first
-        miss or bad file (which is removed)."""
+        """Load ``refs[i]`` into ``outs[i]`` in order, each verified; returns how many
+        leading blocks are good, stopping at the first miss or bad file (which is
+        removed). Several blocks are read at once by ``read_threads`` threads (a read
+        releases the GIL), in windows, so a miss early on reads little past it."""
         if len(refs) > len(outs):
             raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        if not all(out.is_contiguous() for out in outs[: len(refs)]):
+            raise ValueError("destinations must be contiguous")
         t0 = time.perf_counter()
-        n = nbytes = 0
+        n = 0
         failure: str | None = None
-        for ref, out in zip(refs, outs):
-            if not out.is_contiguous():
-                raise ValueError("destinations must be contiguous")
-            failure = self._read(ref, out, touch=True)
+        pool = self._pool() if len(refs) > 1 else None
+        window = 4 * self.read_threads
+        for start in range(0, len(refs), window):
+            batch = list(zip(refs[start : start + window], outs[start : start + window]))
+            if pool is None:
+                results = (self._read(ref, out, touch=True) for ref, out in batch)
+            else:
+                results = pool.map(lambda ro: self._read(ro[0], ro[1], touch=True), batch)
+            for result in results:  # in order; a pool finishes the window's reads meanwhile
+                if failure is None and result is None:
+                    n += 1
+                elif failure is None:
+                    failure = result
             if failure is not None:
                 break
-            n += 1
-            nbytes += self.file_nbytes
         if failure is not None:
             self._counters.fail(failure)
-        self._counters.add(hits=n, bytes_out=nbytes, misses=int(failure is not None))
+        self._counters.add(hits=n, bytes_out=n * self.file_nbytes, misses=int(failure is not None))
         self._counters.add_seconds("read", time.perf_counter() - t0)
         return n
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        if self.read_threads <= 1:
+            return None
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="disk-tier-read")
+            return self._readers
 
     def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return self.get_many_into([ref], [out]) == 1
@@ -242,15 +287,18 @@ class DiskTier(BlockTier):
                 return NOT_FOUND
             if touch:
                 self._lru.move_to_end(digest)
-        path = self.path(ref)
+        path = self._file(digest)
         try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
-                failure = self._verify_into(f, st.st_size, ref, out)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                failure = self._verify_into(fd, st.st_size, ref, out)
                 if failure is not None:
-                    self._drop_bad(ref, path, st, failure)
-                elif touch:
-                    os.utime(f.fileno())  # the LRU order survives a restart
+                    self._drop_bad(ref, Path(path), st, failure)
+                elif touch and time.time() - st.st_mtime > _TOUCH_AFTER_S:
+                    os.utime(fd)  # the LRU order survives a restart
+            finally:
+                os.close(fd)
         except FileNotFoundError:  # removed meanwhile (evicted, deleted, by hand)
             self._forget(digest)
             return NOT_FOUND
@@ -260,22 +308,22 @@ class DiskTier(BlockTier):
             return BACKEND_ERROR
         return failure
 
-    def _verify_into(self, f, size: int, ref: BlockRef, out: torch.Tensor) -> str | None:  # noqa: ANN001
+    def _verify_into(self, fd: int, size: int, ref: BlockRef, out: torch.Tensor) -> str | None:
+        """Verify the open file ``fd`` (``size`` bytes) as ``ref`` into ``out``."""
         if size == self.file_nbytes and out.is_cpu and out.dtype == self.dtype and out.shape == self._torch_shape:
-            prefix = codec.plain_prefix(ref.namespace, ref.block_hash, self.block_shape, self.dtype)
-            head = _read_exact(f, len(prefix))
-            if head == prefix:
-                data = memoryview(codec.byte_view(out))  # (nbytes,) of out
-                if _readinto_exact(f, data) and len(tail := _read_exact(f, codec.CHECKSUM_SIZE)) == codec.CHECKSUM_SIZE:
-                    h = xxhash.xxh3_128(prefix)
-                    h.update(data)
-                    return None if h.digest() == tail else codec.BAD_CHECKSUM
-                return codec.TRUNCATED  # shrank under us
-            value = head + f.read()
+            # One preadv: the prefix, the tensor bytes straight into ``out``, the checksum.
+            prefix = self._prefix(ref)
+            head, tail = bytearray(len(prefix)), bytearray(codec.CHECKSUM_SIZE)
+            data = memoryview(codec.byte_view(out))  # (nbytes,) of out
+            if os.preadv(fd, [head, data, tail], 0) == size and head == prefix:
+                h = xxhash.xxh3_128(prefix)
+                h.update(data)
+                return None if h.digest() == tail else codec.BAD_CHECKSUM
+            value = _pread_all(fd, size)  # another block, a short read: the codec says why
         elif size > 2 * self.file_nbytes + 65536:  # not ours: do not read it whole
             return codec.BAD_LENGTH
         else:
-            value = f.read()
+            value = _pread_all(fd, size)
         result = codec.decode_into(value, ref.namespace, ref.block_hash, out)
         return None if result.ok else result.reason
 
@@ -394,10 +442,12 @@ class DiskTier(BlockTier):
         if self._on_evict is not None:
             scratch = torch.empty(self.block_shape, dtype=self.dtype)
             try:
-                with open(path, "rb", buffering=0) as f:
-                    ns = _read_exact(f, codec.HEADER_SIZE)[8:40]
-                    f.seek(0)
-                    ok = len(ns) == 32 and self._verify_into(f, os.fstat(f.fileno()).st_size, BlockRef(ns, ref.block_hash), scratch) is None  # type: ignore[arg-type]
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    ns = os.pread(fd, 32, 8)  # the namespace the checksummed header names
+                    ok = len(ns) == 32 and self._verify_into(fd, os.fstat(fd).st_size, BlockRef(ns, ref.block_hash), scratch) is None  # type: ignore[arg-type]
+                finally:
+                    os.close(fd)
                 if ok:
                     self._on_evict(BlockRef(ns, ref.block_hash), scratch)  # type: ignore[arg-type]
             except OSError:
@@ -435,6 +485,10 @@ class DiskTier(BlockTier):
 
     def close(self) -> None:
         """Release the directory's lock (the files stay: a later tier finds them)."""
+        with self._lock:
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the fd releases the flock
@@ -449,24 +503,13 @@ def _parse_name(name: str) -> bytes | None:
         return None
 
 
-def _read_exact(f, n: int) -> bytes:  # noqa: ANN001
-    """Up to ``n`` bytes (fewer only at the end of the file)."""
+def _pread_all(fd: int, size: int) -> bytes:
+    """The file's bytes from 0: ``size`` of them, plus at most one more chunk if it grew
+    meanwhile (enough for the codec to call it too long)."""
     out = bytearray()
-    while len(out) < n:
-        chunk = f.read(n - len(out))
-        if not chunk:
-            break
+    while len(out) <= size and (chunk := os.pread(fd, max(size - len(out), 65536), len(out))):
         out += chunk
     return bytes(out)
-
-
-def _readinto_exact(f, buf: memoryview) -> bool:  # noqa: ANN001
-    while len(buf):
-        n = f.readinto(buf)
-        if not n:
-            return False
-        buf = buf[n:]
-    return True
 
 
 def _fsync_dir(path: Path) -> None:
