@@ -182,13 +182,28 @@ class SessionStoreCollector:
             f"{p}_session_unconfirmed_writes", "Session record writes Redis did not confirm (down, hung, breaker "
             "open): kept on this replica and written back later.", value=m.unconfirmed_writes,
         )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{p}_session_records_healed", "Unreadable session records (corrupt, truncated, another session's, a key "
+            "of another Redis type) that a write of this replica replaced.", value=m.records_healed,
+        )  # fmt: skip
         yield GaugeMetricFamily(f"{p}_session_turns_in_flight", "Session turns in flight on this replica.", value=m.turns_in_flight)
         store = m.store
         breaker = getattr(store, "breaker", None)
         if breaker is not None:
             yield CounterMetricFamily(
-                f"{p}_session_store_errors", "Session-store calls to Redis that failed or timed out.",
+                f"{p}_session_store_errors", "Session-store calls to Redis that failed (Redis itself: connection, "
+                "server state) or timed out; these count against the breaker.",
                 value=store.primary_errors,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                f"{p}_session_records_unreadable", "Session records Redis held that failed to decode or verify, or "
+                "whose key is of another type (each distinct value once): read as absent, replaced by the next write.",
+                value=store.unreadable_records,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                f"{p}_session_store_key_errors", "Session-store calls that failed for their key alone (a key of another "
+                "type): that call fell back to this replica's copy; never counted against the breaker.",
+                value=store.key_errors,
             )  # fmt: skip
             yield CounterMetricFamily(
                 f"{p}_session_store_skipped", "Session-store calls answered from this replica's copy without asking "

@@ -63,7 +63,19 @@ With ``ttl_s`` a session unused for that long is gone: Redis expires its record 
 TTL is renewed by every write, i.e. every turn), the in-memory store drops it when it
 is next looked at or swept by ``SessionManager.reap`` (which also returns the expired
 records, so the server can drop their KV blocks). ``max_sessions_per_owner`` caps how
-many sessions one tenant holds; creating one more raises ``SessionLimit``.
+many sessions one tenant holds; creating one more raises ``SessionLimit``. The cap is
+exact under concurrency on any number of replicas: the store admits each creation
+atomically (in Redis one script over the tenant's index; a refused creation is undone),
+and while Redis is away each replica counts the sessions it holds.
+
+Unreadable records
+------------------
+A stored record that fails to decode or verify (``decode_record``), names another
+session, or whose Redis key is of another type is no record: reads treat it as absent
+(``get`` returns None: NOT_FOUND, and a turn starts the session over), it is counted and
+logged once, and the session's next write replaces exactly that value (HEALED,
+``SessionManager.records_healed``). It is never an error of the store, so it never opens
+the session store's circuit breaker (``FallbackSessionStore``: only Redis failing does).
 """
 
 

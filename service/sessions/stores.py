@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 from urllib.parse import quote
+
+from redis.exceptions import ResponseError
 
 from kvserve.service.sessions.records import (
     SessionRecord,
@@ -40,6 +43,8 @@ REPLACED = "replaced"  # the store held another incarnation that no turn had com
 CONFLICT = "conflict"  # the store holds a version this writer did not expect: nothing written
 UNKNOWN = "unknown"  # the store could not be asked (down, hung): written to this replica's copy only
 DELETED = "deleted"  # the session was deleted (its tombstone is there) and the write was no creation: nothing written
+HEALED = "healed"  # the store held an unreadable value (corrupt, truncated, another session's, a key of another type): replaced
+LIMIT = "limit"  # a creation found the owner at its session limit (``limit``): nothing written (or the write undone)
 
 # What a deleted session's key holds in Redis instead of its record (then the unix time of
 # the delete); a record starts with b"KVSS" (records.encode_record), so the two never mix.
@@ -52,14 +57,22 @@ KEPT_ETAG_PREFIX = "d-"
 @dataclass(frozen=True, slots=True)
 class Expect:
     """What a conditional write expects the store to hold: a version whose etag is one
-    of ``etags``, or (``absent_ok``) no record. Any other version is a conflict."""
+    of ``etags``, or (``absent_ok``) no record. Any other version is a conflict.
+    ``unreadable``: the fingerprint (``fingerprint``) of an unreadable value the read
+    found there, which counts as no record: a write may replace exactly that value."""
 
     etags: frozenset[str] = frozenset()
     absent_ok: bool = False
     after_delete: bool = False  # (a read's answer) there is no record because the session was deleted
+    unreadable: str = ""
 
     def plus(self, etag: str) -> Expect:
-        return Expect(self.etags | {etag}, self.absent_ok)
+        return Expect(self.etags | {etag}, self.absent_ok, unreadable=self.unreadable)
+
+    def merge(self, other: Expect) -> Expect:
+        """What either may find (a write that may land late is also ours)."""
+        return Expect(self.etags | other.etags, self.absent_ok or other.absent_ok,
+                      unreadable=self.unreadable or other.unreadable)  # fmt: skip
 
     @staticmethod
     def of(rec: SessionRecord | None) -> Expect:
@@ -73,6 +86,24 @@ def new_etag(*, kept: bool = False) -> str:
     return (KEPT_ETAG_PREFIX if kept else "") + uuid.uuid4().hex[:16]
 
 
+def fingerprint(value: bytes | None = None, *, key_type: str = "") -> str:
+    """What names an unreadable stored value exactly (the Redis scripts compute the same):
+    the SHA-1 of its bytes, or ``type:<name>`` for a key that is not a string."""
+    return f"type:{key_type}" if key_type else hashlib.sha1(value or b"").hexdigest()
+
+
+def is_key_error(exc: BaseException) -> bool:
+    """Redis answered, about one key: the key holds another type (WRONGTYPE), or a script
+    failed on what it read. Such an error is that session's, not the store's: it never
+    counts against the circuit breaker (see ``FallbackSessionStore``)."""
+    if not isinstance(exc, ResponseError):
+        return False
+    text = str(exc)  # server states (OOM, READONLY, LOADING, MASTERDOWN, ...) are the store's
+    return text.startswith("WRONGTYPE") or (
+        text.startswith("ERR") and ("user_script" in text or "Error running script" in text)
+    )
+
+
 def tombstone() -> bytes:
     return TOMBSTONE_PREFIX + repr(time.time()).encode()
 
@@ -83,7 +114,8 @@ def cas_outcome(
 ) -> str:
     """The rule of ``put_if`` (the Redis store runs the same rule in Lua). ``deleted``:
     the store holds the session's tombstone (it was deleted) instead of a record; only a
-    creation (``create``) may write then."""
+    creation (``create``) may write then. (An unreadable stored value counts as no
+    record; the Redis store answers HEALED when it replaces one.)"""
     if deleted:
         if not create:
             return DELETED
@@ -101,10 +133,15 @@ class SessionStore(Protocol):
     """Where session records live. All methods are coroutines.
 
     Contract: ``get`` returns None when the session does not exist (or its record is
-    unreadable: that is logged); ``read`` also returns what a conditional write of the
-    next version should expect; ``put_if`` writes unless the store holds a version
+    unreadable: corrupt, truncated, another session's, a key of another type; that is
+    counted and logged once); ``read`` also returns what a conditional write of the
+    next version should expect (an unreadable value it found is named there, so the
+    next write replaces it: HEALED); ``put_if`` writes unless the store holds a version
     ``expect`` does not name (see ``cas_outcome``; ``replace_uncommitted`` lets it
     overwrite another incarnation with no completed turn) and returns the outcome;
+    a creation (``create``) with ``limit`` > 0 is written only if the owner then holds
+    at most ``limit`` sessions, decided atomically with the other creations (LIMIT
+    otherwise: nothing is left written);
     a store that keeps tombstones (Redis: ``delete`` leaves one) answers DELETED to any
     write of a deleted session except a creation (``create``: a first turn or a fork
     that found no record), which writes and so clears the tombstone;
@@ -124,7 +161,8 @@ class SessionStore(Protocol):
     async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]: ...
     async def put(self, rec: SessionRecord) -> None: ...
     async def put_if(
-        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False,
+        limit: int = 0,
     ) -> str: ...
     async def delete(self, owner: str, session_id: str) -> bool: ...
     async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool: ...
@@ -181,14 +219,26 @@ class InMemorySessionStore:
         self._records[(rec.owner, rec.session_id)] = self._copy(rec)
 
     async def put_if(
-        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False,
+        limit: int = 0,
     ) -> str:
         # No tombstones here: this process's own deletes cannot race its turns (the
-        # table refuses a delete while one of its turns is in flight).
-        outcome = cas_outcome(await self.get(rec.owner, rec.session_id), expect, replace_uncommitted)
-        if outcome != CONFLICT:
-            await self.put(rec)
+        # table refuses a delete while one of its turns is in flight). No await between
+        # the check and the write, so the limit is exact.
+        key = (rec.owner, rec.session_id)
+        outcome = cas_outcome(await self.get(*key), expect, replace_uncommitted)
+        if outcome == CONFLICT:
+            return outcome
+        if create and limit and self.would_exceed(key, limit):
+            return LIMIT
+        self._records[key] = self._copy(rec)
         return outcome
+
+    def would_exceed(self, key: tuple[str, str], limit: int) -> bool:
+        """Whether one more session (``key``, if it is not there) passes ``limit``."""
+        now = self._clock()
+        live = {k for k, rec in self._records.items() if k[0] == key[0] and not self._expired(k, rec, now)}
+        return key not in live and len(live) >= limit
 
     async def delete(self, owner: str, session_id: str) -> bool:
         return self._records.pop((owner, session_id), None) is not None
@@ -270,25 +320,37 @@ def copy_record(rec: SessionRecord, **changes: Any) -> SessionRecord:
     return out
 
 
-_UNLOCK_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+# A key's value when it is a string; a key of another type (a HASH where a record or a
+# lock belongs) is not ours: it reads as an unreadable value, never as a Redis error
+# (which the caller would take for a failing Redis).
+_LOAD_LUA = """
+local function load(key)
+  local t = redis.call('TYPE', key)['ok']
+  if t == 'none' then return false, nil end
+  if t ~= 'string' then return false, 'type:' .. t end
+  return redis.call('GET', key), nil
+end
+"""
+_UNLOCK_LUA = _LOAD_LUA + """
+if load(KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-_REFRESH_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+_REFRESH_LUA = _LOAD_LUA + """
+if load(KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 # Take the lock if it is free or held by a holder whose id starts with ARGV[3] (a turn of
 # this replica that has ended: its unlock missed Redis, or a lock write was applied late).
-_LOCK_LUA = """
-local h = redis.call('GET', KEYS[1])
+# A key of another type holds no lock: it is replaced.
+_LOCK_LUA = _LOAD_LUA + """
+local h = load(KEYS[1])
 if h and (ARGV[3] == '' or string.sub(h, 1, #ARGV[3]) ~= ARGV[3]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 # The stored record's metadata (encode_record: magic, u16 version, u32 n, n bytes JSON),
 # nil when there is none or it cannot be read (an unreadable record counts as absent).
-_META_LUA = """
+_META_LUA = _LOAD_LUA + """
 local function stored_meta(v)
   if not v or string.sub(v, 1, 4) ~= 'KVSS' then return nil end
   local ok, meta = pcall(function()
@@ -303,23 +365,28 @@ local function etag_of(meta)
   return ''
 end
 """
-# put_if: ARGV = value, px (0: none), absent_ok, replace_uncommitted, create, etags...
-# (the rule of cas_outcome). A tombstone (TOMBSTONE_PREFIX) in the key stops every write
-# but a creation, which replaces it.
+# put_if: ARGV = value, px (0: none), absent_ok, replace_uncommitted, create, unreadable,
+# etags... (the rule of cas_outcome). A tombstone (TOMBSTONE_PREFIX) in the key stops
+# every write but a creation, which replaces it. An unreadable value counts as no record
+# and is replaced ('healed'): a key of another type, metadata that does not parse, or
+# the exact value the writer's read found unreadable (ARGV[6], its SHA-1: the checksum
+# and the rest are checked in Python).
 _PUT_IF_LUA = _META_LUA + """
-local v = redis.call('GET', KEYS[1])
+local v, odd = load(KEYS[1])
 if v and string.sub(v, 1, 8) == 'KVSDEL1:' then
   if ARGV[5] ~= '1' then return 'deleted' end
   v = false
 end
-local meta = stored_meta(v)
+local meta = nil
+if v and not (ARGV[6] ~= '' and redis.sha1hex(v) == ARGV[6]) then meta = stored_meta(v) end
 local outcome
 if meta == nil then
-  if ARGV[3] == '1' then outcome = 'written' else outcome = 'restored' end
+  if v or odd then outcome = 'healed'
+  elseif ARGV[3] == '1' then outcome = 'written' else outcome = 'restored' end
 else
   local etag = etag_of(meta)
   outcome = 'conflict'
-  for i = 6, #ARGV do
+  for i = 7, #ARGV do
     if ARGV[i] == etag then outcome = 'written' end
   end
   if outcome == 'conflict' and ARGV[4] == '1' and meta['turns'] == 0 and string.sub(etag, 1, 2) ~= 'd-' then
@@ -332,11 +399,11 @@ if outcome ~= 'conflict' then
 end
 return outcome
 """
-# delete: ARGV = tombstone, px (0: none); the record becomes the tombstone. 1 deleted,
-# 0 there was none (or only a tombstone).
-_DELETE_LUA = """
-local v = redis.call('GET', KEYS[1])
-if not v or string.sub(v, 1, 8) == 'KVSDEL1:' then return 0 end
+# delete: ARGV = tombstone, px (0: none); the record (or an unreadable value, a key of
+# another type) becomes the tombstone. 1 deleted, 0 there was none (or only a tombstone).
+_DELETE_LUA = _LOAD_LUA + """
+local v, odd = load(KEYS[1])
+if not odd and (not v or string.sub(v, 1, 8) == 'KVSDEL1:') then return 0 end
 if ARGV[2] == '0' then redis.call('SET', KEYS[1], ARGV[1])
 else redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
 return 1
@@ -345,7 +412,7 @@ return 1
 # version (kept). For a first turn that did not complete: the key is removed, or for a
 # session created again after a delete ('d-' etag) holds the tombstone again.
 _DELETE_IF_LUA = _META_LUA + """
-local meta = stored_meta(redis.call('GET', KEYS[1]))
+local meta = stored_meta(load(KEYS[1]))
 if meta == nil then return 0 end
 local etag = etag_of(meta)
 for i = 3, #ARGV do
@@ -357,6 +424,19 @@ for i = 3, #ARGV do
   end
 end
 return -1
+"""
+# The owner's index (sorted set of session ids): add ARGV[1] unless ARGV[2] > 0 and the
+# index already holds that many other ids. One script, so concurrent creations on any
+# replica cannot pass the limit together. 1 added (or there), 0 full. An index key of
+# another type is not ours: it is replaced (the sessions re-enter it with their next write).
+_INDEX_ADD_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'zset' and t ~= 'none' then redis.call('DEL', KEYS[1]) end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 1 end
+local limit = tonumber(ARGV[2])
+if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
+redis.call('ZADD', KEYS[1], 0, ARGV[1])
+return 1
 """
 
 
@@ -378,7 +458,21 @@ class RedisSessionStore:
     long as a record would be (``ttl_s``: every replica's own copy of the session has
     expired by then; no TTL when records have none): a turn, a renewal or a write-back
     that finds it writes nothing (DELETED); only a creation replaces it. An expired record leaves its id in
-    the index until a ``list`` finds it gone and removes it. ``client`` is a
+    the index until a ``list`` finds it gone and removes it.
+
+    Unreadable values are that session's alone: a record that fails to decode or verify
+    (``decode_record``: magic, version, lengths, CRC-32; or one naming another session)
+    and a record or lock key of another Redis type (not ours to trust) read as no record
+    (counted in ``unreadable_records`` and logged once per value), and the next write of
+    the session replaces it (HEALED). No Redis error comes of them, so the caller's
+    circuit breaker never sees one.
+
+    The session limit (``put_if(..., create=True, limit=n)``): the record is written,
+    then its id enters the owner's index by a script that refuses it when the index holds
+    ``n`` other ids; a refused creation is undone (``delete_if``) and answers LIMIT. The
+    index may list expired records (Redis expired them): when it is full it is pruned of
+    ids whose record is gone (and that no turn holds) and the script is tried again.
+    ``client`` is a
     ``redis.asyncio`` client (or cluster client) with ``decode_responses=False``; the
     store does not own it unless built by ``from_url``.
     """
@@ -396,6 +490,9 @@ class RedisSessionStore:
         self._put_if = client.register_script(_PUT_IF_LUA)
         self._delete_if = client.register_script(_DELETE_IF_LUA)
         self._delete = client.register_script(_DELETE_LUA)
+        self._index_add = client.register_script(_INDEX_ADD_LUA)
+        self.unreadable_records = 0  # distinct unreadable values read (corrupt, another session's, wrong type)
+        self._unreadable_seen: set[tuple[str, str, str]] = set()  # (owner, session_id, fingerprint) logged
 
     @classmethod
     def from_url(cls, url: str, *, key_prefix: str = "kvserve:", ttl_s: float | None = None,
@@ -427,50 +524,91 @@ class RedisSessionStore:
     async def get_state(self, owner: str, session_id: str) -> tuple[SessionRecord | None, bool]:
         """The record (None if there is none) and whether the session was deleted (its
         tombstone is there)."""
-        data = await self._r.get(self._key("sess", owner, session_id))
-        if data is None:
-            return None, False
-        if data.startswith(TOMBSTONE_PREFIX):
-            return None, True
-        return self._decode(owner, session_id, data), False
-
-    def _decode(self, owner: str, session_id: str, data: bytes) -> SessionRecord | None:
-        try:
-            rec = decode_record(data)
-        except SessionRecordError as e:
-            log.error("session %r of owner %r has an unreadable record: %s", session_id, owner, e)
-            return None
-        if rec.session_id != session_id or rec.owner != owner:
-            log.error("session record %r/%r names another session; ignored", owner, session_id)
-            return None
-        return rec
+        rec, expect = await self.read(owner, session_id)
+        return rec, expect.after_delete
 
     async def read(self, owner: str, session_id: str) -> tuple[SessionRecord | None, Expect]:
-        rec = await self.get(owner, session_id)
+        """The record and what the next write should expect: its etag; or no record, after
+        a delete (``after_delete``) or where an unreadable value is (``unreadable``)."""
+        key = self._key("sess", owner, session_id)
+        try:
+            data = await self._r.get(key)
+        except ResponseError as e:
+            if not is_key_error(e):
+                raise
+            key_type = (await self._r.type(key)).decode()
+            if key_type == "string":  # replaced by a record meanwhile: read that (once)
+                data = await self._r.get(key)
+            else:
+                self._unreadable(owner, session_id, fingerprint(key_type=key_type), f"the key is a Redis {key_type}")
+                return None, Expect(absent_ok=True, unreadable=fingerprint(key_type=key_type))
+        if data is None:
+            return None, Expect(absent_ok=True)
+        if data.startswith(TOMBSTONE_PREFIX):
+            return None, Expect(absent_ok=True, after_delete=True)
+        try:
+            rec = decode_record(data)
+            if rec.session_id != session_id or rec.owner != owner:
+                raise SessionRecordError(f"it is the record of session {rec.session_id!r} of owner {rec.owner!r}")
+        except SessionRecordError as e:
+            self._unreadable(owner, session_id, fingerprint(data), str(e))
+            return None, Expect(absent_ok=True, unreadable=fingerprint(data))
         return rec, Expect.of(rec)
 
+    def _unreadable(self, owner: str, session_id: str, fp: str, why: str) -> None:
+        """Count and log an unreadable value once (per session and value)."""
+        seen = (owner, session_id, fp)
+        if seen in self._unreadable_seen:
+            return
+        if len(self._unreadable_seen) >= 10_000:
+            self._unreadable_seen.clear()
+        self._unreadable_seen.add(seen)
+        self.unreadable_records += 1
+        log.error("session %r of owner %r has an unreadable record (%s); it counts as absent (NOT_FOUND, the "
+                  "next turn starts it over) and its next write replaces it", session_id, owner, why[:300])  # fmt: skip
+
     async def put(self, rec: SessionRecord) -> None:
-        pipe = self._r.pipeline(transaction=False)
-        pipe.set(self._key("sess", rec.owner, rec.session_id), encode_record(rec), px=self._ttl_ms)
-        pipe.zadd(self._key("sess-ids", rec.owner), {rec.session_id: 0})
-        await pipe.execute()
+        await self._r.set(self._key("sess", rec.owner, rec.session_id), encode_record(rec), px=self._ttl_ms)
+        await self._index(rec.owner, rec.session_id)
+
+    async def _index(self, owner: str, session_id: str, limit: int = 0) -> bool:
+        """Add the id to the owner's index; False if ``limit`` > 0 and it is full."""
+        index = self._key("sess-ids", owner)
+        return bool(int(await self._index_add(keys=[index], args=[session_id, limit])))
+
+    async def _unindex(self, owner: str, *session_ids: str) -> None:
+        """Remove ids from the owner's index; an index key of another type (the next
+        ``_index`` replaces it) is no error of the delete that asked."""
+        try:
+            await self._r.zrem(self._key("sess-ids", owner), *session_ids)
+        except ResponseError as e:
+            if not is_key_error(e):
+                raise
 
     async def put_if(
-        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False,
+        limit: int = 0,
     ) -> str:
         args = [encode_record(rec), self._ttl_ms or 0, int(expect.absent_ok), int(replace_uncommitted),
-                int(create), *sorted(expect.etags)]  # fmt: skip
+                int(create), expect.unreadable, *sorted(expect.etags)]  # fmt: skip
         outcome = await self._put_if(keys=[self._key("sess", rec.owner, rec.session_id)], args=args)
         outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
-        if outcome not in (CONFLICT, DELETED):
-            await self._r.zadd(self._key("sess-ids", rec.owner), {rec.session_id: 0})
-        return outcome
+        if outcome in (CONFLICT, DELETED):
+            return outcome
+        limit = limit if create else 0
+        if await self._index(rec.owner, rec.session_id, limit):
+            return outcome
+        await self.count(rec.owner, prune_at=limit)  # the index may list expired sessions
+        if await self._index(rec.owner, rec.session_id, limit):
+            return outcome
+        await self.delete_if(rec.owner, rec.session_id, frozenset({rec.etag}))  # as it was: absent (or deleted)
+        return LIMIT
 
     async def delete(self, owner: str, session_id: str) -> bool:
         """Replace the record with a tombstone; True if there was a record."""
         args = [tombstone(), self._ttl_ms or 0]
         deleted = int(await self._delete(keys=[self._key("sess", owner, session_id)], args=args))
-        await self._r.zrem(self._key("sess-ids", owner), session_id)
+        await self._unindex(owner, session_id)
         return deleted == 1
 
     async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
@@ -479,7 +617,7 @@ class RedisSessionStore:
         args = [tombstone(), self._ttl_ms or 0, *sorted(etags)]
         gone = int(await self._delete_if(keys=[self._key("sess", owner, session_id)], args=args))
         if gone >= 0:
-            await self._r.zrem(self._key("sess-ids", owner), session_id)
+            await self._unindex(owner, session_id)
         return gone == 1
 
     async def list(
@@ -497,7 +635,7 @@ class RedisSessionStore:
             recs = await asyncio.gather(*(self.get(owner, sid) for sid in ids))
             gone = [sid for sid, rec in zip(ids, recs) if rec is None]
             if gone:
-                await self._r.zrem(index, *gone)
+                await self._unindex(owner, *gone)
             for rec in recs:
                 if rec is None:
                     continue
@@ -528,22 +666,27 @@ class RedisSessionStore:
         await self._unlock(keys=[self._key("sess-lock", owner, session_id)], args=[holder])
 
     async def is_locked(self, owner: str, session_id: str) -> bool:
-        return bool(await self._r.exists(self._key("sess-lock", owner, session_id)))
+        return await self._r.type(self._key("sess-lock", owner, session_id)) == b"string"  # another type is no lock
 
-    async def count(self, owner: str, *, prune_at: int | None = None) -> int:
+    async def count(self, owner: str, *, prune_at: int | None = None, creating: str = "") -> int:
         """The owner's sessions. The index may still list expired ones; when the count
-        reaches ``prune_at`` the index is checked against the records and pruned first."""
+        reaches ``prune_at`` the index is checked against the records and pruned first
+        (of ids whose record is gone and whose lock is free: a creation holds the lock
+        from before its record is written until after its id is indexed), and the id
+        ``creating`` (a session about to be created: its place is its own) is not counted."""
         index = self._key("sess-ids", owner)
         n = int(await self._r.zcard(index))
         if prune_at is None or n < prune_at:
             return n
-        ids = [i.decode() for i in await self._r.zrange(index, 0, -1)]
+        ids = [i.decode() for i in await self._r.zrange(index, 0, -1) if i.decode() != creating]
         pipe = self._r.pipeline(transaction=False)
-        for sid in ids:
+        for sid in ids:  # one key per command (Redis Cluster)
             pipe.exists(self._key("sess", owner, sid))
-        gone = [sid for sid, found in zip(ids, await pipe.execute()) if not found]
+            pipe.exists(self._key("sess-lock", owner, sid))
+        found = await pipe.execute()
+        gone = [sid for i, sid in enumerate(ids) if not found[2 * i] and not found[2 * i + 1]]
         if gone:
-            await self._r.zrem(index, *gone)
+            await self._unindex(owner, *gone)
         return len(ids) - len(gone)
 
     async def expire(self) -> list[SessionRecord]:
@@ -565,7 +708,11 @@ class FallbackSessionStore:
     failures or timeouts Redis is not asked at all (every call answers from this
     replica's copy at once) until a probe after ``breaker.reset_timeout_s`` succeeds. So
     a Redis that is down or hung (SIGSTOP, a partition) costs a turn at most a few
-    timeouts, never the socket timeout of every call.
+    timeouts, never the socket timeout of every call. Only failures of Redis itself
+    count against the breaker (connection errors, timeouts, server states such as
+    OOM or READONLY): an error about one key (``is_key_error``: a key of another type, a
+    script that failed on what it read) fails that call alone (``key_errors``), and an
+    unreadable record is no error at all (``RedisSessionStore``: it reads as absent).
 
     Reads also prefer this replica's record when Redis holds an older version of it
     (same incarnation, fewer turns: a write that missed Redis). A write that could not
@@ -601,6 +748,7 @@ class FallbackSessionStore:
         self.primary_errors = 0  # Redis calls that failed or timed out
         self.primary_skipped = 0  # Redis calls not made: the breaker was open
         self.written_back = 0  # records written back to Redis after it missed them
+        self.key_errors = 0  # Redis calls that failed for their key alone (never the breaker's)
         self._unlock_retry_s = unlock_retry_s
         self._sync_every_s = sync_every_s
         self._retries: set[asyncio.Task] = set()  # unlocks that missed Redis, tried again
@@ -633,11 +781,10 @@ class FallbackSessionStore:
         """Session records whose last write (or delete) may not have reached Redis."""
         return len(self._unsynced) + len(self._deletes)
 
-    async def _primary_state(self, owner: str, session_id: str) -> tuple[SessionRecord | None, bool]:
-        get_state = getattr(self.primary, "get_state", None)
-        if get_state is not None:
-            return await get_state(owner, session_id)
-        return await self.primary.get(owner, session_id), False
+    @property
+    def unreadable_records(self) -> int:
+        """Distinct unreadable records Redis answered with (treated as absent)."""
+        return getattr(self.primary, "unreadable_records", 0)
 
     async def _forget(self, key: tuple[str, str]) -> None:
         """The session was deleted in Redis: this replica's copy must not come back."""
@@ -665,6 +812,12 @@ class FallbackSessionStore:
             async with asyncio.timeout(timeout_s or self.timeout_s):
                 result = await call()
         except Exception as e:  # noqa: BLE001 - any backend failure falls back
+            if is_key_error(e):  # Redis answered: this key's problem, not the store's
+                self.breaker.record_success()
+                self.key_errors += 1
+                log.warning("session store: Redis %s failed for its key alone (%r); using this replica's copy "
+                            "for that call", what, e)  # fmt: skip
+                return False, None
             self.primary_errors += 1
             self.breaker.record_failure()
             why = f"timed out after {timeout_s or self.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError) else repr(e)
@@ -689,18 +842,21 @@ class FallbackSessionStore:
             local = await self.local.get(owner, session_id)
             pending = self._unsynced.get(key)
             return local, (Expect.of(local) if pending is None or local is None else pending.plus(local.etag))
-        ok, state = await self._try("get", lambda: self._primary_state(owner, session_id))
-        rec, deleted = state if ok else (None, False)
-        if deleted:
+        ok, state = await self._try("get", lambda: self.primary.read(owner, session_id))
+        rec, there = state if ok else (None, Expect())
+        if there.after_delete:
             await self._forget(key)
             return None, Expect(frozenset(), True, after_delete=True)
         local = await self.local.get(owner, session_id)
         pending = self._unsynced.get(key)
         if not ok or rec is None:
-            # Redis is away, or lost it (eviction, restart): ours is still good.
+            # Redis is away, or lost it (eviction, restart), or holds an unreadable value
+            # (``there.unreadable``, which the next write replaces): ours is still good.
             expect = Expect.of(local) if pending is None or local is None else pending.plus(local.etag)
             if ok and local is not None:
                 expect = Expect(expect.etags, False)  # Redis has nothing: writing is restoring
+            if there.unreadable:
+                expect = Expect(expect.etags, expect.absent_ok, unreadable=there.unreadable)
             return local, expect
         if local is not None and local.created_at == rec.created_at and local.turns > rec.turns:
             # A write of ours missed Redis (a timeout, a blip) and it kept an older
@@ -715,23 +871,33 @@ class FallbackSessionStore:
         await self._try("put", lambda: self.primary.put(rec))
 
     async def put_if(
-        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False
+        self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False,
+        limit: int = 0,
     ) -> str:
         async with self._one_writer((rec.owner, rec.session_id)):
-            return await self._put_if(rec, expect, replace_uncommitted, create)
+            return await self._put_if(rec, expect, replace_uncommitted, create, limit)
 
-    async def _put_if(self, rec: SessionRecord, expect: Expect, replace_uncommitted: bool, create: bool) -> str:
+    async def _put_if(
+        self, rec: SessionRecord, expect: Expect, replace_uncommitted: bool, create: bool, limit: int
+    ) -> str:
         key = (rec.owner, rec.session_id)
         pending = self._unsynced.get(key)
         if pending is not None:  # an earlier write may land (or have landed) late: it is ours too
-            expect = Expect(expect.etags | pending.etags, expect.absent_ok or pending.absent_ok)
+            expect = expect.merge(pending)
+        limit = limit if create else 0  # a limit binds creations only
         create = create or key in self._creates  # a creation not yet in Redis: its next writes create too
         ok, outcome = False, None
         if await self._flush_delete(key):  # else this replica's delete has not reached Redis: nothing after it may
             ok, outcome = await self._try(
-                "write", lambda: self.primary.put_if(rec, expect, replace_uncommitted=replace_uncommitted, create=create)
-            )
+                "write", lambda: self.primary.put_if(
+                    rec, expect, replace_uncommitted=replace_uncommitted, create=create, limit=limit
+                ),
+            )  # fmt: skip
+        if ok and outcome == LIMIT:
+            return LIMIT
         if not ok:
+            if limit and self.local.would_exceed(key, limit):  # Redis away: this replica's sessions decide
+                return LIMIT
             if create:
                 self._creates.add(key)
             await self.local.put(rec)
@@ -878,10 +1044,10 @@ class FallbackSessionStore:
         ok, got = await self._try("lock check", lambda: self.primary.is_locked(owner, session_id))
         return bool(got) if ok else await self.local.is_locked(owner, session_id)
 
-    async def count(self, owner: str, *, prune_at: int | None = None) -> int:
+    async def count(self, owner: str, *, prune_at: int | None = None, creating: str = "") -> int:
         primary = self.primary
         if isinstance(primary, RedisSessionStore):
-            call = lambda: primary.count(owner, prune_at=prune_at)  # noqa: E731
+            call = lambda: primary.count(owner, prune_at=prune_at, creating=creating)  # noqa: E731
         else:
             call = lambda: primary.count(owner)  # noqa: E731
         ok, n = await self._try("count", call, timeout_s=self.timeout_s * 10)

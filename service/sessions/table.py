@@ -29,6 +29,8 @@ from kvserve.service.sessions.records import (
 from kvserve.service.sessions.stores import (
     CONFLICT,
     DELETED,
+    HEALED,
+    LIMIT,
     REPLACED,
     RESTORED,
     UNKNOWN,
@@ -92,9 +94,16 @@ class SessionManager:
       this replica (an unlock that missed a hung Redis, a lock write applied late) is
       taken over by this replica's next turn instead of blocking it until its lease ends.
 
-    ``max_sessions_per_owner`` (0 = none) caps the sessions one owner holds; creations
-    are serialized in this process, so the cap is exact for one replica and may be
-    passed by a few when several replicas create sessions of one owner at once.
+    ``max_sessions_per_owner`` (0 = none) caps the sessions one owner holds, exactly,
+    however many creations (first turns, forks) run at once on however many replicas:
+    the store admits each creation atomically (``put_if(..., limit=)``: in Redis one
+    script over the owner's index), and a refused one leaves nothing behind
+    (``SessionLimit``). While Redis is away each replica counts only the sessions it
+    holds itself.
+
+    A record the store cannot read (corrupt, truncated, another session's, a key of
+    another type) is no record: ``get`` raises SessionNotFound and a turn starts the
+    session over, and that turn's first write replaces the value (``records_healed``).
     """
 
     def __init__(
@@ -111,13 +120,13 @@ class SessionManager:
         self._renew_every_s = min(lock_ttl_s / 3, renew_every_s)
         self.max_sessions_per_owner = max_sessions_per_owner
         self._clock = clock
-        self._create_lock = asyncio.Lock()
         self.replica_id = uuid.uuid4().hex[:12]
         self._inflight: dict[tuple[str, str], str] = {}  # this replica's turns in flight -> holder
         self.records_lost = 0  # records the store had lost mid-session, written back from here
         self.conflicts = 0  # turns refused because another replica wrote the session meanwhile
         self.unconfirmed_writes = 0  # writes the store could not confirm (kept on this replica)
         self.deleted_turns = 0  # turns that ended because their session was deleted meanwhile
+        self.records_healed = 0  # unreadable records (corrupt, wrong type) a write of this replica replaced
 
     @property
     def turns_in_flight(self) -> int:
@@ -155,13 +164,14 @@ class SessionManager:
                             f"session {session_id!r} not found (require_existing_session is set): it expired, "
                             f"was deleted, or the server lost it"
                         )
-                    async with self._create_lock:
-                        await self._check_room(owner)
-                        rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
+                    await self._check_room(owner, session_id)
+                    rec = SessionRecord(session_id=session_id, owner=owner, created_at=self._clock())
                 rec.last_used_at = self._clock() if not created else rec.created_at
                 rec.etag = new_etag(kept=created and expect.after_delete)
-                outcome = await self.store.put_if(rec, expect, create=created)
+                outcome = await self.store.put_if(rec, expect, create=created, limit=self.max_sessions_per_owner)
                 self._note(outcome, rec, "at the start of a turn")
+                if outcome == LIMIT:
+                    raise self._limit_error(self.max_sessions_per_owner)
                 if outcome == DELETED:  # a DeleteSession between the read and this write
                     raise SessionDeleted(
                         f"session {session_id!r} was deleted as this turn started; nothing was recorded"
@@ -183,7 +193,11 @@ class SessionManager:
         return turn
 
     def _note(self, outcome: str, rec: SessionRecord, when: str) -> None:
-        if outcome in (RESTORED, REPLACED):
+        if outcome == HEALED:
+            self.records_healed += 1
+            log.warning("session %r: its unreadable record in the session store was replaced %s (%d turns, %d tokens)",
+                        rec.session_id, when, rec.turns, len(rec.token_ids))  # fmt: skip
+        elif outcome in (RESTORED, REPLACED):
             self.records_lost += 1
             log.warning(
                 "session %r: the session store had lost its record %s (%s); wrote back this replica's copy "
@@ -196,17 +210,22 @@ class SessionManager:
         elif outcome == UNKNOWN:
             self.unconfirmed_writes += 1
 
-    async def _check_room(self, owner: str) -> None:
+    async def _check_room(self, owner: str, session_id: str) -> None:
+        """SessionLimit if the owner, ``session_id`` apart, holds the limit already (the
+        store's ``put_if`` decides exactly; this spares a refused creation its write)."""
         limit = self.max_sessions_per_owner
         if not limit:
             return
         count = self.store.count
-        n = await (count(owner, prune_at=limit) if _takes_prune_at(self.store) else count(owner))
+        n = await (count(owner, prune_at=limit, creating=session_id) if _takes_prune_at(self.store) else count(owner))
         if n >= limit:
-            raise SessionLimit(
-                f"this tenant already has {n} sessions; the limit is {limit} per tenant "
-                f"(max_sessions_per_tenant): delete one (DeleteSession) or let one expire"
-            )
+            raise self._limit_error(n)
+
+    def _limit_error(self, n: int) -> SessionLimit:
+        return SessionLimit(
+            f"this tenant already has {n} sessions; the limit is {self.max_sessions_per_owner} per tenant "
+            f"(max_sessions_per_tenant): delete one (DeleteSession) or let one expire"
+        )
 
     async def commit_turn(
         self,
@@ -366,7 +385,8 @@ class SessionManager:
                 f"boundaries were kept; fork at turn {src.untracked_turns} or later"
             )
         exists = SessionExists(f"session {new_session_id!r} already exists; pick another new_session_id")
-        if self.in_flight_here(owner, new_session_id):
+        key = (owner, new_session_id)
+        if key in self._inflight:
             raise exists
         now = self._clock()
         child = SessionRecord(
@@ -374,11 +394,29 @@ class SessionManager:
             last_used_at=now, turns=at, cache_salt=src.cache_salt, etag=new_etag(kept=True),
             turn_log=src.turn_log[: at - src.untracked_turns], forked_from=session_id,
         )  # fmt: skip
-        async with self._create_lock:
-            if await self.store.get(owner, new_session_id) is not None:
-                raise exists
-            await self._check_room(owner)
-            outcome = await self.store.put_if(child, Expect(frozenset(), absent_ok=True), create=True)
+        # The new id's turn lock, held while it is created: no turn of that id (on any
+        # replica) runs in between, and the index is not pruned of it meanwhile.
+        holder = f"{self.replica_id}:{uuid.uuid4().hex}"
+        self._inflight[key] = holder
+        try:
+            if not await self.store.try_lock(
+                owner, new_session_id, holder, self._lock_ttl_s, takeover_prefix=f"{self.replica_id}:"
+            ):
+                raise exists  # a turn of that id is in flight: it exists
+            try:
+                there, expect = await self.store.read(owner, new_session_id)
+                if there is not None:
+                    raise exists
+                await self._check_room(owner, new_session_id)
+                expect = Expect(frozenset(), absent_ok=True, unreadable=expect.unreadable)
+                outcome = await self.store.put_if(child, expect, create=True, limit=self.max_sessions_per_owner)
+            finally:
+                await self.store.unlock(owner, new_session_id, holder)
+        finally:
+            if self._inflight.get(key) == holder:
+                del self._inflight[key]
+        if outcome == LIMIT:
+            raise self._limit_error(self.max_sessions_per_owner)
         if outcome == CONFLICT:
             raise exists
         self._note(outcome, child, "when it was forked")
