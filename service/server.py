@@ -246,8 +246,13 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def build_session_store(config: ServerConfig) -> SessionStore:
     """Redis-backed (with this process as the fallback) when Redis is configured, else
-    in this process's memory; records expire after ``session_ttl``."""
+    in files beside the disk tier's blocks (``--disk-cache-dir``), else in this
+    process's memory; records expire after ``session_ttl``."""
     ttl = config.session_ttl or None
+    if not config.redis_url and config.disk_cache_dir:  # sessions resume after a restart of this machine
+        from kvserve.service.sessions.disk import DiskSessionStore
+
+        return DiskSessionStore(Path(config.disk_cache_dir) / "sessions", ttl_s=ttl, fsync=config.disk_cache_fsync)
     if not config.redis_url:
         return InMemorySessionStore(ttl_s=ttl)
     return FallbackSessionStore(
@@ -375,6 +380,24 @@ async def check_redis(config: ServerConfig) -> None:
     )  # fmt: skip
 
 
+def disk_cache_problem(config: ServerConfig) -> str | None:
+    """None when ``--disk-cache-dir`` is off or usable (created, writable, no other
+    server holding it), else why not (one line)."""
+    if not config.disk_cache_dir:
+        return None
+    from kvserve.cachestore.disk import DiskCacheLocked, hold_dir_lock
+
+    root = Path(config.disk_cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.close(hold_dir_lock(root))
+    except DiskCacheLocked as e:
+        return f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR): {e}; give each server its own directory"
+    except OSError as e:
+        return f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR) {root} cannot be used: {e.strerror or e}"
+    return None
+
+
 async def _build_engine(config: ServerConfig) -> Any:
     from kvserve.service.engine import build_engine
     from kvserve.service.models.config import ModelLoadError
@@ -383,8 +406,12 @@ async def _build_engine(config: ServerConfig) -> Any:
         import torch
 
         torch.set_num_threads(config.torch_threads)
+    from kvserve.cachestore.disk import DiskCacheLocked
+
     try:
         return await build_engine(config.engine_config())
+    except DiskCacheLocked as e:  # taken since disk_cache_problem looked
+        raise StartupError(f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR): {e}; give each server its own directory") from None
     except ModelLoadError as e:
         raise StartupError(
             f"cannot load the model: {e}; --model (KVSERVE_MODEL) takes a Hugging Face model directory "
@@ -424,6 +451,8 @@ async def serve(
     check_port(config.host, config.port)
     if config.metrics_port:
         _bind(config.host, config.metrics_port, "metrics port", "--metrics-port (KVSERVE_METRICS_PORT)").close()
+    if owns_engine and (problem := disk_cache_problem(config)) is not None:
+        raise StartupError(problem)
     want_http = http_port if http_port is not None else (config.http_port or None)
     http_socket = bind_http_socket(config.host, want_http) if want_http is not None else None
     http_ssl = http_ssl_options(config) if http_socket is not None else {}
