@@ -54,7 +54,7 @@ class AsyncEngine:
     It only hops threads: every call on the engine is one of ``LLMEngine``'s typed
     methods, run on the engine thread (``call_soon``), a worker thread (the blocking
     ones) or here (the thread-safe ones); it reads no engine attribute
-    (tests/test_imports.py keeps it so)."""
+    (tests/unit/test_imports.py keeps it so)."""
 
     def __init__(self, engine: LLMEngine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.engine = engine
