@@ -181,7 +181,7 @@ def test_three_turn_session_reuses_device_blocks_and_matches_a_cold_replay(serve
         else:
             assert reply.start.cached_tokens == full_blocks > 0
             assert reply.start.cached_tier == "device"
-            assert reply.start.cached_by_tier == {"device": full_blocks, "host": 0, "redis": 0}
+            assert reply.start.cached_by_tier == {"device": full_blocks, "host": 0, "disk": 0, "redis": 0}
         # the engine's prefill counter: the cached tokens were not recomputed
         assert prefilled == len(prompt) - reply.start.cached_tokens
         turns.append((prompt, reply.token_ids))
