@@ -52,6 +52,10 @@ from pathlib import Path
 REPO = Path(os.environ.get("BENCH_MANY_USERS_REPO") or Path(__file__).resolve().parents[1])
 sys.path.insert(0, str(REPO))
 
+from kvserve.service import kernels  # noqa: E402  torch-free
+
+kernels.passive_openmp()  # as the server runs: before torch loads (spinning OpenMP threads stall a loaded CPU)
+
 SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096),
@@ -307,7 +311,7 @@ def main() -> None:
                         r = run_repo(args, repo, model, users, label)
                         runs.setdefault(label, []).append(r)
                         print(f"  users={users} rep={rep} {label}: {r.tok_s:.1f} tok/s, TTFT p50 "
-                              f"{1000 * q(r.ttft_s, 0.5):.0f} ms, steps p50 {q(r.ttft_steps, 0.5)}",
+                              f"{1000 * q(r.ttft_s, 0.5):.0f} ms, steps p50 {q(r.ttft_steps, 0.5)}, {r.steps} engine steps in {r.wall_s:.1f} s",
                               file=sys.stderr, flush=True)  # fmt: skip
             picked = {k: median_run(v) for k, v in runs.items()}
             ref = picked.get("base") or picked.get("llama-server")
