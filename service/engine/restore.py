@@ -75,8 +75,8 @@ class Restorer:
     def may_hold(self, namespace: bytes, hashes: list[BlockHash]) -> bool:
         """Engine thread, before a restore is started: whether any tier may hold the
         first of ``hashes`` (a restore loads leading blocks only, so without it there is
-        nothing to load). With only local tiers (host memory) the answer is exact and
-        cheap (a locked dict lookup): a miss (e.g. a returning turn's new tokens, past
+        nothing to load). With only local tiers (host memory, disk: in-memory indexes)
+        the answer is exact and cheap (a locked dict lookup): a miss (e.g. a returning turn's new tokens, past
         its device hits) then runs at once instead of a step later, after a hop through
         the restore thread. A shared tier (Redis) is a network round trip: the restore
         thread asks it, so the answer is True."""
