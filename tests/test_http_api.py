@@ -66,7 +66,7 @@ def test_chat_equals_grpc_streamed_or_not(oai, model, server):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
     details = r.usage.prompt_tokens_details
     assert details is not None and details.cached_tokens is not None  # always present
-    assert set(details.model_extra["kvserve_cached_by_tier"]) == {"device", "host", "redis"}
+    assert set(details.model_extra["kvserve_cached_by_tier"]) == {"device", "host", "disk", "redis"}
 
     chunks = list(oai.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=0,
                                               extra_body={"ignore_eos": True}, stream=True,

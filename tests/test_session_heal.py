@@ -244,8 +244,10 @@ def test_concurrent_creations_hold_the_limit_in_every_store(redis_url, store):
             url = redis_url if store == "redis" else "redis://127.0.0.1:1/0"  # nothing listens there
             # (a generous timeout: on a loaded machine 60 calls at once pass 0.3 s, and a
             # call that times out is decided by this replica alone, as while Redis is away)
+            # (the socket timeout too: a read past it is a connection failure, and the
+            # store then counts this replica's sessions alone)
             timeout = 5.0 if store == "redis" else 0.3
-            stores = [FallbackSessionStore(RedisSessionStore.from_url(url, key_prefix="lim:", socket_timeout_s=0.2),
+            stores = [FallbackSessionStore(RedisSessionStore.from_url(url, key_prefix="lim:", socket_timeout_s=min(timeout, 2.0)),
                                            timeout_s=timeout) for _ in range(2)]  # fmt: skip
         managers = [SessionManager(st, max_sessions_per_owner=5) for st in stores]
 

@@ -682,7 +682,7 @@ def usage(start: Started | None, fin: Finished, completion_tokens: int | None = 
         "total_tokens": fin.prompt_tokens + completion,
         "prompt_tokens_details": {
             "cached_tokens": fin.cached_tokens,
-            "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.REDIS)},
+            "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
         },
     }
 
