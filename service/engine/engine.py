@@ -129,7 +129,10 @@ class LLMEngine:
         )
 
         # the rooms
-        self.scheduler = Scheduler(cfg, self.blocks, self.keys, has_tiers=store is not None)
+        self.scheduler = Scheduler(
+            cfg, self.blocks, self.keys, has_tiers=store is not None,
+            may_hold=lambda namespace, hashes: self.restorer.may_hold(namespace, hashes),
+        )  # fmt: skip
         self.restorer = Restorer(
             store, self.transfers, self.pool, self.blocks, self.keys,
             policy=cfg.restore_policy, min_speedup=cfg.restore_min_speedup,

@@ -72,6 +72,21 @@ class Restorer:
         seq.restore = self._pool.submit(self._job, seq.namespace, hashes, block_ids, after, s_per_block)
         seq.restore.add_done_callback(lambda _: self._wake())
 
+    def may_hold(self, namespace: bytes, hashes: list[BlockHash]) -> bool:
+        """Engine thread, before a restore is started: whether any tier may hold the
+        first of ``hashes`` (a restore loads leading blocks only, so without it there is
+        nothing to load). With only local tiers (host memory, disk: in-memory indexes)
+        the answer is exact and cheap (a locked dict lookup): a miss (e.g. a returning turn's new tokens, past
+        its device hits) then runs at once instead of a step later, after a hop through
+        the restore thread. A shared tier (Redis) is a network round trip: the restore
+        thread asks it, so the answer is True."""
+        store = self.store
+        if store is None or not hashes:
+            return False
+        if store.shared_tier is not None:
+            return True
+        return bool(store.match_prefix(namespace, hashes[:1]))
+
     def _job(
         self, namespace: bytes, hashes: list[BlockHash], block_ids: list[int], after: Any, s_per_block: float | None
     ) -> tuple[list[str], Any]:
