@@ -16,7 +16,7 @@ from kvserve.service.engine.config import EngineConfig
 from kvserve.service.engine.store import build_store
 from kvserve.service.models.loading import load_model
 from kvserve.service.types import Delta, Finished, Tier
-from tests.engine_util import BS, bytes_per_token, finished, greedy_reference, make_engine, prompts, req, run
+from tests.fixtures.engine import BS, bytes_per_token, finished, greedy_reference, make_engine, prompts, req, run
 
 N_DECODING = 8
 
