@@ -22,12 +22,12 @@ import torch
 
 from kvserve.cachestore.keys import BlockHash
 from kvserve.cachestore.tiered import TieredStore
-from kvserve.service.engine.sequence import Sequence
-from kvserve.service.kv.block_manager import Block, BlockManager
-from kvserve.service.kv.cache import KVPool
-from kvserve.service.kv.keys import BlockKeys
-from kvserve.service.kv.transfer import BlockTransfers
-from kvserve.service.types import CacheScope, Tier
+from .sequence import Sequence
+from ..kv.block_manager import Block, BlockManager
+from ..kv.cache import KVPool
+from ..kv.keys import BlockKeys
+from ..kv.transfer import BlockTransfers
+from ..types import CacheScope, Tier
 
 log = logging.getLogger(__name__)
 

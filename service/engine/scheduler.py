@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvserve.cachestore.keys import BlockHash
-from kvserve.service.engine.config import EngineConfig
-from kvserve.service.engine.sequence import Sequence, SeqStatus, StepPlan
-from kvserve.service.kv.block_manager import Block, BlockManager, NoFreeBlocks
-from kvserve.service.kv.keys import BlockKeys
-from kvserve.service.types import QueueFull, Tier
+from .config import EngineConfig
+from .sequence import Sequence, SeqStatus, StepPlan
+from ..kv.block_manager import Block, BlockManager, NoFreeBlocks
+from ..kv.keys import BlockKeys
+from ..types import QueueFull, Tier
 
 
 @dataclass

@@ -59,10 +59,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
-from kvserve.service import wire
-from kvserve.service.auth import MISSING_CREDENTIALS, Unauthenticated
-from kvserve.service.sessions import SessionBusy, SessionConflict, SessionNotFound, TurnsChanged
-from kvserve.service.types import (
+from .. import wire
+from ..auth import MISSING_CREDENTIALS, Unauthenticated
+from ..sessions import SessionBusy, SessionConflict, SessionNotFound, TurnsChanged
+from ..types import (
     MAX_LOGIT_BIAS,
     ChatMessage,
     ContextOverflow,

@@ -41,7 +41,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
-from kvserve.service.kv.cache import KVPool
+from .cache import KVPool
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterable, Union
 
-from kvserve.service.types import ToolCall, ToolCallDelta
+from ..types import ToolCall, ToolCallDelta
 
 Piece = Union[str, ToolCallDelta]
 _WS = " \t\r\n"

@@ -16,6 +16,30 @@ def _runs_without_torch(code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
+def _absolute(path, node) -> str:
+    """The absolute module an ``ast.ImportFrom`` in ``path`` names: the packages import
+    each other relatively (``from ..types import X`` in service/engine/), resolved here
+    as Python does, from the file's place under the repository (kvserve.<folder>...)."""
+    if not node.level:
+        return node.module or ""
+    package = ["kvserve", *path.relative_to(REPO).parts[:-1]]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _from_imports(path, tree, skip=frozenset()) -> list[str]:
+    """Every ``from X import a`` of ``path`` as absolute modules: X, or X.a where X is a
+    package whose module ``a`` is imported (``from . import ops``)."""
+    import ast
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and id(node) not in skip:
+            mod = _absolute(path, node)
+            out.extend([mod] if node.module else [f"{mod}.{a.name}" for a in node.names])
+    return out
+
+
 def test_the_blocker_works():
     assert _runs_without_torch("import kvserve.service.engine").returncode != 0
 
@@ -52,10 +76,7 @@ def test_the_front_names_no_engine_or_store_internals():
             id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for n in ast.walk(node)
         }
-        imported = [
-            node.module for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and id(node) not in type_checking and node.module
-        ]
+        imported = _from_imports(REPO / "service" / f"{name}.py", tree, type_checking)
         inner = [m for m in imported if m.startswith(("kvserve.cachestore", "kvserve.service.engine", "kvserve.service.kv", "torch"))]
         assert not inner, f"service/{name}.py imports {inner}"
         source = (REPO / "service" / f"{name}.py").read_text()
@@ -76,8 +97,9 @@ def _module_imports(path) -> list[str]:
     for node in ast.walk(tree):
         if id(node) in type_checking:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module:
-            out.append(node.module)
+        if isinstance(node, ast.ImportFrom):
+            mod = _absolute(path, node)
+            out.extend([mod] if node.module else [f"{mod}.{a.name}" for a in node.names])
         elif isinstance(node, ast.Import):
             out.extend(a.name for a in node.names)
     return [m for m in out if m.startswith("kvserve.")]
@@ -150,10 +172,9 @@ def _imports(path) -> list[str]:
     import ast
 
     tree = ast.parse(path.read_text())
-    names = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+    names = [f"{_absolute(path, n)}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
              for a in n.names]  # fmt: skip
     names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level], f"{path}: relative import"
     return names
 
 
@@ -175,3 +196,38 @@ def test_the_kernels_loader_and_build_import_without_torch():
     assert out.returncode == 0, out.stderr
     assert all(m.split(".")[0] in sys.stdlib_module_names or m.startswith("kvserve.service.kernels")
                for m in _imports(REPO / "service" / "kernels" / "build.py")), "build.py: standard library only"
+
+
+def test_a_checkout_reads_its_own_imports():
+    """Static tools read a checkout as it is: inside each package (service/, cachestore/,
+    clients/) imports are relative, so each names a file by its place; across packages
+    they are absolute (kvserve.cachestore...), and kvserve/ at the root maps those names
+    to the folders with one symbolic link each (the installed names; no __path__ code)."""
+    import ast
+
+    for root in ("service", "cachestore", "clients"):
+        link = REPO / "kvserve" / root
+        assert link.is_symlink() and link.resolve() == (REPO / root).resolve(), link
+    assert not (REPO / "kvserve" / "__init__.py").exists()
+    checked = 0
+    for root in ("service", "cachestore", "clients"):
+        for path in (REPO / root).rglob("*.py"):
+            parts = path.relative_to(REPO).parts
+            if {"build", "node", "node_modules", "_proto"} & set(parts):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                mod = _absolute(path, node)
+                assert node.level or not mod.startswith(f"kvserve.{root}"), (
+                    f"{path.relative_to(REPO)}:{node.lineno} imports its own package absolutely: {mod}")
+                if not mod.startswith("kvserve."):
+                    continue
+                target = REPO.joinpath(*mod.split(".")[1:])
+                names = [] if node.module else [a.name for a in node.names]
+                found = (target.with_suffix(".py").exists() or (target / "__init__.py").exists()
+                         or target.with_suffix(".pyi").exists())
+                assert found or all((target / f"{n}.py").exists() for n in names), (
+                    f"{path.relative_to(REPO)}:{node.lineno}: {mod} names no file of the checkout")
+                checked += 1
+    assert checked > 200, checked
