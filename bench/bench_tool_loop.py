@@ -143,7 +143,7 @@ def run(args, model_dir: str) -> tuple[dict[str, list[Step]], list[int]]:
     flags = ["--model", model_dir, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", KV_CACHE,
              "--block-size", str(BLOCK_SIZE), "--host", "127.0.0.1", "--port", "0", "--http-port", str(http_port),
              "--log-level", "info", "--drain-timeout", "5"]  # fmt: skip
-    proc, _, lines = start_server_process(flags, timeout=600)
+    proc, _, _log = start_server_process(flags, timeout=600)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="bench", max_retries=0, timeout=900)
         model = client.models.list().data[0].id
@@ -171,7 +171,7 @@ def run(args, model_dir: str) -> tuple[dict[str, list[Step]], list[int]]:
                     else " ".join(rng.choice(WORDS) for _ in range(args.tool_result_tokens)))  # fmt: skip
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
         # (b) no session: the same histories, prefix caching by content; (c) cold: a salt per step
-        for i, hist in enumerate(histories):
+        for hist in histories:
             out["plain"].append(stream_step(client, model, hist, args, "plain", None)[0])
         for i, hist in enumerate(histories):
             out["cold"].append(stream_step(client, model, hist, args, f"cold-{i}", None)[0])
