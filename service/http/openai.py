@@ -217,7 +217,7 @@ COMPLETION_NAMES: Mapping[str, str] = {
 }  # fmt: skip
 RESPONSES_NAMES: Mapping[str, str] = {
     **_BASE_NAMES, "max_new_tokens": "max_output_tokens", "chat.messages": "input", "prompt": "input", "text:": "input:",
-    "response_format": "text.format",
+    "response_format": "text.format", ".function.name": ".name", ".function.parameters": ".parameters",
 }  # fmt: skip
 # Request fields an error message may start with (after renaming): the error's param.
 _PARAMS = (
