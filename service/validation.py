@@ -153,12 +153,20 @@ def check_salt(salt: str, limits: Limits) -> None:
 
 def check_input_text(inp: TurnInput) -> None:
     """Every text of a turn's input is valid Unicode (``check_text``): the text, each chat
-    message's role and content, the session id."""
+    message's role, content and tool-call fields, the tools' definitions, the session id."""
     if inp.text is not None:
         check_text(inp.text, "text")
     for i, m in enumerate(inp.messages or ()):
         check_text(m.role, f"chat.messages[{i}].role")
         check_text(m.content, f"chat.messages[{i}].content")
+        check_text(m.tool_call_id, f"chat.messages[{i}].tool_call_id")
+        check_text(m.name, f"chat.messages[{i}].name")
+        for j, c in enumerate(m.tool_calls):
+            for field in ("id", "name", "arguments"):
+                check_text(getattr(c, field), f"chat.messages[{i}].tool_calls[{j}].{field}")
+    for i, t in enumerate(inp.tools):
+        for field in ("name", "description", "parameters"):
+            check_text(getattr(t, field), f"tools[{i}].{field}")
     check_text(inp.session_id, "session_id")
 
 
