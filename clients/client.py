@@ -41,8 +41,8 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from ._proto.kvserve.v1 import generation_pb2 as pb
+from ._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 _TIERS = {
     pb.CACHE_TIER_UNSPECIFIED: "none",
@@ -50,6 +50,7 @@ _TIERS = {
     pb.CACHE_TIER_DEVICE: "device",
     pb.CACHE_TIER_HOST: "host",
     pb.CACHE_TIER_REDIS: "redis",
+    pb.CACHE_TIER_DISK: "disk",
 }
 _TURN_MODES = {
     "append": pb.TURN_MODE_APPEND,
@@ -441,7 +442,8 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
             cached_tokens=s.cached_tokens,
             cached_tier=_TIERS.get(s.cached_tier, "none"),
             cached_by_tier={
-                "device": s.cached_by_tier.device, "host": s.cached_by_tier.host, "redis": s.cached_by_tier.redis
+                "device": s.cached_by_tier.device, "host": s.cached_by_tier.host, "redis": s.cached_by_tier.redis,
+                "disk": s.cached_by_tier.disk,
             },
             session_created=s.session_created,
         )
@@ -487,7 +489,7 @@ def session_from_pb(s: pb.Session, with_tokens: bool = False, with_turns: bool =
         created_at=_stamp(s.create_time),
         last_used_at=_stamp(s.last_use_time),
         busy=s.state == pb.SESSION_STATE_BUSY,
-        cached_blocks={"device": s.cached_blocks.device, "host": s.cached_blocks.host, "redis": s.cached_blocks.redis},
+        cached_blocks={"device": s.cached_blocks.device, "host": s.cached_blocks.host, "redis": s.cached_blocks.redis, "disk": s.cached_blocks.disk},
         full_blocks=s.full_blocks,
         token_ids=list(s.token_ids) if with_tokens else None,
     )

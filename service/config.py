@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 from kvserve.cachestore.base import Tier
 
 if TYPE_CHECKING:
-    from kvserve.service.engine import EngineConfig
+    from .engine import EngineConfig
 
 ENV_PREFIX = "KVSERVE_"
 # cachestore.codec.STORAGE_FORMATS' names (kept here so that reading settings imports no torch)
@@ -95,7 +95,7 @@ def choice(*options: str) -> Callable[[str], str]:
 def parse_tiers(text: str) -> tuple[Tier, ...]:
     """``"host,redis"`` -> (Tier.HOST, Tier.REDIS): the tiers a spill may write to."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    allowed = (Tier.HOST, Tier.REDIS)
+    allowed = (Tier.HOST, Tier.DISK, Tier.REDIS)
     bad = [t for t in names if t not in allowed]
     if bad:
         raise ValueError(f"unknown tier {bad[0]!r} (choose from {', '.join(allowed)})")
@@ -172,6 +172,10 @@ class ServerConfig:
     log_level: str = setting("info", "Log level: debug, info, warning or error.", choice("debug", "info", "warning", "error"))
     torch_threads: int = setting(0, "CPU threads for torch's intra-op work (0 = torch's default, one per core).", int)
     host_cache_memory: int = setting(1 << 30, "Bytes of host memory for the host KV tier (0 = off; pinned when the device is CUDA).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    # --- the disk tier (cachestore/disk.py, docs/operations.md) ---
+    disk_cache_dir: str | None = setting(None, "Directory of the disk KV tier, between host memory and Redis: one checksummed file per block, kept across restarts (with no --redis-url, session records are kept there too, so sessions resume after a restart). One server per directory: a second one pointed at it refuses to start (empty = off).", parse_optional_str, metavar="DIR")
+    disk_cache_size: int = setting(10 << 30, "Bytes of block files the disk tier keeps under --disk-cache-dir (least recently used removed first).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    disk_cache_fsync: bool = setting(False, "fsync each block file (and its directory) before counting it stored: blocks survive a power loss, at a device flush per block. Off, a process crash loses nothing written; a power loss may tear recent files, which then fail their checksum and are misses.", parse_bool)
     redis_url: str | None = setting(None, "Redis for the shared KV tier and session transcripts: redis://[:password@]host:port/db, rediss:// for TLS (empty = off).", parse_optional_str, fmt=mask_url_password, metavar="URL")
     redis_cluster: bool = setting(False, "Treat --redis-url as a Redis Cluster seed node.", parse_bool)
     redis_required: bool = setting(False, "Refuse to start when --redis-url does not answer at startup (default: log it and serve degraded, KV blocks and session transcripts kept in this process, until Redis answers).", parse_bool)
@@ -183,7 +187,7 @@ class ServerConfig:
     stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
-    spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.REDIS), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
+    spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.DISK, Tier.REDIS), "Tiers idle sessions spill to: any of host, disk, redis, comma-separated (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
     api_keys: str | None = setting(None, "API keys inline, in the --api-keys-file format (added to the file's).", parse_optional_str, fmt=format_secret_setting, metavar="KEYS")
@@ -199,7 +203,7 @@ class ServerConfig:
     max_streams: int = setting(0, "Most Generate streams in flight at once, all tenants together (0 = no limit).", int)
     max_streams_per_tenant: int = setting(0, "Most Generate streams in flight at once per tenant (0 = no limit).", int)
     max_sessions_per_tenant: int = setting(0, "Most sessions a tenant may hold at once (0 = no limit).", int)
-    max_chat_messages: int = setting(2048, "Most chat messages in one HTTP request (a longer messages list is refused with 400 too_many_messages while the body is parsed, before any of it is checked or tokenized).", int, metavar="N")
+    max_chat_messages: int = setting(2048, "Most chat messages in one request: over HTTP a longer messages list is refused with 400 too_many_messages while the body is parsed, over gRPC with INVALID_ARGUMENT before any of it is checked or tokenized.", int, metavar="N")
     max_message_size: int = setting(4 << 20, "Largest gRPC message the server accepts or sends, and largest HTTP request body (413 as soon as a body passes it, by its Content-Length or while it is read) (bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
     session_ttl: float = setting(24 * 3600.0, "A session unused this long is removed, transcript and KV blocks (0 = never).", parse_duration, metavar="SECONDS")
     session_lock_ttl: float = setting(30.0, "Lease of a session's turn lock, renewed while the turn runs; a crashed replica's lock frees itself after this long.", parse_duration, metavar="SECONDS")
@@ -225,6 +229,7 @@ class ServerConfig:
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
             ("redis_kv_format", self.kv_cache_format == "exact" or self.redis_kv_format in ("exact", self.kv_cache_format),
              f"would re-encode the --kv-cache-format {self.kv_cache_format} blocks (use exact: they move as they are)"),
+            ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
             ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),
             ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
             ("stream_interval", math.isfinite(self.stream_interval) and 0 <= self.stream_interval <= 10, "must be between 0 and 10 seconds"),
@@ -302,7 +307,7 @@ class ServerConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings derived from these."""
-        from kvserve.service.engine import EngineConfig
+        from .engine import EngineConfig
 
         return EngineConfig(
             model_path=self.model,
@@ -320,6 +325,9 @@ class ServerConfig:
             max_new_tokens_limit=self.max_new_tokens_limit,
             max_queue=self.max_queue,
             host_cache_memory=self.host_cache_memory,
+            disk_cache_dir=self.disk_cache_dir,
+            disk_cache_size=self.disk_cache_size,
+            disk_cache_fsync=self.disk_cache_fsync,
             redis_url=self.redis_connection_url(),
             redis_cluster=self.redis_cluster,
             redis_ttl_s=self.redis_ttl,

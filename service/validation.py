@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvserve.service.types import ContextOverflow, GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
+from .types import ContextOverflow, GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    max_chat_messages: int = 0  # messages in one request (the HTTP front also stops its parse there)
 
 
 # The integer sampling fields that become tensors or seed a generator. Both fronts share
@@ -168,6 +169,17 @@ def check_input_text(inp: TurnInput) -> None:
         for field in ("name", "description", "parameters"):
             check_text(getattr(t, field), f"tools[{i}].{field}")
     check_text(inp.session_id, "session_id")
+
+
+def check_message_count(inp: TurnInput, limits: Limits) -> None:
+    """A chat input holds at most ``limits.max_chat_messages`` messages: checked first, so a
+    huge list is refused before any of it is read, checked or tokenized."""
+    n = len(inp.messages) if inp.messages is not None else 0
+    if limits.max_chat_messages and n > limits.max_chat_messages:
+        raise InvalidRequest(
+            f"messages: {n} messages, more than the {limits.max_chat_messages} one request may hold "
+            f"(--max-chat-messages)"
+        )
 
 
 def check_turn_options(inp: TurnInput) -> None:

@@ -45,9 +45,9 @@ from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.service.admission import Draining, TooManyStreams
-from kvserve.service.auth import Unauthenticated
-from kvserve.service.sessions import (
+from .admission import Draining, TooManyStreams
+from .auth import Unauthenticated
+from .sessions import (
     BadTurnCount,
     InvalidSessionId,
     SessionBusy,
@@ -59,7 +59,7 @@ from kvserve.service.sessions import (
     TurnsChanged,
     TurnUnavailable,
 )
-from kvserve.service.types import (
+from .types import (
     ChatMessage,
     Delta,
     EngineStopped,
@@ -89,6 +89,7 @@ TIER_TO_PB: Mapping[Tier | None, int] = {
     None: pb.CACHE_TIER_NONE,
     Tier.DEVICE: pb.CACHE_TIER_DEVICE,
     Tier.HOST: pb.CACHE_TIER_HOST,
+    Tier.DISK: pb.CACHE_TIER_DISK,
     Tier.REDIS: pb.CACHE_TIER_REDIS,
 }
 FINISH_TO_PB: Mapping[FinishReason, int] = {
@@ -330,7 +331,8 @@ def timestamp(unix_s: float) -> Timestamp:
 
 def tier_counts(counts: Mapping[Tier, int]) -> pb.TierCounts:
     return pb.TierCounts(
-        device=counts.get(Tier.DEVICE, 0), host=counts.get(Tier.HOST, 0), redis=counts.get(Tier.REDIS, 0)
+        device=counts.get(Tier.DEVICE, 0), host=counts.get(Tier.HOST, 0), redis=counts.get(Tier.REDIS, 0),
+        disk=counts.get(Tier.DISK, 0),
     )
 
 

@@ -16,10 +16,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kvserve.service.engine.grammar import GrammarCompiler, matcher_error
-from kvserve.service.engine.sampling import RowState, Sampled, make_generator, needs_penalties, sample
-from kvserve.service.engine.sequence import Emitted, Sequence
-from kvserve.service.types import (
+from .grammar import GrammarCompiler, matcher_error
+from .sampling import RowState, Sampled, make_generator, needs_penalties, sample
+from .sequence import Emitted, Sequence
+from ..types import (
     Delta,
     Event,
     Finished,

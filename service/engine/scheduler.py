@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvserve.cachestore.keys import BlockHash
-from kvserve.service.engine.config import EngineConfig
-from kvserve.service.engine.sequence import Sequence, SeqStatus, StepPlan
-from kvserve.service.kv.block_manager import Block, BlockManager, NoFreeBlocks
-from kvserve.service.kv.keys import BlockKeys
-from kvserve.service.types import QueueFull, Tier
+from .config import EngineConfig
+from .sequence import Sequence, SeqStatus, StepPlan
+from ..kv.block_manager import Block, BlockManager, NoFreeBlocks
+from ..kv.keys import BlockKeys
+from ..types import QueueFull, Tier
 
 
 @dataclass
@@ -38,12 +38,24 @@ class Admitted:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, keys: BlockKeys, *, has_tiers: bool) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        blocks: BlockManager,
+        keys: BlockKeys,
+        *,
+        has_tiers: bool,
+        may_hold: Callable[[bytes, list[BlockHash]], bool] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.block_size = cfg.block_size
         self.blocks = blocks
         self.keys = keys
         self.has_tiers = has_tiers  # a host/Redis tier exists: admission names restore ranges
+        # (namespace, hashes) -> whether a tier below the device may hold the first of them
+        # (the restore room's ``may_hold``: exact for the host tier, asked on this thread);
+        # False: the sequence runs at once instead of waiting a step for the restore thread
+        self.may_hold = may_hold or (lambda namespace, hashes: True)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []
@@ -128,7 +140,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            if restore[0]:
+            if restore[0] and self.may_hold(seq.namespace, restore[0]):
                 seq.status = SeqStatus.RESTORING
                 self.restoring.append(seq)
                 out.restoring.append((seq, *restore))
@@ -174,20 +186,29 @@ class Scheduler:
         self.restoring.remove(seq)
 
     def plan(self) -> StepPlan:
-        """Decode rows and prefill chunks for this step within ``max_num_batched_tokens``;
-        a sequence that needs a block when none is free preempts the most recently started
-        one (itself last); one that grew past LongRoPE's switch length is re-admitted."""
+        """Decode rows and prefill chunks for this step within ``max_num_batched_tokens``.
+
+        Every decode row is planned first (one token each, never starved by a prefill);
+        then the prefills, fewest pending tokens first: a returning turn whose prefix is
+        cached has only its new tokens to compute and gets its first token this step,
+        while a long cold prompt takes what is left of the budget (chunked across steps)
+        instead of holding the budget while returning turns wait behind it. A sequence
+        that needs a block when none is free preempts the most recently started one
+        (itself last); one that grew past LongRoPE's switch length is re-admitted."""
+        for seq in list(self.running):
+            if not seq.long_rope and self.keys.is_long(len(seq.token_ids)):
+                self._switch_to_long_rope(seq)
+        pending = {id(s): len(s.token_ids) - s.num_computed for s in self.running}
+        # stable: decodes in running order, then prefills by pending tokens (ties: running order)
+        order = sorted(self.running, key=lambda s: (pending[id(s)] != 1, pending[id(s)]))
         budget = self.cfg.max_num_batched_tokens
         decode: list[Sequence] = []
         prefill: list[tuple[Sequence, int]] = []
-        for seq in list(self.running):
+        for seq in order:
             if seq not in self.running:  # preempted below
                 continue
-            if not seq.long_rope and self.keys.is_long(len(seq.token_ids)):
-                self._switch_to_long_rope(seq)
-                continue
-            pending = len(seq.token_ids) - seq.num_computed
-            n = 1 if pending == 1 else min(pending, max(budget - len(decode), 0))
+            left = pending[id(seq)]
+            n = 1 if left == 1 else min(left, max(budget, 0))
             if n == 0:
                 continue
             while not self._ensure_blocks(seq, seq.num_computed + n):
@@ -197,12 +218,11 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            if pending == 1:
+            if left == 1:
                 decode.append(seq)
-                budget -= 1
             else:
                 prefill.append((seq, n))
-                budget -= n
+            budget -= n
         # a preemption may have removed a sequence scheduled earlier in this loop
         return StepPlan(
             decode=[s for s in decode if s in self.running],

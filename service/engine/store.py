@@ -6,19 +6,20 @@ from typing import TYPE_CHECKING
 
 from kvserve.cachestore.base import BlockTier
 from kvserve.cachestore.codec import STORAGE_FORMATS
+from kvserve.cachestore.disk import DiskTier
 from kvserve.cachestore.host import HostTier
 from kvserve.cachestore.redis import RedisTier
 from kvserve.cachestore.tiered import TieredStore
-from kvserve.service.engine.config import EngineConfig
+from .config import EngineConfig
 
 if TYPE_CHECKING:
-    from kvserve.service.models.loading import LoadedModel
+    from ..models.loading import LoadedModel
 
 
 def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
     """The tiers below the device, fastest first: host memory (``--host-cache-memory``),
-    then Redis (``--redis-url``), each holding blocks of the model's KV cache spec (the
-    pool's geometry and KV format, from one place: every tier moves the pool's bytes as
+    files (``--disk-cache-dir``), then Redis (``--redis-url``), each holding blocks of the model's KV cache
+    spec (the pool's geometry and KV format, from one place: every tier moves the pool's bytes as
     they are). None when neither is configured. A narrower pool (``--kv-cache-format``)
     keeps Redis in that format: ``--redis-kv-format`` exact or the same format (the
     settings refuse any other), never re-encoded between tiers."""
@@ -29,6 +30,8 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
     tiers: list[BlockTier] = []
     if cfg.host_cache_memory:
         tiers.append(HostTier(cfg.host_cache_memory, spec.block_shape, spec.dtype, pin_memory=loaded.device.type == "cuda"))
+    if cfg.disk_cache_dir:  # DiskCacheLocked when another server holds the directory
+        tiers.append(DiskTier(cfg.disk_cache_dir, cfg.disk_cache_size, spec.block_shape, spec.dtype, fsync=cfg.disk_cache_fsync))
     if cfg.redis_url:
         tiers.append(
             RedisTier(

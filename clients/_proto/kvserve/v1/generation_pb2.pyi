@@ -18,6 +18,7 @@ class CacheTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_TIER_DEVICE: _ClassVar[CacheTier]
     CACHE_TIER_HOST: _ClassVar[CacheTier]
     CACHE_TIER_REDIS: _ClassVar[CacheTier]
+    CACHE_TIER_DISK: _ClassVar[CacheTier]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ CACHE_TIER_NONE: CacheTier
 CACHE_TIER_DEVICE: CacheTier
 CACHE_TIER_HOST: CacheTier
 CACHE_TIER_REDIS: CacheTier
+CACHE_TIER_DISK: CacheTier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -245,14 +247,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., require_existing_session: _Optional[bool] = ..., turn_mode: _Optional[_Union[TurnMode, str]] = ..., expected_turns: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class TierCounts(_message.Message):
-    __slots__ = ("device", "host", "redis")
+    __slots__ = ("device", "host", "redis", "disk")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     REDIS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     device: int
     host: int
     redis: int
-    def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., redis: _Optional[int] = ...) -> None: ...
+    disk: int
+    def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., redis: _Optional[int] = ..., disk: _Optional[int] = ...) -> None: ...
 
 class StartEvent(_message.Message):
     __slots__ = ("request_id", "session_id", "prompt_tokens", "cached_tokens", "cached_tier", "cached_by_tier", "session_created")
