@@ -15,8 +15,8 @@ from kvserve.service.kernels import ops
 from kvserve.service.kv.cache import BatchLayout, KVCacheSpec, KVPool, SeqSlice
 from kvserve.service.models.loading import load_model
 from kvserve.service.types import CacheScope, Tier
-from tests.engine_util import BS, finished, prompts, req, run
-from tests.engine_util import make_engine as _make_engine
+from tests.fixtures.engine import BS, finished, prompts, req, run
+from tests.fixtures.engine import make_engine as _make_engine
 
 FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -176,7 +176,7 @@ def test_redis_and_host_restores_in_bf16_give_the_device_hits_tokens(loaded, red
 def test_native_decode_attention_reads_a_narrow_pool_in_place(fmt, nh, nkv, window, hd) -> None:
     """The kernel rounds the new K/V into a bf16/fp16 pool as ``Tensor.to`` does (the same
     bits) and attends over the stored values, as float64 attention over the widened pool."""
-    from tests.test_native import _ref_attention
+    from tests.engine.test_native import _ref_attention
 
     dtype = FORMATS[fmt]
     g = torch.Generator().manual_seed(nh + hd)
