@@ -101,12 +101,12 @@ class LLMEngine:
         self.block_size = cfg.block_size
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # the KV objects the rooms share
-        self.pool = loaded.new_kv_pool(cfg.kv_cache_memory, cfg.block_size)
+        self.pool = loaded.new_kv_pool(cfg.kv_cache_memory, cfg.block_size, cfg.kv_cache_format)
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._demote)
         # restores into / demotions out of the pool (CUDA: streams, events, pinned staging)
         self.transfers = (transfers or (lambda pool: BlockTransfers.for_pool(pool, cfg.staging_memory)))(self.pool)
         self.store = store
-        self.keys = BlockKeys(loaded.fingerprint, self.pool.spec.dtype_name, cfg.block_size, mcfg.longrope_threshold)
+        self.keys = BlockKeys(loaded.fingerprint, self.pool.spec.namespace_field, cfg.block_size, mcfg.longrope_threshold)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.eos_token_ids)
         self.accepting = True
 
@@ -117,7 +117,7 @@ class LLMEngine:
             context_length=self.max_model_len,
             vocab_size=mcfg.vocab_size,
             block_size=self.block_size,
-            dtype=self.pool.spec.dtype_name,
+            dtype=str(loaded.dtype).removeprefix("torch."),  # compute; the KV's format: bytes_per_token
             device=str(loaded.device),
             num_layers=mcfg.num_layers,
             num_kv_heads=mcfg.num_kv_heads,
