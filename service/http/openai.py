@@ -224,7 +224,7 @@ _PARAMS = (
     "max_completion_tokens", "max_tokens", "max_output_tokens", "min_tokens", "temperature", "top_p", "top_k",
     "repetition_penalty", "seed", "stop_token_ids", "stop", "n", "min_p", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "cache_salt", "messages", "prompt", "input", "response_format",
-    "text.format",
+    "text.format", "tools", "tool_choice", "parallel_tool_calls",
 )  # fmt: skip
 
 
