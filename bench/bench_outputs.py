@@ -68,10 +68,10 @@ def main() -> None:
 
     eng = engine(loaded)
     t_n, _ = drain(eng, [GenerationRequest("n8", prompt, dataclasses.replace(base, n=8))])
-    pre_n = eng.num_prefill_tokens
+    pre_n = eng.runner.num_prefill_tokens
     eng = engine(loaded)
     t_sep, _ = drain(eng, [GenerationRequest(f"r{i}", prompt, dataclasses.replace(base, seed=i)) for i in range(8)])
-    pre_sep = eng.num_prefill_tokens
+    pre_sep = eng.runner.num_prefill_tokens
     print(f"prompt {len(prompt)} tokens, 48 new tokens each")
     print("| 8 sequences | prompt tokens computed | wall s |")
     print("| --- | ---: | ---: |")

@@ -17,7 +17,9 @@ def bytes_per_token(loaded) -> int:
     return loaded.kv_spec(BS).bytes_per_token
 
 
-def make_engine(loaded, store=None, **kw) -> LLMEngine:
+def make_engine(loaded, store=None, *, engine_kw: dict | None = None, **kw) -> LLMEngine:
+    """An LLMEngine over ``loaded`` with a 64-block pool; ``kw``: EngineConfig fields,
+    ``engine_kw``: LLMEngine's own keywords (``transfers``, ``sampler``)."""
     base = dict(
         model_path="unused",
         device="cpu",
@@ -26,7 +28,7 @@ def make_engine(loaded, store=None, **kw) -> LLMEngine:
         block_size=BS,
     )
     base.update(kw)
-    return LLMEngine(loaded, EngineConfig(**base), store=store)
+    return LLMEngine(loaded, EngineConfig(**base), store=store, **(engine_kw or {}))
 
 
 def run(engine: LLMEngine, reqs: list[GenerationRequest], timeout_s=120.0, on_step=None):

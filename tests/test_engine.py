@@ -38,7 +38,7 @@ def test_single_request_matches_uncached_reference(loaded):
     assert [t for d in deltas for t in d.token_ids] == fin.output_token_ids
     assert "".join(d.text for d in deltas) == fin.text
     assert fin.finish_reason is FinishReason.LENGTH
-    assert eng.num_prefill_tokens == 11 and eng.num_decode_tokens == 11
+    assert eng.runner.num_prefill_tokens == 11 and eng.runner.num_decode_tokens == 11
 
 
 def test_batched_requests_of_different_lengths_each_match_alone(loaded):
@@ -49,7 +49,7 @@ def test_batched_requests_of_different_lengths_each_match_alone(loaded):
     evs = run(
         eng,
         [req(f"r{i}", p) for i, p in enumerate(ps)],
-        on_step=lambda i, e: batch_sizes.append(len(eng.running)),
+        on_step=lambda i, e: batch_sizes.append(len(eng.scheduler.running)),
     )
     assert max(batch_sizes) == 4  # they really ran together
     for i, p in enumerate(ps):
@@ -67,11 +67,11 @@ def test_shared_prefix_is_served_from_device_blocks(loaded):
     (system, q1, q2) = prompts(loaded.config.vocab_size, [12, 5, 6], seed=3)
     eng = make_engine(loaded)
     run(eng, [req("a", system + q1, n=4)])
-    prefill_before = eng.num_prefill_tokens
+    prefill_before = eng.runner.num_prefill_tokens
     evs = run(eng, [req("b", system + q2, n=6)])["b"]
     start = evs[0]
     assert start.cached_tokens == 12 and start.cached_tier is Tier.DEVICE
-    assert eng.num_prefill_tokens - prefill_before == len(q2)  # the 3 shared blocks were not rerun
+    assert eng.runner.num_prefill_tokens - prefill_before == len(q2)  # the 3 shared blocks were not rerun
     assert finished(evs).output_token_ids == greedy_reference(loaded.model, system + q2, 6)
 
 
@@ -82,8 +82,8 @@ def test_two_running_sequences_share_a_prefix_block(loaded):
     seen_shared = []
 
     def check(i, events):
-        if len(eng.running) == 2:
-            a, b = eng.running
+        if len(eng.scheduler.running) == 2:
+            a, b = eng.scheduler.running
             ids_a = [blk.block_id for blk in a.blocks[:2]]
             seen_shared.append(ids_a == [blk.block_id for blk in b.blocks[:2]]
                                and all(blk.ref_count == 2 for blk in a.blocks[:2]))
@@ -113,7 +113,7 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(loaded):
     bpt = loaded.config.num_layers * 2 * loaded.config.num_kv_heads * loaded.config.head_dim * 4
     eng = make_engine(loaded, kv_cache_memory=15 * BS * bpt)  # 14 usable blocks, 24 wanted
     evs = run(eng, [req(f"r{i}", p, n=12) for i, p in enumerate(ps)])
-    assert eng.num_preempted > 0
+    assert eng.scheduler.num_preempted > 0
     for i in range(4):
         assert finished(evs[f"r{i}"]).output_token_ids == alone[i]
     assert eng.blocks.num_free == eng.blocks.num_usable
@@ -136,13 +136,13 @@ def test_decode_batches_that_change_every_few_steps_keep_every_sequence_exact(lo
     for i in range(500):
         for r in joins.get(i, []):
             eng.add_request(req(f"r{r}", ps[r], n=ns[r]))
-        sizes.append(len(eng.running))
+        sizes.append(len(eng.scheduler.running))
         for rid, ev in eng.step():
             if isinstance(ev, Finished):
                 outputs[rid] = ev.output_token_ids
         if len(outputs) == len(ps):
             break
-    assert eng.num_preempted > 0 and len(set(sizes)) >= 4
+    assert eng.scheduler.num_preempted > 0 and len(set(sizes)) >= 4
     assert [outputs[f"r{i}"] for i in range(len(ps))] == alone
     assert eng.blocks.num_free == eng.blocks.num_usable
 
@@ -160,7 +160,7 @@ def test_abort_releases_every_block(loaded):
     out = eng.step()
     reasons = {rid: ev.finish_reason for rid, ev in out if isinstance(ev, Finished)}
     assert reasons == {"r0": FinishReason.CANCELLED, "r1": FinishReason.CANCELLED}
-    assert eng.blocks.num_free == eng.blocks.num_usable and not eng.running
+    assert eng.blocks.num_free == eng.blocks.num_usable and not eng.scheduler.running
 
 
 def test_seeded_sampling_is_reproducible_through_the_engine(loaded):

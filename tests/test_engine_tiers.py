@@ -66,7 +66,7 @@ def two_turns(loaded, engine_a, engine_b, seed, n1=6, n2=5):
 def check_turn2(loaded, engine, prompt, n, tier, expect_cached, exact_tier=True):
     """Turn 2 reports ``expect_cached`` tokens (from ``tier`` alone when ``exact_tier``,
     else with ``tier`` among them), prefill skips them, and the output is right."""
-    before = engine.num_prefill_tokens
+    before = engine.runner.num_prefill_tokens
     evs = run(engine, [req("t2", prompt, n=n)])["t2"]
     start, fin = evs[0], finished(evs)
     assert start.cached_tokens == expect_cached
@@ -75,7 +75,7 @@ def check_turn2(loaded, engine, prompt, n, tier, expect_cached, exact_tier=True)
         assert start.cached_by_tier.get(tier, 0) == expect_cached
     elif expect_cached:
         assert start.cached_by_tier.get(tier, 0) > 0
-    assert engine.num_prefill_tokens - before == len(prompt) - expect_cached
+    assert engine.runner.num_prefill_tokens - before == len(prompt) - expect_cached
     assert fin.output_token_ids == greedy_reference(loaded.model, prompt, n)
     return start
 
@@ -241,9 +241,9 @@ def test_auto_policy_recomputes_when_the_tier_is_slower(loaded, redis_url):
     b = make_engine(loaded, store=store, restore_policy="auto")
     (warm,) = prompts(loaded.config.vocab_size, [40], seed=12)
     run(b, [req("warm", warm, n=1)])  # measures the prefill rate
-    assert b.prefill_tokens_per_s is not None
+    assert b.runner.prefill_tokens_per_s is not None
     check_turn2(loaded, b, prompt, n, Tier.REDIS, 0)
-    assert b.num_restores_skipped > 0
+    assert b.restorer.num_restores_skipped > 0
     decisions = store.stats().decisions
     assert decisions[("redis", "recomputed", "slower")] > 0
     assert not any(d == "restored" for _, d, _ in decisions)

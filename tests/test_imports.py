@@ -54,3 +54,86 @@ def test_the_front_names_no_engine_or_store_internals():
         assert not inner, f"service/{name}.py imports {inner}"
         source = (REPO / "service" / f"{name}.py").read_text()
         assert ".engine.engine" not in source and ".store" not in source, f"service/{name}.py reaches into the engine"
+
+
+def _module_imports(path) -> list[str]:
+    """kvserve modules ``path`` imports at run time (not under TYPE_CHECKING)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    type_checking = {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in type_checking:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+    return [m for m in out if m.startswith("kvserve.")]
+
+
+ENGINE = REPO / "service" / "engine"
+ROOMS = ("scheduler", "restore", "runner", "output")
+
+
+def test_the_engine_rooms_import_in_one_direction():
+    """engine.py composes the rooms; no room imports another room, the engine or its
+    asyncio front; what they share (sequence.py, config.py, sampling/grammar for the
+    output room, kv/) imports no room; BlockKeys imports nothing of the engine."""
+    rooms = {f"kvserve.service.engine.{r}" for r in ROOMS}
+    above = rooms | {"kvserve.service.engine.engine", "kvserve.service.engine.async_engine"}
+    for name in (*ROOMS, "sequence", "config", "sampling", "grammar"):
+        own = f"kvserve.service.engine.{name}"
+        bad = [m for m in _module_imports(ENGINE / f"{name}.py") if m in above - {own}]
+        assert not bad, f"service/engine/{name}.py imports {bad}"
+    assert rooms <= set(_module_imports(ENGINE / "engine.py"))
+    keys = _module_imports(REPO / "service" / "kv" / "keys.py")
+    assert not [m for m in keys if m.startswith("kvserve.service.engine")], keys
+    front = _module_imports(ENGINE / "async_engine.py")
+    assert not [m for m in front if m in rooms], f"async_engine.py imports a room: {front}"
+
+
+def test_block_keys_are_derived_in_one_place():
+    """Namespaces and block chains come from service/kv/keys.py (BlockKeys) alone."""
+    for path in (REPO / "service").rglob("*.py"):
+        if path == REPO / "service" / "kv" / "keys.py":
+            continue
+        source = path.read_text()
+        assert "block_hashes" not in source and "make_namespace" not in source, f"{path} derives block keys"
+
+
+def test_async_engine_reads_no_engine_attribute():
+    """AsyncEngine only hops threads: every use of its LLMEngine (``self.engine``, or a
+    local bound to it) is one of LLMEngine's public methods, called or handed to a
+    thread; never a state attribute (blocks, pool, store, grammars, accepting, ...)."""
+    import ast
+
+    cls = next(n for n in ast.parse((ENGINE / "engine.py").read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == "LLMEngine")
+    methods = {
+        f.name for f in cls.body
+        if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")
+        and not any("property" in ast.unparse(d) for d in f.decorator_list)
+    }
+    assert {"step", "cache_stats", "forget_stored", "block_locations", "spill"} <= methods
+    tree = ast.parse((ENGINE / "async_engine.py").read_text())
+
+    def is_engine(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "engine" and ast.unparse(node.value) == "self"
+
+    aliases = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and is_engine(n.value)
+               for t in n.targets if isinstance(t, ast.Name)}
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and (is_engine(n.value) or (isinstance(n.value, ast.Name) and n.value.id in aliases))]
+    assert uses, "the check found no use of the engine"
+    bad = sorted({f"{ast.unparse(n)} (line {n.lineno})" for n in uses if n.attr not in methods})
+    assert not bad, f"AsyncEngine reads LLMEngine attributes: {bad}"
+    stores = [n for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and (is_engine(t.value) or ast.unparse(t.value) in aliases)]
+    assert not stores, "AsyncEngine sets an LLMEngine attribute"
+    assert "getattr(" not in ast.unparse(tree)

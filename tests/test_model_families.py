@@ -82,7 +82,7 @@ def test_longrope_regimes_never_share_blocks(tiny_phi4_mini_dir) -> None:
     eng = make_engine(loaded)
     (short, extra) = prompts(loaded.config.vocab_size, [12, 8], seed=7)
     fin = finished(run(eng, [req("a", short, n=3)])["a"])  # 15 tokens: short regime throughout
-    assert fin.output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short, 3) and eng.num_rope_switches == 0
+    assert fin.output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short, 3) and eng.scheduler.num_rope_switches == 0
     evs = run(eng, [req("b", short + extra, n=4)])["b"]  # 20 tokens: long from the start
     assert evs[0].cached_tokens == 0  # the short-regime blocks of the same tokens are not used
     assert finished(evs).output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short + extra, 4)
@@ -90,11 +90,11 @@ def test_longrope_regimes_never_share_blocks(tiny_phi4_mini_dir) -> None:
     assert evs[0].cached_tokens == 20  # the long-regime blocks are
     assert finished(evs).output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short + extra + [9], 4)
     evs = run(eng, [req("d", short, n=10)])["d"]  # crosses 16 while decoding: one switch
-    assert eng.num_rope_switches == 1
+    assert eng.scheduler.num_rope_switches == 1
     assert finished(evs).output_token_ids == _hf_greedy(tiny_phi4_mini_dir, short, 10)
     scope = CacheScope()
-    assert eng.namespaces(scope) == [eng.namespace(scope), eng.namespace(scope, 17)]
-    assert eng.namespace(scope, 16) == eng.namespace(scope) != eng.namespace(scope, 17)
+    assert eng.keys.namespaces(scope) == [eng.keys.namespace(scope), eng.keys.namespace(scope, 17)]
+    assert eng.keys.namespace(scope, 16) == eng.keys.namespace(scope) != eng.keys.namespace(scope, 17)
     eng.close()
 
 
@@ -150,12 +150,12 @@ def test_window_blocks_are_released_and_stay_valid(tiny_mistral_dir) -> None:
     store = build_store(EngineConfig(block_size=BS, host_cache_memory=64 * BS * bytes_per_token(loaded)), loaded)
     eng = make_engine(loaded, store=store, restore_policy="always",
                       kv_cache_memory=17 * BS * bytes_per_token(loaded))  # 16 usable + the null block
-    assert eng.release_window == 8 and eng.blocks.num_usable == 16
+    assert eng.runner.release_window == 8 and eng.blocks.num_usable == 16
     p1, p2 = prompts(loaded.config.vocab_size, [13, 13], seed=11)
     held: list[int] = []
     evs = run(eng, [req("a", p1, n=30), req("b", p2, n=30)],
               on_step=lambda i, e: held.append(eng.blocks.num_usable - eng.blocks.num_free))
-    assert eng.num_preempted == 0 and max(held) < 16
+    assert eng.scheduler.num_preempted == 0 and max(held) < 16
     outs = {rid: finished(e).output_token_ids for rid, e in evs.items()}
     assert outs["a"] == _hf_greedy(tiny_mistral_dir, p1, 30)
     assert outs["b"] == _hf_greedy(tiny_mistral_dir, p2, 30)

@@ -55,8 +55,8 @@ def test_greedy_n2_equals_n1_and_prefills_the_prompt_once(loaded, length):
     events = run_until_finals(eng, _req_n(p, 2, n=9), 2)
     outs = outputs(events)
     assert outs == {0: ref, 1: ref}
-    assert eng.num_prefill_tokens == length  # the prompt went through the model once
-    assert eng.num_forked == 1
+    assert eng.runner.num_prefill_tokens == length  # the prompt went through the model once
+    assert eng.output.num_forked == 1
     assert sum(isinstance(e, Finished) for e in events) == 2
     assert all(f.completion_tokens == 9 for f in finals(events).values())
     # every block is back: free or cached, none held
@@ -89,11 +89,11 @@ def test_cancel_mid_stream_with_n_releases_every_block(loaded):
     seen = []
     for _ in range(5):
         seen += eng.step()
-    assert eng.num_forked == 3 and len(eng.running) == 4
+    assert eng.output.num_forked == 3 and len(eng.scheduler.running) == 4
     eng.abort("g")
     seen += eng.step()
     assert sorted(ev.index for _, ev in seen if isinstance(ev, Finished)) == [0, 1, 2, 3]
-    assert not eng.running and eng.blocks.num_free == eng.blocks.num_usable
+    assert not eng.scheduler.running and eng.blocks.num_free == eng.blocks.num_usable
 
 
 def test_cancel_before_the_fork_ends_all_n(loaded):

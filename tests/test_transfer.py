@@ -219,17 +219,18 @@ def _logged_engine(loaded: Any, store: Any) -> tuple[Any, FakeOps]:
     kernels on the compute stream."""
     from tests.engine_util import make_engine
 
-    eng = make_engine(loaded, store=store, restore_policy="always")
+    import dataclasses
+
     ops = FakeOps()
-    eng.transfers = BlockTransfers(eng.pool, ops, staging_blocks=4)
-    model = eng.model
+    model = loaded.model
 
     class Logged(torch.nn.Module):
         def forward(self, layout: Any, kv: Any) -> torch.Tensor:
             ops.forward()
             return model(layout, kv)
 
-    eng.model = Logged()
+    eng = make_engine(dataclasses.replace(loaded, model=Logged()), store=store, restore_policy="always",
+                      engine_kw=dict(transfers=lambda pool: BlockTransfers(pool, ops, staging_blocks=4)))
     return eng, ops
 
 
@@ -250,7 +251,7 @@ def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(l
     a, _ = _logged_engine(loaded, store)
     (hist,) = prompts(c.vocab_size, [13], seed=5)
     run(a, [req("a", hist, n=1)])
-    ns = a.namespace(CacheScope())
+    ns = a.keys.namespace(CacheScope())
     hashes = block_hashes(ns, hist, BS)
     for h in hashes:  # the history's blocks to the host tier
         store.put(ns, h, a.pool.data[a.blocks.lookup(h).block_id], ("host",))
@@ -280,10 +281,10 @@ def test_prefill_rate_is_read_from_completed_marks_only(loaded: Any) -> None:
     ops.marks_complete = False
     (p,) = prompts(loaded.config.vocab_size, [40], seed=9)
     run(eng, [req("p", p, n=1)])
-    assert eng.prefill_tokens_per_s is None and len(eng._prefill_marks) == 1
-    n, start, end = eng._prefill_marks[0]
+    assert eng.runner.prefill_tokens_per_s is None and len(eng.runner._prefill_marks) == 1
+    n, start, end = eng.runner._prefill_marks[0]
     end.completed = True
     eng.step()
-    assert eng.prefill_tokens_per_s == pytest.approx(n / (end.t - start.t))
-    assert not eng._prefill_marks
+    assert eng.runner.prefill_tokens_per_s == pytest.approx(n / (end.t - start.t))
+    assert not eng.runner._prefill_marks
     eng.close()

@@ -21,7 +21,6 @@ import time
 from collections import deque
 from typing import AsyncIterator
 
-from kvserve.cachestore.keys import block_hashes
 from kvserve.service.engine.config import EngineConfig
 from kvserve.service.engine.engine import Emitted, LLMEngine
 from kvserve.service.engine.store import build_store
@@ -50,13 +49,18 @@ class AsyncEngine:
     ``stats``, ``cache_stats`` (a ``CacheStats`` snapshot), ``model_info``, ``tokenizer``,
     ``spill``, ``flush_store``, ``forget`` and ``block_locations``. The front (servicer,
     conversations, spill, metrics) uses nothing else; ``engine`` (the ``LLMEngine`` on its
-    thread) is for this package and the engine's tests."""
+    thread) is for this package and the engine's tests.
+
+    It only hops threads: every call on the engine is one of ``LLMEngine``'s typed
+    methods, run on the engine thread (``call_soon``), a worker thread (the blocking
+    ones) or here (the thread-safe ones); it reads no engine attribute
+    (tests/test_imports.py keeps it so)."""
 
     def __init__(self, engine: LLMEngine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.engine = engine
         self.stream_interval_s = stream_interval_s  # 0: every delta as it comes
-        self.model_info: ModelInfo = engine.model_info
-        self.tokenizer: Tokenizer = engine.tokenizer
+        self.model_info: ModelInfo = engine.get_model_info()
+        self.tokenizer: Tokenizer = engine.get_tokenizer()
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         # streams holding deltas: the future that ends the hold, the loop time it may end
         self._holds: dict[str, tuple[asyncio.Future[None], float]] = {}
@@ -76,8 +80,7 @@ class AsyncEngine:
         eng = self.engine
         while not self._stop.is_set():
             if not eng.has_work():
-                eng.work_ready.wait(timeout=0.05)
-                eng.work_ready.clear()
+                eng.wait_for_work(0.05)
                 continue
             try:
                 emitted = eng.step()
@@ -108,7 +111,7 @@ class AsyncEngine:
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admitting, let running requests finish for up to ``grace_s``, then stop."""
-        self.engine.accepting = False
+        self.engine.stop_accepting()
         deadline = time.monotonic() + grace_s
         while self._queues and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -118,7 +121,7 @@ class AsyncEngine:
         while self._queues and time.monotonic() < t_end:
             await asyncio.sleep(0.01)
         self._stop.set()
-        self.engine.work_ready.set()
+        self.engine.wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
         self.engine.close()
@@ -129,7 +132,7 @@ class AsyncEngine:
         self.engine.validate(req)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
-        if self._stop.is_set() or not self.engine.accepting:
+        if self._stop.is_set() or not self.engine.is_accepting():
             raise EngineStopped("the server is shutting down")
         if req.request_id in self._queues:
             raise ValueError(f"duplicate request id {req.request_id}")
@@ -187,23 +190,14 @@ class AsyncEngine:
     async def check_format(self, fmt: ResponseFormat) -> None:
         """Compile a response_format's grammar (cached by hash) in a worker thread:
         InvalidRequest when it is invalid or unsupported."""
-        await asyncio.to_thread(self.engine.grammars.compile, fmt)
+        await asyncio.to_thread(self.engine.compile_format, fmt)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def cache_stats(self) -> CacheStats:
         """A snapshot of the device pool and the store (see ``CacheStats``)."""
-        eng = self.engine
-        held = eng.blocks.num_usable - eng.blocks.num_free + eng.blocks.num_cached_idle
-        return CacheStats(
-            device_blocks_held=held,
-            device_bytes_held=held * eng.pool.bytes_per_block,
-            device_evictions=eng.blocks.num_evicted,
-            restores_skipped=eng.num_restores_skipped,
-            sync_demotions=eng.transfers.num_sync_demotions,
-            store=eng.store.stats() if eng.store is not None else None,
-        )
+        return self.engine.cache_stats()
 
     # ---- the cache store -------------------------------------------------------------
 
@@ -212,7 +206,7 @@ class AsyncEngine:
     ) -> tuple[int, dict[str, int]]:
         """Write the device blocks of a transcript to ``tiers`` (by the store's background
         writer) and wait until it is through: (blocks, how many each tier now holds)."""
-        if self.engine.store is None:
+        if not self.engine.has_store():
             return 0, {}
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[int, dict[str, int]]] = loop.create_future()
@@ -225,10 +219,7 @@ class AsyncEngine:
 
     async def flush_store(self, timeout_s: float) -> bool:
         """Wait for queued writes to reach their tiers (bounded)."""
-        store = self.engine.store
-        if store is None:
-            return True
-        return await asyncio.to_thread(store.flush, timeout_s)
+        return await asyncio.to_thread(self.engine.flush_store, timeout_s)
 
     async def forget(
         self, token_ids: list[int], scope: CacheScope, timeout_s: float = 10.0, *, keep_blocks: int = 0
@@ -255,24 +246,15 @@ class AsyncEngine:
 
         self.engine.call_soon(drop_device)
         out: dict[Tier, int] = {Tier.DEVICE: await asyncio.wait_for(dropped, timeout_s)}
-        store = self.engine.store
-        if store is not None:
-            for ns in self.engine.namespaces(scope):  # LongRoPE models: both regimes
-                hashes = block_hashes(ns, token_ids, self.engine.block_size)[keep_blocks:]
-                got = await asyncio.to_thread(store.delete_many, ns, hashes, timeout_s)
-                for tier, n in got.items():
-                    out[tier] = out.get(tier, 0) + n
+        stored = await asyncio.to_thread(
+            self.engine.forget_stored, token_ids, scope, keep_blocks=keep_blocks, timeout_s=timeout_s
+        )
+        out.update(stored)
         return out
 
     async def block_locations(self, token_ids: list[int], scope: CacheScope) -> dict[Tier, int]:
         """How many of the transcript's full blocks each tier holds now."""
-        out = {Tier.DEVICE: self.engine.device_blocks_for(token_ids, scope)}
-        store = self.engine.store
-        if store is not None:
-            ns = self.engine.namespace(scope, len(token_ids))
-            hashes = block_hashes(ns, token_ids, self.engine.block_size)
-            out.update(await asyncio.to_thread(store.location, ns, hashes))
-        return out
+        return await asyncio.to_thread(self.engine.block_locations, token_ids, scope)
 
 
 def _wake(fut: asyncio.Future[None] | None) -> None:

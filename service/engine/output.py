@@ -1,16 +1,43 @@
-"""Per-sequence text output: incremental detokenization plus stop strings.
+"""The output room: what becomes of a step's logits (``Output``), and per-sequence text.
 
-Text that could still turn out to be the start of a stop string is held back until it
-can be decided, so a client never receives text that is later retracted.
+``TextStream`` is incremental detokenization plus stop strings: text that could still
+turn out to be the start of a stop string is held back until it can be decided, so a
+client never receives text that is later retracted. ``Output`` samples, streams, stops,
+forks n > 1 requests' output state and builds the start and finish events (below).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from kvserve.service.engine.grammar import GrammarCompiler, matcher_error
+from kvserve.service.engine.sampling import RowState, Sampled, make_generator, needs_penalties, sample
+from kvserve.service.engine.sequence import Emitted, Sequence
+from kvserve.service.types import (
+    Delta,
+    Event,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+    Started,
+    Tier,
+    Timings,
+    TokenLogprob,
+)
+
+log = logging.getLogger(__name__)
 
 
 class TextStream:
-    def __init__(self, detokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, detokenizer, stop: Iterable[str] = ()) -> None:
         self._detok = detokenizer
         self._stop = tuple(stop)
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1
@@ -64,3 +91,283 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+# ---- the output room -------------------------------------------------------------------
+
+Sampler = Callable[..., Sampled]  # sampling.sample's signature: (logits, params, generators, states, masks)
+
+
+@dataclass(slots=True)
+class Emission:
+    """What one ``emit`` produced: the deltas, the sequences that ended (to seal and finish)
+    and those that failed alone: (sequence, error, rejected: INVALID_ARGUMENT rather than
+    INTERNAL)."""
+
+    events: Emitted = field(default_factory=list)
+    finished: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
+    failed: list[tuple[Sequence, str, bool]] = field(default_factory=list)
+
+
+class Output:
+    """The output room: a sequence's output state (text stream, generator, grammar
+    matcher), sampling (service/engine/sampling.py) with the grammar masks, the n > 1
+    fork's output side, stops, and the start and finish events.
+
+    One request's failure is its own: when sampling a batch raises (a request's logits
+    processing, grammar mask or draw), the rows are sampled one at a time from the same
+    logits and generator states, the rows that raise again fail alone (INTERNAL, or
+    INVALID_ARGUMENT for an ``InvalidRequest``) and every other row gets the token the
+    batch would have given it. ``sampler`` is ``sampling.sample`` unless a test passes
+    another."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        grammars: GrammarCompiler,
+        *,
+        eos_ids: frozenset[int],
+        model_vocab: int,
+        max_model_len: int,
+        device: torch.device,
+        tiers: tuple[Tier, ...],
+        sampler: Sampler = sample,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.eos_ids = eos_ids
+        # Embeddings are often padded past the tokenizer (e.g. to a multiple of 64):
+        # ids beyond the tokenizer's vocabulary can never be sampled.
+        self.sampleable_vocab = min(tokenizer.vocab_size, model_vocab)
+        self.max_model_len = max_model_len
+        self.device = device
+        self.tiers = tiers  # fastest first: the slowest that contributed is a start's cached_tier
+        self._sampler = sampler
+        self.num_forked = 0  # sequences created by forking an n > 1 request
+
+    # ---- sequences -------------------------------------------------------------------
+
+    def new_sequence(self, req: GenerationRequest, namespace: bytes, long_rope: bool) -> Sequence:
+        seq = Sequence(
+            request=req,
+            namespace=namespace,
+            long_rope=long_rope,
+            token_ids=list(req.prompt_token_ids),
+            num_prompt=len(req.prompt_token_ids),
+            arrival=time.monotonic(),
+            stream=TextStream(self.tokenizer.detokenizer(), req.sampling.stop),
+            generator=make_generator(req.sampling, self.device),
+        )
+        if req.sampling.response_format is not None:
+            seq.matcher = self.grammars.matcher(req.sampling.response_format)
+        return seq
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """An n > 1 request's prompt is computed (its last token's logits are about to be
+        sampled): the other n - 1 sequences, each with its own generator (seed + index),
+        text stream and, with a response_format, a copy of the matcher at the grammar's
+        start. Their blocks are the scheduler's (``Scheduler.place_forks``)."""
+        parent.group = [parent]
+        p = parent.request.sampling
+        for i in range(1, p.n):
+            seed = None if p.seed is None else (p.seed + i) & 0xFFFF_FFFF_FFFF_FFFF
+            parent.group.append(
+                Sequence(
+                    request=parent.request,
+                    namespace=parent.namespace,
+                    token_ids=list(parent.token_ids),
+                    num_prompt=parent.num_prompt,
+                    arrival=parent.arrival,
+                    stream=TextStream(self.tokenizer.detokenizer(), p.stop),
+                    generator=make_generator(dataclasses.replace(p, seed=seed), self.device),
+                    hashes=list(parent.hashes),
+                    num_computed=parent.num_computed,
+                    num_registered=parent.num_registered,
+                    num_released=parent.num_released,
+                    cached_by_tier=dict(parent.cached_by_tier),
+                    long_rope=parent.long_rope,
+                    started=True,
+                    t_admit=parent.t_admit,
+                    restore_s=parent.restore_s,
+                    index=i,
+                    group=parent.group,
+                    matcher=parent.matcher.deep_copy() if parent.matcher is not None else None,
+                )
+            )
+        self.num_forked += p.n - 1
+        return parent.group[1:]
+
+    # ---- tokens ----------------------------------------------------------------------
+
+    def emit(self, rows: list[tuple[Sequence, torch.Tensor]], logits: torch.Tensor | None = None) -> Emission:
+        """Sample a token for every row, stream it and decide its stop; ``logits``: the
+        rows' logits as one (len(rows), V) tensor when the caller has it (else stacked)."""
+        logits = torch.stack([r for _, r in rows]).float() if logits is None else logits.float()
+        if self.sampleable_vocab < logits.shape[-1]:
+            logits[:, self.sampleable_vocab :] = float("-inf")
+        seqs = [s for s, _ in rows]
+        out = Emission()
+        tokens, logprobs = self._sample(seqs, logits, out)
+        now = time.monotonic()
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            if tok is None:  # failed in sampling
+                continue
+            try:
+                self._take(seq, tok, lp, now, out)
+            except Exception as exc:  # a bug in one sequence's output: that request fails alone
+                out.failed.append((seq, self._internal(seq, exc, "its output"), False))
+        return out
+
+    def _take(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float, out: Emission) -> None:
+        p = seq.request.sampling
+        if seq.matcher is not None and (not seq.matcher.consume_token(tok) or seq.matcher.is_error()):
+            # llguidance gave up (e.g. its lexer limits on a huge regex): the output can no
+            # longer be guaranteed to match, so it is not ended as if the grammar had finished
+            out.failed.append((seq, self._grammar_failure(seq), True))
+            return
+        seq.token_ids.append(tok)
+        if not seq.t_first:
+            seq.t_first = now
+        seq.t_last = now
+        is_stop_token = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        grammar_end = False
+        if seq.matcher is not None:
+            grammar_end = seq.matcher.is_stopped()  # the grammar accepts nothing more
+            is_stop_token = is_stop_token or (grammar_end and tok in self.eos_ids)
+        text = "" if is_stop_token else seq.stream.push([tok])
+        reason = None
+        if is_stop_token or seq.stream.stopped or grammar_end:
+            reason = FinishReason.STOP
+        elif seq.num_output >= p.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            text += seq.stream.finish()  # "" when a stop string ended it
+        out.events.append(
+            (seq.request_id, Delta(token_ids=[tok], text=text, logprobs=[lp] if lp else [], index=seq.index))
+        )
+        if reason is not None:
+            out.finished.append((seq, reason))
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, out: Emission
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """The batch at once; when that raises, row by row (see the class docstring).
+        A failed row's token is None (and the row is in ``out.failed``)."""
+        params = [s.request.sampling for s in seqs]
+        gens = [s.generator for s in seqs]
+        # what a retry row by row needs to give the batch's answer: the logits before the
+        # in-place penalties (masks are idempotent) and the generators before their draws
+        pristine = logits.clone() if any(map(needs_penalties, params)) else logits
+        saved = [None if g is None else g.get_state() for g in gens]
+        try:
+            got = self._sample_rows(seqs, params, gens, logits)
+            return got.tokens, got.logprobs
+        except Exception:
+            log.exception("sampling a batch of %d rows failed; sampling them one at a time", len(seqs))
+        tokens: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
+        for i, seq in enumerate(seqs):
+            gen, state = gens[i], saved[i]
+            if gen is not None and state is not None:
+                gen.set_state(state)
+            try:
+                one = self._sample_rows([seq], [params[i]], [gen], pristine[i : i + 1])
+            except Exception as exc:
+                rejected = isinstance(exc, InvalidRequest)
+                error = str(exc) if rejected else self._internal(seq, exc, "sampling")
+                out.failed.append((seq, error, rejected))
+                tokens.append(None)
+                logprobs.append(None)
+                continue
+            tokens.append(one.tokens[0])
+            logprobs.append(one.logprobs[0])
+        return tokens, logprobs
+
+    def _sample_rows(
+        self,
+        seqs: list[Sequence],
+        params: list[SamplingParams],
+        gens: list[torch.Generator | None],
+        logits: torch.Tensor,  # (len(seqs), V) float32
+    ) -> Sampled:
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        masks = None
+        if constrained:
+            masks = (constrained, self.grammars.fill_masks([seqs[i].matcher for i in constrained]))
+        states = [RowState(s.token_ids, s.num_prompt, self._stop_ids(s)) for s in seqs]
+        return self._sampler(logits, params, gens, states, masks)
+
+    def _internal(self, seq: Sequence, exc: BaseException, where: str) -> str:
+        log.error("request %s failed in %s after %d output tokens", seq.request_id, where, seq.num_output, exc_info=exc)
+        return f"internal error in {where}: {type(exc).__name__}"
+
+    def _grammar_failure(self, seq: Sequence) -> str:
+        fmt = seq.request.sampling.response_format
+        kind = fmt.kind if fmt is not None else "grammar"
+        why = matcher_error(seq.matcher)
+        log.warning("request %s: response_format %s failed after %d tokens: %s", seq.request_id, kind, seq.num_output, why)
+        return (
+            f"response_format {kind} could not be followed after {seq.num_output} output tokens: {why} "
+            f"(the format is beyond llguidance's limits: simplify it)"
+        )
+
+    def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        """The ids min_new_tokens holds back: eos (unless ignored) and stop_token_ids;
+        empty once the sequence has its minimum."""
+        p = seq.request.sampling
+        if seq.num_output >= p.min_new_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.eos_ids)
+        return eos + tuple(p.stop_token_ids)
+
+    # ---- events ----------------------------------------------------------------------
+
+    def started(self, seq: Sequence) -> tuple[str, Event]:
+        slowest = next((t for t in reversed(self.tiers) if seq.cached_by_tier.get(t)), None)
+        return (
+            seq.request_id,
+            Started(
+                request_id=seq.request_id,
+                prompt_tokens=seq.num_prompt,
+                cached_tokens=seq.cached_tokens,
+                cached_tier=slowest,
+                cached_by_tier=dict(seq.cached_by_tier),
+            ),
+        )
+
+    def finished(self, seq: Sequence, reason: FinishReason, error: str = "", rejected: bool = False) -> Emitted:
+        """The sequence's Finished event (and, for an n > 1 request that ended before it
+        forked, the other n - 1's, empty)."""
+        now = time.monotonic()
+        t_first = seq.t_first or now
+        decode_s = (seq.t_last - seq.t_first) if seq.t_first else 0.0
+        timings = Timings(
+            queue_s=(seq.t_admit or now) - seq.arrival,
+            restore_s=seq.restore_s,
+            prefill_s=max(t_first - (seq.t_admit or t_first) - seq.restore_s, 0.0) if seq.t_first else 0.0,
+            ttft_s=t_first - seq.arrival if seq.t_first else 0.0,
+            decode_s=decode_s,
+            decode_tokens_per_s=(seq.num_output - 1) / decode_s if decode_s > 0 else 0.0,
+        )
+
+        def event(index: int, tokens: list[int], text: str) -> tuple[str, Event]:
+            return (
+                seq.request_id,
+                Finished(
+                    finish_reason=reason,
+                    prompt_tokens=seq.num_prompt,
+                    completion_tokens=len(tokens),
+                    cached_tokens=seq.cached_tokens,
+                    output_token_ids=tokens,
+                    text=text,
+                    timings=timings,
+                    error=error,
+                    rejected=rejected,
+                    index=index,
+                ),
+            )
+
+        out = [event(seq.index, seq.output_ids, seq.stream.text)]
+        if seq.fork_pending:  # n > 1 ended before forking: the other n - 1 end with it, empty
+            out.extend(event(i, [], "") for i in range(1, seq.request.sampling.n))
+        return out

@@ -61,6 +61,12 @@ def _needs_penalties(p: SamplingParams) -> bool:
     )
 
 
+def needs_penalties(p: SamplingParams) -> bool:
+    """Whether ``sample`` changes this row's logits in place before drawing (penalties,
+    logit_bias, min_new_tokens' mask), so a caller that may sample them again keeps a copy."""
+    return _needs_penalties(p)
+
+
 def _rows_ids(rows: list[int], ids: list[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten per-row id lists into (row index, id) tensors for one scatter."""
     r = [i for i, toks in zip(rows, ids) for _ in toks]

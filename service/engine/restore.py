@@ -1,0 +1,195 @@
+"""The restore room: the engine's one caller of the tiered store (cachestore/tiered.py).
+
+Restores: admission names a range of blocks past the device hits (service/engine/
+scheduler.py); ``start`` looks them up in host/Redis and loads the hits into the
+sequence's fresh blocks, all on the ``kv-restore`` thread (plan: ``plan_restore`` cuts
+where restoring would lose to recomputing, weighed with the runner's measured prefill
+rate; fetch and verify: ``fetch_into`` through ``BlockTransfers``), so the decode loop
+never waits on the store. ``collect`` takes the landed ones on the engine thread and
+registers what was loaded. Besides: device evictions demote down the tiers, spills write
+a transcript's blocks out, and a transcript's stored blocks are located or forgotten,
+each keyed by ``BlockKeys`` (service/kv/keys.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from kvserve.cachestore.keys import BlockHash
+from kvserve.cachestore.tiered import TieredStore
+from kvserve.service.engine.sequence import Sequence
+from kvserve.service.kv.block_manager import Block, BlockManager
+from kvserve.service.kv.cache import KVPool
+from kvserve.service.kv.keys import BlockKeys
+from kvserve.service.kv.transfer import BlockTransfers
+from kvserve.service.types import CacheScope, Tier
+
+log = logging.getLogger(__name__)
+
+
+class Restorer:
+    def __init__(
+        self,
+        store: TieredStore | None,
+        transfers: BlockTransfers,
+        pool: KVPool,
+        blocks: BlockManager,
+        keys: BlockKeys,
+        *,
+        policy: str,
+        min_speedup: float,
+        wake: Callable[[], None],
+        call_soon: Callable[[Callable[[], None]], None],
+    ) -> None:
+        self.store = store
+        self.transfers = transfers
+        self.pool = pool
+        self.blocks = blocks
+        self.keys = keys
+        self.block_size = keys.block_size
+        self.always = policy == "always"
+        self.min_speedup = min_speedup
+        self._wake = wake  # a restore landed: the engine thread should look
+        self._call_soon = call_soon  # run on the engine thread between steps
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+        self.num_restores_skipped = 0  # restores cut because recomputing was faster
+
+    # ---- restores --------------------------------------------------------------------
+
+    def start(self, seq: Sequence, hashes: list[BlockHash], blocks: list[Block], prefill_tokens_per_s: float | None) -> None:
+        """Look the blocks up in host/Redis and load the hits into ``blocks``, all on
+        the restore thread. The loads land in the pool itself (CPU) or go through pinned
+        staging buffers and the restore stream (CUDA; service/kv/transfer.py)."""
+        seq.t_restore0 = time.monotonic()
+        after = self.transfers.begin_restore()
+        block_ids = [b.block_id for b in blocks]
+        s_per_block = None if prefill_tokens_per_s is None else self.block_size / prefill_tokens_per_s
+        seq.restore = self._pool.submit(self._job, seq.namespace, hashes, block_ids, after, s_per_block)
+        seq.restore.add_done_callback(lambda _: self._wake())
+
+    def _job(
+        self, namespace: bytes, hashes: list[BlockHash], block_ids: list[int], after: Any, s_per_block: float | None
+    ) -> tuple[list[str], Any]:
+        """Runs on the restore thread. Returns the tier of each leading block that was
+        loaded into the pool and verified, and the event of the last copy (CUDA)."""
+        assert self.store is not None
+        plan = self.store.plan_restore(
+            namespace, hashes, s_per_block, always=self.always, min_speedup=self.min_speedup
+        )
+        if plan.cut:
+            self.num_restores_skipped += 1
+        tiers = plan.tiers
+        if not tiers:
+            return [], None
+
+        def load(targets: list[torch.Tensor], start: int) -> int:
+            end = start + len(targets)
+            return self.store.fetch_into(namespace, hashes[start:end], tiers[start:end], targets)
+
+        n_ok, event = self.transfers.restore_in_rounds(block_ids[: len(tiers)], load, after)
+        if n_ok < len(tiers):
+            self.store.note_load_failed(tiers[n_ok:])
+        return tiers[:n_ok], event
+
+    def collect(self, restoring: list[Sequence]) -> list[Sequence]:
+        """The sequences of ``restoring`` whose restore landed, with what it loaded
+        registered under their hashes and counted per tier (a failed job loaded nothing:
+        those tokens are recomputed)."""
+        if not restoring:
+            return []
+        landed = [s for s in restoring if s.restore is not None and s.restore.done()]
+        for seq in landed:
+            try:
+                loaded, event = seq.restore.result()
+            except Exception:
+                log.exception("restore of %s failed; recomputing", seq.request_id)
+                loaded, event = [], None
+            seq.restore = None
+            seq.restore_s = time.monotonic() - seq.t_restore0
+            start = seq.num_registered
+            self.transfers.finish_restore(event)
+            for i, tier_name in enumerate(loaded):
+                self.blocks.register(seq.blocks[start + i], seq.hashes[start + i], seq.namespace)
+                tier = Tier(tier_name)  # the store reports names
+                seq.cached_by_tier[tier] = seq.cached_by_tier.get(tier, 0) + self.block_size
+            seq.num_registered = start + len(loaded)
+            seq.num_computed = seq.num_registered * self.block_size
+        return landed
+
+    # ---- demotions, spills, locations, forgetting ------------------------------------
+
+    def demote(self, block: Block) -> None:
+        """Device eviction demotes the block down the store's tiers instead of dropping
+        it (``TieredStore.demote``: the store decides where it goes). On CUDA the device
+        -> host copy runs on the demotion stream and the store receives it once it
+        completed (service/kv/transfer.py); the block is reusable right away."""
+        store = self.store
+        if store is None or block.block_hash is None or block.namespace is None:
+            return
+        ns, h, block_id = block.namespace, block.block_hash, block.block_id
+        try:
+            self.transfers.demote(block_id, lambda data: store.demote(ns, h, data))
+        except Exception:
+            log.exception("demoting block %d failed", block_id)
+
+    def spill(
+        self,
+        token_ids: list[int],
+        scope: CacheScope,
+        tiers: tuple[str, ...],
+        done: Callable[[int, dict[str, int]], None],
+    ) -> None:
+        """Engine thread: write every full block of the transcript to ``tiers`` in the
+        background, the device ones pinned (a reference) until the writer copied them."""
+        if self.store is None:
+            done(0, {})
+            return
+        ns, hashes = self.keys.of(token_ids, scope)
+        if not hashes:
+            done(0, {})
+            return
+        on_device = [self.blocks.lookup(h) for h in hashes]
+        pinned = [b for b in on_device if b is not None]
+        self.blocks.touch(pinned)
+        items = [(ns, h, self.pool.block_view(b.block_id) if b is not None else None) for h, b in zip(hashes, on_device)]
+
+        def written(result) -> None:
+            self._call_soon(lambda: self.blocks.free(pinned))
+            done(len(hashes), dict(result.held))
+
+        if not self.store.submit_spill(items, tiers, on_done=written):
+            self.blocks.free(pinned)
+            done(len(hashes), {})
+
+    def locations(self, token_ids: list[int], scope: CacheScope) -> dict[Tier, int]:
+        """Blocking: how many of the transcript's full blocks each store tier holds."""
+        if self.store is None:
+            return {}
+        ns, hashes = self.keys.of(token_ids, scope)
+        return dict(self.store.location(ns, hashes))
+
+    def forget(self, token_ids: list[int], scope: CacheScope, keep_blocks: int, timeout_s: float) -> dict[Tier, int]:
+        """Blocking: delete the transcript's full blocks past ``keep_blocks`` from every
+        store tier, in each namespace it may have them in; entries dropped per tier."""
+        out: dict[Tier, int] = {}
+        if self.store is None:
+            return out
+        for ns, hashes in self.keys.every_regime(token_ids, scope):  # LongRoPE models: both regimes
+            for tier, n in self.store.delete_many(ns, hashes[keep_blocks:], timeout_s).items():
+                out[tier] = out.get(tier, 0) + n
+        return out
+
+    def flush(self, timeout_s: float) -> bool:
+        """Blocking: wait (bounded) for queued writes to reach their tiers."""
+        return True if self.store is None else self.store.flush(timeout_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.transfers.drain()
+        if self.store is not None:
+            self.store.close()

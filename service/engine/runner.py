@@ -1,0 +1,176 @@
+"""The runner room: block tables, the batch layout and the model's forward.
+
+``run(plan)`` computes a step plan (service/engine/scheduler.py): one batched decode
+forward over the decode rows, one forward per prefill chunk, and returns the rows to
+sample with their logits. Every forward advances its sequences' ``num_computed``,
+registers the blocks it completed under their hashes (from then on any request in the
+same namespace can share them) and, on sliding-window models, gives back the leading
+blocks no later query can see. The runner also measures the prefill rate (tokens/s) that
+the restore room weighs restoring against, and seals finished sequences (computes a last
+token's KV when it completes a block).
+"""
+
+from __future__ import annotations
+
+import array
+from collections import deque
+from typing import Any
+
+import torch
+
+from kvserve.service.engine.sequence import Sequence, StepPlan
+from kvserve.service.kv.block_manager import NULL_BLOCK, BlockManager
+from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+from kvserve.service.kv.keys import BlockKeys
+from kvserve.service.kv.transfer import BlockTransfers
+
+Row = tuple[Sequence, torch.Tensor]  # a sequence to sample and its (V,) logits
+
+PREFILL_TIMED_MIN = 32  # prefill chunks at least this long are timed for the prefill rate
+
+
+class Runner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        blocks: BlockManager,
+        keys: BlockKeys,
+        transfers: BlockTransfers,
+        *,
+        device: torch.device,
+        release_window: int | None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.blocks = blocks
+        self.keys = keys
+        self.transfers = transfers
+        self.device = device
+        self.block_size = keys.block_size
+        self.longrope = keys.longrope_threshold is not None  # the model reads each row's regime
+        # blocks outside every layer's window can be given back (when every layer has one)
+        self.release_window = release_window
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_seal_tokens = 0
+        # measured prefill rate (tokens/s), for the restore-or-recompute decision
+        self.prefill_tokens_per_s: float | None = None
+        self._prefill_marks: deque[tuple[int, Any, Any]] = deque()  # (tokens, start, end) to read
+
+    def run(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None]:
+        """Compute ``plan``; returns the rows whose next token is to be sampled (decode rows
+        first) and, when they are the decode rows alone, their (B, V) logits as one tensor."""
+        rows: list[Row] = []
+        decode_logits = None
+        if plan.decode:
+            decode_logits = self.forward([(s, 1) for s in plan.decode])
+            self.num_decode_tokens += len(plan.decode)
+            rows.extend((s, decode_logits[i]) for i, s in enumerate(plan.decode))
+        ops = self.transfers.ops
+        for seq, n in plan.prefill:
+            t0 = ops.mark()
+            logits = self.forward([(seq, n)])
+            self.num_prefill_tokens += n
+            if n >= PREFILL_TIMED_MIN:  # timed for the prefill rate (restore-vs-recompute)
+                self._prefill_marks.append((n, t0, ops.mark()))
+            if seq.num_computed == len(seq.token_ids):
+                rows.append((seq, logits[0]))
+        self.poll_prefill_rate()
+        return rows, decode_logits if len(rows) == len(plan.decode) else None
+
+    def poll_prefill_rate(self) -> None:
+        """Fold timed prefill chunks into the EWMA of prefill tokens/s, in order, as far
+        as their end marks completed (CPU: at once; CUDA: GPU time from timing events,
+        read without waiting, so a chunk is counted a step or so later)."""
+        while self._prefill_marks:
+            n, t0, t1 = self._prefill_marks[0]
+            dt = self.transfers.ops.seconds_between(t0, t1)
+            if dt is None:
+                return
+            self._prefill_marks.popleft()
+            if dt > 0:
+                r = n / dt
+                p = self.prefill_tokens_per_s
+                self.prefill_tokens_per_s = r if p is None else 0.8 * p + 0.2 * r
+
+    def seal(self, seqs: list[Sequence]) -> None:
+        """Compute the KV of a finished sequence's last token when that token completes
+        a block, so the whole transcript is cached for the session's next turn."""
+        work = [
+            (s, 1)
+            for s in seqs
+            if len(s.token_ids) % self.block_size == 0
+            and len(s.token_ids) - s.num_computed == 1
+            and len(s.blocks) * self.block_size >= len(s.token_ids)
+        ]
+        if work:
+            self.forward(work)
+            self.num_seal_tokens += len(work)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """(source, destination) block ids: the destination gets a copy of the source's KV."""
+        for src, dst in copies:
+            self.pool.import_block(dst, self.pool.block_view(src))
+
+    def _block_table(self, seq: Sequence) -> array.array:
+        """The sequence's block table as the model reads it: int64 block ids, the released
+        leading blocks as the null block. Kept on the sequence and extended by the blocks
+        added since (O(new blocks) a step, not O(all)); made again when its block list is
+        replaced or blocks are released."""
+        blocks, released = seq.blocks, seq.num_released
+        cached = seq.table
+        if cached is not None and cached[0] is blocks and cached[1] == released and len(cached[2]) <= len(blocks):
+            table = cached[2]
+            if len(table) < len(blocks):
+                table.extend(b.block_id for b in blocks[len(table) :])
+        else:
+            table = array.array("q", [NULL_BLOCK] * released)
+            table.extend(b.block_id for b in blocks[released:])
+        seq.table = (blocks, released, table)
+        return table
+
+    def forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """One forward over ``work`` ((sequence, tokens) each, from its ``num_computed``):
+        (len(work), V) logits of each slice's last token."""
+        slices = [
+            SeqSlice(
+                block_table=self._block_table(seq),
+                start_pos=seq.num_computed,
+                token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
+                long_rope=seq.long_rope if self.longrope else None,
+            )
+            for seq, n in work
+        ]
+        layout = BatchLayout.build(slices, self.block_size, self.device)
+        logits = self.model(layout, self.pool)
+        for seq, n in work:
+            seq.num_computed += n
+            self._register_full_blocks(seq)
+            self._release_outside_window(seq)
+        return logits
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed // self.block_size
+        if full <= seq.num_registered:
+            return
+        if len(seq.hashes) < full:
+            seq.hashes = self.keys.chain(seq.namespace, seq.token_ids[: full * self.block_size], seq.hashes)
+        for i in range(seq.num_registered, full):
+            self.blocks.register(seq.blocks[i], seq.hashes[i], seq.namespace)
+        seq.num_registered = full
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Sliding-window models (every layer windowed): give back the leading blocks no
+        later query can see. The query at position p sees keys p - W + 1 .. p, and every
+        later query is at p >= num_computed, so block i is dead once
+        (i + 1) * block_size <= num_computed - W + 1. The blocks are full and registered:
+        freed, they stay cached (and demote to the host/Redis tiers when evicted), still
+        valid for a later turn or another sequence sharing the prefix. The block table
+        keeps their slots, pointing at the null block, which the window masks."""
+        if self.release_window is None:
+            return
+        dead = min((seq.num_computed - self.release_window + 1) // self.block_size, seq.num_registered)
+        if dead > seq.num_released:
+            self.blocks.free(seq.blocks[seq.num_released : dead])
+            seq.num_released = dead

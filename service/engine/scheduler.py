@@ -1,0 +1,293 @@
+"""The scheduler room: queues, admission, the token budget and preemption.
+
+It owns where every sequence is (the inbox other threads hand work into, waiting,
+restoring, running) and which device blocks each holds, and it decides each step's
+work: ``admit`` takes waiting sequences in while blocks and sequence slots allow
+(hashing the prompt's full blocks, sharing the device hits, naming the range a restore
+may fill), ``plan`` splits the step's token budget into decode rows and prefill chunks,
+preempting the most recently started sequence when one needs a block and none is free.
+It touches no tensor and no store: restores, forwards and sampling are other rooms',
+called by ``LLMEngine`` with what this one returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvserve.cachestore.keys import BlockHash
+from kvserve.service.engine.config import EngineConfig
+from kvserve.service.engine.sequence import Sequence, SeqStatus, StepPlan
+from kvserve.service.kv.block_manager import Block, BlockManager, NoFreeBlocks
+from kvserve.service.kv.keys import BlockKeys
+from kvserve.service.types import QueueFull, Tier
+
+
+@dataclass
+class Admitted:
+    """What one ``admit`` did: sequences now running (the engine emits their start), now
+    restoring (the range a restore may load: hashes and the fresh blocks they go to), and
+    refused (they can never fit: the engine fails them)."""
+
+    running: list[Sequence] = field(default_factory=list)
+    restoring: list[tuple[Sequence, list[BlockHash], list[Block]]] = field(default_factory=list)
+    refused: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, keys: BlockKeys, *, has_tiers: bool) -> None:
+        self.cfg = cfg
+        self.block_size = cfg.block_size
+        self.blocks = blocks
+        self.keys = keys
+        self.has_tiers = has_tiers  # a host/Redis tier exists: admission names restore ranges
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.restoring: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._calls: list[Callable[[], None]] = []  # run on the engine thread between steps
+        self._lock = threading.Lock()
+        self.work_ready = threading.Event()
+        self.num_preempted = 0
+        self.num_rope_switches = 0  # sequences recomputed on crossing the LongRoPE switch length
+
+    # ---- called from other threads ---------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        with self._lock:
+            if len(self.waiting) + len(self._inbox) >= self.cfg.max_queue:
+                raise QueueFull(f"the queue is full ({self.cfg.max_queue} waiting requests); retry later")
+            self._inbox.append(seq)
+        self.work_ready.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self.work_ready.set()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._calls.append(fn)
+        self.work_ready.set()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.restoring or self._inbox or self._aborts or self._calls)
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        self.work_ready.wait(timeout_s)
+        self.work_ready.clear()
+
+    def counts(self) -> tuple[int, int]:
+        """(running incl. restoring, waiting incl. the inbox)."""
+        return len(self.running) + len(self.restoring), len(self.waiting) + len(self._inbox)
+
+    # ---- the engine thread -----------------------------------------------------------
+
+    def drain_inbox(self) -> tuple[list[Callable[[], None]], list[Sequence]]:
+        """New requests join the waiting queue; returns the calls to run now and the
+        sequences an abort ends now (a restoring one is marked and ends when it lands)."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for seq in new:
+            self._by_id[seq.request_id] = seq
+            self.waiting.append(seq)
+        cancelled: list[Sequence] = []
+        for rid in aborts:
+            first = self._by_id.get(rid)
+            for seq in (first.group or [first]) if first is not None else []:
+                if seq.status is SeqStatus.FINISHED:
+                    continue
+                if seq.status is SeqStatus.RESTORING:
+                    seq.cancelled = True  # its blocks are being written; finished when it lands
+                    continue
+                if seq.status is SeqStatus.WAITING:
+                    self.waiting.remove(seq)
+                cancelled.append(seq)
+        return calls, cancelled
+
+    def admit(self) -> Admitted | None:
+        """Take waiting sequences in while blocks and sequence slots allow (None: none waits)."""
+        if not self.waiting:
+            return None
+        out = Admitted()
+        while self.waiting and len(self.running) + len(self.restoring) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            restore = self._try_allocate(seq)
+            if restore is None:
+                if not self.running and not self.restoring:
+                    # nothing will ever free blocks for it (validate() should prevent this)
+                    self.waiting.popleft()
+                    out.refused.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            if restore[0]:
+                seq.status = SeqStatus.RESTORING
+                self.restoring.append(seq)
+                out.restoring.append((seq, *restore))
+            else:
+                self.start_running(seq)
+                out.running.append(seq)
+        return out
+
+    def _try_allocate(self, seq: Sequence) -> tuple[list[BlockHash], list[Block]] | None:
+        """Blocks for the whole of ``seq``'s tokens (device hits shared), or None when they
+        do not fit now; returns the range past the device hits a restore may fill."""
+        bs = self.block_size
+        n_tokens = len(seq.token_ids)
+        seq.hashes = self.keys.chain(seq.namespace, seq.token_ids, seq.hashes)
+        # the last token is always recomputed (its logits are needed)
+        reusable = (n_tokens - 1) // bs
+        device_hits = self.blocks.match_prefix(seq.hashes[:reusable])
+        n_dev = len(device_hits)
+        n_needed = -(-n_tokens // bs)
+        # n > 1: one block per extra sequence for its copy of the partial last prompt block
+        n_fork = seq.request.sampling.n - 1 if seq.fork_pending and n_tokens % bs else 0
+        idle_hits = sum(1 for b in device_hits if b.ref_count == 0)
+        if self.blocks.num_free - idle_hits < n_needed - n_dev + n_fork:
+            return None
+        self.blocks.touch(device_hits)
+        fresh = self.blocks.allocate(n_needed - n_dev)
+        seq.fork_blocks = self.blocks.allocate(n_fork)
+        seq.blocks = device_hits + fresh
+        seq.num_computed = n_dev * bs
+        seq.num_registered = n_dev
+        seq.cached_by_tier = {Tier.DEVICE: n_dev * bs} if n_dev else {}
+        seq.t_admit = time.monotonic()
+        if self.has_tiers and n_dev < reusable:
+            return seq.hashes[n_dev:reusable], fresh[: reusable - n_dev]
+        return [], []
+
+    def start_running(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def restored(self, seq: Sequence) -> None:
+        """Its restore landed (the restore room registered what it loaded)."""
+        self.restoring.remove(seq)
+
+    def plan(self) -> StepPlan:
+        """Decode rows and prefill chunks for this step within ``max_num_batched_tokens``;
+        a sequence that needs a block when none is free preempts the most recently started
+        one (itself last); one that grew past LongRoPE's switch length is re-admitted."""
+        budget = self.cfg.max_num_batched_tokens
+        decode: list[Sequence] = []
+        prefill: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below
+                continue
+            if not seq.long_rope and self.keys.is_long(len(seq.token_ids)):
+                self._switch_to_long_rope(seq)
+                continue
+            pending = len(seq.token_ids) - seq.num_computed
+            n = 1 if pending == 1 else min(pending, max(budget - len(decode), 0))
+            if n == 0:
+                continue
+            while not self._ensure_blocks(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            if pending == 1:
+                decode.append(seq)
+                budget -= 1
+            else:
+                prefill.append((seq, n))
+                budget -= n
+        # a preemption may have removed a sequence scheduled earlier in this loop
+        return StepPlan(
+            decode=[s for s in decode if s in self.running],
+            prefill=[(s, n) for s, n in prefill if s in self.running],
+        )
+
+    def _ensure_blocks(self, seq: Sequence, n_tokens: int) -> bool:
+        need = -(-n_tokens // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        try:
+            seq.blocks.extend(self.blocks.allocate(need))
+            return True
+        except NoFreeBlocks:
+            return False
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Free a running sequence's blocks and send it back to wait (recompute later)."""
+        self.running.remove(victim)
+        self.release(victim)
+        victim.num_computed = 0
+        victim.num_registered = 0
+        victim.status = SeqStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preempted += 1
+
+    def _switch_to_long_rope(self, seq: Sequence) -> None:
+        """The sequence just grew past the LongRoPE switch length: as transformers does,
+        its whole KV is recomputed with the long factors. Its short-regime blocks stay
+        cached under the short namespace (still valid there); it waits to be admitted
+        again under the long namespace, where earlier long-regime blocks may hit."""
+        self.running.remove(seq)
+        self.release(seq)
+        seq.hashes = []
+        seq.num_computed = seq.num_registered = 0
+        seq.long_rope = True
+        seq.namespace = self.keys.namespace(seq.request.scope, len(seq.token_ids))
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_rope_switches += 1
+
+    def place_forks(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
+        """An n > 1 request forks at its first sample: each child takes a reference on the
+        prompt's full blocks and one reserved block for its copy of the partial last block,
+        and runs. Returns the (source, destination) block ids whose KV is to be copied."""
+        full = parent.num_computed // self.block_size
+        reserved = parent.fork_blocks
+        parent.fork_blocks = []
+        copies: list[tuple[int, int]] = []
+        for child in children:
+            blocks = list(parent.blocks[:full])
+            self.blocks.touch(blocks[parent.num_released :])
+            if full < len(parent.blocks):  # the partial last block: a copy of its KV
+                own = reserved.pop()
+                copies.append((parent.blocks[full].block_id, own.block_id))
+                blocks.append(own)
+            child.blocks = blocks
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+        if reserved:  # not needed after all (cannot happen: reserved iff a partial block)
+            self.blocks.free(reserved)
+        return copies
+
+    def release(self, seq: Sequence) -> None:
+        """Give back every block the sequence still holds."""
+        self.blocks.free(seq.blocks[seq.num_released :])
+        seq.blocks = []
+        seq.num_released = 0
+        if seq.fork_blocks:
+            self.blocks.free(seq.fork_blocks)
+            seq.fork_blocks = []
+
+    def retire(self, seq: Sequence) -> None:
+        """The sequence is finished: out of every queue, its blocks given back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        if seq.blocks or seq.fork_blocks:
+            self.release(seq)
+        if seq.group is None or all(s.status is SeqStatus.FINISHED for s in seq.group):
+            self._by_id.pop(seq.request_id, None)
+
+    def take_all(self) -> list[Sequence]:
+        """Every running and waiting sequence, the waiting ones taken off their queue (to
+        fail them all)."""
+        seqs = list(self.running) + list(self.waiting)
+        self.waiting.clear()
+        return seqs

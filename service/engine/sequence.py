@@ -1,0 +1,96 @@
+"""One sequence's state, shared by the engine's rooms (scheduler, restore, runner, output).
+
+A ``Sequence`` is plain data: each room reads and writes the fields of its own concern
+(the scheduler its status, blocks and queue place; the runner ``num_computed`` and the
+registered/released counts; the output room its tokens, stream, generator and matcher)
+and none imports another room to do it.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvserve.cachestore.keys import BlockHash
+from kvserve.service.kv.block_manager import Block
+from kvserve.service.types import Event, GenerationRequest, Tier
+
+if TYPE_CHECKING:
+    from kvserve.service.engine.output import TextStream
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RESTORING = "restoring"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    namespace: bytes
+    token_ids: list[int]  # prompt + output so far
+    num_prompt: int
+    arrival: float
+    stream: TextStream
+    generator: torch.Generator | None
+    status: SeqStatus = SeqStatus.WAITING
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)  # of full blocks of token_ids
+    num_computed: int = 0  # leading tokens whose KV is in the pool
+    num_registered: int = 0  # leading blocks registered under their hash
+    num_released: int = 0  # leading blocks given back: outside every layer's sliding window
+    cached_by_tier: dict[Tier, int] = field(default_factory=dict)
+    long_rope: bool = False  # LongRoPE models: computed with the long factors (namespace follows)
+    started: bool = False
+    cancelled: bool = False
+    index: int = 0  # which of the request's n sequences
+    group: list["Sequence"] | None = None  # n > 1, once forked: every sequence of the request
+    fork_blocks: list[Block] = field(default_factory=list)  # n > 1: reserved for the forks' partial block
+    matcher: Any = None  # response_format: the llguidance matcher of this sequence's output
+    restore: Future | None = None
+    table: tuple[list[Block], int, array.array] | None = None  # (blocks, num_released, block table): Runner
+    t_admit: float = 0.0
+    t_restore0: float = 0.0
+    restore_s: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_by_tier.values())
+
+    @property
+    def fork_pending(self) -> bool:
+        """n > 1 and not forked yet (the prompt is still being computed)."""
+        return self.request.sampling.n > 1 and self.group is None
+
+
+Emitted = list[tuple[str, Event]]  # (request id, event), in order
+
+
+@dataclass
+class StepPlan:
+    """One step's forward work: decode rows (one pending token each, one batched forward)
+    and prefill chunks (sequence, tokens), within the token budget."""
+
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]
