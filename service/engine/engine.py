@@ -54,6 +54,7 @@ from kvserve.service.engine.restore import Restorer
 from kvserve.service.engine.runner import Row, Runner
 from kvserve.service.engine.sampling import sample
 from kvserve.service.engine.scheduler import Scheduler
+from kvserve.service.engine.speculative import SpecConfig
 from kvserve.service.engine.sequence import Emitted, Sequence, SeqStatus
 from kvserve.service.kv.block_manager import Block, BlockManager
 from kvserve.service.kv.cache import KVPool
@@ -129,7 +130,12 @@ class LLMEngine:
         )
 
         # the rooms
-        self.scheduler = Scheduler(cfg, self.blocks, self.keys, has_tiers=store is not None)
+        if cfg.speculative not in ("ngram", "off"):
+            raise ValueError(f"speculative must be ngram or off, got {cfg.speculative!r}")
+        self.spec = SpecConfig(max_draft=cfg.spec_max_draft) if cfg.speculative == "ngram" else None
+        self.scheduler = Scheduler(
+            cfg, self.blocks, self.keys, has_tiers=store is not None, max_model_len=self.max_model_len, spec=self.spec
+        )
         self.restorer = Restorer(
             store, self.transfers, self.pool, self.blocks, self.keys,
             policy=cfg.restore_policy, min_speedup=cfg.restore_min_speedup,
@@ -215,6 +221,9 @@ class LLMEngine:
             blocks_cached=self.blocks.num_cached_idle,
             prefill_tokens=self.runner.num_prefill_tokens,
             decode_tokens=self.runner.num_decode_tokens,
+            spec_steps=self.runner.num_verify_steps,
+            spec_draft_tokens=self.runner.num_draft_tokens,
+            spec_accepted_tokens=self.runner.num_accepted_tokens,
         )
 
     def cache_stats(self) -> CacheStats:
@@ -329,10 +338,28 @@ class LLMEngine:
             self.scheduler.wait_for_work(0.01)
             return out
         if self.scheduler.running:
-            rows, logits = self.runner.run(self.scheduler.plan())
+            rows, logits, verified = self.runner.run(self.scheduler.plan())
+            if verified:
+                self._verify_and_emit(verified, out)
             if rows:
                 self._sample_and_emit(rows, out, logits)
         return out
+
+    def _verify_and_emit(self, rows: list[Row], out: Emitted) -> None:
+        """Speculative rows: the output room takes the accepted drafts and the next token,
+        the runner keeps their KV (registering completed blocks), the scheduler gives back
+        the blocks past the sequence's tokens, then stops and failures as ``emit``'s."""
+        emitted = self.output.emit_verified(rows)
+        out.extend(emitted.events)
+        for seq, accepted in emitted.verified:
+            self.runner.commit(seq, accepted)
+            self.scheduler.trim(seq)
+        if emitted.finished:
+            self.runner.seal([s for s, _ in emitted.finished])
+            for seq, reason in emitted.finished:
+                self._finish(seq, reason, out)
+        for seq, error, rejected in emitted.failed:
+            self._finish(seq, FinishReason.ERROR, out, error=error, rejected=rejected)
 
     def _started(self, seq: Sequence, out: Emitted) -> None:
         if not seq.started:

@@ -54,15 +54,22 @@ class Runner:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_seal_tokens = 0
+        # speculative decoding: verify forwards (one per sequence), drafts run through them
+        # (counted in num_decode_tokens too) and drafts accepted
+        self.num_verify_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # measured prefill rate (tokens/s), for the restore-or-recompute decision
         self.prefill_tokens_per_s: float | None = None
         self._prefill_marks: deque[tuple[int, Any, Any]] = deque()  # (tokens, start, end) to read
 
-    def run(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None]:
+    def run(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None, list[Row]]:
         """Compute ``plan``; returns the rows whose next token is to be sampled (decode rows
-        first) and, when they are the decode rows alone, their (B, V) logits as one tensor."""
+        first), when they are the decode rows alone their (B, V) logits as one tensor, and
+        the verify rows with their (1 + drafts, V) logits (``verify``)."""
         rows: list[Row] = []
         decode_logits = None
+        verified = self.verify(plan.verify) if plan.verify else []
         if plan.decode:
             decode_logits = self.forward([(s, 1) for s in plan.decode])
             self.num_decode_tokens += len(plan.decode)
@@ -77,7 +84,39 @@ class Runner:
             if seq.num_computed == len(seq.token_ids):
                 rows.append((seq, logits[0]))
         self.poll_prefill_rate()
-        return rows, decode_logits if len(rows) == len(plan.decode) else None
+        return rows, decode_logits if len(rows) == len(plan.decode) else None, verified
+
+    def verify(self, seqs: list[Sequence]) -> list[Row]:
+        """One forward over each sequence's pending token and its drafts (``seq.drafts``),
+        as a prefill chunk is computed but with the logits of every position: row i of a
+        sequence's (1 + k, V) is the target after its drafts[:i]. Its ``num_computed`` does
+        not move: what the drafts' KV is worth is known once they are accepted
+        (``commit``); until then nothing is registered."""
+        slices = [
+            SeqSlice(
+                block_table=self._block_table(seq),
+                start_pos=seq.num_computed,
+                token_ids=[seq.token_ids[-1], *seq.drafts],
+                long_rope=seq.long_rope if self.longrope else None,
+            )
+            for seq in seqs
+        ]
+        layout = BatchLayout.build(slices, self.block_size, self.device)
+        logits = self.model(layout, self.pool, all_logits=True)  # (B, T, V)
+        self.num_decode_tokens += layout.num_tokens
+        self.num_verify_steps += len(seqs)
+        self.num_draft_tokens += layout.num_tokens - len(seqs)
+        return [(seq, logits[i, : 1 + len(seq.drafts)]) for i, seq in enumerate(seqs)]
+
+    def commit(self, seq: Sequence, accepted: int) -> None:
+        """A verified sequence kept ``accepted`` of its drafts (each one now a token of
+        it): its pending token's and theirs are computed KV (registered when they complete
+        a block); the rejected drafts' KV past them is stale and is overwritten when
+        those positions are computed again."""
+        seq.num_computed = min(seq.num_computed + 1 + accepted, len(seq.token_ids))
+        self.num_accepted_tokens += accepted
+        self._register_full_blocks(seq)
+        self._release_outside_window(seq)
 
     def poll_prefill_rate(self) -> None:
         """Fold timed prefill chunks into the EWMA of prefill tokens/s, in order, as far
