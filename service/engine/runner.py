@@ -66,14 +66,18 @@ class Runner:
     def run(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None, list[Row]]:
         """Compute ``plan``; returns the rows whose next token is to be sampled (decode rows
         first), when they are the decode rows alone their (B, V) logits as one tensor, and
-        the verify rows with their (1 + drafts, V) logits (``verify``)."""
+        the verify rows with their (1 + drafts, V) logits (``decode_step``)."""
         rows: list[Row] = []
         decode_logits = None
-        verified = self.verify(plan.verify) if plan.verify else []
-        if plan.decode:
-            decode_logits = self.forward([(s, 1) for s in plan.decode])
-            self.num_decode_tokens += len(plan.decode)
+        verified: list[Row] = []
+        if plan.decode or plan.verify:
+            logits = self.decode_step(plan.decode, plan.verify)
+            decode_logits = logits[: len(plan.decode)]
             rows.extend((s, decode_logits[i]) for i, s in enumerate(plan.decode))
+            at = len(plan.decode)
+            for seq in plan.verify:
+                verified.append((seq, logits[at : at + 1 + len(seq.drafts)]))
+                at += 1 + len(seq.drafts)
         ops = self.transfers.ops
         for seq, n in plan.prefill:
             t0 = ops.mark()
@@ -86,27 +90,41 @@ class Runner:
         self.poll_prefill_rate()
         return rows, decode_logits if len(rows) == len(plan.decode) else None, verified
 
-    def verify(self, seqs: list[Sequence]) -> list[Row]:
-        """One forward over each sequence's pending token and its drafts (``seq.drafts``),
-        as a prefill chunk is computed but with the logits of every position: row i of a
-        sequence's (1 + k, V) is the target after its drafts[:i]. Its ``num_computed`` does
-        not move: what the drafts' KV is worth is known once they are accepted
-        (``commit``); until then nothing is registered."""
-        slices = [
-            SeqSlice(
-                block_table=self._block_table(seq),
-                start_pos=seq.num_computed,
-                token_ids=[seq.token_ids[-1], *seq.drafts],
-                long_rope=seq.long_rope if self.longrope else None,
-            )
-            for seq in seqs
-        ]
+    def decode_step(self, decode: list[Sequence], verify: list[Sequence]) -> torch.Tensor:
+        """One batched decode forward, (rows, V) logits: a row per decode sequence (its
+        pending token), then for each verify sequence a row per position of its pending
+        token and its drafts (``seq.drafts``), in order, all sharing its block table. Each
+        row is one new token at its own position, so the whole step is a decode step (the
+        native decode layer where it applies): every row's K/V is written before any row
+        attends, and a row sees the positions up to its own, so row i of a verify sequence
+        is the target after its drafts[:i], as a prefill chunk of those tokens would give.
+        Decode rows advance; a verify sequence's ``num_computed`` does not move until
+        ``commit`` knows what its drafts' KV is worth, and nothing of it is registered."""
+        slices = []
+        for seq in decode:
+            slices.append(self._slice(seq, seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1]))
+        for seq in verify:
+            table = self._block_table(seq)
+            for i, tok in enumerate([seq.token_ids[-1], *seq.drafts]):
+                slices.append(self._slice(seq, seq.num_computed + i, [tok], table))
         layout = BatchLayout.build(slices, self.block_size, self.device)
-        logits = self.model(layout, self.pool, all_logits=True)  # (B, T, V)
-        self.num_decode_tokens += layout.num_tokens
-        self.num_verify_steps += len(seqs)
-        self.num_draft_tokens += layout.num_tokens - len(seqs)
-        return [(seq, logits[i, : 1 + len(seq.drafts)]) for i, seq in enumerate(seqs)]
+        logits = self.model(layout, self.pool)
+        for seq in decode:
+            seq.num_computed += 1
+            self._register_full_blocks(seq)
+            self._release_outside_window(seq)
+        self.num_decode_tokens += len(slices)
+        self.num_verify_steps += len(verify)
+        self.num_draft_tokens += len(slices) - len(decode) - len(verify)
+        return logits
+
+    def _slice(self, seq: Sequence, start: int, tokens: list[int], table: array.array | None = None) -> SeqSlice:
+        return SeqSlice(
+            block_table=self._block_table(seq) if table is None else table,
+            start_pos=start,
+            token_ids=tokens,
+            long_rope=seq.long_rope if self.longrope else None,
+        )
 
     def commit(self, seq: Sequence, accepted: int) -> None:
         """A verified sequence kept ``accepted`` of its drafts (each one now a token of

@@ -21,7 +21,7 @@ from typing import Callable
 from kvserve.cachestore.keys import BlockHash
 from kvserve.service.engine.config import EngineConfig
 from kvserve.service.engine.sequence import Sequence, SeqStatus, StepPlan
-from kvserve.service.engine.speculative import NgramDrafter, SpecConfig
+from kvserve.service.engine.speculative import MAX_STEP_ROWS, NgramDrafter, SpecConfig
 from kvserve.service.kv.block_manager import Block, BlockManager, NoFreeBlocks
 from kvserve.service.kv.keys import BlockKeys
 from kvserve.service.types import QueueFull, Tier
@@ -193,6 +193,9 @@ class Scheduler:
         decode: list[Sequence] = []
         prefill: list[tuple[Sequence, int]] = []
         verify: list[Sequence] = []
+        # drafts are extra rows of the decode forward: no more rows than the native decode
+        # layer takes in one call (past it the whole step would run on torch's kernels)
+        spare_rows = MAX_STEP_ROWS - len(self.running)
         for seq in list(self.running):
             if seq not in self.running:  # preempted below
                 continue
@@ -211,10 +214,11 @@ class Scheduler:
             if seq not in self.running:
                 continue
             if pending == 1:
-                seq.drafts = self._draft(seq, budget - 1) if self.spec is not None else []
+                seq.drafts = self._draft(seq, min(budget - 1, spare_rows)) if self.spec is not None else []
                 if seq.drafts:
                     verify.append(seq)
                     budget -= 1 + len(seq.drafts)
+                    spare_rows -= len(seq.drafts)
                 else:
                     decode.append(seq)
                     budget -= 1
