@@ -53,13 +53,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.service.models import native  # torch-free
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvserve, not an installed one
+
+from kvserve.service import kernels  # noqa: E402  torch-free
 
 ENV_AT_START = dict(os.environ)  # llama-bench runs with this: its own OpenMP threads keep libgomp's default wait
-native.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402

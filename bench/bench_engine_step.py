@@ -57,7 +57,7 @@ def main() -> None:
     shapes = {
         "tiny": dict(),
         "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                     num_key_value_heads=4, vocab_size=32000, tokenizer=False, max_position_embeddings=2048),
+                     num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),  # tokenizer: 400 pieces
     }
     ckpt = Path(args.checkpoint or tempfile.mkdtemp(prefix="kvserve-step-"))
     if not (ckpt / "config.json").exists():

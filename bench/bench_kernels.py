@@ -36,9 +36,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvserve.service.models import native  # noqa: E402  torch-free
+from kvserve.service import kernels  # noqa: E402  torch-free
+from kvserve.service.kernels import build  # noqa: E402
+from kvserve.service.kernels.binding import header_binding  # noqa: E402
 
-native.passive_openmp()
+kernels.passive_openmp()
 import torch  # noqa: E402
 
 from bench.bench_engine import BLOCK_SIZE, SHAPES  # noqa: E402
@@ -51,28 +53,43 @@ FORMATS = {  # name: (entry point, weight dtype)
 }
 
 
+SOURCE_DIRS = ("service/kernels/src", "service/models/native")  # where a revision keeps them: now, and before
+
+
 def build_from_revision(rev: str, isa: str, out_dir: Path) -> Path:
-    """The native library compiled from ``rev``'s sources (``git show``), this checkout's
-    flags, at ``isa``; SystemExit with one line when it cannot be."""
+    """The native library compiled from ``rev``'s sources (``git show``, from the kernels'
+    room or, in older revisions, models/native/), this checkout's flags, at ``isa``;
+    SystemExit with one line when it cannot be."""
     src = out_dir / "src"
     src.mkdir()
-    for name in (*native.SOURCES, *native.HEADERS):
-        done = subprocess.run(["git", "show", f"{rev}:service/models/native/{name}"], cwd=REPO,
-                              capture_output=True)  # fmt: skip
-        if done.returncode != 0:
-            raise SystemExit(f"--against {rev}: {done.stderr.decode().strip() or 'git show failed'}")
-        (src / name).write_bytes(done.stdout)
-    lib = out_dir / f"libkvnative-{isa}-{rev.replace('/', '_')}.so"
+    for where in SOURCE_DIRS:
+        listing = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{where}"], cwd=REPO, capture_output=True,
+                                 text=True)  # fmt: skip
+        if listing.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"--against {rev}: no kernel sources in {' or '.join(SOURCE_DIRS)}")
+    for name in listing.stdout.split():
+        if name.endswith((".cpp", ".h")):
+            done = subprocess.run(["git", "show", f"{rev}:{where}/{name}"], cwd=REPO, capture_output=True)
+            if done.returncode != 0:
+                raise SystemExit(f"--against {rev}: {done.stderr.decode().strip() or 'git show failed'}")
+            (src / name).write_bytes(done.stdout)
+    lib = out_dir / f"libkvkernels-{isa}-{rev.replace('/', '_')}.so"
     try:
-        native.compile_sources(src, isa, lib)
+        build.compile_sources(src, isa, lib)
     except RuntimeError as e:
         raise SystemExit(f"--against {rev}: {e}") from None
     return lib
 
 
 def load(path: Path) -> ctypes.CDLL:
+    """``path`` with the entry points it has declared as kvkernels.h declares them (an
+    older revision lacks the build-id functions; the timed ones must not differ)."""
     lib = ctypes.CDLL(str(path))
-    native._declare(lib)
+    for name, (argtypes, restype) in header_binding().functions.items():
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
     return lib
 
 
@@ -185,14 +202,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", metavar="REV", help="also time the library built from git revision REV")
     args = ap.parse_args()
-    isas = native.cpu_isas()
+    isas = kernels.cpu_isas()
     if not isas:
         raise SystemExit("the native kernels need an x86-64 CPU with AVX2 and FMA")
     isa = isas[0]
     shape = SHAPES[args.shape]
     names = ["this checkout"]
     with tempfile.TemporaryDirectory(prefix="kvserve-kernels-") as tmp:
-        libs = [load(native.compile_library(isa))]
+        this = kernels.library_path(isa)
+        if not this.is_file():
+            raise SystemExit(f"no {this.name}: build the kernels first (pip install -e . or python -m kvserve.service.kernels)")
+        libs = [load(this)]
         if args.against:
             libs.append(load(build_from_revision(args.against, isa, Path(tmp))))
             names.append(args.against)

@@ -49,9 +49,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvserve.service.models import native  # noqa: E402  torch-free
+from kvserve.service import kernels  # noqa: E402  torch-free
 
-native.passive_openmp()  # the in-process engine as the server runs it: before torch loads
+kernels.passive_openmp()  # the in-process engine as the server runs it: before torch loads
 from kvserve.clients import AsyncKVServeClient, TextDelta  # noqa: E402
 from kvserve.service.types import Delta, GenerationRequest, SamplingParams  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402

@@ -25,23 +25,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kvserve.service.models import native  # torch-free
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvserve, not an installed one
 
-native.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+from kvserve.service import kernels  # noqa: E402  torch-free
+
+kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.bench_engine import BLOCK_SIZE, SHAPES  # noqa: E402
 from kvserve.service.engine.sampling import greedy  # noqa: E402
 from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
-from kvserve.service.models import native  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
 from kvserve.service.models.quant import WEIGHT_FORMATS  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
@@ -141,8 +141,9 @@ def main() -> None:
         if args.empty_kernels:
             if loaded.native != "on":
                 raise SystemExit("--empty-kernels: the native kernels are not serving")
-            empty = EmptyKernels(native.load())
-            native.load = lambda: empty  # what the model's native calls look up
+            served = kernels.load()
+            empty = dataclasses.replace(served, lib=EmptyKernels(served.lib))
+            kernels.load = lambda: empty  # what the model's native calls look up
 
         def step(i: int) -> list[int]:
             layout = BatchLayout.build([SeqSlice(t, ctx + i % 8, [7]) for t in tables], BLOCK_SIZE, "cpu")

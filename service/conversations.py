@@ -47,14 +47,17 @@ import dataclasses
 import logging
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
+from kvserve.service.history import HistoryAction, HistoryPlan, plan_history
 from kvserve.service.metrics import ServiceMetrics
 from kvserve.service.models.tokenizer import ChatTemplateError
-from kvserve.service.sessions import SessionManager, SessionRecord, Turn
+from kvserve.service.sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
+from kvserve.service.sessions.stores import copy_record
 from kvserve.service.spill import SpillScheduler
 from kvserve.service.types import (
     CacheScope,
+    ChatMessage,
     Delta,
     Event,
     Finished,
@@ -127,20 +130,46 @@ class Conversations:
         self.shared_cache_salts = frozenset(shared_cache_salts)
         self.spill = spill
         self._max_bytes_per_token: int | None = None
+        self._piece_bytes: list[bytes] | None = None  # token_pieces: sentencepiece's bytes per id, once
 
     # ------------------------------------------------------------------ the turn
 
     async def run_turn(
-        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER
-    ) -> AsyncIterator[Event]:
+        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER, *,
+        resent_history: bool = False, fork_from: str = "",
+    ) -> AsyncIterator[Event]:  # fmt: skip
         """Serve one Generate call of ``owner``: see the module docstring. ``observer``
-        (the call's trace) hears of the start event and of the finish, before the commit."""
+        (the call's trace) hears of the start event and of the finish, before the commit.
+
+        ``resent_history`` (a session turn of chat messages): the messages are the whole
+        history, as OpenAI clients send it; under the turn lock it is matched against the
+        session's record (``service.history.plan_history``) and the turn extends the
+        session, rewinds it to the last turn the history follows or starts it over. The
+        start event says where it diverged (``history_diverged_at``) and how many turns
+        it rewound (``history_rewound_turns``).
+
+        ``fork_from`` (a session turn that creates ``inp.session_id``): the new session
+        starts with that session's whole transcript, as ``fork`` would make it, and this
+        turn is its next one (the Responses API's ``previous_response_id``).
+
+        Both change the session only through the turn's commit: a turn refused, failed or
+        cancelled after them leaves every session exactly as it was."""
         arrival = time.perf_counter()
         self.check_sampling(inp.sampling)
         check_salt(inp.cache_salt, self.limits)
+        inp = self._with_template_roles(inp)
         session_id = inp.session_id
         mode = inp.mode
         check_turn_options(inp)
+        if (resent_history or fork_from) and (mode is not TurnMode.APPEND or not session_id):
+            raise InvalidRequest("a resent history or a fork source needs an appending session turn")
+        if resent_history and inp.messages is None:
+            raise InvalidRequest("a resent history needs chat messages")
+        if inp.messages is not None:  # every message, before a history is matched (indexes as sent)
+            self._check_roles(inp.messages)
+        source: SessionRecord | None = None
+        if fork_from:
+            source, _busy = await self.sessions.get(owner, fork_from)  # its last committed version
         if inp.sampling.response_format is not None:  # compiled (or refused) before any other work
             await self.engine.check_format(inp.sampling.response_format)
         remaining = inp.sampling.n  # the turn ends with the n-th Finished
@@ -150,12 +179,29 @@ class Conversations:
         elif session_id:
             turn = await self.sessions.begin_op(owner, session_id)
         finished = False
+        base: SessionRecord | None = None  # the record the turn extends, when it is not the stored one
+        history: HistoryPlan | None = None
         try:
             transcript = turn.record.token_ids if turn else []
             if turn is not None:
                 self.sessions.check_expected_turns(turn.record, inp.expected_turns)
                 if mode is not TurnMode.APPEND:  # the transcript as it was before the last turn
                     transcript = transcript[: self.sessions.last_turn_start(turn.record, mode.value)]
+            if turn is not None and source is not None:
+                if not turn.created:
+                    raise SessionExists(f"session {session_id!r} already exists; a fork needs a new session id")
+                base = copy_record(turn.record, token_ids=list(source.token_ids), turns=source.turns,
+                                   turn_log=list(source.turn_log), cache_salt=source.cache_salt,
+                                   forked_from=source.session_id)  # fmt: skip
+                if base.untracked_turns:
+                    raise TurnUnavailable(f"session {fork_from!r} was recorded before turn boundaries were kept")
+                transcript = base.token_ids
+            if turn is not None and resent_history:
+                assert inp.messages is not None
+                history = await asyncio.to_thread(plan_history, self.engine.tokenizer, turn.record, inp.messages)
+                inp, base = self._apply_history(inp, turn.record, history)
+                if base is not None:
+                    transcript = base.token_ids
             await self._check_input_size(inp, transcript)
             if mode is TurnMode.REGENERATE:  # the last turn's own input tokens
                 assert turn is not None
@@ -180,7 +226,12 @@ class Conversations:
                         self._observe_start(event)
                         info = self.engine.model_info
                         observer.started(event, info.block_size, info.bytes_per_token)
-                        event.session_created = turn is not None and turn.created
+                        event.session_created = turn is not None and (
+                            turn.created or (history is not None and history.action is HistoryAction.RESET)
+                        )
+                        if history is not None:
+                            event.history_diverged_at = history.diverged_at
+                            event.history_rewound_turns = history.rewound_turns
                         yield event
                     elif isinstance(event, Delta):
                         if turn is not None and turn.deleted:  # deleted on another replica meanwhile
@@ -199,10 +250,9 @@ class Conversations:
                         observer.finished(event)
                         if turn is not None:
                             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                                rec = await self.sessions.commit_turn(
-                                    turn, prompt, event.output_token_ids, cache_salt=inp.cache_salt,
-                                    finish_reason=event.finish_reason.value, replace_last=mode is not TurnMode.APPEND,
-                                )  # fmt: skip
+                                rec = await self._commit(turn, base, prompt, event, inp.cache_salt, mode)
+                                if history is not None and history.action is HistoryAction.REWIND:
+                                    self.metrics.session_operations.labels("rewind").inc()
                                 if self.spill is not None:
                                     self.spill.touch(owner, session_id, rec.token_ids, scope)
                                 if mode is not TurnMode.APPEND:
@@ -218,6 +268,49 @@ class Conversations:
         finally:
             if turn is not None:  # cancelled or failed: the transcript stays as before the turn
                 await asyncio.shield(self.sessions.end_turn(turn))
+
+    async def _commit(
+        self, turn: Turn, base: SessionRecord | None, prompt: list[int], fin: Finished, salt: str, mode: TurnMode
+    ) -> SessionRecord:
+        """Commit the turn; with ``base`` (a rewound, reset or forked copy of the record)
+        the turn extends that instead of the stored version, in the same one write
+        (conditional on the version the turn started from)."""
+        stored = turn.record
+        if base is not None:
+            turn.record = base
+        try:
+            return await self.sessions.commit_turn(
+                turn, prompt, fin.output_token_ids, cache_salt=salt, finish_reason=fin.finish_reason.value,
+                replace_last=mode is not TurnMode.APPEND,
+            )  # fmt: skip
+        except BaseException:
+            if not turn.committed:
+                turn.record = stored  # nothing was written: the lock's renewal keeps the stored version
+            raise
+
+    def _apply_history(
+        self, inp: TurnInput, rec: SessionRecord, plan: HistoryPlan
+    ) -> tuple[TurnInput, SessionRecord | None]:
+        """The turn's input and the record it extends (None: the stored one) under ``plan``."""
+        assert inp.messages is not None
+        messages = inp.messages[plan.first :]
+        if plan.action is HistoryAction.REWIND:
+            keep = plan.keep_turns
+            base = copy_record(rec, token_ids=rec.token_ids[: rec.turn_end(keep)], turns=keep,
+                               turn_log=rec.turn_log[: keep - rec.untracked_turns])  # fmt: skip
+            return dataclasses.replace(inp, messages=messages), base
+        if plan.action is HistoryAction.RESET:  # the old transcript's KV stays cached by content
+            return inp, copy_record(rec, token_ids=[], turns=0, turn_log=[])
+        return dataclasses.replace(inp, messages=messages), None
+
+    def _with_template_roles(self, inp: TurnInput) -> TurnInput:
+        """OpenAI's ``developer`` role is ``system`` for a template that has no such role."""
+        if inp.messages is None or not any(m.role == "developer" for m in inp.messages):
+            return inp
+        if "developer" in self.engine.tokenizer.known_roles:
+            return inp
+        msgs = tuple(ChatMessage("system", m.content) if m.role == "developer" else m for m in inp.messages)
+        return dataclasses.replace(inp, messages=msgs)
 
     # ------------------------------------------------------------------ session operations
 
@@ -239,6 +332,23 @@ class Conversations:
         self.metrics.session_operations.labels("fork").inc()
         if self.spill is not None and rec.token_ids:
             self.spill.touch(owner, new_session_id, rec.token_ids, self.cache_scope(owner, rec.cache_salt))
+        return rec
+
+    async def session(self, owner: str, session_id: str) -> tuple[SessionRecord, bool, str]:
+        """A session's record, whether a turn is in flight, and its last completed turn's
+        reply as text ("" before its first turn). Raises SessionNotFound."""
+        rec, busy = await self.sessions.get(owner, session_id)
+        reply = ""
+        if rec.turn_log:
+            out = rec.token_ids[len(rec.token_ids) - rec.turn_log[-1].output_tokens :]
+            reply = await asyncio.to_thread(self.engine.tokenizer.decode, out)
+        return rec, busy, reply
+
+    async def remove(self, owner: str, session_id: str) -> SessionRecord:
+        """Delete a session and stop its KV blocks from being found (``forget``); its last
+        record. Raises SessionNotFound, SessionBusy."""
+        rec = await self.sessions.delete(owner, session_id)
+        await self.forget(rec)
         return rec
 
     def _observe_start(self, ev: Started) -> None:
@@ -309,6 +419,22 @@ class Conversations:
         check_sampling(params, vocab_size=info.vocab_size, max_new_tokens_limit=self.max_new_tokens_limit)
         check_stop_lists(params, self.limits)
 
+    def token_pieces(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
+        """Each token's text and bytes as it appears in decoded text (logprobs): a
+        sentencepiece piece's own bytes (its leading space, a byte piece's one byte),
+        else the token decoded alone."""
+        tok = self.engine.tokenizer
+        if self._piece_bytes is None:
+            try:
+                self._piece_bytes = tok.token_bytes()[0]
+            except Exception:  # noqa: BLE001 - not sentencepiece: decode tokens alone
+                self._piece_bytes = []
+        out = []
+        for i in ids:
+            raw = self._piece_bytes[i] if i < len(self._piece_bytes) else tok.decode([i]).encode("utf-8", "replace")
+            out.append((raw.decode("utf-8", "replace"), raw))
+        return out
+
     def max_bytes_per_token(self) -> int:
         """An upper bound on the bytes of text one token covers: twice the longest
         decoded vocabulary entry plus one (a leading space a decoder drops, text that
@@ -348,10 +474,7 @@ class Conversations:
         if inp.messages is not None:
             if not inp.messages:
                 raise InvalidRequest("empty input: chat.messages is empty")
-            roles = tok.known_roles
-            for i, m in enumerate(inp.messages):
-                if m.role not in roles:
-                    raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
+            self._check_roles(inp.messages)
             try:
                 return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in inp.messages])
             except ChatTemplateError as e:
@@ -363,6 +486,12 @@ class Conversations:
             raise InvalidRequest("empty input: tokens.ids is empty")
         check_vocabulary(ids, self.engine.model_info.vocab_size, "tokens.ids")
         return ids
+
+    def _check_roles(self, messages: tuple[ChatMessage, ...]) -> None:
+        roles = self.engine.tokenizer.known_roles
+        for i, m in enumerate(messages):
+            if m.role not in roles:
+                raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
 
     def _fit_to_context(self, inp: TurnInput, transcript: list[int], new_tokens: list[int]) -> SamplingParams:
         """Check the prompt against the context; an unset max_new_tokens fills what is left."""

@@ -21,6 +21,11 @@ class InvalidRequest(EngineError):
     """The request cannot be served as given (maps to INVALID_ARGUMENT)."""
 
 
+class ContextOverflow(InvalidRequest):
+    """The prompt (and the tokens asked for) do not fit the context or the prompt limit
+    (INVALID_ARGUMENT; OpenAI's ``context_length_exceeded`` on the HTTP front)."""
+
+
 class QueueFull(EngineError):
     """Admission refused: the waiting queue is at its limit (RESOURCE_EXHAUSTED)."""
 
@@ -240,7 +245,10 @@ class Started:
     cached_tokens: int  # prompt tokens whose KV was not recomputed
     cached_tier: Tier | None  # slowest tier that contributed (None when cached_tokens == 0)
     cached_by_tier: dict[Tier, int] = field(default_factory=dict)
-    session_created: bool = False  # set by the conversation: this turn created its session
+    session_created: bool = False  # set by the conversation: this turn created its session (or started it over)
+    # set by the conversation for a resent history (Conversations.run_turn(resent_history=True)):
+    history_diverged_at: int | None = None  # the first message the session's transcript did not match
+    history_rewound_turns: int | None = None  # the completed turns the divergence dropped
 
 
 @dataclass(slots=True)

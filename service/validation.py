@@ -16,7 +16,9 @@ Two callers, one set of messages:
   ``check_kv_capacity`` (whether the KV pool could ever hold the request), which only
   the engine knows enough to ask.
 
-``service.wire`` maps ``InvalidRequest`` to INVALID_ARGUMENT (HTTP 400). Imports no
+``service.wire`` maps ``InvalidRequest`` to INVALID_ARGUMENT (HTTP 400); the three
+checks of the context and prompt limits raise its ``ContextOverflow`` (HTTP 400 with
+OpenAI's code ``context_length_exceeded``). Imports no
 torch and no gRPC.
 """
 
@@ -27,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
+from kvserve.service.types import ContextOverflow, GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +196,7 @@ def check_input_size(
         return
     at_least = n_transcript + -(-n_bytes // bytes_per_token)
     where = f"session {session_id!r} has {n_transcript} tokens and " if session_id and n_transcript else ""
-    raise InvalidRequest(
+    raise ContextOverflow(
         f"input too long: {where}the new {kind} has {n_bytes} bytes, at least {at_least} tokens in all "
         f"(a token covers at most {bytes_per_token} bytes); the limit is {limit} ({which})"
     )
@@ -206,11 +208,11 @@ def check_prompt_limit(n_transcript: int, n_new: int, limit: int, session_id: st
     if not limit or n <= limit:
         return
     if session_id and n_transcript:
-        raise InvalidRequest(
+        raise ContextOverflow(
             f"session {session_id!r} would exceed the prompt limit: its transcript has {n_transcript} "
             f"tokens and this turn adds {n_new}: {n} > max_prompt_tokens {limit}; start a new session"
         )
-    raise InvalidRequest(f"prompt has {n} tokens; the limit is {limit} (max_prompt_tokens)")
+    raise ContextOverflow(f"prompt has {n} tokens; the limit is {limit} (max_prompt_tokens)")
 
 
 def check_context(
@@ -227,16 +229,16 @@ def check_context(
     asked = f"up to {max_new_tokens} new tokens" if explicit else "at least 1 new token"
     need = n_prompt + (max_new_tokens if explicit else 1)
     if session_id:
-        raise InvalidRequest(
+        raise ContextOverflow(
             f"session {session_id!r} would exceed the context: its transcript has {n_transcript} tokens, "
             f"this turn adds {n_new} and asks for {asked}: {need} > context length {context_length}"
         )
     if explicit:
-        raise InvalidRequest(
+        raise ContextOverflow(
             f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the context "
             f"length {context_length}"
         )
-    raise InvalidRequest(
+    raise ContextOverflow(
         f"prompt has {n_prompt} tokens; the context length is {context_length} (room for at least 1 new token needed)"
     )
 

@@ -9,11 +9,13 @@ row), so the engine must find the row and keep every other one."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvserve.service.engine.sampling import sample
 from kvserve.service.models.loading import load_model
-from kvserve.service.types import Delta, Finished, FinishReason, InvalidRequest
+from kvserve.service.types import Delta, Finished, FinishReason, InvalidRequest, ResponseFormat
 from tests.engine_util import finished, make_engine, prompts, req, run
 
 POISON_AFTER = 3  # output tokens the failing request gets before its sampling raises
@@ -26,7 +28,8 @@ def loaded(tiny_llama_dir):
 
 def _batch(loaded):
     """8 requests decoding together: greedy and seeded sampled ones, penalties on some
-    (the path that changes logits in place), different lengths; "bad" is the 4th."""
+    (the path that changes logits in place), a grammar-constrained one, different
+    lengths; "bad" is the 4th."""
     ps = prompts(loaded.config.vocab_size, [5, 9, 13, 7, 11, 6, 15, 8], seed=3)
     kinds = [
         dict(),
@@ -36,7 +39,7 @@ def _batch(loaded):
         dict(temperature=1.1, top_p=0.9, seed=7, presence_penalty=0.5),
         dict(logprobs=2),
         dict(temperature=0.8, min_p=0.05, seed=9, frequency_penalty=0.3),
-        dict(),
+        dict(temperature=0.9, seed=3, response_format=ResponseFormat("regex", r"[a-z]{10,14}-[0-9]{3}")),
     ]
     return [req("bad" if i == 3 else f"r{i}", p, n=12, **k) for i, (p, k) in enumerate(zip(ps, kinds))]
 
@@ -81,9 +84,10 @@ def test_a_failure_in_one_rows_sampling_fails_that_request_alone(loaded):
     cold = _cold(loaded, [r for r in reqs if r.request_id != "bad"])
     for rid, ref in cold.items():
         got = finished(events[rid])
-        assert got.finish_reason is FinishReason.LENGTH, rid
+        assert got.finish_reason is ref.finish_reason is FinishReason.LENGTH, rid
         assert got.output_token_ids == ref.output_token_ids, rid
         assert got.text == ref.text, rid
+    assert re.fullmatch(r"[a-z]{0,14}(-[0-9]{0,3})?", finished(events["r7"]).text)  # the grammar held through the retry
     lp = [t for e in events["r5"] if isinstance(e, Delta) for t in e.logprobs]
     assert len(lp) == 12 and all(len(t.top) == 2 for t in lp)  # logprobs survived the fallback step
     assert not eng.scheduler.running and eng.blocks.num_free == eng.blocks.num_usable

@@ -17,7 +17,7 @@ import pytest
 
 from kvserve.clients import KVServeClient
 from kvserve.service.auth import hash_key
-from kvserve.service.http.app import _turn_floor, match_history
+from kvserve.service.history import _turn_floor, match_history
 from kvserve.service.sessions.stores import copy_record
 from kvserve.service.types import ChatMessage
 from tests.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
@@ -159,7 +159,7 @@ def test_a_client_that_goes_away_before_a_whole_response_stops_its_turn(model, s
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
         ({"n": 17}, None),
         ({"n": "2"}, "n"),
         ({"frequency_penalty": 3}, None),

@@ -53,7 +53,8 @@ def test_the_front_names_no_engine_or_store_internals():
         inner = [m for m in imported if m.startswith(("kvserve.cachestore", "kvserve.service.engine", "kvserve.service.kv", "torch"))]
         assert not inner, f"service/{name}.py imports {inner}"
         source = (REPO / "service" / f"{name}.py").read_text()
-        assert ".engine.engine" not in source and ".store" not in source, f"service/{name}.py reaches into the engine"
+        inside = [s for s in (".engine.engine", ".engine.store", "TieredStore", "cachestore") if s in source]
+        assert not inside, f"service/{name}.py reaches into the engine or the KV store: {inside}"
 
 
 def _module_imports(path) -> list[str]:
@@ -137,3 +138,34 @@ def test_async_engine_reads_no_engine_attribute():
               if isinstance(t, ast.Attribute) and (is_engine(t.value) or ast.unparse(t.value) in aliases)]
     assert not stores, "AsyncEngine sets an LLMEngine attribute"
     assert "getattr(" not in ast.unparse(tree)
+
+
+def _imports(path) -> list[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+             for a in n.names]  # fmt: skip
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level], f"{path}: relative import"
+    return names
+
+
+def test_the_kernels_import_nothing_from_the_models_or_the_engine():
+    """service/kernels/ knows arrays, never modules: the model code hands it typed views
+    of its weights, so the arrow goes models -> kernels and never back."""
+    files = sorted((REPO / "service" / "kernels").glob("*.py"))
+    assert {f.name for f in files} >= {"__init__.py", "build.py", "binding.py", "ops.py", "layer.py"}
+    for f in files:
+        inner = [m for m in _imports(f) if m.startswith("kvserve.") and not m.startswith("kvserve.service.kernels")]
+        assert not inner, f"service/kernels/{f.name} imports {inner}"
+
+
+def test_the_kernels_loader_and_build_import_without_torch():
+    """setup.py loads build.py by path before anything is installed; the command line
+    sets OpenMP's wait policy through the loader before torch loads."""
+    out = _runs_without_torch("from kvserve.service import kernels\nfrom kvserve.service.kernels import build, binding\n"
+                              "kernels.passive_openmp(); binding.header_binding()\n")
+    assert out.returncode == 0, out.stderr
+    assert all(m.split(".")[0] in sys.stdlib_module_names or m.startswith("kvserve.service.kernels")
+               for m in _imports(REPO / "service" / "kernels" / "build.py")), "build.py: standard library only"

@@ -289,33 +289,39 @@ def test_linear_fast_path_equals_nn_linear(rows: int, bias: bool, packed: bool) 
 
 @pytest.mark.parametrize("dim", [16, 64, 768])
 def test_rmsnorm_float32_is_torch_rms_norm_bit_for_bit(dim: int) -> None:
-    """llama.RMSNorm's float32 path (fewer kernels than F.rms_norm on the CPU) computes the
-    same ops in the same order: equal bits, in and out of inference mode."""
+    """layers.RMSNorm's float32 path (fewer kernels than F.rms_norm on the CPU) computes the
+    same ops in the same order: equal bits, in and out of inference mode, written in place
+    too (the per-head q/k norms), and a new weight is picked up."""
     import torch.nn.functional as F
 
-    from kvserve.service.models.llama import RMSNorm
+    from kvserve.service.models.layers import RMSNorm
 
     torch.manual_seed(dim)
     norm = RMSNorm(dim, 1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(dim))
     x = torch.randn(2, 5, dim) * 4
-    want = F.rms_norm(x, (dim,), norm.weight, eps=1e-6)
-    with torch.inference_mode():
+    for _ in range(2):
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim))
+        want = F.rms_norm(x, (dim,), norm.weight, eps=1e-6)
+        with torch.inference_mode():
+            assert torch.equal(norm(x), want)
+            y = x.clone()
+            assert torch.equal(norm.forward_(y), want) and torch.equal(y, want)
         assert torch.equal(norm(x), want)
-    assert torch.equal(norm(x), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemma_rmsnorm_is_the_plain_formula_bit_for_bit(dtype: torch.dtype) -> None:
-    """gemma.RMSNorm (fewer kernels, (1 + w) cached per weight version) equals
-    F.rms_norm(x.float()) * (1 + w) in float32, cast back; a new weight is picked up."""
+def test_gemma_offset_rmsnorm_is_the_plain_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """layers.RMSNorm with Gemma's offset (fewer kernels, (1 + w) cached per weight
+    version) equals F.rms_norm(x.float()) * (1 + w) in float32, cast back; a new weight is
+    picked up; its weight starts at zero (the identity)."""
     import torch.nn.functional as F
 
-    from kvserve.service.models.gemma import RMSNorm
+    from kvserve.service.models.layers import RMSNorm
 
     torch.manual_seed(1)
-    norm = RMSNorm(64, 1e-6)
+    norm = RMSNorm(64, 1e-6, offset=1.0)
+    assert not norm.weight.any()
     x = (torch.randn(3, 2, 64) * 3).to(dtype)
     for _ in range(2):
         with torch.no_grad():
@@ -327,34 +333,12 @@ def test_gemma_rmsnorm_is_the_plain_formula_bit_for_bit(dtype: torch.dtype) -> N
             assert torch.equal(norm.forward_(y), want) and torch.equal(y, want)
 
 
-def test_llama_rope_with_signed_sin_equals_rotate_half_bit_for_bit() -> None:
-    """apply_rope / apply_rope_ with RotaryEmbedding's signed sin give exactly HF's
-    x * cos + rotate_half(x) * sin."""
-    from kvserve.service.models.llama import RotaryEmbedding, apply_rope, apply_rope_
-
-    torch.manual_seed(0)
-    hd = 16
-    rot = RotaryEmbedding.__new__(RotaryEmbedding)
-    torch.nn.Module.__init__(rot)
-    rot.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd)), persistent=False)
-    positions = torch.tensor([[0, 5, 17], [300, 1, 2]])
-    cos, sin = rot(positions, torch.float32)  # (B, T, 1, hd)
-    freqs = positions[..., None].float() * rot.inv_freq
-    emb = torch.cat((freqs, freqs), -1)
-    ref_cos, ref_sin = emb.cos()[:, :, None], emb.sin()[:, :, None]
-    x = torch.randn(2, 3, 5, hd)
-    x1, x2 = x.chunk(2, dim=-1)
-    want = x * ref_cos + torch.cat((-x2, x1), -1) * ref_sin
-    assert torch.equal(cos, ref_cos)
-    assert torch.equal(apply_rope(x, cos, sin), want)
-    y = x.clone()
-    assert apply_rope_(y, cos, sin).data_ptr() == y.data_ptr() and torch.equal(y, want)
-
-
 @pytest.mark.parametrize("rot_dim", [16, 8])  # full and partial rotary (Phi-3)
 @pytest.mark.parametrize("longrope", [False, True])
-def test_shared_rope_in_place_with_signed_sin_is_apply_rope_bit_for_bit(rot_dim: int, longrope: bool) -> None:
-    from kvserve.service.models.rope import Rotary, apply_rope, apply_rope_
+def test_rope_in_place_with_signed_sin_is_rotate_half_bit_for_bit(rot_dim: int, longrope: bool) -> None:
+    """rope.apply_rope_ with Rotary's signed sin gives exactly HF's x * cos +
+    rotate_half(x) * sin on the first rot_dim dims (the rest pass), in place in a view."""
+    from kvserve.service.models.rope import Rotary, apply_rope_, inv_freq
 
     torch.manual_seed(rot_dim)
     scaling = None
@@ -364,13 +348,20 @@ def test_shared_rope_in_place_with_signed_sin_is_apply_rope_bit_for_bit(rot_dim:
     rotary = Rotary(rot_dim, 10000.0, scaling)
     positions = torch.tensor([[0, 9, 40], [7, 8, 300]])
     long = torch.tensor([False, True]) if longrope else None
-    cos, sin = rotary(positions, torch.float32, long)
-    cos_s, sin_s = rotary(positions, torch.float32, long, signed=True)
-    assert torch.equal(cos, cos_s)
+    cos, sin = rotary(positions, torch.float32, long)  # (B, T, 1, rot)
+    freqs = torch.stack([positions[b, :, None].float() * inv_freq(rot_dim, 10000.0, scaling, long=bool(long is not None
+                         and long[b])) for b in range(2)])  # (B, T, rot/2): HF's reference  # fmt: skip
+    emb = torch.cat((freqs, freqs), -1)
+    factor = 1.19 if longrope else 1.0
+    ref_cos, ref_sin = (emb.cos() * factor)[:, :, None], (emb.sin() * factor)[:, :, None]
+    assert torch.equal(cos, ref_cos)
     qkv = torch.randn(2, 3, 7, 16)
-    want = apply_rope(qkv[:, :, :5], cos, sin)
-    got = apply_rope_(qkv[:, :, :5], cos_s, sin_s)  # in place in the view
-    assert torch.equal(got, want) and torch.equal(qkv[:, :, :5], want)
+    x = qkv[:, :, :5].clone()
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    want = torch.cat((x_rot * ref_cos + torch.cat((-x2, x1), -1) * ref_sin, x_pass), -1)
+    got = apply_rope_(qkv[:, :, :5], cos, sin)  # in place in the view
+    assert got.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, :, :5], want)
 
 
 def test_loader_packs_large_cpu_float32_linears_only(tiny_llama_dir) -> None:

@@ -17,7 +17,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)
     weight_format: str = "exact"  # exact | bf16 | int8 | w8a8 (service/models/quant.py)
     pack_weights: bool = True  # oneDNN-packed float32 copies for batched decode on CPU (models/layers.py)
-    native_kernels: str = "auto"  # auto | on | off: native CPU decode kernels (models/native/)
+    native_kernels: str = "auto"  # auto | on | off: native CPU decode kernels (service/kernels/)
     kv_cache_memory: int = 1 << 30  # bytes for the device block pool
     block_size: int = 16
     max_num_seqs: int = 32  # running sequences per step

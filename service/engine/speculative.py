@@ -47,7 +47,7 @@ from kvserve.service.engine.sampling import filter_logits, greedy
 from kvserve.service.types import SamplingParams
 
 MAX_SKIP = 16  # steps a drafter sits out at most after drafts that were all rejected
-MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: models/native's limit
+MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,33 +1,21 @@
 """The OpenAI-compatible HTTP front: translates, nothing more (like the gRPC servicer).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
+``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` (``service.http.responses``),
 ``GET /v1/models``, ``GET /health``. A request is parsed by ``service.http.openai`` into
 a ``TurnInput`` and run by the same ``Conversations`` as gRPC's Generate; stream
 admission, the drain and per-tenant limits are the same ``Admission`` object as gRPC's
 (``service.admission``: one count for both fronts); the tenant comes from ``Authorization: Bearer`` through the same
 ``Authenticator``; errors map through ``service.wire``'s status table to HTTP.
 
-Sessions (``X-Session-Id`` on chat): OpenAI clients resend the whole history. The
-front walks the session's transcript against it, turn by turn by the turn boundaries of
-the record (``agreed_turns``): a turn is followed when its messages encode to exactly
-its input tokens and the assistant message after them is what the model generated.
-When the history follows every turn and only non-assistant messages come after, it
-extends the session: those messages are the turn, the transcript's tokens are reused
-exactly. Otherwise it diverges (an edited message, a changed reply, or the regenerate
-pattern: the history resent without the last reply): the session is rewound to the last
-turn the history follows (``Conversations.rewind``: under the turn lock, conditional on
-the turn count the walk saw) and the rest of the history runs as the next turn,
-conditional on the rewound count (``expected_turns``): the kept turns' tokens are the
-new prompt's prefix, so their KV blocks are restored, not prefilled. The response says
-where it diverged (``kvserve.history_diverged_at`` and the
+Sessions (``X-Session-Id`` on chat): OpenAI clients resend the whole history. The turn
+runs with ``resent_history``: ``Conversations.run_turn`` matches it against the
+session's record under the turn lock, after every check of the request
+(``service.history``: it extends the session, rewinds it to the last turn the history
+follows, or starts it over), and a refused, failed or cancelled turn leaves the session
+as it was. The response says where it diverged (``kvserve.history_diverged_at`` and the
 ``X-Kvserve-History-Diverged-At`` header) and how many turns were rewound
-(``kvserve.history_rewound_turns``). A record without turn boundaries (written before
-they were kept) is walked by ``match_history`` (reply ends found by where the next
-turn's tokens start) and cannot be rewound: it extends the session only when it covers
-the whole transcript; any other history (an edit, the regenerate pattern, a truncated
-history) diverges: the session is reset to the new history (the stale record deleted,
-its KV left cached by content) and the whole history becomes its first turn; so is a
-history that ends with a reply the session has.
+(``kvserve.history_rewound_turns``).
 Without a session id the whole history is the prompt and prefix caching by content
 applies.
 
@@ -52,10 +40,9 @@ from starlette.routing import Route
 
 from kvserve.service import wire
 from kvserve.service.http import openai as oa
-from kvserve.service.sessions import SessionNotFound, SessionRecord
+from kvserve.service.http.responses import ResponsesRoutes
 from kvserve.service.tracing import Tracing
-from kvserve.service.types import ChatMessage, Delta, Finished, Started, TurnInput
-from kvserve.service.validation import check_salt, check_turn_options
+from kvserve.service.types import Delta, Finished, Started, TurnInput
 
 if TYPE_CHECKING:
     from kvserve.service.admission import Admission, Ticket
@@ -66,156 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DIVERGED_HEADER = "X-Kvserve-History-Diverged-At"
-
-
-def match_history(tok: Any, transcript: list[int], messages: tuple[ChatMessage, ...]) -> tuple[int, int | None]:
-    """How far ``messages`` follow a session ``transcript``: ``(first_new, diverged_at)``.
-
-    The transcript of a session served through this front is, per turn, the tokens of
-    the turn's new messages (``encode_chat_turn``) then the generated tokens. Walk it:
-    each run of non-assistant messages must encode to the next tokens; each assistant
-    message must be what the model generated there: its decoded tokens begin with the
-    message, and what follows the message up to the reply's end (where the next run's
-    tokens start, or the transcript's end after the last reply) is too short to hold
-    another turn (``_turn_floor``: a stop string or the eos may follow, a turn the
-    history lacks may not). When everything matched and the transcript is used up,
-    ``first_new`` is the index after the last assistant message and ``diverged_at``
-    None; otherwise ``first_new`` is 0 and ``diverged_at`` the message where the
-    transcript could no longer be followed: the first message of a turn whose tokens
-    differ, or the assistant reply after which the transcript goes on differently (an
-    edited next message, or turns the history lacks: the regenerate pattern, a
-    truncated history). A history that does not cover the whole transcript is never
-    taken as continuing it.
-    """
-    n = len(messages)
-    pos = 0
-    i = 0
-    floor: list[int] = []  # _turn_floor, computed at the first reply
-    while i < n:
-        j = i
-        while j < n and messages[j].role != "assistant":
-            j += 1
-        if j == n:  # the new messages
-            return (i, None) if i > 0 and pos == len(transcript) else (0, i)
-        group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
-        if not group:  # an assistant message first or two in a row: not a history of this session
-            return 0, i
-        try:
-            seg = tok.encode_chat_turn(transcript[:pos], group)
-        except Exception:  # noqa: BLE001 - a template that cannot render it: no match
-            return 0, i
-        if transcript[pos : pos + len(seg)] != seg:
-            return 0, i
-        pos += len(seg)
-        if not floor:
-            floor.append(_turn_floor(tok, transcript))
-        end = _assistant_end(tok, transcript, pos, messages, j, floor[0])
-        if end is None:
-            return 0, j
-        pos = end
-        i = j + 1
-    return 0, n  # ends with an assistant message: nothing new to answer
-
-
-def agreed_turns(tok: Any, rec: SessionRecord, messages: tuple[ChatMessage, ...]) -> tuple[int, int, int]:
-    """How many of the session's completed turns ``messages`` follow, by the turn
-    boundaries of its record: ``(turns, first, stop)``, ``messages[:first]`` being those
-    turns and ``stop`` the message where the walk stopped.
-
-    Turn ``t`` is followed when its run of non-assistant messages encodes to exactly the
-    turn's input tokens and the assistant message after them is what the turn generated
-    (its decoded tokens begin with the message, as in ``match_history``). The walk stops
-    at the first turn not followed: ``stop`` is that turn's first message when its input
-    differs or the history ends before its reply (the regenerate pattern), the reply
-    when that differs, ``first`` when every turn was followed. Needs a record whose every
-    turn has its boundaries (``untracked_turns == 0``)."""
-    transcript = rec.token_ids
-    n = len(messages)
-    pos = i = t = 0
-    while t < rec.turns:
-        j = i
-        while j < n and messages[j].role != "assistant":
-            j += 1
-        if j == n or j == i:  # no reply to compare (the history ends here) or two replies in a row
-            break
-        info = rec.turn_log[t]
-        try:
-            group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
-            seg = tok.encode_chat_turn(transcript[:pos], group)
-        except Exception:  # noqa: BLE001 - a template that cannot render it: not followed
-            break
-        if len(seg) != info.input_tokens or transcript[pos : pos + len(seg)] != seg:
-            break
-        out, end = pos + info.input_tokens, pos + info.tokens
-        if not tok.decode(transcript[out:end]).strip().startswith(messages[j].content.strip()):
-            return t, i, j
-        pos, i, t = end, j + 1, t + 1
-    return t, i, i
-
-
-def _turn_floor(tok: Any, transcript: list[int]) -> int:
-    """The fewest tokens one more turn adds to a session's transcript: its input (a
-    message rendered as a continuation; an empty one of the shortest role, after the
-    eos or not) and at least one generated token. Never below 2."""
-    eos = set(getattr(tok, "eos_token_ids", ()) or ())
-    other = next(t for t in range(len(eos) + 1) if t not in eos)
-    lengths = []
-    for ctx in [[other]] + ([[min(eos)]] if eos else []):
-        for role in ("user", "system", "tool", "developer"):
-            try:
-                lengths.append(len(tok.encode_chat_turn(ctx, [{"role": role, "content": ""}])))
-            except Exception:  # noqa: BLE001 - a template that refuses the role
-                pass
-    return max(2, min(lengths, default=1) + 1)
-
-
-def _spelled_end(tok: Any, transcript: list[int], pos: int, want: str) -> int | None:
-    """The first ``end`` where ``transcript[pos:end]`` decodes to text that begins with
-    ``want`` (stripped), or None when its text stops agreeing with ``want`` first."""
-    if not want:
-        return pos
-    for end in range(pos + 1, len(transcript) + 1):
-        text = tok.decode(transcript[pos:end]).strip()
-        if text.startswith(want):
-            return end
-        if not want.startswith(text.rstrip("\ufffd")):  # (an incomplete UTF-8 character decodes to U+FFFD)
-            return None
-    return None
-
-
-def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[ChatMessage, ...], j: int,
-                   floor: int) -> int | None:  # fmt: skip
-    """Where the generated tokens of assistant message ``j`` (from ``pos``) end, or None.
-
-    Past the tokens that spell the message, the reply may hold fewer than ``floor - 1``
-    more (a stop string, the eos; one below the floor for tokenization's slack): more
-    could be a turn the history lacks."""
-    want = messages[j].content.strip()
-    spelled = _spelled_end(tok, transcript, pos, want)
-    if spelled is None:
-        return None
-    last = min(len(transcript), spelled + floor - 2)  # the reply's end is at most here
-    k = j + 1
-    while k < len(messages) and messages[k].role != "assistant":
-        k += 1
-    if k == len(messages):  # the messages after j are the new ones: the transcript ends here
-        return len(transcript) if len(transcript) <= last else None
-    nxt = [{"role": m.role, "content": m.content} for m in messages[j + 1 : k]]
-    if not nxt:
-        return None
-    eos = set(getattr(tok, "eos_token_ids", ()) or ())
-    segs: dict[bool, list[int]] = {}
-    for end in range(max(spelled, pos + 1), last + 1):
-        after_eos = transcript[end - 1] in eos
-        if after_eos not in segs:
-            try:
-                segs[after_eos] = tok.encode_chat_turn(transcript[end - 1 : end], nxt)
-            except Exception:  # noqa: BLE001
-                return None
-        seg = segs[after_eos]
-        if transcript[end : end + len(seg)] == seg and tok.decode(transcript[pos:end]).strip().startswith(want):
-            return end
-    return None
 
 
 class HttpFront:
@@ -242,10 +79,14 @@ class HttpFront:
         self.model_id = model_id
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self.responses = ResponsesRoutes(self)  # /v1/responses (service.http.responses)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/responses", self.responses.create, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.responses.retrieve, methods=["GET"]),
+                Route("/v1/responses/{response_id}", self.responses.delete, methods=["DELETE"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -263,7 +104,14 @@ class HttpFront:
 
     @staticmethod
     def _error(err: oa.HttpError, headers: dict[str, str] | None = None) -> Response:
+        """OpenAI's error object; 429 and 503 say when to retry (``Retry-After``)."""
+        if err.status in oa.RETRY_AFTER_S:
+            headers = {**(headers or {}), "Retry-After": str(oa.RETRY_AFTER_S[err.status])}
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def error_of(self, exc: BaseException, request_id: str, names: Any = None) -> oa.HttpError:
+        """``oa.error_of`` with the served model's context length."""
+        return oa.error_of(exc, request_id, names, self.conversations.engine.model_info.context_length)
 
     def _tenant(self, request: Request) -> str:
         return self.authenticator.authenticate([("authorization", request.headers.get("authorization", ""))])
@@ -348,6 +196,7 @@ class HttpFront:
         session_id = request.headers.get("x-session-id", "")
         ticket: Ticket | None = None
         events: Any = None
+        names: Any = None
         route = "/v1/chat/completions" if chat else "/v1/completions"
         trace = self.tracing.generate(request.headers.items(), request_id, session_id, http_route=route)
         try:
@@ -356,6 +205,7 @@ class HttpFront:
             body = await self._body(request)
             default = self.default_max_new_tokens
             parsed = oa.chat_request(body, default) if chat else oa.completion_request(body, default)
+            names = parsed.names
             self._check_model(parsed.model)
             if session_id and not chat:
                 raise oa.HttpError(400, "X-Session-Id works on /v1/chat/completions only (a completion has no history)",
@@ -364,18 +214,20 @@ class HttpFront:
                 raise oa.HttpError(400, f"n = {parsed.inp.sampling.n} cannot be used with X-Session-Id: a session keeps "
                                    "one transcript (ask for n > 1 without it)", param="n")  # fmt: skip
             ticket = self.admission.admit(tenant, request_id)
-            inp, diverged, rewound = await self._session_input(tenant, parsed.inp, session_id)
-            events = aclosing(self.conversations.run_turn(tenant, inp, request_id, trace))
+            inp = _with(parsed.inp, session_id=session_id)
+            events = aclosing(self.conversations.run_turn(tenant, inp, request_id, trace,
+                                                          resent_history=bool(session_id)))  # fmt: skip
             gen = await events.__aenter__()
             start = await anext(gen)
             if not isinstance(start, Started):
                 raise RuntimeError("the conversation did not start with a Started event")
+            diverged, rewound = start.history_diverged_at, start.history_rewound_turns
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
             if events is not None:
                 await events.__aexit__(None, None, None)
             if ticket is not None:
                 ticket.release()
-            err = oa.error_of(exc, request_id)
+            err = self.error_of(exc, request_id, names)
             self._count(method, err.status)
             trace.end(err.status, err.message)
             return self._error(err)
@@ -386,7 +238,7 @@ class HttpFront:
             headers[DIVERGED_HEADER] = str(diverged)
         ext = oa.extension(request_id, session_id, start, diverged, rewound)
         ctx = _Ctx(self, method, ticket, request_id, chat, parsed.model or self.model_id, start, ext, events, gen, trace,
-                   inp.sampling.n)  # fmt: skip
+                   inp.sampling.n, names, inp.sampling.logprobs is not None)  # fmt: skip
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
@@ -406,58 +258,6 @@ class HttpFront:
         body_out, status = whole.result()
         return JSONResponse(body_out, status_code=status, headers=headers)
 
-    async def _session_input(
-        self, owner: str, inp: TurnInput, session_id: str
-    ) -> tuple[TurnInput, int | None, int | None]:
-        """The turn's input for ``session_id`` (see the module docstring), where the
-        history diverged from the session (None: it extended it, or a new session) and
-        how many turns were rewound for it (None: none, or the session was started over)."""
-        if not session_id:
-            return inp, None, None
-        assert inp.messages is not None
-        try:
-            rec, _busy = await self.conversations.sessions.get(owner, session_id)
-        except SessionNotFound:
-            return _with(inp, session_id=session_id), None, None
-        if not rec.token_ids:
-            return _with(inp, session_id=session_id), None, None
-        tok = self.conversations.engine.tokenizer
-        msgs = inp.messages
-        if rec.untracked_turns == 0:  # every turn's boundaries are known: walk them
-            keep, first, stop = await asyncio.to_thread(agreed_turns, tok, rec, msgs)
-            rest = msgs[first:]
-            if keep == rec.turns and first > 0 and rest and all(m.role != "assistant" for m in rest):
-                return _with(inp, session_id=session_id, messages=rest), None, None  # it extends the session
-            if rest:
-                # diverged: rewind to the last turn the history follows (its KV stays cached:
-                # the new prompt starts with exactly its tokens) and run the rest of the
-                # history as the next turn, if that is still the next one (expected_turns)
-                self._precheck(inp)  # a request that would be refused rewinds nothing
-                if keep < rec.turns:
-                    await self.conversations.rewind(owner, session_id, rec.turns - keep, expected_turns=rec.turns)
-                return _with(inp, session_id=session_id, messages=rest, expected_turns=keep), stop, rec.turns - keep
-            diverged: int | None = stop  # it ends with a reply the session has: nothing new to answer
-        else:
-            first_new, diverged = await asyncio.to_thread(match_history, tok, rec.token_ids, msgs)
-            if diverged is None and first_new > 0:
-                return _with(inp, session_id=session_id, messages=msgs[first_new:]), None, None
-        # a record without turn boundaries (written before they were kept), or a history
-        # that ends with a reply: the session starts over with the new history; the old
-        # transcript's KV stays cached by content, so a common prefix is still reused
-        self._precheck(inp)
-        try:
-            await self.conversations.sessions.delete(owner, session_id)
-        except SessionNotFound:
-            pass
-        return _with(inp, session_id=session_id), diverged, None
-
-    def _precheck(self, inp: TurnInput) -> None:
-        """The turn's checks that need no session (``run_turn`` makes them again), made
-        before a divergence changes the session."""
-        self.conversations.check_sampling(inp.sampling)
-        check_salt(inp.cache_salt, self.conversations.limits)
-        check_turn_options(_with(inp, session_id="x"))
-
 
 def _with(inp: TurnInput, **changes: Any) -> TurnInput:
     return dataclasses.replace(inp, **changes)
@@ -468,12 +268,15 @@ class _Ctx:
 
     def __init__(self, front: HttpFront, method: str, ticket: Ticket, request_id: str, chat: bool, model: str,
                  start: Started, ext: dict[str, Any], events: Any, gen: AsyncIterator[Any], trace: Any,
-                 n: int = 1) -> None:  # fmt: skip
+                 n: int = 1, names: Any = None, logprobs: bool = False) -> None:  # fmt: skip
         self.front, self.method, self.ticket, self.request_id = front, method, ticket, request_id
         self.trace = trace  # service.tracing: ended with the call's HTTP status
         self.chat, self.model, self.start, self.ext = chat, model, start, ext
         self.events, self.gen = events, gen
         self.n = n  # choices: the request's SamplingParams.n
+        self.names = names  # the request's field names (errors in its words)
+        self.logprobs = logprobs  # the request asked for them
+        self.pieces = front.conversations.token_pieces if logprobs else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
 
@@ -485,13 +288,16 @@ class _Ctx:
 
     def _finish_error(self, fin: Finished) -> oa.HttpError | None:
         status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
-        return oa.error_of(status, self.request_id) if status is not None else None
+        return self.front.error_of(status, self.request_id, self.names) if status is not None else None
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         status, message = 499, "the client went away"  # unless the call gets further
         ends: dict[int, Finished] = {}
+        lps: dict[int, list[Any]] = {}  # choice -> its tokens' TokenLogprob
         try:
             async for ev in self.gen:
+                if isinstance(ev, Delta) and self.logprobs:
+                    lps.setdefault(ev.index, []).extend(ev.logprobs)
                 if isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
@@ -502,13 +308,13 @@ class _Ctx:
                     if len(ends) == self.n:
                         status, message = 200, ""
                         self.front._count(self.method, 200)
-                        return self._body([ends[i] for i in sorted(ends)]), 200
+                        return self._body([ends[i] for i in sorted(ends)], lps), 200
             raise RuntimeError("the conversation ended without a Finished event")
         except asyncio.CancelledError:  # the client went away (_generate cancels the call)
             self.front._count(self.method, 499)
             raise
         except Exception as exc:  # noqa: BLE001
-            err = oa.error_of(exc, self.request_id)
+            err = self.front.error_of(exc, self.request_id, self.names)
             status, message = err.status, err.message
             self.front._count(self.method, err.status)
             return err.body(), err.status
@@ -516,28 +322,39 @@ class _Ctx:
             await self._close()
             self.trace.end(status, message)
 
-    def _body(self, ends: list[Finished]) -> dict[str, Any]:
+    def _logprobs(self, items: list[Any] | None) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) logprobs in the route's shape, None when not asked for."""
+        if self.pieces is None:
+            return None
+        render = oa.chat_logprobs if self.chat else oa.completion_logprobs
+        return render(items or [], self.pieces)
+
+    def _body(self, ends: list[Finished], lps: dict[int, list[Any]] | None = None) -> dict[str, Any]:
         """The whole response: one choice per sequence (``Finished.text`` is its text)."""
         choices: list[dict[str, Any]] = []
+        lps = lps or {}
         for fin in ends:
+            logprobs = self._logprobs(lps.get(fin.index))
             if self.chat:
-                choices.append({"index": fin.index, "message": {"role": "assistant", "content": fin.text},
-                                "finish_reason": oa.finish_reason(fin), "logprobs": None})  # fmt: skip
+                message = {"role": "assistant", "content": fin.text, "refusal": None}
+                choices.append({"index": fin.index, "message": message, "finish_reason": oa.finish_reason(fin),
+                                "logprobs": logprobs})  # fmt: skip
             else:
                 choices.append({"index": fin.index, "text": fin.text, "finish_reason": oa.finish_reason(fin),
-                                "logprobs": None})  # fmt: skip
+                                "logprobs": logprobs})  # fmt: skip
         used = oa.usage(self.start, ends[0], sum(f.completion_tokens for f in ends))
         return {
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
             "model": self.model, "choices": choices, "usage": used, "kvserve": self.ext,
         }  # fmt: skip
 
-    def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None, index: int = 0) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         if self.chat:
-            choices = [{"index": index, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+            choices = [{"index": index, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}]
             kind = "chat.completion.chunk"
         else:
-            choices = [{"index": index, "text": delta or "", "finish_reason": finish, "logprobs": None}]
+            choices = [{"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}]
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
@@ -554,8 +371,9 @@ class _Ctx:
                     yield data(self._chunk({"role": "assistant", "content": ""}, None, i))
             async for ev in self.gen:
                 if isinstance(ev, Delta):
-                    if ev.text:
-                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index))
+                    if ev.text or (self.logprobs and ev.logprobs):
+                        lp = self._logprobs(ev.logprobs)
+                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index, lp))
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
@@ -583,7 +401,7 @@ class _Ctx:
             status = 499  # the client went away
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            err = oa.error_of(exc, self.request_id)
+            err = self.front.error_of(exc, self.request_id, self.names)
             status = err.status
             yield data(err.body())
         finally:
@@ -619,4 +437,4 @@ def make_uvicorn_server(app: Any, *, ssl: dict[str, Any], log_level: str) -> Any
     return _Server(config)
 
 
-__all__ = ["HttpFront", "match_history", "agreed_turns", "make_uvicorn_server", "DIVERGED_HEADER"]
+__all__ = ["HttpFront", "make_uvicorn_server", "DIVERGED_HEADER"]

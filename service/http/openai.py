@@ -28,33 +28,46 @@ min_p, min_tokens                          min_p, min_new_tokens (vLLM's extensi
 response_format (chat)                     text: free text; json_object and
                                            json_schema (its ``schema``): the
                                            response_format of SamplingParams
-logprobs / top_logprobs,                   refused (400 unsupported_parameter; gRPC's
-                                           DeltaEvent.logprobs has them)
-tools, functions, echo, suffix
-user, metadata, store, stream_options      accepted; user/metadata/store change nothing
+logprobs + top_logprobs (chat),            logprobs (top_logprobs, or 0): OpenAI's
+logprobs (completions)                     shapes (chat_logprobs, completion_logprobs)
+tools, functions, echo, suffix,            refused (400 unsupported_parameter) unless
+reasoning_effort, verbosity, audio, ...    null / empty
+user, metadata, store, service_tier,       accepted; they change nothing
+parallel_tool_calls, prompt_cache_key,
+safety_identifier, stream_options
 =========================================  ==========================================
+
+Messages take what an SDK's own response message dumps (refusal, tool_calls,
+function_call, audio, annotations, parsed: null or empty). ``error_of`` speaks OpenAI's
+vocabulary: ``context_length_exceeded``, the request's field names (``names``: the
+domain's -> the route's) in the message and ``param``, an HTTP-worded 401.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
 from kvserve.service import wire
+from kvserve.service.auth import MISSING_CREDENTIALS, Unauthenticated
+from kvserve.service.sessions import SessionBusy, SessionConflict, SessionNotFound, TurnsChanged
 from kvserve.service.types import (
     MAX_LOGIT_BIAS,
     ChatMessage,
+    ContextOverflow,
     Finished,
     FinishReason,
     ResponseFormat,
     SamplingParams,
     Started,
     Tier,
+    TokenLogprob,
     TurnInput,
 )
 
@@ -65,6 +78,7 @@ HTTP_OF_CODE: Mapping[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.INTERNAL: (500, "internal_error"),
@@ -74,11 +88,18 @@ _COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
     "frequency_penalty", "presence_penalty", "user", "metadata", "store", "logprobs", "logit_bias",
     "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "cache_salt", "min_p", "min_tokens",
+    "service_tier", "prompt_cache_key", "safety_identifier",
 }  # fmt: skip
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-    "response_format", "parallel_tool_calls",
+    "response_format", "parallel_tool_calls", "reasoning_effort", "modalities", "verbosity", "prediction", "audio",
+    "web_search_options",
 }  # fmt: skip
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # accepted; one tier here
+# Fields that change a reply only on models or features kvserve lacks: null (what SDKs send back) is accepted.
+_NULL_ONLY = ("reasoning_effort", "verbosity", "prediction", "audio", "web_search_options")
+# The message fields an SDK's own ChatCompletionMessage.model_dump() carries back, empty.
+_EMPTY_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "parsed")
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 
@@ -100,19 +121,102 @@ class HttpError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def error_of(exc: BaseException, request_id: str) -> HttpError:
-    """The HTTP error of a domain error or ``RpcStatus`` (unexpected ones: 500 naming the request id)."""
+# gRPC status -> OpenAI's error code (the ``code`` of the error object)
+CODE_OF_STATUS: Mapping[grpc.StatusCode, str] = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_value",
+    grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key",
+    grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.ALREADY_EXISTS: "already_exists",
+    grpc.StatusCode.FAILED_PRECONDITION: "conflict",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "rate_limit_exceeded",
+    grpc.StatusCode.UNAVAILABLE: "service_unavailable",
+    grpc.StatusCode.INTERNAL: "internal_error",
+}
+RETRY_AFTER_S: Mapping[int, int] = {429: 1, 503: 2}  # the Retry-After of a status (seconds)
+HTTP_MISSING_CREDENTIALS = "missing API key: send the header 'Authorization: Bearer <api key>'"
+
+
+def rename_fields(message: str, names: Mapping[str, str]) -> str:
+    """``message`` with the domain's field names replaced by the request's (``names``;
+    its ``prompt`` entry names the field of a context overflow only)."""
+    keys = [k for k in names if k != "prompt"]
+    if not keys:
+        return message
+    pattern = "|".join(re.escape(k) for k in sorted(keys, key=len, reverse=True))
+    return re.sub(rf"(?<![\w.])({pattern})(?![\w])", lambda m: names[m.group(1)], message)  # "text:" ends in \W
+
+
+def param_of(message: str) -> str | None:
+    """The request field an error message names first (``messages[2].role``), if any."""
+    m = re.match(r"([a-z_]+(?:\.[a-z_]+)?)((?:\[\d+\])?(?:\.[a-z_]+)?)", message)
+    if m is None:
+        return None
+    if m.group(1) in _PARAMS:
+        return m.group(1) + m.group(2)
+    head = m.group(1).split(".")[0]
+    return head if head in _PARAMS else None
+
+
+def error_of(
+    exc: BaseException, request_id: str, names: Mapping[str, str] | None = None, context_length: int = 0
+) -> HttpError:
+    """The HTTP error of a domain error or ``RpcStatus`` (unexpected ones: 500 naming the
+    request id), in OpenAI's vocabulary: its error codes (``context_length_exceeded``
+    for a prompt that does not fit), the request's field names (``names``: domain ->
+    OpenAI) in the message and in ``param``, an HTTP-worded 401."""
     if isinstance(exc, HttpError):
         return exc
     status = wire.failure(exc, "http", request_id) if isinstance(exc, Exception) else None
     if status is None:
-        return HttpError(500, f"internal error (request id {request_id})", "internal_error")
+        return HttpError(500, f"internal error (request id {request_id})", "internal_error", code="internal_error")
     http, kind = HTTP_OF_CODE.get(status.code, (500, "internal_error"))
-    return HttpError(http, status.details, kind, code=status.code.name.lower())
+    code = CODE_OF_STATUS.get(status.code, "internal_error")
+    names = names if names is not None else {}
+    message = rename_fields(status.details, names)
+    param = param_of(message) if http == 400 else None
+    if isinstance(exc, ContextOverflow):
+        code, param = "context_length_exceeded", names.get("prompt", "messages")
+        ctx = f"This model's maximum context length is {context_length} tokens. " if context_length else ""
+        message = f"{ctx}{message[:1].upper()}{message[1:]}. Please reduce the length of the {param}."
+    elif isinstance(exc, Unauthenticated):
+        message = HTTP_MISSING_CREDENTIALS if str(exc) == MISSING_CREDENTIALS else message
+    elif isinstance(exc, (SessionNotFound, SessionBusy, TurnsChanged, SessionConflict)):
+        code = {SessionNotFound: "session_not_found", SessionBusy: "session_busy"}.get(type(exc), code)
+    return HttpError(http, message, kind, param=param, code=code)
 
 
 def unsupported(name: str, why: str = "kvserve does not support it") -> HttpError:
     return HttpError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+
+
+# The domain's field names (gRPC's, as service.validation's messages spell them) -> the
+# OpenAI request's, per route: an error's message and param name the field the client sent.
+_BASE_NAMES: Mapping[str, str] = {
+    "min_new_tokens": "min_tokens", "sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
+    "stop strings": "stop", "stop_token_ids": "stop_token_ids",
+}  # fmt: skip
+
+
+def chat_names(max_name: str = "max_completion_tokens") -> Mapping[str, str]:
+    return {**_BASE_NAMES, "max_new_tokens": max_name, "chat.messages": "messages", "prompt": "messages"}
+
+
+COMPLETION_NAMES: Mapping[str, str] = {
+    **_BASE_NAMES, "max_new_tokens": "max_tokens", "tokens.ids": "prompt", "top_logprobs": "logprobs",
+    "prompt": "prompt", "text:": "prompt:",
+}  # fmt: skip
+RESPONSES_NAMES: Mapping[str, str] = {
+    **_BASE_NAMES, "max_new_tokens": "max_output_tokens", "chat.messages": "input", "prompt": "input", "text:": "input:",
+    "response_format": "text.format",
+}  # fmt: skip
+# Request fields an error message may start with (after renaming): the error's param.
+_PARAMS = (
+    "max_completion_tokens", "max_tokens", "max_output_tokens", "min_tokens", "temperature", "top_p", "top_k",
+    "repetition_penalty", "seed", "stop_token_ids", "stop", "n", "min_p", "presence_penalty", "frequency_penalty",
+    "logit_bias", "logprobs", "top_logprobs", "cache_salt", "messages", "prompt", "input", "response_format",
+    "text.format",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -121,6 +225,7 @@ class ParsedRequest:
     inp: TurnInput
     stream: bool
     include_usage: bool
+    names: Mapping[str, str] = dataclasses.field(default_factory=chat_names)  # domain -> OpenAI field names
 
 
 def _number(body: Mapping[str, Any], name: str, kind: type = float) -> Any:
@@ -144,13 +249,50 @@ def _check_common(body: Mapping[str, Any], allowed: set[str], where: str) -> Non
     if model is not None and not isinstance(model, str):
         raise HttpError(400, "model must be a string", param="model")
     _number(body, "n", int)  # its range: SamplingParams.validate
-    if body.get("logprobs") not in (None, False):
-        raise unsupported("logprobs", "not on the HTTP front (gRPC's SamplingParams.logprobs returns them)")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise HttpError(400, "user must be a string", param="user")
+    check_bookkeeping(body)
 
 
-def _sampling(body: Mapping[str, Any], max_tokens_field: str, default_max_new_tokens: int) -> tuple[SamplingParams, int | None]:
+def check_bookkeeping(body: Mapping[str, Any]) -> None:
+    """The fields that change nothing in the output (user, metadata, store, service_tier,
+    prompt_cache_key, safety_identifier): accepted when well-formed."""
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise HttpError(400, f"{name} must be a string", param=name, code="invalid_type")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise HttpError(400, "store must be a boolean", param="store", code="invalid_type")
+    meta = body.get("metadata")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                 for k, v in meta.items())):  # fmt: skip
+        raise HttpError(400, "metadata must be an object of string keys and string values", param="metadata",
+                        code="invalid_type")  # fmt: skip
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise HttpError(400, f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}"[:200],
+                        param="service_tier", code="invalid_value")  # fmt: skip
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """SamplingParams.logprobs: chat's ``logprobs: true`` with ``top_logprobs`` (0 to 20),
+    a completion's ``logprobs`` (the alternatives per token, an integer)."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise HttpError(400, "logprobs must be a boolean", param="logprobs", code="invalid_type")
+        top = _number(body, "top_logprobs", int)
+        if top and not on:
+            raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return (top or 0) if on else None
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HttpError(400, f"logprobs must be an integer, got {value!r}"[:200], param="logprobs", code="invalid_type")
+    return value
+
+
+def _sampling(
+    body: Mapping[str, Any], max_tokens_field: str, default_max_new_tokens: int, logprobs: int | None = None
+) -> tuple[SamplingParams, int | None]:
     max_tokens = _number(body, max_tokens_field, int)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = _number(body, "max_tokens", int)
@@ -193,6 +335,7 @@ def _sampling(body: Mapping[str, Any], max_tokens_field: str, default_max_new_to
         frequency_penalty=0.0 if frequency is None else float(frequency),
         logit_bias=_logit_bias(body),
         min_new_tokens=0 if min_tokens is None else min_tokens,
+        logprobs=logprobs,
     )
     return params, max_tokens
 
@@ -242,8 +385,9 @@ def _salt(body: Mapping[str, Any]) -> str:
     return salt
 
 
-def _content(value: Any, i: int) -> str:
-    """A message's content: a string, or a list of text parts (joined)."""
+def _content(value: Any, where: str, text_types: tuple[str, ...] = ("text", "refusal")) -> str:
+    """A message's content: a string, or a list of text parts (joined; an assistant's
+    ``refusal`` part is its text)."""
     if isinstance(value, str):
         return value
     if value is None:
@@ -251,14 +395,25 @@ def _content(value: Any, i: int) -> str:
     if isinstance(value, list):
         parts = []
         for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise unsupported(f"messages[{i}].content[{j}]", "only text content parts are supported")
-            parts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = "refusal" if kind == "refusal" else "text"
+            if kind not in text_types or not isinstance(part.get(key), str):
+                raise unsupported(f"{where}[{j}]", f"only text content parts are supported ({', '.join(text_types)})")
+            if set(part) - {"type", key, "annotations", "logprobs"}:
+                raise unsupported(f"{where}[{j}]", f"a {kind} part takes type and {key}")
+            parts.append(part[key])
         return "".join(parts)
-    raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+    raise HttpError(400, f"{where} must be a string or a list of text parts", param=where, code="invalid_type")
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == [] or value == ""
 
 
 def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    """The messages. What an SDK's own response message carries back unset (``refusal:
+    null``, ``tool_calls: []``, ``function_call: null``, ``audio: null``,
+    ``annotations: []``) is accepted; an assistant's ``refusal`` text is its content."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "messages must be a non-empty list", param="messages")
@@ -267,9 +422,16 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HttpError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
         for key in m:
+            if key in _EMPTY_MESSAGE_FIELDS and (_is_empty(m[key]) or (key == "refusal" and isinstance(m[key], str))):
+                continue
             if key not in ("role", "content", "name"):
                 raise unsupported(f"messages[{i}].{key}")
-        out.append(ChatMessage(m["role"], _content(m.get("content"), i)))
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise HttpError(400, f"messages[{i}].name must be a string", param=f"messages[{i}].name")
+        content = _content(m.get("content"), f"messages[{i}].content")
+        if not content and isinstance(m.get("refusal"), str):
+            content = m["refusal"]
+        out.append(ChatMessage(m["role"], content))
     return tuple(out)
 
 
@@ -295,19 +457,34 @@ def response_format(fmt: Any) -> ResponseFormat | None:
                     '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', param="response_format")  # fmt: skip
 
 
+def check_null_only(body: Mapping[str, Any], names: tuple[str, ...] = _NULL_ONLY) -> None:
+    """Fields of models or features kvserve lacks: accepted when null, else refused as
+    OpenAI refuses them for a model without them."""
+    for name in names:
+        if body.get(name) is not None:
+            raise unsupported(name, f"Unsupported parameter: '{name}' is not supported with this model")
+
+
 def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     """A /v1/chat/completions body as a domain request (the whole history as messages)."""
     _check_common(body, CHAT_FIELDS, "/v1/chat/completions")
-    for name in ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "top_logprobs"):
+    for name in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(name) not in (None, [], "none"):
             raise unsupported(name)
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise HttpError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls", code="invalid_type")
+    check_null_only(body)
+    if body.get("modalities") not in (None, ["text"]):
+        raise unsupported("modalities", "only [\"text\"] is supported")
     stream, include_usage = _stream(body)
-    sampling, max_tokens = _sampling(body, "max_completion_tokens", default_max_new_tokens)
+    sampling, max_tokens = _sampling(body, "max_completion_tokens", default_max_new_tokens, _logprobs(body, True))
     fmt = response_format(body.get("response_format"))
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
     inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
-    return ParsedRequest(body.get("model"), inp, stream, include_usage)
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None or \
+        body.get("max_tokens") is None else "max_tokens"  # fmt: skip
+    return ParsedRequest(body.get("model"), inp, stream, include_usage, chat_names(max_name))
 
 
 def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
@@ -333,12 +510,45 @@ def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     else:
         raise HttpError(400, "prompt must be a string or a list of token ids", param="prompt")
     stream, include_usage = _stream(body)
-    sampling, max_tokens = _sampling(body, "max_tokens", default_max_new_tokens)
+    sampling, max_tokens = _sampling(body, "max_tokens", default_max_new_tokens, _logprobs(body, False))
     inp = TurnInput(text=text, token_ids=ids, sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
-    return ParsedRequest(body.get("model"), inp, stream, include_usage)
+    return ParsedRequest(body.get("model"), inp, stream, include_usage, COMPLETION_NAMES)
 
 
 # ----------------------------------------------------------------------------- responses
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], pieces: Callable[[Sequence[int]], list[tuple[str, bytes]]]) -> dict[str, Any]:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``
+    (``pieces``: token ids -> (text, bytes))."""
+    ids = [t.token_id for t in items] + [i for t in items for i, _ in t.top]
+    piece = dict(zip(ids, pieces(ids)))
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = piece[token_id]
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    content = [{**one(t.token_id, t.logprob), "top_logprobs": [one(i, lp) for i, lp in t.top]} for t in items]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    items: Sequence[TokenLogprob], pieces: Callable[[Sequence[int]], list[tuple[str, bytes]]]
+) -> dict[str, Any]:
+    """A completion's ``logprobs``: parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (text -> logprob) and ``text_offset`` (into the completion's text)."""
+    ids = [t.token_id for t in items] + [i for t in items for i, _ in t.top]
+    text = {i: p[0] for i, p in zip(ids, pieces(ids))}
+    offsets, at = [], 0
+    for t in items:
+        offsets.append(at)
+        at += len(text[t.token_id])
+    return {
+        "tokens": [text[t.token_id] for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [{text[i]: lp for i, lp in t.top} for t in items],
+        "text_offset": offsets,
+    }
 
 
 def finish_reason(ev: Finished) -> str:

@@ -11,70 +11,22 @@
         x = x + RMSNorm(down(gelu_tanh(gate(h')) * up(h')))  # h' = RMSNorm(x): pre/post-FF norms
     logits = lm_head(RMSNorm(x))                           # tied; Gemma 2: cap * tanh(logits / cap)
 
-Names follow the HF checkpoint (``model.layers.0.pre_feedforward_layernorm``, ...). The
-forward contract is llama.py's. Attention soft-capping runs the scores explicitly (SDPA
-has no soft-cap); without it, SDPA as in llama.py.
+Names follow the HF checkpoint (``model.layers.0.pre_feedforward_layernorm``, ...). What
+is Gemma's own is here: the sandwich norms, the embedding scale, the soft-caps (attention
+soft-capping runs the scores explicitly: SDPA has no soft-cap) and the local RoPE;
+attention, the (1 + w) RMSNorm, GeGLU and the contracts are ``layers``'.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvserve.service.kernels.layer import LayerWeights
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear, PagedAttention, causal_mask, fuse_linears, last_tokens
-from kvserve.service.models.native import layer as native_layer
-from kvserve.service.models.native import ops as native_ops
-from kvserve.service.models.native.layer import LayerSpec, NativeStack
-from kvserve.service.models.rope import Rotary, apply_rope_
-
-
-class RMSNorm(nn.Module):
-    """Gemma's RMSNorm: x / rms(x) * (1 + w), all in float32 (w starts at zero).
-
-    The ops of ``F.rms_norm`` without its two scalar copies (llama.RMSNorm), the divide,
-    add and rsqrt in place, and (1 + w) made once per weight version: 8 kernels in
-    float32 where the plain formula ran 13, the same bits."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self._cache: dict[object, Tensor] = {}  # (D, eps) per device; (1 + w) per weight version
-
-    _native = False  # decode-sized float32 CPU rows by one native call (layers.enable_native)
-
-    def _consts(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        w = self.weight
-        key = (w.device, w.data_ptr(), w._version)
-        if key not in self._cache:
-            with torch.inference_mode(False):  # plain tensors: usable with autograd too
-                self._cache = {key: (
-                    torch.tensor(float(x.shape[-1]), dtype=torch.float32, device=w.device),
-                    torch.tensor(self.eps, dtype=torch.float32, device=w.device),
-                    1.0 + w.detach().float(),
-                )}
-        return self._cache[key]
-
-    def _inv(self, xf: Tensor) -> tuple[Tensor, Tensor]:
-        d, eps, scale = self._consts(xf)
-        return xf.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_(), scale  # (..., 1), (D,)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= 64 * x.shape[-1]:
-            return native_ops.rmsnorm(x, self.weight, self.eps, offset=1.0)
-        xf = x.float()
-        inv, scale = self._inv(xf)
-        return torch.mul(xf, inv).mul_(scale).to(x.dtype)
-
-    def forward_(self, x: Tensor) -> Tensor:
-        """``forward`` written into x itself (per-head q/k norms on the fused q/k/v)."""
-        if x.dtype != torch.float32:
-            return x.copy_(self(x))
-        inv, scale = self._inv(x)
-        return x.mul_(inv).mul_(scale)
+from kvserve.service.models.layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights
+from kvserve.service.models.rope import Rotary
 
 
 def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -97,48 +49,13 @@ def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, i
 
 
 class Attention(PagedAttention):
+    """``layers.PagedAttention`` scaled by query_pre_attn_scalar^-1/2, (1 + w) q/k norms
+    (Gemma 3) and Gemma 2's soft-capped scores."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        super().__init__(config, layer_idx, scale=(config.query_pre_attn_scalar or config.head_dim) ** -0.5,
+                         norm_offset=1.0)  # fmt: skip
         self.softcap = config.attn_logit_softcapping
-        self.window = config.layer_window(layer_idx)  # None: a global layer
-        d, bias = config.hidden_size, config.attention_bias
-        self.q_proj = Linear(d, config.q_size, bias=bias)
-        self.k_proj = Linear(d, config.kv_size, bias=bias)
-        self.v_proj = Linear(d, config.kv_size, bias=bias)
-        self.o_proj = Linear(config.q_size, d, bias=bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
-        self.qk_norm = config.qk_norm
-        self.qkv_proj: Linear | None = None  # q, k and v side by side: set by fuse() after loading
-
-    def fuse(self) -> None:
-        """One projection for q, k and v (as llama.Attention.fuse)."""
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, T, _ = x.shape
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-            q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # (B, T, nh | n_kv, hd)
-            # in place in qkv (norms, then q and k rotated together): k and v stay side by
-            # side, so KVPool.update writes them with one op
-            if self.qk_norm:
-                self.q_norm.forward_(q)
-                self.k_norm.forward_(k)
-            self.rope_(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
-            return q, k, v
-        else:
-            q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
-            k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
-            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope_(q, cos, sin), apply_rope_(k, cos, sin), v  # q, k: this call's own tensors
 
     def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         if self.softcap is not None:  # SDPA has no soft-cap
@@ -146,78 +63,40 @@ class Attention(PagedAttention):
         return super().sdpa(q, k, v, mask, is_causal)
 
 
-class MLP(nn.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        d, h = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(d, h, bias=False)
-        self.up_proj = Linear(d, h, bias=False)
-        self.down_proj = Linear(h, d, bias=False)
-        self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
-        self.gate_up_proj: Linear | None = None  # gate and up side by side: set by fuse() after loading
-
-    def fuse(self) -> None:
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
-
-    _native = False  # decode-sized float32 CPU rows: gelu_tanh(gate) * up in one native call
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj is not None:
-            if (self._native and self.approximate == "tanh" and x.dtype == torch.float32 and x.device.type == "cpu"
-                    and x.numel() <= 64 * x.shape[-1]):
-                return self.down_proj(native_ops.act_mul(self.gate_up_proj(x), "gelu_tanh"))
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, h) each
-            return self.down_proj(F.gelu(gate, approximate=self.approximate).mul_(up))
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate=self.approximate).mul_(self.up_proj(x)))
-
-
 class Block(nn.Module):
-    _native_layer = None  # native.layer.NativeLayer: the whole block in one call on decode steps
-
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.norm_eps
-        self.is_sliding = config.layer_window(layer_idx) is not None
-        self.input_layernorm = RMSNorm(d, eps)
+        # Gemma 3's sliding layers rotate with the local RoPE pair
+        self.rope_group = int(config.local_rope_theta is not None and config.layer_window(layer_idx) is not None)
+        self.input_layernorm = RMSNorm(d, eps, offset=1.0)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(d, eps)
-        self.pre_feedforward_layernorm = RMSNorm(d, eps)
-        self.mlp = MLP(config)
-        self.post_feedforward_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps, offset=1.0)
+        act = "gelu" if config.hidden_act == "gelu" else "gelu_tanh"  # gelu_pytorch_tanh, gelu_new
+        self.mlp = GatedMLP(d, config.intermediate_size, False, act)
+        self.post_feedforward_layernorm = RMSNorm(d, eps, offset=1.0)
 
-    def native_spec(self) -> LayerSpec | None:
-        """This block for the native decode layer: (1 + w) norms, sandwich norms around
-        attention and MLP, GeGLU with the tanh gelu only (exact gelu keeps the per-op path)."""
-        a, m = self.self_attn, self.mlp
-        if a.qkv_proj is None or m.gate_up_proj is None or m.approximate != "tanh":
-            return None
-        return LayerSpec(norm_in=self.input_layernorm, qkv=a.qkv_proj, o=a.o_proj, norm_mlp=self.pre_feedforward_layernorm,
-                         gate_up=m.gate_up_proj, down=m.down_proj, act="gelu_tanh", attn=a, norm_offset=1.0,
-                         norm_post_attn=self.post_attention_layernorm, norm_post_mlp=self.post_feedforward_layernorm,
-                         q_norm=a.q_norm if a.qk_norm else None, k_norm=a.k_norm if a.qk_norm else None)  # fmt: skip
+    def kernel_layer(self) -> LayerWeights | None:
+        """This block for the native decoder stack: sandwich norms around attention and MLP."""
+        return layer_weights(self.self_attn, self.input_layernorm, self.pre_feedforward_layernorm, self.mlp,
+                             self.post_attention_layernorm, self.post_feedforward_layernorm)  # fmt: skip
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
-        if self._native_layer is not None and native_layer.applies(x, layout, kv):
-            return native_layer.run_layer(self._native_layer, x, cos, sin, layout, kv)
-        h = self.input_layernorm(x)
-        if layout is None:
-            h = self.self_attn.forward_nocache(h, cos, sin)
-        else:
-            h = self.self_attn(h, cos, sin, layout, kv)
+    def forward(self, x: Tensor, rope: Rope, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, layout, kv)
         # in place: x is the model's own running tensor (the scaled embedding, never shared)
         x = x.add_(self.post_attention_layernorm(h))
         return x.add_(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
 
 
 class GemmaModel(nn.Module):
+    """The checkpoint's ``model.`` prefix."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, offset=1.0)
         self.rotary_emb = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         # Gemma 3: the sliding layers rotate with their own base (and scaling)
         local = config.local_rope_theta is not None
@@ -226,76 +105,38 @@ class GemmaModel(nn.Module):
         )
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CausalLM):
     """Gemma2ForCausalLM / Gemma3ForCausalLM."""
 
-    transposed: tuple[str, ...] = ()
-
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = GemmaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = config.hidden_size**0.5
         self.final_softcap = config.final_logit_softcapping
+        self.tied = ("lm_head.weight", "model.embed_tokens.weight") if config.tie_word_embeddings else None
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
-
-    @staticmethod
-    def checkpoint_name(key: str) -> str | None:
+    def checkpoint_name(self, key: str) -> str | None:
         return key
 
-    def reset_buffers(self) -> None:
-        self.model.rotary_emb.reset_buffers()
-        if self.model.rotary_emb_local is not None:
-            self.model.rotary_emb_local.reset_buffers()
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.model.layers
 
-    _native_stack = None  # native.layer.NativeStack: every block of a decode step natively (layers.enable_native)
-
-    def native_stack(self) -> NativeStack | None:
-        """The blocks' native layers; the sliding ones rotate with the local pair (Gemma 3)."""
-        local = self.model.rotary_emb_local is not None
-        return NativeStack.of(self.model.layers, [int(local and layer.is_sliding) for layer in self.model.layers])
-
-    def _embed(self, input_ids: Tensor) -> Tensor:
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
         # the scale rounded to the model dtype first, as the reference does
         return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
 
-    def _layers(self, x: Tensor, positions: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
-        cos, sin = self.model.rotary_emb(positions, x.dtype, signed=True)  # (B, T, 1, hd); sin signed (apply_rope_)
+    def ropes(self, positions: Tensor, dtype: torch.dtype, layout: BatchLayout | None) -> tuple[Rope, ...]:
+        """(global, local) pairs, (B, T, 1, hd) each; local is global without a local base."""
+        cos_sin = self.model.rotary_emb(positions, dtype)
         local = self.model.rotary_emb_local
-        cos_l, sin_l = local(positions, x.dtype, signed=True) if local is not None else (cos, sin)
-        stack = self._native_stack
-        if stack is not None and native_layer.applies(x, layout, kv):
-            return stack.run(x, ((cos, sin), (cos_l, sin_l)), layout, kv)  # a decode step: decided once, not per block
-        for layer in self.model.layers:
-            if layer.is_sliding:
-                x = layer(x, cos_l, sin_l, layout, kv)
-            else:
-                x = layer(x, cos, sin, layout, kv)
-        return x
+        return cos_sin, local(positions, dtype) if local is not None else cos_sin
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def head(self, x: Tensor) -> Tensor:
         logits = self.lm_head(self.model.norm(x)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
-        x = self._layers(self._embed(layout.input_ids), layout.positions, layout, kv)  # (B, T, D)
-        if not all_logits:
-            x = last_tokens(x, layout)  # (B, D)
-        return self._logits(x)  # (B, V) or (B, T, V)
-
-    def forward_nocache(self, input_ids: Tensor) -> Tensor:
-        B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        return self._logits(self._layers(self._embed(input_ids), positions, None, None))  # (B, T, V)

@@ -9,20 +9,21 @@
 Names follow the HF checkpoint (``transformer.h.0.attn.c_attn``). HF stores GPT-2's
 projections as ``Conv1D`` (weight (in, out)); here they are ``nn.Linear`` (weight
 (out, in)), so the loader transposes the tensors listed in ``transposed`` (nanoGPT's
-manner). The forward contract is the one in llama.py.
+manner). Its learned positions and LayerNorms are what it has of its own; the forward and
+the loader's contract are ``layers.CausalLM``'s (no RoPE, no native decoder stack: the
+products run natively, attention in torch).
 """
 
 from __future__ import annotations
 
 import re
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.service.kv.cache import BatchLayout, KVPool
 from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Linear, last_tokens
+from kvserve.service.models.layers import CausalLM, Linear, causal_mask
 
 
 class Attention(nn.Module):
@@ -34,28 +35,19 @@ class Attention(nn.Module):
         self.c_attn = Linear(d, 3 * d)  # q, k, v stacked
         self.c_proj = Linear(d, d)
 
-    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         B, T, D = x.shape
-        q, k, v = self.c_attn(x).split(D, dim=-1)
-        shape = (B, T, self.n_heads, self.head_dim)
-        return q.view(shape), k.view(shape), v.view(shape)  # (B, T, nh, hd)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        B, T = q.shape[:2]
+        q, k, v = (t.view(B, T, self.n_heads, self.head_dim) for t in self.c_attn(x).split(D, dim=-1))
+        if layout is not None:
+            k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, nh, hd)
+            mask, is_causal = layout.attn_bias(q.dtype), layout.is_causal
+        else:
+            mask, is_causal = causal_mask(T, None, q.dtype, x.device)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T|C, hd)
         if T > 1:  # prefill: the flash kernel runs markedly faster on contiguous heads
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # (B, nh, T, hd)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def forward(self, x: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        q, k, v = self.qkv(x)
-        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, nh, hd)
-        return self.attend(q, k, v, layout.attn_bias(q.dtype), layout.is_causal)
-
-    def forward_nocache(self, x: Tensor) -> Tensor:
-        q, k, v = self.qkv(x)
-        return self.attend(q, k, v, None, x.shape[1] > 1)
 
 
 class MLP(nn.Module):
@@ -77,16 +69,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
+    def forward(self, x: Tensor, rope: None, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         x = x + self.attn(self.ln_1(x), layout, kv)
-        return x + self.mlp(self.ln_2(x))
-
-    def forward_nocache(self, x: Tensor) -> Tensor:
-        x = x + self.attn.forward_nocache(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT2Model(nn.Module):
+    """The checkpoint's ``transformer.`` prefix."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -95,52 +85,31 @@ class GPT2Model(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     # Conv1D weights, stored (in, out) in the checkpoint: transposed on load
     transposed: tuple[str, ...] = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    tied = ("lm_head.weight", "transformer.wte.weight")  # always
     # causal-mask buffers some checkpoints carry (h.0.attn.bias, h.0.attn.masked_bias): not weights
     _mask_buffer = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.transformer = GPT2Model(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        """GPT-2 always ties lm_head to wte (again after to_empty)."""
-        self.lm_head.weight = self.transformer.wte.weight
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "transformer.wte.weight"}
-
-    @classmethod
-    def checkpoint_name(cls, key: str) -> str | None:
-        """Our parameter name for a checkpoint tensor name; None for tensors to skip.
-
-        The original OpenAI-converted checkpoints omit the ``transformer.`` prefix.
-        """
-        if cls._mask_buffer.match(key):
+    def checkpoint_name(self, key: str) -> str | None:
+        """The original OpenAI-converted checkpoints omit the ``transformer.`` prefix."""
+        if self._mask_buffer.match(key):
             return None
         return key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
 
-    def reset_buffers(self) -> None:
-        """No non-persistent buffers."""
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
 
-    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
-        x = self.transformer.wte(layout.input_ids) + self.transformer.wpe(layout.positions)  # (B, T, D)
-        for block in self.transformer.h:
-            x = block(x, layout, kv)
-        if not all_logits:
-            x = last_tokens(x, layout)  # (B, D)
-        return self.lm_head(self.transformer.ln_f(x)).float()  # (B, V) or (B, T, V)
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # (B, T, D): learned positions
 
-    def forward_nocache(self, input_ids: Tensor) -> Tensor:
-        B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device)
-        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)[None]  # (B, T, D)
-        for block in self.transformer.h:
-            x = block.forward_nocache(x)
-        return self.lm_head(self.transformer.ln_f(x)).float()  # (B, T, V)
+    def head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.transformer.ln_f(x)).float()

@@ -1,4 +1,15 @@
-"""Layers shared by the model files."""
+"""What the model files share, once: the products (``Linear``; quant.py's formats), the
+norm (``RMSNorm``, with Gemma's (1 + w) offset), the gated MLP, paged attention, and
+``CausalLM``, the loader's contract and the forward every family runs:
+
+    x = embed(ids, positions)
+    for block in blocks:  x = block(x, rope, layout, kv)   # or, on a decode step, the kernels' stack
+    logits = head(x at each sequence's last token)
+
+A family file defines its blocks and whatever differs (its embedding, its RoPE, its
+head) and nothing else. Where the native kernels serve (``use_kernels``) each layer's
+kernel call is part of its own forward.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +19,16 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from kvserve.service.models.native import ops as native_ops
-from kvserve.service.models.rope import apply_rope_
+from kvserve.service.kernels import ops as kernel_ops
+from kvserve.service.kernels.layer import (MAX_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights,
+                                           ProductWeights, norm, product)
+from kvserve.service.models.config import ModelConfig
+from kvserve.service.models.rope import Rotary, apply_rope_
 
 if TYPE_CHECKING:
     from kvserve.service.kv.cache import BatchLayout, KVPool
+
+Rope = tuple[Tensor, Tensor]  # (cos, signed sin), (B, T, 1, rot) each: rope.Rotary's output
 
 # Row counts (tokens in the forward) that take the CPU fast path of ``Linear``.
 SMALL_ROWS = range(2, 65)
@@ -26,13 +42,22 @@ PACKED_ROWS = range(2, 65)
 PACK_MIN_ELEMENTS = 1 << 18
 
 
-class Linear(nn.Linear):
+class UsesKernels:
+    """A module with a native implementation of its decode-sized work: ``use_kernels()``
+    (called once at load by ``use_kernels(model)``, only where the kernels loaded and the
+    model computes in float32 on the CPU) takes the typed view of its weights that the
+    kernels read; its forward then runs them for 1..``MAX_ROWS`` rows."""
+
+    def use_kernels(self) -> None:
+        raise NotImplementedError
+
+
+class Linear(nn.Linear, UsesKernels):
     """``nn.Linear`` (same parameters, same result) with CPU fast paths for a few rows.
 
-    Decode (1..64 rows) is bound by reading the weights. On the CPU, float32, the native
-    kernel runs them when the loader enabled it (``enable_native``: ``native/gemv.cpp``
-    reads the weight in place, one dot product per output, the same sum whatever the
-    other rows). Without it:
+    Decode (1..64 rows) is bound by reading the weights. With the native kernels
+    (``use_kernels``) their product reads the float32 weight in place, one dot product
+    per output, the same sum whatever the other rows. Without them (torch's path):
 
     - ``pack()`` (called by the loader, ``pack_linears``) keeps a second copy of the
       weight in oneDNN's blocked layout; 2..64 rows run oneDNN's GEMM on it
@@ -48,7 +73,13 @@ class Linear(nn.Linear):
     """
 
     _packed: Tensor | None = None  # the weight in oneDNN's layout (opaque tensor); None: unpacked
-    _native: bool = False  # decode-sized float32 products by the native kernel (``enable_native``)
+    kernel: ProductWeights | None = None  # the weight as the native product reads it (``use_kernels``)
+
+    def kernel_weights(self) -> ProductWeights | None:
+        return ProductWeights.of(self.weight, None, self.bias, "f32")
+
+    def use_kernels(self) -> None:
+        self.kernel = self.kernel_weights()
 
     def pack(self) -> bool:
         """Keep a oneDNN-packed copy of the weight for decode-sized products (CPU,
@@ -70,8 +101,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if self._native and rows <= native_ops.MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-            return native_ops.gemv(x, self.weight, None, self.bias)
+        if self.kernel is not None and rows <= MAX_ROWS:
+            return product(self.kernel, x)
         packed = self._packed
         if packed is not None and x.dtype == torch.float32 and (
             rows in PACKED_ROWS or (rows == 1 and torch.get_num_threads() > 1)
@@ -93,37 +124,29 @@ def pack_linears(model: nn.Module) -> int:
     return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
 
 
-def enable_native(model: nn.Module) -> int:
-    """Route the decode-sized work of every module of ``model`` that has a native path
-    to the native kernels (the caller checks ``native.available()``): modules with a
-    ``_native`` flag (products, norms, gates, attention) run their own op natively,
-    blocks with a ``native_spec()`` run whole on decode steps (``native/layer.py``), and
-    a model with a ``native_stack()`` runs its blocks' native layers as one stack (None
-    when a block has none). Returns how many modules were switched."""
-    from kvserve.service.models.native.layer import NativeLayer
+def use_kernels(model: CausalLM) -> int:
+    """Route the decode-sized work of ``model`` to the native kernels (the caller checked
+    that they loaded and that the model computes in float32 on the CPU): every
+    ``UsesKernels`` module takes its weights' view, then the model builds its decoder
+    stack (None when a block cannot run natively). Returns how many modules were switched."""
+    users = [m for m in model.modules() if isinstance(m, UsesKernels)]
+    for m in users:
+        m.use_kernels()
+    model.stack = model.decoder_stack()
+    return len(users)
 
-    count = 0
-    for m in model.modules():
-        if hasattr(m, "_native"):
-            enable = getattr(m, "enable_native", None)
-            if enable is not None:
-                count += bool(enable())
-            else:
-                m._native = True
-                count += 1
-    for m in model.modules():  # after the products: a QuantLinear's float scales are made above
-        spec = getattr(m, "native_spec", None)
-        if callable(spec) and (s := spec()) is not None:
-            try:
-                m._native_layer = NativeLayer(s)
-                count += 1
-            except ValueError:
-                pass  # a part the native layer cannot read: the block keeps its per-op path
-    for m in model.modules():  # after the blocks: a model whose blocks all have a native layer runs them as one stack
-        stack = getattr(m, "native_stack", None)
-        if callable(stack):
-            m._native_stack = stack()
-    return count
+
+def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | None:
+    """The kernels' view of a decode step over ``kv`` (made once per layout), or None
+    when ``layout`` is no decode step over a cached float32 context."""
+    if layout is None or layout.ctx_blocks is None or kv.data.dtype != torch.float32:
+        return None
+    key = ("kernels_step", id(kv))
+    step = layout._bias.get(key)
+    if step is None:
+        step = layout._bias[key] = DecodeStep(kv.data, layout.slot_blocks, layout.slot_offsets, layout.ctx_blocks,
+                                              layout.lens_tensor())  # fmt: skip
+    return step
 
 
 def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
@@ -173,24 +196,155 @@ def fuse_projections(model: nn.Module) -> None:
             fuse()
 
 
+class RMSNorm(nn.Module, UsesKernels):
+    """x * rsqrt(mean(x^2) + eps) * (offset + w) over the last dim: offset 0 (Llama and
+    most families, w starts at one), or 1 (Gemma: (1 + w), w starts at zero, all of it in
+    float32 as its reference computes).
+
+    float32: the ops of torch's ``F.rms_norm`` (on the CPU not one kernel but ten: pow,
+    sum, fill, div, add, rsqrt, two muls and two copies wrapping the Python scalars 1/D
+    and eps), bit for bit the same result, in eight: the scalars are 0-dim tensors made
+    once per device and weight version (with (1 + w)), and the divide, add and rsqrt run
+    in place. With the kernels, 1..64 rows are one native call."""
+
+    kernel: NormWeights | None = None  # decode-sized rows by one native call (``use_kernels``)
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps, self.offset = eps, float(offset)
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self._cache: dict[object, tuple[Tensor, Tensor, Tensor]] = {}  # (D, eps, offset + w) per weight version
+
+    def use_kernels(self) -> None:
+        self.kernel = NormWeights.of(self.weight, self.eps, self.offset)
+
+    def _inv(self, xf: Tensor) -> tuple[Tensor, Tensor]:
+        """(rsqrt(mean(xf^2) + eps) (..., 1), the scale (D,)) for float32 xf."""
+        w = self.weight
+        key = (w.device, w.data_ptr(), w._version)
+        if key not in self._cache:
+            with torch.inference_mode(False):  # plain tensors: usable with autograd too
+                self._cache = {key: (
+                    torch.tensor(float(xf.shape[-1]), dtype=torch.float32, device=w.device),
+                    torch.tensor(self.eps, dtype=torch.float32, device=w.device),
+                    self.offset + w.detach().float() if self.offset else w,
+                )}  # fmt: skip
+        d, eps, scale = self._cache[key]
+        return xf.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_(), scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+            return norm(self.kernel, x)
+        if self.offset or x.dtype == torch.float32 == self.weight.dtype:
+            xf = x.float()
+            inv, scale = self._inv(xf)
+            return torch.mul(xf, inv).mul_(scale).to(x.dtype)
+        # normalize in float32 (as the reference does), scale in the model dtype
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def forward_(self, x: Tensor) -> Tensor:
+        """``forward`` written into x itself (a view into a larger output: the per-head
+        q/k norms on the fused q/k/v); the same values."""
+        if x.dtype == torch.float32 == self.weight.dtype:
+            inv, scale = self._inv(x)
+            return x.mul_(inv).mul_(scale)
+        return x.copy_(self(x))
+
+
+_GATES = {  # the gate's activation in torch (the kernels' act_mul takes the same names)
+    "silu": lambda g: F.silu(g, inplace=True),
+    "gelu": lambda g: F.gelu(g),
+    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module, UsesKernels):
+    """down(act(gate(x)) * up(x)): SwiGLU (``silu``) or GeGLU (``gelu``, ``gelu_tanh``).
+    gate and up run as one product, ``gate_up_proj``: fused in the checkpoint (Phi-3), or
+    after loading (``fuse``: the checkpoint's ``gate_proj`` and ``up_proj``)."""
+
+    kernel: bool = False  # decode-sized rows: act(gate) * up in one native call (``use_kernels``)
+
+    def __init__(self, d: int, hidden: int, bias: bool, act: str, fused: bool = False) -> None:
+        super().__init__()
+        if act not in _GATES:
+            raise ValueError(f"gate activation {act!r}; one of {', '.join(_GATES)}")
+        self.act = act
+        if fused:
+            self.gate_up_proj = Linear(d, 2 * hidden, bias=bias)
+        else:
+            self.gate_proj = Linear(d, hidden, bias=bias)
+            self.up_proj = Linear(d, hidden, bias=bias)
+        self.down_proj = Linear(hidden, d, bias=bias)
+
+    def fuse(self) -> None:
+        if not hasattr(self, "gate_up_proj"):
+            self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
+
+    def use_kernels(self) -> None:
+        self.kernel = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)  # (B, T, 2h)
+        if self.kernel and x.numel() <= MAX_ROWS * x.shape[-1]:
+            return self.down_proj(kernel_ops.act_mul(gate_up, self.act))
+        gate, up = gate_up.chunk(2, dim=-1)  # (B, T, h) each
+        # in place: no extra (B, T, h) temporaries (each a page-faulting allocation when large)
+        return self.down_proj(_GATES[self.act](gate).mul_(up))
+
+
 class PagedAttention(nn.Module):
-    """What every family's attention shares once q, k, v are made: write k and v into the
-    paged pool, attend (SDPA, GQA, the layer's window) and project out. A family sets
-    ``layer_idx``, ``n_heads``, ``n_kv``, ``head_dim``, ``scale``, ``window`` and ``o_proj``,
-    and defines ``qkv(x, cos, sin) -> (q, k, v)``, each (B, T, heads, hd)."""
+    """Grouped-query attention over the paged KV pool, as every RoPE family has it:
 
-    layer_idx: int
-    n_heads: int
-    n_kv: int
-    head_dim: int
-    scale: float
-    window: int | None
-    o_proj: nn.Module
+        q, k, v = split(qkv_proj(x))     # one product (fused in the checkpoint, or by ``fuse``)
+        q, k = q_norm(q), k_norm(k)      # per head, when the config has them (Qwen3, Gemma 3)
+        q, k = rope(q), rope(k)          # in place, q and k heads together
+        y = o_proj(attention(q, K, V))   # K, V: the pool's context with k, v written in
+
+    ``scale`` defaults to head_dim^-1/2; ``window`` is the config's for this layer. A
+    family changes the scores by overriding ``sdpa`` (Gemma 2's soft-cap)."""
+
     softcap: float | None = None  # attention logit soft-cap (Gemma 2)
-    _native = False  # decode tokens by native/decode.cpp (``enable_native``)
 
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        raise NotImplementedError
+    def __init__(self, config: ModelConfig, layer_idx: int, fused: bool = False, scale: float | None = None,
+                 norm_offset: float = 0.0) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.window = config.layer_window(layer_idx)  # None: full attention; else a sliding window
+        d, bias = config.hidden_size, config.attention_bias
+        if fused:
+            self.qkv_proj = Linear(d, config.q_size + 2 * config.kv_size, bias=bias)
+        else:
+            self.q_proj = Linear(d, config.q_size, bias=bias)
+            self.k_proj = Linear(d, config.kv_size, bias=bias)
+            self.v_proj = Linear(d, config.kv_size, bias=bias)
+        self.o_proj = Linear(config.q_size, d, bias=config.attention_out_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, norm_offset)
+
+    def fuse(self) -> None:
+        """One projection for q, k and v (one weight read, one kernel call per step)."""
+        if not hasattr(self, "qkv_proj"):
+            self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def qkv(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
+        """(q (B, T, nh, hd), k, v (B, T, n_kv, hd)): views into one product's output."""
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
+        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)
+        # in place in qkv: norms, then q and k rotated together; k and v stay side by
+        # side, so KVPool.update writes them with one index_put_
+        if self.qk_norm:
+            self.q_norm.forward_(q)
+            self.k_norm.forward_(k)
+        apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], *rope)
+        return q, k, v
 
     def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         """(B, nh, T, hd) from q (B, nh, T, hd) and k, v (B, n_kv, C, hd)."""
@@ -200,31 +354,124 @@ class PagedAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
         )
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
+        """x (B, T, D) -> (B, T, D); ``layout`` None: plain causal attention over x alone."""
+        q, k, v = self.qkv(x, rope)
+        if layout is not None:
+            k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
+            mask, is_causal = layout.mask_for(q.dtype, self.window)
+        else:
+            mask, is_causal = causal_mask(x.shape[1], self.window, q.dtype, x.device)
         B, T = q.shape[:2]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), (B, n_kv, C, hd)
-        y = self.sdpa(q, k, v, mask, is_causal)  # (B, nh, T, hd)
+        y = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``rope.apply_rope_`` on x (B, T, heads, hd), in place: one native call for
-        decode-sized float32 CPU inputs when enabled, torch's four ops otherwise."""
-        if self._native and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] == 1:
-            return native_ops.rope_(x, cos, sin)
-        return apply_rope_(x, cos, sin)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: BatchLayout, kv: KVPool) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        if (self._native and q.shape[1] == 1 and layout.ctx_blocks is not None and q.dtype == torch.float32
-                and kv.data.dtype == torch.float32 and kv.device.type == "cpu"):
-            # one new token per sequence: K/V written and the context attended in place in the pool
-            y = native_ops.decode_attention(q, k, v, kv.data, self.layer_idx, layout.slot_blocks, layout.slot_offsets,
-                                            layout.ctx_blocks, layout.lens_tensor(), self.window, self.scale,
-                                            self.softcap)  # (B, 1, nh * hd)
-            return self.o_proj(y)
-        k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
-        return self.attend(q, k, v, *layout.mask_for(q.dtype, self.window))
+def layer_weights(attn: PagedAttention, norm_in: RMSNorm, norm_mlp: RMSNorm, mlp: GatedMLP,
+                  norm_post_attn: RMSNorm | None = None, norm_post_mlp: RMSNorm | None = None) -> LayerWeights | None:
+    """A pre-norm block's ``LayerWeights`` for the decoder stack, from its modules' kernel
+    views (after ``fuse`` and ``use_kernels``); None when a part has none (the block
+    keeps its per-op path)."""
+    norms = {"norm_in": norm_in, "norm_mlp": norm_mlp, "norm_post_attn": norm_post_attn, "norm_post_mlp": norm_post_mlp,
+             "q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None)}  # fmt: skip
+    products = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+    views = {name: None if m is None else m.kernel for name, m in (norms | products).items()}
+    if any(views[name] is None for name in products) or any(views[n] is None for n, m in norms.items() if m is not None):
+        return None
+    return LayerWeights(**views, act=mlp.act, n_heads=attn.n_heads, n_kv=attn.n_kv, head_dim=attn.head_dim,
+                        scale=attn.scale, layer=attn.layer_idx, window=attn.window, softcap=attn.softcap)  # fmt: skip
 
-    def forward_nocache(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        return self.attend(q, k, v, *causal_mask(x.shape[1], self.window, q.dtype, x.device))
+
+class CausalLM(nn.Module):
+    """A decoder-only language model as the loader and the engine use it.
+
+    The loader's contract (loading.py):
+
+        transposed        checkpoint tensor names stored (in, out), transposed on load
+        tied              (alias, source): lm_head's weight is the embedding's, when tied
+        checkpoint_name   our parameter name for a checkpoint tensor name (None: skip it)
+        tie_weights()     share the tied weights (again after ``to_empty``)
+        reset_buffers()   recompute the non-persistent buffers (RoPE's) after meta init
+        decoder_stack()   the blocks as the kernels' DecoderStack (``use_kernels``)
+
+    The forward contract (the engine's):
+
+        model(layout, kv, all_logits=False) -> logits (B, V) at each sequence's last new
+                                               token ((B, T, V) when all_logits), float32
+        model.forward_nocache(input_ids (B, T)) -> logits (B, T, V): plain causal attention
+
+    A family defines ``blocks`` (its decoder blocks, each ``block(x, rope, layout, kv)``
+    with ``rope_group``: which of ``ropes``' pairs it rotates with), ``embed``, ``ropes``
+    and ``head``."""
+
+    transposed: tuple[str, ...] = ()
+    tied: tuple[str, str] | None = None
+    stack: DecoderStack | None = None  # every block of a decode step natively (``use_kernels``)
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # ---- the loader's hooks
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """Parameter names that share storage with another one (alias -> source)."""
+        return dict([self.tied]) if self.tied else {}
+
+    def tie_weights(self) -> None:
+        for alias, source in self.tied_weights.items():
+            owner, _, name = alias.rpartition(".")
+            setattr(self.get_submodule(owner), name, self.get_parameter(source))
+
+    def checkpoint_name(self, key: str) -> str | None:
+        return None if key.endswith("rotary_emb.inv_freq") else key  # old checkpoints saved it
+
+    def reset_buffers(self) -> None:
+        for m in self.modules():
+            if isinstance(m, Rotary):
+                m.reset_buffers()
+
+    def decoder_stack(self) -> DecoderStack | None:
+        layers = [getattr(block, "kernel_layer", lambda: None)() for block in self.blocks]
+        if any(layer is None for layer in layers):
+            return None
+        return DecoderStack(layers, [block.rope_group for block in self.blocks])
+
+    # ---- what a family defines
+    @property
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """(B, T, D), the model's own tensor (the blocks add into it in place)."""
+        raise NotImplementedError
+
+    def ropes(self, positions: Tensor, dtype: torch.dtype, layout: BatchLayout | None) -> tuple[Rope, ...]:
+        """The step's (cos, sin) pairs in ``dtype`` for positions (B, T); () without RoPE."""
+        return ()
+
+    def head(self, x: Tensor) -> Tensor:
+        """(..., D) -> float32 logits (..., V)."""
+        raise NotImplementedError
+
+    # ---- the forward
+    def run_blocks(self, x: Tensor, ropes: tuple[Rope, ...], layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
+        stack = self.stack
+        if stack is not None and stack.applies(x) and (step := decode_step(layout, kv)) is not None:
+            return stack.run(x, ropes, step)  # a decode step: decided once, not per block
+        for block in self.blocks:
+            x = block(x, ropes[block.rope_group] if ropes else None, layout, kv)
+        return x
+
+    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
+        x = self.embed(layout.input_ids, layout.positions)  # (B, T, D)
+        x = self.run_blocks(x, self.ropes(layout.positions, x.dtype, layout), layout, kv)
+        if not all_logits:
+            x = last_tokens(x, layout)  # (B, D)
+        return self.head(x)  # (B, V) or (B, T, V)
+
+    def forward_nocache(self, input_ids: Tensor) -> Tensor:
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.embed(input_ids, positions)
+        return self.head(self.run_blocks(x, self.ropes(positions, x.dtype, None), None, None))  # (B, T, V)

@@ -1,7 +1,7 @@
 """Load an HF-format model directory: config, weights, tokenizer, eos ids, fingerprint.
 
     loaded = load_model("path/to/model", dtype="float32", device="auto", weight_format="int8")
-    loaded.model(layout, kv)          # see llama.py for the forward contract
+    loaded.model(layout, kv)          # layers.CausalLM: the forward contract
 
 Weights are read memory-mapped (safetensors ``safe_open``) one tensor at a time and
 copied into a model whose parameters were allocated once, on the target device and in
@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from kvserve.service.kv.cache import KVCacheSpec, KVPool
 from kvserve.service.models.config import ModelConfig, ModelLoadError
 from kvserve.service.models.gemma import GemmaForCausalLM
 from kvserve.service.models.gpt2 import GPT2LMHeadModel
-from kvserve.service.models import native
-from kvserve.service.models.layers import enable_native, fuse_projections, pack_linears
+from kvserve.service import kernels
+from kvserve.service.models.layers import CausalLM, fuse_projections, pack_linears, use_kernels
 from kvserve.service.models.llama import LlamaForCausalLM
 from kvserve.service.models.phi3 import Phi3ForCausalLM
 from kvserve.service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
@@ -43,7 +42,7 @@ from kvserve.service.models.tokenizer import Tokenizer
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
 
 # ModelConfig.architecture (the family) -> the class in its model file
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma": GemmaForCausalLM,
@@ -58,7 +57,7 @@ _CHUNK = 8 << 20
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     config: ModelConfig
-    model: nn.Module  # eval mode, requires_grad False
+    model: CausalLM  # eval mode, requires_grad False; the forward and loader contract: layers.CausalLM
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]  # config.json + generation_config.json (+ tokenizer if both empty)
     fingerprint: str  # hex sha256 of the canonical config.json, every weight file's bytes and the weight format
@@ -117,12 +116,13 @@ def load_model(
     ``pack_weights``: keep oneDNN-packed copies of large float32 CPU weights for
     batched decode (``layers.Linear.pack``: faster 2..64-row products, twice the float32
     weights' memory); False serves every product from the one dense copy.
-    ``native_kernels`` (native.MODES): auto uses the native decode kernels on a CPU
-    where they build (then nothing is packed: they read the dense copy as fast), on
-    requires them (``ModelLoadError`` otherwise), off keeps torch's kernels."""
+    ``native_kernels`` (kernels.MODES): auto uses the native decode kernels (built at
+    install, service/kernels/) for a float32 model on a CPU they were built for (then
+    nothing is packed: they read the dense copy as fast), on requires them
+    (``ModelLoadError`` otherwise), off keeps torch's kernels."""
     path = Path(path)
-    if native_kernels not in native.MODES:
-        raise ValueError(f"native_kernels must be one of {', '.join(native.MODES)}, got {native_kernels!r}")
+    if native_kernels not in kernels.MODES:
+        raise ValueError(f"native_kernels must be one of {', '.join(kernels.MODES)}, got {native_kernels!r}")
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     torch_device = resolve_device(device)
@@ -158,13 +158,15 @@ def load_model(
     quantize_model(model, weight_format, progress)
     native_state = None
     if native_kernels != "off" and torch_device.type == "cpu":
-        if native.available():
-            enable_native(model)
+        if torch_dtype != torch.float32:
+            native_state = f"the native kernels compute in float32, the model in {str(torch_dtype).removeprefix('torch.')}"
+        elif kernels.available():
+            use_kernels(model)
             native_state = "on"
         else:
-            native_state = native.reason()
-            if native_kernels == "on":
-                raise ModelLoadError(f"native_kernels=on: {native_state}")
+            native_state = kernels.reason()
+        if native_state != "on" and native_kernels == "on":
+            raise ModelLoadError(f"native_kernels=on: {native_state}")
     elif native_kernels == "on":
         raise ModelLoadError(f"native_kernels=on: the native kernels run on the CPU, the device is {torch_device}")
     if pack_weights and native_state != "on":
@@ -230,7 +232,7 @@ def _weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path}: no weights: expected model.safetensors or model.safetensors.index.json{hint}")
 
 
-def _load_weights(model: nn.Module, files: list[Path], path: Path, progress: bool) -> None:
+def _load_weights(model: CausalLM, files: list[Path], path: Path, progress: bool) -> None:
     from safetensors import safe_open
     from tqdm import tqdm
 

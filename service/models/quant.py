@@ -7,8 +7,8 @@
     w8a8   the same int8 weights, activations quantized too and the product done in
            integers (CPU only): the fast int8 path
 
-With the native kernels (``native/``, CPU, float32 compute: the default where a C++
-compiler is present) every 1..64-row product reads the stored weight directly: bf16
+With the native kernels (``service/kernels/``, CPU, float32 compute: the default on
+x86-64 with AVX2) every 1..64-row product reads the stored weight directly: bf16
 and int8 with float32 activations (weight-only: the activations are not rounded), w8a8
 with the activations quantized per block of 32 values (symmetric int8, one float scale
 per block: llama.cpp's Q8_0 activations) and integer dot products. Without them, bf16
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvserve.service.models.layers import Linear
-from kvserve.service.models.native import ops as native_ops
+from kvserve.service.kernels.layer import MAX_ROWS, ProductWeights, product
+from kvserve.service.models.layers import Linear, UsesKernels
 
 WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
 # From this many rows (prefill chunks) bf16/int8 products run on the widened weight in
@@ -63,7 +63,7 @@ def _has_bf16_gemm() -> bool:
 BF16_GEMM = _has_bf16_gemm()  # CPU prefill of bf16/int8 as a bfloat16 GEMM (module docstring)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(nn.Module, UsesKernels):
     """A ``Linear`` whose weight is stored in a smaller format; same call, same output dtype.
 
     int8 / w8a8: ``weight`` (out, in) int8 and ``scales`` (out,) bfloat16 with
@@ -88,8 +88,7 @@ class QuantLinear(nn.Module):
         # torch's int8 weight-only kernel runs on the CPU (and, in recent builds, CUDA)
         self._packed_kernel = fmt == "int8" and weight.device.type == "cpu"
         self._fbgemm = None
-        self._native = False  # set by enable_native(): decode-sized products by native/gemv.cpp
-        self._scales32: Tensor | None = None  # scales in float32 for the native kernels
+        self.kernel: ProductWeights | None = None  # the weight as the native product reads it (``use_kernels``)
         if fmt == "w8a8":
             if weight.device.type != "cpu":
                 raise ValueError("weight format w8a8 runs on the CPU only (use int8 or bf16 on CUDA)")
@@ -118,21 +117,21 @@ class QuantLinear(nn.Module):
         w = self.weight.float()  # a new tensor: scaled in place
         return w.mul_(self.scales.float()[:, None]) if self.scales is not None else w
 
-    def enable_native(self) -> bool:
-        """Use the native kernels for 1..64-row float32 products (CPU weights only)."""
-        if self.weight.device.type != "cpu":
-            return False
-        if self.scales is not None:
-            self._scales32 = self.scales.float().contiguous()
-        self._native = True
-        return True
+    def kernel_weights(self) -> ProductWeights | None:
+        """The stored weight as the native product reads it: bfloat16, or int8 with float32
+        scales and float32 activations (int8), or quantized per block of 32 (w8a8, when
+        in_features is a multiple of 32; else as int8)."""
+        scales = None if self.scales is None else self.scales.float().contiguous()
+        fmt = {"bf16": "bf16", "int8": "i8", "w8a8": "q8" if self.in_features % 32 == 0 else "i8"}[self.fmt]
+        return ProductWeights.of(self.weight, scales, self.bias, fmt)
+
+    def use_kernels(self) -> None:
+        self.kernel = self.kernel_weights()
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
-        if self._native and rows <= native_ops.MAX_ROWS and x.dtype == torch.float32:
-            if self.fmt == "w8a8" and self.in_features % 32 == 0:
-                return native_ops.gemv_q8(x, self.weight, self._scales32, self.bias)
-            return native_ops.gemv(x, self.weight, self._scales32, self.bias)
+        if self.kernel is not None and rows <= MAX_ROWS:
+            return product(self.kernel, x)
         if self._fbgemm is not None:
             return self._forward_w8a8(x, rows)
         if rows >= DEQUANT_ROWS and x.device.type == "cpu":

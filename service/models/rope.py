@@ -1,9 +1,13 @@
-"""Rotary position embeddings shared by the model files: every RoPE variant one place.
+"""Rotary position embeddings, the one implementation every family uses.
 
     inv_freq(dim, theta, scaling)        -> (dim/2,) float32 inverse frequencies
-    Rotary(dim, theta, scaling)          -> module: positions -> (cos, sin) of width dim
-    apply_rope(x, cos, sin)              -> x rotated on its first cos.shape[-1] dims
-    apply_rope_(x, cos, signed sin)      -> the same, in place (Rotary(..., signed=True))
+    Rotary(dim, theta, scaling)          -> module: positions -> (cos, signed sin) of width dim
+    apply_rope_(x, cos, sin)             -> x rotated in place on its first cos.shape[-1] dims
+
+The sin is signed ([-sin f, sin f]): the sign of the reference's ``rotate_half`` folded
+in once per step, so rotating is ``x * cos + roll(x) * sin``, bit for bit the
+reference's ``x * cos + rotate_half(x) * sin`` ((-a) * b == a * (-b)). The native
+kernels' RoPE takes the same rows.
 
 ``scaling`` is the normalized ``ModelConfig.rope_scaling`` (None: plain RoPE):
 ``linear`` and ``llama3`` rescale the frequencies; ``longrope`` (Phi-3's "su") has two
@@ -78,12 +82,9 @@ class Rotary(nn.Module):
         self.inv_freq = inv_freq(self.dim, self.theta, self.scaling).to(device)
         self.long_inv_freq = inv_freq(self.dim, self.theta, self.scaling, long=True).to(device)
 
-    def forward(
-        self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None, signed: bool = False
-    ) -> tuple[Tensor, Tensor]:
-        """positions (B, T); ``long`` (B,) bool: which sequences use longrope's long factors.
-        ``signed``: sin as [-sin f, sin f], the sign of ``rotate_half`` folded in once per
-        step (for ``apply_rope_``)."""
+    def forward(self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """positions (B, T) -> (cos, sin) (B, T, 1, dim), sin signed [-sin f, sin f];
+        ``long`` (B,) bool: which sequences use longrope's long factors."""
         inv, long_inv = self.inv_freq, self.long_inv_freq
         rows = self._rows
         if rows is None or rows[0] is not inv or rows[1] is not long_inv:
@@ -95,29 +96,15 @@ class Rotary(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        if signed:
-            sin = sin.mul_(sign)  # [-sin f, sin f]
+        sin = sin.mul_(sign)  # [-sin f, sin f]
         return cos.to(dtype)[:, :, None, :], sin.to(dtype)[:, :, None, :]  # (B, T, 1, hd): broadcast over heads
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, T, nh, hd) rotated on its first cos.shape[-1] dims (partial rotary: the rest pass)."""
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-
 def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``apply_rope`` in place on x, with ``Rotary(..., signed=True)``'s sin: roll(x) =
-    [x2, x1] times [-sin, sin] is rotate_half(x) * sin bit for bit, so 4 kernels (the roll's
-    copy, two multiplies, an add) and no new tensor. x may be a view (fused q/k heads)."""
+    """x (B, T, heads, hd) rotated in place on its first rot = cos.shape[-1] dims (partial
+    rotary: the rest pass) with ``Rotary``'s signed sin: roll(x) = [x2, x1] times
+    [-sin, sin] is rotate_half(x) * sin bit for bit, so 4 kernels (the roll's copy, two
+    multiplies, an add) and no new tensor. x may be a view (fused q/k heads)."""
     rot = cos.shape[-1]
     x_rot = x if rot == x.shape[-1] else x[..., :rot]
     r = x_rot.roll(rot // 2, -1).mul_(sin)

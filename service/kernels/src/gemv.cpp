@@ -3,7 +3,7 @@
 // scale per output row (its input float32, or quantized per block of 32: w8a8). Output
 // rows are split over the threads of pool.h (the caller passes torch's thread count).
 //
-// The library is built at one of two ISA levels (native/__init__.py picks the best the
+// The library is built at one of two ISA levels (kernels/__init__.py picks the best the
 // CPU has): AVX2 + FMA with 256-bit vectors, or AVX-512 (F, BW, VL, DQ, VNNI) with
 // 512-bit vectors and VNNI's byte dot product for w8a8. The code is the same, written
 // over the vector type V (V8 or V16 below).
@@ -25,6 +25,7 @@
 
 #include <vector>
 
+#include "kvkernels.h"
 #include "pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)

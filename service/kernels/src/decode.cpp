@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kvkernels.h"
 #include "pool.h"
 
 namespace {
@@ -218,7 +219,7 @@ void kv_rope(float* x, int64_t B, int64_t T, int64_t H, int64_t sB, int64_t sT, 
 }
 
 // out (rows, I) = act(gate) * up from gu (rows, 2I) = [gate | up] (row stride ldg).
-// act 0: silu(g) = g / (1 + exp(-g)); 1: gelu tanh approximation.
+// act KV_SILU: silu(g) = g / (1 + exp(-g)); KV_GELU_TANH: gelu's tanh approximation; KV_GELU: exact gelu.
 void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, float* out, int nthreads) {
   kvpool::parallel_for(rows, 1, rows * I >= 32768 ? nthreads : 1, [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r++) {
@@ -227,13 +228,15 @@ void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, 
     float* o = out + r * I;
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.0f);
-    if (act == 0) {
+    if (act == KV_SILU) {
       for (; i + 8 <= I; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
         const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
         _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
       }
       for (; i < I; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    } else if (act == KV_GELU) {  // exact: 0.5 x (1 + erf(x / sqrt 2)), as torch's gelu
+      for (; i < I; i++) o[i] = (0.5f * g[i] * (1.0f + erff(g[i] * 0.7071067811865476f))) * u[i];
     } else {
       const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f), half = _mm256_set1_ps(0.5f);
       const __m256 two = _mm256_set1_ps(2.0f);

@@ -11,6 +11,8 @@
 //   d = down(act(gate(h)) * up(h))
 //   x += post_mlp_norm(d)   or  x += d
 //
+// Declarations and structs: kvkernels.h (the binding, binding.py, is generated from it).
+//
 // Each step is the same arithmetic as the per-op path (same kernels, same order), so
 // the results are the same bits, except the per-head q/k norms (torch there).
 
@@ -19,55 +21,7 @@
 
 #include <vector>
 
-extern "C" {
-void kv_gemv_f32(const float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const float*, float*,
-                 int64_t, int, int);
-void kv_gemv_bf16(const float*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, const float*, const float*,
-                  float*, int64_t, int, int);
-void kv_gemv_i8(const float*, int64_t, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*, float*,
-                int64_t, int, int);
-void kv_gemv_q8(const float*, int64_t, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*, float*,
-                int64_t, int, int, int8_t*, float*);
-void kv_rmsnorm(const float*, int64_t, int64_t, int64_t, const float*, float, float, float*, int64_t);
-void kv_rope(float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*);
-void kv_act_mul(const float*, int64_t, int64_t, int64_t, int, float*, int);
-void kv_decode_attention(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
-                         int64_t, float*, int64_t, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*,
-                         int64_t, const int64_t*, int64_t, float, float, float*, int);
-}
-
-// Mirrored by ctypes Structures in native/layer.py: keep the field order and types.
-struct KvLinear {
-  const void* w;         // (N, K) float32 | bf16 | int8
-  const float* scales;   // (N,) int8 only
-  const float* bias;     // (N,) or null
-  int64_t N, K;
-  int64_t fmt;           // 0 float32, 1 bf16, 2 int8 (float32 input), 3 int8 (input quantized per 32: w8a8)
-};
-
-struct KvLayer {
-  const float* norm_in;
-  const float* norm_post_attn;  // null: none (the residual add rides on o's product)
-  const float* norm_mlp;
-  const float* norm_post_mlp;   // null: none
-  const float* q_norm;          // (hd,) per-head norms or null
-  const float* k_norm;
-  KvLinear qkv, o, gate_up, down;
-  float eps, norm_offset, scale, softcap;
-  int64_t nh, nkv, hd, window, layer, act;
-};
-
-struct KvStep {
-  int64_t B, D;
-  float* pool;
-  int64_t L, bs;
-  const int64_t* slot_block;
-  const int64_t* slot_off;
-  const int64_t* tables;
-  int64_t nb;
-  const int64_t* lens;
-  int64_t nthreads;
-};
+#include "kvkernels.h"
 
 namespace {
 
@@ -76,10 +30,10 @@ thread_local std::vector<float> xs_buf;
 
 void linear(const KvLinear& l, const float* x, int64_t rows, float* y, int accumulate, int nt) {
   switch (l.fmt) {
-    case 0: kv_gemv_f32(x, rows, l.K, l.K, (const float*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
-    case 1: kv_gemv_bf16(x, rows, l.K, l.K, (const uint16_t*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
-    case 2: kv_gemv_i8(x, rows, l.K, l.K, (const int8_t*)l.w, l.N, l.scales, l.bias, y, l.N, accumulate, nt); break;
-    default:
+    case KV_F32: kv_gemv_f32(x, rows, l.K, l.K, (const float*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
+    case KV_BF16: kv_gemv_bf16(x, rows, l.K, l.K, (const uint16_t*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
+    case KV_I8: kv_gemv_i8(x, rows, l.K, l.K, (const int8_t*)l.w, l.N, l.scales, l.bias, y, l.N, accumulate, nt); break;
+    default:  // KV_Q8
       xq_buf.resize(rows * l.K);
       xs_buf.resize(rows * (l.K / 32));
       kv_gemv_q8(x, rows, l.K, l.K, (const int8_t*)l.w, l.N, l.scales, l.bias, y, l.N, accumulate, nt,
@@ -134,4 +88,19 @@ extern "C" void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, con
   linear(l->gate_up, h.data(), B, gu.data(), 0, nt);
   kv_act_mul(gu.data(), B, 2 * I, I, (int)l->act, m.data(), nt);
   residual_add(*l, l->down, l->norm_post_mlp, m.data(), B, D, x, tmp.data(), nt);
+}
+
+#ifndef KV_BUILD_ID
+#define KV_BUILD_ID "unknown"
+#endif
+
+extern "C" const char* kv_build_id(void) { return KV_BUILD_ID; }
+
+extern "C" int64_t kv_struct_size(int64_t which) {
+  switch (which) {
+    case 0: return sizeof(KvLinear);
+    case 1: return sizeof(KvLayer);
+    case 2: return sizeof(KvStep);
+    default: return -1;
+  }
 }

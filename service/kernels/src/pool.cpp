@@ -9,6 +9,7 @@
 // `chunks` is no work, whatever task it names. Nothing of a task lives on after its
 // call returns, so a worker that wakes late can never touch a finished one.
 
+#include "kvkernels.h"
 #include "pool.h"
 
 #include <immintrin.h>

@@ -1,8 +1,10 @@
-"""Python entry points of the native kernels (``native/__init__.py``): argument checks
-that keep a bad call from reading out of bounds, then one ctypes call.
+"""The torch-facing entry points of the native kernels: argument checks that keep a bad
+call from reading out of bounds, then one ctypes call into the library ``kernels.load()``
+serves (looked up per call, so ``kernels.select`` switches every caller).
 
-Every function takes and returns CPU tensors; the caller decides when to use them (the
-modules ``layers.enable_native`` switched) and keeps its torch path for everything else.
+Every function takes and returns float32 CPU tensors. The model code calls them through
+its layers' weight views (``layer.py``: ``product``, ``norm``) and keeps its torch path
+for everything else.
 """
 
 from __future__ import annotations
@@ -10,9 +12,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvserve.service.models import native
+from kvserve.service import kernels
+from kvserve.service.kernels.binding import header_binding
 
 MAX_ROWS = 64  # decode-sized products; more rows (prefill) are compute-bound: torch's GEMM
+
+
+
+def _lib():
+    return kernels.load().lib
+
 
 _GEMV = {torch.float32: "kv_gemv_f32", torch.bfloat16: "kv_gemv_bf16", torch.int8: "kv_gemv_i8"}
 
@@ -54,7 +63,7 @@ def gemv(x: Tensor, weight: Tensor, scales: Tensor | None = None, bias: Tensor |
     ``weight`` float32, bfloat16 or int8 (then ``scales``, float32, is required);
     ``out`` (..., N) float32 contiguous receives the result (``accumulate``: added to it,
     a residual add in the same pass)."""
-    lib = native.load()
+    lib = _lib()
     N, K = weight.shape
     x2, out = _check(x, weight, scales, bias, out, accumulate)
     rows = x2.shape[0]
@@ -71,7 +80,7 @@ def gemv_q8(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = Non
     """``gemv`` for int8 weights with the input quantized too: per block of 32 values,
     symmetric int8 with one float32 scale (llama.cpp's Q8_0 activations), products in
     integers. K must be a multiple of 32 (``q8_supported``)."""
-    lib = native.load()
+    lib = _lib()
     N, K = weight.shape
     if weight.dtype != torch.int8 or K % 32:
         raise ValueError("gemv_q8: int8 weights with in_features a multiple of 32")
@@ -97,7 +106,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tenso
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32)
-    native.load().kv_rmsnorm(x2.data_ptr(), x2.shape[0], x2.stride(0), D, weight.data_ptr(), float(eps),
+    _lib().kv_rmsnorm(x2.data_ptr(), x2.shape[0], x2.stride(0), D, weight.data_ptr(), float(eps),
                              float(offset), out.data_ptr(), D)
     return out
 
@@ -114,11 +123,12 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     s = sin.reshape(B, T, rot).contiguous()
     if c.dtype != torch.float32 or s.dtype != torch.float32:
         raise ValueError("rope_: float32 cos/sin")
-    native.load().kv_rope(x.data_ptr(), B, T, H, x.stride(0), x.stride(1), x.stride(2), rot, c.data_ptr(), s.data_ptr())
+    _lib().kv_rope(x.data_ptr(), B, T, H, x.stride(0), x.stride(1), x.stride(2), rot, c.data_ptr(), s.data_ptr())
     return x
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+_C = header_binding().constants
+ACTIVATIONS = {"silu": _C["KV_SILU"], "gelu_tanh": _C["KV_GELU_TANH"], "gelu": _C["KV_GELU"]}
 
 
 def act_mul(gate_up: Tensor, act: str) -> Tensor:
@@ -129,7 +139,7 @@ def act_mul(gate_up: Tensor, act: str) -> Tensor:
     g2 = gate_up.reshape(-1, two_i)
     I = two_i // 2
     out = torch.empty(*gate_up.shape[:-1], I, dtype=torch.float32)
-    native.load().kv_act_mul(g2.data_ptr(), g2.shape[0], g2.stride(0), I, ACTIVATIONS[act], out.data_ptr(),
+    _lib().kv_act_mul(g2.data_ptr(), g2.shape[0], g2.stride(0), I, ACTIVATIONS[act], out.data_ptr(),
                              torch.get_num_threads())
     return out
 
@@ -158,7 +168,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, 
     if not 0 <= layer < L:
         raise ValueError(f"decode_attention: layer {layer} of {L}")
     out = torch.empty(B, 1, nh * hd, dtype=torch.float32)
-    native.load().kv_decode_attention(
+    _lib().kv_decode_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), B, nh, nkv, hd, pool.data_ptr(), layer, L,
         bs, slot_blocks.data_ptr(), slot_offsets.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         int(window or 0), float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),

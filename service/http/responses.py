@@ -1,0 +1,528 @@
+"""OpenAI's Responses API over sessions: ``POST /v1/responses`` (SSE events when
+``stream``), ``GET`` and ``DELETE /v1/responses/{id}``.
+
+A stored response is a point in a server-side conversation: the response id is the id
+of a session whose transcript is the conversation up to and including this response
+(the Redis session records when Redis is configured, so any replica finds it, after a
+restart too). A follow-up with ``previous_response_id`` sends only the new input: its
+turn runs in a new session that starts with the previous response's transcript
+(``Conversations.run_turn(fork_from=...)``, as ``ForkSession`` would make it, in the
+turn's one write), so every earlier block hashes the same and is found in the cache;
+following up an older response is a fork of the conversation there. ``store: false``
+runs the turn the same way and removes its session afterwards (a response nobody can
+follow up or retrieve). A turn refused, failed or cancelled leaves no response behind.
+
+``GET`` rebuilds the response from its session: the reply (the last turn's output
+decoded), status, ``previous_response_id`` (the session it was forked from); the request
+parameters and usage are not stored (``usage`` is null there). ``DELETE`` removes the
+session and forgets its KV blocks (``Conversations.remove``), except the prefix it
+shares with the response it followed.
+
+Parsing and rendering here are pure functions; ``ResponsesRoutes`` runs them over the
+HTTP front's admission, authentication and conversations (docs/api.md lists what of
+OpenAI's Responses surface is not implemented and the error each field gets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.service import wire
+from kvserve.service.http import openai as oa
+from kvserve.service.sessions import SessionNotFound
+from kvserve.service.types import (
+    ChatMessage,
+    Delta,
+    Finished,
+    FinishReason,
+    ResponseFormat,
+    Started,
+    TokenLogprob,
+    TurnInput,
+)
+
+if TYPE_CHECKING:
+    from kvserve.service.http.app import HttpFront
+
+RESPONSE_PREFIX = "resp_"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+_FIELDS = {
+    "model", "input", "instructions", "previous_response_id", "store", "stream", "stream_options",
+    "max_output_tokens", "temperature", "top_p", "top_logprobs", "text", "tools", "tool_choice",
+    "parallel_tool_calls", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
+    "truncation", "reasoning", "include", "background", "conversation", "prompt", "max_tool_calls",
+    # kvserve's extensions, as on chat
+    "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "cache_salt", "stop_token_ids",
+    "presence_penalty", "frequency_penalty",
+}  # fmt: skip
+# OpenAI fields kvserve does not implement: accepted at these values (what SDKs send by default)
+_DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
+    "background": (None, False),
+    "conversation": (None,),
+    "prompt": (None,),
+    "truncation": (None, "disabled"),
+    "max_tool_calls": (None,),
+    "tool_choice": (None, "auto", "none"),
+}
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    """A parsed ``POST /v1/responses`` body."""
+
+    model: str | None
+    inp: TurnInput
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    instructions: str | None
+    text_format: dict[str, Any]  # echoed as the response's text.format
+    logprobs: bool  # include has message.output_text.logprobs
+    echo: dict[str, Any]  # request fields the response object repeats
+
+
+def new_response_id() -> str:
+    return RESPONSE_PREFIX + uuid.uuid4().hex
+
+
+def _input_messages(value: Any) -> list[ChatMessage]:
+    """``input``: a string (one user message) or a list of message items."""
+    if isinstance(value, str):
+        return [ChatMessage("user", value)]
+    if not isinstance(value, list) or not value:
+        raise oa.HttpError(400, "input must be a string or a non-empty list of items", param="input")
+    out = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise oa.HttpError(400, f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind != "message":
+            why = ("function calls and their outputs need tools, which /v1/responses does not implement yet"
+                   if kind in ("function_call", "function_call_output") else "only message items are supported")
+            raise oa.unsupported(f"{where}.type", f"{kind!r}: {why}")  # fmt: skip
+        role = item.get("role")
+        if role not in _ROLES:
+            raise oa.HttpError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}"[:200],
+                               param=f"{where}.role", code="invalid_value")  # fmt: skip
+        for key in item:
+            if key not in ("type", "role", "content", "id", "status"):
+                raise oa.unsupported(f"{where}.{key}")
+        content = oa._content(item.get("content"), f"{where}.content", _TEXT_PARTS)
+        out.append(ChatMessage(role, content))
+    return out
+
+
+def text_format(text: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
+    """``text: {"format": ...}``: text, json_object or json_schema (name, schema, strict,
+    description), as the grammar of chat's response_format; and the format to echo."""
+    if text is None:
+        return None, {"type": "text"}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise oa.HttpError(400, "text must be an object with format", param="text")
+    if text.get("verbosity") is not None:
+        raise oa.unsupported("text.verbosity", "Unsupported parameter: 'text.verbosity' is not supported with this model")
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text" and set(fmt) == {"type"}:
+        return None, {"type": "text"}
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return ResponseFormat("json_object"), {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), (dict, bool)) or not isinstance(fmt.get("name"), str):
+            raise oa.HttpError(400, "text.format json_schema needs a name and a schema object", param="text.format")
+        if set(fmt) - {"type", "name", "schema", "strict", "description"}:
+            raise oa.unsupported("text.format", "a json_schema format takes name, description, schema and strict")
+        return ResponseFormat("json_schema", json.dumps(fmt["schema"])), dict(fmt)
+    raise oa.HttpError(400, 'text.format must be {"type": "text"}, {"type": "json_object"} or '
+                       '{"type": "json_schema", "name": ..., "schema": {...}}', param="text.format")  # fmt: skip
+
+
+def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
+    """A ``POST /v1/responses`` body as a domain turn; a field that would change the
+    output and is not implemented is refused (400 naming it)."""
+    if not isinstance(body, dict):
+        raise oa.HttpError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in _FIELDS:
+            raise oa.unsupported(name, "unknown or unsupported parameter for /v1/responses")
+    for name, allowed in _DEFAULTS_ONLY.items():
+        if body.get(name) not in allowed:
+            raise oa.unsupported(name, f"not implemented (accepted: {', '.join(json.dumps(a) for a in allowed)})")
+    if body.get("tools") not in (None, []):
+        raise oa.unsupported("tools", "function and built-in tools are not implemented on /v1/responses yet")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
+        raise oa.unsupported("reasoning", "Unsupported parameter: 'reasoning' is not supported with this model")
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
+        raise oa.unsupported("include", f"only {LOGPROBS_INCLUDE!r} is supported")
+    oa.check_bookkeeping(body)
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise oa.HttpError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise oa.HttpError(400, "model must be a string", param="model")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise oa.HttpError(400, "instructions must be a string", param="instructions")
+    prev = body.get("previous_response_id")
+    if prev is not None and not (isinstance(prev, str) and prev.startswith(RESPONSE_PREFIX)):
+        raise oa.HttpError(400, f"previous_response_id must be a response id ({RESPONSE_PREFIX}...)",
+                           param="previous_response_id")  # fmt: skip
+    store = body.get("store")
+    store = True if store is None else store
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise oa.HttpError(400, "stream must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_obfuscation"}):
+        raise oa.HttpError(400, "stream_options takes include_obfuscation only", param="stream_options")
+    top = oa._number(body, "top_logprobs", int)
+    logprobs = bool(include) or bool(top)
+    messages = _input_messages(body.get("input"))
+    if instructions:
+        messages.insert(0, ChatMessage("system", instructions))
+    sampling, max_tokens = oa._sampling(body, "max_output_tokens", default_max_new_tokens,
+                                        (top or 0) if logprobs else None)  # fmt: skip
+    fmt, echo_fmt = text_format(body.get("text"))
+    if fmt is not None:
+        sampling = dataclasses.replace(sampling, response_format=fmt)
+    inp = TurnInput(messages=tuple(messages), sampling=sampling, max_new_tokens=max_tokens, cache_salt=oa._salt(body))
+    echo = {
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"), "max_output_tokens": max_tokens,
+        "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "user": body.get("user"), "top_logprobs": top, "service_tier": body.get("service_tier"),
+        "tool_choice": body.get("tool_choice") or "auto", "safety_identifier": body.get("safety_identifier"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
+    }  # fmt: skip
+    return ResponseRequest(model, inp, bool(stream), store, prev, instructions, echo_fmt, logprobs, echo)
+
+
+# ----------------------------------------------------------------------------- the response object
+
+
+def output_logprobs(items: list[TokenLogprob], pieces: Any) -> list[dict[str, Any]]:
+    """An output_text part's logprobs (chat's shape without refusal)."""
+    return oa.chat_logprobs(items, pieces)["content"] if items else []
+
+
+def response_object(
+    rid: str, model: str, created_at: int, status: str, text: str | None, *, req: ResponseRequest | None = None,
+    previous: str | None = None, usage: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
+    incomplete: str | None = None, ext: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's ``response`` object; ``text`` None: no output yet (in progress)."""
+    output = []
+    if text is not None:
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if logprobs is not None:
+            part["logprobs"] = logprobs
+        output.append({"type": "message", "id": "msg_" + rid[len(RESPONSE_PREFIX):], "status": status,
+                       "role": "assistant", "content": [part]})  # fmt: skip
+    echo = req.echo if req is not None else {}
+    out: dict[str, Any] = {
+        "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
+        "output": output, "error": None,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "instructions": req.instructions if req is not None else None,
+        "previous_response_id": previous, "store": req.store if req is not None else True,
+        "text": {"format": req.text_format if req is not None else {"type": "text"}},
+        "tools": [], "tool_choice": echo.get("tool_choice", "auto"),
+        "parallel_tool_calls": echo.get("parallel_tool_calls", True), "truncation": "disabled",
+        "temperature": echo.get("temperature"), "top_p": echo.get("top_p"),
+        "max_output_tokens": echo.get("max_output_tokens"), "metadata": echo.get("metadata", {}),
+        "user": echo.get("user"), "top_logprobs": echo.get("top_logprobs"), "service_tier": echo.get("service_tier"),
+        "safety_identifier": echo.get("safety_identifier"), "prompt_cache_key": echo.get("prompt_cache_key"),
+        "reasoning": None, "usage": usage,
+    }  # fmt: skip
+    if ext is not None:
+        out["kvserve"] = ext
+    return out
+
+
+def response_usage(start: Started, fin: Finished, block_size: int) -> dict[str, Any]:
+    """Usage; ``cache_write_tokens``: the prompt tokens this response added to the cache
+    (its full blocks past the cached ones; the tail of a block is not kept)."""
+    chat = oa.usage(start, fin)
+    written = max(0, fin.prompt_tokens // block_size * block_size - fin.cached_tokens)
+    return {
+        "input_tokens": fin.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": fin.cached_tokens, "cache_write_tokens": written,
+                                 "kvserve_cached_by_tier": chat["prompt_tokens_details"]["kvserve_cached_by_tier"]},
+        "output_tokens": fin.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the routes
+
+
+class ResponsesRoutes:
+    """The three routes, over the HTTP front's plumbing."""
+
+    def __init__(self, front: HttpFront) -> None:
+        self.front = front
+
+    @property
+    def conversations(self) -> Any:
+        return self.front.conversations
+
+    def _fail(self, exc: BaseException, request_id: str, method: str, names: Any = None) -> Response:
+        err = self.front.error_of(exc, request_id, names)
+        self.front._count(method, err.status)
+        return self.front._error(err)
+
+    async def retrieve(self, request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        try:
+            self.front.admission.check_serving()
+            owner = self.front._tenant(request)
+            rec, busy, reply = await self._read(owner, rid)
+        except Exception as exc:  # noqa: BLE001
+            return self._fail(exc, wire.new_request_id(), "Responses")
+        log = rec.turn_log[-1] if rec.turn_log else None
+        status = "in_progress" if log is None else "incomplete" if log.finish_reason == "length" else "completed"
+        created = int(log.started_at if log is not None else rec.created_at)
+        prev = rec.forked_from if rec.forked_from.startswith(RESPONSE_PREFIX) else None
+        body = response_object(rid, self.front.model_id, created, status, reply if log is not None else None,
+                               previous=prev, incomplete="max_output_tokens" if status == "incomplete" else None)  # fmt: skip
+        self.front._count("Responses", 200)
+        return JSONResponse(body)
+
+    async def delete(self, request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        try:
+            self.front.admission.check_serving()
+            owner = self.front._tenant(request)
+            if not rid.startswith(RESPONSE_PREFIX):
+                raise _not_found(rid)
+            try:
+                await self.conversations.remove(owner, rid)
+            except SessionNotFound:
+                raise _not_found(rid) from None
+        except Exception as exc:  # noqa: BLE001
+            return self._fail(exc, wire.new_request_id(), "Responses")
+        self.front._count("Responses", 200)
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def _read(self, owner: str, rid: str) -> Any:
+        if not rid.startswith(RESPONSE_PREFIX):
+            raise _not_found(rid)
+        try:
+            return await self.conversations.session(owner, rid)
+        except SessionNotFound:
+            raise _not_found(rid) from None
+
+    async def create(self, request: Request) -> Response:
+        front = self.front
+        request_id = wire.new_request_id()
+        rid = new_response_id()
+        ticket: Any = None
+        events: Any = None
+        names = oa.RESPONSES_NAMES
+        prev: str | None = None
+        trace = front.tracing.generate(request.headers.items(), request_id, rid, http_route="/v1/responses")
+        try:
+            front.admission.check_serving()
+            owner = front._tenant(request)
+            req = response_request(await front._body(request), front.default_max_new_tokens)
+            front._check_model(req.model)
+            prev = req.previous_response_id
+            if prev is not None:  # a clear 404 naming the field
+                try:
+                    await self.conversations.session(owner, prev)
+                except SessionNotFound:
+                    raise _not_found(prev, param="previous_response_id") from None
+            ticket = front.admission.admit(owner, request_id)
+            inp = dataclasses.replace(req.inp, session_id=rid)
+            events = aclosing(self.conversations.run_turn(owner, inp, request_id, trace,
+                                                          fork_from=req.previous_response_id or ""))  # fmt: skip
+            gen = await events.__aenter__()
+            start = await anext(gen)
+            if not isinstance(start, Started):
+                raise RuntimeError("the conversation did not start with a Started event")
+        except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
+            if events is not None:
+                await events.__aexit__(None, None, None)
+            if ticket is not None:
+                ticket.release()
+            err = front.error_of(exc, request_id, names)
+            if isinstance(exc, SessionNotFound) and prev is not None:  # removed since it was read
+                err = _not_found(prev, param="previous_response_id")
+            front._count("Responses", err.status)
+            trace.end(err.status, err.message)
+            return front._error(err)
+        turn = _Turn(self, owner, rid, req, request_id, start, events, gen, ticket, trace)
+        headers = {"X-Request-Id": request_id}
+        if req.stream:
+            headers["Cache-Control"] = "no-cache"
+            return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=headers)
+        from kvserve.service.http.app import _disconnected
+
+        whole = asyncio.ensure_future(turn.whole())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not whole.done():  # the client went away: cancelling the turn aborts it in the engine
+            whole.cancel()
+            try:
+                await whole
+            except asyncio.CancelledError:
+                pass
+            return Response(status_code=499)
+        body, status = whole.result()
+        return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _not_found(rid: str, param: str | None = None) -> oa.HttpError:
+    what = "Previous response" if param else "Response"
+    return oa.HttpError(404, f"{what} with id {rid!r} not found.", "invalid_request_error", param=param,
+                        code="previous_response_not_found" if param else "not_found")  # fmt: skip
+
+
+class _Turn:
+    """One admitted response: the rest of the events as a response object or SSE events."""
+
+    def __init__(self, routes: ResponsesRoutes, owner: str, rid: str, req: ResponseRequest, request_id: str,
+                 start: Started, events: Any, gen: AsyncIterator[Any], ticket: Any, trace: Any) -> None:  # fmt: skip
+        self.routes, self.front = routes, routes.front
+        self.owner, self.rid, self.req, self.request_id = owner, rid, req, request_id
+        self.start, self.events, self.gen, self.ticket, self.trace = start, events, gen, ticket, trace
+        self.created = int(time.time())
+        self.model = req.model or self.front.model_id
+        self.block_size = self.front.conversations.engine.model_info.block_size
+        self.pieces = self.front.conversations.token_pieces if req.logprobs else None
+        self.ext = {"request_id": request_id,
+                    "cached_tier": start.cached_tier.value if start.cached_tier is not None and start.cached_tokens
+                    else None}  # fmt: skip
+
+    def _object(self, status: str, text: str | None, fin: Finished | None = None,
+                lps: list[TokenLogprob] | None = None) -> dict[str, Any]:  # fmt: skip
+        logprobs = output_logprobs(lps or [], self.pieces) if self.pieces is not None and text is not None else None
+        return response_object(
+            self.rid, self.model, self.created, status, text, req=self.req, previous=self.req.previous_response_id,
+            usage=response_usage(self.start, fin, self.block_size) if fin is not None else None, logprobs=logprobs,
+            incomplete="max_output_tokens" if status == "incomplete" else None, ext=self.ext,
+        )  # fmt: skip
+
+    def _error(self, fin: Finished) -> oa.HttpError | None:
+        status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
+        return self.front.error_of(status, self.request_id, oa.RESPONSES_NAMES) if status is not None else None
+
+    async def _close(self, ok: bool) -> None:
+        try:
+            await self.events.__aexit__(None, None, None)
+            if ok and not self.req.store:  # nobody can follow it up: its session goes
+                try:
+                    await self.front.conversations.remove(self.owner, self.rid)
+                except Exception:  # noqa: BLE001 - best effort; the TTL reaps it otherwise
+                    pass
+        finally:
+            self.ticket.release()
+
+    async def whole(self) -> tuple[dict[str, Any], int]:
+        status, message, ok = 499, "the client went away", False
+        lps: list[TokenLogprob] = []
+        try:
+            async for ev in self.gen:
+                if isinstance(ev, Delta) and self.pieces is not None:
+                    lps.extend(ev.logprobs)
+                elif isinstance(ev, Finished):
+                    err = self._error(ev)
+                    if err is not None:
+                        status, message = err.status, err.message
+                        self.front._count("Responses", err.status)
+                        return err.body(), err.status
+                    status, message, ok = 200, "", True
+                    self.front._count("Responses", 200)
+                    done = "incomplete" if ev.finish_reason == FinishReason.LENGTH else "completed"
+                    return self._object(done, ev.text, ev, lps), 200
+            raise RuntimeError("the conversation ended without a Finished event")
+        except asyncio.CancelledError:
+            self.front._count("Responses", 499)
+            raise
+        except Exception as exc:  # noqa: BLE001
+            err = self.front.error_of(exc, self.request_id, oa.RESPONSES_NAMES)
+            status, message = err.status, err.message
+            self.front._count("Responses", err.status)
+            return err.body(), err.status
+        finally:
+            await self._close(ok)
+            self.trace.end(status, message)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> bytes:
+            nonlocal seq
+            obj = {"type": kind, "sequence_number": seq, **fields}
+            seq += 1
+            return f"event: {kind}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+        status, ok = 200, False
+        item_id = "msg_" + self.rid[len(RESPONSE_PREFIX):]
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        text: list[str] = []
+        lps: list[TokenLogprob] = []
+        try:
+            yield event("response.created", response=self._object("in_progress", None))
+            yield event("response.in_progress", response=self._object("in_progress", None))
+            item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+            yield event("response.output_item.added", output_index=0, item=item)
+            yield event("response.content_part.added", **where,
+                        part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
+            async for ev in self.gen:
+                if isinstance(ev, Delta):
+                    if ev.text or (self.pieces is not None and ev.logprobs):
+                        text.append(ev.text)
+                        lps.extend(ev.logprobs)
+                        lp = output_logprobs(ev.logprobs, self.pieces) if self.pieces is not None else []
+                        yield event("response.output_text.delta", **where, delta=ev.text, logprobs=lp)
+                elif isinstance(ev, Finished):
+                    err = self._error(ev)
+                    if err is not None:
+                        status = err.status
+                        e = err.body()["error"]
+                        yield event("error", code=e["code"], message=e["message"], param=e["param"])
+                        break
+                    done = "incomplete" if ev.finish_reason == FinishReason.LENGTH else "completed"
+                    whole = self._object(done, ev.text, ev, lps)
+                    msg = whole["output"][0]
+                    all_lps = msg["content"][0].get("logprobs", [])
+                    yield event("response.output_text.done", **where, text=ev.text, logprobs=all_lps)
+                    yield event("response.content_part.done", **where, part=msg["content"][0])
+                    yield event("response.output_item.done", output_index=0, item=msg)
+                    ok = True
+                    yield event(f"response.{done}", response=whole)
+                    break
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499
+            raise
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            err = self.front.error_of(exc, self.request_id, oa.RESPONSES_NAMES)
+            status = err.status
+            e = err.body()["error"]
+            yield event("error", code=e["code"], message=e["message"], param=e["param"])
+        finally:
+            await self._close(ok)
+            self.front._count("Responses", status)
+            self.trace.end(status)

@@ -1,0 +1,218 @@
+"""What the model code hands the kernels: typed views of its weights, and the decoder
+stack that runs a whole decode step natively.
+
+    ProductWeights   one product's weight in its stored format  -> product(w, x)
+    NormWeights      an RMSNorm's weight, eps and offset         -> norm(n, x)
+    LayerWeights     one decoder layer: its norms, products and attention geometry
+    DecoderStack     every layer of a model: run(x, ropes, step), one call per layer
+    DecodeStep       one decode step's batch over the block pool (arrays only)
+
+A layer of the model builds its view once at load (``Linear.kernel_weights`` and the
+like, in ``models/``); the views hold the tensors themselves (nothing is copied) and the
+kernels read nothing else: this module imports nothing from ``models/``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvserve.service import kernels
+from kvserve.service.kernels import ops
+from kvserve.service.kernels.binding import header_binding
+
+MAX_ROWS = ops.MAX_ROWS  # decode-sized work; more rows (prefill) are compute-bound: torch's GEMM
+_H = header_binding()
+_C = _H.constants
+KvLinear, KvLayer, KvStep = _H.structs["KvLinear"], _H.structs["KvLayer"], _H.structs["KvStep"]
+FORMATS = {"f32": _C["KV_F32"], "bf16": _C["KV_BF16"], "i8": _C["KV_I8"], "q8": _C["KV_Q8"]}
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i8": torch.int8, "q8": torch.int8}
+
+
+def _usable(t: Tensor | None, dtype: torch.dtype = torch.float32) -> bool:
+    return t is None or (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous())
+
+
+@dataclass(frozen=True)
+class ProductWeights:
+    """y = x W^T * scales + bias as the kernels read it. ``fmt``: "f32" (float32 W),
+    "bf16", "i8" (int8 W, float32 input) or "q8" (int8 W, the input quantized per block
+    of 32: w8a8; K % 32 == 0). ``scales`` (N,) float32 for the int8 formats."""
+
+    w: Tensor  # (N, K)
+    scales: Tensor | None
+    bias: Tensor | None
+    fmt: str
+
+    @classmethod
+    def of(cls, w: Tensor, scales: Tensor | None, bias: Tensor | None, fmt: str) -> ProductWeights | None:
+        """The view, or None when the kernels cannot read these tensors (not CPU, not
+        contiguous, another dtype, a q8 K not a multiple of 32)."""
+        int8 = fmt in ("i8", "q8")
+        if fmt not in FORMATS or not _usable(w, _DTYPES[fmt]) or not _usable(bias) or w.dim() != 2:
+            return None
+        if int8 != (scales is not None) or not _usable(scales) or (fmt == "q8" and w.shape[1] % 32):
+            return None
+        return cls(w, scales, bias, fmt)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    def struct(self) -> KvLinear:
+        N, K = self.w.shape
+        return KvLinear(self.w.data_ptr(), None if self.scales is None else self.scales.data_ptr(),
+                        None if self.bias is None else self.bias.data_ptr(), N, K, FORMATS[self.fmt])  # fmt: skip
+
+
+def product(p: ProductWeights, x: Tensor, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
+    """x (..., K) float32, 1..MAX_ROWS rows, through the product: (..., N) float32."""
+    if p.fmt == "q8":
+        return ops.gemv_q8(x, p.w, p.scales, p.bias, out, accumulate)
+    return ops.gemv(x, p.w, p.scales, p.bias, out, accumulate)
+
+
+@dataclass(frozen=True)
+class NormWeights:
+    """x * rsqrt(mean(x^2) + eps) * (weight + offset) (offset 1: Gemma's (1 + w))."""
+
+    weight: Tensor  # (D,) float32
+    eps: float
+    offset: float = 0.0
+
+    @classmethod
+    def of(cls, weight: Tensor, eps: float, offset: float = 0.0) -> NormWeights | None:
+        return cls(weight, float(eps), float(offset)) if _usable(weight) else None
+
+
+def norm(n: NormWeights, x: Tensor) -> Tensor:
+    """x (..., D) float32, 1..MAX_ROWS rows, normalized: a new tensor."""
+    return ops.rmsnorm(x, n.weight, n.eps, n.offset)
+
+
+ACTS = {"silu": _C["KV_SILU"], "gelu_tanh": _C["KV_GELU_TANH"], "gelu": _C["KV_GELU"]}
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One pre-norm decoder layer (layer.cpp):
+
+        x += post_attn(o(attention(rope(qk_norm(split(qkv(norm_in(x))))))))
+        x += post_mlp(down(act(gate) * up)),  gate | up = gate_up(norm_mlp(x))
+
+    ``qkv``'s output is (n_heads + 2 n_kv) * head_dim, ``gate_up``'s 2 * intermediate."""
+
+    norm_in: NormWeights
+    qkv: ProductWeights
+    o: ProductWeights
+    norm_mlp: NormWeights
+    gate_up: ProductWeights
+    down: ProductWeights
+    act: str  # ACTS
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    scale: float
+    layer: int  # index into the pool's layers
+    window: int | None = None
+    softcap: float | None = None
+    norm_post_attn: NormWeights | None = None
+    norm_post_mlp: NormWeights | None = None
+    q_norm: NormWeights | None = None  # per head, over head_dim
+    k_norm: NormWeights | None = None
+
+    def struct(self) -> KvLayer:
+        """The C struct (pointers into this view's tensors); ValueError on a shape or
+        setting the layer cannot run."""
+        if self.qkv.shape[0] != (self.n_heads + 2 * self.n_kv) * self.head_dim:
+            raise ValueError("qkv's output is not (n_heads + 2 n_kv) * head_dim")
+        if self.gate_up.shape[0] % 2 or self.down.shape[1] != self.gate_up.shape[0] // 2:
+            raise ValueError("gate_up's output is not twice down's input")
+        if self.act not in ACTS:
+            raise ValueError(f"activation {self.act}")
+        norms = (self.norm_in, self.norm_post_attn, self.norm_mlp, self.norm_post_mlp, self.q_norm, self.k_norm)
+        if len({n.eps for n in norms if n is not None}) != 1 or len({n.offset for n in norms if n is not None}) != 1:
+            raise ValueError("the layer's norms differ in eps or offset")
+        ptr = [None if n is None else n.weight.data_ptr() for n in norms]
+        return KvLayer(*ptr, self.qkv.struct(), self.o.struct(), self.gate_up.struct(), self.down.struct(),
+                       self.norm_in.eps, self.norm_in.offset, float(self.scale), float(self.softcap or 0.0),
+                       self.n_heads, self.n_kv, self.head_dim, int(self.window or 0), self.layer,
+                       ACTS[self.act])  # fmt: skip
+
+
+@dataclass
+class DecodeStep:
+    """One decode step's batch, as arrays: the pool (num_blocks, L, 2, bs, n_kv, hd)
+    float32, where each sequence's new token goes (slot_blocks, slot_offsets (B,)), its
+    block table (tables (B, nb)) and context length with the new token (lens (B,)), all
+    int64 contiguous. The arrays are kept referenced while the C struct points at them."""
+
+    pool: Tensor
+    slot_blocks: Tensor
+    slot_offsets: Tensor
+    tables: Tensor
+    lens: Tensor
+
+    def __post_init__(self) -> None:
+        B, nb = self.tables.shape
+        N, L, two, bs = self.pool.shape[:4]
+        self.struct = KvStep(B, 0, self.pool.data_ptr(), L, bs, self.slot_blocks.data_ptr(),
+                             self.slot_offsets.data_ptr(), self.tables.data_ptr(), nb, self.lens.data_ptr(),
+                             torch.get_num_threads())  # fmt: skip
+
+
+def _rope_rows(cos: Tensor, sin: Tensor, B: int) -> tuple[Tensor, Tensor]:
+    """cos and signed sin (B, 1, 1, rot) as the (B, rot) float32 contiguous rows the layer reads."""
+    c = cos.reshape(cos.shape[0], -1)  # (B, rot): one token per sequence
+    s = sin.reshape(sin.shape[0], -1)
+    if c.dtype != torch.float32 or not c.is_contiguous() or not s.is_contiguous() or c.shape[0] != B:
+        c, s = c.float().contiguous(), s.float().contiguous()
+    return c, s
+
+
+class DecoderStack:
+    """Every decoder layer of a model on a decode step (one new token per sequence), in
+    order, one native call each (``kv_decode_layer``); what the step needs (its
+    ``DecodeStep``, the cos/sin rows, the library's function) is looked up once.
+
+    ``groups[i]``: which of the step's (cos, sin) pairs layer i rotates with (Gemma 3's
+    sliding layers have their own RoPE base: pair 1); pair 0 for every layer by default."""
+
+    def __init__(self, layers: list[LayerWeights], groups: list[int] | None = None) -> None:
+        groups = [0] * len(layers) if groups is None else list(groups)
+        if not layers or len(groups) != len(layers) or min(groups) < 0:
+            raise ValueError("a decoder stack needs one layer and one rope group per layer")
+        hidden = {layer.norm_in.weight.numel() for layer in layers}
+        if len(hidden) != 1:
+            raise ValueError("the layers of a decoder stack differ in hidden size")
+        self.hidden = hidden.pop()
+        self.layers = list(layers)  # the views keep the weights referenced
+        self._structs = [layer.struct() for layer in layers]
+        self.num_groups = max(groups) + 1
+        self._calls = [(ctypes.byref(s), g) for s, g in zip(self._structs, groups)]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @staticmethod
+    def applies(x: Tensor) -> bool:
+        """Whether x (B, T, D) is a decode step the stack runs: one float32 token per
+        sequence, B <= MAX_ROWS."""
+        return x.shape[1] == 1 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous()
+
+    def run(self, x: Tensor, ropes: tuple[tuple[Tensor, Tensor], ...], step: DecodeStep) -> Tensor:
+        """x (B, 1, D) through every layer, in place (the caller checked ``applies``);
+        ``ropes``: the step's (cos, sin) pairs, (B, 1, 1, rot) each. Returns x."""
+        s = step.struct
+        s.D = self.hidden
+        B = x.shape[0]
+        rows = [_rope_rows(*ropes[g], B) for g in range(self.num_groups)]  # kept referenced through the calls
+        ptrs = [(c.data_ptr(), sn.data_ptr(), c.shape[1]) for c, sn in rows]
+        fn, xp, sp = kernels.load().lib.kv_decode_layer, x.data_ptr(), ctypes.byref(s)  # the library served now
+        for ref, g in self._calls:
+            cp, snp, rot = ptrs[g]
+            fn(ref, xp, sp, cp, snp, rot)
+        return x

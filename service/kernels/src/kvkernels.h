@@ -1,0 +1,109 @@
+// The native kernels' one interface: every entry point and every struct passed across
+// it. Every source includes this header (so the compiler checks each definition against
+// its declaration) and the Python binding (binding.py) is generated from it at load, so
+// nothing is declared twice. Keep to the style binding.py parses: one declaration per
+// statement, `struct Name { type field; ... };`, the types used below.
+//
+// float32 throughout unless named; element strides, not byte strides; every pointer
+// may be null only where its comment says so.
+#pragma once
+#include <stdint.h>
+
+// KvLinear.fmt: the weight's stored format
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_I8 2
+#define KV_Q8 3
+// kv_act_mul's act and KvLayer.act: the gate's activation
+#define KV_SILU 0
+#define KV_GELU_TANH 1
+#define KV_GELU 2
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// One product's weight in its stored format (layer.py's ProductWeights).
+struct KvLinear {
+  const void* w;         // (N, K) row-major: float32 | bf16 | int8
+  const float* scales;   // (N,) int8 formats only, else null
+  const float* bias;     // (N,) or null
+  int64_t N;
+  int64_t K;
+  int64_t fmt;           // KV_F32, KV_BF16, KV_I8 (float32 input), KV_Q8 (input quantized per 32: w8a8)
+};
+
+// One decoder layer (layer.py's LayerWeights): the pre-norm block of every paged-attention family.
+struct KvLayer {
+  const float* norm_in;
+  const float* norm_post_attn;  // null: none (the residual add rides on o's product)
+  const float* norm_mlp;
+  const float* norm_post_mlp;   // null: none
+  const float* q_norm;          // (hd,) per-head norms or null
+  const float* k_norm;
+  KvLinear qkv;
+  KvLinear o;
+  KvLinear gate_up;
+  KvLinear down;
+  float eps;
+  float norm_offset;            // 1: Gemma's (1 + w) norms
+  float scale;
+  float softcap;                // 0: none
+  int64_t nh;
+  int64_t nkv;
+  int64_t hd;
+  int64_t window;               // 0: full attention
+  int64_t layer;
+  int64_t act;                  // KV_SILU, KV_GELU_TANH, KV_GELU
+};
+
+// One decode step's batch (layer.py's DecodeStep): one new token per sequence.
+struct KvStep {
+  int64_t B;
+  int64_t D;
+  float* pool;                  // (num_blocks, L, 2, bs, n_kv, hd) float32
+  int64_t L;
+  int64_t bs;
+  const int64_t* slot_block;    // (B,) where each new token's K/V goes
+  const int64_t* slot_off;
+  const int64_t* tables;        // (B, nb) block ids
+  int64_t nb;
+  const int64_t* lens;          // (B,) context length including the new token
+  int64_t nthreads;
+};
+
+// y (rows, N) = x (rows, K) W^T * scales + bias (y += ... when accumulate); 1..64 rows.
+void kv_gemv_f32(const float* x, int64_t rows, int64_t ldx, int64_t K, const float* W, int64_t N, const float* scales,
+                 const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
+void kv_gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint16_t* W, int64_t N,
+                  const float* scales, const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
+void kv_gemv_i8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8_t* W, int64_t N, const float* scales,
+                const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
+// x quantized per block of 32 into xq (rows, K) int8 and xs (rows, K/32), then integer products; K % 32 == 0.
+void kv_gemv_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8_t* W, int64_t N, const float* scales,
+                const float* bias, float* y, int64_t ldy, int accumulate, int nthreads, int8_t* xq, float* xs);
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * (w + offset); out may be x.
+void kv_rmsnorm(const float* x, int64_t rows, int64_t ldx, int64_t D, const float* w, float eps, float offset,
+                float* out, int64_t ldo);
+// RoPE in place on x (B, T, H, hd) at strides sB, sT, sH, the first rot dims, cos and signed sin (B, T, rot).
+void kv_rope(float* x, int64_t B, int64_t T, int64_t H, int64_t sB, int64_t sT, int64_t sH, int64_t rot,
+             const float* cos, const float* sin);
+// out (rows, I) = act(gate) * up from gu (rows, 2I) = [gate | up].
+void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, float* out, int nthreads);
+// One new token per sequence: its K/V written into the pool, q attended over the context read in place.
+void kv_decode_attention(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
+                         int64_t nh, int64_t nkv, int64_t hd, float* pool, int64_t layer, int64_t L, int64_t bs,
+                         const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
+                         const int64_t* lens, int64_t window, float scale, float softcap, float* out, int nthreads);
+// x (B, D) through one decoder layer, in place.
+void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, const float* cos, const float* sin, int64_t rot);
+
+// What the library was built from: "<source digest> <compiler>" (build.py), and the
+// sizes of the structs above in the order declared, for the binding's check.
+const char* kv_build_id(void);
+int64_t kv_struct_size(int64_t which);
+
+#ifdef __cplusplus
+}
+#endif
