@@ -50,7 +50,7 @@ from kvserve.service.types import Delta, Finished, GenerationRequest, SamplingPa
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
 SHAPE_110M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=32000, tokenizer=False, max_position_embeddings=2048)
+                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)  # its tokenizer: 400 pieces
 EDITS = {" was ": " had been ", " the ": " that ", " not ": " never "}  # word swaps of the "edit" workload
 
 
@@ -78,7 +78,7 @@ def workloads(name: str, loaded, tokens: int) -> dict[str, list[int]]:
     tok = loaded.tokenizer
     if name == "110m":
         g = torch.Generator().manual_seed(0)
-        r = torch.randint(3, loaded.config.vocab_size, (64,), generator=g).tolist()
+        r = torch.randint(3, loaded.tokenizer.vocab_size, (64,), generator=g).tolist()
         return {"repeat-random": r + r + r[:8]}
     plain = engine_for(loaded, "off", 1)
     para, _ = generate(plain, tok.encode("The principal"), max(tokens, 96), "para", time.perf_counter)

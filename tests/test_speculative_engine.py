@@ -249,3 +249,18 @@ def test_sampled_tokens_keep_their_distribution(loaded):
     pairs = [(x, y) for x in alpha for y in alpha]
     table = [[sum(1 for o in outs if (o[POS - 1], o[POS]) == c) for c in pairs] for outs in (a, b)]
     assert chi2_contingency(table).pvalue > 1e-4, table
+
+
+def test_drafts_never_cost_a_preemption(loaded):
+    """A pool nearly filled by four sequences' own tokens: drafts take a block only while
+    one stays free for every running sequence, so speculation preempts no more than
+    plain decoding and gives its tokens."""
+    ps = repeating_prompts(loaded.config.vocab_size) + [prompts(loaded.config.vocab_size, [21], seed=9)[0]]
+    reqs = [req(f"r{i}", p, n=40) for i, p in enumerate(ps)]
+    need = sum(-(-(len(p) + 40) // BS) for p in ps)
+    kw = dict(kv_cache_memory=(need + 2) * BS * bytes_per_token(loaded))
+    plain, pe = outputs(loaded, reqs, speculative="off", **kw)[::2]
+    spec, se = outputs(loaded, reqs, speculative="ngram", **kw)[::2]
+    assert se.scheduler.num_preempted == pe.scheduler.num_preempted
+    assert {r: f.output_token_ids for r, f in spec.items()} == {r: f.output_token_ids for r, f in plain.items()}
+    assert se.runner.num_accepted_tokens > 0

@@ -254,7 +254,13 @@ class Scheduler:
         drafts = seq.drafter.propose(seq.token_ids, limit)
         while drafts and not seq.long_rope and self.keys.is_long(L + len(drafts)):
             drafts.pop()
-        if drafts and not self._ensure_blocks(seq, seq.num_computed + 1 + len(drafts)):
+        # a block for the drafts only while one stays free for every running sequence, so
+        # that drafting never makes a later sequence of this step preempt another
+        need = -(-(seq.num_computed + 1 + len(drafts)) // self.block_size) - len(seq.blocks)
+        if drafts and need > 0 and (
+            self.blocks.num_free - need < len(self.running)
+            or not self._ensure_blocks(seq, seq.num_computed + 1 + len(drafts))
+        ):
             room = len(seq.blocks) * self.block_size - seq.num_computed - 1
             del drafts[max(room, 0) :]
         return drafts
