@@ -146,12 +146,19 @@ def test_n_greater_than_one_matches_plain(loaded):
 
     def by_index(engine):
         evs = run(engine, [r])["n3"]
-        return {e.index: e.output_token_ids for e in evs if isinstance(e, Finished)}
+        out = {e.index: e.output_token_ids for e in evs if isinstance(e, Finished)}
+        for i, toks in out.items():  # each sequence streamed its own tokens, from its first
+            assert [t for e in evs if isinstance(e, Delta) and e.index == i for t in e.token_ids] == toks
+        return out
 
     spec_engine = make_engine(loaded, speculative="ngram")
     got = by_index(spec_engine)
     assert got == by_index(make_engine(loaded, speculative="off"))
     assert len(got) == 3 and spec_engine.runner.num_accepted_tokens > 0
+    # again on the same engine: every prompt block but the last token's is cached now, so
+    # the prompt's last token is a decode row; the request still forks into three
+    assert len(p) % BS == 1
+    assert by_index(spec_engine) == got
 
 
 def test_rejected_drafts_never_registered_and_blocks_given_back(loaded):

@@ -241,8 +241,8 @@ class Scheduler:
         gives the same tokens whatever else is in the batch, which drafts cut by the
         step's budget or free blocks would break (its draws would follow the drafts)."""
         p = seq.request.sampling
-        if seq.matcher is not None or (p.temperature != 0.0 and p.seed is not None):
-            return []
+        if seq.matcher is not None or (p.temperature != 0.0 and p.seed is not None) or seq.fork_pending:
+            return []  # (an n > 1 request forks at its first sample, which a plain row makes)
         L = len(seq.token_ids)
         limit = min(budget, p.max_new_tokens - seq.num_output - 1)
         if self.max_model_len is not None:
