@@ -61,11 +61,12 @@ BREAKER_OPEN = "breaker_open"  # skipped: the circuit breaker is open
 
 class Tier(enum.StrEnum):
     """The name of a place KV blocks live, fastest first: the engine's device pool, the
-    host tier (``HostTier``), Redis (``RedisTier``). A ``str``: ``Tier.HOST == "host"``,
+    host tier (``HostTier``), local files (``DiskTier``), Redis (``RedisTier``). A ``str``: ``Tier.HOST == "host"``,
     and it formats as its value (metric labels, logs, settings)."""
 
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
     REDIS = "redis"
 
 
@@ -200,7 +201,10 @@ class BlockTier(Storage["torch.Tensor"]):
     - ``shared``: the tier outlives this process and every replica reads it (Redis):
       the drain writes sessions' blocks there so another replica, or this one
       restarted, resumes them.
-    - ``close()``: release connections.
+    - ``durable``: the tier outlives this process on this machine (disk; Redis, being
+      shared, too): with no shared tier, the drain writes to the first durable one, so
+      this server restarted resumes its sessions.
+    - ``close()``: release connections (and locks).
     """
 
     block_shape: tuple[int, ...]
@@ -209,6 +213,7 @@ class BlockTier(Storage["torch.Tensor"]):
     writes_inline: bool = False
     batch_blocks: int = 64
     shared: bool = False
+    durable: bool = False
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return False

@@ -129,6 +129,7 @@ class RedisTier(BlockTier):
 
     name = Tier.REDIS
     shared = True  # outlives the process, read by every replica
+    durable = True
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """The tiered store the engine talks to: an ordered list of block tiers behind one object.
 
 The engine keeps the device tier itself (its block pool); this store holds the tiers
-below it, fastest first (as configured: host memory, then Redis; either alone). It
+below it, fastest first (as configured: host memory, then local disk, then Redis; any
+of them alone). It
 answers, for the blocks past the device hits, where each one is (``match_prefix``),
 loads them into device blocks (``fetch_into``), stores copies (``put`` / ``put_many``
 synchronously, ``submit_spill`` in the background), takes the blocks the device evicts
@@ -12,7 +13,7 @@ interface, whatever the list holds.
 
 Guarantees:
 
-- No wrong KV: every Redis value is verified (``cachestore.codec``); host blocks are
+- No wrong KV: every Redis value and disk file is verified (``cachestore.codec``); host blocks are
   copies made under their address and never handed out while being rewritten.
   ``fetch_into`` returns the number of leading blocks loaded and verified; a block
   that fails ends the restore there and never counts, even if partly written.
@@ -25,7 +26,7 @@ Guarantees:
 - Demotion, down the list: ``demote`` puts a device-evicted block into the first tier,
   and each tier's own evictions go on to the next one. A tier whose puts are a memcpy
   (``BlockTier.writes_inline``: the host) is written on the evicting thread; into any
-  other (Redis) the block is copied into one of ``demotion_buffers`` staging buffers (the
+  other (disk, Redis) the block is copied into one of ``demotion_buffers`` staging buffers (the
   source is reused right after: a memcpy on the evicting thread) and queued; the writer
   encodes it and the tier stores it only if it is not there yet.
 """
@@ -51,12 +52,13 @@ log = logging.getLogger(__name__)
 TIER_NAMES = tuple(t for t in Tier if t is not Tier.DEVICE)  # the tiers a store may hold
 
 # Optimistic until measured, so that a tier is tried (and measured) at least once.
-DEFAULT_RESTORE_RATES: Mapping[str, float] = {Tier.HOST: 5e9, Tier.REDIS: 1e9}  # bytes/s, CPU pool
+# Disk: page-cache reads of recent files run near memcpy; cold reads at the device's rate.
+DEFAULT_RESTORE_RATES: Mapping[str, float] = {Tier.HOST: 5e9, Tier.DISK: 2e9, Tier.REDIS: 1e9}  # bytes/s, CPU pool
 # Into a CUDA pool: pinned host -> device is DMA (PCIe 5 ~50 GB/s, C2C more); Redis is
 # bounded by its network link and the client, not by the device.
 DEVICE_RESTORE_RATES: Mapping[str, Mapping[str, float]] = {
     "cpu": DEFAULT_RESTORE_RATES,
-    "cuda": {Tier.HOST: 20e9, Tier.REDIS: 1e9},
+    "cuda": {Tier.HOST: 20e9, Tier.DISK: 2e9, Tier.REDIS: 1e9},
 }
 
 # Restore decisions, counted in blocks by (tier, decision, reason).
@@ -240,9 +242,13 @@ class TieredStore:
 
     @property
     def shared_tier(self) -> str | None:
-        """The first tier that outlives this process and every replica reads
-        (``BlockTier.shared``: Redis), where the drain writes; None without one."""
-        return next((t.name for t in self._order if t.shared), None)
+        """Where the drain writes: the first tier that outlives this process and every
+        replica reads (``BlockTier.shared``: Redis), or, with none, the first that
+        outlives this process on this machine (``BlockTier.durable``: disk, so this
+        server restarted resumes its sessions); None without either."""
+        return next((t.name for t in self._order if t.shared), None) or next(
+            (t.name for t in self._order if t.durable), None
+        )
 
     def tier(self, name: str) -> BlockTier | None:
         """The configured tier of that name (None: not configured)."""

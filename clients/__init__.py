@@ -17,6 +17,8 @@ from kvserve.clients.client import (
     Timings,
     TLSConfig,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     build_request,
 )
 
@@ -37,5 +39,7 @@ __all__ = [
     "TextDelta",
     "Timings",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
     "build_request",
 ]

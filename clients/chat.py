@@ -19,6 +19,10 @@ model); start a message with ``//`` to send one that begins with ``/``. ``/regen
 turn count the chat knows (expected_turns), so a turn another client added meanwhile
 is never replaced or dropped: the command fails, the chat reads the session again, and
 the same command then applies to the session as it is. ``--session NAME`` resumes that session (default: a new random id).
+``--tools FILE`` (a JSON list of OpenAI tools) offers functions to the model and
+``--tool-choice`` (auto, required, none or a function's name) says how it calls them; a
+reply's calls are printed as ``[tool call NAME ARGUMENTS (id ID)]`` and the next line is
+sent as every call's result (a ``tool`` message per call): a tool loop in the session.
 Works with stdin from a pipe (no prompt is printed when stdin is not a terminal).
 Ctrl-C during a reply cancels that turn (the session is left as before the turn).
 Follow-up turns demand the existing session: if the server no longer has its history
@@ -30,6 +34,7 @@ wrong with the command, is printed on stderr) or the session could not be looked
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import uuid
@@ -55,6 +60,30 @@ commands (typed on a line of their own):
 _NO_ARGUMENT = ("/undo", "/reset", "/help", "/quit")
 
 
+DEFAULT_PORT = 50051
+
+
+def with_port(address: str) -> str:
+    """``host`` -> ``host:50051`` (gRPC would otherwise try port 443); an address with a
+    port, an IPv6 one in brackets with a port, or a gRPC target URI (``dns:///...``,
+    ``unix:...``) is left as it is."""
+    if "://" in address or address.startswith(("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{DEFAULT_PORT}"
+    if address.count(":") > 1:  # a bare IPv6 address
+        return f"[{address}]:{DEFAULT_PORT}"
+    return address if ":" in address else f"{address}:{DEFAULT_PORT}"
+
+
+def _error_line(e: KVServeError) -> str:
+    """A failed call for the chat's user: the status, its details and, for a missing or
+    wrong key, the flag that sends one."""
+    if e.code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"[error UNAUTHENTICATED: the server wants an API key: pass it with --token KEY ({e.details})]\n"
+    return f"[error {e.code.name}: {e.details}]\n"
+
+
 def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str:
     tier = f" ({start.cached_tier})" if start.cached_tokens else ""
     parts = [f"cached {start.cached_tokens}/{start.prompt_tokens} prompt tokens{tier}"]
@@ -69,14 +98,26 @@ def _stats_line(start: StreamStart, end: StreamEnd, ttft_s: float | None) -> str
 def _turn(
     client: KVServeClient, session: str, message: str | None, args: argparse.Namespace, out: TextIO,
     existing: bool = False, turn_mode: str = "append", temperature: float | None = None,
-    expected_turns: int | None = None,
+    expected_turns: int | None = None, calls: list | None = None,
 ) -> bool:  # fmt: skip
-    """One streamed turn; False if it was cancelled (Ctrl-C: the session is as before)."""
+    """One streamed turn; False if it was cancelled (Ctrl-C: the session is as before).
+    ``calls``: the previous reply's tool calls, which ``message`` answers; replaced by
+    this reply's."""
     sent = time.perf_counter()
     ttft: float | None = None
     start: StreamStart | None = None
+    pending = calls if calls is not None else []
+    if message is None:
+        messages = None
+    elif pending and turn_mode == "append":
+        messages = [{"role": "tool", "tool_call_id": c.id, "name": c.name, "content": message} for c in pending]
+    else:
+        messages = [{"role": "user", "content": message}]
+    tools = getattr(args, "tools", None)
     stream = client.generate(
-        messages=[{"role": "user", "content": message}] if message is not None else None,
+        messages=messages,
+        tools=tools,
+        tool_choice=getattr(args, "tool_choice", None) if tools else None,
         session_id=session,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature if temperature is None else temperature,
@@ -95,8 +136,12 @@ def _turn(
                 out.write(event.text)
                 out.flush()
             elif start is not None:
+                for c in event.tool_calls:
+                    out.write(f"\n[tool call {c.name} {c.arguments} (id {c.id})]")
                 out.write("\n" + _stats_line(start, event, ttft) + "\n")
                 out.flush()
+                if calls is not None:
+                    calls[:] = event.tool_calls
     except KeyboardInterrupt:
         stream.cancel()
         out.write("\n[cancelled]\n")
@@ -141,7 +186,7 @@ def _session_command(
             out.write(f"[session {rest}: forked from {session} at turn {info.turns}, {info.token_count} tokens "
                       f"({info.cached_blocks['device']}/{info.full_blocks} blocks shared on the device)]\n")  # fmt: skip
     except KVServeError as e:
-        err.write(f"[error {e.code.name}: {e.details}]\n")
+        err.write(_error_line(e))
         err.flush()
         return None
     out.flush()
@@ -157,32 +202,47 @@ def _turns_now(client: KVServeClient, session: str, turns: int) -> int:
 
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="kvserve-chat", description=__doc__.splitlines()[0], epilog=COMMANDS,
+        prog="kvserve-chat", description=__doc__.splitlines()[0].replace("``", ""), epilog=COMMANDS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--address", default="localhost:50051", help="server host:port (default: %(default)s)")
+    parser.add_argument("--address", default=f"localhost:{DEFAULT_PORT}",
+                        help=f"server host:port; a host alone means port {DEFAULT_PORT} (default: %(default)s)")  # fmt: skip
     parser.add_argument("--session", default=None, help="session to resume or create (default: a new random id)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="reply length limit (default: the server's)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each turn in seconds")
-    parser.add_argument("--token", default=None, help="API key, sent as a bearer token")
+    parser.add_argument("--token", default=None, help="API key (for a server with --api-keys), sent as a bearer token")
+    parser.add_argument("--tools", default=None, metavar="FILE",
+                        help="JSON file of tools (OpenAI's list) the model may call")  # fmt: skip
+    parser.add_argument("--tool-choice", default=None, help="with --tools: auto, required, none or a function's name")
     args = parser.parse_args(argv)
+    if args.tools is not None:
+        try:
+            with open(args.tools, encoding="utf-8") as f:
+                args.tools = json.load(f)
+        except (OSError, ValueError) as e:
+            parser.error(f"--tools {args.tools}: {e}")
+        if not isinstance(args.tools, list):
+            parser.error("--tools must hold a JSON list of tools")
+    elif args.tool_choice is not None:
+        parser.error("--tool-choice needs --tools")
     stdin = stdin or sys.stdin
     out = stdout or sys.stdout
     err = sys.stderr
     interactive = stdin.isatty()
     session = args.session or f"chat-{uuid.uuid4().hex[:12]}"
 
+    pending_calls: list = []  # the last reply's tool calls: the next line is their result
     has_history = False  # the session has completed turns: later turns demand it exists
     turns = 0  # the session's completed turns, as far as this chat knows
-    with KVServeClient(args.address, token=args.token) as client:
+    with KVServeClient(with_port(args.address), token=args.token) as client:
         try:
             info = client.get_session(session)
             out.write(f"[session {session}: resumed, {info.turns} turns, {info.token_count} tokens]\n")
             has_history, turns = True, info.turns
         except KVServeError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:
-                err.write(f"[error {e.code.name}: {e.details}]\n")
+                err.write(_error_line(e))
                 return 1
             out.write(f"[session {session}: new]\n")
         out.flush()
@@ -222,6 +282,13 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 out.write(COMMANDS)
                 out.flush()
                 continue
+            if command in ("/regenerate", "/edit", "/undo") and turns == 0:
+                err.write(f"[{command}: session {session} has no turns yet; send a message first]\n")
+                err.flush()
+                last_failed = True
+                continue
+            if command in ("/regenerate", "/edit", "/undo", "/fork", "/reset"):
+                pending_calls.clear()  # the next line is a user message again
             if command in ("/regenerate", "/edit", "/undo", "/fork"):
                 after = _session_command(client, session, turns, command, rest, args, out, err)
                 last_failed = after is None
@@ -237,7 +304,7 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                     client.delete_session(session)
                 except KVServeError as e:
                     if e.code != grpc.StatusCode.NOT_FOUND:
-                        err.write(f"[error {e.code.name}: {e.details}]\n")
+                        err.write(_error_line(e))
                 session = f"chat-{uuid.uuid4().hex[:12]}"
                 out.write(f"[session {session}: new]\n")
                 out.flush()
@@ -245,20 +312,21 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
                 continue
             try:
                 try:
-                    done = _turn(client, session, message, args, out, existing=has_history)
+                    done = _turn(client, session, message, args, out, existing=has_history, calls=pending_calls)
                 except KVServeError as e:
                     if not (has_history and e.code == grpc.StatusCode.NOT_FOUND):
                         raise
                     out.write(f"[session {session}: the server no longer has its history "
                               f"(expired, deleted or lost); starting it over]\n")  # fmt: skip
                     turns = 0
-                    done = _turn(client, session, message, args, out)
+                    pending_calls.clear()
+                    done = _turn(client, session, message, args, out, calls=pending_calls)
                 if done:
                     has_history, turns = True, turns + 1
                 last_failed = False
             except KVServeError as e:
                 last_failed = True
-                err.write(f"[error {e.code.name}: {e.details}]\n")
+                err.write(_error_line(e))
                 err.flush()
     return 1 if last_failed else 0
 

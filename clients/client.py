@@ -50,6 +50,7 @@ _TIERS = {
     pb.CACHE_TIER_DEVICE: "device",
     pb.CACHE_TIER_HOST: "host",
     pb.CACHE_TIER_REDIS: "redis",
+    pb.CACHE_TIER_DISK: "disk",
 }
 _TURN_MODES = {
     "append": pb.TURN_MODE_APPEND,
@@ -61,6 +62,12 @@ _FINISH = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
+_TOOL_CHOICE = {
+    "none": pb.TOOL_CHOICE_MODE_NONE,
+    "auto": pb.TOOL_CHOICE_MODE_AUTO,
+    "required": pb.TOOL_CHOICE_MODE_REQUIRED,
 }
 
 
@@ -106,13 +113,35 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call of the reply: ``arguments`` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a tool call: the first of a call has its id and name, the next ones
+    argument text (joined: the call's arguments)."""
+
+    call_index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """Newly generated tokens and the text they complete."""
+    """Newly generated tokens and the text they complete (with tools: the text outside
+    calls, and pieces of the calls in ``tool_calls``)."""
 
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked
     index: int = 0  # which of the request's n sequences
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -129,12 +158,13 @@ class Timings:
 class StreamEnd:
     """Last event: why generation stopped, token counts and timings."""
 
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "tool_calls"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     timings: Timings
     index: int = 0  # which of the request's n sequences ended
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the reply's complete calls
 
 
 Event = StreamStart | TextDelta | StreamEnd
@@ -150,6 +180,10 @@ class Choice:
     end: StreamEnd
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.end.tool_calls
+
 
 @dataclass
 class Completion:
@@ -162,6 +196,11 @@ class Completion:
     end: StreamEnd
     logprobs: list[TokenLogprob] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls of sequence 0 (``end.tool_calls``)."""
+        return self.end.tool_calls
 
 
 @dataclass(frozen=True)
@@ -264,6 +303,9 @@ def build_request(
     json_schema: dict[str, Any] | bool | str | None = None,
     json_object: bool = False,
     regex: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from keyword arguments; exactly one input must be given,
     none with ``turn_mode="regenerate"``.
@@ -276,6 +318,12 @@ def build_request(
     "append" (a new turn), "regenerate" (the last turn's answer again, replacing it) or
     "edit" (this input replaces the last turn's, answered anew). ``expected_turns``: run
     only if the session has exactly that many turns (else FAILED_PRECONDITION).
+
+    Tools, as OpenAI writes them: ``tools`` ``[{"type": "function", "function": {"name",
+    "description", "parameters"}}]`` (or the function objects alone), ``tool_choice``
+    "none", "auto", "required" or ``{"type": "function", "function": {"name": ...}}``
+    (or the name alone); messages may carry ``tool_calls`` (OpenAI's shape) and
+    ``tool_call_id`` / ``name`` (role "tool").
     """
     if turn_mode not in _TURN_MODES:
         raise ValueError(f"turn_mode must be one of {', '.join(_TURN_MODES)}, got {turn_mode!r}")
@@ -297,7 +345,7 @@ def build_request(
         req.text = text
     elif messages is not None:
         chat = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+        req.chat.messages.extend(_chat_message(m) for m in chat)
         req.chat.SetInParent()  # an empty list is still "chat" (the server rejects it precisely)
     else:
         req.tokens.ids.extend(token_ids or ())
@@ -330,7 +378,36 @@ def build_request(
     elif regex is not None:
         s.response_format.regex = regex
     req.sampling.SetInParent()
+    _add_tools(req, tools, tool_choice, parallel_tool_calls)
     return req
+
+
+def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
+    calls = []
+    for c in m.get("tool_calls") or ():
+        fn = c.get("function", c)
+        args = fn.get("arguments", "{}")
+        calls.append(pb.ToolCall(id=c.get("id", ""), name=fn["name"], arguments=args if isinstance(args, str) else json.dumps(args)))
+    return pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
+                          tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")  # fmt: skip
+
+
+def _add_tools(req: pb.GenerateRequest, tools: Sequence[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+               parallel: bool | None) -> None:  # fmt: skip
+    for t in tools or ():
+        fn = t.get("function", t)
+        params = fn.get("parameters")
+        req.tools.append(pb.Tool(name=fn["name"], description=fn.get("description") or "",
+                                 parameters=json.dumps(params) if params is not None else "", strict=bool(fn.get("strict"))))  # fmt: skip
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or tool_choice).get("name")
+        req.tool_choice.CopyFrom(pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_FUNCTION, function_name=name))
+    elif tool_choice in _TOOL_CHOICE:
+        req.tool_choice.mode = _TOOL_CHOICE[tool_choice]
+    elif tool_choice is not None:  # a function's name
+        req.tool_choice.CopyFrom(pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_FUNCTION, function_name=tool_choice))
+    if parallel is not None:
+        req.parallel_tool_calls = parallel
 
 
 def _seconds(d: Any) -> float:
@@ -365,7 +442,8 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
             cached_tokens=s.cached_tokens,
             cached_tier=_TIERS.get(s.cached_tier, "none"),
             cached_by_tier={
-                "device": s.cached_by_tier.device, "host": s.cached_by_tier.host, "redis": s.cached_by_tier.redis
+                "device": s.cached_by_tier.device, "host": s.cached_by_tier.host, "redis": s.cached_by_tier.redis,
+                "disk": s.cached_by_tier.disk,
             },
             session_created=s.session_created,
         )
@@ -374,8 +452,9 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
             TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
             for lp in resp.delta.logprobs
         ]
+        calls = [ToolCallDelta(c.call_index, c.id, c.name, c.arguments) for c in resp.delta.tool_calls]
         return TextDelta(text=resp.delta.text, token_ids=list(resp.delta.token_ids), logprobs=lps,
-                         index=resp.delta.index)  # fmt: skip
+                         index=resp.delta.index, tool_calls=calls)  # fmt: skip
     if kind == "final":
         f, t = resp.final, resp.final.timings
         return StreamEnd(
@@ -392,6 +471,7 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
                 decode_tokens_per_s=t.decode_tokens_per_second,
             ),
             index=f.index,
+            tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in f.tool_calls],
         )
     raise KVServeError(grpc.StatusCode.UNKNOWN, f"unknown stream event {kind!r}")
 
@@ -409,7 +489,7 @@ def session_from_pb(s: pb.Session, with_tokens: bool = False, with_turns: bool =
         created_at=_stamp(s.create_time),
         last_used_at=_stamp(s.last_use_time),
         busy=s.state == pb.SESSION_STATE_BUSY,
-        cached_blocks={"device": s.cached_blocks.device, "host": s.cached_blocks.host, "redis": s.cached_blocks.redis},
+        cached_blocks={"device": s.cached_blocks.device, "host": s.cached_blocks.host, "redis": s.cached_blocks.redis, "disk": s.cached_blocks.disk},
         full_blocks=s.full_blocks,
         token_ids=list(s.token_ids) if with_tokens else None,
     )

@@ -5,4 +5,4 @@ import sys
 from kvserve.service.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["serve", *sys.argv[1:]]))
+    sys.exit(main(["serve", *sys.argv[1:]], exit_now=True))

@@ -17,13 +17,21 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Mapping, Sequence
+from typing import Mapping, NoReturn, Sequence
 
 from kvserve.service.config import ConfigError, ServerConfig, mask_url_password
 
 
+class _Parser(argparse.ArgumentParser):
+    """An error is one line: what is wrong and where the flags are listed (not the
+    whole usage, which for ``serve`` is dozens of lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvserve",
         description="Streaming gRPC text generation with a durable, tiered KV cache.",
     )
@@ -89,7 +97,15 @@ def _hash_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None, *, exit_now: bool | None = None
+) -> int:
+    """Run the command line; ``exit_now`` (default: when ``argv`` is the process's own,
+    None): after ``serve`` end the process at once with its status, skipping the
+    interpreter's teardown (seconds of garbage collection after "stopped", or a model
+    load a signal interrupted still running in its thread)."""
+    if exit_now is None:
+        exit_now = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     environ = os.environ if environ is None else environ
     parser = _parser()
@@ -103,8 +119,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         config = ServerConfig.from_args(settings, environ)
     except ConfigError as e:
-        parser.error(str(e))  # exits 2
+        _fail(args.command, str(e))
     if args.command == "config":
+        from kvserve.service.auth import ApiKeysError, load_api_keys
+
+        try:  # the keys as serve reads them: the same refusal
+            load_api_keys(config.api_keys_file, config.api_keys)
+        except ApiKeysError as e:
+            _fail("config", str(e))
         print(config.describe())
         return 0
     logging.basicConfig(
@@ -122,12 +144,26 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
     native.passive_openmp()
     try:
-        return asyncio.run(_serve(config))
+        code = asyncio.run(_serve(config, exit_now))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are in place
-        return 130
+        code = 130
+    if exit_now:
+        _exit(code)
+    return code
 
 
-async def _serve(config: ServerConfig) -> int:
+def _exit(code: int) -> NoReturn:
+    """End the process now with ``code``, the logs and output flushed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+async def _serve(config: ServerConfig, exit_now: bool = False) -> int:
     """Run the server; a failure is one line on stderr (what, where, what to do) and
     exit status 2 (configuration) or 1 (anything else); ``--log-level debug`` adds the
     traceback."""
@@ -136,7 +172,10 @@ async def _serve(config: ServerConfig) -> int:
 
     log = logging.getLogger(__name__)
     try:
-        return await run(config)
+        code = await run(config)
+        if exit_now:  # the server is stopped: not even the event loop's teardown is left to wait for
+            _exit(code)
+        return code
     except (ConfigError, ApiKeysError, StartupError) as e:  # keys, TLS files, device, port, Redis, model
         log.debug("startup failed", exc_info=True)
         print(f"kvserve serve: error: {_one_line(str(e))}", file=sys.stderr)
@@ -148,6 +187,11 @@ async def _serve(config: ServerConfig) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _fail(command: str, message: str) -> NoReturn:
+    print(f"kvserve {command}: error: {_one_line(message)} (kvserve {command} --help lists the flags)", file=sys.stderr)
+    sys.exit(2)
 
 
 def _one_line(text: str) -> str:

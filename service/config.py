@@ -95,7 +95,7 @@ def choice(*options: str) -> Callable[[str], str]:
 def parse_tiers(text: str) -> tuple[Tier, ...]:
     """``"host,redis"`` -> (Tier.HOST, Tier.REDIS): the tiers a spill may write to."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    allowed = (Tier.HOST, Tier.REDIS)
+    allowed = (Tier.HOST, Tier.DISK, Tier.REDIS)
     bad = [t for t in names if t not in allowed]
     if bad:
         raise ValueError(f"unknown tier {bad[0]!r} (choose from {', '.join(allowed)})")
@@ -164,11 +164,19 @@ class ServerConfig:
     spec_max_draft: int = setting(8, "Most tokens drafted for one sequence in one step (--speculative ngram); the draft length adapts below it to what was accepted.", int)
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     http_port: int = setting(0, "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; 0 = off). Same engine, sessions, API keys, limits and TLS certificates as the gRPC port (docs/api.md).", int)
+    http_max_connections: int = setting(1024, "Most connections the HTTP front holds at once; one more gets 503 and is closed at once (each holds a file descriptor).", int, metavar="N")
+    http_header_timeout: float = setting(10.0, "Seconds an HTTP request's headers may take to arrive, from the connection or the previous response; then 408 and the connection is closed (a slowloris holds nothing longer).", parse_duration, metavar="SECONDS")
+    http_body_timeout: float = setting(30.0, "Seconds an HTTP request's body may take to arrive after its headers; then 408 and the connection is closed.", parse_duration, metavar="SECONDS")
+    http_keep_alive_timeout: float = setting(5.0, "Seconds an idle HTTP keep-alive connection stays open between requests (uvicorn's timeout_keep_alive).", parse_duration, metavar="SECONDS")
     drain_timeout: float = setting(30.0, "On SIGTERM/SIGINT, seconds in-flight streams get to finish (30, 30s, 500ms, 2m).", parse_duration, metavar="SECONDS")
     drain_delay: float = setting(0.0, "On SIGTERM/SIGINT, seconds the server still takes new calls after reporting not ready (health NOT_SERVING, kvserve_ready 0), so a proxy that checks it stops sending calls before they would be refused; then the drain.", parse_duration, metavar="SECONDS")
     log_level: str = setting("info", "Log level: debug, info, warning or error.", choice("debug", "info", "warning", "error"))
     torch_threads: int = setting(0, "CPU threads for torch's intra-op work (0 = torch's default, one per core).", int)
     host_cache_memory: int = setting(1 << 30, "Bytes of host memory for the host KV tier (0 = off; pinned when the device is CUDA).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    # --- the disk tier (cachestore/disk.py, docs/operations.md) ---
+    disk_cache_dir: str | None = setting(None, "Directory of the disk KV tier, between host memory and Redis: one checksummed file per block, kept across restarts (with no --redis-url, session records are kept there too, so sessions resume after a restart). One server per directory: a second one pointed at it refuses to start (empty = off).", parse_optional_str, metavar="DIR")
+    disk_cache_size: int = setting(10 << 30, "Bytes of block files the disk tier keeps under --disk-cache-dir (least recently used removed first).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    disk_cache_fsync: bool = setting(False, "fsync each block file (and its directory) before counting it stored: blocks survive a power loss, at a device flush per block. Off, a process crash loses nothing written; a power loss may tear recent files, which then fail their checksum and are misses.", parse_bool)
     redis_url: str | None = setting(None, "Redis for the shared KV tier and session transcripts: redis://[:password@]host:port/db, rediss:// for TLS (empty = off).", parse_optional_str, fmt=mask_url_password, metavar="URL")
     redis_cluster: bool = setting(False, "Treat --redis-url as a Redis Cluster seed node.", parse_bool)
     redis_required: bool = setting(False, "Refuse to start when --redis-url does not answer at startup (default: log it and serve degraded, KV blocks and session transcripts kept in this process, until Redis answers).", parse_bool)
@@ -176,10 +184,11 @@ class ServerConfig:
     redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
     redis_kv_format: str = setting("exact", "How KV blocks are stored in Redis: exact (the KV dtype), or LOSSY bf16, fp16, int8 or fp8 (e4m3; int8 and fp8 with a float32 scale per head and token); fewer bytes per restore, restored KV rounded (measured error in docs/benchmarks.md). Each format has its own keys: replicas read only blocks stored in their format.", choice(*STORAGE_FORMAT_NAMES))
     redis_compression: str = setting("none", "Lossless compression of KV blocks in Redis: none, zstd or lz4 (pays only on slow links: random-weight KV hardly compresses).", choice("none", "zstd", "lz4"))
+    tool_call_parser: str = setting("auto", "How tool calls are read from (and, for tool_choice required or a named function, written into) the model's output: hermes (<tool_call> JSON blocks: Hermes, Qwen 2.5/3), mistral ([TOOL_CALLS]), llama3_json (Llama 3.1/3.2 JSON calls), or auto: chosen from the checkpoint's chat template and vocabulary, hermes when neither names a format (docs/api.md, Tools).", choice("auto", "hermes", "mistral", "llama3_json"))
     stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
-    spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.REDIS), "Tiers idle sessions spill to: host, redis or host,redis (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
+    spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.DISK, Tier.REDIS), "Tiers idle sessions spill to: any of host, disk, redis, comma-separated (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
     api_keys: str | None = setting(None, "API keys inline, in the --api-keys-file format (added to the file's).", parse_optional_str, fmt=format_secret_setting, metavar="KEYS")
@@ -195,7 +204,8 @@ class ServerConfig:
     max_streams: int = setting(0, "Most Generate streams in flight at once, all tenants together (0 = no limit).", int)
     max_streams_per_tenant: int = setting(0, "Most Generate streams in flight at once per tenant (0 = no limit).", int)
     max_sessions_per_tenant: int = setting(0, "Most sessions a tenant may hold at once (0 = no limit).", int)
-    max_message_size: int = setting(4 << 20, "Largest gRPC message the server accepts or sends (bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    max_chat_messages: int = setting(2048, "Most chat messages in one request: over HTTP a longer messages list is refused with 400 too_many_messages while the body is parsed, over gRPC with INVALID_ARGUMENT before any of it is checked or tokenized.", int, metavar="N")
+    max_message_size: int = setting(4 << 20, "Largest gRPC message the server accepts or sends, and largest HTTP request body (413 as soon as a body passes it, by its Content-Length or while it is read) (bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
     session_ttl: float = setting(24 * 3600.0, "A session unused this long is removed, transcript and KV blocks (0 = never).", parse_duration, metavar="SECONDS")
     session_lock_ttl: float = setting(30.0, "Lease of a session's turn lock, renewed while the turn runs; a crashed replica's lock frees itself after this long.", parse_duration, metavar="SECONDS")
     session_store_timeout: float = setting(0.3, "Timeout of each session-store call to Redis; past it (and while the store's circuit breaker is open) session turns proceed on this replica's copy.", parse_duration, metavar="SECONDS")
@@ -219,6 +229,7 @@ class ServerConfig:
             ("drain_delay", math.isfinite(self.drain_delay) and self.drain_delay >= 0, "must be >= 0"),
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
+            ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
             ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),
             ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
             ("stream_interval", math.isfinite(self.stream_interval) and 0 <= self.stream_interval <= 10, "must be between 0 and 10 seconds"),
@@ -235,6 +246,11 @@ class ServerConfig:
             ("max_streams_per_tenant", self.max_streams_per_tenant >= 0, "must be >= 0"),
             ("max_sessions_per_tenant", self.max_sessions_per_tenant >= 0, "must be >= 0"),
             ("max_message_size", self.max_message_size >= 256, "must be >= 256 bytes"),
+            ("max_chat_messages", self.max_chat_messages > 0, "must be > 0"),
+            ("http_max_connections", self.http_max_connections > 0, "must be > 0"),
+            ("http_header_timeout", math.isfinite(self.http_header_timeout) and self.http_header_timeout > 0, "must be > 0"),
+            ("http_body_timeout", math.isfinite(self.http_body_timeout) and self.http_body_timeout > 0, "must be > 0"),
+            ("http_keep_alive_timeout", math.isfinite(self.http_keep_alive_timeout) and self.http_keep_alive_timeout > 0, "must be > 0"),
             ("session_ttl", math.isfinite(self.session_ttl) and self.session_ttl >= 0, "must be >= 0"),
             ("session_lock_ttl", math.isfinite(self.session_lock_ttl) and self.session_lock_ttl > 0, "must be > 0"),
             ("session_store_timeout", math.isfinite(self.session_store_timeout) and self.session_store_timeout > 0, "must be > 0"),
@@ -261,7 +277,7 @@ class ServerConfig:
             elif env_name(f.name) in environ:
                 raw = environ[env_name(f.name)]
                 try:
-                    values[f.name] = f.metadata["parse"](raw)
+                    values[f.name] = _parse_value(f.metadata["parse"], raw)
                 except ValueError as e:
                     raise ConfigError(f"{env_name(f.name)}={raw!r}: {e}") from None
         return cls(**values)
@@ -310,6 +326,9 @@ class ServerConfig:
             speculative=self.speculative,
             spec_max_draft=self.spec_max_draft,
             host_cache_memory=self.host_cache_memory,
+            disk_cache_dir=self.disk_cache_dir,
+            disk_cache_size=self.disk_cache_size,
+            disk_cache_fsync=self.disk_cache_fsync,
             redis_url=self.redis_connection_url(),
             redis_cluster=self.redis_cluster,
             redis_ttl_s=self.redis_ttl,
@@ -388,12 +407,19 @@ def _fmt_default(f: dataclasses.Field) -> str:
     return _fmt_value(f, f.default)
 
 
+def _parse_value(parse: Callable[[str], Any], text: str) -> Any:
+    """``parse(text)``; an int setting says "not an integer" rather than int()'s message."""
+    if parse is int and not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
+        raise ValueError(f"not an integer: {text!r}")
+    return parse(text)
+
+
 def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """argparse prints ``invalid <__name__> value`` on ValueError; keep our precise message instead."""
 
     def convert(text: str) -> Any:
         try:
-            return parse(text)
+            return _parse_value(parse, text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -55,6 +55,7 @@ from kvserve.service.models.tokenizer import ChatTemplateError
 from kvserve.service.sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
 from kvserve.service.sessions.stores import copy_record
 from kvserve.service.spill import SpillScheduler
+from kvserve.service.tools import ToolCalling, uses_tools
 from kvserve.service.types import (
     CacheScope,
     ChatMessage,
@@ -78,6 +79,7 @@ from kvserve.service.validation import (
     check_salt,
     check_sampling,
     check_stop_lists,
+    check_message_count,
     check_turn_options,
     check_vocabulary,
 )
@@ -121,6 +123,7 @@ class Conversations:
         spill: SpillScheduler | None = None,
         limits: Limits = Limits(),
         shared_cache_salts: frozenset[str] | tuple[str, ...] = (),
+        tool_call_parser: str = "auto",
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -130,7 +133,16 @@ class Conversations:
         self.shared_cache_salts = frozenset(shared_cache_salts)
         self.spill = spill
         self._max_bytes_per_token: int | None = None
+        self.tool_call_parser = tool_call_parser
+        self._tools: ToolCalling | None = None
         self._piece_bytes: list[bytes] | None = None  # token_pieces: sentencepiece's bytes per id, once
+
+    @property
+    def tools(self) -> ToolCalling:
+        """Tool calling over the engine's tokenizer (``service/tools``), built on first use."""
+        if self._tools is None or self._tools.tokenizer is not self.engine.tokenizer:
+            self._tools = ToolCalling(self.engine.tokenizer, self.tool_call_parser)
+        return self._tools
 
     # ------------------------------------------------------------------ the turn
 
@@ -140,6 +152,8 @@ class Conversations:
     ) -> AsyncIterator[Event]:  # fmt: skip
         """Serve one Generate call of ``owner``: see the module docstring. ``observer``
         (the call's trace) hears of the start event and of the finish, before the commit.
+        With tools, the events leave with the calls parsed out (``ToolCalling.events``),
+        after the commit: the transcript keeps the tokens as the model wrote them.
 
         ``resent_history`` (a session turn of chat messages): the messages are the whole
         history, as OpenAI clients send it; under the turn lock it is matched against the
@@ -154,7 +168,19 @@ class Conversations:
 
         Both change the session only through the turn's commit: a turn refused, failed or
         cancelled after them leaves every session exactly as it was."""
+        tooled = uses_tools(inp)
+        if tooled:
+            inp = self.tools.prepare(inp)  # tools checked; tool_choice required / named: its grammar
+        turn = self._turn(owner, inp, request_id, observer, resent_history, fork_from)
+        async with aclosing(turn) as events:
+            async for event in self.tools.events(inp, events) if tooled else events:
+                yield event
+
+    async def _turn(
+        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver, resent_history: bool, fork_from: str
+    ) -> AsyncIterator[Event]:
         arrival = time.perf_counter()
+        check_message_count(inp, self.limits)
         self.check_sampling(inp.sampling)
         check_salt(inp.cache_salt, self.limits)
         inp = self._with_template_roles(inp)
@@ -198,7 +224,8 @@ class Conversations:
                 transcript = base.token_ids
             if turn is not None and resent_history:
                 assert inp.messages is not None
-                history = await asyncio.to_thread(plan_history, self.engine.tokenizer, turn.record, inp.messages)
+                tok = self.tools.turn_encoder(inp.tools) if uses_tools(inp) else self.engine.tokenizer  # tool messages
+                history = await asyncio.to_thread(plan_history, tok, turn.record, inp.messages)  # as _input_tokens renders
                 inp, base = self._apply_history(inp, turn.record, history)
                 if base is not None:
                     transcript = base.token_ids
@@ -456,7 +483,7 @@ class Conversations:
         if inp.text is not None:
             n_bytes = len(inp.text.encode("utf-8", "surrogatepass"))
         elif inp.messages is not None:
-            n_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in inp.messages)
+            n_bytes = sum(m.text_bytes() for m in inp.messages)
         else:
             return
         limit = self.limits.max_prompt_tokens or self.engine.model_info.context_length
@@ -474,9 +501,12 @@ class Conversations:
         if inp.messages is not None:
             if not inp.messages:
                 raise InvalidRequest("empty input: chat.messages is empty")
-            self._check_roles(inp.messages)
+            if uses_tools(inp):  # tool calls and results, the tools: service/tools renders them
+                msgs, tools = self.tools.template_messages(inp.messages, inp.tools, first=not transcript)
+            else:
+                msgs, tools = [{"role": m.role, "content": m.content} for m in inp.messages], None
             try:
-                return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in inp.messages])
+                return tok.encode_chat_turn(transcript, msgs, tools=tools)
             except ChatTemplateError as e:
                 raise InvalidRequest(str(e)) from None
         if inp.token_ids is None:
@@ -488,9 +518,11 @@ class Conversations:
         return ids
 
     def _check_roles(self, messages: tuple[ChatMessage, ...]) -> None:
+        """Every role is the template's, or ``tool`` (service/tools renders a tool result as
+        the template takes it: a ``user`` message where it knows no tool role)."""
         roles = self.engine.tokenizer.known_roles
         for i, m in enumerate(messages):
-            if m.role not in roles:
+            if m.role not in roles and m.role != "tool":
                 raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
 
     def _fit_to_context(self, inp: TurnInput, transcript: list[int], new_tokens: list[int]) -> SamplingParams:

@@ -97,11 +97,11 @@ def match_history(tok: Any, transcript: list[int], messages: tuple[ChatMessage, 
             j += 1
         if j == n:  # the new messages
             return (i, None) if i > 0 and pos == len(transcript) else (0, i)
-        group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
+        group = messages[i:j]
         if not group:  # an assistant message first or two in a row: not a history of this session
             return 0, i
         try:
-            seg = tok.encode_chat_turn(transcript[:pos], group)
+            seg = _encode(tok, transcript[:pos], group)
         except Exception:  # noqa: BLE001 - a template that cannot render it: no match
             return 0, i
         if transcript[pos : pos + len(seg)] != seg:
@@ -140,17 +140,36 @@ def agreed_turns(tok: Any, rec: SessionRecord, messages: tuple[ChatMessage, ...]
             break
         info = rec.turn_log[t]
         try:
-            group = [{"role": m.role, "content": m.content} for m in messages[i:j]]
-            seg = tok.encode_chat_turn(transcript[:pos], group)
+            seg = _encode(tok, transcript[:pos], messages[i:j])
         except Exception:  # noqa: BLE001 - a template that cannot render it: not followed
             break
         if len(seg) != info.input_tokens or transcript[pos : pos + len(seg)] != seg:
             break
         out, end = pos + info.input_tokens, pos + info.tokens
-        if not tok.decode(transcript[out:end]).strip().startswith(messages[j].content.strip()):
+        if not _reply_matches(tok, transcript[out:end], messages[j]):
             return t, i, j
         pos, i, t = end, j + 1, t + 1
     return t, i, i
+
+
+def _encode(tok: Any, transcript: list[int], messages: tuple[ChatMessage, ...]) -> list[int]:
+    """A run of messages as a continuation of ``transcript``, rendered as the conversation
+    renders them: through tool calling's encoder (``ToolCalling.turn_encoder``, for a
+    request with tools, tool calls or tool results), else as plain role and content."""
+    encode = getattr(tok, "encode_messages", None)
+    if encode is not None:
+        return encode(transcript, messages)
+    return tok.encode_chat_turn(transcript, [{"role": m.role, "content": m.content} for m in messages])
+
+
+def _reply_matches(tok: Any, ids: list[int], message: ChatMessage) -> bool:
+    """Whether a turn's generated ``ids`` are the assistant ``message``: its text begins
+    with the message's content and, through tool calling's encoder
+    (``TurnEncoder.reply_matches``), its calls are the message's calls."""
+    check = getattr(tok, "reply_matches", None)
+    if check is not None:
+        return check(ids, message)
+    return tok.decode(ids).strip().startswith(message.content.strip())
 
 
 def _turn_floor(tok: Any, transcript: list[int]) -> int:
@@ -200,7 +219,7 @@ def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[Ch
         k += 1
     if k == len(messages):  # the messages after j are the new ones: the transcript ends here
         return len(transcript) if len(transcript) <= last else None
-    nxt = [{"role": m.role, "content": m.content} for m in messages[j + 1 : k]]
+    nxt = messages[j + 1 : k]
     if not nxt:
         return None
     eos = set(getattr(tok, "eos_token_ids", ()) or ())
@@ -209,7 +228,7 @@ def _assistant_end(tok: Any, transcript: list[int], pos: int, messages: tuple[Ch
         after_eos = transcript[end - 1] in eos
         if after_eos not in segs:
             try:
-                segs[after_eos] = tok.encode_chat_turn(transcript[end - 1 : end], nxt)
+                segs[after_eos] = _encode(tok, transcript[end - 1 : end], nxt)
             except Exception:  # noqa: BLE001
                 return None
         seg = segs[after_eos]

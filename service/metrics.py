@@ -292,6 +292,13 @@ class ServiceMetrics:
         )  # fmt: skip
         for op in ("rewind", "fork", "regenerate", "edit"):
             self.session_operations.labels(op)
+        self.http_connections_closed = Counter(
+            f"{p}_http_connections_closed", "HTTP connections the front closed itself, by reason: connection_limit "
+            "(past --http-max-connections: 503), headers_timeout (--http-header-timeout: 408), body_timeout "
+            "(--http-body-timeout: 408).", ["reason"], registry=r,
+        )  # fmt: skip
+        for reason in ("connection_limit", "headers_timeout", "body_timeout"):
+            self.http_connections_closed.labels(reason)
         self._http: tuple[object, threading.Thread] | None = None
 
     def register(self, collector: object) -> None:

@@ -7,7 +7,8 @@ Two entries:
   (tests, benchmarks, embedding). ``running.port`` is the bound port (``port=0``
   picks a free one). Leaving the block drains and stops it.
 * ``run(config)`` is what ``kvserve serve`` calls: serve until SIGTERM or SIGINT,
-  then drain and return exit status 0.
+  then drain and return exit status 0 (a signal during startup: 128 + its number,
+  before anything is served).
 
 Drain (``RunningServer.shutdown``): health turns NOT_SERVING for every service, new
 calls get UNAVAILABLE, in-flight streams get up to ``drain_timeout`` seconds to finish;
@@ -118,13 +119,15 @@ class RunningServer:
         # Write the blocks of sessions this replica served to Redis, so another replica
         # (or this one restarted) resumes them without prefill; bounded by the time left.
         left = max(grace - (time.monotonic() - t0), 1.0)
+        errors_before, t_persist = self._redis_errors(), time.monotonic()
         report = await self.spill.persist_all(left)
         if report.sessions:
             log.log(
                 logging.INFO if report.complete else logging.WARNING,
                 "drain: %d session(s), %d full block(s): %d in Redis (%d written now), %d left%s",
                 report.sessions, report.blocks, report.in_redis, report.written, report.left,
-                "" if report.complete else f" (not all through within {left:.1f} s)",
+                "" if report.complete else _drain_shortfall(left, time.monotonic() - t_persist,
+                                                            self._redis_errors() - errors_before),
             )  # fmt: skip
         if self.owns_engine:
             await self.engine.shutdown(0.0)
@@ -133,6 +136,11 @@ class RunningServer:
         await self.sessions.store.close()
         log.info("stopped")
 
+
+    def _redis_errors(self) -> int:
+        store = self.engine.cache_stats().store
+        stats = store.tiers.get("redis") if store is not None else None
+        return stats.errors if stats is not None else 0
 
     async def _stop_http(self) -> None:
         if self.http_task is None:
@@ -146,6 +154,16 @@ class RunningServer:
         self.http_task = None
 
 
+def _drain_shortfall(budget_s: float, took_s: float, redis_errors: int) -> str:
+    """Why the drain left blocks out of Redis, for its log line: the time ran out, or
+    Redis failed the writes or was not there (long before the time was up)."""
+    if took_s >= 0.9 * budget_s:
+        return f" (not all through within {budget_s:.1f} s)"
+    if redis_errors:
+        return f" (Redis failed {redis_errors} call(s) during the drain: it is down or refusing writes)"
+    return " (Redis did not take them: it is unreachable or its circuit breaker is open)"
+
+
 def bind_http_socket(host: str, port: int) -> socket.socket:
     """The HTTP front's listening socket, bound before the model loads (one clear line
     when it cannot be); ``port`` 0 picks a free one."""
@@ -157,6 +175,23 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
         raise StartupError(f"cannot listen for HTTP on {_bind_address(host, port)}: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock
+
+
+def http_limits_of(config: ServerConfig, context_length: int) -> Any:
+    """The HTTP front's limits (service.http.limits.HttpLimits) from the settings; any
+    JSON array or object other than the messages may hold the context length's items
+    (a token-id prompt), at least 65536."""
+    from kvserve.service.http.limits import HttpLimits
+
+    return HttpLimits(
+        max_body_bytes=config.max_message_size,
+        max_messages=config.max_chat_messages,
+        max_items=max(context_length, 1 << 16),
+        header_timeout_s=config.http_header_timeout,
+        body_timeout_s=config.http_body_timeout,
+        keep_alive_timeout_s=config.http_keep_alive_timeout,
+        max_connections=config.http_max_connections,
+    )
 
 
 def http_ssl_options(config: ServerConfig) -> dict[str, Any]:
@@ -211,8 +246,13 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def build_session_store(config: ServerConfig) -> SessionStore:
     """Redis-backed (with this process as the fallback) when Redis is configured, else
-    in this process's memory; records expire after ``session_ttl``."""
+    in files beside the disk tier's blocks (``--disk-cache-dir``), else in this
+    process's memory; records expire after ``session_ttl``."""
     ttl = config.session_ttl or None
+    if not config.redis_url and config.disk_cache_dir:  # sessions resume after a restart of this machine
+        from kvserve.service.sessions.disk import DiskSessionStore
+
+        return DiskSessionStore(Path(config.disk_cache_dir) / "sessions", ttl_s=ttl, fsync=config.disk_cache_fsync)
     if not config.redis_url:
         return InMemorySessionStore(ttl_s=ttl)
     return FallbackSessionStore(
@@ -340,6 +380,24 @@ async def check_redis(config: ServerConfig) -> None:
     )  # fmt: skip
 
 
+def disk_cache_problem(config: ServerConfig) -> str | None:
+    """None when ``--disk-cache-dir`` is off or usable (created, writable, no other
+    server holding it), else why not (one line)."""
+    if not config.disk_cache_dir:
+        return None
+    from kvserve.cachestore.disk import DiskCacheLocked, hold_dir_lock
+
+    root = Path(config.disk_cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.close(hold_dir_lock(root))
+    except DiskCacheLocked as e:
+        return f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR): {e}; give each server its own directory"
+    except OSError as e:
+        return f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR) {root} cannot be used: {e.strerror or e}"
+    return None
+
+
 async def _build_engine(config: ServerConfig) -> Any:
     from kvserve.service.engine import build_engine
     from kvserve.service.models.config import ModelLoadError
@@ -348,8 +406,12 @@ async def _build_engine(config: ServerConfig) -> Any:
         import torch
 
         torch.set_num_threads(config.torch_threads)
+    from kvserve.cachestore.disk import DiskCacheLocked
+
     try:
         return await build_engine(config.engine_config())
+    except DiskCacheLocked as e:  # taken since disk_cache_problem looked
+        raise StartupError(f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR): {e}; give each server its own directory") from None
     except ModelLoadError as e:
         raise StartupError(
             f"cannot load the model: {e}; --model (KVSERVE_MODEL) takes a Hugging Face model directory "
@@ -387,6 +449,10 @@ async def serve(
     if owns_engine:
         check_device(config)
     check_port(config.host, config.port)
+    if config.metrics_port:
+        _bind(config.host, config.metrics_port, "metrics port", "--metrics-port (KVSERVE_METRICS_PORT)").close()
+    if owns_engine and (problem := disk_cache_problem(config)) is not None:
+        raise StartupError(problem)
     want_http = http_port if http_port is not None else (config.http_port or None)
     http_socket = bind_http_socket(config.host, want_http) if want_http is not None else None
     http_ssl = http_ssl_options(config) if http_socket is not None else {}
@@ -412,7 +478,14 @@ async def serve(
         raise StartupError(f"cannot listen on {bind}; choose another --port (KVSERVE_PORT) or --host (KVSERVE_HOST)")
     running: RunningServer | None = None
     reaper: asyncio.Task | None = None
+    metrics_port: int | None = None
     try:
+        if config.metrics_port:  # served from now on (kvserve_ready is 0 until the model is loaded)
+            try:
+                metrics_port = metrics.serve_http(config.host, config.metrics_port)
+            except OSError as e:
+                raise StartupError(f"metrics port {config.metrics_port} on {config.host}: {e.strerror or e}; choose "
+                                   "another --metrics-port (KVSERVE_METRICS_PORT)") from None  # fmt: skip
         await check_redis(config)
         if engine is None:
             engine = await _build_engine(config)
@@ -434,6 +507,7 @@ async def serve(
         spill.start()
         limits = Limits(
             max_prompt_tokens=config.max_prompt_tokens,
+            max_chat_messages=config.max_chat_messages,
         )
         conversations = Conversations(
             engine,
@@ -443,6 +517,7 @@ async def serve(
             spill=spill,
             limits=limits,
             shared_cache_salts=config.shared_cache_salts,
+            tool_call_parser=config.tool_call_parser,
         )
         admission = Admission(  # one count and one drain for the gRPC and the HTTP front
             max_streams=config.max_streams,
@@ -476,12 +551,12 @@ async def serve(
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.ready.set(1)
-        metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port else None
         http_server = http_task = None
         bound_http: int | None = None
         if http_socket is not None:
             from kvserve.service.http.app import HttpFront, make_uvicorn_server
 
+            http_limits = http_limits_of(config, engine.model_info.context_length)
             front = HttpFront(
                 conversations,
                 admission,
@@ -491,8 +566,11 @@ async def serve(
                 max_body_bytes=config.max_message_size,
                 default_max_new_tokens=default_max_new_tokens,
                 tracing=tracing,
+                limits=http_limits,
             )
-            http_server = make_uvicorn_server(front.app, ssl=http_ssl, log_level=config.log_level)
+            http_server = make_uvicorn_server(
+                front.app, ssl=http_ssl, log_level=config.log_level, limits=http_limits, metrics=metrics
+            )
             bound_http = http_socket.getsockname()[1]
             http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="kvserve-http")
             while not http_server.started and not http_task.done():
@@ -547,6 +625,7 @@ async def serve(
             if owns_engine and engine is not None:
                 await engine.shutdown(0.0)
             await server.stop(None)  # releases the port
+            metrics.stop_http()
         if http_socket is not None:
             http_socket.close()
         if owns_tracing:
@@ -554,25 +633,48 @@ async def serve(
 
 
 async def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT, drain for ``config.drain_timeout``, return 0."""
+    """Serve until SIGTERM/SIGINT, drain for ``config.drain_timeout``, return 0.
+
+    A signal during startup (the model loading) stops it there, before anything is
+    served ("serving ..." is never logged): 128 + the signal's number (130 for Ctrl-C)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    got: list[signal.Signals] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, sig, stop)
-    try:
+        loop.add_signal_handler(sig, _on_signal, sig, stop, got)
+    started = asyncio.Event()
+
+    async def serving() -> None:
         async with serve(config) as running:
+            started.set()
             await stop.wait()
             log.info("shutting down: draining for up to %.1f s", config.drain_timeout)
             await running.shutdown()
+
+    main = asyncio.create_task(serving(), name="kvserve-serve")
+    signalled = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({main, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if main.done() or started.is_set():  # startup failed, or the signal came while serving: the drain ran
+            await main
+            return 0
+        log.info("%s during startup: stopping before serving", got[0].name)
+        main.cancel()
+        try:
+            await main
+        except asyncio.CancelledError:
+            pass
+        return 128 + int(got[0])
     finally:
+        signalled.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    return 0
 
 
-def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+def _on_signal(sig: signal.Signals, stop: asyncio.Event, got: list[signal.Signals]) -> None:
     if stop.is_set():
-        log.info("%s again: already draining", sig.name)
+        log.info("%s again: already stopping", sig.name)
     else:
         log.info("received %s", sig.name)
+        got.append(sig)
     stop.set()

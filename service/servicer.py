@@ -35,7 +35,7 @@ from kvserve.service.conversations import Conversations
 from kvserve.service.metrics import ServiceMetrics
 from kvserve.service.sessions import InvalidSessionId, SessionRecord
 from kvserve.service.tracing import Tracing
-from kvserve.service.types import Delta, Finished, Started
+from kvserve.service.types import Delta, Finished, Started, ToolCallDelta
 from kvserve.service.wire import SERVICE_NAME, InvalidMessage, RpcStatus
 
 if TYPE_CHECKING:
@@ -119,6 +119,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         yield pb.GenerateResponse(start=wire.start_event(event, inp.session_id))
                     elif isinstance(event, Delta):
                         yield pb.GenerateResponse(delta=wire.delta_event(event))
+                    elif isinstance(event, ToolCallDelta):
+                        yield pb.GenerateResponse(delta=wire.tool_call_event(event))
                     elif isinstance(event, Finished):
                         status = wire.finish_status(event, request_id, self.admission.draining)
                         if status is not None:

@@ -42,6 +42,12 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token
 MAX_N = 16  # sequences one request may ask for (SamplingParams.n)
 MAX_RESPONSE_FORMAT_CHARS = 32768  # a response_format's JSON schema or regex
 RESPONSE_FORMAT_KINDS = ("json_schema", "json_object", "regex")
+# "lark": a full llguidance lark grammar, built by the server itself (service/tools/grammar.py:
+# tool_choice required or a named function); no front accepts it from a client
+INTERNAL_FORMAT_KINDS = ("lark",)
+MAX_TOOL_GRAMMAR_CHARS = 1 << 20  # a tool-call grammar (every tool's schema in it)
+MAX_TOOLS = 128  # tool definitions in one request
+MAX_TOOL_CALLS = 64  # tool calls in one assistant message
 
 # Sampling values beyond these overflow float32 logits (x / 1e-45 = inf -> NaN probabilities).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
@@ -52,6 +58,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, stop token id or stop string
     LENGTH = "length"  # max_new_tokens or the context limit
     CANCELLED = "cancelled"  # client cancelled, disconnected or its deadline passed
+    TOOL_CALLS = "tool_calls"  # the output called tools (service/tools: set on the way out, after the commit)
     ERROR = "error"  # internal error; the message is in Finished.error
 
 
@@ -73,13 +80,14 @@ class ResponseFormat:
     spec: str = ""
 
     def validate(self) -> None:
-        if self.kind not in RESPONSE_FORMAT_KINDS:
+        if self.kind not in RESPONSE_FORMAT_KINDS + INTERNAL_FORMAT_KINDS:
             raise InvalidRequest(
                 f"response_format kind {self.kind!r} is unknown; use one of {', '.join(RESPONSE_FORMAT_KINDS)}"
             )
-        if len(self.spec) > MAX_RESPONSE_FORMAT_CHARS:
+        limit = MAX_TOOL_GRAMMAR_CHARS if self.kind in INTERNAL_FORMAT_KINDS else MAX_RESPONSE_FORMAT_CHARS
+        if len(self.spec) > limit:
             raise InvalidRequest(
-                f"response_format {self.kind} has {len(self.spec)} characters; the limit is {MAX_RESPONSE_FORMAT_CHARS}"
+                f"response_format {self.kind} has {len(self.spec)} characters; the limit is {limit}"
             )
         if self.kind == "json_object" and self.spec:
             raise InvalidRequest("response_format json_object takes no schema (use json_schema)")
@@ -285,15 +293,77 @@ class Finished:
     error: str = ""
     rejected: bool = False  # with ERROR: the request's own fault (INVALID_ARGUMENT with ``error``), not the server's
     index: int = 0  # which of the request's n sequences (a request ends after n of these)
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls parsed from the output (text: the rest)
 
 
-Event = Started | Delta | Finished
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call of an assistant message: ``arguments`` is JSON text (OpenAI's
+    ``function.arguments``), as the model wrote it or the client sent it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of a tool call while it streams (service/tools/stream.py): the first one
+    of call ``call_index`` carries its ``id`` and ``name`` (``arguments`` may be empty),
+    the next ones only argument text; joined they are the call's ``arguments``."""
+
+    call_index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+    index: int = 0  # which of the request's n sequences
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A function the model may call: ``parameters`` is its JSON schema as JSON text
+    (``{}`` when the client gave none); ``strict`` is the client's flag (arguments of
+    required and named calls are constrained by the schema either way)."""
+
+    name: str
+    description: str = ""
+    parameters: str = "{}"
+    strict: bool = False
+
+
+TOOL_CHOICE_KINDS = ("none", "auto", "required", "function")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """OpenAI's tool_choice: none (no call is parsed), auto (the model decides),
+    required (at least one call, by grammar) or function (a call of ``name``, by grammar)."""
+
+    kind: str = "auto"
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One chat message. ``tool_calls``: an assistant message's calls; ``tool_call_id``
+    (and the function's ``name``): a ``tool`` message's result of one call."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+    def text_bytes(self) -> int:
+        """UTF-8 bytes of the text it carries (content and call arguments)."""
+        n = len(self.content.encode("utf-8", "surrogatepass"))
+        for c in self.tool_calls:
+            n += len(c.name.encode("utf-8", "surrogatepass")) + len(c.arguments.encode("utf-8", "surrogatepass"))
+        return n
+
+
+Event = Started | Delta | ToolCallDelta | Finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +384,9 @@ class TurnInput:
     cache_salt: str = ""
     mode: TurnMode = TurnMode.APPEND  # with session_id
     expected_turns: int | None = None  # with session_id: the turn runs only if the session has this many
+    tools: tuple[ToolSpec, ...] = ()  # chat: functions the model may call (service/tools)
+    tool_choice: ToolChoice | None = None  # None: auto with tools, none without
+    parallel_tool_calls: bool = True  # False: at most one call per reply
 
     @property
     def kind(self) -> str | None:

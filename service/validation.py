@@ -42,6 +42,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    max_chat_messages: int = 0  # messages in one request (the HTTP front also stops its parse there)
 
 
 # The integer sampling fields that become tensors or seed a generator. Both fronts share
@@ -153,13 +154,32 @@ def check_salt(salt: str, limits: Limits) -> None:
 
 def check_input_text(inp: TurnInput) -> None:
     """Every text of a turn's input is valid Unicode (``check_text``): the text, each chat
-    message's role and content, the session id."""
+    message's role, content and tool-call fields, the tools' definitions, the session id."""
     if inp.text is not None:
         check_text(inp.text, "text")
     for i, m in enumerate(inp.messages or ()):
         check_text(m.role, f"chat.messages[{i}].role")
         check_text(m.content, f"chat.messages[{i}].content")
+        check_text(m.tool_call_id, f"chat.messages[{i}].tool_call_id")
+        check_text(m.name, f"chat.messages[{i}].name")
+        for j, c in enumerate(m.tool_calls):
+            for field in ("id", "name", "arguments"):
+                check_text(getattr(c, field), f"chat.messages[{i}].tool_calls[{j}].{field}")
+    for i, t in enumerate(inp.tools):
+        for field in ("name", "description", "parameters"):
+            check_text(getattr(t, field), f"tools[{i}].{field}")
     check_text(inp.session_id, "session_id")
+
+
+def check_message_count(inp: TurnInput, limits: Limits) -> None:
+    """A chat input holds at most ``limits.max_chat_messages`` messages: checked first, so a
+    huge list is refused before any of it is read, checked or tokenized."""
+    n = len(inp.messages) if inp.messages is not None else 0
+    if limits.max_chat_messages and n > limits.max_chat_messages:
+        raise InvalidRequest(
+            f"messages: {n} messages, more than the {limits.max_chat_messages} one request may hold "
+            f"(--max-chat-messages)"
+        )
 
 
 def check_turn_options(inp: TurnInput) -> None:

@@ -73,6 +73,10 @@ from kvserve.service.types import (
     SamplingParams,
     Started,
     Tier,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolSpec,
     TurnInput,
     TurnMode,
 )
@@ -85,12 +89,20 @@ TIER_TO_PB: Mapping[Tier | None, int] = {
     None: pb.CACHE_TIER_NONE,
     Tier.DEVICE: pb.CACHE_TIER_DEVICE,
     Tier.HOST: pb.CACHE_TIER_HOST,
+    Tier.DISK: pb.CACHE_TIER_DISK,
     Tier.REDIS: pb.CACHE_TIER_REDIS,
 }
 FINISH_TO_PB: Mapping[FinishReason, int] = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
+}
+TOOL_CHOICE_FROM_PB: Mapping[int, str] = {
+    pb.TOOL_CHOICE_MODE_NONE: "none",
+    pb.TOOL_CHOICE_MODE_AUTO: "auto",
+    pb.TOOL_CHOICE_MODE_REQUIRED: "required",
+    pb.TOOL_CHOICE_MODE_FUNCTION: "function",
 }
 TURN_MODE_FROM_PB: Mapping[int, TurnMode] = {
     pb.TURN_MODE_UNSPECIFIED: TurnMode.APPEND,
@@ -255,7 +267,7 @@ def turn_input(request: pb.GenerateRequest, default_max_new_tokens: int) -> Turn
     has_sampling = request.HasField("sampling")
     return TurnInput(
         text=request.text if kind == "text" else None,
-        messages=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages) if kind == "chat" else None,
+        messages=tuple(chat_message(m) for m in request.chat.messages) if kind == "chat" else None,
         token_ids=tuple(request.tokens.ids) if kind == "tokens" else None,
         sampling=sampling(request.sampling, default_max_new_tokens) if has_sampling else SamplingParams(
             max_new_tokens=default_max_new_tokens
@@ -268,7 +280,30 @@ def turn_input(request: pb.GenerateRequest, default_max_new_tokens: int) -> Turn
         cache_salt=request.cache_salt,
         mode=turn_mode(request.turn_mode),
         expected_turns=request.expected_turns if request.HasField("expected_turns") else None,
+        tools=tuple(ToolSpec(t.name, t.description, t.parameters or "{}", t.strict) for t in request.tools),
+        tool_choice=tool_choice(request.tool_choice) if request.HasField("tool_choice") else None,
+        parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
     )
+
+
+def chat_message(m: pb.ChatMessage) -> ChatMessage:
+    return ChatMessage(
+        m.role, m.content, tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls), m.tool_call_id, m.name
+    )
+
+
+def tool_choice(c: pb.ToolChoice) -> ToolChoice | None:
+    """The domain tool_choice (None: unspecified); InvalidRequest for a mode this server does not know."""
+    if c.mode == pb.TOOL_CHOICE_MODE_UNSPECIFIED:
+        if c.function_name:
+            raise InvalidRequest("tool_choice.function_name needs mode TOOL_CHOICE_MODE_FUNCTION")
+        return None
+    kind = TOOL_CHOICE_FROM_PB.get(c.mode)
+    if kind is None:
+        raise InvalidRequest(f"tool_choice.mode {c.mode} is not a known ToolChoiceMode")
+    if kind == "function" and not c.function_name:
+        raise InvalidRequest("tool_choice mode TOOL_CHOICE_MODE_FUNCTION needs function_name")
+    return ToolChoice(kind, c.function_name if kind == "function" else "")
 
 
 def turn_mode(value: int) -> TurnMode:
@@ -296,7 +331,8 @@ def timestamp(unix_s: float) -> Timestamp:
 
 def tier_counts(counts: Mapping[Tier, int]) -> pb.TierCounts:
     return pb.TierCounts(
-        device=counts.get(Tier.DEVICE, 0), host=counts.get(Tier.HOST, 0), redis=counts.get(Tier.REDIS, 0)
+        device=counts.get(Tier.DEVICE, 0), host=counts.get(Tier.HOST, 0), redis=counts.get(Tier.REDIS, 0),
+        disk=counts.get(Tier.DISK, 0),
     )
 
 
@@ -326,9 +362,18 @@ def delta_event(ev: Delta) -> pb.DeltaEvent:
     )
 
 
+def tool_call_event(ev: ToolCallDelta) -> pb.DeltaEvent:
+    """A piece of a tool call: a DeltaEvent with no text and no tokens."""
+    return pb.DeltaEvent(
+        index=ev.index,
+        tool_calls=[pb.ToolCallDelta(call_index=ev.call_index, id=ev.id, name=ev.name, arguments=ev.arguments)],
+    )
+
+
 def final_event(ev: Finished) -> pb.FinalEvent:
     t = ev.timings
     return pb.FinalEvent(
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in ev.tool_calls],
         index=ev.index,
         finish_reason=FINISH_TO_PB[ev.finish_reason],
         usage=pb.Usage(

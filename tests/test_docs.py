@@ -74,7 +74,7 @@ EXTERNAL_FLAGS = {
         "--cluster-replicas",
         "--cluster-enabled",
     },
-    "pip / pytest / npm": {"--no-binary", "--no-deps", "--quiet"},
+    "pip / pytest / npm": {"--no-binary", "--no-deps", "--quiet", "--index-url"},
 }
 
 

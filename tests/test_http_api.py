@@ -169,7 +169,7 @@ def test_a_client_that_goes_away_before_a_whole_response_stops_its_turn(model, s
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, None),
         ({"logit_bias": {"5": 101}}, None),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),  # the legacy form: use tools (tests/test_tools_http.py)
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"no_such_field": 1}, "no_such_field"),

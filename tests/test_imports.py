@@ -25,6 +25,12 @@ def test_domain_types_import_without_torch():
     assert out.returncode == 0, out.stderr
 
 
+def test_tool_calling_imports_without_torch_or_grpc():
+    """service/tools is pure Python (the Responses API and tests reuse it without the engine)."""
+    out = _runs_without_torch("sys.modules['grpc'] = None\nimport kvserve.service.tools as t; assert t.FAMILIES")
+    assert out.returncode == 0, out.stderr
+
+
 def test_clients_and_their_stubs_import_without_torch_or_the_server():
     code = (
         "import kvserve.clients, kvserve.clients.chat\n"

@@ -316,3 +316,18 @@ def test_bad_requests_beside_streams_in_flight_fail_alone(server, stub):
     assert http_victim.finish == "length" and http_victim.usage["completion_tokens"] == VICTIM_TOKENS
     assert engine.loop_error is None  # no engine step failed
     assert wait_until(lambda: engine.stats().running == 0)
+
+
+def test_grpc_chat_past_the_message_limit_is_refused_before_it_is_read(server, stub):
+    """--max-chat-messages holds on gRPC too (the HTTP front stops its parse there): a
+    longer list is INVALID_ARGUMENT naming the limit, checked before any message is."""
+    many = [pb.ChatMessage(role="user", content="") for _ in range(2049)]
+    many[-1] = pb.ChatMessage(role="nobody", content=SURROGATE.encode("utf-8", "surrogatepass").decode("utf-8", "replace"))
+    req = pb.GenerateRequest(chat=pb.ChatMessages(messages=many), sampling=pb.SamplingParams(max_new_tokens=1))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "messages: 2049 messages, more than the 2048 one request may hold (--max-chat-messages)"
+    ok = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")] * 3),
+                            sampling=pb.SamplingParams(max_new_tokens=1))  # fmt: skip
+    assert any(r.WhichOneof("event") == "final" for r in stub.Generate(ok, timeout=60))

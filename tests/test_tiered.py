@@ -418,7 +418,7 @@ def test_close_drains_then_refuses(make_store: Any) -> None:
 def test_bad_arguments(make_store: Any) -> None:
     store = make_store()
     with pytest.raises(ValueError):
-        store.put(NS, HASHES[0], value(0), ["disk"])
+        store.put(NS, HASHES[0], value(0), ["tape"])
     with pytest.raises(TypeError):
         store.put(NS, HASHES[0], value(0), "host")
     with pytest.raises(ValueError):

@@ -9,6 +9,7 @@
 //   npm install
 //   node index.js --address localhost:50051 [--session ID] [--max-new-tokens N]
 //                 [--message TEXT]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]
+//                 [--tools JSON [--tool-choice auto|required|none|NAME]]
 //
 // Each --message is one turn (default: two built-in turns), or a session operation:
 //   --message /regenerate     the last answer again (temperature 1.0), replacing it (Generate, TURN_MODE_REGENERATE)
@@ -19,6 +20,11 @@
 // to the model as a turn); start it with "//" to send a message that begins with "/".
 // --json-schema / --regex constrain every reply (SamplingParams.response_format): the
 // reply is JSON valid against the schema, or text the whole of which matches the pattern.
+// --tools JSON (OpenAI's tools list) offers functions to the model, --tool-choice
+// auto|required|none|NAME says how it calls them; each call prints one line
+//   [turn 1] tool_call get_weather {"city": "Paris"} (id call_...)
+// and after a reply that called tools the next --message is every call's result (a "tool"
+// message per call, the text as its content) instead of a user message: a tool loop.
 // Output, per turn:
 //   [turn 1] user: Hello! ...
 //   [turn 1] assistant: <streamed text>
@@ -69,6 +75,8 @@ function parseOptions(argv) {
       timeout: { type: 'string', default: '60' },
       'json-schema': { type: 'string' },
       regex: { type: 'string' },
+      tools: { type: 'string' },
+      'tool-choice': { type: 'string' },
       help: { type: 'boolean', short: 'h', default: false },
     },
   });
@@ -84,7 +92,32 @@ function parseOptions(argv) {
   if (values['json-schema'] !== undefined) responseFormat = { json_schema: values['json-schema'] };
   if (values.regex !== undefined) responseFormat = { regex: values.regex };
   const messages = (values.message && values.message.length ? values.message : DEFAULT_MESSAGES).map(parseMessage);
+  let tools = null;
+  if (values.tools !== undefined) {
+    let list;
+    try {
+      list = JSON.parse(values.tools);
+    } catch (err) {
+      throw new Error(`--tools is not JSON: ${err.message}`);
+    }
+    if (!Array.isArray(list)) throw new Error('--tools must be a JSON list of tools');
+    tools = list.map((t) => {
+      const fn = t.function || t;
+      return { name: fn.name, description: fn.description || '', parameters: fn.parameters ? JSON.stringify(fn.parameters) : '' };
+    });
+  }
+  let toolChoice = null;
+  const choice = values['tool-choice'];
+  if (choice !== undefined) {
+    if (!tools) throw new Error('--tool-choice needs --tools');
+    toolChoice = ['auto', 'required', 'none'].includes(choice)
+      ? { mode: `TOOL_CHOICE_MODE_${choice.toUpperCase()}` }
+      : { mode: 'TOOL_CHOICE_MODE_FUNCTION', function_name: choice };
+  }
   return {
+    tools,
+    toolChoice,
+    pendingCalls: [], // the last reply's tool calls: the next message answers them
     help: values.help,
     address: values.address,
     session: values.session || `node-${crypto.randomBytes(6).toString('hex')}`,
@@ -146,8 +179,13 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     turn_mode: `TURN_MODE_${mode.toUpperCase()}`,
   };
   if (opts.responseFormat) request.sampling.response_format = opts.responseFormat;
+  if (opts.tools) request.tools = opts.tools;
+  if (opts.toolChoice) request.tool_choice = opts.toolChoice;
   if (mode === 'regenerate') {
     request.sampling.temperature = 1.0;
+  } else if (opts.pendingCalls.length && mode === 'append') {
+    // the previous reply called tools: this message is their result
+    request.chat = { messages: opts.pendingCalls.map((c) => ({ role: 'tool', tool_call_id: c.id, name: c.name, content: message })) };
   } else {
     request.chat = { messages: [{ role: 'user', content: message }] };
   }
@@ -166,6 +204,10 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     }
   }
   process.stdout.write('\n');
+  if (final) {
+    opts.pendingCalls = final.tool_calls || [];
+    for (const c of opts.pendingCalls) process.stdout.write(`[turn ${turn}] tool_call ${c.name} ${c.arguments} (id ${c.id})\n`);
+  }
   if (!start || !final) throw new Error('stream ended without its start or final event');
   const t = final.timings;
   const figures = {
@@ -234,7 +276,7 @@ async function main(argv) {
     return 2;
   }
   if (opts.help) {
-    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]\n' +
+    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN] [--tools JSON [--tool-choice auto|required|none|NAME]]\n' +
         '(a --message starting with / other than these is a usage error; start it with // to send a message that begins with /)\n');
     return 0;
   }

@@ -27,6 +27,9 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests before QueueFull
     # --- cache store (issue 4) ---
     host_cache_memory: int = 0  # bytes of host-memory tier; 0 = off
+    disk_cache_dir: str | None = None  # directory of the disk tier (cachestore/disk.py); None = off
+    disk_cache_size: int = 10 << 30
+    disk_cache_fsync: bool = False
     redis_url: str | None = None
     redis_cluster: bool = False
     redis_ttl_s: float = 24 * 3600.0
@@ -35,7 +38,7 @@ class EngineConfig:
     redis_compression: str = "none"  # none | zstd | lz4
     spill_after_s: float = 30.0  # idle seconds before a session's blocks are written out
     stream_interval_s: float = 0.02  # least time between two deltas of one stream (AsyncEngine.generate)
-    spill_to: tuple[Tier, ...] = (Tier.HOST, Tier.REDIS)
+    spill_to: tuple[Tier, ...] = (Tier.HOST, Tier.DISK, Tier.REDIS)
     # "auto": restore a tier's blocks only when the measured rates say it beats
     # recomputing them (by restore_min_speedup); "always": restore every hit.
     restore_policy: str = "auto"

@@ -1,4 +1,5 @@
-"""Structured output: a ``ResponseFormat`` (JSON schema, any JSON object, or a regex)
+"""Structured output: a ``ResponseFormat`` (JSON schema, any JSON object, a regex, or the
+lark grammar of a required or named tool call that service/tools builds)
 compiled by llguidance into a matcher that gives, at every step, the bitmask of the
 tokens that keep the output inside the grammar (computed on CPU).
 
@@ -106,6 +107,8 @@ class GrammarCompiler:
 
         if fmt.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(fmt.spec)
+        if fmt.kind == "lark":  # the server's own (service/tools: a required or named tool call)
+            return llguidance.LLMatcher.grammar_from_lark(fmt.spec)
         if fmt.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
         try:
@@ -140,13 +143,14 @@ class GrammarCompiler:
         grammar = self._grammar(fmt)
         limits = llguidance.LLParserLimits(verbose_errors=False)
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0, limits=limits)
+        what = "tools (the grammar of a required or named call)" if fmt.kind == "lark" else f"response_format {fmt.kind}"
         if matcher.is_error():
-            raise InvalidRequest(f"response_format {fmt.kind} cannot be used: {matcher_error(matcher)}")
+            raise InvalidRequest(f"{what} cannot be used: {matcher_error(matcher)}")
         probe = matcher.deep_copy()  # the first step's mask: a grammar that matches no string fails here
         probe.compute_bitmask()  # on this (worker) thread, not through the engine's executor
         if probe.is_error():
             raise InvalidRequest(
-                f"response_format {fmt.kind} matches no output (the grammar cannot start): {matcher_error(probe)}"
+                f"{what} matches no output (the grammar cannot start): {matcher_error(probe)}"
             )
         self.num_compiled += 1
         with self._lock:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.cachestore.base import BlockTier
 from kvserve.cachestore.codec import STORAGE_FORMATS
+from kvserve.cachestore.disk import DiskTier
 from kvserve.cachestore.host import HostTier
 from kvserve.cachestore.redis import RedisTier
 from kvserve.cachestore.tiered import TieredStore
@@ -17,12 +18,14 @@ if TYPE_CHECKING:
 
 def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
     """The tiers below the device, fastest first: host memory (``--host-cache-memory``),
-    then Redis (``--redis-url``), each holding blocks of the model's KV cache spec (the
+    files (``--disk-cache-dir``), then Redis (``--redis-url``), each holding blocks of the model's KV cache spec (the
     pool's geometry, from one place). None when neither is configured."""
     spec = loaded.kv_spec(cfg.block_size)
     tiers: list[BlockTier] = []
     if cfg.host_cache_memory:
         tiers.append(HostTier(cfg.host_cache_memory, spec.block_shape, spec.dtype, pin_memory=loaded.device.type == "cuda"))
+    if cfg.disk_cache_dir:  # DiskCacheLocked when another server holds the directory
+        tiers.append(DiskTier(cfg.disk_cache_dir, cfg.disk_cache_size, spec.block_shape, spec.dtype, fsync=cfg.disk_cache_fsync))
     if cfg.redis_url:
         tiers.append(
             RedisTier(

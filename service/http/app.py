@@ -40,9 +40,10 @@ from starlette.routing import Route
 
 from kvserve.service import wire
 from kvserve.service.http import openai as oa
+from kvserve.service.http.limits import BodyReader, HttpLimits, front_protocol, status_label
 from kvserve.service.http.responses import ResponsesRoutes
 from kvserve.service.tracing import Tracing
-from kvserve.service.types import Delta, Finished, Started, TurnInput
+from kvserve.service.types import Delta, Finished, Started, ToolCallDelta, TurnInput
 
 if TYPE_CHECKING:
     from kvserve.service.admission import Admission, Ticket
@@ -69,6 +70,7 @@ class HttpFront:
         max_body_bytes: int,
         default_max_new_tokens: int,
         tracing: Tracing | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.conversations = conversations
         self.admission = admission
@@ -78,6 +80,7 @@ class HttpFront:
         self.authenticator = authenticator
         self.model_id = model_id
         self.max_body_bytes = max_body_bytes
+        self.bodies = BodyReader(dataclasses.replace(limits or HttpLimits(), max_body_bytes=max_body_bytes))
         self.created = int(time.time())
         self.responses = ResponsesRoutes(self)  # /v1/responses (service.http.responses)
         self.app = Starlette(
@@ -117,25 +120,11 @@ class HttpFront:
         return self.authenticator.authenticate([("authorization", request.headers.get("authorization", ""))])
 
     def _count(self, method: str, status: int) -> None:
-        code = next((c for c, (h, _) in oa.HTTP_OF_CODE.items() if h == status), None)
-        name = "OK" if status < 400 else "CANCELLED" if status == 499 else (code.name if code is not None else str(status))
-        self.metrics.requests.labels(f"http:{method}", name).inc()
+        self.metrics.requests.labels(f"http:{method}", status_label(status, oa.HTTP_OF_CODE)).inc()
 
     async def _body(self, request: Request) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise oa.HttpError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes "
-                               "(max_message_size)", code="request_too_large")  # fmt: skip
-        data = b""
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > self.max_body_bytes:
-                raise oa.HttpError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes "
-                                   "(max_message_size)", code="request_too_large")  # fmt: skip
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError) as e:
-            raise oa.HttpError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+        """The request's JSON, read and parsed within the front's limits (service.http.limits)."""
+        return await self.bodies.parse(await self.bodies.read(request))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -336,7 +325,7 @@ class _Ctx:
         for fin in ends:
             logprobs = self._logprobs(lps.get(fin.index))
             if self.chat:
-                message = {"role": "assistant", "content": fin.text, "refusal": None}
+                message = {**oa.chat_message(fin), "refusal": None}
                 choices.append({"index": fin.index, "message": message, "finish_reason": oa.finish_reason(fin),
                                 "logprobs": logprobs})  # fmt: skip
             else:
@@ -374,6 +363,8 @@ class _Ctx:
                     if ev.text or (self.logprobs and ev.logprobs):
                         lp = self._logprobs(ev.logprobs)
                         yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index, lp))
+                elif isinstance(ev, ToolCallDelta):  # a piece of a tool call (service/tools)
+                    yield data(self._chunk(oa.tool_call_delta(ev), None, ev.index))
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
@@ -422,17 +413,23 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def make_uvicorn_server(app: Any, *, ssl: dict[str, Any], log_level: str) -> Any:
+def make_uvicorn_server(app: Any, *, ssl: dict[str, Any], log_level: str, limits: HttpLimits | None = None,
+                        metrics: ServiceMetrics | None = None) -> Any:  # fmt: skip
     """A uvicorn Server for ``app`` that leaves signals to kvserve (it runs inside
-    kvserve's event loop; ``run`` handles SIGTERM and drains both fronts)."""
+    kvserve's event loop; ``run`` handles SIGTERM and drains both fronts), with the
+    front's connection limit and read deadlines (``limits.front_protocol``)."""
     import uvicorn
+
+    limits = limits or HttpLimits()
 
     class _Server(uvicorn.Server):
         def capture_signals(self) -> Any:  # kvserve owns the signals
             return _nothing()
 
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=2, **ssl
+        app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+        http=front_protocol(limits, metrics), timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+        **ssl,
     )  # fmt: skip
     return _Server(config)
 

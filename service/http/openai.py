@@ -30,11 +30,16 @@ response_format (chat)                     text: free text; json_object and
                                            response_format of SamplingParams
 logprobs + top_logprobs (chat),            logprobs (top_logprobs, or 0): OpenAI's
 logprobs (completions)                     shapes (chat_logprobs, completion_logprobs)
-tools, functions, echo, suffix,            refused (400 unsupported_parameter) unless
+tools, tool_choice, parallel_tool_calls    tools, tool_choice (none, auto, required, a
+                                           named function), parallel_tool_calls
+                                           (service/tools; docs/api.md, Tools)
+messages: tool_calls, role tool            assistant tool_calls, tool results
+                                           (tool_call_id, name)
+functions, function_call, echo, suffix,    refused (400 unsupported_parameter) unless
 reasoning_effort, verbosity, audio, ...    null / empty
 user, metadata, store, service_tier,       accepted; they change nothing
-parallel_tool_calls, prompt_cache_key,
-safety_identifier, stream_options
+prompt_cache_key, safety_identifier,
+stream_options
 =========================================  ==========================================
 
 Messages take what an SDK's own response message dumps (refusal, tool_calls,
@@ -67,6 +72,10 @@ from kvserve.service.types import (
     SamplingParams,
     Started,
     Tier,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolSpec,
     TokenLogprob,
     TurnInput,
 )
@@ -410,6 +419,33 @@ def _is_empty(value: Any) -> bool:
     return value is None or value == [] or value == ""
 
 
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise HttpError(400, f"{where} must be a string", param=where)
+    return value
+
+
+def _tool_calls(value: Any, i: int) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``."""
+    where = f"messages[{i}].tool_calls"
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise HttpError(400, f"{where} must be a list", param=where)
+    out = []
+    for j, c in enumerate(value):
+        w = f"{where}[{j}]"
+        if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
+            raise HttpError(400, f'{w} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=w)
+        fn = c["function"]
+        args = fn.get("arguments", "{}")
+        if isinstance(args, (dict, list)):  # some clients send the object itself
+            args = json.dumps(args, ensure_ascii=False)
+        out.append(ToolCall(_string(c.get("id", ""), f"{w}.id"), _string(fn.get("name"), f"{w}.function.name"),
+                            _string(args, f"{w}.function.arguments")))  # fmt: skip
+    return tuple(out)
+
+
 def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     """The messages. What an SDK's own response message carries back unset (``refusal:
     null``, ``tool_calls: []``, ``function_call: null``, ``audio: null``,
@@ -422,17 +458,71 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HttpError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
         for key in m:
-            if key in _EMPTY_MESSAGE_FIELDS and (_is_empty(m[key]) or (key == "refusal" and isinstance(m[key], str))):
+            if key in _EMPTY_MESSAGE_FIELDS and key != "tool_calls" and (
+                _is_empty(m[key]) or (key == "refusal" and isinstance(m[key], str))
+            ):
                 continue
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise unsupported(f"messages[{i}].{key}")
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise HttpError(400, f"messages[{i}].name must be a string", param=f"messages[{i}].name")
+        role = m["role"]
+        calls = _tool_calls(m.get("tool_calls"), i)
+        if calls and role != "assistant":
+            raise HttpError(400, f"messages[{i}].tool_calls: only assistant messages make calls", param=f"messages[{i}].tool_calls")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise HttpError(400, f"messages[{i}]: a tool message needs tool_call_id (a string)",
+                            param=f"messages[{i}].tool_call_id")  # fmt: skip
         content = _content(m.get("content"), f"messages[{i}].content")
         if not content and isinstance(m.get("refusal"), str):
             content = m["refusal"]
-        out.append(ChatMessage(m["role"], content))
+        out.append(ChatMessage(role, content, calls, m.get("tool_call_id") or "",
+                               (m.get("name") or "") if role == "tool" else ""))  # fmt: skip
     return tuple(out)
+
+
+def chat_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice | None, bool]:
+    """``tools`` ([{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}]), ``tool_choice`` and ``parallel_tool_calls``; names, schemas and their
+    combination are checked by ``service.tools.check_tools``."""
+    raw = body.get("tools")
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise HttpError(400, "tools must be a list", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise HttpError(400, f'{w} must be {{"type": "function", "function": {{"name", "parameters", ...}}}}', param=w)
+        fn = t["function"]
+        if set(fn) - {"name", "description", "parameters", "strict"}:
+            raise unsupported(f"{w}.function", "takes name, description, parameters and strict")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise HttpError(400, f"{w}.function.parameters must be a JSON schema object", param=f"{w}.function.parameters")
+        strict = fn.get("strict") or False
+        if not isinstance(strict, bool):
+            raise HttpError(400, f"{w}.function.strict must be a boolean", param=f"{w}.function.strict")
+        tools.append(ToolSpec(_string(fn.get("name"), f"{w}.function.name"),
+                              _string(fn.get("description") or "", f"{w}.function.description"),
+                              json.dumps(params) if params is not None else "{}", strict))  # fmt: skip
+    choice = body.get("tool_choice")
+    tc: ToolChoice | None
+    if choice is None:
+        tc = None
+    elif choice in ("none", "auto", "required"):
+        tc = ToolChoice(choice)
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice  # Responses: {"type", "name"}
+        tc = ToolChoice("function", _string(fn.get("name"), "tool_choice.function.name"))
+    else:
+        raise HttpError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                        '{"name": ...}}', param="tool_choice")  # fmt: skip
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise HttpError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls", code="invalid_type")
+    return tuple(tools), tc, parallel is not False
 
 
 def response_format(fmt: Any) -> ResponseFormat | None:
@@ -468,11 +558,10 @@ def check_null_only(body: Mapping[str, Any], names: tuple[str, ...] = _NULL_ONLY
 def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     """A /v1/chat/completions body as a domain request (the whole history as messages)."""
     _check_common(body, CHAT_FIELDS, "/v1/chat/completions")
-    for name in ("tools", "functions", "tool_choice", "function_call"):
+    for name in ("functions", "function_call"):
         if body.get(name) not in (None, [], "none"):
-            raise unsupported(name)
-    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
-        raise HttpError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls", code="invalid_type")
+            raise unsupported(name, "kvserve does not support it (use tools and tool_choice)")
+    tools, tool_choice, parallel = chat_tools(body)
     check_null_only(body)
     if body.get("modalities") not in (None, ["text"]):
         raise unsupported("modalities", "only [\"text\"] is supported")
@@ -481,7 +570,8 @@ def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     fmt = response_format(body.get("response_format"))
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
-    inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
+    inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body),
+                    tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)  # fmt: skip
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None or \
         body.get("max_tokens") is None else "max_tokens"  # fmt: skip
     return ParsedRequest(body.get("model"), inp, stream, include_usage, chat_names(max_name))
@@ -552,7 +642,32 @@ def completion_logprobs(
 
 
 def finish_reason(ev: Finished) -> str:
+    if ev.finish_reason == FinishReason.TOOL_CALLS:
+        return "tool_calls"
     return "length" if ev.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def chat_message(fin: Finished) -> dict[str, Any]:
+    """The assistant message of a choice: content (null when the reply is only calls)
+    and ``tool_calls`` when it made any."""
+    if not fin.tool_calls:
+        return {"role": "assistant", "content": fin.text}
+    return {
+        "role": "assistant",
+        "content": fin.text or None,
+        "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                       for c in fin.tool_calls],
+    }  # fmt: skip
+
+
+def tool_call_delta(d: ToolCallDelta) -> dict[str, Any]:
+    """A streamed chunk's ``delta`` for a piece of a call, as OpenAI streams them: the
+    first with index, id, type and name (arguments ""), then index and argument text."""
+    if d.name:
+        call = {"index": d.call_index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
+    else:
+        call = {"index": d.call_index, "function": {"arguments": d.arguments}}
+    return {"tool_calls": [call]}
 
 
 def usage(start: Started | None, fin: Finished, completion_tokens: int | None = None) -> dict[str, Any]:

@@ -49,6 +49,9 @@ BUILTIN_CHAT_TEMPLATE = (
 _REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 _PLACEHOLDER_USER = "kvserve placeholder user message"
 _PLACEHOLDER_ASSISTANT = "kvserve placeholder assistant message"
+# Tool-call markers (service/tools/): kept in decoded text even where the vocabulary makes
+# them special tokens (which decoding skips), so that the tool-call parser sees them.
+TOOL_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>")
 
 
 class ChatTemplateError(ValueError):
@@ -97,6 +100,9 @@ class _SentencePieceBackend:
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))  # control tokens (bos/eos) decode to ""
 
+    def is_special(self, i: int) -> bool:
+        return self.sp.is_control(i) or self.sp.is_unknown(i)
+
 
 def _without_dummy_prefix(proto: bytes) -> bytes:
     from sentencepiece import sentencepiece_model_pb2
@@ -140,6 +146,10 @@ class _HFBackend:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
+    def is_special(self, i: int) -> bool:
+        added = self.tok.get_added_tokens_decoder().get(i)
+        return bool(added is not None and added.special)
+
 
 def _token_str(value: Any) -> str | None:
     """tokenizer_config stores tokens as a string or as {"content": ...}."""
@@ -177,6 +187,11 @@ class Tokenizer:
         self._add_bos = add_bos and (self.bos_token_id is not None or isinstance(backend, _HFBackend))
         self.chat_template = chat_template
         self._template = _compile_template(chat_template or BUILTIN_CHAT_TEMPLATE)
+        # special tokens that are tool-call markers: decoded as their text (TOOL_MARKERS)
+        is_special = getattr(backend, "is_special", lambda i: False)
+        self.kept_markers: dict[int, str] = {
+            i: m for m in TOOL_MARKERS if (i := backend.token_to_id(m)) is not None and is_special(i)
+        }
 
     # ---- construction ---------------------------------------------------------------
 
@@ -242,8 +257,38 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_bos and self._add_bos)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``; special tokens (bos, eos, ...) are skipped."""
-        return self._backend.decode(ids)
+        """Text of ``ids``; special tokens (bos, eos, ...) are skipped, except tool-call
+        markers (``kept_markers``), which decode to their text."""
+        kept = self.kept_markers
+        if not kept or not any(i in kept for i in ids):
+            return self._backend.decode(ids)
+        out, run = [], []
+        for i in ids:
+            if i in kept:
+                out.append(self._backend.decode(run) if run else "")
+                out.append(kept[i])
+                run = []
+            else:
+                run.append(i)
+        if run:
+            out.append(self._backend.decode(run))
+        return "".join(out)
+
+    def special_id(self, token: str) -> int | None:
+        """The id of ``token`` when it is one special token of the vocabulary (a grammar
+        names it by id), else None."""
+        i = self._backend.token_to_id(token)
+        return i if i is not None and getattr(self._backend, "is_special", lambda i: False)(i) else None
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list (transformers' ``apply_chat_template(tools=...)``)."""
+        return bool(re.search(r"\btools\b", self.chat_template or ""))
+
+    @property
+    def template_takes_tool_calls(self) -> bool:
+        """Whether the chat template renders assistant ``tool_calls`` itself."""
+        return "tool_calls" in (self.chat_template or "")
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self)
@@ -287,21 +332,28 @@ class Tokenizer:
         found = re.findall(r"role['\"]?\]?\s*==\s*['\"](\w+)['\"]", self.chat_template or "")
         return tuple(dict.fromkeys(found)) or DEFAULT_ROLES
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role": ..., "content": ...}]) as the prompt text.
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) as the prompt text; ``tools``
+        (OpenAI's tool objects) is passed to the template as transformers does.
 
         A template's ``raise_exception(msg)`` surfaces as ValueError(msg).
         """
+        extra = {"tools": tools} if tools is not None else {}
         return self._template.render(
             messages=messages,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             add_generation_prompt=add_generation_prompt,
+            **extra,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Render then encode; bos is added only if the rendered text does not start with it."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         starts_with_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_bos=not starts_with_bos)
 
@@ -311,19 +363,23 @@ class Tokenizer:
         """Tokens of a text turn: with BOS on an empty transcript, standalone without BOS after."""
         return list(self.encode(text, add_bos=not transcript))
 
-    def encode_chat_turn(self, transcript: Sequence[int], messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat_turn(
+        self, transcript: Sequence[int], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Tokens of a chat turn. With an empty transcript the messages are the whole
         conversation so far; otherwise they are only the new messages, rendered as a
-        continuation of it. ``ChatTemplateError`` when the template cannot render them."""
+        continuation of it (``tools``, for a template that takes them, rendered into both
+        sides, so they stay where the first turn put them). ``ChatTemplateError`` when
+        the template cannot render them."""
         try:
             if not transcript:
-                return list(self.encode_chat(messages, add_generation_prompt=True))
+                return list(self.encode_chat(messages, add_generation_prompt=True, tools=tools))
             before = [
                 {"role": "user", "content": _PLACEHOLDER_USER},
                 {"role": "assistant", "content": _PLACEHOLDER_ASSISTANT},
             ]
-            base = self.apply_chat_template(before, add_generation_prompt=False)
-            full = self.apply_chat_template(before + messages, add_generation_prompt=True)
+            base = self.apply_chat_template(before, add_generation_prompt=False, tools=tools)
+            full = self.apply_chat_template(before + messages, add_generation_prompt=True, tools=tools)
         except Exception as e:  # a template may reject a message order (e.g. roles must alternate)
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None
         if not full.startswith(base) or _PLACEHOLDER_ASSISTANT not in base:

@@ -1,0 +1,534 @@
+"""Disk tier: one checksummed block file per block under a directory, LRU by bytes.
+
+Layout under ``root`` (``--disk-cache-dir``)::
+
+    LOCK                          held with an exclusive flock while a tier uses the dir
+    blocks/<h[:2]>/<h>.kvb        one file per block: exactly ``codec.encode`` of the block
+                                  (header, safetensors payload, xxh3_128 checksum), the
+                                  same verified bytes the Redis tier stores
+    tmp/                          writes in flight (emptied at startup)
+
+A file is named by the block hash alone (hex): the namespace is inside the hash chain
+and inside the file's header, so a file is only ever decoded as the block it was
+written for. Every read verifies: a missing, truncated, corrupted, swapped (another
+block's file under this name) or foreign (other weights, shape, dtype, storage) file is
+a miss with a counted reason (``codec.REASONS``), and a file that failed verification is
+removed, so the next write of that block stores a good one. Never wrong KV.
+
+Reads land in the destination: for a contiguous CPU destination the file's prefix is
+compared with ``codec.plain_prefix`` and the tensor bytes are read straight into the
+destination block (``readinto``), then the checksum is recomputed over prefix and
+destination, as ``RedisTier``'s direct reads do; anything unexpected (another size or
+prefix) is read whole and handed to ``codec.decode_into`` for its reason.
+
+Crash safety: a write goes to ``tmp/`` and is renamed into place (``os.replace``, atomic
+on POSIX), so a reader never sees a half-written file at a block's name, and a crash
+mid-write leaves only a temporary, removed at the next start. ``fsync`` (default off,
+``--disk-cache-fsync``): off, a power loss (not a process crash: the page cache
+survives those) may leave a renamed file whose data never reached the disk; it then
+fails its checksum or size and is a miss, removed. On, each file is fsynced before its
+rename and its directory after, so a block acknowledged as stored survives a power loss,
+at the cost of a device flush per block.
+
+Bounded by ``capacity_bytes`` (``--disk-cache-size``): an LRU index in memory (hits
+refresh a file's mtime, so the order survives a restart: at start the index is rebuilt
+from the files' mtimes, oldest first, and trimmed to the capacity). A block the tier
+evicts is read back, verified, and handed to ``on_evict`` (the tiered store demotes it
+to the next tier, Redis) before its file is removed.
+
+One process per directory: the tier holds an exclusive ``flock`` on ``LOCK`` for its
+life (released by the kernel when the process dies, however it dies); a second tier on
+the same directory, in this process or another, raises ``DiskCacheLocked`` naming the
+holder's pid. Sharing one directory between processes would need a shared LRU index
+and shared byte accounting; one directory per server process is simpler and cannot
+overrun its bound.
+
+Thread safety: the index is under one lock; file reads and writes are outside it
+(a file being read stays readable after an eviction unlinks it; a rename replaces a
+name atomically).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import xxhash
+
+from kvserve.cachestore import codec
+from kvserve.cachestore.base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, Tier, TierCounters, TierStats
+
+log = logging.getLogger(__name__)
+
+EvictCallback = Callable[[BlockRef, torch.Tensor], None]
+
+SUFFIX = ".kvb"
+_HASH_AT = 4 + 2 + 2 + 32  # offset of the block hash in the codec header (magic, version, size, namespace)
+# A hit refreshes the file's mtime (the LRU order a restart rebuilds) when it is older
+# than this: one syscall fewer per block for blocks restored again soon.
+_TOUCH_AFTER_S = 60.0
+_HEX_LEN = 64
+
+
+class DiskCacheLocked(RuntimeError):
+    """Another tier (this process or another) holds the directory's lock."""
+
+
+def hold_dir_lock(root: Path) -> int:
+    """An fd holding an exclusive flock on ``root/LOCK`` (our pid written in it; closing
+    the fd, or the process ending, releases it). ``DiskCacheLocked`` when held."""
+    path = root / "LOCK"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise DiskCacheLocked(f"{root} is in use by another kvserve process (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class DiskTier(BlockTier):
+    """KV blocks in files under a directory. See the module docstring and ``cachestore.base``."""
+
+    name = Tier.DISK
+    durable = True  # outlives the process (this machine only: not ``shared``)
+    batch_blocks = 64
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        fsync: bool = False,
+        read_threads: int = 2,
+        on_evict: EvictCallback | None = None,
+    ) -> None:
+        """Creates ``root`` if needed and takes its lock (``DiskCacheLocked`` if taken;
+        ``OSError`` if it cannot be created or written). ``read_threads``: files one
+        restore reads at once (1: one after another)."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._init_block(block_shape, dtype)
+        self._torch_shape = torch.Size(self.block_shape)
+        self.root = Path(root)
+        self.fsync = fsync
+        self.read_threads = max(1, read_threads)
+        self._readers: ThreadPoolExecutor | None = None
+        self.file_nbytes = codec.encoded_size(self.block_shape, dtype)
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_bytes // self.file_nbytes
+        self._on_evict = on_evict
+        self._counters = TierCounters(self.name)
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, oldest first
+        self._bytes = 0
+        self._seq = 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = hold_dir_lock(self.root)
+        self._blocks_dir = self.root / "blocks"
+        self._blocks_str = str(self._blocks_dir)
+        self._prefixes: dict[bytes, tuple[bytes, bytes]] = {}
+        self._tmp_dir = self.root / "tmp"
+        self._blocks_dir.mkdir(exist_ok=True)
+        self._tmp_dir.mkdir(exist_ok=True)
+        self._rebuild_index()
+
+    # ---- plumbing ------------------------------------------------------------------
+
+    def path(self, ref: BlockRef) -> Path:
+        """The file holding ``ref``."""
+        return Path(self._file(ref.block_hash))
+
+    def _file(self, digest: bytes) -> str:
+        h = digest.hex()
+        return f"{self._blocks_str}/{h[:2]}/{h}{SUFFIX}"
+
+    def _prefix(self, ref: BlockRef) -> bytes:
+        """``codec.plain_prefix`` of ``ref``: the bytes before its tensor bytes, from a
+        per-namespace template (only the block hash differs between blocks)."""
+        parts = self._prefixes.get(ref.namespace)
+        if parts is None:
+            full = codec.plain_prefix(ref.namespace, ref.block_hash, self.block_shape, self.dtype)
+            parts = self._prefixes[ref.namespace] = (full[:_HASH_AT], full[_HASH_AT + 32 :])
+            if len(self._prefixes) > 1024:
+                self._prefixes.clear()
+                self._prefixes[ref.namespace] = parts
+        return parts[0] + ref.block_hash + parts[1]
+
+    def set_on_evict(self, on_evict: EvictCallback | None) -> None:
+        self._on_evict = on_evict
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def _rebuild_index(self) -> None:
+        """The LRU from the files there (oldest mtime first): leftover temporaries and
+        files of another size (a torn write, another geometry) are removed; the oldest
+        beyond the capacity are dropped."""
+        for tmp in self._tmp_dir.iterdir():
+            _unlink(tmp)
+        found: list[tuple[float, bytes, int]] = []
+        for sub in self._blocks_dir.iterdir():
+            if not sub.is_dir():
+                _unlink(sub)
+                continue
+            for entry in os.scandir(sub):
+                name = entry.name
+                digest = _parse_name(name)
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if digest is None or not entry.is_file(follow_symlinks=False) or st.st_size != self.file_nbytes:
+                    _unlink(Path(entry.path))
+                    continue
+                found.append((st.st_mtime, digest, st.st_size))
+        found.sort()
+        drop = max(0, len(found) - self.capacity_blocks)
+        for _, digest, _size in found[:drop]:
+            _unlink(self._path_of(digest))
+        for _, digest, size in found[drop:]:
+            self._lru[digest] = size
+            self._bytes += size
+        if found:
+            log.info("disk tier %s: %d block(s) found, %d dropped over the size", self.root, len(found), drop)
+
+    def _path_of(self, digest: bytes) -> Path:
+        h = digest.hex()
+        return self._blocks_dir / h[:2] / (h + SUFFIX)
+
+    # ---- reads ---------------------------------------------------------------------
+
+    def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
+        """Load ``refs[i]`` into ``outs[i]`` in order, each verified; returns how many
+        leading blocks are good, stopping at the first miss or bad file (which is
+        removed). Several blocks are read at once by ``read_threads`` threads (a read
+        releases the GIL), in windows, so a miss early on reads little past it."""
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        if not all(out.is_contiguous() for out in outs[: len(refs)]):
+            raise ValueError("destinations must be contiguous")
+        t0 = time.perf_counter()
+        n = 0
+        failure: str | None = None
+        pool = self._pool() if len(refs) > 1 else None
+        window = 4 * self.read_threads
+        for start in range(0, len(refs), window):
+            batch = list(zip(refs[start : start + window], outs[start : start + window]))
+            if pool is None:
+                results = (self._read(ref, out, touch=True) for ref, out in batch)
+            else:
+                results = pool.map(lambda ro: self._read(ro[0], ro[1], touch=True), batch)
+            for result in results:  # in order; a pool finishes the window's reads meanwhile
+                if failure is None and result is None:
+                    n += 1
+                elif failure is None:
+                    failure = result
+            if failure is not None:
+                break
+        if failure is not None:
+            self._counters.fail(failure)
+        self._counters.add(hits=n, bytes_out=n * self.file_nbytes, misses=int(failure is not None))
+        self._counters.add_seconds("read", time.perf_counter() - t0)
+        return n
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        if self.read_threads <= 1:
+            return None
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="disk-tier-read")
+            return self._readers
+
+    def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool:
+        return self.get_many_into([ref], [out]) == 1
+
+    def get(self, ref: BlockRef) -> torch.Tensor | None:
+        out = torch.empty(self.block_shape, dtype=self.dtype)
+        return out if self.get_into(ref, out) else None
+
+    def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
+        """Read a verified copy to write it into another tier (the drain to Redis):
+        counts no hit and keeps the LRU order."""
+        failure = self._read(ref, out, touch=False)
+        if failure not in (None, NOT_FOUND):
+            self._counters.fail(failure)
+        return failure is None
+
+    def get_encoded(self, ref: BlockRef) -> bytes | None:
+        """The raw file (unverified; for tools and tests)."""
+        try:
+            return self.path(ref).read_bytes()
+        except OSError:
+            return None
+
+    def _read(self, ref: BlockRef, out: torch.Tensor, *, touch: bool) -> str | None:
+        """Verify the file of ``ref`` into ``out``; the failure reason, or None if ok.
+        A file that fails verification is removed (and dropped from the index)."""
+        digest = bytes(ref.block_hash)
+        with self._lock:
+            if digest not in self._lru:
+                return NOT_FOUND
+            if touch:
+                self._lru.move_to_end(digest)
+        path = self._file(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                failure = self._verify_into(fd, st.st_size, ref, out)
+                if failure is not None:
+                    self._drop_bad(ref, Path(path), st, failure)
+                elif touch and time.time() - st.st_mtime > _TOUCH_AFTER_S:
+                    os.utime(fd)  # the LRU order survives a restart
+            finally:
+                os.close(fd)
+        except FileNotFoundError:  # removed meanwhile (evicted, deleted, by hand)
+            self._forget(digest)
+            return NOT_FOUND
+        except OSError as e:
+            self._counters.add(errors=1)
+            log.warning("disk tier: reading %s failed: %r", path, e)
+            return BACKEND_ERROR
+        return failure
+
+    def _verify_into(self, fd: int, size: int, ref: BlockRef, out: torch.Tensor) -> str | None:
+        """Verify the open file ``fd`` (``size`` bytes) as ``ref`` into ``out``."""
+        if size == self.file_nbytes and out.is_cpu and out.dtype == self.dtype and out.shape == self._torch_shape:
+            # One preadv: the prefix, the tensor bytes straight into ``out``, the checksum.
+            prefix = self._prefix(ref)
+            head, tail = bytearray(len(prefix)), bytearray(codec.CHECKSUM_SIZE)
+            data = memoryview(codec.byte_view(out))  # (nbytes,) of out
+            if os.preadv(fd, [head, data, tail], 0) == size and head == prefix:
+                h = xxhash.xxh3_128(prefix)
+                h.update(data)
+                return None if h.digest() == tail else codec.BAD_CHECKSUM
+            value = _pread_all(fd, size)  # another block, a short read: the codec says why
+        elif size > 2 * self.file_nbytes + 65536:  # not ours: do not read it whole
+            return codec.BAD_LENGTH
+        else:
+            value = _pread_all(fd, size)
+        result = codec.decode_into(value, ref.namespace, ref.block_hash, out)
+        return None if result.ok else result.reason
+
+    def _drop_bad(self, ref: BlockRef, path: Path, st: os.stat_result, reason: str) -> None:
+        """Remove a file that failed verification, unless a good one replaced it meanwhile."""
+        self._forget(bytes(ref.block_hash))
+        try:
+            now = os.stat(path)
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+        except OSError:
+            pass
+        log.warning("disk block %s failed verification (%s): removed; the next write stores it again", path, reason)
+
+    def _forget(self, digest: bytes) -> None:
+        with self._lock:
+            size = self._lru.pop(digest, None)
+            if size is not None:
+                self._bytes -= size
+
+    def contains(self, ref: BlockRef) -> bool:
+        with self._lock:
+            return bytes(ref.block_hash) in self._lru
+
+    def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        with self._lock:
+            return [bytes(r.block_hash) in self._lru for r in refs]
+
+    # ---- writes --------------------------------------------------------------------
+
+    def put(self, ref: BlockRef, value: torch.Tensor) -> bool:
+        """Write the block's file (write a temporary, rename into place). Idempotent: a
+        block already held is only refreshed in the LRU. Evicts the least recently used
+        files beyond the capacity (demoting each through ``on_evict`` first). False when
+        the tier has no capacity or the write failed."""
+        if tuple(value.shape) != self.block_shape or value.dtype != self.dtype:
+            raise ValueError(f"value must be {self.block_shape} {self.dtype}, got {tuple(value.shape)} {value.dtype}")
+        digest = bytes(ref.block_hash)
+        with self._lock:
+            if digest in self._lru:
+                self._lru.move_to_end(digest)
+                self._counters.add(put_skips=1)
+                return True
+            if self.capacity_blocks == 0:
+                return False
+            self._seq += 1
+            seq = self._seq
+        t0 = time.perf_counter()
+        path = self.path(ref)
+        tmp = self._tmp_dir / f"{digest.hex()}.{os.getpid()}.{seq}.tmp"
+        try:
+            self._write_file(tmp, ref, value)
+            try:
+                os.replace(tmp, path)
+            except FileNotFoundError:  # first block of this subdirectory
+                path.parent.mkdir(exist_ok=True)
+                os.replace(tmp, path)
+            if self.fsync:
+                _fsync_dir(path.parent)
+        except OSError as e:
+            _unlink(tmp)
+            self._counters.add(errors=1)
+            self._counters.fail(BACKEND_ERROR)
+            log.warning("disk tier: writing %s failed: %r", path, e)
+            return False
+        victims: list[bytes] = []
+        with self._lock:
+            if digest in self._lru:  # another thread stored it meanwhile (same bytes)
+                self._counters.add(put_skips=1)
+                return True
+            self._lru[digest] = self.file_nbytes
+            self._bytes += self.file_nbytes
+            while self._bytes > self.capacity_bytes and len(self._lru) > 1:
+                victim, size = self._lru.popitem(last=False)
+                self._bytes -= size
+                victims.append(victim)
+        self._counters.add(puts=1, bytes_in=self.file_nbytes)
+        self._counters.add_seconds("write", time.perf_counter() - t0)
+        for victim in victims:
+            self._evict(BlockRef(ref.namespace, victim))  # type: ignore[arg-type]
+        return True
+
+    def _write_file(self, tmp: Path, ref: BlockRef, value: torch.Tensor) -> None:
+        src = codec.cpu_byte_view(value)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if src is not None:  # prefix, the block's own bytes, checksum: no encoded copy
+                prefix = codec.plain_prefix(ref.namespace, ref.block_hash, self.block_shape, self.dtype)
+                h = xxhash.xxh3_128(prefix)
+                h.update(src)
+                parts: list[memoryview] = [memoryview(prefix), memoryview(src), memoryview(h.digest())]
+            else:
+                parts = [memoryview(codec.encode(ref.namespace, ref.block_hash, value))]
+            total = sum(p.nbytes for p in parts)
+            written = 0
+            while parts:
+                n = os.writev(fd, parts)
+                written += n
+                while parts and n >= parts[0].nbytes:
+                    n -= parts[0].nbytes
+                    parts.pop(0)
+                if parts and n:
+                    parts[0] = parts[0][n:]
+            assert written == total
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _evict(self, ref: BlockRef) -> None:
+        """Hand an evicted block on (read back, verified against the namespace its
+        checksummed header names) and remove its file; a file that fails is dropped,
+        not demoted."""
+        path = self.path(ref)
+        self._counters.add(evictions=1)
+        if self._on_evict is not None:
+            scratch = torch.empty(self.block_shape, dtype=self.dtype)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    ns = os.pread(fd, 32, 8)  # the namespace the checksummed header names
+                    ok = len(ns) == 32 and self._verify_into(fd, os.fstat(fd).st_size, BlockRef(ns, ref.block_hash), scratch) is None  # type: ignore[arg-type]
+                finally:
+                    os.close(fd)
+                if ok:
+                    self._on_evict(BlockRef(ns, ref.block_hash), scratch)  # type: ignore[arg-type]
+            except OSError:
+                pass
+            except Exception:  # noqa: BLE001 - a demotion failure must not fail the put
+                log.exception("disk tier on_evict callback failed")
+                self._counters.fail("evict_callback")
+        _unlink(path)
+
+    def delete(self, ref: BlockRef) -> bool:
+        digest = bytes(ref.block_hash)
+        with self._lock:
+            size = self._lru.pop(digest, None)
+            if size is None:
+                return False
+            self._bytes -= size
+        _unlink(self.path(ref))
+        return True
+
+    def clear(self) -> None:
+        """Remove every block file (no eviction callbacks)."""
+        with self._lock:
+            digests = list(self._lru)
+            self._lru.clear()
+            self._bytes = 0
+        for d in digests:
+            _unlink(self._path_of(d))
+
+    # ---- stats and life ------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            n, b = len(self._lru), self._bytes
+        return self._counters.snapshot(blocks_held=n, bytes_held=b)
+
+    def close(self) -> None:
+        """Release the directory's lock (the files stay: a later tier finds them)."""
+        with self._lock:
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the fd releases the flock
+
+
+def _parse_name(name: str) -> bytes | None:
+    if not name.endswith(SUFFIX) or len(name) != _HEX_LEN + len(SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:_HEX_LEN])
+    except ValueError:
+        return None
+
+
+def _pread_all(fd: int, size: int) -> bytes:
+    """The file's bytes from 0: ``size`` of them, plus at most one more chunk if it grew
+    meanwhile (enough for the codec to call it too long)."""
+    out = bytearray()
+    while len(out) <= size and (chunk := os.pread(fd, max(size - len(out), 65536), len(out))):
+        out += chunk
+    return bytes(out)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            for child in path.iterdir():
+                _unlink(child)
+            path.rmdir()
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("disk tier: cannot remove %s: %r", path, e)
