@@ -12,7 +12,7 @@ greedy tokens on both. Reported:
 * ``greedy_agreement``: fraction of sessions whose ``decode`` greedy tokens all agree;
 * ``token_agreement``: mean fraction of the ``decode`` tokens before the first difference.
 
-Used by ``bench/bench_restore.py --formats`` and by the tests (tests/test_engine_tiers.py).
+Used by ``bench/bench_restore.py --formats`` and by the tests (tests/engine/test_engine_tiers.py).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from kvserve.clients import AsyncKVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta  # noqa: E402
 from tests.fixtures.redis_server import RedisProcess, free_port, start_redis_server  # noqa: E402
-from tests.serving import start_server_process  # noqa: E402
+from tests.fixtures.serving import start_server_process  # noqa: E402
 
 PACKAGED_MODEL = REPO / "service" / "default_model"
 TINY_MODEL = REPO / "bench" / "out" / "models" / "soak-tiny"

@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Generic, NamedTuple, Sequence, TypeVar
 
-from kvserve.cachestore.keys import BlockHash, Namespace
+from .keys import BlockHash, Namespace
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from kvserve.cachestore.base import CLOSED, HALF_OPEN, OPEN
+from .base import CLOSED, HALF_OPEN, OPEN
 
 
 class CircuitBreaker:

@@ -78,7 +78,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvserve.cachestore.keys import BlockHash, Namespace
+from .keys import BlockHash, Namespace
 
 MAGIC: Final = b"KVSB"
 FORMAT_VERSION: Final = 1

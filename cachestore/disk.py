@@ -63,8 +63,8 @@ from typing import Callable, Sequence
 import torch
 import xxhash
 
-from kvserve.cachestore import codec
-from kvserve.cachestore.base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, Tier, TierCounters, TierStats
+from . import codec
+from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, Tier, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 

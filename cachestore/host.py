@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kvserve.cachestore.base import NOT_FOUND, BlockRef, BlockTier, Tier, TierCounters, TierStats
-from kvserve.cachestore.codec import byte_view, cpu_byte_view
+from .base import NOT_FOUND, BlockRef, BlockTier, Tier, TierCounters, TierStats
+from .codec import byte_view, cpu_byte_view
 
 log = logging.getLogger(__name__)
 

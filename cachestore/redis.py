@@ -63,8 +63,8 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvserve.cachestore import codec
-from kvserve.cachestore.base import (
+from . import codec
+from .base import (
     BACKEND_ERROR,
     BREAKER_OPEN,
     NOT_FOUND,
@@ -75,8 +75,8 @@ from kvserve.cachestore.base import (
     TierCounters,
     TierStats,
 )
-from kvserve.cachestore.breaker import CircuitBreaker
-from kvserve.cachestore.keys import redis_key
+from .breaker import CircuitBreaker
+from .keys import redis_key
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ from typing import Callable, Mapping, Self, Sequence
 
 import torch
 
-from kvserve.cachestore.base import OPEN, BlockRef, BlockTier, Tier, TierStats
-from kvserve.cachestore.codec import copy_block
-from kvserve.cachestore.keys import BlockHash, Namespace
+from .base import OPEN, BlockRef, BlockTier, Tier, TierStats
+from .codec import copy_block
+from .keys import BlockHash, Namespace
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Python clients of kvserve (sync and asyncio) and the ``kvserve-chat`` console command."""
 
-from kvserve.clients.client import (
+from .client import (
     SESSION_METADATA_KEY,
     AsyncGenerateStream,
     AsyncKVServeClient,

@@ -42,7 +42,7 @@ from typing import Sequence, TextIO
 
 import grpc
 
-from kvserve.clients.client import KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
+from .client import KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
 
 
 COMMANDS = """\

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvserve.service.cli import main
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", *sys.argv[1:]], exit_now=True))

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Mapping, NoReturn, Sequence
 
-from kvserve.service.config import ConfigError, ServerConfig, mask_url_password
+from .config import ConfigError, ServerConfig, mask_url_password
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hash_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from kvserve.service.auth import ApiKeysError, check_tenant, generate_key, hash_key
+    from .auth import ApiKeysError, check_tenant, generate_key, hash_key
 
     if args.tenant is not None:
         try:
@@ -121,7 +121,7 @@ def main(
     except ConfigError as e:
         _fail(args.command, str(e))
     if args.command == "config":
-        from kvserve.service.auth import ApiKeysError, load_api_keys
+        from .auth import ApiKeysError, load_api_keys
 
         try:  # the keys as serve reads them: the same refusal
             load_api_keys(config.api_keys_file, config.api_keys)
@@ -140,7 +140,7 @@ def main(
         config.model or "(packaged default)", config.device, config.port, mask_url_password(config.redis_url),
     )  # fmt: skip
     log.debug("settings:\n%s", config.describe())
-    from kvserve.service.models import native  # torch-free: before torch loads
+    from .models import native  # torch-free: before torch loads
 
     native.passive_openmp()
     try:
@@ -167,8 +167,8 @@ async def _serve(config: ServerConfig, exit_now: bool = False) -> int:
     """Run the server; a failure is one line on stderr (what, where, what to do) and
     exit status 2 (configuration) or 1 (anything else); ``--log-level debug`` adds the
     traceback."""
-    from kvserve.service.auth import ApiKeysError
-    from kvserve.service.server import StartupError, run
+    from .auth import ApiKeysError
+    from .server import StartupError, run
 
     log = logging.getLogger(__name__)
     try:

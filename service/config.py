@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 from kvserve.cachestore.base import Tier
 
 if TYPE_CHECKING:
-    from kvserve.service.engine import EngineConfig
+    from .engine import EngineConfig
 
 ENV_PREFIX = "KVSERVE_"
 # cachestore.codec.STORAGE_FORMATS' names (kept here so that reading settings imports no torch)
@@ -307,7 +307,7 @@ class ServerConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings derived from these."""
-        from kvserve.service.engine import EngineConfig
+        from .engine import EngineConfig
 
         return EngineConfig(
             model_path=self.model,

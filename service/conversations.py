@@ -49,14 +49,14 @@ import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
-from kvserve.service.history import HistoryAction, HistoryPlan, plan_history
-from kvserve.service.metrics import ServiceMetrics
-from kvserve.service.models.tokenizer import ChatTemplateError
-from kvserve.service.sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
-from kvserve.service.sessions.stores import copy_record
-from kvserve.service.spill import SpillScheduler
-from kvserve.service.tools import ToolCalling, uses_tools
-from kvserve.service.types import (
+from .history import HistoryAction, HistoryPlan, plan_history
+from .metrics import ServiceMetrics
+from .models.tokenizer import ChatTemplateError
+from .sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
+from .sessions.stores import copy_record
+from .spill import SpillScheduler
+from .tools import ToolCalling, uses_tools
+from .types import (
     CacheScope,
     ChatMessage,
     Delta,
@@ -71,7 +71,7 @@ from kvserve.service.types import (
     TurnInput,
     TurnMode,
 )
-from kvserve.service.validation import (
+from .validation import (
     Limits,
     check_context,
     check_input_size,
@@ -85,7 +85,7 @@ from kvserve.service.validation import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.service.engine import AsyncEngine
+    from .engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.service.sessions import SessionRecord
-from kvserve.service.types import ChatMessage
+from .sessions import SessionRecord
+from .types import ChatMessage
 
 
 class HistoryAction(str, enum.Enum):

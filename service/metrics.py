@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvserve.service.types import CacheStats, EngineStats, Tier
+from .types import CacheStats, EngineStats, Tier
 
 # seconds; TTFT spans sub-millisecond device hits to multi-second cold prefills
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

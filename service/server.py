@@ -40,25 +40,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.service.auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
-from kvserve.service.config import ConfigError, ServerConfig, mask_url_password
-from kvserve.service.admission import Admission
-from kvserve.service.metrics import ServiceMetrics
-from kvserve.service.conversations import Conversations
-from kvserve.service.servicer import SERVICE_NAME, GenerationServicer, add_to_server
-from kvserve.service.sessions import (
+from .auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
+from .config import ConfigError, ServerConfig, mask_url_password
+from .admission import Admission
+from .metrics import ServiceMetrics
+from .conversations import Conversations
+from .servicer import SERVICE_NAME, GenerationServicer, add_to_server
+from .sessions import (
     FallbackSessionStore,
     InMemorySessionStore,
     RedisSessionStore,
     SessionManager,
     SessionStore,
 )
-from kvserve.service.spill import SpillScheduler
-from kvserve.service.tracing import Tracing
-from kvserve.service.validation import Limits
+from .spill import SpillScheduler
+from .tracing import Tracing
+from .validation import Limits
 
 if TYPE_CHECKING:
-    from kvserve.service.engine import AsyncEngine
+    from .engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def http_limits_of(config: ServerConfig, context_length: int) -> Any:
     """The HTTP front's limits (service.http.limits.HttpLimits) from the settings; any
     JSON array or object other than the messages may hold the context length's items
     (a token-id prompt), at least 65536."""
-    from kvserve.service.http.limits import HttpLimits
+    from .http.limits import HttpLimits
 
     return HttpLimits(
         max_body_bytes=config.max_message_size,
@@ -250,7 +250,7 @@ def build_session_store(config: ServerConfig) -> SessionStore:
     process's memory; records expire after ``session_ttl``."""
     ttl = config.session_ttl or None
     if not config.redis_url and config.disk_cache_dir:  # sessions resume after a restart of this machine
-        from kvserve.service.sessions.disk import DiskSessionStore
+        from .sessions.disk import DiskSessionStore
 
         return DiskSessionStore(Path(config.disk_cache_dir) / "sessions", ttl_s=ttl, fsync=config.disk_cache_fsync)
     if not config.redis_url:
@@ -399,8 +399,8 @@ def disk_cache_problem(config: ServerConfig) -> str | None:
 
 
 async def _build_engine(config: ServerConfig) -> Any:
-    from kvserve.service.engine import build_engine
-    from kvserve.service.models.config import ModelLoadError
+    from .engine import build_engine
+    from .models.config import ModelLoadError
 
     if config.torch_threads:
         import torch
@@ -491,7 +491,7 @@ async def serve(
             engine = await _build_engine(config)
         metrics.watch_engine(engine.stats)
         if len(engine.model_info.tiers) > 1:  # a host or Redis tier besides the device
-            from kvserve.service.metrics import CacheStoreCollector
+            from .metrics import CacheStoreCollector
 
             metrics.register(CacheStoreCollector(engine.cache_stats))
         sessions = SessionManager(
@@ -499,7 +499,7 @@ async def serve(
             lock_ttl_s=config.session_lock_ttl,
             max_sessions_per_owner=config.max_sessions_per_tenant,
         )
-        from kvserve.service.metrics import SessionStoreCollector, SpillCollector
+        from .metrics import SessionStoreCollector, SpillCollector
 
         metrics.register(SessionStoreCollector(sessions))
         spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
@@ -554,7 +554,7 @@ async def serve(
         http_server = http_task = None
         bound_http: int | None = None
         if http_socket is not None:
-            from kvserve.service.http.app import HttpFront, make_uvicorn_server
+            from .http.app import HttpFront, make_uvicorn_server
 
             http_limits = http_limits_of(config, engine.model_info.context_length)
             front = HttpFront(

@@ -29,17 +29,17 @@ import grpc
 
 from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
 from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
-from kvserve.service import wire
-from kvserve.service.admission import Admission, Ticket
-from kvserve.service.conversations import Conversations
-from kvserve.service.metrics import ServiceMetrics
-from kvserve.service.sessions import InvalidSessionId, SessionRecord
-from kvserve.service.tracing import Tracing
-from kvserve.service.types import Delta, Finished, Started, ToolCallDelta
-from kvserve.service.wire import SERVICE_NAME, InvalidMessage, RpcStatus
+from . import wire
+from .admission import Admission, Ticket
+from .conversations import Conversations
+from .metrics import ServiceMetrics
+from .sessions import InvalidSessionId, SessionRecord
+from .tracing import Tracing
+from .types import Delta, Finished, Started, ToolCallDelta
+from .wire import SERVICE_NAME, InvalidMessage, RpcStatus
 
 if TYPE_CHECKING:
-    from kvserve.service.engine import AsyncEngine
+    from .engine import AsyncEngine
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "RpcStatus", "add_to_server"]
 

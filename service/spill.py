@@ -23,10 +23,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from kvserve.service.types import CacheScope
+from .types import CacheScope
 
 if TYPE_CHECKING:
-    from kvserve.service.engine import AsyncEngine
+    from .engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvserve.service.types import Finished, Started, Tier
+from .types import Finished, Started, Tier
 
 log = logging.getLogger("kvserve.tracing")
 

@@ -1,5 +1,5 @@
 """Plain domain types shared by the engine, the servicer and the metrics. Importing this
-module imports no torch and no gRPC (tests/test_imports.py keeps it so)."""
+module imports no torch and no gRPC (tests/unit/test_imports.py keeps it so)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvserve.service.types import ContextOverflow, GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
+from .types import ContextOverflow, GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,9 +45,9 @@ from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.service.admission import Draining, TooManyStreams
-from kvserve.service.auth import Unauthenticated
-from kvserve.service.sessions import (
+from .admission import Draining, TooManyStreams
+from .auth import Unauthenticated
+from .sessions import (
     BadTurnCount,
     InvalidSessionId,
     SessionBusy,
@@ -59,7 +59,7 @@ from kvserve.service.sessions import (
     TurnsChanged,
     TurnUnavailable,
 )
-from kvserve.service.types import (
+from .types import (
     ChatMessage,
     Delta,
     EngineStopped,

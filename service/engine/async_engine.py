@@ -21,11 +21,11 @@ import time
 from collections import deque
 from typing import AsyncIterator
 
-from kvserve.service.engine.config import EngineConfig
-from kvserve.service.engine.engine import Emitted, LLMEngine
-from kvserve.service.engine.store import build_store
-from kvserve.service.models.tokenizer import Tokenizer
-from kvserve.service.types import (
+from .config import EngineConfig
+from .engine import Emitted, LLMEngine
+from .store import build_store
+from ..models.tokenizer import Tokenizer
+from ..types import (
     CacheScope,
     CacheStats,
     Delta,
@@ -54,7 +54,7 @@ class AsyncEngine:
     It only hops threads: every call on the engine is one of ``LLMEngine``'s typed
     methods, run on the engine thread (``call_soon``), a worker thread (the blocking
     ones) or here (the thread-safe ones); it reads no engine attribute
-    (tests/test_imports.py keeps it so)."""
+    (tests/unit/test_imports.py keeps it so)."""
 
     def __init__(self, engine: LLMEngine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.engine = engine
@@ -285,7 +285,7 @@ def _merge_deltas(first: Event, q: asyncio.Queue[Event]) -> list[Event]:
 
 async def build_engine(cfg: EngineConfig) -> AsyncEngine:
     """Load the model (off the event loop), build the engine and start its thread."""
-    from kvserve.service.models.loading import load_model
+    from ..models.loading import load_model
 
     loaded = await asyncio.to_thread(
         load_model,
@@ -297,7 +297,7 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         native_kernels=cfg.native_kernels,
     )
     if loaded.native == "on":
-        from kvserve.service.models import native
+        from ..models import native
 
         log.info("decode products by the native CPU kernels (%s)", native.isa())
     elif loaded.native is not None:

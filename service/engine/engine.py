@@ -47,20 +47,20 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from kvserve.cachestore.tiered import TieredStore
-from kvserve.service.engine.config import EngineConfig
-from kvserve.service.engine.grammar import GrammarCompiler
-from kvserve.service.engine.output import Output, Sampler
-from kvserve.service.engine.restore import Restorer
-from kvserve.service.engine.runner import Row, Runner
-from kvserve.service.engine.sampling import sample
-from kvserve.service.engine.scheduler import Scheduler
-from kvserve.service.engine.speculative import SpecConfig
-from kvserve.service.engine.sequence import Emitted, Sequence, SeqStatus
-from kvserve.service.kv.block_manager import Block, BlockManager
-from kvserve.service.kv.cache import KVPool
-from kvserve.service.kv.keys import BlockKeys
-from kvserve.service.kv.transfer import BlockTransfers
-from kvserve.service.types import (
+from .config import EngineConfig
+from .grammar import GrammarCompiler
+from .output import Output, Sampler
+from .restore import Restorer
+from .runner import Row, Runner
+from .sampling import sample
+from .scheduler import Scheduler
+from .speculative import SpecConfig
+from .sequence import Emitted, Sequence, SeqStatus
+from ..kv.block_manager import Block, BlockManager
+from ..kv.cache import KVPool
+from ..kv.keys import BlockKeys
+from ..kv.transfer import BlockTransfers
+from ..types import (
     CacheScope,
     CacheStats,
     EngineStats,
@@ -71,11 +71,11 @@ from kvserve.service.types import (
     ResponseFormat,
     Tier,
 )
-from kvserve.service.validation import check_generation
+from ..validation import check_generation
 
 if TYPE_CHECKING:
-    from kvserve.service.models.loading import LoadedModel
-    from kvserve.service.models.tokenizer import Tokenizer
+    from ..models.loading import LoadedModel
+    from ..models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,10 @@ class LLMEngine:
             raise ValueError(f"speculative must be ngram or off, got {cfg.speculative!r}")
         self.spec = SpecConfig(max_draft=cfg.spec_max_draft) if cfg.speculative == "ngram" else None
         self.scheduler = Scheduler(
-            cfg, self.blocks, self.keys, has_tiers=store is not None, max_model_len=self.max_model_len, spec=self.spec
-        )
+            cfg, self.blocks, self.keys, has_tiers=store is not None,
+            may_hold=lambda namespace, hashes: self.restorer.may_hold(namespace, hashes),
+            max_model_len=self.max_model_len, spec=self.spec,
+        )  # fmt: skip
         self.restorer = Restorer(
             store, self.transfers, self.pool, self.blocks, self.keys,
             policy=cfg.restore_policy, min_speedup=cfg.restore_min_speedup,

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvserve.service.types import InvalidRequest, ResponseFormat
+from ..types import InvalidRequest, ResponseFormat
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept (LRU)
 _JSON_OPTIONS = {"whitespace_flexible": False}

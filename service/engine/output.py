@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kvserve.service.engine.grammar import GrammarCompiler, matcher_error
-from kvserve.service.engine.sampling import (
+from .grammar import GrammarCompiler, matcher_error
+from .sampling import (
     RowState,
     Sampled,
     apply_penalties,
@@ -26,9 +26,9 @@ from kvserve.service.engine.sampling import (
     sample,
     token_logprobs,
 )
-from kvserve.service.engine.speculative import accept
-from kvserve.service.engine.sequence import Emitted, Sequence
-from kvserve.service.types import (
+from .speculative import accept
+from .sequence import Emitted, Sequence
+from ..types import (
     Delta,
     Event,
     Finished,

@@ -22,12 +22,12 @@ import torch
 
 from kvserve.cachestore.keys import BlockHash
 from kvserve.cachestore.tiered import TieredStore
-from kvserve.service.engine.sequence import Sequence
-from kvserve.service.kv.block_manager import Block, BlockManager
-from kvserve.service.kv.cache import KVPool
-from kvserve.service.kv.keys import BlockKeys
-from kvserve.service.kv.transfer import BlockTransfers
-from kvserve.service.types import CacheScope, Tier
+from .sequence import Sequence
+from ..kv.block_manager import Block, BlockManager
+from ..kv.cache import KVPool
+from ..kv.keys import BlockKeys
+from ..kv.transfer import BlockTransfers
+from ..types import CacheScope, Tier
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,21 @@ class Restorer:
         s_per_block = None if prefill_tokens_per_s is None else self.block_size / prefill_tokens_per_s
         seq.restore = self._pool.submit(self._job, seq.namespace, hashes, block_ids, after, s_per_block)
         seq.restore.add_done_callback(lambda _: self._wake())
+
+    def may_hold(self, namespace: bytes, hashes: list[BlockHash]) -> bool:
+        """Engine thread, before a restore is started: whether any tier may hold the
+        first of ``hashes`` (a restore loads leading blocks only, so without it there is
+        nothing to load). With only local tiers (host memory, disk: in-memory indexes)
+        the answer is exact and cheap (a locked dict lookup): a miss (e.g. a returning turn's new tokens, past
+        its device hits) then runs at once instead of a step later, after a hop through
+        the restore thread. A shared tier (Redis) is a network round trip: the restore
+        thread asks it, so the answer is True."""
+        store = self.store
+        if store is None or not hashes:
+            return False
+        if store.shared_tier is not None:
+            return True
+        return bool(store.match_prefix(namespace, hashes[:1]))
 
     def _job(
         self, namespace: bytes, hashes: list[BlockHash], block_ids: list[int], after: Any, s_per_block: float | None

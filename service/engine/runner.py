@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from kvserve.service.engine.sequence import Sequence, StepPlan
-from kvserve.service.kv.block_manager import NULL_BLOCK, BlockManager
-from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
-from kvserve.service.kv.keys import BlockKeys
-from kvserve.service.kv.transfer import BlockTransfers
+from .sequence import Sequence, StepPlan
+from ..kv.block_manager import NULL_BLOCK, BlockManager
+from ..kv.cache import BatchLayout, KVPool, SeqSlice
+from ..kv.keys import BlockKeys
+from ..kv.transfer import BlockTransfers
 
 Row = tuple[Sequence, torch.Tensor]  # a sequence to sample and its (V,) logits
 

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from kvserve.service.types import SamplingParams, TokenLogprob
+from ..types import SamplingParams, TokenLogprob
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -134,7 +134,7 @@ def apply_penalties(
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """-inf (in place) for the tokens the grammar forbids: ``bitmask[j]`` (llguidance's
     int32 words, service/engine/grammar.py) is row ``rows[j]``'s; one batched op."""
-    from kvserve.service.engine.grammar import allowed_tokens
+    from .grammar import allowed_tokens
 
     V = logits.shape[-1]
     allowed = allowed_tokens(bitmask, V).to(logits.device, non_blocking=True)  # (R, V) bool

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvserve.cachestore.keys import BlockHash
-from kvserve.service.engine.config import EngineConfig
-from kvserve.service.engine.sequence import Sequence, SeqStatus, StepPlan
-from kvserve.service.engine.speculative import MAX_STEP_ROWS, NgramDrafter, SpecConfig
-from kvserve.service.kv.block_manager import Block, BlockManager, NoFreeBlocks
-from kvserve.service.kv.keys import BlockKeys
-from kvserve.service.types import QueueFull, Tier
+from .config import EngineConfig
+from .sequence import Sequence, SeqStatus, StepPlan
+from .speculative import MAX_STEP_ROWS, NgramDrafter, SpecConfig
+from ..kv.block_manager import Block, BlockManager, NoFreeBlocks
+from ..kv.keys import BlockKeys
+from ..types import QueueFull, Tier
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Scheduler:
         keys: BlockKeys,
         *,
         has_tiers: bool,
+        may_hold: Callable[[bytes, list[BlockHash]], bool] | None = None,
         max_model_len: int | None = None,
         spec: SpecConfig | None = None,
     ) -> None:
@@ -56,6 +57,10 @@ class Scheduler:
         self.blocks = blocks
         self.keys = keys
         self.has_tiers = has_tiers  # a host/Redis tier exists: admission names restore ranges
+        # (namespace, hashes) -> whether a tier below the device may hold the first of them
+        # (the restore room's ``may_hold``: exact for the host tier, asked on this thread);
+        # False: the sequence runs at once instead of waiting a step for the restore thread
+        self.may_hold = may_hold or (lambda namespace, hashes: True)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []
@@ -140,7 +145,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            if restore[0]:
+            if restore[0] and self.may_hold(seq.namespace, restore[0]):
                 seq.status = SeqStatus.RESTORING
                 self.restoring.append(seq)
                 out.restoring.append((seq, *restore))
@@ -186,9 +191,21 @@ class Scheduler:
         self.restoring.remove(seq)
 
     def plan(self) -> StepPlan:
-        """Decode rows and prefill chunks for this step within ``max_num_batched_tokens``;
-        a sequence that needs a block when none is free preempts the most recently started
-        one (itself last); one that grew past LongRoPE's switch length is re-admitted."""
+        """Decode rows and prefill chunks for this step within ``max_num_batched_tokens``.
+
+        Every decode row is planned first (one token each, never starved by a prefill);
+        then the prefills, fewest pending tokens first: a returning turn whose prefix is
+        cached has only its new tokens to compute and gets its first token this step,
+        while a long cold prompt takes what is left of the budget (chunked across steps)
+        instead of holding the budget while returning turns wait behind it. A sequence
+        that needs a block when none is free preempts the most recently started one
+        (itself last); one that grew past LongRoPE's switch length is re-admitted."""
+        for seq in list(self.running):
+            if not seq.long_rope and self.keys.is_long(len(seq.token_ids)):
+                self._switch_to_long_rope(seq)
+        pending = {id(s): len(s.token_ids) - s.num_computed for s in self.running}
+        # stable: decodes in running order, then prefills by pending tokens (ties: running order)
+        order = sorted(self.running, key=lambda s: (pending[id(s)] != 1, pending[id(s)]))
         budget = self.cfg.max_num_batched_tokens
         decode: list[Sequence] = []
         prefill: list[tuple[Sequence, int]] = []
@@ -196,14 +213,11 @@ class Scheduler:
         # drafts are extra rows of the decode forward: no more rows than the native decode
         # layer takes in one call (past it the whole step would run on torch's kernels)
         spare_rows = MAX_STEP_ROWS - len(self.running)
-        for seq in list(self.running):
+        for seq in order:
             if seq not in self.running:  # preempted below
                 continue
-            if not seq.long_rope and self.keys.is_long(len(seq.token_ids)):
-                self._switch_to_long_rope(seq)
-                continue
-            pending = len(seq.token_ids) - seq.num_computed
-            n = 1 if pending == 1 else min(pending, max(budget - len(decode), 0))
+            left = pending[id(seq)]
+            n = 1 if left == 1 else min(left, max(budget, 0))
             if n == 0:
                 continue
             while not self._ensure_blocks(seq, seq.num_computed + n):
@@ -213,18 +227,17 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            if pending == 1:
+            if left == 1:
                 seq.drafts = self._draft(seq, min(budget - 1, spare_rows)) if self.spec is not None else []
                 if seq.drafts:
                     verify.append(seq)
-                    budget -= 1 + len(seq.drafts)
+                    n += len(seq.drafts)
                     spare_rows -= len(seq.drafts)
                 else:
                     decode.append(seq)
-                    budget -= 1
             else:
                 prefill.append((seq, n))
-                budget -= n
+            budget -= n
         # a preemption may have removed a sequence scheduled earlier in this loop
         return StepPlan(
             decode=[s for s in decode if s in self.running],

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.cachestore.keys import BlockHash
-from kvserve.service.kv.block_manager import Block
-from kvserve.service.types import Event, GenerationRequest, Tier
+from ..kv.block_manager import Block
+from ..types import Event, GenerationRequest, Tier
 
 if TYPE_CHECKING:
-    from kvserve.service.engine.output import TextStream
+    from .output import TextStream
 
 
 class SeqStatus(enum.Enum):

@@ -43,8 +43,8 @@ from typing import Sequence
 
 import torch
 
-from kvserve.service.engine.sampling import filter_logits, greedy
-from kvserve.service.types import SamplingParams
+from .sampling import filter_logits, greedy
+from ..types import SamplingParams
 
 MAX_SKIP = 16  # steps a drafter sits out at most after drafts that were all rejected
 MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS

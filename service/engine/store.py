@@ -10,10 +10,10 @@ from kvserve.cachestore.disk import DiskTier
 from kvserve.cachestore.host import HostTier
 from kvserve.cachestore.redis import RedisTier
 from kvserve.cachestore.tiered import TieredStore
-from kvserve.service.engine.config import EngineConfig
+from .config import EngineConfig
 
 if TYPE_CHECKING:
-    from kvserve.service.models.loading import LoadedModel
+    from ..models.loading import LoadedModel
 
 
 def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:

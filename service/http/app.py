@@ -38,18 +38,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvserve.service import wire
-from kvserve.service.http import openai as oa
-from kvserve.service.http.limits import BodyReader, HttpLimits, front_protocol, status_label
-from kvserve.service.http.responses import ResponsesRoutes
-from kvserve.service.tracing import Tracing
-from kvserve.service.types import Delta, Finished, Started, ToolCallDelta, TurnInput
+from .. import wire
+from . import openai as oa
+from .limits import BodyReader, HttpLimits, front_protocol, status_label
+from .responses import ResponsesRoutes
+from ..tracing import Tracing
+from ..types import Delta, Finished, Started, ToolCallDelta, TurnInput
 
 if TYPE_CHECKING:
-    from kvserve.service.admission import Admission, Ticket
-    from kvserve.service.auth import Authenticator
-    from kvserve.service.conversations import Conversations
-    from kvserve.service.metrics import ServiceMetrics
+    from ..admission import Admission, Ticket
+    from ..auth import Authenticator
+    from ..conversations import Conversations
+    from ..metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

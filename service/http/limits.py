@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from starlette.requests import ClientDisconnect, Request
 
-from kvserve.service.http.openai import HttpError
+from .openai import HttpError
 
 if TYPE_CHECKING:
-    from kvserve.service.metrics import ServiceMetrics
+    from ..metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

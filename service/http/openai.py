@@ -59,10 +59,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
-from kvserve.service import wire
-from kvserve.service.auth import MISSING_CREDENTIALS, Unauthenticated
-from kvserve.service.sessions import SessionBusy, SessionConflict, SessionNotFound, TurnsChanged
-from kvserve.service.types import (
+from .. import wire
+from ..auth import MISSING_CREDENTIALS, Unauthenticated
+from ..sessions import SessionBusy, SessionConflict, SessionNotFound, TurnsChanged
+from ..types import (
     MAX_LOGIT_BIAS,
     ChatMessage,
     ContextOverflow,
@@ -682,7 +682,7 @@ def usage(start: Started | None, fin: Finished, completion_tokens: int | None = 
         "total_tokens": fin.prompt_tokens + completion,
         "prompt_tokens_details": {
             "cached_tokens": fin.cached_tokens,
-            "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.REDIS)},
+            "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
         },
     }
 

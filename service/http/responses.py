@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.service import wire
-from kvserve.service.http import openai as oa
-from kvserve.service.sessions import SessionNotFound
-from kvserve.service.types import (
+from .. import wire
+from . import openai as oa
+from ..sessions import SessionNotFound
+from ..types import (
     ChatMessage,
     Delta,
     Finished,
@@ -52,7 +52,7 @@ from kvserve.service.types import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.service.http.app import HttpFront
+    from .app import HttpFront
 
 RESPONSE_PREFIX = "resp_"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -374,7 +374,7 @@ class ResponsesRoutes:
         if req.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=headers)
-        from kvserve.service.http.app import _disconnected
+        from .app import _disconnected
 
         whole = asyncio.ensure_future(turn.whole())
         gone = asyncio.ensure_future(_disconnected(request))

@@ -39,8 +39,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.service.kernels import build as _build
-from kvserve.service.kernels.binding import header_binding
+from . import build as _build
+from .binding import header_binding
 
 MODES = ("auto", "on", "off")
 ISAS = _build.ISAS

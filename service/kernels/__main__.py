@@ -2,6 +2,6 @@
 
 import sys
 
-from kvserve.service.kernels.build import main
+from .build import main
 
 sys.exit(main())

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvserve.service import kernels
-from kvserve.service.kernels import ops
-from kvserve.service.kernels.binding import header_binding
+from .. import kernels
+from . import ops
+from .binding import header_binding
 
 MAX_ROWS = ops.MAX_ROWS  # decode-sized work; more rows (prefill) are compute-bound: torch's GEMM
 _H = header_binding()

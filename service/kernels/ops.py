@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvserve.service import kernels
-from kvserve.service.kernels.binding import header_binding
+from .. import kernels
+from .binding import header_binding
 
 MAX_ROWS = 64  # decode-sized products; more rows (prefill) are compute-bound: torch's GEMM
 

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kvserve.service.kv.block_manager import NULL_BLOCK
+from .block_manager import NULL_BLOCK
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvserve.cachestore.keys import BlockHash, block_hashes, make_namespace
-from kvserve.service.types import CacheScope
+from ..types import CacheScope
 
 _MAX_CACHED_NAMESPACES = 65536
 

@@ -27,7 +27,7 @@ On the CPU every copy is synchronous and every event complete: restores write in
 pool in place (no staging), and a demotion hands the pool block itself to
 ``on_copied`` during the call. The engine runs the same calls on both (``SyncOps``);
 the ordering itself is tested on the CPU with a fake stream/event implementation
-(tests/test_transfer.py).
+(tests/engine/test_transfer.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
-from kvserve.service.kv.cache import KVPool
+from .cache import KVPool
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import re
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvserve.service.kv.cache import BatchLayout, KVPool
-from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import CausalLM, Linear, causal_mask
+from ..kv.cache import BatchLayout, KVPool
+from .config import ModelConfig
+from .layers import CausalLM, Linear, causal_mask
 
 
 class Attention(nn.Module):

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from kvserve.service.kernels import ops as kernel_ops
-from kvserve.service.kernels.layer import (MAX_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights,
+from ..kernels import ops as kernel_ops
+from ..kernels.layer import (MAX_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights,
                                            ProductWeights, norm, product)
-from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.rope import Rotary, apply_rope_
+from .config import ModelConfig
+from .rope import Rotary, apply_rope_
 
 if TYPE_CHECKING:
-    from kvserve.service.kv.cache import BatchLayout, KVPool
+    from ..kv.cache import BatchLayout, KVPool
 
 Rope = tuple[Tensor, Tensor]  # (cos, signed sin), (B, T, 1, rot) each: rope.Rotary's output
 

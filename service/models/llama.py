@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvserve.service.kernels.layer import LayerWeights
-from kvserve.service.kv.cache import BatchLayout, KVPool
-from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights
-from kvserve.service.models.rope import Rotary
+from ..kernels.layer import LayerWeights
+from ..kv.cache import BatchLayout, KVPool
+from .config import ModelConfig
+from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights
+from .rope import Rotary
 
 
 class Block(nn.Module):

@@ -27,17 +27,17 @@ from pathlib import Path
 
 import torch
 
-from kvserve.service.kv.cache import KVCacheSpec, KVPool
-from kvserve.service.models.config import ModelConfig, ModelLoadError
-from kvserve.service.models.gemma import GemmaForCausalLM
-from kvserve.service.models.gpt2 import GPT2LMHeadModel
-from kvserve.service import kernels
-from kvserve.service.models.layers import CausalLM, fuse_projections, pack_linears, use_kernels
-from kvserve.service.models.llama import LlamaForCausalLM
-from kvserve.service.models.phi3 import Phi3ForCausalLM
-from kvserve.service.models.quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
-from kvserve.service.models.qwen3 import Qwen3ForCausalLM
-from kvserve.service.models.tokenizer import Tokenizer
+from ..kv.cache import KVCacheSpec, KVPool
+from .config import ModelConfig, ModelLoadError
+from .gemma import GemmaForCausalLM
+from .gpt2 import GPT2LMHeadModel
+from .. import kernels
+from .layers import CausalLM, fuse_projections, pack_linears, use_kernels
+from .llama import LlamaForCausalLM
+from .phi3 import Phi3ForCausalLM
+from .quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
+from .qwen3 import Qwen3ForCausalLM
+from .tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
 

@@ -2,6 +2,6 @@
 still import it (service/cli.py, service/engine/async_engine.py, some benchmarks): the
 kernels live in ``kvserve.service.kernels``; import them from there."""
 
-from kvserve.service.kernels import MODES, available, isa, passive_openmp, reason
+from ..kernels import MODES, available, isa, passive_openmp, reason
 
 __all__ = ["MODES", "available", "isa", "passive_openmp", "reason"]

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvserve.service.kv.cache import BatchLayout
-from kvserve.service.models.config import ModelConfig
-from kvserve.service.models.layers import Rope
-from kvserve.service.models.llama import LlamaForCausalLM
+from ..kv.cache import BatchLayout
+from .config import ModelConfig
+from .layers import Rope
+from .llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

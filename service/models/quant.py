@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvserve.service.kernels.layer import MAX_ROWS, ProductWeights, product
-from kvserve.service.models.layers import Linear, UsesKernels
+from ..kernels.layer import MAX_ROWS, ProductWeights, product
+from .layers import Linear, UsesKernels
 
 WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
 # From this many rows (prefill chunks) bf16/int8 products run on the widened weight in

@@ -16,7 +16,7 @@ parameter names).
 
 from __future__ import annotations
 
-from kvserve.service.models.llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

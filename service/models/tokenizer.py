@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
-from kvserve.service.models.config import ModelLoadError
+from .config import ModelLoadError
 
 DEFAULT_ROLES = ("system", "user", "assistant")
 # Used when the checkpoint has no chat template: "<role>: <content>" lines, then "assistant:".

@@ -79,7 +79,7 @@ the session store's circuit breaker (``FallbackSessionStore``: only Redis failin
 """
 
 
-from kvserve.service.sessions.records import (
+from .records import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     SESSION_ID_RE,
@@ -101,13 +101,13 @@ from kvserve.service.sessions.records import (
     decode_record,
     encode_record,
 )
-from kvserve.service.sessions.stores import (
+from .stores import (
     FallbackSessionStore,
     InMemorySessionStore,
     RedisSessionStore,
     SessionStore,
 )
-from kvserve.service.sessions.table import SessionManager, Turn
+from .table import SessionManager, Turn
 
 __all__ = [
     "BadTurnCount",

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvserve.cachestore.disk import hold_dir_lock
-from kvserve.service.sessions.records import SessionRecord, SessionRecordError, decode_record, encode_record
-from kvserve.service.sessions.stores import InMemorySessionStore
+from .records import SessionRecord, SessionRecordError, decode_record, encode_record
+from .stores import InMemorySessionStore
 
 log = logging.getLogger(__name__)
 

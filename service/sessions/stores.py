@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 from redis.exceptions import ResponseError
 
-from kvserve.service.sessions.records import (
+from .records import (
     SessionRecord,
     SessionRecordError,
     decode_record,

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvserve.service.sessions.records import (
+from .records import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     BadTurnCount,
@@ -26,7 +26,7 @@ from kvserve.service.sessions.records import (
     TurnUnavailable,
     check_session_id,
 )
-from kvserve.service.sessions.stores import (
+from .stores import (
     CONFLICT,
     DELETED,
     HEALED,

@@ -23,11 +23,11 @@ import json
 import re
 from typing import Any, AsyncIterator, Sequence
 
-from kvserve.service.tools.formats import ToolFormat, arguments_value
-from kvserve.service.tools.parsers import Piece, ToolCallParser, fold
-from kvserve.service.tools.render import template_messages
-from kvserve.service.validation import check_text
-from kvserve.service.types import (
+from .formats import ToolFormat, arguments_value
+from .parsers import Piece, ToolCallParser, fold
+from .render import template_messages
+from ..validation import check_text
+from ..types import (
     MAX_TOOLS,
     ChatMessage,
     Delta,

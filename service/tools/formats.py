@@ -17,8 +17,8 @@ import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvserve.service.tools.parsers import PARSERS, ToolCallParser
-from kvserve.service.types import ToolCall, ToolSpec
+from .parsers import PARSERS, ToolCallParser
+from ..types import ToolCall, ToolSpec
 
 FAMILIES = tuple(PARSERS)  # hermes, mistral, llama3_json
 # the JSON the grammar writes: json.dumps' separators (what templates' tojson writes), no other whitespace

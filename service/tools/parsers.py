@@ -5,7 +5,7 @@ returns what is now certain, in order: content text (``str``) and ``ToolCallDelt
 (the first of a call carries its id and name, the next ones argument text); ``finish()``
 returns the rest at the end of the output. The whole result does not depend on how the
 text was split: ``fold`` of the pieces of one push of the whole text equals that of any
-split (tests/test_tool_parsers.py splits recorded texts at every byte boundary).
+split (tests/unit/test_tool_parsers.py splits recorded texts at every byte boundary).
 
 Formats (``service/tools/formats.py`` picks one per checkpoint):
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterable, Union
 
-from kvserve.service.types import ToolCall, ToolCallDelta
+from ..types import ToolCall, ToolCallDelta
 
 Piece = Union[str, ToolCallDelta]
 _WS = " \t\r\n"

@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from kvserve.service.tools.formats import ToolFormat, arguments_value
-from kvserve.service.types import ChatMessage, ToolSpec
+from .formats import ToolFormat, arguments_value
+from ..types import ChatMessage, ToolSpec
 
 
 def tool_objects(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:

@@ -1,0 +1,448 @@
+"""The native CPU decode kernels (service/kernels/): the libraries the build made (one per
+ISA level, from the sources and header beside them), checked against float64
+references, in the model against torch's kernels, and their absence (no library for
+this CPU, a stale build) handled as a fallback or a one-line refusal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.service import kernels
+from kvserve.service.kernels import build, ops
+from kvserve.service.models.config import ModelLoadError
+from kvserve.service.models.loading import load_model
+from tests.fixtures.engine import greedy_reference, make_engine, prompts, req, run, finished
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels unavailable: {kernels.reason()}")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+LEVELS = [name for name, _, _ in kernels.ISAS]
+
+
+@pytest.fixture(params=LEVELS)
+def isa(request):
+    """Each ISA level the build made a library for (AVX-512, AVX2) that this CPU runs,
+    selected for the test; the best level is selected again after."""
+    if request.param not in kernels.cpu_isas():
+        pytest.skip(f"this CPU does not run {request.param}")
+    kernels.select(request.param)
+    yield request.param
+    kernels.select(kernels.cpu_isas()[0])
+
+
+def test_the_build_made_every_level_and_the_best_this_cpu_runs_serves() -> None:
+    assert kernels.built_isas() == LEVELS  # x86-64 with a compiler: every level, whatever this CPU runs
+    assert kernels.isa() == kernels.cpu_isas()[0]
+    assert kernels.load().path == kernels.library_path(kernels.isa())
+    with pytest.raises(ValueError, match="unknown ISA"):
+        kernels.library_path("sse2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_each_level_compiles_from_the_sources_as_the_build_does(level, tmp_path) -> None:
+    """One compile per ISA level (what setup.py's build_ext runs): the library carries the
+    digest of the sources and flags it was built from, the installed one the same; where
+    this CPU runs the level, the fresh build computes the installed one's bits."""
+    out = tmp_path / build.library_name(level)
+    build.compile_sources(build.SRC, level, out)
+    digest = build.source_digest(level)
+    assert build.build_id_of(out).split(" ")[0] == digest
+    assert build.build_id_of(kernels.library_path(level)).split(" ")[0] == digest
+    if level in kernels.cpu_isas():
+        fresh = kernels.Library.open(out, level, check_sources=build.SRC)
+        assert fresh.build_id == kernels.Library.open(kernels.library_path(level), level).build_id
+        kernels.select(level)
+        g = torch.Generator().manual_seed(1)
+        x, w = torch.randn(3, 96, generator=g), torch.randn(40, 96, generator=g)
+        want = ops.gemv(x, w)
+        got = torch.empty(3, 40)
+        fresh.lib.kv_gemv_f32(x.data_ptr(), 3, 96, 96, w.data_ptr(), 40, None, None, got.data_ptr(), 40, 0, 1)
+        kernels.select(kernels.cpu_isas()[0])
+        assert torch.equal(got, want)
+
+
+def test_the_binding_is_the_headers_and_checked_against_the_library() -> None:
+    """The ctypes binding is generated from kvkernels.h: every function the header
+    declares is bound with its argument count, every struct has the library's size."""
+    import ctypes
+    import re
+
+    from kvserve.service.kernels.binding import HEADER, header_binding
+
+    b = header_binding()
+    text = HEADER.read_text()
+    declared = set(re.findall(r"\b(kv_\w+)\(", text))
+    assert declared == set(b.functions) and len(declared) >= 11
+    lib = kernels.load().lib
+    assert [getattr(lib, name).argtypes for name in b.functions] == [a for a, _ in b.functions.values()]
+    for which, struct in enumerate(b.structs.values()):
+        assert lib.kv_struct_size(which) == ctypes.sizeof(struct) > 0
+    for source in build.SOURCES:  # every source includes the one header
+        assert '#include "kvkernels.h"' in (build.SRC / source).read_text(), source
+
+
+def test_a_library_built_from_other_sources_is_refused_in_one_line(tmp_path) -> None:
+    """A developer's edit after the build: the library beside the sources no longer
+    matches them and is not served (rebuild), never silently run."""
+    import shutil
+
+    level = kernels.isa()
+    src = tmp_path / "src"
+    shutil.copytree(build.SRC, src)
+    lib = tmp_path / build.library_name(level)
+    shutil.copy(kernels.library_path(level), lib)
+    assert kernels.Library.open(lib, level, check_sources=src).isa == level
+    (src / "decode.cpp").write_text((src / "decode.cpp").read_text() + "\n// edited\n")
+    with pytest.raises(RuntimeError, match="built from other sources") as e:
+        kernels.Library.open(lib, level, check_sources=src)
+    assert "\n" not in str(e.value) and "python -m kvserve.service.kernels" in str(e.value)
+    with pytest.raises(RuntimeError, match=r"no libkvkernels-avx2.so in .* \(not built for this CPU"):
+        kernels.Library.open(tmp_path / "empty" / "libkvkernels-avx2.so", "avx2")
+
+
+def _weights(dtype: torch.dtype, N: int, K: int, g: torch.Generator):
+    """(weight in ``dtype``, float32 scales or None, the float64 weight it stands for)."""
+    if dtype == torch.int8:
+        w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        s = torch.rand(N, generator=g) + 0.01
+        return w, s, w.double() * s.double()[:, None]
+    w = torch.randn(N, K, generator=g).to(dtype)
+    return w, None, w.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
+@pytest.mark.parametrize("K", [64, 96, 771])  # 96: bf16 in blocks of 32 (not 64); 771: a tail past the last 16 and 8
+def test_gemv_matches_float64_reference(isa, dtype, rows, K) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + K)
+    N = 37
+    w, s, ref_w = _weights(dtype, N, K, g)
+    x = torch.randn(rows, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    ref = x.double() @ ref_w.T + bias.double()
+    got = ops.gemv(x, w, s, bias)
+    assert got.shape == (rows, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+    # accumulate: out += x W^T + b in the same pass (a residual add)
+    out = torch.randn(rows, N, generator=g)
+    expect = out.double() + ref
+    ops.gemv(x, w, s, bias, out=out, accumulate=True)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4 * expect.abs().max().item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_rows_result_does_not_depend_on_the_other_rows(isa, dtype) -> None:
+    """Bit for bit: each output is one row's dot product, summed in the same order
+    whatever the batch (a seeded request decodes the same tokens beside others)."""
+    g = torch.Generator().manual_seed(7)
+    w, s, _ = _weights(dtype, 50, 256, g)
+    x = torch.randn(11, 256, generator=g)
+    batch = ops.gemv(x, w, s)
+    for i in range(11):
+        assert torch.equal(ops.gemv(x[i : i + 1], w, s), batch[i : i + 1])
+    # nor on the weight rows computed beside it (the tiles of output rows start elsewhere)
+    for start in (1, 3, 5):
+        part = ops.gemv(x, w[start:], None if s is None else s[start:])
+        assert torch.equal(part, batch[:, start:])
+    if dtype == torch.int8:
+        batch = ops.gemv_q8(x, w, s)
+        for i in range(11):
+            assert torch.equal(ops.gemv_q8(x[i : i + 1], w, s), batch[i : i + 1])
+        for start in (1, 3):
+            assert torch.equal(ops.gemv_q8(x, w[start:], s[start:]), batch[:, start:])
+
+
+def _q8_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """What gemv_q8 computes, in float64: x quantized per block of 32 (scale amax / 127,
+    round half to even), exact integer block products, times the block and row scales."""
+    rows, K = x.shape
+    xb = x.view(rows, K // 32, 32)
+    d = xb.abs().amax(-1) / 127.0  # (rows, nb) float32, as the kernel
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).to(torch.int64)  # torch.round: half to even
+    wb = w.view(w.shape[0], K // 32, 32).to(torch.int64)
+    block = torch.einsum("rbk,nbk->rnb", q, wb).double()  # exact integers
+    return (block * d.double()[:, None, :]).sum(-1) * s.double()[None, :]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("K", [256, 288])  # 288: an odd number of blocks (AVX-512 takes two at a time)
+def test_gemv_q8_is_llama_cpp_q8_0_arithmetic(isa, rows, K) -> None:
+    g = torch.Generator().manual_seed(rows)
+    N = 45
+    w, s, ref_w = _weights(torch.int8, N, K, g)
+    x = torch.randn(rows, K, generator=g)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+    got = ops.gemv_q8(x, w, s)
+    ref = _q8_reference(x, w, s)  # float32 sums in the kernel: tolerance relative to the largest output
+    torch.testing.assert_close(got.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+    exact = x.double() @ ref_w.T
+    err = (got.double() - exact).abs().max() / exact.abs().max()
+    assert err < 0.02  # 8-bit activations: close to the exact product, not equal
+    assert err > 0
+
+
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
+    w = torch.zeros(8, 64)
+    with pytest.raises(ValueError, match="features"):
+        ops.gemv(torch.zeros(1, 63), w)
+    with pytest.raises(ValueError, match="rows"):
+        ops.gemv(torch.zeros(ops.MAX_ROWS + 1, 64), w)
+    with pytest.raises(ValueError, match="scales"):
+        ops.gemv(torch.zeros(1, 64), w.to(torch.int8))
+    with pytest.raises(ValueError, match="bias"):
+        ops.gemv(torch.zeros(1, 64), w, bias=torch.zeros(7))
+    with pytest.raises(ValueError, match="out"):
+        ops.gemv(torch.zeros(2, 64), w, out=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.gemv_q8(torch.zeros(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    from tests.fixtures.models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("native") / "m", hidden_size=128, intermediate_size=352)
+
+
+@pytest.mark.parametrize("fmt", ["exact", "bf16", "int8", "w8a8"])
+def test_model_with_native_kernels_is_at_least_as_close_to_exact(llama_dir, fmt) -> None:
+    """Every weight format loads onto the native kernels by default and its logits are
+    no further from the float32 checkpoint's than torch's kernels' (bf16/int8 keep float32
+    activations; w8a8's per-32 activation scales beat fbgemm's per-row 7 bits)."""
+    ref = load_model(llama_dir, dtype="float32", device="cpu", progress=False, native_kernels="off")
+    on = load_model(llama_dir, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    off = load_model(llama_dir, dtype="float32", device="cpu", progress=False, weight_format=fmt,
+                     native_kernels="off")  # fmt: skip
+    assert on.native == "on" and off.native is None
+    assert all(getattr(m, "_packed", None) is None for m in on.model.modules())  # nothing packed
+    assert any(getattr(m, "kernel", None) is not None for m in on.model.modules())
+    assert all(getattr(m, "kernel", None) in (None, False) for m in off.model.modules())
+    ids = torch.tensor([prompts(ref.config.vocab_size, [24])[0]])
+    with torch.inference_mode():
+        exact = ref.model.forward_nocache(ids)
+        got_on, got_off = on.model.forward_nocache(ids), off.model.forward_nocache(ids)
+    err_on = (got_on - exact).abs().max().item()
+    err_off = (got_off - exact).abs().max().item()
+    if fmt == "exact":
+        assert err_on < 1e-4
+    else:
+        assert err_on <= err_off, (err_on, err_off)
+
+
+@pytest.mark.parametrize("fmt", ["exact", "w8a8"])
+def test_engine_decodes_with_native_kernels_as_the_uncached_model(llama_dir, fmt) -> None:
+    """The engine's cached one-row decode steps and the same model's uncached forward
+    over the whole sequence agree on the greedy tokens."""
+    loaded = load_model(llama_dir, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    assert loaded.native == "on"
+    prompt = prompts(loaded.config.vocab_size, [21])[0]
+    events = run(make_engine(loaded), [req("a", prompt, n=12)])
+    assert finished(events["a"]).output_token_ids == greedy_reference(loaded.model, prompt, 12)
+
+
+def test_without_a_library_for_this_cpu_auto_falls_back_and_on_refuses_in_one_line(tmp_path, llama_dir) -> None:
+    """A wheel built without a compiler, or for another CPU, has no library for this one:
+    auto serves with torch's kernels, on refuses in one line; neither compiles."""
+    script = f"""
+from pathlib import Path
+from kvserve.service import kernels
+kernels.library_path = lambda isa, directory=None: Path({str(tmp_path)!r}) / f"libkvkernels-{{isa}}.so"  # nothing built
+from kvserve.service.models.config import ModelLoadError
+from kvserve.service.models.loading import load_model
+assert not kernels.available()
+print("REASON", kernels.reason())
+m = load_model({str(llama_dir)!r}, dtype="float32", device="cpu", progress=False)
+print("AUTO", m.native, m.model.stack is None and all(getattr(x, "kernel", None) in (None, False) for x in m.model.modules()))
+try:
+    load_model({str(llama_dir)!r}, dtype="float32", device="cpu", progress=False, native_kernels="on")
+except ModelLoadError as e:
+    print("ON", str(e).count(chr(10)), e)
+"""
+    env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(REPO))  # no compiler on PATH either
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["REASON"].startswith("native kernels: no libkvkernels-") and "pip install -e ." in lines["REASON"]
+    assert lines["AUTO"].startswith("native kernels: no libkvkernels-") and lines["AUTO"].endswith("True")
+    assert lines["ON"].startswith("0 native_kernels=on: native kernels: no libkvkernels-")
+
+
+def test_a_bfloat16_model_says_the_kernels_compute_in_float32(tiny_llama_dir) -> None:
+    m = load_model(tiny_llama_dir, dtype="bfloat16", device="cpu", progress=False)
+    assert m.native == "the native kernels compute in float32, the model in bfloat16" and m.model.stack is None
+    with pytest.raises(ModelLoadError, match="^native_kernels=on: the native kernels compute in float32"):
+        load_model(tiny_llama_dir, dtype="bfloat16", device="cpu", progress=False, native_kernels="on")
+
+
+def test_native_kernels_setting_reaches_the_engine_config() -> None:
+    from kvserve.service.config import ServerConfig
+
+    assert ServerConfig.from_args([], {}).engine_config().native_kernels == "auto"
+    assert ServerConfig.from_args(["--native-kernels", "off"], {}).engine_config().native_kernels == "off"
+    assert ServerConfig.from_args([], {"KVSERVE_NATIVE_KERNELS": "on"}).engine_config().native_kernels == "on"
+    with pytest.raises(ValueError):
+        load_model(REPO / "service" / "default_model", native_kernels="sometimes")
+
+
+# ---- the decode step's other kernels: attention over the pool, norms, RoPE, gates ----------
+
+
+def _ref_attention(q, k_ctx, v_ctx, lens, window, scale, softcap):
+    """float64 attention of q (B, nh, hd) over k/v (B, C, n_kv, hd), sequence b's first
+    lens[b] positions, the last ``window`` only when given."""
+    B, nh, hd = q.shape
+    nkv = k_ctx.shape[2]
+    out = torch.zeros(B, nh, hd, dtype=torch.float64)
+    for b in range(B):
+        n = lens[b]
+        start = max(0, n - window) if window else 0
+        for h in range(nh):
+            kk = k_ctx[b, start:n, h // (nh // nkv)].double()
+            s = kk @ q[b, h].double() * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            out[b, h] = torch.softmax(s, 0) @ v_ctx[b, start:n, h // (nh // nkv)].double()
+    return out
+
+
+# query heads per kv head: 2, 1, 3 (6 over 1 head, split in two slices for two threads), 5 (a group of 3 and one of 2)
+@pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (4, 4, None, None), (6, 1, 5, None),
+                                                    (4, 2, None, 30.0), (10, 2, None, None)])  # fmt: skip
+# 96: past one 64-float chunk of the value sums; 40: a chunk and a tail; 12: not a multiple of 8
+@pytest.mark.parametrize("hd", [32, 96, 40, 12])
+def test_decode_attention_reads_the_pool_in_place(isa, nh, nkv, window, softcap, hd) -> None:
+    """The new token's K/V land in their slot and the output is the float64 attention over
+    each sequence's own blocks (scattered, different lengths, GQA, window, soft-cap)."""
+    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+
+    g = torch.Generator().manual_seed(nh * 10 + nkv)
+    bs, L = 4, 3
+    pool = KVPool(40, L, bs, nkv, hd)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    tables = [[7, 3, 22, 9], [30, 1, 15], [12]]
+    lens = [14, 9, 2]  # context before the new token: 13, 8, 1
+    layout = BatchLayout.build([SeqSlice(t, n - 1, [5]) for t, n in zip(tables, lens)], bs)
+    q = torch.randn(3, 1, nh, hd, generator=g)
+    kv_new = torch.randn(3, 1, 2 * nkv, hd, generator=g)  # k and v side by side, as the fused projection
+    k, v = kv_new.split(nkv, dim=2)
+    layer = 1
+    out = ops.decode_attention(q, k, v, pool.data, layer, layout.slot_blocks, layout.slot_offsets, layout.ctx_blocks,
+                               layout.lens_tensor(), window, hd**-0.5, softcap)  # fmt: skip
+    for b, (t, n) in enumerate(zip(tables, lens)):
+        blk, off = t[(n - 1) // bs], (n - 1) % bs
+        assert torch.equal(pool.k(layer)[blk, off], k[b, 0]) and torch.equal(pool.v(layer)[blk, off], v[b, 0])
+    ids = layout.ctx_blocks.view(-1)
+    k_ctx = pool.k(layer).index_select(0, ids).view(3, -1, nkv, hd)
+    v_ctx = pool.v(layer).index_select(0, ids).view(3, -1, nkv, hd)
+    ref = _ref_attention(q[:, 0], k_ctx, v_ctx, lens, window, hd**-0.5, softcap)
+    torch.testing.assert_close(out.view(3, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_norm_rope_and_gates_match_torch(isa) -> None:
+    import torch.nn.functional as F
+
+    from kvserve.service.models.rope import Rotary, apply_rope_
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 1, 100, generator=g), torch.randn(100, generator=g)
+    torch.testing.assert_close(ops.rmsnorm(x, w, 1e-5), F.rms_norm(x, (100,), w, 1e-5), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6, offset=1.0), F.rms_norm(x, (100,), w + 1, 1e-6),
+                               atol=1e-6, rtol=1e-6)  # fmt: skip
+    for rot in (64, 32):  # full and partial rotary: bit for bit torch's in-place ops
+        cos, sin = Rotary(rot, 10000.0, None)(torch.arange(6).view(2, 3) + 40, torch.float32)
+        qkv = torch.randn(2, 3, 7, 64, generator=g)
+        a, b = qkv.clone(), qkv.clone()
+        apply_rope_(a[:, :, :5], cos, sin)
+        ops.rope_(b[:, :, :5], cos, sin)
+        assert torch.equal(a, b)
+    gu = torch.randn(4, 2 * 300, generator=g) * 4
+    gate, up = gu[:, :300], gu[:, 300:]
+    torch.testing.assert_close(ops.act_mul(gu, "silu"), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.act_mul(gu, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up, atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(ops.act_mul(gu, "gelu"), F.gelu(gate) * up, atol=1e-5, rtol=1e-5)  # Gemma's exact gelu
+
+
+FAMILIES = ["tiny_llama_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
+            "tiny_phi3_dir", "tiny_phi4_mini_dir", "tiny_mistral_dir", "tiny_gpt2_dir"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_with_native_kernels_match_torch_per_family(isa, family, request, monkeypatch) -> None:
+    """Prefill two sequences of different lengths, then decode 6 tokens each, three ways:
+    the decoder stack (the default: one native call per layer), the kernels op by op
+    (products, norms and gates native, attention torch's: the stack switched off), torch's
+    kernels. Every step's logits agree with torch's (float32 tolerance), and each path
+    really ran: one native layer call per decoder layer per step on the stack, none
+    with it off (GPT-2 has no stack: native products only)."""
+    from kvserve.service.kernels import layer as kernel_layer
+    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+
+    path = request.getfixturevalue(family)
+    whole = load_model(path, dtype="float32", device="cpu", progress=False)
+    per_op = load_model(path, dtype="float32", device="cpu", progress=False)
+    off = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
+    per_op.model.stack = None
+    calls = {"layer": 0, "product": 0}
+    real_run, real_product = kernel_layer.DecoderStack.run, ops.gemv
+
+    def spy_run(stack, *a, **kw):
+        calls["layer"] += len(stack)
+        return real_run(stack, *a, **kw)
+
+    def spy_product(*a, **kw):
+        calls["product"] += 1
+        return real_product(*a, **kw)
+
+    monkeypatch.setattr(kernel_layer.DecoderStack, "run", spy_run)
+    monkeypatch.setattr(ops, "gemv", spy_product)
+    cfg, bs = whole.config, 4
+    runs = (whole, per_op, off)
+    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in runs]
+    tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
+    prompts_ = prompts(cfg.vocab_size, [11, 6], seed=5)
+    seqs = [list(p) for p in prompts_]
+    with torch.inference_mode():
+        for m, pool in zip(runs, pools):
+            m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
+        for _ in range(6):
+            layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
+            a, b, c = (m.model(layout, pool) for m, pool in zip(runs, pools))
+            torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(b, c, atol=1e-4, rtol=1e-4)
+            for s, tok in zip(seqs, c.argmax(-1).tolist()):
+                s.append(tok)
+    if family == "tiny_gpt2_dir":
+        assert getattr(whole.model, "stack", None) is None and calls["layer"] == 0
+    else:
+        assert len(whole.model.stack) == cfg.num_layers
+        assert calls["layer"] == 6 * cfg.num_layers
+    assert calls["product"] > 0  # the per-op path (and lm_head on every path) ran the native products
+
+
+def test_concurrent_callers_from_several_threads_get_their_own_results(isa) -> None:
+    """The kernels' thread pool runs one task at a time; callers on other threads (two
+    engines in one process, a test beside a server) run theirs alone meanwhile. Every
+    caller's result is its own, exactly as computed on one thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(3000, 256, generator=g)  # many output rows: chunks for every pool thread
+    xs = [torch.randn(3, 256, generator=g) for _ in range(6)]
+    want = [ops.gemv(x, w) for x in xs]
+
+    def work(i: int) -> bool:
+        return all(torch.equal(ops.gemv(xs[i], w), want[i]) for _ in range(40))
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(work, range(6)))

@@ -1,0 +1,233 @@
+"""What must import without torch: the domain types (the front and the clients name them
+without loading the engine) and the Python clients with their generated stubs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.fixtures.serving import REPO, subprocess_env
+
+_NO_TORCH = "import sys; sys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
+
+
+def _runs_without_torch(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _NO_TORCH + code], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def _absolute(path, node) -> str:
+    """The absolute module an ``ast.ImportFrom`` in ``path`` names: the packages import
+    each other relatively (``from ..types import X`` in service/engine/), resolved here
+    as Python does, from the file's place under the repository (kvserve.<folder>...)."""
+    if not node.level:
+        return node.module or ""
+    package = ["kvserve", *path.relative_to(REPO).parts[:-1]]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _from_imports(path, tree, skip=frozenset()) -> list[str]:
+    """Every ``from X import a`` of ``path`` as absolute modules: X, or X.a where X is a
+    package whose module ``a`` is imported (``from . import ops``)."""
+    import ast
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and id(node) not in skip:
+            mod = _absolute(path, node)
+            out.extend([mod] if node.module else [f"{mod}.{a.name}" for a in node.names])
+    return out
+
+
+def test_the_blocker_works():
+    assert _runs_without_torch("import kvserve.service.engine").returncode != 0
+
+
+def test_domain_types_import_without_torch():
+    out = _runs_without_torch("import kvserve.service.types as t; assert t.SamplingParams().max_new_tokens > 0")
+    assert out.returncode == 0, out.stderr
+
+
+def test_tool_calling_imports_without_torch_or_grpc():
+    """service/tools is pure Python (the Responses API and tests reuse it without the engine)."""
+    out = _runs_without_torch("sys.modules['grpc'] = None\nimport kvserve.service.tools as t; assert t.FAMILIES")
+    assert out.returncode == 0, out.stderr
+
+
+def test_clients_and_their_stubs_import_without_torch_or_the_server():
+    code = (
+        "import kvserve.clients, kvserve.clients.chat\n"
+        "from kvserve.clients._proto.kvserve.v1 import generation_pb2\n"
+        "assert not [m for m in sys.modules if m.startswith(('kvserve.service', 'kvserve.cachestore'))]\n"
+    )
+    out = _runs_without_torch(code)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_front_names_no_engine_or_store_internals():
+    """servicer, wire and conversations talk to the engine through AsyncEngine's methods
+    (imported for type checking only) and to the store not at all."""
+    import ast
+
+    for name in ("servicer", "wire", "conversations"):
+        tree = ast.parse((REPO / "service" / f"{name}.py").read_text())
+        type_checking = {
+            id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        imported = _from_imports(REPO / "service" / f"{name}.py", tree, type_checking)
+        inner = [m for m in imported if m.startswith(("kvserve.cachestore", "kvserve.service.engine", "kvserve.service.kv", "torch"))]
+        assert not inner, f"service/{name}.py imports {inner}"
+        source = (REPO / "service" / f"{name}.py").read_text()
+        inside = [s for s in (".engine.engine", ".engine.store", "TieredStore", "cachestore") if s in source]
+        assert not inside, f"service/{name}.py reaches into the engine or the KV store: {inside}"
+
+
+def _module_imports(path) -> list[str]:
+    """kvserve modules ``path`` imports at run time (not under TYPE_CHECKING)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    type_checking = {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in type_checking:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            mod = _absolute(path, node)
+            out.extend([mod] if node.module else [f"{mod}.{a.name}" for a in node.names])
+        elif isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+    return [m for m in out if m.startswith("kvserve.")]
+
+
+ENGINE = REPO / "service" / "engine"
+ROOMS = ("scheduler", "restore", "runner", "output")
+
+
+def test_the_engine_rooms_import_in_one_direction():
+    """engine.py composes the rooms; no room imports another room, the engine or its
+    asyncio front; what they share (sequence.py, config.py, sampling/grammar for the
+    output room, kv/) imports no room; BlockKeys imports nothing of the engine."""
+    rooms = {f"kvserve.service.engine.{r}" for r in ROOMS}
+    above = rooms | {"kvserve.service.engine.engine", "kvserve.service.engine.async_engine"}
+    for name in (*ROOMS, "sequence", "config", "sampling", "grammar", "speculative"):
+        own = f"kvserve.service.engine.{name}"
+        bad = [m for m in _module_imports(ENGINE / f"{name}.py") if m in above - {own}]
+        assert not bad, f"service/engine/{name}.py imports {bad}"
+    assert rooms <= set(_module_imports(ENGINE / "engine.py"))
+    keys = _module_imports(REPO / "service" / "kv" / "keys.py")
+    assert not [m for m in keys if m.startswith("kvserve.service.engine")], keys
+    front = _module_imports(ENGINE / "async_engine.py")
+    assert not [m for m in front if m in rooms], f"async_engine.py imports a room: {front}"
+
+
+def test_block_keys_are_derived_in_one_place():
+    """Namespaces and block chains come from service/kv/keys.py (BlockKeys) alone."""
+    for path in (REPO / "service").rglob("*.py"):
+        if path == REPO / "service" / "kv" / "keys.py":
+            continue
+        source = path.read_text()
+        assert "block_hashes" not in source and "make_namespace" not in source, f"{path} derives block keys"
+
+
+def test_async_engine_reads_no_engine_attribute():
+    """AsyncEngine only hops threads: every use of its LLMEngine (``self.engine``, or a
+    local bound to it) is one of LLMEngine's public methods, called or handed to a
+    thread; never a state attribute (blocks, pool, store, grammars, accepting, ...)."""
+    import ast
+
+    cls = next(n for n in ast.parse((ENGINE / "engine.py").read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == "LLMEngine")
+    methods = {
+        f.name for f in cls.body
+        if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")
+        and not any("property" in ast.unparse(d) for d in f.decorator_list)
+    }
+    assert {"step", "cache_stats", "forget_stored", "block_locations", "spill"} <= methods
+    tree = ast.parse((ENGINE / "async_engine.py").read_text())
+
+    def is_engine(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "engine" and ast.unparse(node.value) == "self"
+
+    aliases = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and is_engine(n.value)
+               for t in n.targets if isinstance(t, ast.Name)}
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and (is_engine(n.value) or (isinstance(n.value, ast.Name) and n.value.id in aliases))]
+    assert uses, "the check found no use of the engine"
+    bad = sorted({f"{ast.unparse(n)} (line {n.lineno})" for n in uses if n.attr not in methods})
+    assert not bad, f"AsyncEngine reads LLMEngine attributes: {bad}"
+    stores = [n for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and (is_engine(t.value) or ast.unparse(t.value) in aliases)]
+    assert not stores, "AsyncEngine sets an LLMEngine attribute"
+    assert "getattr(" not in ast.unparse(tree)
+
+
+def _imports(path) -> list[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = [f"{_absolute(path, n)}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+             for a in n.names]  # fmt: skip
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    return names
+
+
+def test_the_kernels_import_nothing_from_the_models_or_the_engine():
+    """service/kernels/ knows arrays, never modules: the model code hands it typed views
+    of its weights, so the arrow goes models -> kernels and never back."""
+    files = sorted((REPO / "service" / "kernels").glob("*.py"))
+    assert {f.name for f in files} >= {"__init__.py", "build.py", "binding.py", "ops.py", "layer.py"}
+    for f in files:
+        inner = [m for m in _imports(f) if m.startswith("kvserve.") and not m.startswith("kvserve.service.kernels")]
+        assert not inner, f"service/kernels/{f.name} imports {inner}"
+
+
+def test_the_kernels_loader_and_build_import_without_torch():
+    """setup.py loads build.py by path before anything is installed; the command line
+    sets OpenMP's wait policy through the loader before torch loads."""
+    out = _runs_without_torch("from kvserve.service import kernels\nfrom kvserve.service.kernels import build, binding\n"
+                              "kernels.passive_openmp(); binding.header_binding()\n")
+    assert out.returncode == 0, out.stderr
+    assert all(m.split(".")[0] in sys.stdlib_module_names or m.startswith("kvserve.service.kernels")
+               for m in _imports(REPO / "service" / "kernels" / "build.py")), "build.py: standard library only"
+
+
+def test_a_checkout_reads_its_own_imports():
+    """Static tools read a checkout as it is: inside each package (service/, cachestore/,
+    clients/) imports are relative, so each names a file by its place; across packages
+    they are absolute (kvserve.cachestore...), and kvserve/ at the root maps those names
+    to the folders with one symbolic link each (the installed names; no __path__ code)."""
+    import ast
+
+    for root in ("service", "cachestore", "clients"):
+        link = REPO / "kvserve" / root
+        assert link.is_symlink() and link.resolve() == (REPO / root).resolve(), link
+    assert not (REPO / "kvserve" / "__init__.py").exists()
+    checked = 0
+    for root in ("service", "cachestore", "clients"):
+        for path in (REPO / root).rglob("*.py"):
+            parts = path.relative_to(REPO).parts
+            if {"build", "node", "node_modules", "_proto"} & set(parts):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                mod = _absolute(path, node)
+                assert node.level or not mod.startswith(f"kvserve.{root}"), (
+                    f"{path.relative_to(REPO)}:{node.lineno} imports its own package absolutely: {mod}")
+                if not mod.startswith("kvserve."):
+                    continue
+                target = REPO.joinpath(*mod.split(".")[1:])
+                names = [] if node.module else [a.name for a in node.names]
+                found = (target.with_suffix(".py").exists() or (target / "__init__.py").exists()
+                         or target.with_suffix(".pyi").exists())
+                assert found or all((target / f"{n}.py").exists() for n in names), (
+                    f"{path.relative_to(REPO)}:{node.lineno}: {mod} names no file of the checkout")
+                checked += 1
+    assert checked > 200, checked
