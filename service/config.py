@@ -161,6 +161,8 @@ class ServerConfig:
     max_new_tokens_limit: int = setting(4096, "Largest max_new_tokens a request may ask for.", int)
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not set it (capped to the limit and to the context left).", int)
     max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
+    speculative: str = setting("ngram", "Speculative decoding drafted from the sequence's own history (session transcript, prompt, output so far): ngram drafts the continuation of the longest repeated suffix and checks the drafts in one forward (greedy tokens identical to plain decoding; sampled ones from the same distribution); off decodes one token a step. Rows with a response_format or a seed decode plainly.", choice("ngram", "off"))
+    spec_max_draft: int = setting(8, "Most tokens drafted for one sequence in one step (--speculative ngram); the draft length adapts below it to what was accepted.", int)
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     http_port: int = setting(0, "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; 0 = off). Same engine, sessions, API keys, limits and TLS certificates as the gRPC port (docs/api.md).", int)
     http_max_connections: int = setting(1024, "Most connections the HTTP front holds at once; one more gets 503 and is closed at once (each holds a file descriptor).", int, metavar="N")
@@ -223,6 +225,7 @@ class ServerConfig:
             ("max_new_tokens_limit", self.max_new_tokens_limit > 0, "must be > 0"),
             ("default_max_new_tokens", self.default_max_new_tokens > 0, "must be > 0"),
             ("max_queue", self.max_queue >= 0, "must be >= 0"),
+            ("spec_max_draft", self.spec_max_draft >= 1, "must be >= 1"),
             ("drain_timeout", math.isfinite(self.drain_timeout) and self.drain_timeout >= 0, "must be >= 0"),
             ("drain_delay", math.isfinite(self.drain_delay) and self.drain_delay >= 0, "must be >= 0"),
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
@@ -324,6 +327,8 @@ class ServerConfig:
             max_model_len=self.max_model_len,
             max_new_tokens_limit=self.max_new_tokens_limit,
             max_queue=self.max_queue,
+            speculative=self.speculative,
+            spec_max_draft=self.spec_max_draft,
             host_cache_memory=self.host_cache_memory,
             disk_cache_dir=self.disk_cache_dir,
             disk_cache_size=self.disk_cache_size,

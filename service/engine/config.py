@@ -47,6 +47,10 @@ class EngineConfig:
     # pinned host buffers (CUDA) that restores land in and demotions leave through,
     # allocated once (service/kv/transfer.py); unused on the CPU
     staging_memory: int = 256 << 20
+    # speculative decoding drafted from the sequence's own history (engine/speculative.py):
+    # "ngram" or "off"; drafts per step at most
+    speculative: str = "ngram"
+    spec_max_draft: int = 8
 
     def resolved_model_path(self) -> Path:
         return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR
