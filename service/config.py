@@ -153,6 +153,7 @@ class ServerConfig:
     pack_weights: bool = setting(True, "Where the native kernels are off or unavailable: keep a oneDNN-packed copy of each large float32 CPU weight for decode (2 to 64 rows per product: 1.4-1.5x faster batch-8 steps; one row too when torch runs more than one thread: 1.2x single-stream decode at two threads); it doubles the float32 weights' memory. --no-pack-weights serves every product from the one dense copy (prefill is unchanged). Not used by bf16, int8, w8a8 or on CUDA.", parse_bool)
     native_kernels: str = setting("auto", "Native CPU decode kernels (C++ for AVX2 + FMA, or AVX-512 with VNNI where the CPU has it; built by the install, one library per ISA level, the best this CPU runs chosen at start; nothing compiles at start): every 1..64-row product reads the weights in their stored format (float32, bf16, int8; w8a8 with int8 activations per block of 32) and a decode step runs each decoder layer in one call. auto: use them where a library for this CPU was built, else torch's kernels with one log line saying why; on: refuse to start without them; off: torch's kernels only. CPU, float32 compute only.", choice("auto", "on", "off"))
     kv_cache_memory: int = setting(1 << 30, "Bytes for the device KV block pool (512MiB, 2GiB, or plain bytes).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    kv_cache_format: str = setting("exact", "Format of the KV cache in the device pool and every tier (host, Redis): exact (the --dtype), or LOSSY bf16 or fp16 (float32 compute only: half the bytes per token, so twice the sessions per pool and tier, half the bytes per restore; attention reads the stored KV directly, the native kernels and torch alike). Part of the block namespace: KV of one format is never read as another. With bf16/fp16, --redis-kv-format must be exact or the same format (the blocks move between tiers as they are). Error measured in docs/benchmarks.md.", choice("exact", "bf16", "fp16"))
     block_size: int = setting(16, "Tokens per KV block (the unit of caching).", int)
     max_num_seqs: int = setting(32, "Most sequences running in one engine step.", int)
     max_num_batched_tokens: int = setting(512, "Prefill token budget per engine step (long prompts are chunked).", int)
@@ -160,6 +161,8 @@ class ServerConfig:
     max_new_tokens_limit: int = setting(4096, "Largest max_new_tokens a request may ask for.", int)
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not set it (capped to the limit and to the context left).", int)
     max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
+    speculative: str = setting("ngram", "Speculative decoding drafted from the sequence's own history (session transcript, prompt, output so far): ngram drafts the continuation of the longest repeated suffix and checks the drafts in one forward (greedy tokens identical to plain decoding; sampled ones from the same distribution); off decodes one token a step. Rows with a response_format or a seed decode plainly.", choice("ngram", "off"))
+    spec_max_draft: int = setting(8, "Most tokens drafted for one sequence in one step (--speculative ngram); the draft length adapts below it to what was accepted.", int)
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     http_port: int = setting(0, "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; 0 = off). Same engine, sessions, API keys, limits and TLS certificates as the gRPC port (docs/api.md).", int)
     http_max_connections: int = setting(1024, "Most connections the HTTP front holds at once; one more gets 503 and is closed at once (each holds a file descriptor).", int, metavar="N")
@@ -222,10 +225,13 @@ class ServerConfig:
             ("max_new_tokens_limit", self.max_new_tokens_limit > 0, "must be > 0"),
             ("default_max_new_tokens", self.default_max_new_tokens > 0, "must be > 0"),
             ("max_queue", self.max_queue >= 0, "must be >= 0"),
+            ("spec_max_draft", self.spec_max_draft >= 1, "must be >= 1"),
             ("drain_timeout", math.isfinite(self.drain_timeout) and self.drain_timeout >= 0, "must be >= 0"),
             ("drain_delay", math.isfinite(self.drain_delay) and self.drain_delay >= 0, "must be >= 0"),
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
+            ("redis_kv_format", self.kv_cache_format == "exact" or self.redis_kv_format in ("exact", self.kv_cache_format),
+             f"would re-encode the --kv-cache-format {self.kv_cache_format} blocks (use exact: they move as they are)"),
             ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
             ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),
             ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
@@ -314,12 +320,15 @@ class ServerConfig:
             pack_weights=self.pack_weights,
             native_kernels=self.native_kernels,
             kv_cache_memory=self.kv_cache_memory,
+            kv_cache_format=self.kv_cache_format,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_new_tokens_limit=self.max_new_tokens_limit,
             max_queue=self.max_queue,
+            speculative=self.speculative,
+            spec_max_draft=self.spec_max_draft,
             host_cache_memory=self.host_cache_memory,
             disk_cache_dir=self.disk_cache_dir,
             disk_cache_size=self.disk_cache_size,

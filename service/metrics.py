@@ -57,8 +57,23 @@ class EngineStatsCollector:
             f"{p}_engine_prefill_tokens", "Tokens run through the model as prompt.", value=s.prefill_tokens
         )
         yield CounterMetricFamily(
-            f"{p}_engine_decode_tokens", "Tokens run through the model as decode steps.", value=s.decode_tokens
-        )
+            f"{p}_engine_decode_tokens", "Tokens run through the model as decode steps (drafts verified included).",
+            value=s.decode_tokens,
+        )  # fmt: skip
+        # speculative decoding: acceptance rate = accepted / draft; tokens per verify step =
+        # (steps + accepted) / steps
+        yield CounterMetricFamily(
+            f"{p}_spec_verify_steps", "Speculative verify forwards, one per sequence (--speculative ngram).",
+            value=s.spec_steps,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{p}_spec_draft_tokens", "Tokens drafted from the sequences' own history and verified.",
+            value=s.spec_draft_tokens,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{p}_spec_accepted_tokens", "Drafted tokens accepted (each one an output token without a step of its own).",
+            value=s.spec_accepted_tokens,
+        )  # fmt: skip
 
 
 class CacheStoreCollector:

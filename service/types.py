@@ -236,6 +236,12 @@ class Timings:
     ttft_s: float = 0.0  # arrival -> first token sampled
     decode_s: float = 0.0  # first token -> last token
     decode_tokens_per_s: float = 0.0
+    # speculative decoding (engine/speculative.py): tokens drafted for this sequence, how
+    # many of them became its tokens, and its output tokens per forward that made them
+    # (1.0 without speculation). The engine's Finished carries them; the wire does not yet.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    tokens_per_step: float = 0.0
 
 
 @dataclass(slots=True)
@@ -402,7 +408,11 @@ class EngineStats:
     blocks_free: int  # allocatable now (free + evictable cached)
     blocks_cached: int  # hold a hash, refcount 0 (evictable)
     prefill_tokens: int  # tokens run through the model as prompt (cumulative)
-    decode_tokens: int  # tokens run through the model as decode steps (cumulative)
+    decode_tokens: int  # tokens run through the model as decode steps (cumulative; drafts verified included)
+    # speculative decoding (cumulative): verify forwards per sequence, drafts checked, drafts accepted
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ from .restore import Restorer
 from .runner import Row, Runner
 from .sampling import sample
 from .scheduler import Scheduler
+from .speculative import SpecConfig
 from .sequence import Emitted, Sequence, SeqStatus
 from ..kv.block_manager import Block, BlockManager
 from ..kv.cache import KVPool
@@ -101,12 +102,12 @@ class LLMEngine:
         self.block_size = cfg.block_size
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # the KV objects the rooms share
-        self.pool = loaded.new_kv_pool(cfg.kv_cache_memory, cfg.block_size)
+        self.pool = loaded.new_kv_pool(cfg.kv_cache_memory, cfg.block_size, cfg.kv_cache_format)
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._demote)
         # restores into / demotions out of the pool (CUDA: streams, events, pinned staging)
         self.transfers = (transfers or (lambda pool: BlockTransfers.for_pool(pool, cfg.staging_memory)))(self.pool)
         self.store = store
-        self.keys = BlockKeys(loaded.fingerprint, self.pool.spec.dtype_name, cfg.block_size, mcfg.longrope_threshold)
+        self.keys = BlockKeys(loaded.fingerprint, self.pool.spec.namespace_field, cfg.block_size, mcfg.longrope_threshold)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.eos_token_ids)
         self.accepting = True
 
@@ -117,7 +118,7 @@ class LLMEngine:
             context_length=self.max_model_len,
             vocab_size=mcfg.vocab_size,
             block_size=self.block_size,
-            dtype=self.pool.spec.dtype_name,
+            dtype=str(loaded.dtype).removeprefix("torch."),  # compute; the KV's format: bytes_per_token
             device=str(loaded.device),
             num_layers=mcfg.num_layers,
             num_kv_heads=mcfg.num_kv_heads,
@@ -129,9 +130,13 @@ class LLMEngine:
         )
 
         # the rooms
+        if cfg.speculative not in ("ngram", "off"):
+            raise ValueError(f"speculative must be ngram or off, got {cfg.speculative!r}")
+        self.spec = SpecConfig(max_draft=cfg.spec_max_draft) if cfg.speculative == "ngram" else None
         self.scheduler = Scheduler(
             cfg, self.blocks, self.keys, has_tiers=store is not None,
             may_hold=lambda namespace, hashes: self.restorer.may_hold(namespace, hashes),
+            max_model_len=self.max_model_len, spec=self.spec,
         )  # fmt: skip
         self.restorer = Restorer(
             store, self.transfers, self.pool, self.blocks, self.keys,
@@ -218,6 +223,9 @@ class LLMEngine:
             blocks_cached=self.blocks.num_cached_idle,
             prefill_tokens=self.runner.num_prefill_tokens,
             decode_tokens=self.runner.num_decode_tokens,
+            spec_steps=self.runner.num_verify_steps,
+            spec_draft_tokens=self.runner.num_draft_tokens,
+            spec_accepted_tokens=self.runner.num_accepted_tokens,
         )
 
     def cache_stats(self) -> CacheStats:
@@ -332,10 +340,28 @@ class LLMEngine:
             self.scheduler.wait_for_work(0.01)
             return out
         if self.scheduler.running:
-            rows, logits = self.runner.run(self.scheduler.plan())
+            rows, logits, verified = self.runner.run(self.scheduler.plan())
+            if verified:
+                self._verify_and_emit(verified, out)
             if rows:
                 self._sample_and_emit(rows, out, logits)
         return out
+
+    def _verify_and_emit(self, rows: list[Row], out: Emitted) -> None:
+        """Speculative rows: the output room takes the accepted drafts and the next token,
+        the runner keeps their KV (registering completed blocks), the scheduler gives back
+        the blocks past the sequence's tokens, then stops and failures as ``emit``'s."""
+        emitted = self.output.emit_verified(rows)
+        out.extend(emitted.events)
+        for seq, accepted in emitted.verified:
+            self.runner.commit(seq, accepted)
+            self.scheduler.trim(seq)
+        if emitted.finished:
+            self.runner.seal([s for s, _ in emitted.finished])
+            for seq, reason in emitted.finished:
+                self._finish(seq, reason, out)
+        for seq, error, rejected in emitted.failed:
+            self._finish(seq, FinishReason.ERROR, out, error=error, rejected=rejected)
 
     def _started(self, seq: Sequence, out: Emitted) -> None:
         if not seq.started:

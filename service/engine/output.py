@@ -17,7 +17,16 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .grammar import GrammarCompiler, matcher_error
-from .sampling import RowState, Sampled, make_generator, needs_penalties, sample
+from .sampling import (
+    RowState,
+    Sampled,
+    apply_penalties,
+    make_generator,
+    needs_penalties,
+    sample,
+    token_logprobs,
+)
+from .speculative import accept
 from .sequence import Emitted, Sequence
 from ..types import (
     Delta,
@@ -95,6 +104,27 @@ class TextStream:
 
 # ---- the output room -------------------------------------------------------------------
 
+
+def _merge_deltas(events: Emitted, start: int) -> None:
+    """The deltas ``events[start:]`` (one sequence's, one verification's) as one delta."""
+    if len(events) - start < 2:
+        return
+    rid, first = events[start]
+    deltas = [ev for _, ev in events[start:]]
+    if not all(isinstance(d, Delta) for d in deltas):
+        return
+    events[start:] = [
+        (
+            rid,
+            Delta(
+                token_ids=[t for d in deltas for t in d.token_ids],
+                text="".join(d.text for d in deltas),
+                logprobs=[lp for d in deltas for lp in d.logprobs],
+                index=first.index,
+            ),
+        )
+    ]
+
 Sampler = Callable[..., Sampled]  # sampling.sample's signature: (logits, params, generators, states, masks)
 
 
@@ -107,6 +137,8 @@ class Emission:
     events: Emitted = field(default_factory=list)
     finished: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
     failed: list[tuple[Sequence, str, bool]] = field(default_factory=list)
+    # verify rows (``emit_verified``): (sequence, its drafts that became its tokens)
+    verified: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class Output:
@@ -212,11 +244,64 @@ class Output:
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             if tok is None:  # failed in sampling
                 continue
+            seq.num_steps += 1
             try:
                 self._take(seq, tok, lp, now, out)
             except Exception as exc:  # a bug in one sequence's output: that request fails alone
                 out.failed.append((seq, self._internal(seq, exc, "its output"), False))
         return out
+
+    def emit_verified(self, rows: list[tuple[Sequence, torch.Tensor]]) -> Emission:
+        """Verify rows (runner.verify): each sequence's drafts (``seq.drafts``) checked
+        against its (1 + k, V) logits by engine/speculative.py's rule, the tokens taken one
+        at a time as ``emit`` takes one (stop tokens and strings, max tokens, the context
+        end: the first that ends the sequence drops the rest) and streamed as one delta.
+        Row i's logits get the penalties plain decoding would apply after drafts[:i]
+        (repetition, presence/frequency, min_new_tokens' held-back stop ids: those drafts
+        are the tokens it would have had), so the tokens are plain greedy decoding's, and
+        sampled tokens follow its distribution. A failure is the sequence's alone."""
+        out = Emission()
+        now = time.monotonic()
+        for seq, logits in rows:
+            drafts, seq.drafts = seq.drafts, []
+            try:
+                tokens, logprobs = self._verify(seq, drafts, logits)
+            except Exception as exc:
+                rejected = isinstance(exc, InvalidRequest)
+                out.failed.append((seq, str(exc) if rejected else self._internal(seq, exc, "sampling"), rejected))
+                out.verified.append((seq, 0))
+                continue
+            accepted = len(tokens) - 1  # the drafts taken; the last token is the target's own
+            seq.drafter.record(len(drafts), accepted)
+            seq.num_steps += 1
+            before, first_event, ends = seq.num_output, len(out.events), len(out.finished) + len(out.failed)
+            try:
+                for tok, lp in zip(tokens, logprobs):
+                    self._take(seq, tok, lp, now, out)
+                    if len(out.finished) + len(out.failed) > ends:
+                        break
+            except Exception as exc:
+                out.failed.append((seq, self._internal(seq, exc, "its output"), False))
+            _merge_deltas(out.events, first_event)
+            out.verified.append((seq, min(accepted, seq.num_output - before)))
+        return out
+
+    def _verify(
+        self, seq: Sequence, drafts: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        logits = logits.float().clone()  # (1 + k, V): processed in place
+        if self.sampleable_vocab < logits.shape[-1]:
+            logits[:, self.sampleable_vocab :] = float("-inf")
+        p = seq.request.sampling
+        rows = len(drafts) + 1
+        if needs_penalties(p):
+            states = [
+                RowState(seq.token_ids + drafts[:i], seq.num_prompt, self._stop_ids(seq, seq.num_output + i))
+                for i in range(rows)
+            ]
+            apply_penalties(logits, [p] * rows, states)
+        tokens = accept(logits, drafts, p, seq.generator)
+        return tokens, token_logprobs(logits[: len(tokens)], tokens, [p.logprobs] * len(tokens))
 
     def _take(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float, out: Emission) -> None:
         p = seq.request.sampling
@@ -311,11 +396,11 @@ class Output:
             f"(the format is beyond llguidance's limits: simplify it)"
         )
 
-    def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+    def _stop_ids(self, seq: Sequence, num_output: int | None = None) -> tuple[int, ...]:
         """The ids min_new_tokens holds back: eos (unless ignored) and stop_token_ids;
-        empty once the sequence has its minimum."""
+        empty once the sequence has its minimum (``num_output``: at that many outputs)."""
         p = seq.request.sampling
-        if seq.num_output >= p.min_new_tokens:
+        if (seq.num_output if num_output is None else num_output) >= p.min_new_tokens:
             return ()
         eos = () if p.ignore_eos else tuple(self.eos_ids)
         return eos + tuple(p.stop_token_ids)
@@ -348,6 +433,9 @@ class Output:
             ttft_s=t_first - seq.arrival if seq.t_first else 0.0,
             decode_s=decode_s,
             decode_tokens_per_s=(seq.num_output - 1) / decode_s if decode_s > 0 else 0.0,
+            draft_tokens=seq.drafter.drafted if seq.drafter is not None else 0,
+            accepted_draft_tokens=seq.drafter.accepted if seq.drafter is not None else 0,
+            tokens_per_step=seq.num_output / seq.num_steps if seq.num_steps else 0.0,
         )
 
         def event(index: int, tokens: list[int], text: str) -> tuple[str, Event]:

@@ -54,19 +54,30 @@ class Runner:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_seal_tokens = 0
+        # speculative decoding: verify forwards (one per sequence), drafts run through them
+        # (counted in num_decode_tokens too) and drafts accepted
+        self.num_verify_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # measured prefill rate (tokens/s), for the restore-or-recompute decision
         self.prefill_tokens_per_s: float | None = None
         self._prefill_marks: deque[tuple[int, Any, Any]] = deque()  # (tokens, start, end) to read
 
-    def run(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None]:
+    def run(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None, list[Row]]:
         """Compute ``plan``; returns the rows whose next token is to be sampled (decode rows
-        first) and, when they are the decode rows alone, their (B, V) logits as one tensor."""
+        first), when they are the decode rows alone their (B, V) logits as one tensor, and
+        the verify rows with their (1 + drafts, V) logits (``decode_step``)."""
         rows: list[Row] = []
         decode_logits = None
-        if plan.decode:
-            decode_logits = self.forward([(s, 1) for s in plan.decode])
-            self.num_decode_tokens += len(plan.decode)
+        verified: list[Row] = []
+        if plan.decode or plan.verify:
+            logits = self.decode_step(plan.decode, plan.verify)
+            decode_logits = logits[: len(plan.decode)]
             rows.extend((s, decode_logits[i]) for i, s in enumerate(plan.decode))
+            at = len(plan.decode)
+            for seq in plan.verify:
+                verified.append((seq, logits[at : at + 1 + len(seq.drafts)]))
+                at += 1 + len(seq.drafts)
         ops = self.transfers.ops
         for seq, n in plan.prefill:
             t0 = ops.mark()
@@ -77,7 +88,53 @@ class Runner:
             if seq.num_computed == len(seq.token_ids):
                 rows.append((seq, logits[0]))
         self.poll_prefill_rate()
-        return rows, decode_logits if len(rows) == len(plan.decode) else None
+        return rows, decode_logits if len(rows) == len(plan.decode) else None, verified
+
+    def decode_step(self, decode: list[Sequence], verify: list[Sequence]) -> torch.Tensor:
+        """One batched decode forward, (rows, V) logits: a row per decode sequence (its
+        pending token), then for each verify sequence a row per position of its pending
+        token and its drafts (``seq.drafts``), in order, all sharing its block table. Each
+        row is one new token at its own position, so the whole step is a decode step (the
+        native decode layer where it applies): every row's K/V is written before any row
+        attends, and a row sees the positions up to its own, so row i of a verify sequence
+        is the target after its drafts[:i], as a prefill chunk of those tokens would give.
+        Decode rows advance; a verify sequence's ``num_computed`` does not move until
+        ``commit`` knows what its drafts' KV is worth, and nothing of it is registered."""
+        slices = []
+        for seq in decode:
+            slices.append(self._slice(seq, seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1]))
+        for seq in verify:
+            table = self._block_table(seq)
+            for i, tok in enumerate([seq.token_ids[-1], *seq.drafts]):
+                slices.append(self._slice(seq, seq.num_computed + i, [tok], table))
+        layout = BatchLayout.build(slices, self.block_size, self.device)
+        logits = self.model(layout, self.pool)
+        for seq in decode:
+            seq.num_computed += 1
+            self._register_full_blocks(seq)
+            self._release_outside_window(seq)
+        self.num_decode_tokens += len(slices)
+        self.num_verify_steps += len(verify)
+        self.num_draft_tokens += len(slices) - len(decode) - len(verify)
+        return logits
+
+    def _slice(self, seq: Sequence, start: int, tokens: list[int], table: array.array | None = None) -> SeqSlice:
+        return SeqSlice(
+            block_table=self._block_table(seq) if table is None else table,
+            start_pos=start,
+            token_ids=tokens,
+            long_rope=seq.long_rope if self.longrope else None,
+        )
+
+    def commit(self, seq: Sequence, accepted: int) -> None:
+        """A verified sequence kept ``accepted`` of its drafts (each one now a token of
+        it): its pending token's and theirs are computed KV (registered when they complete
+        a block); the rejected drafts' KV past them is stale and is overwritten when
+        those positions are computed again."""
+        seq.num_computed = min(seq.num_computed + 1 + accepted, len(seq.token_ids))
+        self.num_accepted_tokens += accepted
+        self._register_full_blocks(seq)
+        self._release_outside_window(seq)
 
     def poll_prefill_rate(self) -> None:
         """Fold timed prefill chunks into the EWMA of prefill tokens/s, in order, as far

@@ -21,6 +21,7 @@ from typing import Callable
 from kvserve.cachestore.keys import BlockHash
 from .config import EngineConfig
 from .sequence import Sequence, SeqStatus, StepPlan
+from .speculative import MAX_STEP_ROWS, NgramDrafter, SpecConfig
 from ..kv.block_manager import Block, BlockManager, NoFreeBlocks
 from ..kv.keys import BlockKeys
 from ..types import QueueFull, Tier
@@ -46,8 +47,12 @@ class Scheduler:
         *,
         has_tiers: bool,
         may_hold: Callable[[bytes, list[BlockHash]], bool] | None = None,
+        max_model_len: int | None = None,
+        spec: SpecConfig | None = None,
     ) -> None:
         self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.spec = spec  # None: no speculative decoding
         self.block_size = cfg.block_size
         self.blocks = blocks
         self.keys = keys
@@ -204,6 +209,10 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         decode: list[Sequence] = []
         prefill: list[tuple[Sequence, int]] = []
+        verify: list[Sequence] = []
+        # drafts are extra rows of the decode forward: no more rows than the native decode
+        # layer takes in one call (past it the whole step would run on torch's kernels)
+        spare_rows = MAX_STEP_ROWS - len(self.running)
         for seq in order:
             if seq not in self.running:  # preempted below
                 continue
@@ -219,7 +228,13 @@ class Scheduler:
             if seq not in self.running:
                 continue
             if left == 1:
-                decode.append(seq)
+                seq.drafts = self._draft(seq, min(budget - 1, spare_rows)) if self.spec is not None else []
+                if seq.drafts:
+                    verify.append(seq)
+                    n += len(seq.drafts)
+                    spare_rows -= len(seq.drafts)
+                else:
+                    decode.append(seq)
             else:
                 prefill.append((seq, n))
             budget -= n
@@ -227,7 +242,49 @@ class Scheduler:
         return StepPlan(
             decode=[s for s in decode if s in self.running],
             prefill=[(s, n) for s, n in prefill if s in self.running],
+            verify=[s for s in verify if s in self.running],
         )
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Drafts for a decode row (engine/speculative.py), within ``budget`` tokens, the
+        request's max_new_tokens and the context (the bonus token counts too), the blocks
+        it holds or free ones (a draft never preempts) and the LongRoPE switch length (the
+        tokens past it are computed in the other regime). None for a row with a grammar or
+        a seed: a grammar's masks follow its matcher token by token, and a seeded request
+        gives the same tokens whatever else is in the batch, which drafts cut by the
+        step's budget or free blocks would break (its draws would follow the drafts)."""
+        p = seq.request.sampling
+        if seq.matcher is not None or (p.temperature != 0.0 and p.seed is not None) or seq.fork_pending:
+            return []  # (an n > 1 request forks at its first sample, which a plain row makes)
+        L = len(seq.token_ids)
+        limit = min(budget, p.max_new_tokens - seq.num_output - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - L - 1)
+        if limit <= 0:
+            return []
+        if seq.drafter is None:
+            seq.drafter = NgramDrafter(self.spec)
+        drafts = seq.drafter.propose(seq.token_ids, limit)
+        while drafts and not seq.long_rope and self.keys.is_long(L + len(drafts)):
+            drafts.pop()
+        # a block for the drafts only while one stays free for every running sequence, so
+        # that drafting never makes a later sequence of this step preempt another
+        need = -(-(seq.num_computed + 1 + len(drafts)) // self.block_size) - len(seq.blocks)
+        if drafts and need > 0 and (
+            self.blocks.num_free - need < len(self.running)
+            or not self._ensure_blocks(seq, seq.num_computed + 1 + len(drafts))
+        ):
+            room = len(seq.blocks) * self.block_size - seq.num_computed - 1
+            del drafts[max(room, 0) :]
+        return drafts
+
+    def trim(self, seq: Sequence) -> None:
+        """After a verification: the blocks past what the sequence's tokens need (they
+        held rejected drafts' KV, never registered) are given back."""
+        keep = -(-len(seq.token_ids) // self.block_size)
+        if len(seq.blocks) > keep:
+            self.blocks.free(seq.blocks[keep:])
+            del seq.blocks[keep:]
 
     def _ensure_blocks(self, seq: Sequence, n_tokens: int) -> bool:
         need = -(-n_tokens // self.block_size) - len(seq.blocks)

@@ -54,6 +54,9 @@ class Sequence:
     group: list["Sequence"] | None = None  # n > 1, once forked: every sequence of the request
     fork_blocks: list[Block] = field(default_factory=list)  # n > 1: reserved for the forks' partial block
     matcher: Any = None  # response_format: the llguidance matcher of this sequence's output
+    drafter: Any = None  # speculative.NgramDrafter over token_ids, made at the first decode step that drafts
+    drafts: list[int] = field(default_factory=list)  # this step's drafted tokens (scheduler -> runner -> output)
+    num_steps: int = 0  # forwards whose logits gave output tokens (a verification's several count once)
     restore: Future | None = None
     table: tuple[list[Block], int, array.array] | None = None  # (blocks, num_released, block table): Runner
     t_admit: float = 0.0
@@ -89,8 +92,11 @@ Emitted = list[tuple[str, Event]]  # (request id, event), in order
 
 @dataclass
 class StepPlan:
-    """One step's forward work: decode rows (one pending token each, one batched forward)
-    and prefill chunks (sequence, tokens), within the token budget."""
+    """One step's forward work: decode rows (one pending token each, one batched forward),
+    prefill chunks (sequence, tokens) and verify rows (a decode row with drafts in its
+    ``drafts``: its pending token plus the drafts, logits at every position, one batched
+    forward), within the token budget."""
 
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int]]
+    verify: list[Sequence] = field(default_factory=list)

@@ -18,9 +18,15 @@ if TYPE_CHECKING:
 
 def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
     """The tiers below the device, fastest first: host memory (``--host-cache-memory``),
-    files (``--disk-cache-dir``), then Redis (``--redis-url``), each holding blocks of the model's KV cache spec (the
-    pool's geometry, from one place). None when neither is configured."""
-    spec = loaded.kv_spec(cfg.block_size)
+    files (``--disk-cache-dir``), then Redis (``--redis-url``), each holding blocks of the model's KV cache
+    spec (the pool's geometry and KV format, from one place: every tier moves the pool's bytes as
+    they are). None when neither is configured. A narrower pool (``--kv-cache-format``)
+    keeps Redis in that format: ``--redis-kv-format`` exact or the same format (the
+    settings refuse any other), never re-encoded between tiers."""
+    spec = loaded.kv_spec(cfg.block_size, cfg.kv_cache_format)
+    if spec.format != "exact" and cfg.redis_kv_format not in ("exact", spec.format):
+        raise ValueError(f"--redis-kv-format {cfg.redis_kv_format} would re-encode the {spec.format} KV cache; "
+                         f"use exact (the pool's {spec.format} bytes as they are)")
     tiers: list[BlockTier] = []
     if cfg.host_cache_memory:
         tiers.append(HostTier(cfg.host_cache_memory, spec.block_shape, spec.dtype, pin_memory=loaded.device.type == "cuda"))
@@ -35,7 +41,7 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
                 cluster=cfg.redis_cluster,
                 ttl_s=cfg.redis_ttl_s or None,
                 key_prefix=cfg.redis_key_prefix,
-                storage_dtype=STORAGE_FORMATS[cfg.redis_kv_format],
+                storage_dtype=STORAGE_FORMATS[cfg.redis_kv_format],  # the pool's own dtype: none (RedisTier)
                 compression=None if cfg.redis_compression == "none" else cfg.redis_compression,
             )
         )

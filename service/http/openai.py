@@ -217,14 +217,14 @@ COMPLETION_NAMES: Mapping[str, str] = {
 }  # fmt: skip
 RESPONSES_NAMES: Mapping[str, str] = {
     **_BASE_NAMES, "max_new_tokens": "max_output_tokens", "chat.messages": "input", "prompt": "input", "text:": "input:",
-    "response_format": "text.format",
+    "response_format": "text.format", ".function.name": ".name", ".function.parameters": ".parameters",
 }  # fmt: skip
 # Request fields an error message may start with (after renaming): the error's param.
 _PARAMS = (
     "max_completion_tokens", "max_tokens", "max_output_tokens", "min_tokens", "temperature", "top_p", "top_k",
     "repetition_penalty", "seed", "stop_token_ids", "stop", "n", "min_p", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "cache_salt", "messages", "prompt", "input", "response_format",
-    "text.format",
+    "text.format", "tools", "tool_choice", "parallel_tool_calls",
 )  # fmt: skip
 
 

@@ -18,6 +18,12 @@ parameters and usage are not stored (``usage`` is null there). ``DELETE`` remove
 session and forgets its KV blocks (``Conversations.remove``), except the prefix it
 shares with the response it followed.
 
+Function tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, flat as the
+Responses API writes them) run through the same machinery as chat's (``service/tools``,
+applied by ``Conversations.run_turn``): each call is a ``function_call`` output item, and a
+follow-up's ``function_call_output`` items are tool messages of the next turn, so the
+previous response's calls stay in the transcript as the model wrote them (cached).
+
 Parsing and rendering here are pure functions; ``ResponsesRoutes`` runs them over the
 HTTP front's admission, authentication and conversations (docs/api.md lists what of
 OpenAI's Responses surface is not implemented and the error each field gets).
@@ -48,6 +54,10 @@ from ..types import (
     ResponseFormat,
     Started,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolSpec,
     TurnInput,
 )
 
@@ -73,7 +83,6 @@ _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
     "prompt": (None,),
     "truncation": (None, "disabled"),
     "max_tool_calls": (None,),
-    "tool_choice": (None, "auto", "none"),
 }
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -99,31 +108,98 @@ def new_response_id() -> str:
 
 
 def _input_messages(value: Any) -> list[ChatMessage]:
-    """``input``: a string (one user message) or a list of message items."""
+    """``input``: a string (one user message) or a list of items: messages,
+    ``function_call`` items (an assistant's calls, consecutive ones one message) and
+    ``function_call_output`` items (a tool message with the call's result)."""
     if isinstance(value, str):
         return [ChatMessage("user", value)]
     if not isinstance(value, list) or not value:
         raise oa.HttpError(400, "input must be a string or a non-empty list of items", param="input")
-    out = []
+    out: list[ChatMessage] = []
+    names: dict[str, str] = {}  # call_id -> function name, for the results that follow
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise oa.HttpError(400, f"{where} must be an object", param=where)
         kind = item.get("type", "message")
+        if kind == "function_call":
+            _only(item, where, ("type", "id", "call_id", "name", "arguments", "status"))
+            call = ToolCall(oa._string(item.get("call_id"), f"{where}.call_id"), oa._string(item.get("name"), f"{where}.name"),
+                            oa._string(item.get("arguments", "{}"), f"{where}.arguments"))  # fmt: skip
+            names[call.id] = call.name
+            if out and out[-1].role == "assistant" and out[-1].tool_calls:
+                out[-1] = dataclasses.replace(out[-1], tool_calls=out[-1].tool_calls + (call,))
+            else:
+                out.append(ChatMessage("assistant", "", (call,)))
+            continue
+        if kind == "function_call_output":
+            _only(item, where, ("type", "id", "call_id", "output", "status"))
+            call_id = oa._string(item.get("call_id"), f"{where}.call_id")
+            output = oa._content(item.get("output"), f"{where}.output", _TEXT_PARTS)
+            out.append(ChatMessage("tool", output, (), call_id, names.get(call_id, "")))
+            continue
         if kind != "message":
-            why = ("function calls and their outputs need tools, which /v1/responses does not implement yet"
-                   if kind in ("function_call", "function_call_output") else "only message items are supported")
-            raise oa.unsupported(f"{where}.type", f"{kind!r}: {why}")  # fmt: skip
+            raise oa.unsupported(f"{where}.type", f"{kind!r}: only message, function_call and function_call_output items are supported")
         role = item.get("role")
         if role not in _ROLES:
             raise oa.HttpError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}"[:200],
                                param=f"{where}.role", code="invalid_value")  # fmt: skip
-        for key in item:
-            if key not in ("type", "role", "content", "id", "status"):
-                raise oa.unsupported(f"{where}.{key}")
+        _only(item, where, ("type", "role", "content", "id", "status"))
         content = oa._content(item.get("content"), f"{where}.content", _TEXT_PARTS)
         out.append(ChatMessage(role, content))
     return out
+
+
+def _only(item: Mapping[str, Any], where: str, keys: tuple[str, ...]) -> None:
+    for key in item:
+        if key not in keys:
+            raise oa.unsupported(f"{where}.{key}")
+
+
+def response_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice | None, bool, list[dict[str, Any]]]:
+    """``tools`` (``[{"type": "function", "name", "description", "parameters", "strict"}]``,
+    flat; a built-in tool type is refused naming ``tools[i].type``), ``tool_choice``
+    ("none", "auto", "required" or ``{"type": "function", "name"}``) and
+    ``parallel_tool_calls``; and the tools to echo. Names, schemas and their combination
+    are checked by ``service.tools.check_tools``, as on chat."""
+    raw = body.get("tools")
+    raw = [] if raw is None else raw
+    if not isinstance(raw, list):
+        raise oa.HttpError(400, "tools must be a list", param="tools")
+    tools, echo = [], []
+    for i, t in enumerate(raw):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise oa.HttpError(400, f"{w} must be an object", param=w)
+        if t.get("type") != "function":
+            raise oa.unsupported(f"{w}.type", f"{t.get('type')!r}: only function tools are implemented on /v1/responses"[:200])
+        _only(t, w, ("type", "name", "description", "parameters", "strict"))
+        params = t.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise oa.HttpError(400, f"{w}.parameters must be a JSON schema object", param=f"{w}.parameters")
+        strict = t.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise oa.HttpError(400, f"{w}.strict must be a boolean", param=f"{w}.strict")
+        name = oa._string(t.get("name"), f"{w}.name")
+        desc = oa._string(t.get("description") or "", f"{w}.description")
+        strict = True if strict is None else strict  # OpenAI's default on /v1/responses
+        tools.append(ToolSpec(name, desc, json.dumps(params) if params is not None else "{}", strict))
+        echo.append({"type": "function", "name": name, "description": desc or None, "parameters": params,
+                     "strict": strict})  # fmt: skip
+    choice = body.get("tool_choice")
+    tc: ToolChoice | None
+    if choice is None:
+        tc = None
+    elif choice in ("none", "auto", "required"):
+        tc = ToolChoice(choice)
+    elif isinstance(choice, dict) and choice.get("type") == "function" and set(choice) <= {"type", "name"}:
+        tc = ToolChoice("function", oa._string(choice.get("name"), "tool_choice.name"))
+    else:
+        raise oa.unsupported("tool_choice", 'accepted: "none", "auto", "required" or {"type": "function", "name": ...}')
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise oa.HttpError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    return tuple(tools), tc, parallel is not False, echo
 
 
 def text_format(text: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
@@ -164,8 +240,6 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     for name, allowed in _DEFAULTS_ONLY.items():
         if body.get(name) not in allowed:
             raise oa.unsupported(name, f"not implemented (accepted: {', '.join(json.dumps(a) for a in allowed)})")
-    if body.get("tools") not in (None, []):
-        raise oa.unsupported("tools", "function and built-in tools are not implemented on /v1/responses yet")
     reasoning = body.get("reasoning")
     if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
         raise oa.unsupported("reasoning", "Unsupported parameter: 'reasoning' is not supported with this model")
@@ -173,8 +247,7 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
         raise oa.unsupported("include", f"only {LOGPROBS_INCLUDE!r} is supported")
     oa.check_bookkeeping(body)
-    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
-        raise oa.HttpError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    tools, tool_choice, parallel, echo_tools = response_tools(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise oa.HttpError(400, "model must be a string", param="model")
@@ -203,12 +276,13 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     fmt, echo_fmt = text_format(body.get("text"))
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
-    inp = TurnInput(messages=tuple(messages), sampling=sampling, max_new_tokens=max_tokens, cache_salt=oa._salt(body))
+    inp = TurnInput(messages=tuple(messages), sampling=sampling, max_new_tokens=max_tokens, cache_salt=oa._salt(body),
+                    tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)  # fmt: skip
     echo = {
         "temperature": body.get("temperature"), "top_p": body.get("top_p"), "max_output_tokens": max_tokens,
         "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "user": body.get("user"), "top_logprobs": top, "service_tier": body.get("service_tier"),
-        "tool_choice": body.get("tool_choice") or "auto", "safety_identifier": body.get("safety_identifier"),
+        "tools": echo_tools, "tool_choice": body.get("tool_choice") or "auto", "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
     }  # fmt: skip
     return ResponseRequest(model, inp, bool(stream), store, prev, instructions, echo_fmt, logprobs, echo)
@@ -225,16 +299,18 @@ def output_logprobs(items: list[TokenLogprob], pieces: Any) -> list[dict[str, An
 def response_object(
     rid: str, model: str, created_at: int, status: str, text: str | None, *, req: ResponseRequest | None = None,
     previous: str | None = None, usage: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
-    incomplete: str | None = None, ext: dict[str, Any] | None = None,
+    incomplete: str | None = None, ext: dict[str, Any] | None = None, calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:  # fmt: skip
-    """OpenAI's ``response`` object; ``text`` None: no output yet (in progress)."""
+    """OpenAI's ``response`` object; ``text`` None: no output yet (in progress). With
+    ``calls``: a ``function_call`` item each, after the message (left out when empty)."""
     output = []
-    if text is not None:
+    if text is not None and (text or not calls):
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
         if logprobs is not None:
             part["logprobs"] = logprobs
         output.append({"type": "message", "id": "msg_" + rid[len(RESPONSE_PREFIX):], "status": status,
                        "role": "assistant", "content": [part]})  # fmt: skip
+    output.extend(function_call_item(rid, k, c, "completed") for k, c in enumerate(calls))
     echo = req.echo if req is not None else {}
     out: dict[str, Any] = {
         "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
@@ -243,7 +319,7 @@ def response_object(
         "instructions": req.instructions if req is not None else None,
         "previous_response_id": previous, "store": req.store if req is not None else True,
         "text": {"format": req.text_format if req is not None else {"type": "text"}},
-        "tools": [], "tool_choice": echo.get("tool_choice", "auto"),
+        "tools": echo.get("tools", []), "tool_choice": echo.get("tool_choice", "auto"),
         "parallel_tool_calls": echo.get("parallel_tool_calls", True), "truncation": "disabled",
         "temperature": echo.get("temperature"), "top_p": echo.get("top_p"),
         "max_output_tokens": echo.get("max_output_tokens"), "metadata": echo.get("metadata", {}),
@@ -254,6 +330,16 @@ def response_object(
     if ext is not None:
         out["kvserve"] = ext
     return out
+
+
+def call_item_id(rid: str, k: int) -> str:
+    return f"fc_{rid[len(RESPONSE_PREFIX):]}_{k}"
+
+
+def function_call_item(rid: str, k: int, call: ToolCall, status: str) -> dict[str, Any]:
+    """The ``function_call`` output item of the response's ``k``-th call."""
+    return {"type": "function_call", "id": call_item_id(rid, k), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": status}  # fmt: skip
 
 
 def response_usage(start: Started, fin: Finished, block_size: int) -> dict[str, Any]:
@@ -417,11 +503,12 @@ class _Turn:
 
     def _object(self, status: str, text: str | None, fin: Finished | None = None,
                 lps: list[TokenLogprob] | None = None) -> dict[str, Any]:  # fmt: skip
+        calls = tuple(fin.tool_calls) if fin is not None else ()
         logprobs = output_logprobs(lps or [], self.pieces) if self.pieces is not None and text is not None else None
         return response_object(
             self.rid, self.model, self.created, status, text, req=self.req, previous=self.req.previous_response_id,
             usage=response_usage(self.start, fin, self.block_size) if fin is not None else None, logprobs=logprobs,
-            incomplete="max_output_tokens" if status == "incomplete" else None, ext=self.ext,
+            incomplete="max_output_tokens" if status == "incomplete" else None, ext=self.ext, calls=calls,
         )  # fmt: skip
 
     def _error(self, fin: Finished) -> oa.HttpError | None:
@@ -480,23 +567,51 @@ class _Turn:
 
         status, ok = 200, False
         item_id = "msg_" + self.rid[len(RESPONSE_PREFIX):]
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        # with tools the items open as their output comes (the message on its first text,
+        # a function_call on its call's first piece); without, the message opens at once
+        tooled = self.front.conversations.tools.parsing(self.req.inp)
+        order: list[Any] = []  # "message" or a call's index, as their items opened (output_index)
+        args: dict[int, list[str]] = {}
         text: list[str] = []
         lps: list[TokenLogprob] = []
+
+        def where() -> dict[str, Any]:
+            return {"item_id": item_id, "output_index": order.index("message"), "content_index": 0}
+
+        def open_message() -> list[bytes]:
+            order.append("message")
+            item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+            return [event("response.output_item.added", output_index=len(order) - 1, item=item),
+                    event("response.content_part.added", **where(),
+                          part={"type": "output_text", "text": "", "annotations": []})]  # fmt: skip
+
         try:
             yield event("response.created", response=self._object("in_progress", None))
             yield event("response.in_progress", response=self._object("in_progress", None))
-            item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
-            yield event("response.output_item.added", output_index=0, item=item)
-            yield event("response.content_part.added", **where,
-                        part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
+            if not tooled:
+                for b in open_message():
+                    yield b
             async for ev in self.gen:
                 if isinstance(ev, Delta):
                     if ev.text or (self.pieces is not None and ev.logprobs):
+                        if "message" not in order:
+                            for b in open_message():
+                                yield b
                         text.append(ev.text)
                         lps.extend(ev.logprobs)
                         lp = output_logprobs(ev.logprobs, self.pieces) if self.pieces is not None else []
-                        yield event("response.output_text.delta", **where, delta=ev.text, logprobs=lp)
+                        yield event("response.output_text.delta", **where(), delta=ev.text, logprobs=lp)
+                elif isinstance(ev, ToolCallDelta):
+                    k = ev.call_index
+                    if k not in args:
+                        order.append(k)
+                        args[k] = []
+                        item = function_call_item(self.rid, k, ToolCall(ev.id, ev.name, ""), "in_progress")
+                        yield event("response.output_item.added", output_index=len(order) - 1, item=item)
+                    if ev.arguments:
+                        args[k].append(ev.arguments)
+                        yield event("response.function_call_arguments.delta", item_id=call_item_id(self.rid, k),
+                                    output_index=order.index(k), delta=ev.arguments)  # fmt: skip
                 elif isinstance(ev, Finished):
                     err = self._error(ev)
                     if err is not None:
@@ -506,11 +621,30 @@ class _Turn:
                         break
                     done = "incomplete" if ev.finish_reason == FinishReason.LENGTH else "completed"
                     whole = self._object(done, ev.text, ev, lps)
-                    msg = whole["output"][0]
-                    all_lps = msg["content"][0].get("logprobs", [])
-                    yield event("response.output_text.done", **where, text=ev.text, logprobs=all_lps)
-                    yield event("response.content_part.done", **where, part=msg["content"][0])
-                    yield event("response.output_item.done", output_index=0, item=msg)
+                    items = {("message" if it["type"] == "message" else int(it["id"].rsplit("_", 1)[1])): it
+                             for it in whole["output"]}  # fmt: skip
+                    if "message" in items and "message" not in order:  # no text, no call: an empty message
+                        for b in open_message():
+                            yield b
+                    for k in items:
+                        if k not in order:  # a call the stream did not carry (never: the parser streams each)
+                            order.append(k)
+                            yield event("response.output_item.added", output_index=len(order) - 1,
+                                        item={**items[k], "arguments": "", "status": "in_progress"})  # fmt: skip
+                    whole["output"] = [items[k] for k in order if k in items]
+                    for at, k in enumerate(order):
+                        if k not in items:
+                            continue
+                        it = items[k]
+                        if k == "message":
+                            part = it["content"][0]
+                            yield event("response.output_text.done", **where(), text=ev.text,
+                                        logprobs=part.get("logprobs", []))  # fmt: skip
+                            yield event("response.content_part.done", **where(), part=part)
+                        else:
+                            yield event("response.function_call_arguments.done", item_id=it["id"], output_index=at,
+                                        arguments=it["arguments"])  # fmt: skip
+                        yield event("response.output_item.done", output_index=at, item=it)
                     ok = True
                     yield event(f"response.{done}", response=whole)
                     break

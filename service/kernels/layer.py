@@ -146,7 +146,7 @@ class LayerWeights:
 @dataclass
 class DecodeStep:
     """One decode step's batch, as arrays: the pool (num_blocks, L, 2, bs, n_kv, hd)
-    float32, where each sequence's new token goes (slot_blocks, slot_offsets (B,)), its
+    float32, bfloat16 or float16 (``ops.KV_POOL_FORMATS``), where each sequence's new token goes (slot_blocks, slot_offsets (B,)), its
     block table (tables (B, nb)) and context length with the new token (lens (B,)), all
     int64 contiguous. The arrays are kept referenced while the C struct points at them."""
 
@@ -159,7 +159,7 @@ class DecodeStep:
     def __post_init__(self) -> None:
         B, nb = self.tables.shape
         N, L, two, bs = self.pool.shape[:4]
-        self.struct = KvStep(B, 0, self.pool.data_ptr(), L, bs, self.slot_blocks.data_ptr(),
+        self.struct = KvStep(B, 0, self.pool.data_ptr(), ops.KV_POOL_FORMATS[self.pool.dtype], L, bs, self.slot_blocks.data_ptr(),
                              self.slot_offsets.data_ptr(), self.tables.data_ptr(), nb, self.lens.data_ptr(),
                              torch.get_num_threads())  # fmt: skip
 

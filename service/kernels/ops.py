@@ -16,7 +16,9 @@ from .. import kernels
 from .binding import header_binding
 
 MAX_ROWS = 64  # decode-sized products; more rows (prefill) are compute-bound: torch's GEMM
-
+_C = header_binding().constants
+# the KV pool dtypes attention reads in place -> kvkernels.h's kv_fmt
+KV_POOL_FORMATS = {torch.float32: _C["KV_F32"], torch.bfloat16: _C["KV_BF16"], torch.float16: _C["KV_F16"]}
 
 
 def _lib():
@@ -148,7 +150,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, 
                      slot_offsets: Tensor, tables: Tensor, lens: Tensor, window: int | None, scale: float,
                      softcap: float | None) -> Tensor:
     """One new token per sequence: write k, v (B, 1, n_kv, hd) into ``pool`` (the KVPool's
-    (N, L, 2, bs, n_kv, hd) float32 tensor) at (slot_blocks, slot_offsets) (B,), then
+    (N, L, 2, bs, n_kv, hd) tensor: float32, bfloat16 or float16, ``KV_POOL_FORMATS``;
+    the new K/V rounded to it to nearest even, as ``Tensor.to``) at (slot_blocks, slot_offsets) (B,), then
     attend q (B, 1, nh, hd) over each sequence's ``lens[b]`` positions in the blocks
     ``tables`` (B, nb), the last ``window`` only when given: (B, 1, nh * hd)."""
     B, T, nh, hd = q.shape
@@ -158,8 +161,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, 
     for t in (q, k, v):
         if t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != hd:
             raise ValueError("decode_attention: float32 q, k, v with contiguous heads")
-    if k.stride(0) != v.stride(0) or pool.dtype != torch.float32 or not pool.is_contiguous():
-        raise ValueError("decode_attention: k and v rows at one stride; a contiguous float32 pool")
+    if k.stride(0) != v.stride(0) or pool.dtype not in KV_POOL_FORMATS or not pool.is_contiguous():
+        raise ValueError("decode_attention: k and v rows at one stride; a contiguous float32, bfloat16 or float16 pool")
     for t in (slot_blocks, slot_offsets, lens):
         if t.dtype != torch.long or t.numel() != B or not t.is_contiguous():
             raise ValueError("decode_attention: slot_blocks, slot_offsets and lens are (B,) int64")
@@ -169,7 +172,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, 
         raise ValueError(f"decode_attention: layer {layer} of {L}")
     out = torch.empty(B, 1, nh * hd, dtype=torch.float32)
     _lib().kv_decode_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), B, nh, nkv, hd, pool.data_ptr(), layer, L,
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), B, nh, nkv, hd, pool.data_ptr(), KV_POOL_FORMATS[pool.dtype], layer, L,
         bs, slot_blocks.data_ptr(), slot_offsets.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         int(window or 0), float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),
     )

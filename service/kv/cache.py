@@ -32,22 +32,39 @@ from torch import Tensor
 from .block_manager import NULL_BLOCK
 
 
+# --kv-cache-format: the dtype the pool and every tier store KV in (None: the model's own)
+KV_CACHE_FORMATS = {"exact": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """The geometry of every KV block, built once from the model config
     (``LoadedModel.kv_spec``): the pool allocates blocks of it and the store's tiers hold
-    blocks of exactly this shape and dtype."""
+    blocks of exactly this shape and dtype.
+
+    ``dtype`` is the stored one (``--kv-cache-format``); ``compute_dtype`` the model's,
+    which attention widens the stored KV to. They differ only for a narrower format
+    (float32 compute, bf16 or fp16 KV): then ``format`` names it and the namespace field
+    says both, so KV rounded to one format is never read as another's, nor as exact."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    compute_dtype: torch.dtype | None = None  # None: dtype (exact)
 
     @classmethod
-    def for_model(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """From a ``ModelConfig``: its layers, kv heads and head dim."""
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    def for_model(cls, config, block_size: int, dtype: torch.dtype, kv_format: str = "exact") -> KVCacheSpec:
+        """From a ``ModelConfig``: its layers, kv heads and head dim; ``dtype`` the model's,
+        ``kv_format`` one of ``KV_CACHE_FORMATS`` (a format as wide as the model's dtype
+        or wider is the model's dtype: exact)."""
+        if kv_format not in KV_CACHE_FORMATS:
+            raise ValueError(f"unknown KV cache format {kv_format!r} (choose from {', '.join(KV_CACHE_FORMATS)})")
+        stored = KV_CACHE_FORMATS[kv_format] or dtype
+        if stored.itemsize >= dtype.itemsize:
+            stored = dtype
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, stored, dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -55,9 +72,25 @@ class KVCacheSpec:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def format(self) -> str:
+        """The ``KV_CACHE_FORMATS`` name served: "exact" when the pool holds the model's dtype."""
+        if self.compute_dtype is None or self.compute_dtype == self.dtype:
+            return "exact"
+        return next(name for name, dt in KV_CACHE_FORMATS.items() if dt == self.dtype)
+
+    @property
     def dtype_name(self) -> str:
-        """The dtype's short name ("float32", ...): a field of the block key namespace."""
+        """The stored dtype's short name ("float32", "bfloat16", ...)."""
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def namespace_field(self) -> str:
+        """The KV dtype field of the block key namespace: the dtype for exact KV
+        ("float32"), the model's dtype and the format for narrower KV ("float32/kv=bf16":
+        float32-computed KV rounded to bf16, which no exact namespace equals)."""
+        if self.format == "exact":
+            return self.dtype_name
+        return f"{str(self.compute_dtype).removeprefix('torch.')}/kv={self.format}"
 
     @property
     def bytes_per_token(self) -> int:
@@ -86,6 +119,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
@@ -98,7 +132,8 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype)  # the block geometry
+        # the block geometry; compute_dtype: the model's, when the pool stores a narrower format
+        self.spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype, compute_dtype)
         # zeros, not empty: every page is touched now, so nbytes is the real footprint
         # and the first forward pays no page faults.
         self.data = torch.zeros(
@@ -116,7 +151,8 @@ class KVPool:
             raise ValueError(
                 f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {spec.bytes_per_block} bytes; need >= 2"
             )
-        return cls(num_blocks, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
+        return cls(num_blocks, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device,
+                   spec.compute_dtype)
 
     # ---- geometry -------------------------------------------------------------------
 
@@ -158,20 +194,33 @@ class KVPool:
         """Write the new K/V of ``layer`` at the layout's slots; return the K/V to attend over.
 
         k, v: (B, T, n_kv, hd) for the batch's new tokens. Returns (k_ctx, v_ctx) of shape
-        (B, C, n_kv, hd): the new K/V themselves when the layout is ``fresh`` (no cached
-        context), else each sequence's gathered context (C = ``layout.ctx_len``).
+        (B, C, n_kv, hd) in k's dtype: the new K/V themselves when the layout is ``fresh``
+        (no cached context), else each sequence's gathered context (C = ``layout.ctx_len``).
+
+        A pool narrower than k (``--kv-cache-format`` bf16/fp16) stores k, v rounded, and
+        what is returned is the stored KV widened back: a fresh prefill attends over the
+        same rounded KV a later step reads from the pool, so a cache hit and a recompute
+        agree. The widened context is this layer's alone (freed when its attention has run).
 
         When v directly follows k in memory (the heads of one fused q/k/v output, as
         llama.py leaves them), K and V are written by one ``index_put_``; else by two.
         """
         k_cache, v_cache = self._k[layer], self._v[layer]
+        narrow = k.dtype != self.dtype
         pair = _side_by_side(k, v)
         if pair is not None:  # one write for K and V: (B*T, 2, n_kv, hd) at (block, K|V, offset)
-            self._kv[layer].index_put_(layout.kv_slots(), pair.reshape(-1, 2, self.num_kv_heads, self.head_dim))
+            pair = pair.reshape(-1, 2, self.num_kv_heads, self.head_dim)
+            self._kv[layer].index_put_(layout.kv_slots(), pair.to(self.dtype) if narrow else pair)
         else:
-            k_cache.index_put_((layout.slot_blocks, layout.slot_offsets), k.reshape(-1, self.num_kv_heads, self.head_dim))
-            v_cache.index_put_((layout.slot_blocks, layout.slot_offsets), v.reshape(-1, self.num_kv_heads, self.head_dim))
+            k_rows = k.reshape(-1, self.num_kv_heads, self.head_dim)
+            v_rows = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            if narrow:
+                k_rows, v_rows = k_rows.to(self.dtype), v_rows.to(self.dtype)
+            k_cache.index_put_((layout.slot_blocks, layout.slot_offsets), k_rows)
+            v_cache.index_put_((layout.slot_blocks, layout.slot_offsets), v_rows)
         if layout.fresh:
+            if narrow:  # the KV as stored (rounded), in k's dtype
+                return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(k.dtype)
             return k, v
         # index_select over the flat block list (several times faster on CPU than
         # advanced indexing): (B*nb, bs, n_kv, hd) -> (B, nb*bs, n_kv, hd) -> (B, C, n_kv, hd)
@@ -179,6 +228,8 @@ class KVPool:
         ids = layout.ctx_blocks.view(-1)
         k_ctx = k_cache.index_select(0, ids).view(B, -1, self.num_kv_heads, self.head_dim)[:, : layout.ctx_len]
         v_ctx = v_cache.index_select(0, ids).view(B, -1, self.num_kv_heads, self.head_dim)[:, : layout.ctx_len]
+        if narrow:  # widened once here, for this layer's attention
+            k_ctx, v_ctx = k_ctx.to(k.dtype), v_ctx.to(k.dtype)
         return k_ctx, v_ctx
 
     # ---- export / import (the cache store's unit) -----------------------------------

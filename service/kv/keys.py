@@ -1,7 +1,7 @@
 """The one place a replica derives block keys: a request's namespace and its block chain.
 
 ``BlockKeys`` holds what every key of this model's KV depends on (the model fingerprint,
-the KV dtype, the block size, and LongRoPE's switch length) and answers the engine's
+the KV format (``KVCacheSpec.namespace_field``), the block size, and LongRoPE's switch length) and answers the engine's
 rooms and its store side alike: admission hashes a prompt, a forward registers the
 blocks it completed, a restore looks them up, a spill, a forget or a location query
 hashes a transcript, all by asking it, so the derivation is written out once

@@ -138,8 +138,9 @@ def use_kernels(model: CausalLM) -> int:
 
 def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | None:
     """The kernels' view of a decode step over ``kv`` (made once per layout), or None
-    when ``layout`` is no decode step over a cached float32 context."""
-    if layout is None or layout.ctx_blocks is None or kv.data.dtype != torch.float32:
+    when ``layout`` is no decode step over a cached context in a pool the kernels read
+    (float32, bfloat16, float16: ``--kv-cache-format``)."""
+    if layout is None or layout.ctx_blocks is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
         return None
     key = ("kernels_step", id(kv))
     step = layout._bias.get(key)

@@ -67,13 +67,14 @@ class LoadedModel:
     weight_format: str = "exact"  # quant.WEIGHT_FORMATS
     native: str | None = None  # "on": decode products by the native kernels; else why not (None: not asked)
 
-    def kv_spec(self, block_size: int) -> KVCacheSpec:
-        """The geometry of this model's KV blocks: the one source for the pool and the store."""
-        return KVCacheSpec.for_model(self.config, block_size, self.dtype)
+    def kv_spec(self, block_size: int, kv_format: str = "exact") -> KVCacheSpec:
+        """The geometry of this model's KV blocks in ``kv_format`` (``--kv-cache-format``):
+        the one source for the pool and the store."""
+        return KVCacheSpec.for_model(self.config, block_size, self.dtype, kv_format)
 
-    def new_kv_pool(self, budget_bytes: int, block_size: int) -> KVPool:
-        """A KV pool for this model (its geometry, dtype and device) within ``budget_bytes``."""
-        return KVPool.from_spec(self.kv_spec(block_size), budget_bytes, self.device)
+    def new_kv_pool(self, budget_bytes: int, block_size: int, kv_format: str = "exact") -> KVPool:
+        """A KV pool for this model (its geometry, KV format and device) within ``budget_bytes``."""
+        return KVPool.from_spec(self.kv_spec(block_size, kv_format), budget_bytes, self.device)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:

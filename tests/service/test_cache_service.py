@@ -75,7 +75,7 @@ def test_restart_resumes_from_redis_after_sigterm(tiny_llama_dir, redis_url):
             assert transcript(c, "r") == t1  # the transcript came back from Redis
             r = c.chat("r", MSGS[1], max_new_tokens=10)
             assert r.start.cached_tokens == full(len(t1)) > 0
-            assert r.start.cached_by_tier == {"device": 0, "host": 0, "redis": full(len(t1))}
+            assert r.start.cached_by_tier == {"device": 0, "host": 0, "disk": 0, "redis": full(len(t1))}
             prompt = transcript(c, "r")[: -len(r.token_ids)]
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -96,7 +96,7 @@ def test_get_session_says_where_the_blocks_are(tiny_llama_dir, redis_url):
     with ServerThread(cfg) as srv, KVServeClient(srv.address, timeout=60) as c:
         c.chat("w", MSGS[0], max_new_tokens=10)
         n = len(transcript(c, "w")) // BLOCK_SIZE
-        assert wait_until(lambda: c.get_session("w").cached_blocks == {"device": n, "host": n, "redis": n})
+        assert wait_until(lambda: c.get_session("w").cached_blocks == {"device": n, "host": n, "disk": 0, "redis": n})
         assert c.get_session("w").full_blocks == n
 
 

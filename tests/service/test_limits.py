@@ -181,7 +181,7 @@ def test_delete_session_removes_the_transcript_and_its_blocks_in_every_tier(tiny
         tokens = c.get_session("gone", include_token_ids=True).token_ids
         n = len(tokens) // BLOCK_SIZE
         c.complete(token_ids=prompt, cache_salt="elsewhere", max_new_tokens=2)  # same tokens, other namespace
-        assert wait_until(lambda: c.get_session("gone").cached_blocks == {"device": n, "host": n, "redis": n})
+        assert wait_until(lambda: c.get_session("gone").cached_blocks == {"device": n, "host": n, "disk": 0, "redis": n})
         c.delete_session("gone")
         assert _error(lambda: c.get_session("gone")).code == grpc.StatusCode.NOT_FOUND
         assert _where(srv, tokens) == {"device": 0, "host": 0, "redis": 0}

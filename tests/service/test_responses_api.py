@@ -146,13 +146,13 @@ def test_store_false_leaves_nothing_to_retrieve(oai, model, server):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),  # function tools: test_responses_tools.py
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"conversation": "conv_1"}, "conversation"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
         ({"max_output_tokens": 10_000_000}, "max_output_tokens"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),

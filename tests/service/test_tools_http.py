@@ -260,21 +260,20 @@ def test_hermes_template_sees_the_tools_and_the_calls(hermes_server, hermes):
 @pytest.mark.parametrize(
     "extra,param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
-        ({"tool_choice": "required"}, None),
-        ({"tools": TOOLS, "tool_choice": "required", "stop": ["x"]}, None),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "stop": ["x"]}, "stop"),
         ({"tools": "x"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": [TOOLS[0], TOOLS[0]]}, None),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function"),
     ],
 )
 def test_bad_tools_are_400(oai, extra, param):
     c = oai
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=_model(c), messages=ASK, max_tokens=4, **extra)
-    if param:
-        assert e.value.body["param"] == param
+    assert e.value.body["param"] == param
 
 
 def test_tool_messages_need_a_tool_call_id(oai):

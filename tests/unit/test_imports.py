@@ -115,7 +115,7 @@ def test_the_engine_rooms_import_in_one_direction():
     output room, kv/) imports no room; BlockKeys imports nothing of the engine."""
     rooms = {f"kvserve.service.engine.{r}" for r in ROOMS}
     above = rooms | {"kvserve.service.engine.engine", "kvserve.service.engine.async_engine"}
-    for name in (*ROOMS, "sequence", "config", "sampling", "grammar"):
+    for name in (*ROOMS, "sequence", "config", "sampling", "grammar", "speculative"):
         own = f"kvserve.service.engine.{name}"
         bad = [m for m in _module_imports(ENGINE / f"{name}.py") if m in above - {own}]
         assert not bad, f"service/engine/{name}.py imports {bad}"

@@ -47,6 +47,54 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The KV pool's element types (KvStep.kv_fmt): each widens 8 stored values to float32
+// exactly, and rounds a float32 to the stored type to nearest even, as torch's .to() does.
+struct F32Kv {
+  using T = float;
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static float load1(const float* p) { return *p; }
+  static float store1(float x) { return x; }
+};
+struct Bf16Kv {  // bfloat16: the high half of a float32
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+  static float load1(const uint16_t* p) {
+    const uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+  static uint16_t store1(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+struct F16Kv {  // IEEE half (F16C)
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+  static uint16_t store1(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+};
+
+// dot(a, b) with b stored as E::T (the fallback for hd % 8 != 0: the same order as dot).
+template <class E>
+inline float dot_kv(const float* a, const typename E::T* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), E::load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), E::load8(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), E::load8(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; i++) s += a[i] * E::load1(b + i);
+  return s;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -74,20 +122,21 @@ inline __m256 hsum8(const __m256* a) {
 // accumulator per row, so the eight multiply-add chains run side by side. Eight rows (all
 // but a context's last block) take the unrolled form, whose accumulators and row pointers
 // stay in registers; the same sums in the same order either way.
-inline void dot8(const float* q, const float* const* k, int n, int64_t hd, float* out) {
+template <class E>
+inline void dot8(const float* q, const typename E::T* const* k, int n, int64_t hd, float* out) {
   if (n == 8) {
-    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
+    const typename E::T *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t i = 0; i < hd; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
-      a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
-      a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
-      a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
-      a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
+      a0 = _mm256_fmadd_ps(qv, E::load8(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, E::load8(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, E::load8(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, E::load8(k3 + i), a3);
+      a4 = _mm256_fmadd_ps(qv, E::load8(k4 + i), a4);
+      a5 = _mm256_fmadd_ps(qv, E::load8(k5 + i), a5);
+      a6 = _mm256_fmadd_ps(qv, E::load8(k6 + i), a6);
+      a7 = _mm256_fmadd_ps(qv, E::load8(k7 + i), a7);
     }
     const __m256 r[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
     _mm256_storeu_ps(out, hsum8(r));
@@ -97,7 +146,7 @@ inline void dot8(const float* q, const float* const* k, int n, int64_t hd, float
   for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < hd; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+    for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(qv, E::load8(k[j] + i), a[j]);
   }
   float r[8];
   _mm256_storeu_ps(r, hsum8(a));
@@ -117,21 +166,21 @@ constexpr int64_t kPrefetchRows = 24;
 // once for the GN heads (grouped-query attention shares V rows among a kv head's query
 // heads); the GN * CH accumulators stay in registers across the positions. hd % 8 == 0.
 // Per element the sum runs over p in order, whatever GN and CH are: the same bits.
-template <int GN, int CH>
-inline void weighted_sum_group(const float* const* v, const float* w, int64_t n, int64_t hd, float* acc) {
+template <class E, int GN, int CH>
+inline void weighted_sum_group(const typename E::T* const* v, const float* w, int64_t n, int64_t hd, float* acc) {
   int64_t c = 0;
   for (; c + 8 * CH <= hd; c += 8 * CH) {
     __m256 a[GN][CH];
     for (int g = 0; g < GN; g++)
       for (int j = 0; j < CH; j++) a[g][j] = _mm256_setzero_ps();
     for (int64_t p = 0; p < n; p++) {
-      const float* vp = v[p] + c;
+      const typename E::T* vp = v[p] + c;
       if (p + kPrefetchRows < n)  // this chunk of the row kPrefetchRows positions on
         for (int j = 0; j < CH; j += 2) _mm_prefetch((const char*)(v[p + kPrefetchRows] + c + 8 * j), _MM_HINT_T0);
       __m256 wp[GN];
       for (int g = 0; g < GN; g++) wp[g] = _mm256_broadcast_ss(w + g * n + p);
       for (int j = 0; j < CH; j++) {
-        const __m256 x = _mm256_loadu_ps(vp + 8 * j);
+        const __m256 x = E::load8(vp + 8 * j);
         for (int g = 0; g < GN; g++) a[g][j] = _mm256_fmadd_ps(wp[g], x, a[g][j]);
       }
     }
@@ -142,7 +191,7 @@ inline void weighted_sum_group(const float* const* v, const float* w, int64_t n,
     __m256 a[GN];
     for (int g = 0; g < GN; g++) a[g] = _mm256_setzero_ps();
     for (int64_t p = 0; p < n; p++) {
-      const __m256 x = _mm256_loadu_ps(v[p] + c);
+      const __m256 x = E::load8(v[p] + c);
       for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * n + p), x, a[g]);
     }
     for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * hd + c, a[g]);
@@ -152,7 +201,8 @@ inline void weighted_sum_group(const float* const* v, const float* w, int64_t n,
 // acc (G, hd) = the weighted sums of G query heads (weights w (G, n)) over the same V rows,
 // taken in groups of up to 3 heads sized to the vector registers: 16 with AVX2, 32 with
 // AVX-512 (its __m256 code reaches ymm16-31).
-inline void weighted_sum_heads(const float* const* v, const float* w, int64_t G, int64_t n, int64_t hd,
+template <class E>
+inline void weighted_sum_heads(const typename E::T* const* v, const float* w, int64_t G, int64_t n, int64_t hd,
                                float* acc) {
 #ifdef __AVX512F__
   constexpr int C1 = 8, C2 = 8, C3 = 8;
@@ -160,9 +210,9 @@ inline void weighted_sum_heads(const float* const* v, const float* w, int64_t G,
   constexpr int C1 = 8, C2 = 4, C3 = 4;
 #endif
   int64_t g = 0;
-  for (; g + 3 <= G; g += 3) weighted_sum_group<3, C3>(v, w + g * n, n, hd, acc + g * hd);
-  if (G - g == 2) weighted_sum_group<2, C2>(v, w + g * n, n, hd, acc + g * hd);
-  if (G - g == 1) weighted_sum_group<1, C1>(v, w + g * n, n, hd, acc + g * hd);
+  for (; g + 3 <= G; g += 3) weighted_sum_group<E, 3, C3>(v, w + g * n, n, hd, acc + g * hd);
+  if (G - g == 2) weighted_sum_group<E, 2, C2>(v, w + g * n, n, hd, acc + g * hd);
+  if (G - g == 1) weighted_sum_group<E, 1, C1>(v, w + g * n, n, hd, acc + g * hd);
 }
 
 }  // namespace
@@ -258,26 +308,30 @@ void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, 
   });
 }
 
-// One decode token per sequence: write its K and V into the pool, then attend its query
-// over the sequence's context read in place from the pool.
-//   q (B, nh, hd), k and v (B, n_kv, hd): heads contiguous, rows at element stride sq / skv
-//   pool: the whole block pool; layer, L, bs: this layer, layers, block size
-//   slot_block, slot_off (B,): where this token's K/V go; tables (B, nb) block ids, lens (B,)
-//   context lengths including the new token; window 0: full, else the last `window` positions
-//   scale; softcap 0: none, else cap * tanh(s / cap)
-//   out (B, nh * hd) contiguous
-void kv_decode_attention(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
-                         int64_t nh, int64_t nkv, int64_t hd, float* pool, int64_t layer, int64_t L, int64_t bs,
-                         const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
-                         const int64_t* lens, int64_t window, float scale, float softcap, float* out,
-                         int nthreads) {
+}  // extern "C"
+
+namespace {
+
+// kv_decode_attention over a pool of E::T elements (float32, bfloat16 or float16): the
+// new K/V rounded into it, the context widened 8 values at a time as it is read.
+template <class E>
+void decode_attention(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
+                      int64_t nh, int64_t nkv, int64_t hd, typename E::T* pool, int64_t layer, int64_t L, int64_t bs,
+                      const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
+                      const int64_t* lens, int64_t window, float scale, float softcap, float* out, int nthreads) {
+  using T = typename E::T;
   const int64_t tok = nkv * hd;            // one token's K (or V) of all kv heads
   const int64_t half_blk = bs * tok;       // K or V of one block in one layer
   const int64_t blk = L * 2 * half_blk;    // one block, all layers
   for (int64_t b = 0; b < B; b++) {
-    float* dst = pool + slot_block[b] * blk + layer * 2 * half_blk + slot_off[b] * tok;
-    memcpy(dst, k + b * skv, tok * sizeof(float));
-    memcpy(dst + half_blk, v + b * skv, tok * sizeof(float));
+    T* dst = pool + slot_block[b] * blk + layer * 2 * half_blk + slot_off[b] * tok;
+    if constexpr (sizeof(T) == sizeof(float)) {
+      memcpy(dst, k + b * skv, tok * sizeof(float));
+      memcpy(dst + half_blk, v + b * skv, tok * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < tok; i++) dst[i] = E::store1(k[b * skv + i]);
+      for (int64_t i = 0; i < tok; i++) dst[half_blk + i] = E::store1(v[b * skv + i]);
+    }
   }
   // Work units: (sequence, kv head, slice of that kv head's query heads). The query heads
   // of a slice share each K and V row read from the pool (grouped-query attention reads
@@ -289,7 +343,7 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
   const int64_t per = (group + slices - 1) / slices;
   kvpool::parallel_for(B * nkv * slices, 1, nthreads, [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scores, acc;
-    thread_local std::vector<const float*> kps, vps;
+    thread_local std::vector<const T*> kps, vps;
     for (int64_t u = u0; u < u1; u++) {
       const int64_t b = u / (nkv * slices), kvh = (u / slices) % nkv, sl = u % slices;
       const int64_t h0 = kvh * group + sl * per;
@@ -304,7 +358,7 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
       kps.resize(n);
       vps.resize(n);
       for (int64_t p = start; p < len;) {  // where each position's K and V rows are in the pool, a block at a time
-        const float* row = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
+        const T* row = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
         const int64_t end = std::min(len, (p / bs + 1) * bs);
         for (; p < end; p++, row += tok) {
           kps[p - start] = row;
@@ -317,13 +371,13 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
       for (int64_t i = 0; i < n; i += 8) {
         const int m = n - i < 8 ? (int)(n - i) : 8;
         for (int64_t j = i + kPrefetchRows; j < i + kPrefetchRows + 8 && j < n; j++)
-          for (int64_t o = 0; o < hd; o += 16) _mm_prefetch((const char*)(kps[j] + o), _MM_HINT_T0);
+          for (int64_t o = 0; o < hd * (int64_t)sizeof(T); o += 64) _mm_prefetch((const char*)kps[j] + o, _MM_HINT_T0);
         for (int64_t g = 0; g < G; g++) {
           float* sg = scores.data() + g * n + i;
           if (hd % 8 == 0) {
-            dot8(qb + g * hd, kps.data() + i, m, hd, sg);
+            dot8<E>(qb + g * hd, kps.data() + i, m, hd, sg);
           } else {
-            for (int j = 0; j < m; j++) sg[j] = dot(qb + g * hd, kps[i + j], hd);
+            for (int j = 0; j < m; j++) sg[j] = dot_kv<E>(qb + g * hd, kps[i + j], hd);
           }
         }
       }
@@ -370,18 +424,50 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
         for (i = 0; i < n; i++) sg[i] *= inv;
       }
       if (hd % 8 == 0) {
-        weighted_sum_heads(vps.data(), scores.data(), G, n, hd, acc.data());
+        weighted_sum_heads<E>(vps.data(), scores.data(), G, n, hd, acc.data());
       } else {
         for (int64_t g = 0; g < G; g++) {
           float* ag = acc.data() + g * hd;
           for (int64_t d = 0; d < hd; d++) ag[d] = 0.0f;
           for (int64_t p = 0; p < n; p++)
-            for (int64_t d = 0; d < hd; d++) ag[d] += scores[g * n + p] * vps[p][d];
+            for (int64_t d = 0; d < hd; d++) ag[d] += scores[g * n + p] * E::load1(vps[p] + d);
         }
       }
       memcpy(out + b * nh * hd + h0 * hd, acc.data(), G * hd * sizeof(float));
     }
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+// One decode token per sequence: write its K and V into the pool, then attend its query
+// over the sequence's context read in place from the pool.
+//   q (B, nh, hd), k and v (B, n_kv, hd): heads contiguous, rows at element stride sq / skv
+//   pool: the whole block pool, of kv_fmt elements (KV_F32, KV_BF16, KV_F16); layer, L, bs: this layer, layers, block size
+//   slot_block, slot_off (B,): where this token's K/V go; tables (B, nb) block ids, lens (B,)
+//   context lengths including the new token; window 0: full, else the last `window` positions
+//   scale; softcap 0: none, else cap * tanh(s / cap)
+//   out (B, nh * hd) contiguous
+void kv_decode_attention(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
+                         int64_t nh, int64_t nkv, int64_t hd, void* pool, int64_t kv_fmt, int64_t layer, int64_t L, int64_t bs,
+                         const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
+                         const int64_t* lens, int64_t window, float scale, float softcap, float* out,
+                         int nthreads) {
+  switch (kv_fmt) {
+    case KV_BF16:
+      decode_attention<Bf16Kv>(q, sq, k, v, skv, B, nh, nkv, hd, (uint16_t*)pool, layer, L, bs, slot_block, slot_off,
+                               tables, nb, lens, window, scale, softcap, out, nthreads);
+      break;
+    case KV_F16:
+      decode_attention<F16Kv>(q, sq, k, v, skv, B, nh, nkv, hd, (uint16_t*)pool, layer, L, bs, slot_block, slot_off,
+                              tables, nb, lens, window, scale, softcap, out, nthreads);
+      break;
+    default:
+      decode_attention<F32Kv>(q, sq, k, v, skv, B, nh, nkv, hd, (float*)pool, layer, L, bs, slot_block, slot_off,
+                              tables, nb, lens, window, scale, softcap, out, nthreads);
+  }
 }
 
 }  // extern "C"

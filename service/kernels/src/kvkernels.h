@@ -14,6 +14,8 @@
 #define KV_BF16 1
 #define KV_I8 2
 #define KV_Q8 3
+// KvStep.kv_fmt and kv_decode_attention's kv_fmt: the KV pool's element type (KV_F32, KV_BF16 or KV_F16)
+#define KV_F16 4
 // kv_act_mul's act and KvLayer.act: the gate's activation
 #define KV_SILU 0
 #define KV_GELU_TANH 1
@@ -61,7 +63,8 @@ struct KvLayer {
 struct KvStep {
   int64_t B;
   int64_t D;
-  float* pool;                  // (num_blocks, L, 2, bs, n_kv, hd) float32
+  void* pool;                   // (num_blocks, L, 2, bs, n_kv, hd) of kv_fmt elements
+  int64_t kv_fmt;               // KV_F32, KV_BF16, KV_F16: read widened, written rounded to nearest even
   int64_t L;
   int64_t bs;
   const int64_t* slot_block;    // (B,) where each new token's K/V goes
@@ -91,9 +94,10 @@ void kv_rope(float* x, int64_t B, int64_t T, int64_t H, int64_t sB, int64_t sT, 
              const float* cos, const float* sin);
 // out (rows, I) = act(gate) * up from gu (rows, 2I) = [gate | up].
 void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, float* out, int nthreads);
-// One new token per sequence: its K/V written into the pool, q attended over the context read in place.
+// One new token per sequence: its K/V written into the pool (rounded to its kv_fmt), q attended over the
+// context read in place (widened to float32 as read).
 void kv_decode_attention(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
-                         int64_t nh, int64_t nkv, int64_t hd, float* pool, int64_t layer, int64_t L, int64_t bs,
+                         int64_t nh, int64_t nkv, int64_t hd, void* pool, int64_t kv_fmt, int64_t layer, int64_t L, int64_t bs,
                          const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
                          const int64_t* lens, int64_t window, float scale, float softcap, float* out, int nthreads);
 // x (B, D) through one decoder layer, in place.

@@ -80,8 +80,8 @@ extern "C" void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, con
   }
   if (rot > 0) kv_rope(qkv.data(), B, 1, l->nh + l->nkv, nq, nq, hd, rot, cos, sin);
   const float* q = qkv.data();
-  kv_decode_attention(q, nq, q + l->nh * hd, q + (l->nh + l->nkv) * hd, nq, B, l->nh, l->nkv, hd, s->pool, l->layer,
-                      s->L, s->bs, s->slot_block, s->slot_off, s->tables, s->nb, s->lens, l->window, l->scale,
+  kv_decode_attention(q, nq, q + l->nh * hd, q + (l->nh + l->nkv) * hd, nq, B, l->nh, l->nkv, hd, s->pool, s->kv_fmt,
+                      l->layer, s->L, s->bs, s->slot_block, s->slot_off, s->tables, s->nb, s->lens, l->window, l->scale,
                       l->softcap, att.data(), nt);
   residual_add(*l, l->o, l->norm_post_attn, att.data(), B, D, x, tmp.data(), nt);
   kv_rmsnorm(x, B, D, D, l->norm_mlp, l->eps, l->norm_offset, h.data(), D);

@@ -1,0 +1,166 @@
+"""Speculative decoding drafted from the conversation (``--speculative ngram``) against plain
+decoding (``off``): the same engine, weights and requests, in one process, greedy.
+
+Workloads, built so that what the reply repeats is really in its context (the default
+model, trained on one novel, follows no instructions, so "rewrite your last answer" is
+played as the model being given its own earlier text again and going on from its start):
+
+- ``restate``: the model's own greedy paragraph (from "The principal"), a blank line, then
+  the paragraph's first 8 tokens: the reply goes on as the paragraph went (the previous
+  answer restated, a quoted document continued);
+- ``edit``: the same paragraph with a few words changed, then its start again: the reply
+  repeats the text near the edits and leaves it where the model prefers its own words;
+- ``chat``: a chat-template conversation (the default model's template) whose earlier
+  assistant turn is the paragraph and whose new user turn quotes its first words;
+- ``fresh``: "The" alone: nothing to draft from but the reply's own repetitions.
+
+On the ~110M random-weight shape (``--shapes 110m``) the random prompt is said twice and
+then its start again, and the reply is the random model's (a random model's greedy output
+rarely repeats its context, but falls into loops of its own), so acceptance there is what
+that model gives, reported as measured.
+
+Figures per workload: decode tok/s (output tokens after the first over the time from the
+first token to the last, the median of ``--repeats`` runs after an untimed one, on the
+process's CPU clock with one torch thread by default: fair on a machine shared with other
+work), their ratio, the acceptance rate (drafts accepted / drafted), output tokens per
+forward, and whether the speculative tokens equal plain decoding's.
+
+    python bench/bench_speculative.py                       # default model, ~2 minutes
+    python bench/bench_speculative.py --shapes default,110m --tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvserve.service.engine.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
+from kvserve.service.engine.engine import LLMEngine  # noqa: E402
+from kvserve.service.models.loading import load_model  # noqa: E402
+from kvserve.service.types import Delta, Finished, GenerationRequest, SamplingParams  # noqa: E402
+from tests.fixtures.models import make_tiny_llama  # noqa: E402
+
+SHAPE_110M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)  # its tokenizer: 400 pieces
+EDITS = {" was ": " had been ", " the ": " that ", " not ": " never "}  # word swaps of the "edit" workload
+
+
+def engine_for(loaded, spec: str, max_draft: int) -> LLMEngine:
+    per_token = loaded.kv_spec(16).bytes_per_token
+    cfg = EngineConfig(model_path="unused", device="cpu", dtype="float32", block_size=16,
+                       kv_cache_memory=1024 * 16 * per_token, speculative=spec, spec_max_draft=max_draft)
+    return LLMEngine(loaded, cfg)
+
+
+def generate(engine: LLMEngine, prompt: list[int], tokens: int, rid: str, now) -> tuple[Finished, float]:
+    """One greedy request alone: its Finished and its decode seconds on ``now``'s clock."""
+    engine.add_request(GenerationRequest(rid, list(prompt), SamplingParams(max_new_tokens=tokens, ignore_eos=True)))
+    t_first = t_last = None
+    while True:
+        for _, ev in engine.step():
+            if isinstance(ev, Delta) and t_first is None:
+                t_first = now()
+            elif isinstance(ev, Finished):
+                t_last = now()
+                return ev, t_last - (t_first if t_first is not None else t_last)
+
+
+def workloads(name: str, loaded, tokens: int) -> dict[str, list[int]]:
+    tok = loaded.tokenizer
+    if name == "110m":
+        g = torch.Generator().manual_seed(0)
+        r = torch.randint(3, loaded.tokenizer.vocab_size, (64,), generator=g).tolist()
+        return {"repeat-random": r + r + r[:8]}
+    plain = engine_for(loaded, "off", 1)
+    para, _ = generate(plain, tok.encode("The principal"), max(tokens, 96), "para", time.perf_counter)
+    text = tok.decode(tok.encode("The principal") + para.output_token_ids)
+    edited = text
+    for a, b in EDITS.items():
+        edited = edited.replace(a, b, 1)
+    ids = tok.encode(text)  # bos first
+    start = ids[1:9]
+    out = {
+        "restate": ids + tok.encode_plain("\n\n") + start,
+        "edit": tok.encode(edited) + tok.encode_plain("\n\n") + start,
+    }
+    if tok.chat_template:
+        msgs = [
+            {"role": "user", "content": "Tell me about the principal."},
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"Say that again, from {tok.decode(start)!r}."},
+        ]
+        out["chat"] = tok.encode_chat(msgs) + start
+    out["fresh"] = tok.encode("The")
+    plain.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="default", help="default (the packaged model), 110m (random weights)")
+    ap.add_argument("--tokens", type=int, default=96, help="output tokens per request")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--json", action="store_true", help="one JSON line per row instead of the table")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    now = time.process_time if args.clock == "cpu" else time.perf_counter
+
+    rows = []
+    for shape in args.shapes.split(","):
+        if shape == "default":
+            loaded = load_model(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu")
+        elif shape == "110m":
+            ckpt = Path(tempfile.mkdtemp(prefix="kvserve-spec-"))
+            make_tiny_llama(ckpt, **SHAPE_110M)
+            loaded = load_model(str(ckpt), dtype="float32", device="cpu")
+        else:
+            raise SystemExit(f"unknown shape {shape!r}: use default or 110m")
+        n_out = min(args.tokens, loaded.config.max_position_embeddings // 4)
+        for wname, prompt in workloads(shape, loaded, n_out).items():
+            n = min(n_out, loaded.config.max_position_embeddings - len(prompt) - 1)
+            engines = {s: engine_for(loaded, s, args.max_draft) for s in ("off", "ngram")}
+            rates: dict[str, list[float]] = {"off": [], "ngram": []}
+            last: dict[str, Finished] = {}
+            for rep in range(args.repeats + 1):
+                for spec, eng in engines.items():  # in turn, so drift hits both alike
+                    fin, dt = generate(eng, prompt, n, f"{wname}-{spec}-{rep}", now)
+                    last[spec] = fin
+                    if rep and dt > 0:
+                        rates[spec].append((fin.completion_tokens - 1) / dt)
+            t = last["ngram"].timings
+            off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+            rows.append(dict(
+                shape=shape, workload=wname, prompt=len(prompt), tokens=n,
+                plain_tok_s=round(off, 1), spec_tok_s=round(on, 1), ratio=round(on / off, 2),
+                acceptance=round(t.accepted_draft_tokens / t.draft_tokens, 3) if t.draft_tokens else 0.0,
+                tokens_per_step=round(t.tokens_per_step, 2),
+                identical=last["ngram"].output_token_ids == last["off"].output_token_ids,
+            ))  # fmt: skip
+            for eng in engines.values():
+                eng.close()
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    cols = list(rows[0])
+    print(f"# threads={args.threads} clock={args.clock} max_draft={args.max_draft} repeats={args.repeats}")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()

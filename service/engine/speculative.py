@@ -1,0 +1,207 @@
+"""Speculative decoding drafted from the conversation itself (prompt lookup / n-gram).
+
+A reply often repeats what its sequence already holds (an edited paragraph, corrected
+code, a quoted document, a tool result echoed back): the sequence's whole token history
+(the session's transcript, the new prompt and the output so far) is on the server, so
+the next tokens can be drafted from it for free and checked several at a time. On a CPU
+a decode step is bound by reading the weights (and, on small models, by the step's fixed
+costs), so one forward over the last token plus k drafts costs little more than one
+token's.
+
+Two pure parts, no engine state:
+
+- ``NgramDrafter``: per sequence, an index from each n-gram (n = ``min_ngram`` ..
+  ``max_ngram``) of the history to where its most recent occurrence continues. A draft is
+  the continuation of the longest suffix of the history found earlier in it (n from the
+  max down to the min), up to the sequence's current draft length, which adapts to what
+  was accepted: up by one after a step that accepted every draft, down to one past what
+  was accepted otherwise, and after a step that accepted nothing the drafter sits out a
+  few steps (1, 2, 4 .. 16), so text that does not repeat costs little more than plain
+  decoding.
+
+- the verification rule, given the target's processed logits at every drafted position
+  (row i: the logits after the history plus ``drafts[:i]``, penalties and masks applied
+  as plain decoding would have applied them had those drafts been its tokens):
+
+  greedy: accept the longest prefix of drafts equal to each row's argmax, then the
+  argmax of the first row that disagreed (or, every draft accepted, of the last row:
+  the bonus token). The tokens are exactly plain greedy decoding's.
+
+  sampling: standard speculative rejection sampling (Leviathan et al. 2023, Chen et al.
+  2023) with the drafter's distribution a point mass q = delta(d): draft d is accepted
+  with probability min(1, p(d) / q(d)) = p(d); on rejection the token is drawn from
+  norm(max(0, p - q)), which is p with d removed and renormalised; every draft accepted,
+  the bonus token is drawn from the last row's p. Each emitted token is then distributed
+  exactly as p given the tokens before it (the drafter is deterministic given the
+  history, so its proposal carries no information the target does not condition on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .sampling import filter_logits, greedy
+from ..types import SamplingParams
+
+MAX_SKIP = 16  # steps a drafter sits out at most after drafts that were all rejected
+MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """The engine's speculation settings (service/config.py: --speculative, --spec-max-draft)."""
+
+    enabled: bool = True
+    max_draft: int = 8  # drafts per step at most (the adaptive length's cap)
+    max_ngram: int = 4  # longest suffix matched
+    min_ngram: int = 2  # shortest suffix matched: shorter ones match too often to pay
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1:
+            raise ValueError(f"speculative max draft must be >= 1, got {self.max_draft}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"speculative n-gram range must be 1 <= min <= max, got {self.min_ngram}..{self.max_ngram}")
+
+
+@dataclass(slots=True)
+class NgramDrafter:
+    """One sequence's drafter over its token history (see the module docstring)."""
+
+    config: SpecConfig
+    draft_len: int = 0  # the next draft's length at most (0: not started, set to the cap's half)
+    skip: int = 0  # steps left to sit out
+    backoff: int = 1  # the next sit-out after a step that accepted nothing
+    indexed: int = 0  # history positions p < indexed whose n-grams ending at p - 1 are in the index
+    index: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)  # n -> n-gram -> continuation
+    # figures of this sequence (the engine sums them): verification steps, drafted, accepted
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def _update(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams of ``tokens`` that have a continuation: an n-gram ending at
+        position p (p < len - 1) continues at p + 1; a later occurrence replaces an
+        earlier one (the most recent wins)."""
+        lo, hi = self.config.min_ngram, self.config.max_ngram
+        if not self.index:
+            self.index = {n: {} for n in range(lo, hi + 1)}
+        end = len(tokens) - 1  # the last token has no continuation yet
+        for p in range(self.indexed, end):
+            for n in range(lo, min(hi, p + 1) + 1):
+                self.index[n][tuple(tokens[p - n + 1 : p + 1])] = p + 1
+        self.indexed = max(self.indexed, end)
+
+    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
+        """Up to ``min(draft_len, limit)`` tokens to follow ``tokens`` (the sequence's
+        whole history), or [] (no match, or sitting out)."""
+        self._update(tokens)
+        if self.skip > 0:
+            self.skip -= 1
+            return []
+        if self.draft_len == 0:
+            self.draft_len = max(1, self.config.max_draft // 2)
+        k = self.draft_len if limit is None else min(self.draft_len, limit)
+        L = len(tokens)
+        if k <= 0 or L < 2:
+            return []
+        for n in range(min(self.config.max_ngram, L - 1), self.config.min_ngram - 1, -1):
+            c = self.index[n].get(tuple(tokens[L - n : L]))
+            if c is not None:
+                return list(tokens[c : min(c + k, L)])
+        return []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Fold one verification (``drafted`` drafts, ``accepted`` of them taken) into the
+        next draft length and the sit-out."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted >= drafted:
+            self.draft_len = min(self.config.max_draft, self.draft_len + 1)
+        else:
+            self.draft_len = max(1, accepted + 1)
+        if accepted == 0:
+            self.skip = self.backoff
+            self.backoff = min(MAX_SKIP, self.backoff * 2)
+        else:
+            self.backoff = 1
+
+
+# ---- verification ----------------------------------------------------------------------
+
+
+def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """``targets``: each row's argmax (len(drafts) + 1 rows). The tokens plain greedy
+    decoding emits: the drafts up to the first disagreement, then that row's target."""
+    out: list[int] = []
+    for d, t in zip(drafts, targets):
+        if d != t:
+            out.append(t)
+            return out
+        out.append(d)
+    out.append(targets[len(drafts)])
+    return out
+
+
+def target_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(R, V) processed logits -> (R, V) the sampling distribution plain decoding draws
+    from at each row (temperature, min_p, top_k, top_p, softmax: sampling.sample's rule).
+    A row that overflows to NaN is a point mass on its argmax (sample's fallback)."""
+    R = processed.shape[0]
+    dev = processed.device
+    scaled = filter_logits(
+        processed / params.temperature,
+        torch.full((R,), params.top_k, dtype=torch.long, device=dev),
+        torch.full((R,), params.top_p, device=dev),
+        torch.full((R,), params.min_p, device=dev),
+    )
+    probs = scaled.softmax(-1)
+    bad = ~torch.isfinite(probs).all(-1)
+    if bool(bad.any()):
+        top = processed.nan_to_num(nan=float("-inf")).argmax(-1)
+        probs[bad] = 0.0
+        probs[bad, top[bad]] = 1.0
+    return probs
+
+
+def accept_sampled(
+    probs: torch.Tensor,  # (k + 1, V): row i the target distribution after drafts[:i]
+    drafts: Sequence[int],
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Speculative rejection sampling with a point-mass drafter (module docstring): the
+    accepted drafts, then the replacement of the first rejected one or the bonus token."""
+    k = len(drafts)
+    if k:
+        u = torch.rand(k, generator=generator, device=probs.device).tolist()
+        p_d = probs[torch.arange(k, device=probs.device), torch.tensor(list(drafts), device=probs.device)].tolist()
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        if u[i] < p_d[i]:
+            out.append(d)
+            continue
+        rest = probs[i].clone()
+        rest[d] = 0.0
+        if not float(rest.sum()) > 0.0:  # p(d) == 1 up to rounding: nothing else to draw
+            out.append(d)
+            continue
+        out.append(int(torch.multinomial(rest, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[k], 1, generator=generator)))
+    return out
+
+
+def accept(
+    processed: torch.Tensor,  # (k + 1, V) float32 processed logits
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The tokens a verification emits: ``accept_greedy`` at temperature 0, else
+    ``accept_sampled`` over ``target_probs``. 1 .. k + 1 tokens."""
+    if params.temperature == 0.0:
+        return accept_greedy(drafts, greedy(processed))
+    return accept_sampled(target_probs(processed, params), drafts, generator)
