@@ -231,21 +231,7 @@ class HttpFront:
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
-        whole = asyncio.ensure_future(ctx.whole())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not whole.done():  # the client went away: cancelling the turn aborts it in the engine
-            whole.cancel()
-            try:
-                await whole
-            except asyncio.CancelledError:
-                pass
-            return Response(status_code=499)
-        body_out, status = whole.result()
-        return JSONResponse(body_out, status_code=status, headers=headers)
+        return await whole_or_gone(request, ctx.whole(), headers)
 
 
 def _with(inp: TurnInput, **changes: Any) -> TurnInput:
@@ -399,6 +385,26 @@ class _Ctx:
             await self._close()
             self.front._count(self.method, status)
             self.trace.end(status)
+
+
+async def whole_or_gone(request: Request, whole_body: Any, headers: dict[str, str]) -> Response:
+    """A non-streamed answer: ``whole_body`` (a coroutine of ``(body, status)``) as JSON,
+    or 499 when the client goes away first (cancelling it aborts the turn in the engine)."""
+    whole = asyncio.ensure_future(whole_body)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not whole.done():
+        whole.cancel()
+        try:
+            await whole
+        except asyncio.CancelledError:
+            pass
+        return Response(status_code=499)
+    body, status = whole.result()
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _disconnected(request: Request) -> None:

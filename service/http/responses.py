@@ -460,23 +460,9 @@ class ResponsesRoutes:
         if req.stream:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=headers)
-        from .app import _disconnected
+        from .app import whole_or_gone
 
-        whole = asyncio.ensure_future(turn.whole())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not whole.done():  # the client went away: cancelling the turn aborts it in the engine
-            whole.cancel()
-            try:
-                await whole
-            except asyncio.CancelledError:
-                pass
-            return Response(status_code=499)
-        body, status = whole.result()
-        return JSONResponse(body, status_code=status, headers=headers)
+        return await whole_or_gone(request, turn.whole(), headers)
 
 
 def _not_found(rid: str, param: str | None = None) -> oa.HttpError:
