@@ -271,7 +271,7 @@ def encode(
     sdt = storage_dtype or block.dtype
     if sdt not in _DTYPES:
         raise ValueError(f"unsupported storage dtype {sdt}")
-    if block.dtype == torch.int8 or (block.dtype in _SCALED and sdt != block.dtype):
+    if block.dtype in _SCALED and sdt != block.dtype:  # (an int8 KV pool's blocks: values and scales as bytes)
         raise ValueError(f"a {block.dtype} block can only be stored as itself")
 
     data = block.detach()

@@ -146,7 +146,7 @@ class LayerWeights:
 @dataclass
 class DecodeStep:
     """One decode step's batch, as arrays: the pool (num_blocks, L, 2, bs, n_kv, hd)
-    float32, bfloat16 or float16 (``ops.KV_POOL_FORMATS``), where each sequence's new token goes (slot_blocks, slot_offsets (B,)), its
+    float32, bfloat16 or float16, or int8 planes (``ops.KV_POOL_FORMATS``), where each sequence's new token goes (slot_blocks, slot_offsets (B,)), its
     block table (tables (B, nb)) and context length with the new token (lens (B,)), all
     int64 contiguous. The arrays are kept referenced while the C struct points at them."""
 
@@ -155,10 +155,12 @@ class DecodeStep:
     slot_offsets: Tensor
     tables: Tensor
     lens: Tensor
+    block_size: int = 0  # 0: the pool's dim 3 (an int8 pool's (N, L, 2, plane) needs it given)
 
     def __post_init__(self) -> None:
         B, nb = self.tables.shape
-        N, L, two, bs = self.pool.shape[:4]
+        N, L, two = self.pool.shape[:3]
+        bs = self.block_size or self.pool.shape[3]
         self.struct = KvStep(B, 0, self.pool.data_ptr(), ops.KV_POOL_FORMATS[self.pool.dtype], L, bs, self.slot_blocks.data_ptr(),
                              self.slot_offsets.data_ptr(), self.tables.data_ptr(), nb, self.lens.data_ptr(),
                              torch.get_num_threads())  # fmt: skip

@@ -18,7 +18,8 @@ from .binding import header_binding
 MAX_ROWS = 64  # decode-sized products; more rows (prefill) are compute-bound: torch's GEMM
 _C = header_binding().constants
 # the KV pool dtypes attention reads in place -> kvkernels.h's kv_fmt
-KV_POOL_FORMATS = {torch.float32: _C["KV_F32"], torch.bfloat16: _C["KV_BF16"], torch.float16: _C["KV_F16"]}
+KV_POOL_FORMATS = {torch.float32: _C["KV_F32"], torch.bfloat16: _C["KV_BF16"], torch.float16: _C["KV_F16"],
+                   torch.int8: _C["KV_I8"]}  # int8: (N, L, 2, plane) planes of values and scales (kv/cache.py)
 
 
 def _lib():
@@ -148,21 +149,29 @@ def act_mul(gate_up: Tensor, act: str) -> Tensor:
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, slot_blocks: Tensor,
                      slot_offsets: Tensor, tables: Tensor, lens: Tensor, window: int | None, scale: float,
-                     softcap: float | None) -> Tensor:
+                     softcap: float | None, block_size: int | None = None) -> Tensor:
     """One new token per sequence: write k, v (B, 1, n_kv, hd) into ``pool`` (the KVPool's
     (N, L, 2, bs, n_kv, hd) tensor: float32, bfloat16 or float16, ``KV_POOL_FORMATS``;
-    the new K/V rounded to it to nearest even, as ``Tensor.to``) at (slot_blocks, slot_offsets) (B,), then
+    the new K/V rounded to it to nearest even, as ``Tensor.to``; int8: the pool's
+    (N, L, 2, plane) planes of ``block_size`` tokens, the new K/V quantized at their
+    block's grown scale, as ``KVPool.update``) at (slot_blocks, slot_offsets) (B,), then
     attend q (B, 1, nh, hd) over each sequence's ``lens[b]`` positions in the blocks
     ``tables`` (B, nb), the last ``window`` only when given: (B, 1, nh * hd)."""
     B, T, nh, hd = q.shape
-    N, L, two, bs, nkv, hd2 = pool.shape
+    if pool.dtype == torch.int8:
+        N, L, two, plane = pool.shape
+        nkv, hd2, bs = k.shape[2], hd, block_size or 0
+        if bs < 1 or plane != -(-bs * nkv * hd // 4) * 4 + 4 * nkv:
+            raise ValueError("decode_attention: an int8 pool's planes must hold block_size tokens of k's heads")
+    else:
+        N, L, two, bs, nkv, hd2 = pool.shape
     if T != 1 or k.shape != (B, 1, nkv, hd) or v.shape != k.shape or hd2 != hd or two != 2 or nh % nkv:
         raise ValueError("decode_attention: q (B, 1, nh, hd), k and v (B, 1, n_kv, hd) matching the pool")
     for t in (q, k, v):
         if t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != hd:
             raise ValueError("decode_attention: float32 q, k, v with contiguous heads")
     if k.stride(0) != v.stride(0) or pool.dtype not in KV_POOL_FORMATS or not pool.is_contiguous():
-        raise ValueError("decode_attention: k and v rows at one stride; a contiguous float32, bfloat16 or float16 pool")
+        raise ValueError("decode_attention: k and v rows at one stride; a contiguous float32, bfloat16, float16 or int8 pool")
     for t in (slot_blocks, slot_offsets, lens):
         if t.dtype != torch.long or t.numel() != B or not t.is_contiguous():
             raise ValueError("decode_attention: slot_blocks, slot_offsets and lens are (B,) int64")

@@ -32,8 +32,10 @@ from torch import Tensor
 from .block_manager import NULL_BLOCK
 
 
-# --kv-cache-format: the dtype the pool and every tier store KV in (None: the model's own)
-KV_CACHE_FORMATS = {"exact": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --kv-cache-format: the dtype the pool and every tier store KV in (None: the model's own);
+# int8 is stored with scales (``KVCacheSpec`` below: Int8 KV)
+KV_CACHE_FORMATS = {"exact": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+INT8_MAX = 127.0  # int8 KV: q = round(x / s) in [-127, 127], s = absmax / 127
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +46,18 @@ class KVCacheSpec:
 
     ``dtype`` is the stored one (``--kv-cache-format``); ``compute_dtype`` the model's,
     which attention widens the stored KV to. They differ only for a narrower format
-    (float32 compute, bf16 or fp16 KV): then ``format`` names it and the namespace field
-    says both, so KV rounded to one format is never read as another's, nor as exact."""
+    (float32 compute, bf16 or fp16 KV; int8 KV): then ``format`` names it and the
+    namespace field says both, so KV rounded to one format is never read as another's,
+    nor as exact.
+
+    Int8 KV: symmetric absmax scales per (block, layer, K|V, kv head). Each (layer, K|V)
+    plane of a block is ``plane_bytes`` int8: the ``block_size * n_kv * hd`` quantized
+    values (bs, n_kv, hd), zero padding to a multiple of 4, then the ``n_kv`` float32
+    scales (little-endian, as the host stores them). A block is still one contiguous span
+    ``(L, 2, plane_bytes)`` of int8, so every tier and the codec move it, scales included,
+    as they move any block: the same bytes, never re-encoded. x ~= q * s, with
+    q = round(x / s) (to nearest even, clamped to +-127) and s = absmax / 127 of the rows
+    written so far: a block's scale covers every token it holds (``KVPool.update``)."""
 
     num_layers: int
     num_kv_heads: int
@@ -69,7 +81,29 @@ class KVCacheSpec:
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one exported block: (L, 2, block_size, n_kv, hd)."""
+        if self.quantized:
+            return (self.num_layers, 2, self.plane_bytes)
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def quantized(self) -> bool:
+        """True for int8 KV (values and scales in each plane: ``plane_bytes``)."""
+        return self.dtype == torch.int8
+
+    @property
+    def values_per_plane(self) -> int:
+        """Values of one (layer, K|V) plane of a block: block_size * n_kv * hd."""
+        return self.block_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def scale_offset(self) -> int:
+        """Int8 KV: the byte offset of a plane's float32 scales (after its values, 4-aligned)."""
+        return -(-self.values_per_plane // 4) * 4
+
+    @property
+    def plane_bytes(self) -> int:
+        """Int8 KV: bytes of one (layer, K|V) plane: the values, padding, n_kv float32 scales."""
+        return self.scale_offset + 4 * self.num_kv_heads
 
     @property
     def format(self) -> str:
@@ -94,12 +128,13 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) * layers * kv heads * head_dim * element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """2 (K and V) * layers * kv heads * head_dim * element size; int8 KV: a block's
+        bytes (its scales included) over its tokens, rounded up."""
+        return -(-self.bytes_per_block // self.block_size)
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
+        return math.prod(self.block_shape) * self.dtype.itemsize
 
 
 class KVPool:
@@ -136,12 +171,21 @@ class KVPool:
         self.spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype, compute_dtype)
         # zeros, not empty: every page is touched now, so nbytes is the real footprint
         # and the first forward pays no page faults.
-        self.data = torch.zeros(
-            num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device
-        )  # (N, L, 2, bs, n_kv, hd)
-        self._k = [self.data[:, layer, 0] for layer in range(num_layers)]  # (N, bs, n_kv, hd) views
-        self._v = [self.data[:, layer, 1] for layer in range(num_layers)]
-        self._kv = [self.data[:, layer] for layer in range(num_layers)]  # (N, 2, bs, n_kv, hd) views
+        self.data = torch.zeros(num_blocks, *self.spec.block_shape, dtype=dtype, device=self.device)
+        # (N, L, 2, bs, n_kv, hd); int8 KV: (N, L, 2, plane_bytes), values then scales per plane
+        if self.spec.quantized:
+            n_val, at = self.spec.values_per_plane, self.spec.scale_offset
+            shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            self._k = [self.data[:, layer, 0, :n_val].view(shape) for layer in range(num_layers)]  # (N, bs, n_kv, hd) int8
+            self._v = [self.data[:, layer, 1, :n_val].view(shape) for layer in range(num_layers)]
+            # (N, n_kv) float32 views of the scales' bytes (a little-endian host)
+            self._k_scale = [self.data[:, layer, 0, at:].view(torch.float32) for layer in range(num_layers)]
+            self._v_scale = [self.data[:, layer, 1, at:].view(torch.float32) for layer in range(num_layers)]
+            self._kv = []
+        else:
+            self._k = [self.data[:, layer, 0] for layer in range(num_layers)]  # (N, bs, n_kv, hd) views
+            self._v = [self.data[:, layer, 1] for layer in range(num_layers)]
+            self._kv = [self.data[:, layer] for layer in range(num_layers)]  # (N, 2, bs, n_kv, hd) views
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> "KVPool":
@@ -188,6 +232,13 @@ class KVPool:
     def v(self, layer: int) -> Tensor:
         return self._v[layer]  # (N, bs, n_kv, hd)
 
+    def k_scale(self, layer: int) -> Tensor:
+        """Int8 KV: the K scales of ``layer``, (N, n_kv) float32 (a view into the blocks)."""
+        return self._k_scale[layer]
+
+    def v_scale(self, layer: int) -> Tensor:
+        return self._v_scale[layer]  # (N, n_kv) float32
+
     # ---- the model's per-layer call -------------------------------------------------
 
     def update(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -205,6 +256,8 @@ class KVPool:
         When v directly follows k in memory (the heads of one fused q/k/v output, as
         llama.py leaves them), K and V are written by one ``index_put_``; else by two.
         """
+        if self.spec.quantized:
+            return self._update_int8(layer, layout, k, v)
         k_cache, v_cache = self._k[layer], self._v[layer]
         narrow = k.dtype != self.dtype
         pair = _side_by_side(k, v)
@@ -231,6 +284,51 @@ class KVPool:
         if narrow:  # widened once here, for this layer's attention
             k_ctx, v_ctx = k_ctx.to(k.dtype), v_ctx.to(k.dtype)
         return k_ctx, v_ctx
+
+    def _update_int8(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``update`` for int8 KV: each plane's new rows quantized at their block's scale,
+        the scale first grown to cover them; the KV to attend over dequantized (in k's
+        dtype). The open block: see ``_write_int8``."""
+        groups = layout.quant_groups()
+        kq = self._write_int8(self._k[layer], self._k_scale[layer], layout, groups, k)
+        vq = self._write_int8(self._v[layer], self._v_scale[layer], layout, groups, v)
+        if layout.fresh:  # the KV as stored (quantized), so a cache hit and a recompute agree
+            return kq.to(k.dtype).view(k.shape), vq.to(k.dtype).view(v.shape)
+        B = layout.ctx_blocks.shape[0]
+        ids = layout.ctx_blocks.view(-1)
+        k_ctx = dequantize(self._k[layer].index_select(0, ids), self._k_scale[layer].index_select(0, ids), k.dtype)
+        v_ctx = dequantize(self._v[layer].index_select(0, ids), self._v_scale[layer].index_select(0, ids), k.dtype)
+        shape = (B, -1, self.num_kv_heads, self.head_dim)  # (B*nb, bs, n_kv, hd) -> (B, C, n_kv, hd)
+        return k_ctx.view(shape)[:, : layout.ctx_len], v_ctx.view(shape)[:, : layout.ctx_len]
+
+    def _write_int8(self, q_cache: Tensor, s_cache: Tensor, layout: "BatchLayout",
+                    groups: tuple[Tensor, Tensor, Tensor], x: Tensor) -> Tensor:
+        """Write the new rows ``x`` (B, T, n_kv, hd) into one int8 plane of the pool:
+        q_cache (N, bs, n_kv, hd) int8, s_cache (N, n_kv) float32; return the stored rows
+        dequantized, (B*T, n_kv, hd) float32.
+
+        The open (partly filled) block: its scale per kv head is absmax / 127 of every row
+        it holds, so it must grow when a new row's absmax exceeds it. A block written from
+        offset 0 starts afresh (its old scale is a previous owner's); one written further on
+        keeps its rows, requantized to the grown scale (round(q * s_old / s_new): at most
+        half a step of error more, once per growth; a full block never changes again). So
+        a block filled token by token may hold other values than one written by a single
+        prefill (both within a step of the float KV); each is served as stored."""
+        blocks, inverse, from_zero = groups  # (U,) touched blocks, (B*T,) each row's, (U,) written from offset 0
+        rows = x.reshape(-1, self.num_kv_heads, self.head_dim).float()  # (B*T, n_kv, hd)
+        amax = rows.abs().amax(-1)  # (B*T, n_kv)
+        grown = torch.zeros(len(blocks), self.num_kv_heads, dtype=torch.float32, device=rows.device)
+        grown.scatter_reduce_(0, inverse[:, None].expand_as(amax), amax, "amax")  # (U, n_kv): the new rows' absmax
+        s_old = s_cache.index_select(0, blocks).masked_fill_(from_zero[:, None], 0.0)  # (U, n_kv)
+        s_new = torch.maximum(s_old, grown / INT8_MAX)
+        inv_new = torch.where(s_new > 0, 1.0 / s_new, 0.0)  # a block of zeros: scale 0, values 0
+        if rows.device.type != "cpu" or not torch.equal(s_new, s_old):  # requantize what the blocks hold
+            held = dequantize(q_cache.index_select(0, blocks), s_old)  # (U, bs, n_kv, hd)
+            q_cache.index_copy_(0, blocks, quantize(held, inv_new[:, None]))
+        s_cache.index_copy_(0, blocks, s_new)
+        q = quantize(rows, inv_new.index_select(0, inverse))  # (B*T, n_kv, hd) int8
+        q_cache.index_put_((layout.slot_blocks, layout.slot_offsets), q)
+        return dequantize(q, s_new.index_select(0, inverse))
 
     # ---- export / import (the cache store's unit) -----------------------------------
 
@@ -294,6 +392,19 @@ class KVPool:
     def _check_tensor(self, t: Tensor, shape: tuple[int, ...], name: str) -> None:
         if tuple(t.shape) != tuple(shape) or t.dtype != self.dtype:
             raise ValueError(f"{name}: expected {tuple(shape)} {self.dtype}, got {tuple(t.shape)} {t.dtype}")
+
+
+def quantize(x: Tensor, inv_scale: Tensor) -> Tensor:
+    """Int8 KV: round(x * inv_scale) (to nearest even) clamped to +-127, int8; inv_scale
+    (..., n_kv) broadcast over x's last dim (hd). The native kernels round alike."""
+    return (x.float() * inv_scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Int8 KV: q (..., n_kv, hd) int8 with scale (n, n_kv) per block (q's first dim):
+    q * scale, in ``dtype``."""
+    s = scale.view(scale.shape[0], *([1] * (q.dim() - 3)), scale.shape[1], 1)  # (n, 1.., n_kv, 1)
+    return (q.to(torch.float32) * s).to(dtype)
 
 
 def _side_by_side(k: Tensor, v: Tensor) -> Tensor | None:
@@ -379,6 +490,17 @@ class BatchLayout:
             kv = torch.arange(2, device=self.slot_blocks.device)[None, :]  # (1, 2)
             self._bias["kv_slots"] = (self.slot_blocks[:, None], kv, self.slot_offsets[:, None])
         return self._bias["kv_slots"]
+
+    def quant_groups(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Int8 KV: the blocks this forward writes (U,) (sorted, unique), each new row's
+        index among them (B*T,), and which of them it writes from offset 0 (U,) bool (a
+        block starting afresh); built once per layout, shared by every layer."""
+        if "quant_groups" not in self._bias:
+            blocks, inverse = torch.unique(self.slot_blocks, return_inverse=True)
+            first = torch.full((len(blocks),), self.block_size, dtype=torch.long, device=blocks.device)
+            first.scatter_reduce_(0, inverse, self.slot_offsets, "amin")
+            self._bias["quant_groups"] = (blocks, inverse, first == 0)
+        return self._bias["quant_groups"]
 
     def mask_for(self, dtype: torch.dtype, window: int | None) -> tuple[Tensor | None, bool]:
         """(additive mask or None, is_causal) for a layer whose queries see only the last

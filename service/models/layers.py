@@ -139,14 +139,14 @@ def use_kernels(model: CausalLM) -> int:
 def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | None:
     """The kernels' view of a decode step over ``kv`` (made once per layout), or None
     when ``layout`` is no decode step over a cached context in a pool the kernels read
-    (float32, bfloat16, float16: ``--kv-cache-format``)."""
+    (float32, bfloat16, float16, int8: ``--kv-cache-format``)."""
     if layout is None or layout.ctx_blocks is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
         return None
     key = ("kernels_step", id(kv))
     step = layout._bias.get(key)
     if step is None:
         step = layout._bias[key] = DecodeStep(kv.data, layout.slot_blocks, layout.slot_offsets, layout.ctx_blocks,
-                                              layout.lens_tensor())  # fmt: skip
+                                              layout.lens_tensor(), kv.block_size)  # fmt: skip
     return step
 
 

@@ -4,7 +4,8 @@
 // float32 throughout. Elementwise results are rounded as torch's ops round them (this
 // file is built with -ffp-contract=off: a * b + c is two roundings, as in torch).
 //
-// Pool layout (kv/cache.py): (num_blocks, L, 2, block_size, n_kv, hd), K then V.
+// Pool layout (kv/cache.py): (num_blocks, L, 2, block_size, n_kv, hd), K then V (int8 KV:
+// (num_blocks, L, 2, plane) with each plane's scales after its values: decode_attention_i8).
 
 #include <immintrin.h>
 #include <math.h>
@@ -438,6 +439,158 @@ void decode_attention(const float* q, int64_t sq, const float* k, const float* v
   });
 }
 
+// ---- int8 KV (KV_I8) ------------------------------------------------------------------
+// Each (layer, K|V) plane of a block is kv_i8_plane(bs, nkv, hd) bytes: the bs * nkv * hd
+// int8 values (bs, nkv, hd), zero padding to a multiple of 4, then nkv float32 scales, one
+// per kv head (kv/cache.py's KVCacheSpec). x ~= q * s; q = round(x * (1 / s)) to nearest
+// even, clamped to +-127; s = absmax / 127 of every row the block holds.
+
+struct I8Kv {  // widened exactly; the block's scale is applied to the dot products and weights
+  using T = int8_t;
+  static __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
+  static float load1(const int8_t* p) { return (float)*p; }
+};
+
+inline int64_t kv_i8_scale_offset(int64_t bs, int64_t nkv, int64_t hd) { return (bs * nkv * hd + 3) / 4 * 4; }
+inline int64_t kv_i8_plane(int64_t bs, int64_t nkv, int64_t hd) { return kv_i8_scale_offset(bs, nkv, hd) + 4 * nkv; }
+
+inline int8_t quantize_i8(float x, float inv) {
+  float r = nearbyintf(x * inv);  // the default rounding mode: to nearest even, as torch.round
+  r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+  return (int8_t)r;
+}
+
+// Write one new row x (nkv, hd) at offset `off` of a block's plane: per kv head the scale
+// grows to cover it (a plane written from offset 0 starts afresh: its old scale is a
+// previous owner's), the rows already there requantized to the grown scale as torch's
+// path does (KVPool._write_int8: round((q * s_old) * (1 / s_new))).
+inline void write_row_i8(int8_t* plane, int64_t soff, int64_t off, const float* x, int64_t nkv, int64_t hd) {
+  float* sc = (float*)(plane + soff);
+  const int64_t tok = nkv * hd;
+  for (int64_t h = 0; h < nkv; h++) {
+    const float* xh = x + h * hd;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < hd; i++) amax = fabsf(xh[i]) > amax ? fabsf(xh[i]) : amax;
+    const float s_old = off == 0 ? 0.0f : sc[h];
+    const float grown = amax / 127.0f;
+    const float s_new = grown > s_old ? grown : s_old;
+    const float inv = s_new > 0.0f ? 1.0f / s_new : 0.0f;
+    if (s_new != s_old)
+      for (int64_t p = 0; p < off; p++) {
+        int8_t* row = plane + p * tok + h * hd;
+        for (int64_t i = 0; i < hd; i++) row[i] = quantize_i8((float)row[i] * s_old, inv);
+      }
+    sc[h] = s_new;
+    int8_t* dst = plane + off * tok + h * hd;
+    for (int64_t i = 0; i < hd; i++) dst[i] = quantize_i8(xh[i], inv);
+  }
+}
+
+// kv_decode_attention over an int8 pool: the same work units and order as decode_attention,
+// the rows widened in registers as read, each position's dot products times its block's K
+// scale and its softmax weights times its block's V scale.
+void decode_attention_i8(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
+                         int64_t nh, int64_t nkv, int64_t hd, int8_t* pool, int64_t layer, int64_t L, int64_t bs,
+                         const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
+                         const int64_t* lens, int64_t window, float scale, float softcap, float* out, int nthreads) {
+  const int64_t tok = nkv * hd;
+  const int64_t plane = kv_i8_plane(bs, nkv, hd), soff = kv_i8_scale_offset(bs, nkv, hd);
+  const int64_t blk = L * 2 * plane;
+  for (int64_t b = 0; b < B; b++) {
+    int8_t* kp = pool + slot_block[b] * blk + layer * 2 * plane;
+    write_row_i8(kp, soff, slot_off[b], k + b * skv, nkv, hd);
+    write_row_i8(kp + plane, soff, slot_off[b], v + b * skv, nkv, hd);
+  }
+  const int64_t group = nh / nkv;
+  int64_t slices = (2 * (int64_t)nthreads + B * nkv - 1) / (B * nkv);
+  slices = slices < 1 ? 1 : (slices > group ? group : slices);
+  const int64_t per = (group + slices - 1) / slices;
+  kvpool::parallel_for(B * nkv * slices, 1, nthreads, [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> scores, acc, ks, vs;
+    thread_local std::vector<const int8_t*> kps, vps;
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t b = u / (nkv * slices), kvh = (u / slices) % nkv, sl = u % slices;
+      const int64_t h0 = kvh * group + sl * per;
+      const int64_t h1 = h0 + per < (kvh + 1) * group ? h0 + per : (kvh + 1) * group;
+      const int64_t G = h1 - h0;
+      if (G <= 0) continue;
+      const int64_t len = lens[b];
+      const int64_t start = (window > 0 && len > window) ? len - window : 0;
+      const int64_t n = len - start;
+      scores.resize(G * n);
+      acc.resize(G * hd);
+      kps.resize(n);
+      vps.resize(n);
+      ks.resize(n);
+      vs.resize(n);
+      for (int64_t p = start; p < len;) {  // each position's rows and its block's scales
+        const int8_t* kplane = pool + tables[b * nb + p / bs] * blk + layer * 2 * plane;
+        const float ksc = ((const float*)(kplane + soff))[kvh], vsc = ((const float*)(kplane + plane + soff))[kvh];
+        const int8_t* row = kplane + (p % bs) * tok + kvh * hd;
+        const int64_t end = std::min(len, (p / bs + 1) * bs);
+        for (; p < end; p++, row += tok) {
+          kps[p - start] = row;
+          vps[p - start] = row + plane;
+          ks[p - start] = ksc;
+          vs[p - start] = vsc;
+        }
+      }
+      const float* qb = q + b * sq + h0 * hd;
+      for (int64_t i = 0; i < n; i += 8) {
+        const int m = n - i < 8 ? (int)(n - i) : 8;
+        for (int64_t j = i + kPrefetchRows; j < i + kPrefetchRows + 8 && j < n; j++)
+          for (int64_t o = 0; o < hd; o += 64) _mm_prefetch((const char*)kps[j] + o, _MM_HINT_T0);
+        for (int64_t g = 0; g < G; g++) {
+          float* sg = scores.data() + g * n + i;
+          if (hd % 8 == 0) {
+            dot8<I8Kv>(qb + g * hd, kps.data() + i, m, hd, sg);
+          } else {
+            for (int j = 0; j < m; j++) sg[j] = dot_kv<I8Kv>(qb + g * hd, kps[i + j], hd);
+          }
+          for (int j = 0; j < m; j++) sg[j] *= ks[i + j];
+        }
+      }
+      for (int64_t g = 0; g < G; g++) {  // scale (and cap), softmax, then each weight times its V scale
+        float* sg = scores.data() + g * n;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+          const float sc = softcap > 0.0f ? softcap * tanhf(sg[i] * scale / softcap) : sg[i] * scale;
+          sg[i] = sc;
+          mx = sc > mx ? sc : mx;
+        }
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sv = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));
+          _mm256_storeu_ps(sg + i, e);
+          sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum(sv);
+        for (; i < n; i++) {
+          sg[i] = expf(sg[i] - mx);
+          sum += sg[i];
+        }
+        const float inv = 1.0f / sum;
+        for (i = 0; i < n; i++) sg[i] = (sg[i] * inv) * vs[i];
+      }
+      if (hd % 8 == 0) {
+        weighted_sum_heads<I8Kv>(vps.data(), scores.data(), G, n, hd, acc.data());
+      } else {
+        for (int64_t g = 0; g < G; g++) {
+          float* ag = acc.data() + g * hd;
+          for (int64_t d = 0; d < hd; d++) ag[d] = 0.0f;
+          for (int64_t p = 0; p < n; p++)
+            for (int64_t d = 0; d < hd; d++) ag[d] += scores[g * n + p] * I8Kv::load1(vps[p] + d);
+        }
+      }
+      memcpy(out + b * nh * hd + h0 * hd, acc.data(), G * hd * sizeof(float));
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -445,7 +598,8 @@ extern "C" {
 // One decode token per sequence: write its K and V into the pool, then attend its query
 // over the sequence's context read in place from the pool.
 //   q (B, nh, hd), k and v (B, n_kv, hd): heads contiguous, rows at element stride sq / skv
-//   pool: the whole block pool, of kv_fmt elements (KV_F32, KV_BF16, KV_F16); layer, L, bs: this layer, layers, block size
+//   pool: the whole block pool, of kv_fmt elements (KV_F32, KV_BF16, KV_F16; KV_I8: int8 planes with
+//   their scales, decode_attention_i8); layer, L, bs: this layer, layers, block size
 //   slot_block, slot_off (B,): where this token's K/V go; tables (B, nb) block ids, lens (B,)
 //   context lengths including the new token; window 0: full, else the last `window` positions
 //   scale; softcap 0: none, else cap * tanh(s / cap)
@@ -456,6 +610,10 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
                          const int64_t* lens, int64_t window, float scale, float softcap, float* out,
                          int nthreads) {
   switch (kv_fmt) {
+    case KV_I8:  // int8 with per-(block, layer, K|V, kv head) scales: decode_attention_i8
+      decode_attention_i8(q, sq, k, v, skv, B, nh, nkv, hd, (int8_t*)pool, layer, L, bs, slot_block, slot_off, tables,
+                          nb, lens, window, scale, softcap, out, nthreads);
+      break;
     case KV_BF16:
       decode_attention<Bf16Kv>(q, sq, k, v, skv, B, nh, nkv, hd, (uint16_t*)pool, layer, L, bs, slot_block, slot_off,
                                tables, nb, lens, window, scale, softcap, out, nthreads);

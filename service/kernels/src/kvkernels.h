@@ -14,7 +14,8 @@
 #define KV_BF16 1
 #define KV_I8 2
 #define KV_Q8 3
-// KvStep.kv_fmt and kv_decode_attention's kv_fmt: the KV pool's element type (KV_F32, KV_BF16 or KV_F16)
+// KvStep.kv_fmt and kv_decode_attention's kv_fmt: the KV pool's element type (KV_F32, KV_BF16 or KV_F16;
+// KV_I8: int8 with per-(block, layer, K|V, kv head) float32 scales in each block, decode.cpp)
 #define KV_F16 4
 // kv_act_mul's act and KvLayer.act: the gate's activation
 #define KV_SILU 0
@@ -64,7 +65,7 @@ struct KvStep {
   int64_t B;
   int64_t D;
   void* pool;                   // (num_blocks, L, 2, bs, n_kv, hd) of kv_fmt elements
-  int64_t kv_fmt;               // KV_F32, KV_BF16, KV_F16: read widened, written rounded to nearest even
+  int64_t kv_fmt;               // KV_F32, KV_BF16, KV_F16: read widened, written rounded to nearest even; KV_I8: quantized
   int64_t L;
   int64_t bs;
   const int64_t* slot_block;    // (B,) where each new token's K/V goes
