@@ -1,7 +1,7 @@
 """What ``--kv-cache-format`` costs and buys: quality against the exact cache, and decode speed.
 
 For each model (the packaged default model; random weights at the ~110M shape) and each
-KV cache format (exact, bf16, fp16):
+KV cache format (exact, bf16, fp16, int8):
 
 - held-out loss: mean next-token cross-entropy over windows of ``--window`` tokens, each
   one paged prefill through a pool in the format (every attention reads the rounded K/V,
@@ -9,6 +9,10 @@ KV cache format (exact, bf16, fp16):
   /usr/share/common-licenses/GPL-3, prose the model never saw) tokenized by its
   tokenizer; random ~110M: a seeded random token stream (loss ~ ln(vocab): the delta is
   what matters);
+- decoded loss: the same windows, the first half of each one prefill and the second half
+  teacher-forced decode steps (all windows one batch), scored on the second half: the
+  serving path's KV writes (int8: each open block's scale growing as its tokens arrive,
+  its rows requantized) read by the decode attention (the native one where it loaded);
 - greedy agreement: ``--prompts`` prompts of ``--prompt-len`` tokens (from the text /
   random), ``--greedy-tokens`` greedy tokens each through the paged decode path (the
   native decode layer where it loaded); the share of prompts whose continuation equals
@@ -60,6 +64,27 @@ def held_out_loss(lm, fmt: str, stream: torch.Tensor, bos: int, window: int) -> 
         logits = lm.model(BatchLayout.build([SeqSlice(table, 0, x)], BLOCK), pool, all_logits=True)[0]
         total += float(F.cross_entropy(logits.float(), y, reduction="sum"))
     return total / len(stream)
+
+
+@torch.inference_mode()
+def decoded_loss(lm, fmt: str, stream: torch.Tensor, bos: int, window: int) -> float:
+    """Mean NLL of the second half of each whole ``window`` of ``stream``: the first half
+    one prefill, the rest teacher-forced decode steps, every window one sequence of a batch."""
+    wins = [stream[i : i + window] for i in range(0, len(stream) - window + 1, window)]
+    per = math.ceil(window / BLOCK)
+    pool = new_pool(lm, fmt, 1 + len(wins) * per)
+    tables = [list(range(1 + b * per, 1 + (b + 1) * per)) for b in range(len(wins))]
+    xs = [[bos] + w[:-1].tolist() for w in wins]
+    ys = torch.stack(wins)  # (n, window)
+    half = window // 2
+    logits = lm.model(BatchLayout.build([SeqSlice(t, 0, x[:half]) for t, x in zip(tables, xs)], BLOCK), pool)
+    total = 0.0
+    for p in range(half, window):
+        if p > half:
+            logits = lm.model(BatchLayout.build([SeqSlice(t, p - 1, [x[p - 1]]) for t, x in zip(tables, xs)], BLOCK),
+                              pool)  # fmt: skip
+        total += float(F.cross_entropy(logits.float(), ys[:, p - 1], reduction="sum"))
+    return total / (len(wins) * (window - half))
 
 
 @torch.inference_mode()
@@ -174,16 +199,18 @@ def main() -> None:
             for fmt in formats:
                 t0 = time.perf_counter()
                 loss = held_out_loss(lm, fmt, stream, bos, args.window)
+                dloss = decoded_loss(lm, fmt, stream, bos, args.window)
                 got = greedy(lm, fmt, prompts, args.greedy_tokens, batch=20)
                 if fmt == "exact":
-                    ref_loss, ref_greedy = loss, got
+                    ref_loss, ref_dloss, ref_greedy = loss, dloss, got
                 same = sum(a == b for a, b in zip(got, ref_greedy)) / len(prompts)
                 prefix = statistics.mean(
                     next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a)
                     for a, b in zip(got, ref_greedy))  # fmt: skip
                 bpt = lm.kv_spec(BLOCK, fmt).bytes_per_token
-                rows.append([name, fmt, bpt, ref_loss, loss, same, prefix, context, []])
+                rows.append([name, fmt, bpt, ref_loss, loss, ref_dloss, dloss, same, prefix, context, []])
                 print(f"[{name}] {fmt}: {bpt} B/token, loss {loss:.4f} ({(loss / ref_loss - 1) * 100:+.4f}%), "
+                      f"decoded {dloss:.4f} ({(dloss / ref_dloss - 1) * 100:+.4f}%), "
                       f"identical greedy {same:.0%}, prefix {prefix:.0%} ({time.perf_counter() - t0:.0f}s; "
                       f"native {lm.native})", file=sys.stderr)
             for b in batches:
@@ -194,13 +221,14 @@ def main() -> None:
                       + ", ".join(f"{f} {s:.1f} tok/s" for f, s in speeds.items()), file=sys.stderr)
     print(f"\n{args.prompts} prompts of {args.prompt_len} tokens, {args.greedy_tokens} greedy tokens each; "
           f"loss over {args.window}-token windows; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| model | KV format | bytes/token | held-out loss (exact) | held-out loss | delta "
-          "| identical greedy continuations | greedy tokens before first difference | context | "
+    print("| model | KV format | bytes/token | held-out loss (exact) | held-out loss | delta | decoded loss (exact) "
+          "| decoded loss | delta | identical greedy continuations | greedy tokens before first difference | context | "
           + " | ".join(f"decode tok/s B={b}" for b in batches) + " |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(batches))
-    for name, fmt, bpt, ref, loss, same, prefix, context, speeds in rows:
-        print(f"| {name} | {fmt} | {bpt} | {ref:.5f} | {loss:.5f} | {(loss / ref - 1) * 100:+.4f}% | {same:.0%} | "
-              f"{prefix:.0%} | {context} | " + " | ".join(f"{s:.1f}" for s in speeds) + " |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(batches))
+    for name, fmt, bpt, ref, loss, dref, dloss, same, prefix, context, speeds in rows:
+        print(f"| {name} | {fmt} | {bpt} | {ref:.5f} | {loss:.5f} | {(loss / ref - 1) * 100:+.4f}% | {dref:.5f} | "
+              f"{dloss:.5f} | {(dloss / dref - 1) * 100:+.4f}% | {same:.0%} | {prefix:.0%} | {context} | "
+              + " | ".join(f"{s:.1f}" for s in speeds) + " |")
 
 
 if __name__ == "__main__":

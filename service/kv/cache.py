@@ -285,19 +285,34 @@ class KVPool:
             k_ctx, v_ctx = k_ctx.to(k.dtype), v_ctx.to(k.dtype)
         return k_ctx, v_ctx
 
+    def write_int8(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> None:
+        """Int8 KV: write the new K/V (B, T, n_kv, hd) of ``layer`` at the layout's slots
+        (``_write_int8``) and return nothing: the attention reads the context from the
+        pool a chunk of blocks at a time (``dequantized``; models/layers.py
+        ``paged_int8_attention``), never as one widened copy."""
+        groups = layout.quant_groups()
+        self._write_int8(self._k[layer], self._k_scale[layer], layout, groups, k)
+        self._write_int8(self._v[layer], self._v_scale[layer], layout, groups, v)
+
+    def dequantized(self, layer: int, block_ids: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """Int8 KV: the K and V of ``layer`` in ``block_ids`` (n,), dequantized:
+        (n, bs, n_kv, hd) each, in ``dtype``."""
+        return (dequantize(self._k[layer].index_select(0, block_ids), self._k_scale[layer].index_select(0, block_ids), dtype),
+                dequantize(self._v[layer].index_select(0, block_ids), self._v_scale[layer].index_select(0, block_ids), dtype))
+
     def _update_int8(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``update`` for int8 KV: each plane's new rows quantized at their block's scale,
         the scale first grown to cover them; the KV to attend over dequantized (in k's
-        dtype). The open block: see ``_write_int8``."""
+        dtype). The open block: see ``_write_int8``. The model's layers call it for a
+        fresh prefill only (the new K/V as stored); with a cached context they call
+        ``write_int8`` and attend block by block."""
         groups = layout.quant_groups()
         kq = self._write_int8(self._k[layer], self._k_scale[layer], layout, groups, k)
         vq = self._write_int8(self._v[layer], self._v_scale[layer], layout, groups, v)
         if layout.fresh:  # the KV as stored (quantized), so a cache hit and a recompute agree
             return kq.to(k.dtype).view(k.shape), vq.to(k.dtype).view(v.shape)
         B = layout.ctx_blocks.shape[0]
-        ids = layout.ctx_blocks.view(-1)
-        k_ctx = dequantize(self._k[layer].index_select(0, ids), self._k_scale[layer].index_select(0, ids), k.dtype)
-        v_ctx = dequantize(self._v[layer].index_select(0, ids), self._v_scale[layer].index_select(0, ids), k.dtype)
+        k_ctx, v_ctx = self.dequantized(layer, layout.ctx_blocks.view(-1), k.dtype)
         shape = (B, -1, self.num_kv_heads, self.head_dim)  # (B*nb, bs, n_kv, hd) -> (B, C, n_kv, hd)
         return k_ctx.view(shape)[:, : layout.ctx_len], v_ctx.view(shape)[:, : layout.ctx_len]
 

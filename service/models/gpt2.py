@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
-from .layers import CausalLM, Linear, causal_mask
+from .layers import CausalLM, Linear, causal_mask, paged_int8_attention
 
 
 class Attention(nn.Module):
@@ -38,6 +39,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         B, T, D = x.shape
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim) for t in self.c_attn(x).split(D, dim=-1))
+        if layout is not None and kv.spec.quantized and not layout.fresh:  # int8 KV over a cached context
+            kv.write_int8(self.layer_idx, layout, k, v)
+            y = paged_int8_attention(q, kv, self.layer_idx, layout, layout.attn_bias(torch.float32), self.head_dim**-0.5)
+            return self.c_proj(y.reshape(B, T, self.n_heads * self.head_dim))
         if layout is not None:
             k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, nh, hd)
             mask, is_causal = layout.attn_bias(q.dtype), layout.is_causal

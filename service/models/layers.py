@@ -158,6 +158,47 @@ def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
     return x.flatten(0, 1).index_select(0, layout.last_index)
 
 
+def paged_int8_attention(q: Tensor, kv: KVPool, layer: int, layout: BatchLayout, mask: Tensor | None, scale: float,
+                         softcap: float | None = None, chunk_blocks: int = 32) -> Tensor:
+    """softmax(cap(q k^T * scale) + mask) v over each sequence's cached context in an int8
+    pool (``--kv-cache-format int8``), its blocks (``layout.ctx_blocks``) dequantized
+    ``chunk_blocks`` at a time inside the attention, the chunks joined by an online
+    softmax (running max and sum): no widened copy of the whole context is ever made.
+
+    q (B, T, nh, hd); mask (B, 1, T, C) additive or None (``layout.mask_for``); softcap
+    None or cap: cap * tanh(s / cap) (Gemma 2) -> (B, T, nh, hd) in q's dtype."""
+    B, T, nh, hd = q.shape
+    n_kv, bs, C = kv.num_kv_heads, kv.block_size, layout.ctx_len
+    G = nh // n_kv
+    qg = q.float().reshape(B, T, n_kv, G, hd).permute(0, 2, 3, 1, 4).reshape(B, n_kv, G * T, hd)  # rows per kv head
+    if mask is not None:
+        mask = mask.float().expand(B, 1, T, C)[:, :, None]  # (B, 1, 1, T, C)
+    run_max = torch.full((B, n_kv, G * T, 1), float("-inf"), device=q.device)
+    run_sum = torch.zeros(B, n_kv, G * T, 1, device=q.device)
+    acc = torch.zeros(B, n_kv, G * T, hd, device=q.device)
+    nb = -(-C // bs)
+    for c0 in range(0, nb, chunk_blocks):
+        c1 = min(nb, c0 + chunk_blocks)
+        k_c, v_c = kv.dequantized(layer, layout.ctx_blocks[:, c0:c1].reshape(-1))  # (B*cb, bs, n_kv, hd)
+        n = min(C, c1 * bs) - c0 * bs  # positions of this chunk inside the context
+        k_c = k_c.view(B, -1, n_kv, hd)[:, :n].permute(0, 2, 3, 1)  # (B, n_kv, hd, n)
+        v_c = v_c.view(B, -1, n_kv, hd)[:, :n].transpose(1, 2)  # (B, n_kv, n, hd)
+        s = torch.matmul(qg, k_c) * scale  # (B, n_kv, G*T, n)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if mask is not None:
+            s = (s.view(B, n_kv, G, T, n) + mask[..., c0 * bs : c0 * bs + n]).view(B, n_kv, G * T, n)
+        new_max = torch.maximum(run_max, s.amax(-1, keepdim=True))
+        safe = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows that saw nothing yet: weights 0
+        p = torch.exp(s - safe)
+        alpha = torch.exp(run_max - safe)
+        run_sum = run_sum * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, v_c)
+        run_max = new_max
+    out = acc / run_sum  # (B, n_kv, G*T, hd)
+    return out.view(B, n_kv, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh, hd).to(q.dtype)
+
+
 def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor | None, bool]:
     """(additive mask (T, T) or None, is_causal) for plain causal attention over T tokens
     from position 0, limited to the last ``window`` positions when one is given
@@ -358,12 +399,17 @@ class PagedAttention(nn.Module):
     def forward(self, x: Tensor, rope: Rope, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         """x (B, T, D) -> (B, T, D); ``layout`` None: plain causal attention over x alone."""
         q, k, v = self.qkv(x, rope)
+        B, T = q.shape[:2]
+        if layout is not None and kv.spec.quantized and not layout.fresh:  # int8 KV over a cached context
+            kv.write_int8(self.layer_idx, layout, k, v)
+            mask, _ = layout.mask_for(torch.float32, self.window)
+            y = paged_int8_attention(q, kv, self.layer_idx, layout, mask, self.scale, self.softcap)  # (B, T, nh, hd)
+            return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
         if layout is not None:
             k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
             mask, is_causal = layout.mask_for(q.dtype, self.window)
         else:
             mask, is_causal = causal_mask(x.shape[1], self.window, q.dtype, x.device)
-        B, T = q.shape[:2]
         y = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

@@ -265,6 +265,42 @@ def test_native_decode_attention_reads_an_int8_pool_in_place(nh, nkv, window, hd
     torch.testing.assert_close(out.view(3, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (6, 3, 7, None), (4, 1, None, 5.0)])
+def test_torch_attention_over_int8_reads_the_pool_chunk_by_chunk(nh, nkv, window, softcap) -> None:
+    """A prefill chunk over a cached context and a decode row in one batch: attention
+    over the int8 pool a few blocks at a time (online softmax) equals attention over the
+    whole dequantized context (what ``KVPool.update`` returns) with the layout's mask,
+    and both write the same KV."""
+    from kvserve.service.models.gemma import softcapped_attention
+    from kvserve.service.models.layers import paged_int8_attention
+
+    g = torch.Generator().manual_seed(nh * nkv)
+    bs, hd = 4, 16
+    pools = [KVPool(40, 2, bs, nkv, hd, torch.int8, compute_dtype=torch.float32) for _ in range(2)]
+    tables, cached, new = [[7, 3, 22, 9, 30, 2], [12, 5, 6, 1]], [13, 10], [5, 1]
+    for t, n in zip(tables, cached):
+        kv = torch.randn(2, 1, n, nkv, hd, generator=g)
+        for pool in pools:
+            pool.update(1, BatchLayout.build([SeqSlice(t, 0, [1] * n)], bs), kv[0], kv[1])
+    layout = BatchLayout.build([SeqSlice(t, c, [1] * m) for t, c, m in zip(tables, cached, new)], bs)
+    q = torch.randn(2, 5, nh, hd, generator=g)
+    k, v = torch.randn(2, 2, 5, nkv, hd, generator=g)
+    mask, _ = layout.mask_for(torch.float32, window)
+    pools[0].write_int8(1, layout, k, v)
+    out = paged_int8_attention(q, pools[0], 1, layout, mask, hd**-0.5, softcap, chunk_blocks=2)
+    k_ctx, v_ctx = pools[1].update(1, layout, k, v)  # (B, C, n_kv, hd) dequantized
+    assert torch.equal(pools[0].data, pools[1].data)
+    qt, kt, vt = q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)
+    if softcap is None:
+        ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=hd**-0.5,
+                                                               enable_gqa=True)  # fmt: skip
+    else:
+        ref = softcapped_attention(qt, kt, vt, mask, False, hd**-0.5, softcap)
+    real = [(b, t) for b in range(2) for t in range(new[b])]  # padding rows attend to anything
+    for b, t in real:
+        torch.testing.assert_close(out[b, t], ref.transpose(1, 2)[b, t], atol=1e-5, rtol=1e-5)
+
+
 def test_the_open_int8_block_grows_its_scale_and_a_reused_block_starts_afresh() -> None:
     """Rows written one at a time into a block, each larger than the last: after each
     write the block's scale per kv head is the absmax of every row it holds / 127, and
