@@ -58,11 +58,37 @@ def test_tool_calling_imports_without_torch_or_grpc():
 def test_clients_and_their_stubs_import_without_torch_or_the_server():
     code = (
         "import kvserve.clients, kvserve.clients.chat\n"
-        "from kvserve.clients._proto.kvserve.v1 import generation_pb2\n"
+        "from kvserve.proto.kvserve.v1 import generation_pb2\n"
         "assert not [m for m in sys.modules if m.startswith(('kvserve.service', 'kvserve.cachestore'))]\n"
     )
     out = _runs_without_torch(code)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_stubs_are_shared_and_the_server_never_imports_the_clients():
+    """The generated stubs are kvserve.proto's (proto/, beside the .proto files): the server
+    and the clients both import them from there, so service/ and cachestore/ never import
+    kvserve.clients (a server that needs the clients' code would ship a client inside it);
+    the clients import the stubs and nothing else of kvserve; the stubs import nothing of
+    kvserve but each other."""
+    def imports_of(root: str) -> dict[str, list[str]]:
+        return {str(p.relative_to(REPO)): _imports(p) for p in (REPO / root).rglob("*.py")
+                if not {"build", "node", "node_modules", "__pycache__"} & set(p.relative_to(REPO).parts)}
+
+    for root in ("service", "cachestore"):
+        for path, names in imports_of(root).items():
+            bad = [m for m in names if m.startswith("kvserve.clients")]
+            assert not bad, f"{path} imports the clients: {bad}"
+    servicer = _imports(REPO / "service" / "servicer.py")
+    assert "kvserve.proto.kvserve.v1.generation_pb2_grpc" in servicer, servicer
+    for path, names in imports_of("clients").items():
+        bad = [m for m in names if m.startswith("kvserve.") and not m.startswith(("kvserve.clients", "kvserve.proto"))]
+        assert not bad, f"{path} imports more than the stubs: {bad}"
+    assert "kvserve.proto.kvserve.v1.generation_pb2" in _imports(REPO / "clients" / "client.py")
+    for path, names in imports_of("proto").items():
+        bad = [m for m in names if m.startswith("kvserve.") and not m.startswith("kvserve.proto")]
+        assert not bad, f"{path} imports {bad}"
+    assert not (REPO / "clients" / "_proto").exists()
 
 
 def test_the_front_names_no_engine_or_store_internals():
@@ -200,20 +226,20 @@ def test_the_kernels_loader_and_build_import_without_torch():
 
 def test_a_checkout_reads_its_own_imports():
     """Static tools read a checkout as it is: inside each package (service/, cachestore/,
-    clients/) imports are relative, so each names a file by its place; across packages
+    clients/, proto/) imports are relative, so each names a file by its place; across packages
     they are absolute (kvserve.cachestore...), and kvserve/ at the root maps those names
     to the folders with one symbolic link each (the installed names; no __path__ code)."""
     import ast
 
-    for root in ("service", "cachestore", "clients"):
+    for root in ("service", "cachestore", "clients", "proto"):
         link = REPO / "kvserve" / root
         assert link.is_symlink() and link.resolve() == (REPO / root).resolve(), link
     assert not (REPO / "kvserve" / "__init__.py").exists()
     checked = 0
-    for root in ("service", "cachestore", "clients"):
+    for root in ("service", "cachestore", "clients", "proto"):
         for path in (REPO / root).rglob("*.py"):
             parts = path.relative_to(REPO).parts
-            if {"build", "node", "node_modules", "_proto"} & set(parts):
+            if {"build", "node", "node_modules"} & set(parts):
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if not isinstance(node, ast.ImportFrom):
