@@ -1,7 +1,7 @@
 """The server distribution installs under one unambiguous name: ``kvserve.service``,
-``kvserve.cachestore``, ``kvserve.clients`` and ``kvserve.proto`` (a namespace shared
-with kvserve-client),
-nothing generic at the top of a user's site-packages; the console scripts, the packaged
+``kvserve.cachestore``, ``kvserve.clients``, ``kvserve.proto`` and ``kvserve.common`` (a
+namespace shared with kvserve-client), nothing generic at the top of a user's
+site-packages; the console scripts, the packaged
 default model and the native kernels, built by the install (one library per ISA level),
 come along: a fresh install serves with them at once, never compiling at start."""
 
@@ -39,7 +39,8 @@ def test_the_wheel_holds_only_the_kvserve_namespace(wheel):
     assert not [n for n in names if "/_proto/" in n]  # the stubs are kvserve.proto's, imported by both sides
     for path in ("kvserve/service/cli.py", "kvserve/service/engine/engine.py", "kvserve/service/models/llama.py",
                  "kvserve/service/default_model/model.safetensors", "kvserve/cachestore/tiered.py",
-                 "kvserve/clients/client.py", "kvserve/proto/kvserve/v1/generation_pb2_grpc.py"):
+                 "kvserve/clients/client.py", "kvserve/proto/kvserve/v1/generation_pb2_grpc.py",
+                 "kvserve/common/breaker.py", "kvserve/common/tiers.py"):
         assert path in names, path
     from kvserve.service.kernels import ISAS, build
 
