@@ -3,6 +3,7 @@
 ``KVPool`` holds every block of every layer in ONE tensor::
 
     data: (num_blocks, num_layers, 2, block_size, n_kv, head_dim)    # 2 = (K, V)
+    data: (num_blocks, num_layers, 2, plane_bytes) int8               # int8 KV: values, then scales
 
 Block-major, so one block (all layers, K and V) is one contiguous span: exporting or
 importing a block is a single memcpy, the unit the cache store moves between tiers.
