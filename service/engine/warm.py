@@ -23,7 +23,8 @@ is free (``reclaim``, oldest first, before anything waits or is preempted: waste
 when its session is deleted (``forget``: waste). Warming twice is harmless: a held block
 is held once and its deadline renewed.
 
-Pure bookkeeping over the ``BlockManager`` (no tensors, no store): engine thread only.
+Pure bookkeeping over the ``BlockManager`` (no tensors, no store): engine thread only,
+but ``stats`` (a snapshot any thread may take).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class Warmer:
         self.num_requests = 0
         self.num_hits = 0
         self.num_claimed = 0
-        self.restored: Counter[Tier] = Counter()
+        # fixed keys: stats() reads them from other threads while this one counts
+        self.restored: Counter[Tier] = Counter({Tier.HOST: 0, Tier.DISK: 0, Tier.REDIS: 0})
         self.wasted: Counter[str] = Counter({EXPIRED: 0, RECLAIMED: 0, FORGOTTEN: 0})
 
     # ---- a warm-up -------------------------------------------------------------------
@@ -240,9 +242,9 @@ class Warmer:
     def stats(self) -> WarmStats:
         return WarmStats(
             requests=self.num_requests,
-            blocks_restored=dict(self.restored),
+            blocks_restored={t: n for t, n in list(self.restored.items()) if n},
             pinned_blocks=len(self._pins),
             hits=self.num_hits,
             claimed_blocks=self.num_claimed,
-            wasted_blocks=dict(self.wasted),
+            wasted_blocks=dict(list(self.wasted.items())),
         )
