@@ -6,14 +6,16 @@ spills its blocks to the host tier and to Redis. Then, per repetition, each path
 the same 16-token new turn (``Timings.ttft_s``: arrival to first sampled token):
 
 * device:      the engine that computed the history: its blocks are in the device pool,
-* host:        a new engine (new device pool) over the same host tier: the turn restores them,
+* host:        another engine over the same host tier, with none of them in its device pool
+               (``forget_device``): the turn restores them,
 * host+warm:   the same, but ``LLMEngine.warm`` ran first (the client called WarmSession
                while the user typed): the turn finds them on the device,
-* redis:       a new engine and a new store over the same Redis (another replica, a restart),
+* redis:       another engine whose store is the same Redis alone (another replica, a restart),
 * redis+warm:  the same after a warm-up.
 
-Every new engine first answers one unrelated 16-token prompt (its first forward pays
-one-off costs that the device path's engine paid already). The paths alternate within
+Each of those engines first answers one unrelated prompt of a turn's length (the one-off
+costs of a first forward at that length, which the device path's engine paid computing
+the history, are paid before the first figure). The paths alternate within
 each repetition; medians are printed, with the warm-up's own time and the ratio of each
 warmed TTFT to the device hit's (the goal: within 1.1x).
 
@@ -100,45 +102,43 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
         redis.Redis.from_url(redis_url).flushall()
         history = torch.randint(3, vocab, (H,), generator=g).tolist()
         turns = [history + torch.randint(3, vocab, (NEW_TURN,), generator=g).tolist() for _ in range(reps)]
-        prime = torch.randint(3, vocab, (NEW_TURN,), generator=g).tolist()
         host_store = store(loaded, host=True, redis_url=redis_url)
         a = engine(loaded, host_store)
         run_once(a, history, "history")
         a.spill(history, CacheScope(), ("host", "redis"), lambda n, held: None)
         assert host_store.flush(120), "spill did not finish"
         a.step()
+        # the engines the restores run on: one over the host tier, one over Redis alone (another
+        # replica); each first answers an unrelated prompt as long as a turn, so that its one-off
+        # costs (buffers grown to this length) are paid before the first figure, as the device
+        # path's engine paid them computing the history
+        h = engine(loaded, host_store)
+        r = engine(loaded, store(loaded, redis_url=redis_url))
+        for e in (h, r):
+            run_once(e, torch.randint(3, vocab, (H + NEW_TURN,), generator=g).tolist(), "prime")
         ttft: dict[str, list[float]] = {p: [] for p in PATHS}
         warm_s: dict[str, list[float]] = {"host": [], "redis": []}
-        cached: dict[str, int] = {}
-        for r in range(reps):
-            turn = turns[r]
-            _, fin = run_once(a, turn, f"device{r}")
+        for i in range(reps):
+            turn = turns[i]
+            _, fin = run_once(a, turn, f"device{i}")
+            assert fin.cached_tokens == len(history)
             ttft["device"].append(fin.timings.ttft_s)
-            cached["device"] = fin.cached_tokens
-            for tier in ("host", "redis"):
+            for tier, e in (("host", h), ("redis", r)):
                 for warmed in (False, True):
-                    st = host_store if tier == "host" else store(loaded, redis_url=redis_url)
-                    b = engine(loaded, st)
-                    run_once(b, prime, "prime")
+                    for t in turns:  # off this engine's device pool: only the store holds them
+                        e.forget_device(t, CacheScope())
                     path = f"{tier}+warm" if warmed else tier
                     if warmed:
-                        result, s = warm(b, history)
+                        result, sec = warm(e, history)
                         assert result.restored == len(history) // BLOCK, result
-                        warm_s[tier].append(s)
-                    start, fin = run_once(b, turn, f"{path}{r}")
+                        warm_s[tier].append(sec)
+                    start, fin = run_once(e, turn, f"{path}{i}")
                     ttft[path].append(fin.timings.ttft_s)
-                    cached[path] = fin.cached_tokens
                     assert fin.cached_tokens == len(history), (path, start.cached_by_tier)
                     assert (start.cached_tier.value == "device") == warmed, (path, start.cached_by_tier)
-                    if tier == "host":
-                        b.close()  # the shared host store stays open (closed with a)
-                    else:
-                        done(b)
-                    gc.collect()
-        done(a)
+        done(a, h, r)
         row = dict(shape=shape, history=H, **{f"{p}_ms": statistics.median(v) * 1000 for p, v in ttft.items()},
-                   **{f"warm_{t}_ms": statistics.median(v) * 1000 for t, v in warm_s.items()},
-                   cached=cached)  # fmt: skip
+                   **{f"warm_{t}_ms": statistics.median(v) * 1000 for t, v in warm_s.items()})  # fmt: skip
         rows.append(row)
         print(f"  {shape:9s} H={H:5d}  " + "  ".join(f"{p} {row[p + '_ms']:7.1f}" for p in PATHS)
               + f"  (warm-up: host {row['warm_host_ms']:.1f} ms, redis {row['warm_redis_ms']:.1f} ms)", flush=True)
