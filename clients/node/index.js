@@ -26,7 +26,7 @@
 // and after a reply that called tools the next --message is every call's result (a "tool"
 // message per call, the text as its content) instead of a user message: a tool loop.
 // --speculative on|off sets SamplingParams.speculative (default: the server's setting);
-// each turn's line ends with the drafts verified and accepted and the tokens per step.
+// with it each turn's line ends with the drafts verified and accepted and the tokens per step.
 // Output, per turn:
 //   [turn 1] user: Hello! ...
 //   [turn 1] assistant: <streamed text>
@@ -231,10 +231,15 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     restore_ms: Math.round(seconds(t.restore) * 1000),
     prefill_ms: Math.round(seconds(t.prefill) * 1000),
     decode_tokens_per_s: Number(t.decode_tokens_per_second.toFixed(1)),
-    draft_tokens: t.draft_tokens,
-    accepted_draft_tokens: t.accepted_draft_tokens,
-    tokens_per_step: Number(t.tokens_per_step.toFixed(2)),
   };
+  if (opts.speculative !== null) {
+    // --speculative given: the turn's speculative decoding figures too
+    Object.assign(figures, {
+      draft_tokens: t.draft_tokens,
+      accepted_draft_tokens: t.accepted_draft_tokens,
+      tokens_per_step: Number(t.tokens_per_step.toFixed(2)),
+    });
+  }
   const line = Object.entries(figures).map(([k, v]) => `${k}=${v}`).join(' ');
   process.stdout.write(`[turn ${turn}] ${line}\n`);
   return figures;
