@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from kvserve.clients import KVServeClient
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.metrics import EngineStatsCollector
 from tests.fixtures.engine import prompts
 from tests.fixtures.serving import ServerThread, tiny_config
