@@ -340,3 +340,23 @@ def test_drafts_never_cost_a_preemption(loaded):
     assert se.scheduler.num_preempted == pe.scheduler.num_preempted
     assert {r: f.output_token_ids for r, f in spec.items()} == {r: f.output_token_ids for r, f in plain.items()}
     assert se.runner.num_accepted_tokens > 0
+
+
+def test_a_trimmed_sequences_block_table_names_only_its_own_blocks(loaded):
+    """After a verification gives back the blocks of rejected drafts, the next block the
+    sequence takes is in its block table, never the freed one (which another sequence may
+    hold by then: drafts written through a stale table would land in its KV)."""
+    engine = make_engine(loaded)
+    seq = engine.output.new_sequence(req("t", list(range(3, 3 + 2 * BS))), b"ns", False)
+    seq.blocks = engine.blocks.allocate(3)  # two for its tokens, one taken for drafts
+    engine.runner._block_table(seq)  # the runner's table of the three
+    trimmed = seq.blocks[2]
+    engine.scheduler.trim(seq)  # the drafts were rejected: the third goes back
+    assert len(seq.blocks) == 2
+    other = engine.blocks.allocate(engine.blocks.num_free)  # another sequence takes every free block...
+    assert trimmed in other
+    spare = next(b for b in other if b is not trimmed)
+    engine.blocks.free([spare])  # ...but one, which the next draft step takes
+    seq.blocks.extend(engine.blocks.allocate(1))
+    assert list(engine.runner._block_table(seq)) == [b.block_id for b in seq.blocks]
+    assert trimmed.block_id not in engine.runner._block_table(seq)
