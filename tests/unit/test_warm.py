@@ -101,3 +101,18 @@ def test_forgetting_lets_go_and_cancels_a_warm_up_in_flight():
     result = w.landed(job, ["host", "host"])
     assert result.restored == 0 and all(b.ref_count == 0 and b.block_hash is None for b in fresh)
     assert bm.lookup(chain[1]) is None and w.stats().pinned_blocks == 0
+
+
+def test_a_warm_up_takes_only_free_or_evictable_blocks_never_a_running_sequences():
+    bm, clock = BlockManager(9), Clock()
+    running = bm.allocate(5)  # a running sequence's blocks (a reference each)
+    _, idle = cached(bm, list(range(8)))  # two evictable cached blocks of another transcript
+    w = warmer(bm, clock)
+    chain = block_hashes(NS, list(range(100, 124)), 4)  # 6 blocks in a tier
+    job = w.begin(NS, chain, "t")
+    fresh = w.allocate(job, 6)
+    assert len(fresh) == 3 and not {b.block_id for b in fresh} & {b.block_id for b in running}
+    assert all(b.ref_count == 1 for b in running)
+    assert {b.block_id for b in idle} <= {b.block_id for b in fresh}  # evicted: ordinary cache may go
+    result = w.landed(job, ["host"] * 3)
+    assert (result.restored, result.over_cap, result.missing) == (3, 3, 0)
