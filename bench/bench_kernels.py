@@ -77,7 +77,7 @@ def build_from_revision(rev: str, isa: str, out_dir: Path) -> Path:
             (src / name).write_bytes(done.stdout)
     lib = out_dir / f"libkvkernels-{isa}-{rev.replace('/', '_')}.so"
     try:
-        build.compile_sources(src, isa, lib)
+        build.compile_sources(src, isa, lib, sources=tuple(sorted(p.name for p in src.glob("*.cpp"))))
     except RuntimeError as e:
         raise SystemExit(f"--against {rev}: {e}") from None
     return lib
