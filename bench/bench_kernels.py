@@ -165,7 +165,7 @@ class Attention:
         for layer in range(self.L):
             lib.kv_decode_attention(
                 q.data_ptr(), s, k.data_ptr(), v.data_ptr(), s, self.B, self.nh, self.nkv, self.hd, self.pool.data_ptr(),
-                layer, self.L, BLOCK_SIZE, self.slot_blocks.data_ptr(), self.slot_offsets.data_ptr(),
+                header_binding().constants["KV_F32"], layer, self.L, BLOCK_SIZE, self.slot_blocks.data_ptr(), self.slot_offsets.data_ptr(),
                 self.tables.data_ptr(), self.tables.shape[1], self.lens.data_ptr(), 0, self.hd**-0.5, 0.0,
                 self.out.data_ptr(), self.threads,
             )  # fmt: skip
