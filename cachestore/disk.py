@@ -64,7 +64,7 @@ import torch
 import xxhash
 
 from . import codec
-from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, Tier, TierCounters, TierStats
+from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, LayeredRead, Tier, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +247,18 @@ class DiskTier(BlockTier):
         self._counters.add(hits=n, bytes_out=n * self.file_nbytes, misses=int(failure is not None))
         self._counters.add_seconds("read", time.perf_counter() - t0)
         return n
+
+    def layered_read(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> LayeredRead | None:
+        """Layer by layer out of the files: the leading files are opened first (an open
+        file keeps its bytes whatever replaces or removes it meanwhile: writes are a
+        rename), each ``read`` is one ``preadv`` per file of its layers (the prefix with
+        the first, the checksum with the last), the checksum carried across reads."""
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        if not all(o.is_cpu and o.dtype == self.dtype and o.shape == self._torch_shape and o.is_contiguous()
+                   for o in outs[: len(refs)]):
+            return None
+        return _DiskLayers(self, refs, outs)
 
     def _pool(self) -> ThreadPoolExecutor | None:
         if self.read_threads <= 1:
@@ -492,6 +504,102 @@ class DiskTier(BlockTier):
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the fd releases the flock
+
+
+class _DiskLayers(LayeredRead):
+    """``DiskTier.layered_read``. A file of another size, prefix or checksum stops the
+    read there and is removed (``_drop_bad``); a file of another size is first given to
+    the codec whole (``_read``: it says why)."""
+
+    def __init__(self, tier: DiskTier, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> None:
+        self.tier, self.refs, self.outs = tier, list(refs), list(outs[: len(refs)])
+        self.t0 = time.perf_counter()
+        self.L = tier.block_shape[0]
+        self.layer_nbytes = tier.block_nbytes // self.L
+        self.files: list[tuple[int, os.stat_result] | None] = []  # None: loaded whole by the codec
+        self.failure: str | None = None
+        self.n = 0
+        for ref, out in zip(self.refs, self.outs):
+            digest = bytes(ref.block_hash)
+            with tier._lock:
+                held = digest in tier._lru
+                if held:
+                    tier._lru.move_to_end(digest)
+            if not held:
+                self.failure = NOT_FOUND
+                break
+            try:
+                fd = os.open(tier._file(digest), os.O_RDONLY)
+            except FileNotFoundError:
+                tier._forget(digest)
+                self.failure = NOT_FOUND
+                break
+            except OSError:
+                tier._counters.add(errors=1)
+                self.failure = BACKEND_ERROR
+                break
+            st = os.fstat(fd)
+            if st.st_size != tier.file_nbytes:  # not the plain layout: the codec reads it whole
+                os.close(fd)
+                failure = tier._read(ref, out, touch=False)
+                if failure is not None:
+                    self.failure = failure
+                    break
+                self.files.append(None)
+            else:
+                self.files.append((fd, st))
+            self.n += 1
+        self.sums = [xxhash.xxh3_128(tier._prefix(r)) for r in self.refs[: self.n]]
+        self.views = [memoryview(codec.byte_view(o)) for o in self.outs[: self.n]]
+
+    def read(self, l0: int, l1: int) -> int:
+        t, LB = self.tier, self.layer_nbytes
+        first, last = l0 == 0, l1 == self.L
+        P = t.file_nbytes - t.block_nbytes - codec.CHECKSUM_SIZE
+        for i in range(self.n):
+            f = self.files[i]
+            if f is None:
+                continue
+            head = bytearray(P) if first else None
+            tail = bytearray(codec.CHECKSUM_SIZE) if last else None
+            data = self.views[i][l0 * LB : l1 * LB]
+            bufs = [b for b in (head, data, tail) if b is not None]
+            want = sum(len(b) for b in bufs)
+            try:
+                got = os.preadv(f[0], bufs, 0 if first else P + l0 * LB)
+            except OSError:
+                t._counters.add(errors=1)
+                self._stop(i, BACKEND_ERROR)
+                break
+            if got != want:
+                self._stop(i, codec.TRUNCATED)
+                break
+            if head is not None and head != t._prefix(self.refs[i]):
+                self._stop(i, codec.WRONG_HASH)
+                break
+            self.sums[i].update(data)
+            if tail is not None and self.sums[i].digest() != tail:
+                self._stop(i, codec.BAD_CHECKSUM)
+                break
+        return self.n
+
+    def _stop(self, i: int, reason: str) -> None:
+        f = self.files[i]
+        if f is not None and reason != BACKEND_ERROR:
+            self.tier._drop_bad(self.refs[i], Path(self.tier._file(bytes(self.refs[i].block_hash))), f[1], reason)
+        self.n, self.failure = i, reason
+
+    def finish(self) -> int:
+        for f in self.files:
+            if f is not None:
+                os.close(f[0])
+        self.files = []
+        c = self.tier._counters
+        if self.failure is not None:
+            c.fail(self.failure)
+        c.add(hits=self.n, bytes_out=self.n * self.tier.file_nbytes, misses=int(self.failure is not None))
+        c.add_seconds("read", time.perf_counter() - self.t0)
+        return self.n
 
 
 def _parse_name(name: str) -> bytes | None:

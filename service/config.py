@@ -189,6 +189,7 @@ class ServerConfig:
     stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
+    restore_stages: int = setting(4, "Overlap a returning turn's restore with its prefill: the restored blocks land in this many groups of layers (every block's first layers first) and the new tokens' forward starts at once, each layer's attention waiting only for its own group, so the turn's time to first token tends to max(restore, prefill) rather than their sum; verified before anything of it is kept (a block that fails is recomputed). CPU pools, when the engine has nothing else to compute; 0 = restore whole, then prefill.", int)
     spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.DISK, Tier.REDIS), "Tiers idle sessions spill to: any of host, disk, redis, comma-separated (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
@@ -230,6 +231,7 @@ class ServerConfig:
             ("drain_delay", math.isfinite(self.drain_delay) and self.drain_delay >= 0, "must be >= 0"),
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
+            ("restore_stages", self.restore_stages >= 0, "must be >= 0"),
             ("redis_kv_format", self.kv_cache_format == "exact" or self.redis_kv_format in ("exact", self.kv_cache_format),
              f"would re-encode the --kv-cache-format {self.kv_cache_format} blocks (use exact: they move as they are)"),
             ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
@@ -343,6 +345,7 @@ class ServerConfig:
             stream_interval_s=self.stream_interval,
             spill_to=self.spill_to,
             restore_policy=self.restore_policy,
+            restore_stages=self.restore_stages,
         )
 
     def redis_connection_url(self) -> str | None:
