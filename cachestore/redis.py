@@ -642,7 +642,9 @@ class _RedisLayers(LayeredRead):
                     _recv_exact(sock, int(size) + 2 - len(payload))
                     clean = k + 1 == len(todo)
                     reason = codec.BAD_LENGTH if last and int(size) > want else codec.TRUNCATED
-                    self._fail(i, NOT_FOUND if first and int(size) == 0 else reason)
+                    if first and int(size) == 0 and not client.exists(t.key(self.refs[i])):
+                        reason = NOT_FOUND  # a missing key reads as an empty range; an empty value is not a miss
+                    self._fail(i, reason)
                     return False
                 if first:
                     head = _recv_exact(sock, P)

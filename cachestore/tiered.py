@@ -356,15 +356,18 @@ class TieredStore:
             i = j
         n = i  # blocks a configured tier was asked for
         for l0, l1 in stages:
-            for start, _, _, reader in groups:
+            for start, end, _, reader in groups:
                 if start >= n:
                     break
-                n = min(n, start + reader.read(l0, l1))
+                got = reader.read(l0, l1)
+                if got < end - start:
+                    n = min(n, start + got)
             on_stage(l1, n)
-        n_ok = len(hashes) if groups else 0
-        for start, _, _, reader in groups:
-            n_ok = min(n_ok, start + reader.finish())  # every read finished (counters, files)
-        n_ok = min(n_ok, n)
+        n_ok = n
+        for start, end, _, reader in groups:
+            got = reader.finish()  # every read finished (counters, files)
+            if got < end - start:
+                n_ok = min(n_ok, start + got)
         seconds = time.perf_counter() - t0
         for start, end, name, _ in groups:  # one rate sample per tier, its share of the time by bytes
             got = min(n_ok, end) - start
