@@ -1,10 +1,13 @@
 """Maps the repository's top-level folders to the installed ``kvserve.*`` names, and
 builds the native kernels.
 
-The repository keeps ``service/``, ``cachestore/`` and ``clients/`` at its root; the
-distribution installs them as ``kvserve.service``, ``kvserve.cachestore`` and
-``kvserve.clients`` (``kvserve`` is a namespace package, shared with the kvserve-client
-distribution). Everything else is in pyproject.toml.
+The repository keeps ``service/``, ``cachestore/``, ``clients/``, ``proto/`` and
+``common/`` at its root; the distribution installs them as ``kvserve.service``,
+``kvserve.cachestore``, ``kvserve.clients``, ``kvserve.proto`` (the .proto sources'
+generated stubs, which the server and the clients both import) and ``kvserve.common``
+(what the service and the cache store share: tier names, the circuit breaker, the
+directory lock). ``kvserve`` is a namespace package, shared with the kvserve-client
+distribution. Everything else is in pyproject.toml.
 
 The native CPU kernels (service/kernels/) are plain C++ shared libraries loaded through
 ctypes, one per ISA level: ``build_ext`` compiles them with the system C++ compiler
@@ -21,7 +24,7 @@ from pathlib import Path
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
-ROOTS = ("service", "cachestore", "clients")
+ROOTS = ("service", "cachestore", "clients", "proto", "common")
 HERE = Path(__file__).resolve().parent
 
 _spec = importlib.util.spec_from_file_location("_kvkernels_build", HERE / "service" / "kernels" / "build.py")

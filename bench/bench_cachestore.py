@@ -39,7 +39,8 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.cachestore import codec  # noqa: E402
-from kvserve.cachestore.base import BlockRef, Tier  # noqa: E402
+from kvserve.cachestore.base import BlockRef  # noqa: E402
+from kvserve.common.tiers import Tier  # noqa: E402
 from kvserve.cachestore.host import HostTier  # noqa: E402
 from kvserve.cachestore.keys import block_hashes, make_namespace  # noqa: E402
 from kvserve.cachestore.redis import RedisTier  # noqa: E402

@@ -1,5 +1,6 @@
-"""The storage protocol every cache tier follows (``Storage``), the tier names
-(``Tier``), and the tiers' statistics. Importing this module imports no torch.
+"""The storage protocol every cache tier follows (``Storage``) and the tiers' statistics.
+The tier names (``Tier``) and the breaker states are kvserve.common's, shared with the
+service. Importing this module imports no torch.
 
 Contract (every tier, every method):
 
@@ -42,13 +43,15 @@ Thread safety: tiers are safe to call from several threads at once.
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Generic, NamedTuple, Sequence, TypeVar
+
+from kvserve.common.breaker import CLOSED
+from kvserve.common.tiers import Tier
 
 from .keys import BlockHash, Namespace
 
@@ -57,27 +60,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# Breaker states, also used by tiers that have no breaker ("closed").
-CLOSED = "closed"
-OPEN = "open"
-HALF_OPEN = "half_open"
-
 # Failure reasons shared by tiers (the codec adds its own, see ``codec.REASONS``).
 NOT_FOUND = "not_found"  # the block is not in the tier
 BACKEND_ERROR = "backend_error"  # connection refused, reset, server error
 TIMEOUT = "timeout"  # socket connect/read timeout
 BREAKER_OPEN = "breaker_open"  # skipped: the circuit breaker is open
-
-
-class Tier(enum.StrEnum):
-    """The name of a place KV blocks live, fastest first: the engine's device pool, the
-    host tier (``HostTier``), local files (``DiskTier``), Redis (``RedisTier``). A ``str``: ``Tier.HOST == "host"``,
-    and it formats as its value (metric labels, logs, settings)."""
-
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    REDIS = "redis"
 
 
 class BlockRef(NamedTuple):

@@ -50,7 +50,6 @@ name atomically).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -63,8 +62,11 @@ from typing import Callable, Sequence
 import torch
 import xxhash
 
+from kvserve.common.dirlock import hold_dir_lock
+from kvserve.common.tiers import Tier
+
 from . import codec
-from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, LayeredRead, Tier, TierCounters, TierStats
+from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, LayeredRead, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -76,28 +78,6 @@ _HASH_AT = 4 + 2 + 2 + 32  # offset of the block hash in the codec header (magic
 # than this: one syscall fewer per block for blocks restored again soon.
 _TOUCH_AFTER_S = 60.0
 _HEX_LEN = 64
-
-
-class DiskCacheLocked(RuntimeError):
-    """Another tier (this process or another) holds the directory's lock."""
-
-
-def hold_dir_lock(root: Path) -> int:
-    """An fd holding an exclusive flock on ``root/LOCK`` (our pid written in it; closing
-    the fd, or the process ending, releases it). ``DiskCacheLocked`` when held."""
-    path = root / "LOCK"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        finally:
-            os.close(fd)
-        raise DiskCacheLocked(f"{root} is in use by another kvserve process (pid {holder})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 class DiskTier(BlockTier):

@@ -24,7 +24,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .base import NOT_FOUND, BlockRef, BlockTier, LayeredRead, Tier, TierCounters, TierStats
+from kvserve.common.tiers import Tier
+
+from .base import NOT_FOUND, BlockRef, BlockTier, LayeredRead, TierCounters, TierStats
 from .codec import byte_view, cpu_byte_view
 
 log = logging.getLogger(__name__)

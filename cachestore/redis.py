@@ -38,7 +38,7 @@ small round trip per batch of new blocks and saves the whole value for known one
 Failures: sockets have connect and read timeouts (reads, which requests wait for, on
 their own connections with ``read_timeout_s``, 0.5 s; writes ``socket_timeout_s``, 2 s),
 redis-py's own retries are off, and
-a circuit breaker (``cachestore.breaker``) opens after ``breaker_failures`` consecutive
+a circuit breaker (``kvserve.common.breaker``) opens after ``breaker_failures`` consecutive
 errors: while open every call is an immediate miss / no-op; after ``breaker_reset_s`` one
 call probes. No method raises for a Redis failure.
 
@@ -63,6 +63,9 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvserve.common.breaker import CircuitBreaker
+from kvserve.common.tiers import Tier
+
 from . import codec
 from .base import (
     BACKEND_ERROR,
@@ -72,11 +75,9 @@ from .base import (
     BlockRef,
     BlockTier,
     LayeredRead,
-    Tier,
     TierCounters,
     TierStats,
 )
-from .breaker import CircuitBreaker
 from .keys import redis_key
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,10 @@ from typing import Callable, Mapping, Self, Sequence
 
 import torch
 
-from .base import OPEN, BlockRef, BlockTier, LayeredRead, Tier, TierStats
+from kvserve.common.breaker import OPEN
+from kvserve.common.tiers import Tier
+
+from .base import BlockRef, BlockTier, LayeredRead, TierStats
 from .codec import copy_block
 from .keys import BlockHash, Namespace
 

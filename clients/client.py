@@ -41,8 +41,8 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ._proto.kvserve.v1 import generation_pb2 as pb
-from ._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 _TIERS = {
     pb.CACHE_TIER_UNSPECIFIED: "none",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from urllib.parse import urlencode
 
-from kvserve.cachestore.base import Tier
+from kvserve.common.tiers import Tier
 
 if TYPE_CHECKING:
     from .engine import EngineConfig

@@ -40,6 +40,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserve.common.dirlock import DiskCacheLocked, hold_dir_lock
+
 from .auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
 from .config import ConfigError, ServerConfig, mask_url_password
 from .admission import Admission
@@ -393,8 +395,6 @@ def disk_cache_problem(config: ServerConfig) -> str | None:
     server holding it), else why not (one line)."""
     if not config.disk_cache_dir:
         return None
-    from kvserve.cachestore.disk import DiskCacheLocked, hold_dir_lock
-
     root = Path(config.disk_cache_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -414,8 +414,6 @@ async def _build_engine(config: ServerConfig) -> Any:
         import torch
 
         torch.set_num_threads(config.torch_threads)
-    from kvserve.cachestore.disk import DiskCacheLocked
-
     try:
         return await build_engine(config.engine_config())
     except DiskCacheLocked as e:  # taken since disk_cache_problem looked

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from . import wire
 from .admission import Admission, Ticket
 from .conversations import Conversations

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from kvserve.cachestore.base import Tier  # the tier names (device, host, redis); no torch
+from kvserve.common.tiers import Tier  # the tier names (device, host, disk, redis); no torch
 
 if TYPE_CHECKING:
     from kvserve.cachestore.tiered import TieredStats

@@ -44,7 +44,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from .admission import Draining, TooManyStreams
 from .auth import Unauthenticated
 from .sessions import (

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Regenerate the committed Python stubs of ``proto/kvserve/v1/*.proto``.
 
-    python tools/gen_proto.py                # writes clients/_proto/kvserve/v1/*_pb2*.py[i]
+    python tools/gen_proto.py                # writes proto/kvserve/v1/*_pb2*.py[i], beside the .proto
     python tools/gen_proto.py --out /tmp/x   # writes /tmp/x/kvserve/v1/... (the staleness test)
 
-protoc names imports after the proto package (``from kvserve.v1 import ...``); the
-stubs live in the ``kvserve.clients._proto`` package, so one post-processing step rewrites
-that import prefix to ``kvserve.clients._proto.kvserve.v1``. Nothing else is edited, so the
-output is byte-for-byte what ``grpc_tools.protoc`` of the installed grpcio-tools writes.
+The stubs live beside their source in proto/, the ``kvserve.proto`` package that the
+server (service/) and the clients (clients/) both import: ``kvserve.proto.kvserve.v1``.
+protoc names imports after the proto package (``from kvserve.v1 import ...``), which would
+resolve nowhere; one post-processing step makes them relative (``from . import ...``: the
+stubs of one proto package import each other inside it, as every package here does).
+Nothing else is edited, so the output is otherwise byte-for-byte what ``grpc_tools.protoc``
+of the installed grpcio-tools writes.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "proto"
 PROTO_FILES = ("kvserve/v1/generation.proto",)
-DEFAULT_OUT = REPO / "clients" / "_proto"
-IMPORT_REWRITES = (("from kvserve.v1 import ", "from kvserve.clients._proto.kvserve.v1 import "),)
+DEFAULT_OUT = PROTO_ROOT  # protoc writes kvserve/v1/x_pb2.py under it: beside kvserve/v1/x.proto
+IMPORT_REWRITES = (("from kvserve.v1 import ", "from . import "),)
 
 
 def generated_paths(out: Path) -> list[Path]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.cachestore.base import Tier
+from kvserve.common.tiers import Tier
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 

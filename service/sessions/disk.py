@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kvserve.cachestore.disk import hold_dir_lock
+from kvserve.common.dirlock import hold_dir_lock
+
 from .records import SessionRecord, SessionRecordError, decode_record, encode_record
 from .stores import InMemorySessionStore
 

@@ -5,7 +5,7 @@ etag) and ``FallbackSessionStore`` (this process's memory behind Redis, with per
 timeouts and a circuit breaker).
 
 Sessions keep their own Redis client (``redis.asyncio``, their own timeouts, Lua
-scripts, cluster hash tags) and their own breaker (``cachestore.breaker.CircuitBreaker``,
+scripts, cluster hash tags) and their own breaker (``kvserve.common.breaker.CircuitBreaker``,
 the class the KV tier uses, another instance): a session write is a small
 compare-and-set the turn waits for, a KV block a large best-effort value written in the
 background, so they fail, time out and recover separately. They share the URL, the TLS
@@ -25,6 +25,8 @@ from typing import Any, Callable, Protocol
 from urllib.parse import quote
 
 from redis.exceptions import ResponseError
+
+from kvserve.common.breaker import CircuitBreaker
 
 from .records import (
     SessionRecord,
@@ -704,7 +706,7 @@ class FallbackSessionStore:
 
     Every write goes to both; reads and locks go to Redis and fall back to memory when
     Redis fails. Each Redis call is bounded by ``timeout_s`` and goes through a circuit
-    breaker (``cachestore.breaker``): after ``breaker.failure_threshold`` consecutive
+    breaker (``kvserve.common.breaker``): after ``breaker.failure_threshold`` consecutive
     failures or timeouts Redis is not asked at all (every call answers from this
     replica's copy at once) until a probe after ``breaker.reset_timeout_s`` succeeds. So
     a Redis that is down or hung (SIGSTOP, a partition) costs a turn at most a few
@@ -735,12 +737,10 @@ class FallbackSessionStore:
         local: InMemorySessionStore | None = None,
         *,
         timeout_s: float = 0.3,
-        breaker: Any = None,  # cachestore.breaker.CircuitBreaker
+        breaker: CircuitBreaker | None = None,
         unlock_retry_s: float = 0.5,
         sync_every_s: float = 1.0,
     ) -> None:
-        from kvserve.cachestore.breaker import CircuitBreaker
-
         self.primary = primary
         self.local = local or InMemorySessionStore()
         self.timeout_s = timeout_s

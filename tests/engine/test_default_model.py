@@ -223,8 +223,8 @@ def test_chat_template_accepts_system_user_and_assistant(sp, ours):
 def test_a_live_server_serves_every_chat_role_and_refuses_others():
     import grpc
 
-    from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-    from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+    from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+    from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
     from tests.fixtures.serving import ServerThread, tiny_config
 
     def chat(*messages):

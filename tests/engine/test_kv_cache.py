@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.cachestore.base import Tier
+from kvserve.common.tiers import Tier
 from kvserve.service.kv.cache import NULL_BLOCK, BatchLayout, KVCacheSpec, KVPool, SeqSlice
 from kvserve.service.models.loading import load_model
 

@@ -95,7 +95,7 @@ def test_a_second_server_on_the_directory_refuses_to_start(tiny_llama_dir, tmp_p
 def test_disk_session_store_survives_a_restart_and_drops_bad_files(tmp_path):
     import asyncio
 
-    from kvserve.cachestore.disk import DiskCacheLocked
+    from kvserve.common.dirlock import DiskCacheLocked
     from kvserve.service.sessions import SessionRecord
     from kvserve.service.sessions.disk import DiskSessionStore
     from kvserve.service.sessions.stores import CONFLICT, WRITTEN, Expect

@@ -15,8 +15,8 @@ import grpc
 import jsonschema
 import pytest
 
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.fixtures.serving import ServerThread, tiny_config, wait_until
 
 PROMPT = [5, 17, 42, 9, 100, 23, 7, 5, 17, 3, 88]  # 11 tokens: a partial last block of 8

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import pytest
 
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams
 from tests.fixtures.serving import ServerThread, tiny_config, wait_until
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.fixtures.serving import ServerThread, tiny_config
 
 PROMPT = [5, 17, 42, 9, 100, 23, 7, 5, 17]

@@ -88,8 +88,8 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("kwargs,code,message", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_request_gets_its_status_then_a_good_request_succeeds(server, client, kwargs, code, message):
     if kwargs.get("text") is None and kwargs.get("token_ids") is None and "messages" not in kwargs:
-        from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-        from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+        from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+        from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 
         # the client refuses to build a request without input; send a raw empty one
         with grpc.insecure_channel(server.address) as ch:

@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.auth import hash_key
 from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
 

@@ -88,14 +88,16 @@ def test_the_client_package_installs_without_torch_and_calls_a_live_server(clien
     py = client_venv / "bin" / "python"
     probe = subprocess.run(
         [py, "-c", "import importlib.util as u, importlib.metadata as m, kvserve.clients as clients\n"
-                   "print(u.find_spec('torch'), u.find_spec('kvserve.service'), clients.__file__)\n"
-                   "print([n for n in ('service', 'clients', 'cachestore') if u.find_spec(n)])\n"
+                   "import kvserve.proto.kvserve.v1.generation_pb2_grpc as stubs\n"
+                   "print(u.find_spec('torch'), u.find_spec('kvserve.service'), clients.__file__, stubs.__file__)\n"
+                   "print([n for n in ('service', 'clients', 'cachestore', 'proto') if u.find_spec(n)])\n"
                    "print(sorted(d.metadata['Name'].lower() for d in m.distributions()))"],
         capture_output=True, text=True, cwd=tmp_path, env=_clean_env(),
     )  # fmt: skip
     assert probe.returncode == 0, probe.stderr
     first, generic, dists = probe.stdout.splitlines()[:3]
-    assert first.startswith("None None ") and str(client_venv) in first  # no torch, no server; the installed copy
+    assert first.startswith("None None ")  # no torch, no server
+    assert all(f.startswith(str(client_venv)) for f in first.split()[2:]), first  # the installed clients and stubs
     assert "torch" not in dists and "kvserve-client" in dists
     assert generic == "[]"  # no generic top-level names in the user's site-packages
     with ServerThread(tiny_config(tiny_llama_dir)) as s:

@@ -38,7 +38,7 @@ import redis
 import yaml
 
 from kvserve.clients import KVServeClient
-from kvserve.clients._proto.kvserve.v1 import generation_pb2 as pb
+from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from kvserve.service.config import ServerConfig, env_name, parse_bytes
 from kvserve.service.engine.config import DEFAULT_MODEL_DIR
 from tests.fixtures.redis_server import free_port, redis_server_binary

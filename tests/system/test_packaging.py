@@ -1,6 +1,7 @@
 """The server distribution installs under one unambiguous name: ``kvserve.service``,
-``kvserve.cachestore`` and ``kvserve.clients`` (a namespace shared with kvserve-client),
-nothing generic at the top of a user's site-packages; the console scripts, the packaged
+``kvserve.cachestore``, ``kvserve.clients``, ``kvserve.proto`` and ``kvserve.common`` (a
+namespace shared with kvserve-client), nothing generic at the top of a user's
+site-packages; the console scripts, the packaged
 default model and the native kernels, built by the install (one library per ISA level),
 come along: a fresh install serves with them at once, never compiling at start."""
 
@@ -35,9 +36,11 @@ def test_the_wheel_holds_only_the_kvserve_namespace(wheel):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"kvserve", next(t for t in tops if t.endswith(".dist-info"))}
     assert "kvserve/__init__.py" not in names  # a namespace: kvserve-client adds kvserve/clients beside it
+    assert not [n for n in names if "/_proto/" in n]  # the stubs are kvserve.proto's, imported by both sides
     for path in ("kvserve/service/cli.py", "kvserve/service/engine/engine.py", "kvserve/service/models/llama.py",
                  "kvserve/service/default_model/model.safetensors", "kvserve/cachestore/tiered.py",
-                 "kvserve/clients/client.py", "kvserve/clients/_proto/kvserve/v1/generation_pb2_grpc.py"):
+                 "kvserve/clients/client.py", "kvserve/proto/kvserve/v1/generation_pb2_grpc.py",
+                 "kvserve/common/breaker.py", "kvserve/common/tiers.py"):
         assert path in names, path
     from kvserve.service.kernels import ISAS, build
 
@@ -67,8 +70,9 @@ def test_installed_in_a_fresh_venv_the_names_resolve_there(wheel, tmp_path):
     probe = subprocess.run(
         [py, "-c", "import importlib.util as u\n"
                    "import kvserve.service.cli, kvserve.cachestore.tiered, kvserve.clients.client as c\n"
+                   "import kvserve.proto.kvserve.v1.generation_pb2 as pb\n"
                    "from kvserve.service.engine.config import DEFAULT_MODEL_DIR\n"
-                   "print(kvserve.service.cli.__file__, kvserve.cachestore.tiered.__file__, c.__file__)\n"
+                   "print(kvserve.service.cli.__file__, kvserve.cachestore.tiered.__file__, c.__file__, pb.__file__)\n"
                    "print((DEFAULT_MODEL_DIR / 'model.safetensors').is_file())"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )  # fmt: skip

@@ -23,6 +23,7 @@ def test_committed_stubs_are_current(tmp_path: Path) -> None:
     gen = _load_gen_proto()
     fresh = gen.generate(tmp_path)
     committed = gen.generated_paths(gen.DEFAULT_OUT)
+    assert all(p.parent == REPO / "proto/kvserve/v1" for p in committed)  # beside generation.proto
     assert len(fresh) == len(committed) == 3
     for new, old in zip(fresh, committed):
         assert old.exists(), f"{old} is missing: run python tools/gen_proto.py"
@@ -32,13 +33,17 @@ def test_committed_stubs_are_current(tmp_path: Path) -> None:
 
 
 def test_stub_imports_resolve_inside_the_package() -> None:
-    from kvserve.clients._proto.kvserve.v1 import generation_pb2, generation_pb2_grpc
+    from kvserve.proto.kvserve.v1 import generation_pb2, generation_pb2_grpc
 
     assert generation_pb2.DESCRIPTOR.package == "kvserve.v1"
     assert "GenerationService" in generation_pb2.DESCRIPTOR.services_by_name
     assert generation_pb2_grpc.GenerationServiceStub is not None
-    grpc_src = (REPO / "clients/_proto/kvserve/v1/generation_pb2_grpc.py").read_text()
+    here = (REPO / "proto/kvserve/v1/generation_pb2.py").resolve()  # beside the .proto (kvserve/proto links there)
+    assert Path(generation_pb2.__file__).resolve() == here
+    assert generation_pb2_grpc.kvserve_dot_v1_dot_generation__pb2 is generation_pb2  # the one module, not a copy
+    grpc_src = (REPO / "proto/kvserve/v1/generation_pb2_grpc.py").read_text()
     assert "\nfrom kvserve.v1 " not in grpc_src  # protoc's import, rewritten into the package
+    assert "\nfrom . import generation_pb2 as " in grpc_src
 
 
 def test_buf_lint_clean() -> None:

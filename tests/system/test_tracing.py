@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kvserve.clients import KVServeClient, build_request
-from kvserve.clients._proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.tracing import Tracing
 from tests.fixtures.serving import BLOCK_SIZE, REPO, ServerThread, subprocess_env, tiny_config, wait_until
 

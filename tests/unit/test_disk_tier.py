@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from kvserve.cachestore import codec
-from kvserve.cachestore.base import NOT_FOUND, BlockRef, Tier
-from kvserve.cachestore.disk import DiskCacheLocked, DiskTier
+from kvserve.cachestore.base import NOT_FOUND, BlockRef
+from kvserve.cachestore.disk import DiskTier
 from kvserve.cachestore.host import HostTier
 from kvserve.cachestore.keys import block_hashes, make_namespace
 from kvserve.cachestore.tiered import DEFAULT_RESTORE_RATES, TieredStore
+from kvserve.common.dirlock import DiskCacheLocked
+from kvserve.common.tiers import Tier
 
 SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
 NS = make_namespace("weights-a", "float32", 4)
@@ -245,7 +247,7 @@ def test_a_second_tier_on_the_same_directory_is_refused(tmp_path: Path) -> None:
 def test_another_process_is_refused_and_the_lock_dies_with_its_holder(tmp_path: Path) -> None:
     code = (
         "import sys, torch\n"
-        "from kvserve.cachestore.disk import DiskTier, DiskCacheLocked\n"
+        "from kvserve.cachestore.disk import DiskTier\nfrom kvserve.common.dirlock import DiskCacheLocked\n"
         f"try:\n    DiskTier({str(tmp_path)!r}, 1 << 20, {SHAPE!r}, torch.float32)\n"
         "except DiskCacheLocked as e:\n    print(e); sys.exit(3)\n"
         "print('locked'); sys.stdout.flush(); sys.stdin.read()\n"

@@ -58,10 +58,65 @@ def test_tool_calling_imports_without_torch_or_grpc():
 def test_clients_and_their_stubs_import_without_torch_or_the_server():
     code = (
         "import kvserve.clients, kvserve.clients.chat\n"
-        "from kvserve.clients._proto.kvserve.v1 import generation_pb2\n"
+        "from kvserve.proto.kvserve.v1 import generation_pb2\n"
         "assert not [m for m in sys.modules if m.startswith(('kvserve.service', 'kvserve.cachestore'))]\n"
     )
     out = _runs_without_torch(code)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_stubs_are_shared_and_the_server_never_imports_the_clients():
+    """The generated stubs are kvserve.proto's (proto/, beside the .proto files): the server
+    and the clients both import them from there, so service/ and cachestore/ never import
+    kvserve.clients (a server that needs the clients' code would ship a client inside it);
+    the clients import the stubs and nothing else of kvserve; the stubs import nothing of
+    kvserve but each other."""
+    for root in ("service", "cachestore"):
+        for path, names in _package_imports(root).items():
+            bad = [m for m in names if m.startswith("kvserve.clients")]
+            assert not bad, f"{path} imports the clients: {bad}"
+    servicer = _imports(REPO / "service" / "servicer.py")
+    assert "kvserve.proto.kvserve.v1.generation_pb2_grpc" in servicer, servicer
+    for path, names in _package_imports("clients").items():
+        bad = [m for m in names if m.startswith("kvserve.") and not m.startswith(("kvserve.clients", "kvserve.proto"))]
+        assert not bad, f"{path} imports more than the stubs: {bad}"
+    assert "kvserve.proto.kvserve.v1.generation_pb2" in _imports(REPO / "clients" / "client.py")
+    for path, names in _package_imports("proto").items():
+        bad = [m for m in names if m.startswith("kvserve.") and not m.startswith("kvserve.proto")]
+        assert not bad, f"{path} imports {bad}"
+    assert not (REPO / "clients" / "_proto").exists()
+
+
+def _package_imports(root: str) -> dict[str, list[str]]:
+    """Every import of each module under ``root`` (run time and TYPE_CHECKING alike)."""
+    return {str(p.relative_to(REPO)): _imports(p) for p in (REPO / root).rglob("*.py")
+            if not {"build", "node", "node_modules", "__pycache__"} & set(p.relative_to(REPO).parts)}
+
+
+def test_what_service_and_cachestore_share_lives_in_common():
+    """kvserve.common holds what both sides need (the tier names, the circuit breaker,
+    the directory lock) and imports nothing of kvserve and nothing outside the standard
+    library; the cache store imports nothing of the service; the session layer
+    (service/sessions/) and the settings and domain types use common's names and import
+    nothing of kvserve.cachestore, so neither side reaches into the other for them."""
+    for path, names in _package_imports("common").items():
+        bad = [m for m in names if m.split(".")[0] not in sys.stdlib_module_names and not m.startswith("kvserve.common")]
+        assert not bad, f"{path} imports {bad}"
+    for path, names in _package_imports("cachestore").items():
+        bad = [m for m in names if m.startswith(("kvserve.service", "kvserve.clients", "kvserve.proto"))]
+        assert not bad, f"{path} imports the service: {bad}"
+    users = {**_package_imports("service/sessions"),
+             **{f"service/{n}.py": _imports(REPO / "service" / f"{n}.py") for n in ("types", "config", "server")}}
+    for path, names in users.items():
+        bad = [m for m in names if m.startswith("kvserve.cachestore") and not m.startswith("kvserve.cachestore.tiered.")]
+        assert not bad, f"{path} imports the cache store's modules: {bad}"
+    assert "kvserve.common.breaker.CircuitBreaker" in _imports(REPO / "service" / "sessions" / "stores.py")
+    assert "kvserve.common.breaker.CircuitBreaker" in _imports(REPO / "cachestore" / "redis.py")
+    assert "kvserve.common.tiers.Tier" in _imports(REPO / "service" / "types.py")
+    assert not (REPO / "cachestore" / "breaker.py").exists()
+    out = _runs_without_torch("import kvserve.common.breaker, kvserve.common.tiers, kvserve.common.dirlock\n"
+                              "import kvserve.service.sessions\n"
+                              "assert not [m for m in sys.modules if m.startswith('kvserve.cachestore')], sys.modules")
     assert out.returncode == 0, out.stderr
 
 
@@ -200,20 +255,20 @@ def test_the_kernels_loader_and_build_import_without_torch():
 
 def test_a_checkout_reads_its_own_imports():
     """Static tools read a checkout as it is: inside each package (service/, cachestore/,
-    clients/) imports are relative, so each names a file by its place; across packages
+    clients/, proto/, common/) imports are relative, so each names a file by its place; across packages
     they are absolute (kvserve.cachestore...), and kvserve/ at the root maps those names
     to the folders with one symbolic link each (the installed names; no __path__ code)."""
     import ast
 
-    for root in ("service", "cachestore", "clients"):
+    for root in ("service", "cachestore", "clients", "proto", "common"):
         link = REPO / "kvserve" / root
         assert link.is_symlink() and link.resolve() == (REPO / root).resolve(), link
     assert not (REPO / "kvserve" / "__init__.py").exists()
     checked = 0
-    for root in ("service", "cachestore", "clients"):
+    for root in ("service", "cachestore", "clients", "proto", "common"):
         for path in (REPO / root).rglob("*.py"):
             parts = path.relative_to(REPO).parts
-            if {"build", "node", "node_modules", "_proto"} & set(parts):
+            if {"build", "node", "node_modules"} & set(parts):
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if not isinstance(node, ast.ImportFrom):

@@ -10,8 +10,8 @@ import redis
 import torch
 
 from kvserve.cachestore import codec
-from kvserve.cachestore.base import BACKEND_ERROR, BREAKER_OPEN, CLOSED, HALF_OPEN, NOT_FOUND, OPEN, TIMEOUT, BlockRef
-from kvserve.cachestore.breaker import CircuitBreaker
+from kvserve.cachestore.base import BACKEND_ERROR, BREAKER_OPEN, NOT_FOUND, TIMEOUT, BlockRef
+from kvserve.common.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvserve.cachestore.keys import block_hashes, make_namespace
 from kvserve.cachestore.redis import RedisTier
 

@@ -11,7 +11,8 @@ import redis
 import torch
 
 from kvserve.cachestore import codec
-from kvserve.cachestore.base import BlockRef, Tier
+from kvserve.cachestore.base import BlockRef
+from kvserve.common.tiers import Tier
 from kvserve.cachestore.host import HostTier
 from kvserve.cachestore.keys import block_hashes, make_namespace
 from kvserve.cachestore.redis import RedisTier

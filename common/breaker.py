@@ -9,6 +9,9 @@ Callers ask ``allow()`` before each operation and report ``record_success()`` or
 ``record_failure()`` after it. A refused call should be a fast miss / no-op, never an
 error. A probe whose caller never reports (it died) is given up after another
 ``reset_timeout_s`` and a new probe is let through, so the breaker cannot wedge.
+
+Used by the Redis KV tier (kvserve.cachestore.redis) and the Redis session store
+(kvserve.service.sessions.stores), one breaker each.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import threading
 import time
 from typing import Callable
 
-from .base import CLOSED, HALF_OPEN, OPEN
+# The breaker's states (also what a tier without a breaker reports: "closed").
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
 
 
 class CircuitBreaker:
@@ -89,3 +95,6 @@ class CircuitBreaker:
             self._failures = 0
             self._probe_started_at = None
             self.opens += 1
+
+
+__all__ = ["CircuitBreaker", "CLOSED", "OPEN", "HALF_OPEN"]
