@@ -232,7 +232,7 @@ def raw_redis_get_gbps(url: str, value_bytes: int, n: int) -> float:
 
 
 def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps: int, disk_root: Path,
-            kv_formats: list[str]) -> list[dict]:
+            kv_formats: list[str], paths: tuple[str, ...] = RESTORED) -> list[dict]:
     """Rows per (history, KV cache format): cold and device TTFT, and for each restored
     path its TTFT without and with the overlap (alternating within each repetition)."""
     import redis
@@ -259,9 +259,9 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
             spill(a, history, ("host", "disk", "redis"))
             block_bytes = a.pool.bytes_per_block
             done(a)  # closes the store: the disk tier's lock, Redis' connections; host memory stays
-            res: dict[tuple[str, str], list[Finished]] = {(p, o): [] for p in RESTORED for o in STAGES}
+            res: dict[tuple[str, str], list[Finished]] = {(p, o): [] for p in paths for o in STAGES}
             for r in range(reps):
-                for path in RESTORED:
+                for path in paths:
                     for o in (list(STAGES) if r % 2 == 0 else list(STAGES)[::-1]):  # A/B alternating
                         if path == "host":
                             st = TieredStore([host_tier])  # a new device pool, the same host memory
@@ -287,8 +287,8 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
             rows.append(row)
             print(
                 f"  {shape:9s} H={H:5d} {fmt:5s} cold {row['cold_ms']:8.1f} ms  device {row['device_ms']:7.1f}  "
-                + "  ".join(f"{p} {row[p + '_off_ms']:.1f}/{row[p + '_on_ms']:.1f}" for p in RESTORED)
-                + f"  (off/on; cached {row['redis_on_cached']}/{H + NEW_TURN})",
+                + "  ".join(f"{p} {row[p + '_off_ms']:.1f}/{row[p + '_on_ms']:.1f}" for p in paths)
+                + f"  (off/on; cached {row[paths[-1] + '_on_cached']}/{H + NEW_TURN})",
                 flush=True,
             )
     return rows
@@ -304,6 +304,8 @@ def print_overlap(rows: list[dict], stages: int) -> None:
     print("|---" * 11 + "|")
     for r in rows:
         for p in RESTORED:
+            if f"{p}_on_ms" not in r:
+                continue
             rs, dev = r[f"{p}_restore_ms"], r["device_ms"]
             off, on = r[f"{p}_off_ms"], r[f"{p}_on_ms"]
             print(f"| {r['shape']} | {r['history']} | {r['format']} | {p.replace('_', '-')} | {rs:.1f} | {dev:.1f} "
@@ -439,7 +441,7 @@ class LlamaServer:
 
 
 def measure_llama(shape: str, history: int, cache: Path, bin_dir: Path, src_dir: Path | None, threads: int,
-                  reps: int, workdir: Path) -> list[dict]:
+                  reps: int, workdir: Path, types: tuple[str, ...] = LLAMA_TYPES) -> list[dict]:
     """llama.cpp's returning-turn TTFT for the same random weights (GGUF F32 / F16, f16
     KV), history and new-turn length: warm slot, RAM prompt cache, slot-file restore."""
     import subprocess
@@ -460,7 +462,7 @@ def measure_llama(shape: str, history: int, cache: Path, bin_dir: Path, src_dir:
     turns = [hist + torch.randint(3, vocab, (NEW_TURN,), generator=g).tolist() for _ in range(reps)]
     other = torch.randint(3, vocab, (64,), generator=g).tolist()  # another prompt, to take the slot
     rows = []
-    for qtype in LLAMA_TYPES:
+    for qtype in types:
         gguf = workdir / f"{shape}-{qtype}.gguf"
         conv = subprocess.run([sys.executable, str(src_dir / "convert_hf_to_gguf.py"), str(path), "--outfile",
                                str(gguf), "--outtype", qtype], env=env, capture_output=True, text=True)
@@ -525,8 +527,12 @@ def print_llama(llama_rows: list[dict], rows: list[dict]) -> None:
                 continue
             print(f"| {lr['shape']} | {lr['history']} | {lr['type']} | {lr['cold_ms']:.1f} | {lr['warm_ms']:.1f} "
                   f"| {lr['ram_ms']:.1f} | {lr['slot_ms']:.1f} ({lr['slot_restore_ms']:.1f}) | {lr['slot_file_mb']:.1f} "
-                  f"| {r['format']} | {r['device_ms']:.1f} | {r['host_on_ms']:.1f} | {r['disk_on_ms']:.1f} "
-                  f"| {r['redis_on_ms']:.1f} | {r['redis_on_ms'] / lr['slot_ms']:.2f}x |")
+                  f"| {r['format']} | {r['device_ms']:.1f} | {_ms(r, 'host_on_ms')} | {_ms(r, 'disk_on_ms')} "
+                  f"| {_ms(r, 'redis_on_ms')} | {r['redis_on_ms'] / lr['slot_ms'] if 'redis_on_ms' in r else 0:.2f}x |")
+
+
+def _ms(row: dict, key: str) -> str:
+    return f"{row[key]:.1f}" if key in row else "-"
 
 
 def main() -> None:
@@ -544,6 +550,8 @@ def main() -> None:
     ap.add_argument("--kv-formats", default=",".join(KV_CACHE_FORMATS),
                     help=f"KV cache formats (--kv-cache-format) to run every path in; default all: {','.join(KV_CACHE_FORMATS)}")
     ap.add_argument("--stages", type=int, default=4, help="--restore-stages of the overlapped runs")
+    ap.add_argument("--paths", default=",".join(RESTORED), help=f"restored paths to run (default all: {','.join(RESTORED)})")
+    ap.add_argument("--llama-types", default=",".join(LLAMA_TYPES), help="GGUF weight types for llama.cpp (f32, f16)")
     ap.add_argument("--llama-bin", default="", help="llama.cpp's bin directory (llama-server): its figures in the same run")
     ap.add_argument("--llama-src", default="", help="llama.cpp's source tree (convert_hf_to_gguf.py); default: found above --llama-bin")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
@@ -577,7 +585,7 @@ def main() -> None:
                 disk_root = Path(args.disk_dir) if args.disk_dir else Path(tempfile.mkdtemp(prefix="disk-", dir=out))
                 try:
                     rows += measure(shape, histories, server.url, out / "models", args.reps, disk_root / "tier",
-                                    args.kv_formats.split(","))
+                                    args.kv_formats.split(","), tuple(args.paths.split(",")))
                     bb = rows[-1]["block_bytes"]
                     ceilings[shape] = (
                         raw_memcpy_gbps(bb * 64), raw_file_read_gbps(disk_root / "raw", bb, 64),
@@ -592,7 +600,7 @@ def main() -> None:
                         llama_rows += measure_llama(
                             shape, max(histories), out / "models", Path(args.llama_bin).expanduser(),
                             Path(args.llama_src).expanduser() if args.llama_src else None,
-                            args.threads or torch.get_num_threads(), args.reps, work,
+                            args.threads or torch.get_num_threads(), args.reps, work, tuple(args.llama_types.split(",")),
                         )
                     finally:
                         shutil.rmtree(work, ignore_errors=True)
@@ -615,7 +623,7 @@ def main() -> None:
     print()
     print(hdr)
     print("|---" * 15 + "|")
-    for r in rows:
+    for r in rows if set(args.paths.split(",")) == set(RESTORED) else []:
         memcpy, rawread, rawget = ceilings[r["shape"]]
         print(
             f"| {r['shape']} | {r['history']} | {r['format']} | {r['kv_mb']:.1f} | {r['cold_ms']:.1f} | {r['device_ms']:.1f} "
