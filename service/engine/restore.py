@@ -70,6 +70,7 @@ class Landing:
         self.layers = 0
         self.blocks = 0
         self.done = False
+        self.t_done = 0.0  # monotonic time the restore was over
 
     def plan(self, n_blocks: int) -> None:
         with self._cv:
@@ -84,6 +85,7 @@ class Landing:
     def finish(self) -> None:
         with self._cv:
             self.done = True
+            self.t_done = time.monotonic()
             self._cv.notify_all()
 
     def wait_layer(self, layer: int) -> None:
@@ -238,8 +240,10 @@ class Restorer:
             except Exception:
                 log.exception("restore of %s failed; recomputing", seq.request_id)
                 loaded, event = [], None
+            # an overlapped restore's own time (its forward ran meanwhile: prefill_s has the rest)
+            end = seq.landing.t_done if seq.landing is not None and seq.landing.t_done else time.monotonic()
             seq.restore = seq.landing = None
-            seq.restore_s = time.monotonic() - seq.t_restore0
+            seq.restore_s = end - seq.t_restore0
             start = seq.num_registered
             self.transfers.finish_restore(event)
             for i, tier_name in enumerate(loaded):
