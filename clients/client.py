@@ -152,6 +152,12 @@ class Timings:
     ttft_s: float
     decode_s: float
     decode_tokens_per_s: float
+    # speculative decoding: tokens drafted and verified, how many were accepted, their
+    # ratio (0 with no drafts) and generated tokens per forward (1 without speculation)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    acceptance_rate: float = 0.0
+    tokens_per_step: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,26 @@ class SessionInfo:
 
 
 @dataclass(frozen=True)
+class WarmInfo:
+    """What WarmSession did with the session's full blocks: ``blocks`` = ``on_device`` +
+    ``restored`` + ``missing`` + ``over_cap`` (see the proto's WarmSessionResponse)."""
+
+    blocks: int
+    on_device: int  # on the device already
+    restored: int  # restored into it by this call
+    restored_by_tier: dict[str, int]  # restored, per tier they came from
+    missing: int  # in no tier: the next turn computes them
+    over_cap: int  # left where they are by the server's warm-up caps
+    ttl_s: float  # how long the warmed blocks wait for the next turn
+
+
+def warm_from_pb(r: pb.WarmSessionResponse) -> WarmInfo:
+    by_tier = {"host": r.restored_by_tier.host, "disk": r.restored_by_tier.disk, "redis": r.restored_by_tier.redis}
+    return WarmInfo(r.blocks, r.on_device, r.restored, {k: v for k, v in by_tier.items() if v}, r.missing,
+                    r.over_cap, _seconds(r.ttl))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class TLSConfig:
     """PEM-encoded TLS material; ``private_key`` + ``certificate_chain`` for mutual TLS."""
 
@@ -306,6 +332,8 @@ def build_request(
     tools: Sequence[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    speculative: bool | None = None,
+    speculative_max_draft: int | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from keyword arguments; exactly one input must be given,
     none with ``turn_mode="regenerate"``.
@@ -318,6 +346,8 @@ def build_request(
     "append" (a new turn), "regenerate" (the last turn's answer again, replacing it) or
     "edit" (this input replaces the last turn's, answered anew). ``expected_turns``: run
     only if the session has exactly that many turns (else FAILED_PRECONDITION).
+    ``speculative``: True or False turns speculative decoding on or off for this request
+    (None: the server's setting); ``speculative_max_draft``: its drafts per step at most.
 
     Tools, as OpenAI writes them: ``tools`` ``[{"type": "function", "function": {"name",
     "description", "parameters"}}]`` (or the function objects alone), ``tool_choice``
@@ -355,6 +385,7 @@ def build_request(
         ("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
         ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
         ("min_p", min_p), ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+        ("speculative", speculative), ("speculative_max_draft", speculative_max_draft),
     ):  # fmt: skip
         if value is not None:
             setattr(s, name, value)
@@ -469,6 +500,10 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
                 ttft_s=_seconds(t.time_to_first_token),
                 decode_s=_seconds(t.decode),
                 decode_tokens_per_s=t.decode_tokens_per_second,
+                draft_tokens=t.draft_tokens,
+                accepted_draft_tokens=t.accepted_draft_tokens,
+                acceptance_rate=t.acceptance_rate,
+                tokens_per_step=t.tokens_per_step,
             ),
             index=f.index,
             tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in f.tool_calls],
@@ -639,6 +674,13 @@ class KVServeClient:
         resp = self._unary(self._stub.GetSession, req, timeout, session_id)
         return session_from_pb(resp.session, include_token_ids, include_turns)
 
+    def warm_session(self, session_id: str, *, timeout: float | None = None) -> WarmInfo:
+        """Ask the server to restore the session's KV blocks into its device pool ahead of
+        the next turn (call it when you know the session is coming back); returns where
+        the blocks are now. NOT_FOUND for an unknown session."""
+        resp = self._unary(self._stub.WarmSession, pb.WarmSessionRequest(session_id=session_id), timeout, session_id)
+        return warm_from_pb(resp)
+
     def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
         self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)
 
@@ -790,6 +832,11 @@ class AsyncKVServeClient:
         req = pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids, include_turns=include_turns)
         resp = await self._unary(self._stub.GetSession, req, timeout, session_id)
         return session_from_pb(resp.session, include_token_ids, include_turns)
+
+    async def warm_session(self, session_id: str, *, timeout: float | None = None) -> WarmInfo:
+        resp = await self._unary(self._stub.WarmSession, pb.WarmSessionRequest(session_id=session_id), timeout,
+                                 session_id)  # fmt: skip
+        return warm_from_pb(resp)
 
     async def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
         await self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)

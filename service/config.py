@@ -161,7 +161,7 @@ class ServerConfig:
     max_new_tokens_limit: int = setting(4096, "Largest max_new_tokens a request may ask for.", int)
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not set it (capped to the limit and to the context left).", int)
     max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
-    speculative: str = setting("ngram", "Speculative decoding drafted from the sequence's own history (session transcript, prompt, output so far): ngram drafts the continuation of the longest repeated suffix and checks the drafts in one forward (greedy tokens identical to plain decoding; sampled ones from the same distribution); off decodes one token a step. Rows with a response_format or a seed decode plainly.", choice("ngram", "off"))
+    speculative: str = setting("ngram", "Speculative decoding drafted from the sequence's own history (session transcript, prompt, output so far): ngram drafts the continuation of the longest repeated suffix and checks the drafts in one forward (greedy tokens identical to plain decoding; sampled ones from the same distribution); off decodes one token a step. The default of a request that does not set SamplingParams.speculative (HTTP: speculative, speculative.n_max).", choice("ngram", "off"))
     spec_max_draft: int = setting(8, "Most tokens drafted for one sequence in one step (--speculative ngram); the draft length adapts below it to what was accepted.", int)
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     http_port: int = setting(0, "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; 0 = off). Same engine, sessions, API keys, limits and TLS certificates as the gRPC port (docs/api.md).", int)
@@ -190,6 +190,9 @@ class ServerConfig:
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
     restore_stages: int = setting(4, "Overlap a returning turn's restore with its prefill: the restored blocks land in this many groups of layers (every block's first layers first) and the new tokens' forward starts at once, each layer's attention waiting only for its own group, so the turn's time to first token tends to max(restore, prefill) rather than their sum; verified before anything of it is kept (a block that fails is recomputed). CPU pools, when the engine has nothing else to compute; 0 = restore whole, then prefill.", int)
+    warm_pool_fraction: float = setting(0.25, "Share of the device KV pool's blocks that session warm-ups (WarmSession, POST /v1/sessions/{id}/warm) may hold at once for coming turns, all tenants together; they take only free or evictable cached blocks, and a sequence that needs a block takes a held one back before anything waits or is preempted (0 = warm-ups hold nothing and only report where the blocks are).", float, metavar="FRACTION")
+    warm_tenant_fraction: float = setting(0.125, "Share of the device KV pool's blocks that one tenant's session warm-ups may hold at once.", float, metavar="FRACTION")
+    warm_ttl: float = setting(30.0, "How long blocks warmed for a session's next turn are held for it; unused by then they become ordinary evictable cache (kvserve_warm_wasted_blocks_total).", parse_duration, metavar="SECONDS")
     spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.DISK, Tier.REDIS), "Tiers idle sessions spill to: any of host, disk, redis, comma-separated (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
@@ -237,6 +240,9 @@ class ServerConfig:
             ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
             ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),
             ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
+            ("warm_pool_fraction", 0 <= self.warm_pool_fraction <= 1, "must be between 0 and 1"),
+            ("warm_tenant_fraction", 0 <= self.warm_tenant_fraction <= 1, "must be between 0 and 1"),
+            ("warm_ttl", math.isfinite(self.warm_ttl) and self.warm_ttl > 0, "must be > 0"),
             ("stream_interval", math.isfinite(self.stream_interval) and 0 <= self.stream_interval <= 10, "must be between 0 and 10 seconds"),
             ("redis_url", self.redis_url is None or self.redis_url.split("://")[0] in ("redis", "rediss", "unix"),
              "must start with redis://, rediss:// or unix://"),
@@ -346,6 +352,9 @@ class ServerConfig:
             spill_to=self.spill_to,
             restore_policy=self.restore_policy,
             restore_stages=self.restore_stages,
+            warm_pool_fraction=self.warm_pool_fraction,
+            warm_tenant_fraction=self.warm_tenant_fraction,
+            warm_ttl_s=self.warm_ttl,
         )
 
     def redis_connection_url(self) -> str | None:

@@ -19,7 +19,7 @@ import threading
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .types import CacheStats, EngineStats, Tier
 
@@ -74,6 +74,25 @@ class EngineStatsCollector:
             f"{p}_spec_accepted_tokens", "Drafted tokens accepted (each one an output token without a step of its own).",
             value=s.spec_accepted_tokens,
         )  # fmt: skip
+        if s.step_tokens:
+            yield step_tokens_histogram(f"{p}_spec_tokens_per_step", s.step_tokens)
+
+
+TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+
+
+def step_tokens_histogram(name: str, counts: tuple[int, ...]) -> HistogramMetricFamily:
+    """``counts[n]``: sequence-steps that gave n output tokens (EngineStats.step_tokens) as
+    a histogram over TOKENS_PER_STEP_BUCKETS (cumulative buckets, the sum of tokens)."""
+    buckets = []
+    for le in TOKENS_PER_STEP_BUCKETS:
+        buckets.append((str(float(le)), sum(counts[1 : le + 1])))
+    buckets.append(("+Inf", sum(counts[1:])))
+    total = sum(n * c for n, c in enumerate(counts))
+    return HistogramMetricFamily(
+        name, "Output tokens one sequence got from one step (a decode row 1; a speculative verification 1 + "
+        "its accepted drafts).", buckets=buckets, sum_value=total,
+    )  # fmt: skip
 
 
 class CacheStoreCollector:
@@ -165,6 +184,20 @@ class CacheStoreCollector:
             f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",
             value=snap.restores_skipped,
         )
+        warm = snap.warm
+        if warm is not None:  # session warm-ups (WarmSession; service/engine/warm.py)
+            yield CounterMetricFamily(f"{p}_warm_requests", "Session warm-ups asked for (WarmSession, POST /v1/sessions/{id}/warm).", value=warm.requests)
+            restored = CounterMetricFamily(f"{p}_warm_restored_blocks", "Blocks session warm-ups restored into the device pool, by the tier they came from.", labels=["tier"])
+            for tier in (Tier.HOST, Tier.DISK, Tier.REDIS):
+                restored.add_metric([tier], warm.blocks_restored.get(tier, 0))
+            yield restored
+            yield GaugeMetricFamily(f"{p}_warm_held_blocks", "Device blocks held now for a warmed session's coming turn.", value=warm.pinned_blocks)
+            yield CounterMetricFamily(f"{p}_warm_hits", "Turns admitted with warmed blocks among their device hits.", value=warm.hits)
+            yield CounterMetricFamily(f"{p}_warm_claimed_blocks", "Warmed blocks a turn used.", value=warm.claimed_blocks)
+            wasted = CounterMetricFamily(f"{p}_warm_wasted_blocks", "Warmed blocks let go unused: expired (--warm-ttl passed), reclaimed (a sequence needed the block), forgotten (the session was deleted).", labels=["reason"])
+            for reason, n in sorted(warm.wasted_blocks.items()):
+                wasted.add_metric([reason], n)
+            yield wasted
 
 
 class SessionStoreCollector:

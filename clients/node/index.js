@@ -9,13 +9,15 @@
 //   npm install
 //   node index.js --address localhost:50051 [--session ID] [--max-new-tokens N]
 //                 [--message TEXT]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]
-//                 [--tools JSON [--tool-choice auto|required|none|NAME]]
+//                 [--tools JSON [--tool-choice auto|required|none|NAME]] [--speculative on|off]
 //
 // Each --message is one turn (default: two built-in turns), or a session operation:
 //   --message /regenerate     the last answer again (temperature 1.0), replacing it (Generate, TURN_MODE_REGENERATE)
 //   --message "/edit TEXT"    TEXT replaces the last message, answered anew (TURN_MODE_EDIT)
 //   --message /undo           drop the last turn (RewindSession, turns = 1)
 //   --message "/fork NAME"    branch into a new session NAME and continue there (ForkSession)
+//   --message /warm           restore the session's KV blocks into the server's device pool
+//                             ahead of the next turn (WarmSession)
 // Any other message starting with "/" is a usage error (a mistyped operation is never sent
 // to the model as a turn); start it with "//" to send a message that begins with "/".
 // --json-schema / --regex constrain every reply (SamplingParams.response_format): the
@@ -25,6 +27,8 @@
 //   [turn 1] tool_call get_weather {"city": "Paris"} (id call_...)
 // and after a reply that called tools the next --message is every call's result (a "tool"
 // message per call, the text as its content) instead of a user message: a tool loop.
+// --speculative on|off sets SamplingParams.speculative (default: the server's setting);
+// with it each turn's line ends with the drafts verified and accepted and the tokens per step.
 // Output, per turn:
 //   [turn 1] user: Hello! ...
 //   [turn 1] assistant: <streamed text>
@@ -32,6 +36,7 @@
 // and per operation one line, e.g.
 //   [undo] session=node-... turns=1 token_count=45 dropped_tokens=40
 //   [fork] session=branch from=node-... turns=2 token_count=85 shared_blocks=5/5
+//   [warm] session=node-... blocks=5 on_device=0 restored=5 missing=0 over_cap=0
 // Exit status: 0 on success, 1 on a failed call (the gRPC status is printed), 2 on bad usage.
 'use strict';
 
@@ -77,6 +82,7 @@ function parseOptions(argv) {
       regex: { type: 'string' },
       tools: { type: 'string' },
       'tool-choice': { type: 'string' },
+      speculative: { type: 'string' },
       help: { type: 'boolean', short: 'h', default: false },
     },
   });
@@ -88,6 +94,8 @@ function parseOptions(argv) {
   if (values['json-schema'] !== undefined && values.regex !== undefined) {
     throw new Error('give at most one of --json-schema and --regex');
   }
+  const spec = values.speculative;
+  if (spec !== undefined && spec !== 'on' && spec !== 'off') throw new Error('--speculative must be on or off');
   let responseFormat = null;
   if (values['json-schema'] !== undefined) responseFormat = { json_schema: values['json-schema'] };
   if (values.regex !== undefined) responseFormat = { regex: values.regex };
@@ -125,12 +133,13 @@ function parseOptions(argv) {
     timeoutS,
     messages,
     responseFormat,
+    speculative: spec === undefined ? null : spec === 'on',
   };
 }
 
 // One --message: {command, arg} for a session operation, {text} for a turn. A mistyped or
 // incomplete operation is a usage error here, before any call (never a turn's text).
-const OPERATIONS = { '/regenerate': false, '/undo': false, '/edit': 'TEXT', '/fork': 'NAME' };
+const OPERATIONS = { '/regenerate': false, '/undo': false, '/edit': 'TEXT', '/fork': 'NAME', '/warm': false };
 function parseMessage(message) {
   if (message.startsWith('//')) return { text: message.slice(1) };
   if (!message.startsWith('/')) return { text: message };
@@ -179,6 +188,7 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     turn_mode: `TURN_MODE_${mode.toUpperCase()}`,
   };
   if (opts.responseFormat) request.sampling.response_format = opts.responseFormat;
+  if (opts.speculative !== null) request.sampling.speculative = opts.speculative;
   if (opts.tools) request.tools = opts.tools;
   if (opts.toolChoice) request.tool_choice = opts.toolChoice;
   if (mode === 'regenerate') {
@@ -225,6 +235,14 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     prefill_ms: Math.round(seconds(t.prefill) * 1000),
     decode_tokens_per_s: Number(t.decode_tokens_per_second.toFixed(1)),
   };
+  if (opts.speculative !== null) {
+    // --speculative given: the turn's speculative decoding figures too
+    Object.assign(figures, {
+      draft_tokens: t.draft_tokens,
+      accepted_draft_tokens: t.accepted_draft_tokens,
+      tokens_per_step: Number(t.tokens_per_step.toFixed(2)),
+    });
+  }
   const line = Object.entries(figures).map(([k, v]) => `${k}=${v}`).join(' ');
   process.stdout.write(`[turn ${turn}] ${line}\n`);
   return figures;
@@ -267,6 +285,15 @@ async function fork(client, opts, name) {
   return session.turns;
 }
 
+// /warm: the server restores the session's blocks into its device pool for the next turn.
+async function warm(client, opts) {
+  const r = await unaryInSession(client, 'WarmSession', { session_id: opts.session }, opts);
+  process.stdout.write(
+    `[warm] session=${opts.session} blocks=${r.blocks} on_device=${r.on_device} restored=${r.restored} ` +
+      `missing=${r.missing} over_cap=${r.over_cap}\n`,
+  );
+}
+
 async function main(argv) {
   let opts;
   try {
@@ -276,7 +303,7 @@ async function main(argv) {
     return 2;
   }
   if (opts.help) {
-    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN] [--tools JSON [--tool-choice auto|required|none|NAME]]\n' +
+    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME|/warm]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN] [--tools JSON [--tool-choice auto|required|none|NAME]] [--speculative on|off]\n' +
         '(a --message starting with / other than these is a usage error; start it with // to send a message that begins with /)\n');
     return 0;
   }
@@ -298,6 +325,8 @@ async function main(argv) {
         turns = await undo(client, opts);
       } else if (command === '/fork') {
         turns = await fork(client, opts, arg);
+      } else if (command === '/warm') {
+        await warm(client, opts);
       } else {
         turns += 1;
         await runTurn(client, opts, turns, text);

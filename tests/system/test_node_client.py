@@ -89,7 +89,7 @@ def test_node_client_regenerates_edits_undoes_and_forks(node_client, tiny_llama_
             [*node_client, "--address", server.address, "--session", session, "--max-new-tokens", "6",
              "--message", "hello", "--message", "tell me about the fox", "--message", "/regenerate",
              "--message", "/edit tell me about the dog", "--message", "/undo", "--message", f"/fork {session}-b",
-             "--message", "something else"],
+             "--message", "something else", "--message", "/warm"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
@@ -100,6 +100,8 @@ def test_node_client_regenerates_edits_undoes_and_forks(node_client, tiny_llama_
         assert undo and fork and fork.group(1) == f"{session}-b" and fork.group(2) == undo.group(1), out
         assert fork.group(3) == fork.group(4), out  # every full block of the fork is the source's, on the device
         assert "[turn 2] user: something else" in out, out
+        warm = re.search(r"\[warm\] session=(\S+) blocks=(\d+) on_device=(\d+) restored=0 missing=0 over_cap=0", out)
+        assert warm and warm.group(1) == f"{session}-b" and warm.group(2) == warm.group(3) != "0", out  # on the device
         with KVServeClient(server.address, timeout=60) as client:
             trunk = client.get_session(session, include_token_ids=True)
             branch = client.get_session(f"{session}-b", include_token_ids=True, include_turns=True)
@@ -154,3 +156,26 @@ def test_node_client_sends_a_double_slash_message_as_text(node_client, tiny_llam
         assert "[turn 1] user: /etc is a folder\n" in result.stdout
         with KVServeClient(server.address, timeout=60) as client:
             assert client.get_session("node-slash").turns == 1
+
+
+def test_node_client_switches_speculative_decoding(node_client, tiny_llama_dir):
+    """--speculative on|off sets SamplingParams.speculative; each turn's line then ends
+    with the drafts of FinalEvent.timings (none with off: one token a step)."""
+    phrase = "the cat sat on the mat. " * 3 + "the cat"
+    with ServerThread(tiny_config(tiny_llama_dir)) as server:
+        runs = {
+            mode: subprocess.run([*node_client, "--address", server.address, "--session", f"node-spec-{mode}-{uuid.uuid4().hex[:6]}",
+                                  "--max-new-tokens", "16", "--message", phrase, "--speculative", mode],
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            for mode in ("on", "off")
+        }
+        bad = subprocess.run([*node_client, "--address", server.address, "--speculative", "maybe"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    for mode, r in runs.items():
+        assert r.returncode == 0, r.stdout + r.stderr
+    on, off = _figures(runs["on"].stdout)[1], _figures(runs["off"].stdout)[1]
+    assert (int(off["draft_tokens"]), float(off["tokens_per_step"])) == (0, 1.0)
+    assert int(on["draft_tokens"]) >= int(on["accepted_draft_tokens"]) >= 0
+    assert float(on["tokens_per_step"]) == pytest.approx(
+        int(on["completion_tokens"]) / (int(on["completion_tokens"]) - int(on["accepted_draft_tokens"])), abs=0.01)
+    assert bad.returncode == 2 and "--speculative must be on or off" in bad.stderr
