@@ -229,10 +229,10 @@ class DiskTier(BlockTier):
         return n
 
     def layered_read(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> LayeredRead | None:
-        """Layer by layer out of the files: the leading files are opened first (an open
-        file keeps its bytes whatever replaces or removes it meanwhile: writes are a
-        rename), each ``read`` is one ``preadv`` per file of its layers (the prefix with
-        the first, the checksum with the last), the checksum carried across reads."""
+        """Layer by layer out of the files: each ``read`` is one ``preadv`` per file of
+        its layers (the prefix with the first, the checksum with the last), the checksum
+        carried across reads; a file replaced or removed between two reads (an inode
+        other than the first read's) ends the read there."""
         if len(refs) > len(outs):
             raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
         if not all(o.is_cpu and o.dtype == self.dtype and o.shape == self._torch_shape and o.is_contiguous()
@@ -496,7 +496,10 @@ class _DiskLayers(LayeredRead):
         self.t0 = time.perf_counter()
         self.L = tier.block_shape[0]
         self.layer_nbytes = tier.block_nbytes // self.L
-        self.files: list[tuple[int, os.stat_result] | None] = []  # None: loaded whole by the codec
+        # (path, its stat at the start) per leading block; None: loaded whole by the codec. Each
+        # read opens the file again (no descriptor held across reads: a long restore would
+        # hold thousands) and goes on only if it is the same file (inode and device).
+        self.files: list[tuple[str, os.stat_result] | None] = []
         self.failure: str | None = None
         self.n = 0
         for ref, out in zip(self.refs, self.outs):
@@ -508,8 +511,9 @@ class _DiskLayers(LayeredRead):
             if not held:
                 self.failure = NOT_FOUND
                 break
+            path = tier._file(digest)
             try:
-                fd = os.open(tier._file(digest), os.O_RDONLY)
+                st = os.stat(path)
             except FileNotFoundError:
                 tier._forget(digest)
                 self.failure = NOT_FOUND
@@ -518,16 +522,14 @@ class _DiskLayers(LayeredRead):
                 tier._counters.add(errors=1)
                 self.failure = BACKEND_ERROR
                 break
-            st = os.fstat(fd)
             if st.st_size != tier.file_nbytes:  # not the plain layout: the codec reads it whole
-                os.close(fd)
                 failure = tier._read(ref, out, touch=False)
                 if failure is not None:
                     self.failure = failure
                     break
                 self.files.append(None)
             else:
-                self.files.append((fd, st))
+                self.files.append((path, st))
             self.n += 1
         self.sums = [xxhash.xxh3_128(tier._prefix(r)) for r in self.refs[: self.n]]
         self.views = [memoryview(codec.byte_view(o)) for o in self.outs[: self.n]]
@@ -546,16 +548,26 @@ class _DiskLayers(LayeredRead):
             bufs = [b for b in (head, data, tail) if b is not None]
             want = sum(len(b) for b in bufs)
             try:
-                got = os.preadv(f[0], bufs, 0 if first else P + l0 * LB)
+                fd = os.open(f[0], os.O_RDONLY)
+                try:
+                    now = os.fstat(fd)
+                    same = (now.st_ino, now.st_dev) == (f[1].st_ino, f[1].st_dev)
+                    got = os.preadv(fd, bufs, 0 if first else P + l0 * LB) if same else 0
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:  # evicted or deleted since: a miss from here
+                same = False
             except OSError:
                 t._counters.add(errors=1)
                 self._stop(i, BACKEND_ERROR)
+                break
+            if not same:  # replaced or removed since the first read: its earlier layers may differ
+                self.n, self.failure = i, NOT_FOUND
                 break
             if got != want:
                 self._stop(i, codec.TRUNCATED)
                 break
             if head is not None and head != t._prefix(self.refs[i]):  # another block or layout: the codec says why
-                os.close(f[0])
                 self.files[i] = None
                 failure = t._read(self.refs[i], self.outs[i], touch=False)  # removes a bad file itself
                 if failure is not None:
@@ -571,13 +583,10 @@ class _DiskLayers(LayeredRead):
     def _stop(self, i: int, reason: str) -> None:
         f = self.files[i]
         if f is not None and reason != BACKEND_ERROR:
-            self.tier._drop_bad(self.refs[i], Path(self.tier._file(bytes(self.refs[i].block_hash))), f[1], reason)
+            self.tier._drop_bad(self.refs[i], Path(f[0]), f[1], reason)
         self.n, self.failure = i, reason
 
     def finish(self) -> int:
-        for f in self.files:
-            if f is not None:
-                os.close(f[0])
         self.files = []
         c = self.tier._counters
         if self.failure is not None:

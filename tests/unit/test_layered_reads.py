@@ -146,3 +146,26 @@ def test_store_fetch_layered_across_tiers_and_without_layered_reads(tmp_path, re
         redis_tier.delete_many(REFS[3:8])
         host.clear()
         store.close()
+
+
+@pytest.mark.parametrize("change", ["rewritten", "removed"])
+def test_disk_file_replaced_between_layer_groups_ends_the_read(tmp_path, change):
+    """No descriptor is held across groups: a file renamed over (the same block written
+    again) or removed between two groups ends the read at it, never a mix of two files."""
+    tier = DiskTier(tmp_path / "disk", 1 << 20, SHAPE, torch.float32)
+    tier.put_many(REFS[:4], [value(i) for i in range(4)])
+    outs = [torch.empty(SHAPE) for _ in range(4)]
+    r = tier.layered_read(REFS[:4], outs)
+    assert r.read(0, 1) == 4
+    path = tier.path(REFS[1])
+    if change == "rewritten":
+        from kvserve.cachestore import codec
+
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(codec.encode(NS, REFS[1].block_hash, value(1) + 1))
+        tmp.rename(path)  # as a write does: a new inode under the name
+    else:
+        path.unlink()
+    assert r.read(1, 2) == 1
+    assert r.finish() == 1 and torch.equal(outs[0], value(0))
+    tier.close()
