@@ -16,7 +16,7 @@ first sampled token, queue + restore + prefill of the unmatched tokens) when:
           (as on another replica or after a restart).
 
 Each restored path runs twice per repetition, alternating: with the restore overlapped
-with the new tokens' prefill (``--restore-stages``, the default 4: the blocks land in
+with the new tokens' prefill (``--restore-stages``, 4 here by ``--stages``: the blocks land in
 groups of layers while the forward runs, each layer waiting for its own) and without
 (0: restore whole, then prefill); the table gives both TTFTs and the overlapped one
 against max(restore, prefill), the most an overlap can reach (restore: the

@@ -8,7 +8,7 @@ rate; fetch and verify: ``fetch_into`` through ``BlockTransfers``), so the decod
 never waits on the store. ``collect`` takes the landed ones on the engine thread and
 registers what was loaded.
 
-Overlapped restores (``restore_stages`` > 0, CPU pools): a returning turn's prefill need
+Overlapped restores (``restore_stages`` > 0, off by default; CPU pools): a returning turn's prefill need
 not wait for the whole restore. The restore thread plans first and says how many blocks
 it will load (``Landing.plan``), then loads them in ``restore_stages`` groups of layers
 (``TieredStore.fetch_layered``: layer l of every block before layer l + 1 of any),
