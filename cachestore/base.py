@@ -27,6 +27,16 @@ the engine uses to restore straight into device-pool blocks:
   return how many leading blocks are loaded and verified, stopping at the first that
   is not. ``outs[i]`` for ``i >= returned`` (the failing block included) may be partly
   written and must not be used: restores are all-or-nothing per block.
+- ``layered_read(refs, outs) -> LayeredRead | None``: the same load, layer by layer, so
+  a restore's first layers can be attended over while its last ones are still on the
+  way (the engine's overlapped restore, service/engine/restore.py). ``read(l0, l1)``
+  loads layers ``l0 .. l1 - 1`` (called in order, covering every layer once) of the
+  leading blocks still good and returns how many those are; ``finish()`` returns how
+  many leading blocks are loaded whole and verified (never more than the last ``read``
+  said), with the same all-or-nothing meaning. A layer a ``read`` loaded is unverified
+  until ``finish``: what is computed over it is kept only for the blocks ``finish``
+  returns. None: the tier reads whole blocks only (the store then loads them whole in
+  the first stage).
 
 Thread safety: tiers are safe to call from several threads at once.
 """
@@ -165,6 +175,16 @@ class Storage(ABC, Generic[T]):
         return [self.delete(r) for r in refs]
 
 
+class LayeredRead(ABC):
+    """One layer-by-layer load (``BlockTier.layered_read``; the module docstring)."""
+
+    @abstractmethod
+    def read(self, l0: int, l1: int) -> int: ...
+
+    @abstractmethod
+    def finish(self) -> int: ...
+
+
 class BlockTier(Storage["torch.Tensor"]):
     """A tier whose values are KV blocks ``(L, 2, block_size, n_kv, head_dim)``, with
     destination-passing reads (see the module docstring).
@@ -204,6 +224,11 @@ class BlockTier(Storage["torch.Tensor"]):
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return False
+
+    def layered_read(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> LayeredRead | None:
+        """A layer-by-layer load of ``refs`` into ``outs`` (see the module docstring);
+        None when the tier reads whole blocks only."""
+        return None
 
     def set_on_evict(self, on_evict: Callable[[BlockRef, torch.Tensor], None] | None) -> None:
         pass

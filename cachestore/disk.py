@@ -66,7 +66,7 @@ from kvserve.common.dirlock import hold_dir_lock
 from kvserve.common.tiers import Tier
 
 from . import codec
-from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, TierCounters, TierStats
+from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, LayeredRead, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,18 @@ class DiskTier(BlockTier):
         self._counters.add(hits=n, bytes_out=n * self.file_nbytes, misses=int(failure is not None))
         self._counters.add_seconds("read", time.perf_counter() - t0)
         return n
+
+    def layered_read(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> LayeredRead | None:
+        """Layer by layer out of the files: each ``read`` is one ``preadv`` per file of
+        its layers (the prefix with the first, the checksum with the last), the checksum
+        carried across reads; a file replaced or removed between two reads (an inode
+        other than the first read's) ends the read there."""
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        if not all(o.is_cpu and o.dtype == self.dtype and o.shape == self._torch_shape and o.is_contiguous()
+                   for o in outs[: len(refs)]):
+            return None
+        return _DiskLayers(self, refs, outs)
 
     def _pool(self) -> ThreadPoolExecutor | None:
         if self.read_threads <= 1:
@@ -472,6 +484,116 @@ class DiskTier(BlockTier):
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the fd releases the flock
+
+
+class _DiskLayers(LayeredRead):
+    """``DiskTier.layered_read``. A file of another size, prefix or checksum stops the
+    read there and is removed (``_drop_bad``); a file of another size is first given to
+    the codec whole (``_read``: it says why)."""
+
+    def __init__(self, tier: DiskTier, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> None:
+        self.tier, self.refs, self.outs = tier, list(refs), list(outs[: len(refs)])
+        self.t0 = time.perf_counter()
+        self.L = tier.block_shape[0]
+        self.layer_nbytes = tier.block_nbytes // self.L
+        # (path, its stat at the start) per leading block; None: loaded whole by the codec. Each
+        # read opens the file again (no descriptor held across reads: a long restore would
+        # hold thousands) and goes on only if it is the same file (inode and device).
+        self.files: list[tuple[str, os.stat_result] | None] = []
+        self.failure: str | None = None
+        self.n = 0
+        for ref, out in zip(self.refs, self.outs):
+            digest = bytes(ref.block_hash)
+            with tier._lock:
+                held = digest in tier._lru
+                if held:
+                    tier._lru.move_to_end(digest)
+            if not held:
+                self.failure = NOT_FOUND
+                break
+            path = tier._file(digest)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                tier._forget(digest)
+                self.failure = NOT_FOUND
+                break
+            except OSError:
+                tier._counters.add(errors=1)
+                self.failure = BACKEND_ERROR
+                break
+            if st.st_size != tier.file_nbytes:  # not the plain layout: the codec reads it whole
+                failure = tier._read(ref, out, touch=False)
+                if failure is not None:
+                    self.failure = failure
+                    break
+                self.files.append(None)
+            else:
+                self.files.append((path, st))
+            self.n += 1
+        self.sums = [xxhash.xxh3_128(tier._prefix(r)) for r in self.refs[: self.n]]
+        self.views = [memoryview(codec.byte_view(o)) for o in self.outs[: self.n]]
+
+    def read(self, l0: int, l1: int) -> int:
+        t, LB = self.tier, self.layer_nbytes
+        first, last = l0 == 0, l1 == self.L
+        P = t.file_nbytes - t.block_nbytes - codec.CHECKSUM_SIZE
+        for i in range(self.n):
+            f = self.files[i]
+            if f is None:
+                continue
+            head = bytearray(P) if first else None
+            tail = bytearray(codec.CHECKSUM_SIZE) if last else None
+            data = self.views[i][l0 * LB : l1 * LB]
+            bufs = [b for b in (head, data, tail) if b is not None]
+            want = sum(len(b) for b in bufs)
+            try:
+                fd = os.open(f[0], os.O_RDONLY)
+                try:
+                    now = os.fstat(fd)
+                    same = (now.st_ino, now.st_dev) == (f[1].st_ino, f[1].st_dev)
+                    got = os.preadv(fd, bufs, 0 if first else P + l0 * LB) if same else 0
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:  # evicted or deleted since: a miss from here
+                same = False
+            except OSError:
+                t._counters.add(errors=1)
+                self._stop(i, BACKEND_ERROR)
+                break
+            if not same:  # replaced or removed since the first read: its earlier layers may differ
+                self.n, self.failure = i, NOT_FOUND
+                break
+            if got != want:
+                self._stop(i, codec.TRUNCATED)
+                break
+            if head is not None and head != t._prefix(self.refs[i]):  # another block or layout: the codec says why
+                self.files[i] = None
+                failure = t._read(self.refs[i], self.outs[i], touch=False)  # removes a bad file itself
+                if failure is not None:
+                    self.n, self.failure = i, failure
+                    break
+                continue  # good in another layout: loaded whole
+            self.sums[i].update(data)
+            if tail is not None and self.sums[i].digest() != tail:
+                self._stop(i, codec.BAD_CHECKSUM)
+                break
+        return self.n
+
+    def _stop(self, i: int, reason: str) -> None:
+        f = self.files[i]
+        if f is not None and reason != BACKEND_ERROR:
+            self.tier._drop_bad(self.refs[i], Path(f[0]), f[1], reason)
+        self.n, self.failure = i, reason
+
+    def finish(self) -> int:
+        self.files = []
+        c = self.tier._counters
+        if self.failure is not None:
+            c.fail(self.failure)
+        c.add(hits=self.n, bytes_out=self.n * self.tier.file_nbytes, misses=int(self.failure is not None))
+        c.add_seconds("read", time.perf_counter() - self.t0)
+        return self.n
 
 
 def _parse_name(name: str) -> bytes | None:

@@ -26,7 +26,7 @@ import torch
 
 from kvserve.common.tiers import Tier
 
-from .base import NOT_FOUND, BlockRef, BlockTier, TierCounters, TierStats
+from .base import NOT_FOUND, BlockRef, BlockTier, LayeredRead, TierCounters, TierStats
 from .codec import byte_view, cpu_byte_view
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class HostTier(BlockTier):
         self._torch_shape = torch.Size(self.block_shape)
         self._free: list[int] = list(range(self.capacity_blocks - 1, -1, -1))
         self._lru: OrderedDict[BlockRef, int] = OrderedDict()  # oldest first
+        self._gen = [0] * self.capacity_blocks  # per slot: bumped each time a put takes it
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self._counters = TierCounters(self.name)
@@ -111,6 +112,18 @@ class HostTier(BlockTier):
             self._counters.fail(NOT_FOUND)
         self._counters.add_seconds("read", time.perf_counter() - t0)
         return n
+
+    def layered_read(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> LayeredRead | None:
+        """Layer by layer out of the slots: each ``read`` copies its layers of every
+        leading block still held, under the lock, and a block whose slot was evicted or
+        reused since the first ``read`` (its generation moved) ends the read there."""
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        for out in outs[: len(refs)]:
+            self._check_block(out, "out")
+        if not all(cpu_byte_view(o) is not None for o in outs[: len(refs)]):
+            return None  # a device destination: whole blocks (the CUDA path stages them)
+        return _HostLayers(self, refs, outs)
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         """Copy the block into ``out`` to write it elsewhere (a spill, the drain): unlike
@@ -159,6 +172,7 @@ class HostTier(BlockTier):
                 victim, slot = self._lru.popitem(last=False)
             else:
                 return False
+            self._gen[slot] += 1  # a layered read of the slot's previous block stops there
         # The slot is private now: not in the LRU, not in the free list.
         if victim is not None:
             self._counters.add(evictions=1)
@@ -208,3 +222,44 @@ class HostTier(BlockTier):
             raise ValueError(
                 f"{what} must be {self.block_shape} {self.dtype}, got {tuple(t.shape)} {t.dtype}"
             )
+
+
+class _HostLayers(LayeredRead):
+    """``HostTier.layered_read``: the slots of the leading held blocks, taken at the
+    start (with their generations), copied layer range by layer range."""
+
+    def __init__(self, tier: HostTier, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> None:
+        self.tier = tier
+        self.t0 = time.perf_counter()
+        self.layer_nbytes = tier.block_nbytes // tier.block_shape[0]
+        self.dst = [byte_view(o) for o in outs[: len(refs)]]
+        self.slots: list[tuple[BlockRef, int, int]] = []  # (ref, slot, generation)
+        with tier._lock:
+            for ref in refs:
+                slot = tier._lru.get(ref)
+                if slot is None:
+                    break
+                tier._lru.move_to_end(ref)
+                self.slots.append((ref, slot, tier._gen[slot]))
+        self.n = len(self.slots)
+        self.missed = self.n < len(refs)
+
+    def read(self, l0: int, l1: int) -> int:
+        t, a, b = self.tier, l0 * self.layer_nbytes, l1 * self.layer_nbytes
+        with t._lock:  # the slots cannot be reused while their layers are copied
+            for i in range(self.n):
+                ref, slot, gen = self.slots[i]
+                if t._lru.get(ref) != slot or t._gen[slot] != gen:
+                    self.n, self.missed = i, True
+                    break
+                np.copyto(self.dst[i][a:b], t._slot_bytes[slot][a:b])
+        return self.n
+
+    def finish(self) -> int:
+        c = self.tier._counters
+        c.add(hits=self.n, bytes_out=self.n * self.tier.block_nbytes)
+        if self.missed:
+            c.add(misses=1)
+            c.fail(NOT_FOUND)
+        c.add_seconds("read", time.perf_counter() - self.t0)
+        return self.n

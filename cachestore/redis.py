@@ -74,6 +74,7 @@ from .base import (
     TIMEOUT,
     BlockRef,
     BlockTier,
+    LayeredRead,
     TierCounters,
     TierStats,
 )
@@ -394,6 +395,19 @@ class RedisTier(BlockTier):
         self._counters.add(errors=1)
         return 0, BACKEND_ERROR
 
+    def layered_read(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> LayeredRead | None:
+        """Layer by layer with ``GETRANGE``: each ``read(l0, l1)`` is one pipelined round
+        of one range per leading block still good, its bytes received straight into the
+        destination (the direct reads' path, below), the checksum (xxh3_128 of prefix ||
+        tensor bytes, in order) carried from round to round and compared when the last
+        round brings the stored one. Plain layout on a standalone server only (the
+        ranges are the tensor's layers); None otherwise."""
+        if len(refs) > len(outs):
+            raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
+        if not self._direct_layout or not all(self._direct_target(o) for o in outs[: len(refs)]):
+            return None
+        return _RedisLayers(self, refs, outs)
+
     def _batches_into(self, client: Any, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress) -> bool:
         """Pipelined GETs in batches of ``batch_blocks`` (cluster mode: each batch is
         split by node by redis-py)."""
@@ -569,3 +583,112 @@ class RedisTier(BlockTier):
                     client.close()
                 except _BACKEND_ERRORS:
                     pass
+
+
+class _RedisLayers(LayeredRead):
+    """``RedisTier.layered_read``. A block stops the read (it and every later one are a
+    miss) when its range comes back shorter or longer than the layout says (missing,
+    truncated, another length), its prefix is not the expected one (then the whole
+    value is fetched and the codec says why, or loads it whole when it is good in
+    another layout) or its checksum fails; a value rewritten between two rounds fails
+    the checksum over the mixed bytes. A round that errs ends the read (nothing whole)."""
+
+    def __init__(self, tier: RedisTier, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> None:
+        self.tier, self.refs = tier, list(refs)
+        self.t0 = time.perf_counter()
+        self.n = len(self.refs)
+        self.L = tier.block_shape[0]
+        self.layer_nbytes = tier.block_nbytes // self.L
+        self.views = [memoryview(codec.byte_view(o)) for o in outs[: self.n]]
+        self.outs = list(outs[: self.n])
+        self.prefixes = [codec.plain_prefix(r.namespace, r.block_hash, tier.block_shape, tier.dtype) for r in self.refs]
+        self.sums = [xxhash.xxh3_128(p) for p in self.prefixes]
+        self.whole: set[int] = set()  # loaded whole by the codec (an unexpected layout that is good)
+        self.failure: str | None = None
+        self.errored = False
+        self.nbytes = 0
+
+    def _fail(self, i: int, reason: str) -> None:
+        self.n, self.failure = i, reason
+
+    def read(self, l0: int, l1: int) -> int:
+        todo = [i for i in range(self.n) if i not in self.whole]
+        if todo:
+            if self.tier._call(lambda c: self._round(c, todo, l0, l1), "get", read=True) is None:
+                self.n, self.errored = 0, True  # an error mid-read: no block is whole
+        return self.n
+
+    def _round(self, client: Any, todo: list[int], l0: int, l1: int) -> bool:
+        t, LB, P = self.tier, self.layer_nbytes, len(self.prefixes[0])
+        first, last = l0 == 0, l1 == self.L
+        start = 0 if first else P + l0 * LB
+        end = -1 if last else P + l1 * LB - 1
+        want = (P if first else 0) + (l1 - l0) * LB + (codec.CHECKSUM_SIZE if last else 0)
+        expected = b"$%d\r\n" % want
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        clean = False
+        try:
+            sock = conn._sock
+            conn.send_packed_command(conn.pack_commands([("GETRANGE", t.key(self.refs[i]), start, end) for i in todo]))
+            for k, i in enumerate(todo):
+                line = _recv_exact(sock, 3)
+                if line == expected[:3]:
+                    line += _recv_exact(sock, len(expected) - 3)
+                if line != expected:  # another length: missing, truncated, longer, not ours
+                    line, payload = _finish_line(sock, line)
+                    size = line[1:-2]
+                    if line[:1] != b"$" or not size.isdigit():
+                        raise redis.exceptions.InvalidResponse(f"unexpected reply to GETRANGE: {line[:32]!r}")
+                    _recv_exact(sock, int(size) + 2 - len(payload))
+                    clean = k + 1 == len(todo)
+                    reason = codec.BAD_LENGTH if last and int(size) > want else codec.TRUNCATED
+                    if first and int(size) == 0 and not client.exists(t.key(self.refs[i])):
+                        reason = NOT_FOUND  # a missing key reads as an empty range; an empty value is not a miss
+                    self._fail(i, reason)
+                    return False
+                if first:
+                    head = _recv_exact(sock, P)
+                    if head != self.prefixes[i]:  # another layout or block: the codec says why
+                        _recv_exact(sock, want - P + 2)
+                        if k + 1 < len(todo):
+                            conn.disconnect()  # replies left unread: this connection is done
+                        clean = True
+                        value = client.get(t.key(self.refs[i]))
+                        failure = t._load(self.refs[i], value, self.outs[i])
+                        if failure is not None:
+                            self._fail(i, failure)
+                            return False
+                        self.whole.add(i)  # good whole: skipped by later rounds
+                        self.nbytes += len(value)
+                        if k + 1 < len(todo):  # the rest of this round again, on a fresh connection
+                            return self._round(client, todo[k + 1 :], l0, l1)
+                        return True
+                data = self.views[i][l0 * LB : l1 * LB]
+                _recv_exact_into(sock, data)
+                self.sums[i].update(data)
+                tail = _recv_exact(sock, (codec.CHECKSUM_SIZE if last else 0) + 2)
+                if tail[-2:] != b"\r\n":
+                    raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
+                self.nbytes += want
+                if last and self.sums[i].digest() != tail[: codec.CHECKSUM_SIZE]:
+                    clean = k + 1 == len(todo)
+                    self._fail(i, codec.BAD_CHECKSUM)
+                    return False
+            clean = True
+            return True
+        finally:
+            if not clean:
+                conn.disconnect()
+            pool.release(conn)
+
+    def finish(self) -> int:
+        t = self.tier
+        c = t._counters
+        if self.failure is not None and not self.errored:
+            c.fail(self.failure)
+            if self.failure not in (NOT_FOUND, BACKEND_ERROR, TIMEOUT):
+                t._drop_bad(self.refs[self.n], self.failure)
+        c.add(hits=self.n, bytes_out=self.nbytes, misses=int(self.n < len(self.refs)))
+        c.add_seconds("read", time.perf_counter() - self.t0)
+        return self.n

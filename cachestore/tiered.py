@@ -46,7 +46,7 @@ import torch
 from kvserve.common.breaker import OPEN
 from kvserve.common.tiers import Tier
 
-from .base import BlockRef, BlockTier, TierStats
+from .base import BlockRef, BlockTier, LayeredRead, TierStats
 from .codec import copy_block
 from .keys import BlockHash, Namespace
 
@@ -128,6 +128,22 @@ class _Job:
     blocks: list[torch.Tensor | None]  # read by the writer; None: wherever the store holds it
     on_done: Callable[[SpillResult], None] | None = None
     staging: list[torch.Tensor] | None = None  # a demotion's buffers, freed when written
+
+
+class _WholeBlocks(LayeredRead):
+    """A tier without ``layered_read``: its blocks loaded whole at the first read."""
+
+    def __init__(self, tier: BlockTier, refs: list[BlockRef], outs: Sequence[torch.Tensor]) -> None:
+        self.tier, self.refs, self.outs = tier, refs, outs
+        self.n: int | None = None
+
+    def read(self, l0: int, l1: int) -> int:
+        if self.n is None:
+            self.n = self.tier.get_many_into(self.refs, self.outs)
+        return self.n
+
+    def finish(self) -> int:
+        return self.n or 0
 
 
 class _Ewma:
@@ -308,6 +324,59 @@ class TieredStore:
             if i < j:
                 return i
         return i
+
+    def fetch_layered(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[BlockHash],
+        tiers: Sequence[str],
+        outs: Sequence[torch.Tensor],
+        stages: Sequence[tuple[int, int]],
+        on_stage: Callable[[int, int], None],
+    ) -> int:
+        """``fetch_into`` layer by layer: for each ``(l0, l1)`` of ``stages`` (in order,
+        covering the layers), load those layers of every leading block still good, from
+        each tier's ``layered_read`` (a tier without one loads its blocks whole in the
+        first stage), then call ``on_stage(l1, n)``: layers below ``l1`` of the first
+        ``n`` blocks are in ``outs``, unverified. Returns how many leading blocks are
+        loaded whole and verified (``fetch_into``'s meaning); the layers of later blocks,
+        and anything computed over them, must not be used."""
+        if not len(hashes) == len(tiers) <= len(outs):
+            raise ValueError(f"{len(hashes)} hashes, {len(tiers)} tiers, {len(outs)} destinations")
+        t0 = time.perf_counter()
+        groups: list[tuple[int, int, str, LayeredRead]] = []  # (first block, end, tier, its read)
+        i = 0
+        while i < len(hashes):
+            name = tiers[i]
+            j = i
+            while j < len(hashes) and tiers[j] == name:
+                j += 1
+            tier = self._tiers.get(name)
+            if tier is None:
+                break
+            refs = [BlockRef(namespace, h) for h in hashes[i:j]]
+            groups.append((i, j, name, tier.layered_read(refs, outs[i:j]) or _WholeBlocks(tier, refs, outs[i:j])))
+            i = j
+        n = i  # blocks a configured tier was asked for
+        for l0, l1 in stages:
+            for start, end, _, reader in groups:
+                if start >= n:
+                    break
+                got = reader.read(l0, l1)
+                if got < end - start:
+                    n = min(n, start + got)
+            on_stage(l1, n)
+        n_ok = n
+        for start, end, _, reader in groups:
+            got = reader.finish()  # every read finished (counters, files)
+            if got < end - start:
+                n_ok = min(n_ok, start + got)
+        seconds = time.perf_counter() - t0
+        for start, end, name, _ in groups:  # one rate sample per tier, its share of the time by bytes
+            got = min(n_ok, end) - start
+            if got >= self.min_rate_blocks:
+                self.record_restore(name, got * self.block_nbytes, seconds * got / n_ok)
+        return n_ok
 
     def location(self, namespace: Namespace, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """How many of these blocks each configured tier holds (one Redis round trip)."""

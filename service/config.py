@@ -189,6 +189,7 @@ class ServerConfig:
     stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
+    restore_stages: int = setting(0, "Overlap a returning turn's restore with its prefill: the restored blocks land in this many groups of layers (every block's first layers first) and the new tokens' forward starts at once, each layer's attention waiting only for its own group, so the turn's time to first token tends to max(restore, prefill) rather than their sum where the restore waits on I/O (a Redis over the network, a cold disk) or cores are spare; verified before anything of it is kept (a block that fails is recomputed). CPU pools, when the engine has nothing else to compute; 0 (the default) = restore whole, then prefill: on the 2-core host it was measured on, the overlapped restore and forward competed for the same cores and the turn came out slower (docs/benchmarks.md); try 4 where cores are spare.", int)
     warm_pool_fraction: float = setting(0.25, "Share of the device KV pool's blocks that session warm-ups (WarmSession, POST /v1/sessions/{id}/warm) may hold at once for coming turns, all tenants together; they take only free or evictable cached blocks, and a sequence that needs a block takes a held one back before anything waits or is preempted (0 = warm-ups hold nothing and only report where the blocks are).", float, metavar="FRACTION")
     warm_tenant_fraction: float = setting(0.125, "Share of the device KV pool's blocks that one tenant's session warm-ups may hold at once.", float, metavar="FRACTION")
     warm_ttl: float = setting(30.0, "How long blocks warmed for a session's next turn are held for it; unused by then they become ordinary evictable cache (kvserve_warm_wasted_blocks_total).", parse_duration, metavar="SECONDS")
@@ -233,6 +234,7 @@ class ServerConfig:
             ("drain_delay", math.isfinite(self.drain_delay) and self.drain_delay >= 0, "must be >= 0"),
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
+            ("restore_stages", self.restore_stages >= 0, "must be >= 0"),
             ("redis_kv_format", self.kv_cache_format == "exact" or self.redis_kv_format in ("exact", self.kv_cache_format),
              f"would re-encode the --kv-cache-format {self.kv_cache_format} blocks (use exact: they move as they are)"),
             ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
@@ -349,6 +351,7 @@ class ServerConfig:
             stream_interval_s=self.stream_interval,
             spill_to=self.spill_to,
             restore_policy=self.restore_policy,
+            restore_stages=self.restore_stages,
             warm_pool_fraction=self.warm_pool_fraction,
             warm_tenant_fraction=self.warm_tenant_fraction,
             warm_ttl_s=self.warm_ttl,

@@ -284,9 +284,10 @@ class SpillCollector:
         p, s = self._p, self._spill
         fam = CounterMetricFamily(
             f"{p}_drain_blocks", "Full KV blocks of this replica's sessions at the shutdown drain, by outcome: "
-            "in_redis (written or already there), left (not in Redis when the drain ended).", labels=["outcome"],
+            "held (by the drain's tier, Redis or else the disk tier: written or already there), left (not in it "
+            "when the drain ended).", labels=["outcome"],
         )  # fmt: skip
-        fam.add_metric(["in_redis"], s.drained_blocks)
+        fam.add_metric(["held"], s.drained_blocks)
         fam.add_metric(["left"], s.drain_left_blocks)
         yield fam
 

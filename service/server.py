@@ -118,18 +118,21 @@ class RunningServer:
             self.reaper.cancel()
             await asyncio.gather(self.reaper, return_exceptions=True)
         await self.spill.stop()
-        # Write the blocks of sessions this replica served to Redis, so another replica
-        # (or this one restarted) resumes them without prefill; bounded by the time left.
+        # Write the blocks of sessions this replica served to Redis (or, with no Redis,
+        # the disk tier), so another replica (or this one restarted) resumes them without
+        # prefill; bounded by the time left.
         left = max(grace - (time.monotonic() - t0), 1.0)
-        errors_before, t_persist = self._redis_errors(), time.monotonic()
+        drain_tier = self.spill.shared_tier
+        errors_before, t_persist = self._tier_errors(drain_tier), time.monotonic()
         report = await self.spill.persist_all(left)
         if report.sessions:
             log.log(
                 logging.INFO if report.complete else logging.WARNING,
-                "drain: %d session(s), %d full block(s): %d in Redis (%d written now), %d left%s",
-                report.sessions, report.blocks, report.in_redis, report.written, report.left,
+                "drain: %d session(s), %d full block(s): %d in %s (%d written now), %d left%s",
+                report.sessions, report.blocks, report.held, report.where, report.written, report.left,
                 "" if report.complete else _drain_shortfall(left, time.monotonic() - t_persist,
-                                                            self._redis_errors() - errors_before),
+                                                            self._tier_errors(drain_tier) - errors_before,
+                                                            report.where),
             )  # fmt: skip
         if self.owns_engine:
             await self.engine.shutdown(0.0)
@@ -139,9 +142,9 @@ class RunningServer:
         log.info("stopped")
 
 
-    def _redis_errors(self) -> int:
+    def _tier_errors(self, tier: str | None) -> int:
         store = self.engine.cache_stats().store
-        stats = store.tiers.get("redis") if store is not None else None
+        stats = store.tiers.get(tier) if store is not None and tier else None
         return stats.errors if stats is not None else 0
 
     async def _stop_http(self) -> None:
@@ -156,13 +159,18 @@ class RunningServer:
         self.http_task = None
 
 
-def _drain_shortfall(budget_s: float, took_s: float, redis_errors: int) -> str:
-    """Why the drain left blocks out of Redis, for its log line: the time ran out, or
-    Redis failed the writes or was not there (long before the time was up)."""
+def _drain_shortfall(budget_s: float, took_s: float, errors: int, where: str = "Redis") -> str:
+    """Why the drain left blocks out of its tier (``where``: Redis, or the disk tier),
+    for its log line: the time ran out, or the tier failed the writes or was not there
+    (long before the time was up)."""
     if took_s >= 0.9 * budget_s:
         return f" (not all through within {budget_s:.1f} s)"
-    if redis_errors:
-        return f" (Redis failed {redis_errors} call(s) during the drain: it is down or refusing writes)"
+    if where != "Redis":
+        if errors:
+            return f" ({where} failed {errors} call(s) during the drain: the disk is full or failing)"
+        return f" ({where} did not take them: full of blocks it would not evict, or failing writes)"
+    if errors:
+        return f" (Redis failed {errors} call(s) during the drain: it is down or refusing writes)"
     return " (Redis did not take them: it is unreachable or its circuit breaker is open)"
 
 

@@ -7,11 +7,11 @@ host tier for blocks already demoted there); from then on the device copy is evi
 at no loss, and any replica (or this one after a restart) can restore them.
 
 On shutdown, ``persist_all`` writes every full block of every remembered session that
-the store's shared tier (``ModelInfo.shared_tier``: Redis, which every replica reads)
-does not yet hold, from the device or the host tier, bounded by a timeout, so a
-rolling deploy loses no cache; it reports how many blocks Redis holds and how many were
-left (``DrainReport``, logged by the server and counted in ``drained_blocks`` /
-``drain_left_blocks``).
+the drain's tier (``ModelInfo.shared_tier``: Redis, which every replica reads, or with
+no Redis the disk tier, which this server restarted reads) does not yet hold, from the
+device or the host tier, bounded by a timeout, so a rolling deploy loses no cache; it
+reports how many blocks that tier holds and how many were left (``DrainReport``, logged
+by the server and counted in ``drained_blocks`` / ``drain_left_blocks``).
 """
 
 from __future__ import annotations
@@ -31,14 +31,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+TIER_WORDS = {"redis": "Redis", "disk": "the disk tier"}  # the drain's tier, as its log line names it
+
+
 @dataclass(frozen=True, slots=True)
 class DrainReport:
     sessions: int  # sessions this replica remembers
     blocks: int  # their full blocks
-    in_redis: int  # of those, held by the shared tier (Redis) afterwards (written now or already there)
-    written: int  # blocks Redis newly stored during the drain
-    left: int  # full blocks not in Redis when the drain ended (timeout, Redis away, queue full)
-    complete: bool  # every block is in Redis and every queued write is through
+    held: int  # of those, held by the drain's tier afterwards (written now or already there)
+    written: int  # blocks that tier newly stored during the drain
+    left: int  # full blocks not in that tier when the drain ended (timeout, tier away or full, queue full)
+    complete: bool  # every block is in that tier and every queued write is through
+    tier: str | None = None  # the drain's tier (``ModelInfo.shared_tier``: redis, else disk); None: none
+
+    @property
+    def where(self) -> str:
+        """The drain's tier in words, for the log line."""
+        return TIER_WORDS.get(self.tier or "", str(self.tier))
 
 
 @dataclass(slots=True)
@@ -70,8 +79,8 @@ class SpillScheduler:
         self._task: asyncio.Task | None = None
         self.spilled_sessions = 0
         self.spilled_blocks = 0
-        self.drained_blocks = 0  # blocks the drain left in Redis (written or already there)
-        self.drain_left_blocks = 0  # blocks the drain could not get into Redis
+        self.drained_blocks = 0  # blocks the drain left in its tier (written or already there)
+        self.drain_left_blocks = 0  # blocks the drain could not get into its tier
 
     @property
     def enabled(self) -> bool:
@@ -126,14 +135,15 @@ class SpillScheduler:
         return len(due)
 
     async def persist_all(self, timeout_s: float) -> DrainReport:
-        """Write every full block of every remembered session to Redis (the drain on
-        shutdown), from the device or the host tier, within ``timeout_s``."""
+        """Write every full block of every remembered session to the drain's tier
+        (``shared_tier``: Redis, else the disk tier) on shutdown, from the device or the
+        host tier, within ``timeout_s``."""
         shared = self.shared_tier
         if shared is None:
             return DrainReport(len(self._sessions), 0, 0, 0, 0, True)
         deadline = time.monotonic() + timeout_s
         puts_before = self._shared_puts()
-        blocks = in_redis = 0
+        blocks = held_n = 0
         complete = True
         for s in list(self._sessions.values()):
             n = len(s.token_ids) // self.engine.model_info.block_size
@@ -147,14 +157,14 @@ class SpillScheduler:
             except asyncio.TimeoutError:
                 complete = False
                 continue
-            in_redis += min(held.get(shared, 0), n)
+            held_n += min(held.get(shared, 0), n)
         flushed = await self.engine.flush_store(max(deadline - time.monotonic(), 0.0))
         report = DrainReport(
-            sessions=len(self._sessions), blocks=blocks, in_redis=in_redis,
-            written=self._shared_puts() - puts_before, left=blocks - in_redis,
-            complete=complete and flushed and in_redis == blocks,
+            sessions=len(self._sessions), blocks=blocks, held=held_n,
+            written=self._shared_puts() - puts_before, left=blocks - held_n,
+            complete=complete and flushed and held_n == blocks, tier=shared,
         )  # fmt: skip
-        self.drained_blocks += report.in_redis
+        self.drained_blocks += report.held
         self.drain_left_blocks += report.left
         return report
 

@@ -44,6 +44,10 @@ class EngineConfig:
     # recomputing them (by restore_min_speedup); "always": restore every hit.
     restore_policy: str = "auto"
     restore_min_speedup: float = 1.0
+    # an overlapped restore's layer groups: a returning turn's prefill starts while its
+    # restore lands, each layer waiting for its group (service/engine/restore.py); 0 = off
+    # (the default: slower on the 2-core host it was measured on, docs/benchmarks.md)
+    restore_stages: int = 0
     # pinned host buffers (CUDA) that restores land in and demotions leave through,
     # allocated once (service/kv/transfer.py); unused on the CPU
     staging_memory: int = 256 << 20

@@ -154,7 +154,7 @@ class LLMEngine:
         self.restorer = Restorer(
             store, self.transfers, self.pool, self.blocks, self.keys,
             policy=cfg.restore_policy, min_speedup=cfg.restore_min_speedup,
-            wake=self.scheduler.work_ready.set, call_soon=self.scheduler.call_soon,
+            wake=self.scheduler.work_ready.set, call_soon=self.scheduler.call_soon, stages=cfg.restore_stages,
         )  # fmt: skip
         windows = [mcfg.layer_window(i) for i in range(mcfg.num_layers)]
         self.runner = Runner(
@@ -383,6 +383,11 @@ class LLMEngine:
                 self.restorer.start(seq, hashes, blocks, self.runner.prefill_tokens_per_s)
             for seq in admitted.running:
                 self._started(seq, out)
+        if not self.scheduler.running and self.scheduler.restoring:
+            seq = self.restorer.overlappable(self.scheduler.restoring, self.cfg.max_num_batched_tokens)
+            if seq is not None:
+                self._overlap(seq, out)
+                return out
         if not self.scheduler.running and self.scheduler.restoring and not out:
             # Nothing to compute until a restore lands: sleep until one does (or new
             # work arrives) instead of spinning; the restore thread needs the GIL.
@@ -395,6 +400,29 @@ class LLMEngine:
             if rows:
                 self._sample_and_emit(rows, out, logits)
         return out
+
+    def _overlap(self, seq: Sequence, out: Emitted) -> None:
+        """Nothing else to compute while ``seq``'s restore lands: run its new tokens over
+        the planned context now, each layer waiting for its layer of the restored blocks
+        (service/engine/restore.py), then wait for the restore to finish. The forward's
+        first token is kept only when every planned block was loaded and verified;
+        otherwise the sequence runs on from what was (those tokens recomputed)."""
+        start = self.restorer.overlap_start(seq)
+        logits = self.runner.forward_over_restore(seq, start, seq.landing.wait_layer)
+        self.restorer.wait(seq)
+        for landed in self.restorer.collect([seq]):
+            self.scheduler.restored(landed)
+        if seq.cancelled:
+            self._finish(seq, FinishReason.CANCELLED, out)
+            return
+        self.scheduler.start_running(seq)
+        self._started(seq, out)
+        self.restorer.num_overlapped += 1
+        if seq.num_computed == start:  # verified whole: the forward stands
+            self.runner.keep_over_restore(seq)
+            self._sample_and_emit([(seq, logits[0])], out, None)
+        else:
+            self.restorer.num_overlaps_voided += 1
 
     def _verify_and_emit(self, rows: list[Row], out: Emitted) -> None:
         """Speculative rows: the output room takes the accepted drafts and the next token,

@@ -6,7 +6,24 @@ sequence's fresh blocks, all on the ``kv-restore`` thread (plan: ``plan_restore`
 where restoring would lose to recomputing, weighed with the runner's measured prefill
 rate; fetch and verify: ``fetch_into`` through ``BlockTransfers``), so the decode loop
 never waits on the store. ``collect`` takes the landed ones on the engine thread and
-registers what was loaded. Besides: device evictions demote down the tiers, spills write
+registers what was loaded.
+
+Overlapped restores (``restore_stages`` > 0, off by default; CPU pools): a returning turn's prefill need
+not wait for the whole restore. The restore thread plans first and says how many blocks
+it will load (``Landing.plan``), then loads them in ``restore_stages`` groups of layers
+(``TieredStore.fetch_layered``: layer l of every block before layer l + 1 of any),
+marking each group landed. When the engine has nothing else to compute, it runs the
+turn's new tokens over the planned context at once (``LLMEngine._overlap``): each
+layer's attention waits for its layer of the restored blocks (``Landing.wait_layer``,
+through ``BatchLayout.landed``), so layer l computes while layer l + 1 is on the way and
+the turn's TTFT tends to max(restore, prefill) instead of their sum. Nothing of that
+forward is kept until the restore finished and verified every planned block: a block
+that fails (missing, truncated, bad checksum) makes the whole forward void, and the
+tokens from that block on are recomputed, as after any failed restore (never wrong KV).
+On CUDA the restore goes through the staging rounds (service/kv/transfer.py) and is
+not overlapped.
+
+Besides: device evictions demote down the tiers, spills write
 a transcript's blocks out, and a transcript's stored blocks are located or forgotten,
 each keyed by ``BlockKeys`` (service/kv/keys.py).
 """
@@ -14,6 +31,7 @@ each keyed by ``BlockKeys`` (service/kv/keys.py).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -32,6 +50,51 @@ from ..types import CacheScope, Tier
 log = logging.getLogger(__name__)
 
 
+def layer_stages(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """``num_layers`` cut into ``stages`` consecutive groups, as even as they come:
+    (first layer, end) each."""
+    k = max(1, min(stages, num_layers))
+    cuts = [round(i * num_layers / k) for i in range(k + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+class Landing:
+    """An overlapped restore's progress, written by the restore thread and waited on by
+    the engine thread: the blocks planned (None until planned), how many layers of the
+    leading blocks still good have landed, and whether the restore is over (then no
+    wait blocks: a failed restore's forward runs on and is thrown away)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.planned: int | None = None
+        self.layers = 0
+        self.blocks = 0
+        self.done = False
+        self.t_done = 0.0  # monotonic time the restore was over
+
+    def plan(self, n_blocks: int) -> None:
+        with self._cv:
+            self.planned = self.blocks = n_blocks
+            self._cv.notify_all()
+
+    def landed(self, layers: int, n_blocks: int) -> None:
+        with self._cv:
+            self.layers, self.blocks = layers, n_blocks
+            self._cv.notify_all()
+
+    def finish(self) -> None:
+        with self._cv:
+            self.done = True
+            self.t_done = time.monotonic()
+            self._cv.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once ``layer`` of the planned blocks landed, or the restore is over."""
+        with self._cv:
+            while self.layers <= layer and not self.done:
+                self._cv.wait()
+
+
 class Restorer:
     def __init__(
         self,
@@ -45,6 +108,7 @@ class Restorer:
         min_speedup: float,
         wake: Callable[[], None],
         call_soon: Callable[[Callable[[], None]], None],
+        stages: int = 0,
     ) -> None:
         self.store = store
         self.transfers = transfers
@@ -56,8 +120,13 @@ class Restorer:
         self.min_speedup = min_speedup
         self._wake = wake  # a restore landed: the engine thread should look
         self._call_soon = call_soon  # run on the engine thread between steps
+        # layer groups of an overlapped restore (none: restores land whole before prefill);
+        # only where restores write into the pool in place (the CPU)
+        self.stages = layer_stages(pool.num_layers, stages) if stages > 0 and transfers.in_place else []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
         self.num_restores_skipped = 0  # restores cut because recomputing was faster
+        self.num_overlapped = 0  # forwards run over a landing restore (LLMEngine._overlap)
+        self.num_overlaps_voided = 0  # of those, thrown away: a planned block did not verify
 
     # ---- restores --------------------------------------------------------------------
 
@@ -69,8 +138,34 @@ class Restorer:
         after = self.transfers.begin_restore()
         block_ids = [b.block_id for b in blocks]
         s_per_block = None if prefill_tokens_per_s is None else self.block_size / prefill_tokens_per_s
-        seq.restore = self._pool.submit(self._job, seq.namespace, hashes, block_ids, after, s_per_block)
+        seq.landing = Landing() if self.stages else None
+        seq.restore = self._pool.submit(self._job, seq.namespace, hashes, block_ids, after, s_per_block, seq.landing)
         seq.restore.add_done_callback(lambda _: self._wake())
+
+    def overlappable(self, restoring: list[Sequence], budget: int) -> Sequence | None:
+        """Engine thread: a restoring sequence whose restore is planned and still
+        landing, whose remaining prompt fits one forward of ``budget`` tokens (its first
+        token comes from that forward), to compute over the landing context now."""
+        for seq in restoring:
+            landing = seq.landing
+            if landing is None or landing.planned is None or landing.done or not landing.planned or seq.cancelled:
+                continue
+            if len(seq.token_ids) - self.overlap_start(seq) <= budget:
+                return seq
+        return None
+
+    def overlap_start(self, seq: Sequence) -> int:
+        """The first token an overlapped forward computes: past the planned blocks."""
+        assert seq.landing is not None and seq.landing.planned is not None
+        return (seq.num_registered + seq.landing.planned) * self.block_size
+
+    def wait(self, seq: Sequence) -> None:
+        """Blocking (engine thread): until the sequence's restore job returned."""
+        if seq.restore is not None:
+            try:
+                seq.restore.exception()
+            except Exception:  # noqa: BLE001 - cancelled: collect says so
+                pass
 
     def may_hold(self, namespace: bytes, hashes: list[BlockHash]) -> bool:
         """Engine thread, before a restore is started: whether any tier may hold the
@@ -88,10 +183,21 @@ class Restorer:
         return bool(store.match_prefix(namespace, hashes[:1]))
 
     def _job(
-        self, namespace: bytes, hashes: list[BlockHash], block_ids: list[int], after: Any, s_per_block: float | None
+        self, namespace: bytes, hashes: list[BlockHash], block_ids: list[int], after: Any, s_per_block: float | None,
+        landing: Landing | None,
     ) -> tuple[list[str], Any]:
         """Runs on the restore thread. Returns the tier of each leading block that was
         loaded into the pool and verified, and the event of the last copy (CUDA)."""
+        try:
+            return self._restore(namespace, hashes, block_ids, after, s_per_block, landing)
+        finally:
+            if landing is not None:
+                landing.finish()
+
+    def _restore(
+        self, namespace: bytes, hashes: list[BlockHash], block_ids: list[int], after: Any, s_per_block: float | None,
+        landing: Landing | None,
+    ) -> tuple[list[str], Any]:
         assert self.store is not None
         plan = self.store.plan_restore(
             namespace, hashes, s_per_block, always=self.always, min_speedup=self.min_speedup
@@ -99,8 +205,18 @@ class Restorer:
         if plan.cut:
             self.num_restores_skipped += 1
         tiers = plan.tiers
+        if landing is not None:
+            landing.plan(len(tiers))
+            if tiers:
+                self._wake()  # the engine may compute over the landing blocks now
         if not tiers:
             return [], None
+        if landing is not None:
+            outs = [self.pool.block_view(b) for b in block_ids[: len(tiers)]]
+            n_ok = self.store.fetch_layered(namespace, hashes[: len(tiers)], tiers, outs, self.stages, landing.landed)
+            if n_ok < len(tiers):
+                self.store.note_load_failed(tiers[n_ok:])
+            return tiers[:n_ok], None
 
         def load(targets: list[torch.Tensor], start: int) -> int:
             end = start + len(targets)
@@ -124,8 +240,10 @@ class Restorer:
             except Exception:
                 log.exception("restore of %s failed; recomputing", seq.request_id)
                 loaded, event = [], None
-            seq.restore = None
-            seq.restore_s = time.monotonic() - seq.t_restore0
+            # an overlapped restore's own time (its forward ran meanwhile: prefill_s has the rest)
+            end = seq.landing.t_done if seq.landing is not None and seq.landing.t_done else time.monotonic()
+            seq.restore = seq.landing = None
+            seq.restore_s = end - seq.t_restore0
             start = seq.num_registered
             self.transfers.finish_restore(event)
             for i, tier_name in enumerate(loaded):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import array
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -206,6 +206,31 @@ class Runner:
             self._register_full_blocks(seq)
             self._release_outside_window(seq)
         return logits
+
+    def forward_over_restore(self, seq: Sequence, start: int, landed: Callable[[int], None]) -> torch.Tensor:
+        """An overlapped restore's forward (service/engine/restore.py): the rest of the
+        prompt from ``start`` (past the blocks being restored), each layer's attention
+        waiting for ``landed(layer)``. (1, V) logits of the last token. Advances and
+        registers nothing: ``keep_over_restore`` does, once the restore verified every
+        block it planned; otherwise the result is thrown away."""
+        seq_slice = SeqSlice(
+            block_table=self._block_table(seq),
+            start_pos=start,
+            token_ids=seq.token_ids[start:],
+            long_rope=seq.long_rope if self.longrope else None,
+        )
+        layout = BatchLayout.build([seq_slice], self.block_size, self.device, landed=landed)
+        return self.model(layout, self.pool)
+
+    def keep_over_restore(self, seq: Sequence) -> None:
+        """The overlapped forward stands (its restore verified whole; ``num_computed`` is
+        the forward's start): its tokens are computed KV, registered as they complete
+        blocks."""
+        n = len(seq.token_ids) - seq.num_computed
+        seq.num_computed += n
+        self.num_prefill_tokens += n
+        self._register_full_blocks(seq)
+        self._release_outside_window(seq)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = seq.num_computed // self.block_size

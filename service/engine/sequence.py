@@ -59,6 +59,7 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)  # this step's drafted tokens (scheduler -> runner -> output)
     num_steps: int = 0  # forwards whose logits gave output tokens (a verification's several count once)
     restore: Future | None = None
+    landing: Any = None  # restore.Landing of an overlapped restore (restore room -> engine)
     table: tuple[list[Block], int, array.array] | None = None  # (blocks, num_released, block table): Runner
     t_admit: float = 0.0
     t_restore0: float = 0.0

@@ -23,9 +23,10 @@ the target device when the layout is built.
 from __future__ import annotations
 
 import array
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -257,6 +258,8 @@ class KVPool:
         When v directly follows k in memory (the heads of one fused q/k/v output, as
         llama.py leaves them), K and V are written by one ``index_put_``; else by two.
         """
+        if layout.landed is not None:
+            layout.landed(layer)  # this layer of the restored context is in the pool before it is read
         if self.spec.quantized:
             return self._update_int8(layer, layout, k, v)
         k_cache, v_cache = self._k[layer], self._v[layer]
@@ -474,6 +477,9 @@ class BatchLayout:
     block_size: int
     long_rope: Tensor | None = None  # (B,) bool: LongRoPE long factors per sequence; None: none was given
     _deferred_mask: torch.dtype | None = None  # a batched decode step: ``attn_mask``'s dtype, made on first use
+    # an overlapped restore (service/engine/restore.py): landed(layer) returns once that
+    # layer of the context being restored is in the pool; None: the context is all there
+    landed: Callable[[int], None] | None = None
     _bias: dict[object, object] = field(default_factory=dict, repr=False)  # per-layout cache: masks per dtype (and window), kv_slots
 
     @property
@@ -560,8 +566,10 @@ class BatchLayout:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        landed: Callable[[int], None] | None = None,
     ) -> "BatchLayout":
-        """Lay out ``seqs`` for one forward; ``dtype`` is the model's (for the additive mask)."""
+        """Lay out ``seqs`` for one forward; ``dtype`` is the model's (for the additive mask);
+        ``landed``: the layout's field (an overlapped restore's per-layer wait)."""
         if not seqs:
             raise ValueError("BatchLayout.build needs at least one sequence")
         device = torch.device(device)
@@ -579,7 +587,8 @@ class BatchLayout:
         B, T = len(seqs), max(lens)
         num_blocks = max(math.ceil(t / block_size) for t in totals)
         if T == 1 and any(starts):
-            return cls._build_decode(seqs, starts, totals, num_blocks, block_size, device, dtype)
+            layout = cls._build_decode(seqs, starts, totals, num_blocks, block_size, device, dtype)
+            return layout if landed is None else dataclasses.replace(layout, landed=landed)
         ids = [list(s.token_ids) + [0] * (T - n) for s, n in zip(seqs, lens)]
         tables = [list(s.block_table[:num_blocks]) + [NULL_BLOCK] * (num_blocks - len(s.block_table[:num_blocks]))
                   for s in seqs]
@@ -635,6 +644,7 @@ class BatchLayout:
             num_new_tokens=tuple(lens),
             block_size=block_size,
             long_rope=long_rope,
+            landed=landed,
         )
 
     @classmethod

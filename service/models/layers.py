@@ -142,6 +142,8 @@ def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | N
     (float32, bfloat16, float16, int8: ``--kv-cache-format``)."""
     if layout is None or layout.ctx_blocks is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
         return None
+    if layout.landed is not None:  # a context still landing: each layer waits in ``KVPool.update``
+        return None
     key = ("kernels_step", id(kv))
     step = layout._bias.get(key)
     if step is None:

@@ -1,6 +1,7 @@
 """The SIGTERM drain and the idle spill write every full block of a session from
 whichever tier holds it: blocks already demoted from the device pool to the host tier
-reach Redis too, so the session resumes with all its cached tokens after a restart."""
+reach Redis (or, with no Redis, the disk tier) too, so the session resumes with all its
+cached tokens after a restart."""
 
 from __future__ import annotations
 
@@ -55,6 +56,38 @@ def test_sigterm_drain_writes_blocks_that_sit_in_the_host_tier(tiny_llama_dir, r
         r = c.chat("d", "and then?", max_new_tokens=4)
         assert not r.start.session_created
         assert r.start.cached_tokens == full * BLOCK_SIZE == r.start.cached_by_tier["redis"]
+
+
+def test_sigterm_drain_with_no_redis_writes_to_the_disk_tier_and_says_so(tiny_llama_dir, tmp_path):
+    """With no Redis the drain's tier is the disk tier: its log line names it (not Redis)
+    and a restarted server resumes the session from the files."""
+    root = tmp_path / "kv"
+    proc, port, log = start_server_process([
+        "--model", str(tiny_llama_dir), "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+        "--dtype", "float32", "--kv-cache-memory", str(POOL), "--block-size", str(BLOCK_SIZE),
+        "--host-cache-memory", "1MiB", "--disk-cache-dir", str(root), "--disk-cache-size", "64MiB",
+        "--spill-after", "3600", "--drain-timeout", "20", "--log-level", "info",
+    ])  # fmt: skip
+    try:
+        with KVServeClient(f"127.0.0.1:{port}", timeout=60) as c:
+            c.chat("d", "hello, tell me a story about a fox and a dog", max_new_tokens=16)
+            full = c.get_session("d").full_blocks
+            assert full >= 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    drain = [line for line in log if "drain:" in line]
+    assert drain and f"1 session(s), {full} full block(s): {full} in the disk tier" in drain[-1], log
+    assert "0 left" in drain[-1] and "Redis" not in drain[-1], log
+
+    with ServerThread(tiny_config(tiny_llama_dir, disk_cache_dir=str(root), disk_cache_size=64 << 20,
+                                  host_cache_memory=0, restore_policy="always")) as srv, \
+            KVServeClient(srv.address, timeout=60) as c:  # fmt: skip
+        r = c.chat("d", "and then?", max_new_tokens=4)
+        assert not r.start.session_created
+        assert r.start.cached_tokens == full * BLOCK_SIZE == r.start.cached_by_tier["disk"]
 
 
 def test_idle_spill_writes_blocks_that_sit_in_the_host_tier(tiny_llama_dir, redis_url):

@@ -75,6 +75,7 @@ EXTERNAL_FLAGS = {
         "--cluster-enabled",
     },
     "pip / pytest / npm": {"--no-binary", "--no-deps", "--quiet", "--index-url"},
+    "llama.cpp's llama-server (bench/bench_restore.py --llama-bin)": {"--cache-ram", "--slot-save-path"},
 }
 
 
