@@ -12,7 +12,10 @@ played as the model being given its own earlier text again and going on from its
   repeats the text near the edits and leaves it where the model prefers its own words;
 - ``chat``: a chat-template conversation (the default model's template) whose earlier
   assistant turn is the paragraph and whose new user turn quotes its first words;
-- ``fresh``: "The" alone: nothing to draft from but the reply's own repetitions.
+- ``fresh``: "The" alone: nothing to draft from but the reply's own repetitions;
+- ``json``: a grammar row: the paragraph as a JSON object ``{"quote": ...}``, a blank line,
+  and the reply under a JSON-schema response_format of that shape (drafts are cut where
+  the grammar refuses a token; each verify row gets the grammar's mask at its position).
 
 On the ~110M random-weight shape (``--shapes 110m``) the random prompt is said twice and
 then its start again, and the reply is the random model's (a random model's greedy output
@@ -46,11 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve.service.engine.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
 from kvserve.service.engine.engine import LLMEngine  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
-from kvserve.service.types import Delta, Finished, GenerationRequest, SamplingParams  # noqa: E402
+from kvserve.service.types import Delta, Finished, GenerationRequest, ResponseFormat, SamplingParams  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
 SHAPE_110M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)  # its tokenizer: 400 pieces
+QUOTE_SCHEMA = {"type": "object", "properties": {"quote": {"type": "string", "minLength": 160, "maxLength": 600}},
+                "required": ["quote"], "additionalProperties": False}  # the json workload's response_format
 EDITS = {" was ": " had been ", " the ": " that ", " not ": " never "}  # word swaps of the "edit" workload
 
 
@@ -61,9 +66,11 @@ def engine_for(loaded, spec: str, max_draft: int) -> LLMEngine:
     return LLMEngine(loaded, cfg)
 
 
-def generate(engine: LLMEngine, prompt: list[int], tokens: int, rid: str, now) -> tuple[Finished, float]:
+def generate(engine: LLMEngine, prompt: list[int], tokens: int, rid: str, now,
+             fmt: ResponseFormat | None = None) -> tuple[Finished, float]:  # fmt: skip
     """One greedy request alone: its Finished and its decode seconds on ``now``'s clock."""
-    engine.add_request(GenerationRequest(rid, list(prompt), SamplingParams(max_new_tokens=tokens, ignore_eos=True)))
+    sp = SamplingParams(max_new_tokens=tokens, ignore_eos=True, response_format=fmt)
+    engine.add_request(GenerationRequest(rid, list(prompt), sp))
     t_first = t_last = None
     while True:
         for _, ev in engine.step():
@@ -74,7 +81,7 @@ def generate(engine: LLMEngine, prompt: list[int], tokens: int, rid: str, now) -
                 return ev, t_last - (t_first if t_first is not None else t_last)
 
 
-def workloads(name: str, loaded, tokens: int) -> dict[str, list[int]]:
+def workloads(name: str, loaded, tokens: int) -> dict[str, list[int] | tuple[list[int], ResponseFormat]]:
     tok = loaded.tokenizer
     if name == "110m":
         g = torch.Generator().manual_seed(0)
@@ -100,6 +107,8 @@ def workloads(name: str, loaded, tokens: int) -> dict[str, list[int]]:
         ]
         out["chat"] = tok.encode_chat(msgs) + start
     out["fresh"] = tok.encode("The")
+    quoted = json.dumps({"quote": text}, separators=(",", ":"))
+    out["json"] = (tok.encode(quoted) + tok.encode_plain("\n\n"), ResponseFormat("json_schema", json.dumps(QUOTE_SCHEMA)))
     plain.close()
     return out
 
@@ -128,21 +137,22 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown shape {shape!r}: use default or 110m")
         n_out = min(args.tokens, loaded.config.max_position_embeddings // 4)
-        for wname, prompt in workloads(shape, loaded, n_out).items():
+        for wname, work in workloads(shape, loaded, n_out).items():
+            prompt, fmt = work if isinstance(work, tuple) else (work, None)
             n = min(n_out, loaded.config.max_position_embeddings - len(prompt) - 1)
             engines = {s: engine_for(loaded, s, args.max_draft) for s in ("off", "ngram")}
             rates: dict[str, list[float]] = {"off": [], "ngram": []}
             last: dict[str, Finished] = {}
             for rep in range(args.repeats + 1):
                 for spec, eng in engines.items():  # in turn, so drift hits both alike
-                    fin, dt = generate(eng, prompt, n, f"{wname}-{spec}-{rep}", now)
+                    fin, dt = generate(eng, prompt, n, f"{wname}-{spec}-{rep}", now, fmt)
                     last[spec] = fin
                     if rep and dt > 0:
                         rates[spec].append((fin.completion_tokens - 1) / dt)
             t = last["ngram"].timings
             off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
             rows.append(dict(
-                shape=shape, workload=wname, prompt=len(prompt), tokens=n,
+                shape=shape, workload=wname, prompt=len(prompt), tokens=last["ngram"].completion_tokens,
                 plain_tok_s=round(off, 1), spec_tok_s=round(on, 1), ratio=round(on / off, 2),
                 acceptance=round(t.accepted_draft_tokens / t.draft_tokens, 3) if t.draft_tokens else 0.0,
                 tokens_per_step=round(t.tokens_per_step, 2),

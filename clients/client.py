@@ -152,6 +152,12 @@ class Timings:
     ttft_s: float
     decode_s: float
     decode_tokens_per_s: float
+    # speculative decoding: tokens drafted and verified, how many were accepted, their
+    # ratio (0 with no drafts) and generated tokens per forward (1 without speculation)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    acceptance_rate: float = 0.0
+    tokens_per_step: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -306,6 +312,8 @@ def build_request(
     tools: Sequence[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    speculative: bool | None = None,
+    speculative_max_draft: int | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from keyword arguments; exactly one input must be given,
     none with ``turn_mode="regenerate"``.
@@ -318,6 +326,8 @@ def build_request(
     "append" (a new turn), "regenerate" (the last turn's answer again, replacing it) or
     "edit" (this input replaces the last turn's, answered anew). ``expected_turns``: run
     only if the session has exactly that many turns (else FAILED_PRECONDITION).
+    ``speculative``: True or False turns speculative decoding on or off for this request
+    (None: the server's setting); ``speculative_max_draft``: its drafts per step at most.
 
     Tools, as OpenAI writes them: ``tools`` ``[{"type": "function", "function": {"name",
     "description", "parameters"}}]`` (or the function objects alone), ``tool_choice``
@@ -355,6 +365,7 @@ def build_request(
         ("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
         ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
         ("min_p", min_p), ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+        ("speculative", speculative), ("speculative_max_draft", speculative_max_draft),
     ):  # fmt: skip
         if value is not None:
             setattr(s, name, value)
@@ -469,6 +480,10 @@ def event_from_pb(resp: pb.GenerateResponse) -> Event:
                 ttft_s=_seconds(t.time_to_first_token),
                 decode_s=_seconds(t.decode),
                 decode_tokens_per_s=t.decode_tokens_per_second,
+                draft_tokens=t.draft_tokens,
+                accepted_draft_tokens=t.accepted_draft_tokens,
+                acceptance_rate=t.acceptance_rate,
+                tokens_per_step=t.tokens_per_step,
             ),
             index=f.index,
             tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in f.tool_calls],

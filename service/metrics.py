@@ -19,7 +19,7 @@ import threading
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .types import CacheStats, EngineStats, Tier
 
@@ -74,6 +74,25 @@ class EngineStatsCollector:
             f"{p}_spec_accepted_tokens", "Drafted tokens accepted (each one an output token without a step of its own).",
             value=s.spec_accepted_tokens,
         )  # fmt: skip
+        if s.step_tokens:
+            yield step_tokens_histogram(f"{p}_spec_tokens_per_step", s.step_tokens)
+
+
+TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+
+
+def step_tokens_histogram(name: str, counts: tuple[int, ...]) -> HistogramMetricFamily:
+    """``counts[n]``: sequence-steps that gave n output tokens (EngineStats.step_tokens) as
+    a histogram over TOKENS_PER_STEP_BUCKETS (cumulative buckets, the sum of tokens)."""
+    buckets = []
+    for le in TOKENS_PER_STEP_BUCKETS:
+        buckets.append((str(float(le)), sum(counts[1 : le + 1])))
+    buckets.append(("+Inf", sum(counts[1:])))
+    total = sum(n * c for n, c in enumerate(counts))
+    return HistogramMetricFamily(
+        name, "Output tokens one sequence got from one step (a decode row 1; a speculative verification 1 + "
+        "its accepted drafts).", buckets=buckets, sum_value=total,
+    )  # fmt: skip
 
 
 class CacheStoreCollector:

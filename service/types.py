@@ -40,6 +40,7 @@ MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| <= 100
 MAX_TOP_LOGPROBS = 20  # alternatives per token
 MAX_N = 16  # sequences one request may ask for (SamplingParams.n)
+MAX_SPEC_DRAFT = 32  # SamplingParams.spec_max_draft at most (drafts of one sequence in one step)
 MAX_RESPONSE_FORMAT_CHARS = 32768  # a response_format's JSON schema or regex
 RESPONSE_FORMAT_KINDS = ("json_schema", "json_object", "regex")
 # "lark": a full llguidance lark grammar, built by the server itself (service/tools/grammar.py:
@@ -116,6 +117,10 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = the sampled token's logprob + top-k
     n: int = 1  # sequences sampled from the one prompt (sharing its KV blocks)
     response_format: ResponseFormat | None = None  # None = unconstrained text
+    # speculative decoding for this request (engine/speculative.py): None = the server's
+    # --speculative; spec_max_draft: its drafts per step at most (None = --spec-max-draft)
+    speculative: bool | None = None
+    spec_max_draft: int | None = None
 
     def validate(self, max_new_tokens_limit: int) -> None:
         """Raise InvalidRequest with a precise message on any bad field."""
@@ -186,6 +191,8 @@ class SamplingParams:
         """n and response_format (its grammar is compiled, and checked, by the engine)."""
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequest(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.spec_max_draft is not None and not 1 <= self.spec_max_draft <= MAX_SPEC_DRAFT:
+            raise InvalidRequest(f"speculative_max_draft must be in [1, {MAX_SPEC_DRAFT}], got {self.spec_max_draft}")
         fmt = self.response_format
         if fmt is None:
             return
@@ -238,7 +245,7 @@ class Timings:
     decode_tokens_per_s: float = 0.0
     # speculative decoding (engine/speculative.py): tokens drafted for this sequence, how
     # many of them became its tokens, and its output tokens per forward that made them
-    # (1.0 without speculation). The engine's Finished carries them; the wire does not yet.
+    # (1.0 without speculation); on the wire in FinalEvent.timings and HTTP's ``timings``
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     tokens_per_step: float = 0.0
@@ -413,6 +420,10 @@ class EngineStats:
     spec_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # output tokens per sequence-step: entry n counts the steps (a decode row, a prompt's
+    # last chunk, a verification) that gave one sequence n tokens (entry 0 unused; the
+    # last entry counts that many or more): the kvserve_spec_tokens_per_step histogram
+    step_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

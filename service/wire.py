@@ -232,6 +232,8 @@ def _sampling_controls(s: pb.SamplingParams) -> dict[str, Any]:
         logprobs=s.top_logprobs if s.logprobs else None,
         n=s.n if s.HasField("n") and s.n else 1,
         response_format=response_format(s.response_format) if s.HasField("response_format") else None,
+        speculative=s.speculative if s.HasField("speculative") else None,
+        spec_max_draft=s.speculative_max_draft if s.HasField("speculative_max_draft") else None,
     )
 
 
@@ -386,6 +388,10 @@ def final_event(ev: Finished) -> pb.FinalEvent:
             time_to_first_token=duration(t.ttft_s),
             decode=duration(t.decode_s),
             decode_tokens_per_second=t.decode_tokens_per_s,
+            draft_tokens=t.draft_tokens,
+            accepted_draft_tokens=t.accepted_draft_tokens,
+            acceptance_rate=t.accepted_draft_tokens / t.draft_tokens if t.draft_tokens else 0.0,
+            tokens_per_step=t.tokens_per_step,
         ),
     )
 

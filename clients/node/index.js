@@ -9,7 +9,7 @@
 //   npm install
 //   node index.js --address localhost:50051 [--session ID] [--max-new-tokens N]
 //                 [--message TEXT]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN]
-//                 [--tools JSON [--tool-choice auto|required|none|NAME]]
+//                 [--tools JSON [--tool-choice auto|required|none|NAME]] [--speculative on|off]
 //
 // Each --message is one turn (default: two built-in turns), or a session operation:
 //   --message /regenerate     the last answer again (temperature 1.0), replacing it (Generate, TURN_MODE_REGENERATE)
@@ -25,6 +25,8 @@
 //   [turn 1] tool_call get_weather {"city": "Paris"} (id call_...)
 // and after a reply that called tools the next --message is every call's result (a "tool"
 // message per call, the text as its content) instead of a user message: a tool loop.
+// --speculative on|off sets SamplingParams.speculative (default: the server's setting);
+// with it each turn's line ends with the drafts verified and accepted and the tokens per step.
 // Output, per turn:
 //   [turn 1] user: Hello! ...
 //   [turn 1] assistant: <streamed text>
@@ -77,6 +79,7 @@ function parseOptions(argv) {
       regex: { type: 'string' },
       tools: { type: 'string' },
       'tool-choice': { type: 'string' },
+      speculative: { type: 'string' },
       help: { type: 'boolean', short: 'h', default: false },
     },
   });
@@ -88,6 +91,8 @@ function parseOptions(argv) {
   if (values['json-schema'] !== undefined && values.regex !== undefined) {
     throw new Error('give at most one of --json-schema and --regex');
   }
+  const spec = values.speculative;
+  if (spec !== undefined && spec !== 'on' && spec !== 'off') throw new Error('--speculative must be on or off');
   let responseFormat = null;
   if (values['json-schema'] !== undefined) responseFormat = { json_schema: values['json-schema'] };
   if (values.regex !== undefined) responseFormat = { regex: values.regex };
@@ -125,6 +130,7 @@ function parseOptions(argv) {
     timeoutS,
     messages,
     responseFormat,
+    speculative: spec === undefined ? null : spec === 'on',
   };
 }
 
@@ -179,6 +185,7 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     turn_mode: `TURN_MODE_${mode.toUpperCase()}`,
   };
   if (opts.responseFormat) request.sampling.response_format = opts.responseFormat;
+  if (opts.speculative !== null) request.sampling.speculative = opts.speculative;
   if (opts.tools) request.tools = opts.tools;
   if (opts.toolChoice) request.tool_choice = opts.toolChoice;
   if (mode === 'regenerate') {
@@ -225,6 +232,14 @@ async function runTurn(client, opts, turn, message, mode = 'append') {
     prefill_ms: Math.round(seconds(t.prefill) * 1000),
     decode_tokens_per_s: Number(t.decode_tokens_per_second.toFixed(1)),
   };
+  if (opts.speculative !== null) {
+    // --speculative given: the turn's speculative decoding figures too
+    Object.assign(figures, {
+      draft_tokens: t.draft_tokens,
+      accepted_draft_tokens: t.accepted_draft_tokens,
+      tokens_per_step: Number(t.tokens_per_step.toFixed(2)),
+    });
+  }
   const line = Object.entries(figures).map(([k, v]) => `${k}=${v}`).join(' ');
   process.stdout.write(`[turn ${turn}] ${line}\n`);
   return figures;
@@ -276,7 +291,7 @@ async function main(argv) {
     return 2;
   }
   if (opts.help) {
-    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN] [--tools JSON [--tool-choice auto|required|none|NAME]]\n' +
+    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN] [--tools JSON [--tool-choice auto|required|none|NAME]] [--speculative on|off]\n' +
         '(a --message starting with / other than these is a usage error; start it with // to send a message that begins with /)\n');
     return 0;
   }

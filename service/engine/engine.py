@@ -132,7 +132,8 @@ class LLMEngine:
         # the rooms
         if cfg.speculative not in ("ngram", "off"):
             raise ValueError(f"speculative must be ngram or off, got {cfg.speculative!r}")
-        self.spec = SpecConfig(max_draft=cfg.spec_max_draft) if cfg.speculative == "ngram" else None
+        # off: requests draft only when they ask to (SamplingParams.speculative)
+        self.spec = SpecConfig(enabled=cfg.speculative == "ngram", max_draft=cfg.spec_max_draft)
         self.scheduler = Scheduler(
             cfg, self.blocks, self.keys, has_tiers=store is not None,
             may_hold=lambda namespace, hashes: self.restorer.may_hold(namespace, hashes),
@@ -226,6 +227,7 @@ class LLMEngine:
             spec_steps=self.runner.num_verify_steps,
             spec_draft_tokens=self.runner.num_draft_tokens,
             spec_accepted_tokens=self.runner.num_accepted_tokens,
+            step_tokens=tuple(self.output.step_tokens),
         )
 
     def cache_stats(self) -> CacheStats:

@@ -13,7 +13,8 @@ tokens that keep the output inside the grammar (computed on CPU).
 * ``matcher(fmt)`` is a fresh matcher for one sequence: a copy of the cached one.
 * ``fill_masks`` computes the masks of a batch's constrained rows in one call
   (llguidance's executor, in parallel), the sampler applies them
-  (``service/engine/sampling.py``).
+  (``service/engine/sampling.py``); ``fill_draft_masks`` the masks of a speculative
+  verify row at each drafted position (engine/speculative.py).
 
 JSON is generated compact (no whitespace between tokens): a model cannot then spend
 its tokens on whitespace, and an object whose strings, arrays and numbers are bounded
@@ -173,6 +174,26 @@ class GrammarCompiler:
         B, W = len(matchers), (self.vocab_size + 31) // 32
         mask = torch.full((B, W), -1, dtype=torch.int32)  # contiguous, written in place by llguidance
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(), W * 4, B)
+        return mask
+
+
+    def fill_draft_masks(self, items: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor:
+        """Speculative verify rows: for each (matcher, drafts), 1 + len(drafts) bitmasks in
+        order, row i the mask after drafts[:i] (llguidance advances the matcher through
+        the drafts and rolls it back: the matcher is where it was). The drafts must be
+        ones the matcher accepts (``validate_tokens``: the scheduler cuts a draft there)."""
+        import llguidance
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, (os.cpu_count() or 2) // 2)))
+        W = (self.vocab_size + 31) // 32
+        B = sum(1 + len(d) for _, d in items)
+        mask = torch.zeros((B, W), dtype=torch.int32)  # a row llguidance leaves is all refused
+        work, at = [], 0
+        for m, drafts in items:
+            work.append((m, at, list(drafts)))
+            at += 1 + len(drafts)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(work, mask.data_ptr(), W * 4, B)
         return mask
 
 

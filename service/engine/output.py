@@ -20,6 +20,7 @@ from .grammar import GrammarCompiler, matcher_error
 from .sampling import (
     RowState,
     Sampled,
+    apply_grammar_masks,
     apply_penalties,
     make_generator,
     needs_penalties,
@@ -34,6 +35,7 @@ from ..types import (
     Finished,
     FinishReason,
     GenerationRequest,
+    MAX_SPEC_DRAFT,
     InvalidRequest,
     SamplingParams,
     Started,
@@ -176,6 +178,8 @@ class Output:
         self.tiers = tiers  # fastest first: the slowest that contributed is a start's cached_tier
         self._sampler = sampler
         self.num_forked = 0  # sequences created by forking an n > 1 request
+        # entry n: sequence-steps that gave n output tokens (the last entry: that many or more)
+        self.step_tokens = [0] * (MAX_SPEC_DRAFT + 2)
 
     # ---- sequences -------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class Output:
             arrival=time.monotonic(),
             stream=TextStream(self.tokenizer.detokenizer(), req.sampling.stop),
             generator=make_generator(req.sampling, self.device),
+            seed=req.sampling.seed if req.sampling.temperature != 0.0 else None,
         )
         if req.sampling.response_format is not None:
             seq.matcher = self.grammars.matcher(req.sampling.response_format)
@@ -212,6 +217,7 @@ class Output:
                     arrival=parent.arrival,
                     stream=TextStream(self.tokenizer.detokenizer(), p.stop),
                     generator=make_generator(dataclasses.replace(p, seed=seed), self.device),
+                    seed=seed if p.temperature != 0.0 else None,
                     hashes=list(parent.hashes),
                     num_computed=parent.num_computed,
                     num_registered=parent.num_registered,
@@ -245,6 +251,7 @@ class Output:
             if tok is None:  # failed in sampling
                 continue
             seq.num_steps += 1
+            self.step_tokens[1] += 1
             try:
                 self._take(seq, tok, lp, now, out)
             except Exception as exc:  # a bug in one sequence's output: that request fails alone
@@ -283,7 +290,10 @@ class Output:
             except Exception as exc:
                 out.failed.append((seq, self._internal(seq, exc, "its output"), False))
             _merge_deltas(out.events, first_event)
-            out.verified.append((seq, min(accepted, seq.num_output - before)))
+            taken = seq.num_output - before
+            if taken:
+                self.step_tokens[min(taken, len(self.step_tokens) - 1)] += 1
+            out.verified.append((seq, min(accepted, taken)))
         return out
 
     def _verify(
@@ -300,7 +310,9 @@ class Output:
                 for i in range(rows)
             ]
             apply_penalties(logits, [p] * rows, states)
-        tokens = accept(logits, drafts, p, seq.generator)
+        if seq.matcher is not None:  # row i: the grammar's mask after drafts[:i] (the scheduler checked them)
+            apply_grammar_masks(logits, list(range(rows)), self.grammars.fill_draft_masks([(seq.matcher, drafts)]))
+        tokens = accept(logits, drafts, p, seq.generator, seq.seed, seq.num_output)
         return tokens, token_logprobs(logits[: len(tokens)], tokens, [p.logprobs] * len(tokens))
 
     def _take(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float, out: Emission) -> None:
@@ -379,7 +391,7 @@ class Output:
         masks = None
         if constrained:
             masks = (constrained, self.grammars.fill_masks([seqs[i].matcher for i in constrained]))
-        states = [RowState(s.token_ids, s.num_prompt, self._stop_ids(s)) for s in seqs]
+        states = [RowState(s.token_ids, s.num_prompt, self._stop_ids(s), s.seed) for s in seqs]
         return self._sampler(logits, params, gens, states, masks)
 
     def _internal(self, seq: Sequence, exc: BaseException, where: str) -> str:

@@ -15,7 +15,12 @@ The pipeline, row by row but as batched tensor ops over the rows that need each 
 3. sampled rows: divide by temperature, min_p (drop tokens under min_p x the top
    token's probability), top_k, top_p, softmax, and one draw with the request's own
    ``torch.Generator``, so a seeded request gives the same tokens whatever else is in
-   the batch. The draw is the one per-row step: a generator is per request.
+   the batch. The draw is the one per-row step: a generator is per request. A seeded
+   row's generator is seeded again before each draw from the seed and the output
+   position (``position_seed``): its draws depend on where a token is, never on how many
+   draws came before, so speculative verification (engine/speculative.py), which draws
+   at several positions in one step and drafts as many as the step allows, gives the
+   very tokens plain decoding gives.
 """
 
 from __future__ import annotations
@@ -38,6 +43,26 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded row's draw at output ``position`` (splitmix64 of the pair):
+    distinct positions get unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch seeds are < 2**63
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None, seed: int | None, position: int) -> int:
+    """One token from ``probs`` (V,): a seeded row's generator is seeded for ``position``
+    first (the module docstring)."""
+    if seed is not None and generator is not None:
+        generator.manual_seed(position_seed(seed, position))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 @dataclass(slots=True)
 class RowState:
     """What the sampler needs to know about one row beyond its parameters."""
@@ -45,6 +70,7 @@ class RowState:
     token_ids: Sequence[int]  # prompt + output so far
     num_prompt: int
     stop_ids: Sequence[int] = ()  # ids that end generation (masked while < min_new_tokens)
+    seed: int | None = None  # a seeded sampled row's seed (its own: seed + index for n > 1)
 
     @property
     def num_output(self) -> int:
@@ -265,7 +291,7 @@ def sample(
             # extreme parameters that overflow to NaN fall back to greedy for that row
             # rather than failing every stream in the batch
             if finite[j]:
-                tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+                tokens[i] = draw(probs[j], generators[i], states[i].seed, states[i].num_output)
             else:
                 tokens[i] = int(logits[i].nan_to_num(nan=float("-inf")).argmax())
     want = [p.logprobs for p in params]

@@ -12,6 +12,7 @@ called by ``LLMEngine`` with what this one returns.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -52,7 +53,7 @@ class Scheduler:
     ) -> None:
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.spec = spec  # None: no speculative decoding
+        self.spec = spec or SpecConfig(enabled=False)  # enabled: the default of a request that does not say
         self.block_size = cfg.block_size
         self.blocks = blocks
         self.keys = keys
@@ -228,7 +229,7 @@ class Scheduler:
             if seq not in self.running:
                 continue
             if left == 1:
-                seq.drafts = self._draft(seq, min(budget - 1, spare_rows)) if self.spec is not None else []
+                seq.drafts = self._draft(seq, min(budget - 1, spare_rows))
                 if seq.drafts:
                     verify.append(seq)
                     n += len(seq.drafts)
@@ -248,14 +249,17 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts for a decode row (engine/speculative.py), within ``budget`` tokens, the
         request's max_new_tokens and the context (the bonus token counts too), the blocks
-        it holds or free ones (a draft never preempts) and the LongRoPE switch length (the
-        tokens past it are computed in the other regime). None for a row with a grammar or
-        a seed: a grammar's masks follow its matcher token by token, and a seeded request
-        gives the same tokens whatever else is in the batch, which drafts cut by the
-        step's budget or free blocks would break (its draws would follow the drafts)."""
+        it holds or free ones (a draft never preempts), the LongRoPE switch length (the
+        tokens past it are computed in the other regime) and, with a response_format,
+        the grammar: a draft ends before the first token the matcher refuses (its
+        ``validate_tokens`` moves nothing). None when the request (SamplingParams.
+        speculative) or else the server says off, or before an n > 1 request forks (it
+        forks at its first sample, which a plain row makes). Seeded rows draft: their
+        draws depend on the output position alone (sampling.position_seed), so what a
+        step's budget or free blocks cut changes none of their tokens."""
         p = seq.request.sampling
-        if seq.matcher is not None or (p.temperature != 0.0 and p.seed is not None) or seq.fork_pending:
-            return []  # (an n > 1 request forks at its first sample, which a plain row makes)
+        if not (self.spec.enabled if p.speculative is None else p.speculative) or seq.fork_pending:
+            return []
         L = len(seq.token_ids)
         limit = min(budget, p.max_new_tokens - seq.num_output - 1)
         if self.max_model_len is not None:
@@ -263,10 +267,15 @@ class Scheduler:
         if limit <= 0:
             return []
         if seq.drafter is None:
-            seq.drafter = NgramDrafter(self.spec)
+            config = self.spec
+            if p.spec_max_draft is not None:
+                config = dataclasses.replace(config, max_draft=p.spec_max_draft)
+            seq.drafter = NgramDrafter(config)
         drafts = seq.drafter.propose(seq.token_ids, limit)
         while drafts and not seq.long_rope and self.keys.is_long(L + len(drafts)):
             drafts.pop()
+        if drafts and seq.matcher is not None:
+            del drafts[seq.matcher.validate_tokens(drafts) :]
         # a block for the drafts only while one stays free for every running sequence, so
         # that drafting never makes a later sequence of this step preempt another
         need = -(-(seq.num_computed + 1 + len(drafts)) // self.block_size) - len(seq.blocks)
@@ -284,7 +293,10 @@ class Scheduler:
         keep = -(-len(seq.token_ids) // self.block_size)
         if len(seq.blocks) > keep:
             self.blocks.free(seq.blocks[keep:])
-            del seq.blocks[keep:]
+            # a new list, not one cut in place: the runner's cached block table is keyed by
+            # the list object, and a table kept past a cut would still name the freed block
+            # (another sequence's once reallocated) where the next draft block goes
+            seq.blocks = seq.blocks[:keep]
 
     def _ensure_blocks(self, seq: Sequence, n_tokens: int) -> bool:
         need = -(-n_tokens // self.block_size) - len(seq.blocks)

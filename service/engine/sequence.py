@@ -40,6 +40,7 @@ class Sequence:
     arrival: float
     stream: TextStream
     generator: torch.Generator | None
+    seed: int | None = None  # a seeded sampled sequence's own seed (seed + index for n > 1): per-position draws
     status: SeqStatus = SeqStatus.WAITING
     blocks: list[Block] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)  # of full blocks of token_ids

@@ -27,13 +27,23 @@ Two pure parts, no engine state:
   argmax of the first row that disagreed (or, every draft accepted, of the last row:
   the bonus token). The tokens are exactly plain greedy decoding's.
 
-  sampling: standard speculative rejection sampling (Leviathan et al. 2023, Chen et al.
-  2023) with the drafter's distribution a point mass q = delta(d): draft d is accepted
-  with probability min(1, p(d) / q(d)) = p(d); on rejection the token is drawn from
-  norm(max(0, p - q)), which is p with d removed and renormalised; every draft accepted,
-  the bonus token is drawn from the last row's p. Each emitted token is then distributed
-  exactly as p given the tokens before it (the drafter is deterministic given the
-  history, so its proposal carries no information the target does not condition on).
+  sampling: speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023)
+  with the drafter's distribution a point mass q = delta(d), drawn as its coupling with
+  plain sampling: row i draws t ~ p_i as plain decoding would at that position; the draft
+  is accepted when t == d (probability p(d) = min(1, p(d) / q(d))), otherwise t is the
+  token (then distributed as p with d removed and renormalised: norm(max(0, p - q)));
+  every draft accepted, the last row's draw is the bonus token. Each emitted token is
+  distributed exactly as p given the tokens before it (the drafter is deterministic
+  given the history, so its proposal carries no information the target does not
+  condition on). A seeded row draws at each output position with that position's seed
+  (sampling.position_seed): the emitted tokens are then plain seeded decoding's own,
+  whatever was drafted, so seeded requests speculate and still give the same tokens
+  whatever else is in the batch.
+
+Grammar rows (a response_format) draft too: the scheduler cuts a draft before the first
+token the grammar refuses (the matcher's ``validate_tokens``, which moves nothing), and
+row i gets the grammar's mask after drafts[:i] (grammar.GrammarCompiler.fill_draft_masks),
+the mask plain decoding would have used at that position.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from typing import Sequence
 
 import torch
 
-from .sampling import filter_logits, greedy
+from .sampling import draw, filter_logits, greedy
 from ..types import SamplingParams
 
 MAX_SKIP = 16  # steps a drafter sits out at most after drafts that were all rejected
@@ -52,7 +62,8 @@ MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts m
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    """The engine's speculation settings (service/config.py: --speculative, --spec-max-draft)."""
+    """The engine's speculation settings (service/config.py: --speculative, --spec-max-draft).
+    ``enabled``: the default of a request that does not say (SamplingParams.speculative)."""
 
     enabled: bool = True
     max_draft: int = 8  # drafts per step at most (the adaptive length's cap)
@@ -171,26 +182,19 @@ def accept_sampled(
     probs: torch.Tensor,  # (k + 1, V): row i the target distribution after drafts[:i]
     drafts: Sequence[int],
     generator: torch.Generator | None,
+    seed: int | None = None,  # a seeded row's seed: row i draws with position_seed(seed, position + i)
+    position: int = 0,  # the output position of row 0 (the sequence's output tokens so far)
 ) -> list[int]:
-    """Speculative rejection sampling with a point-mass drafter (module docstring): the
-    accepted drafts, then the replacement of the first rejected one or the bonus token."""
-    k = len(drafts)
-    if k:
-        u = torch.rand(k, generator=generator, device=probs.device).tolist()
-        p_d = probs[torch.arange(k, device=probs.device), torch.tensor(list(drafts), device=probs.device)].tolist()
+    """Speculative rejection sampling with a point-mass drafter, as the coupling of the
+    module docstring: the accepted drafts, then the first draw that differed from its
+    draft (the rejected draft's replacement) or the bonus token."""
     out: list[int] = []
     for i, d in enumerate(drafts):
-        if u[i] < p_d[i]:
-            out.append(d)
-            continue
-        rest = probs[i].clone()
-        rest[d] = 0.0
-        if not float(rest.sum()) > 0.0:  # p(d) == 1 up to rounding: nothing else to draw
-            out.append(d)
-            continue
-        out.append(int(torch.multinomial(rest, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(probs[k], 1, generator=generator)))
+        t = draw(probs[i], generator, seed, position + i)
+        out.append(t)
+        if t != d:
+            return out
+    out.append(draw(probs[len(drafts)], generator, seed, position + len(drafts)))
     return out
 
 
@@ -199,9 +203,11 @@ def accept(
     drafts: Sequence[int],
     params: SamplingParams,
     generator: torch.Generator | None,
+    seed: int | None = None,
+    position: int = 0,
 ) -> list[int]:
     """The tokens a verification emits: ``accept_greedy`` at temperature 0, else
     ``accept_sampled`` over ``target_probs``. 1 .. k + 1 tokens."""
     if params.temperature == 0.0:
         return accept_greedy(drafts, greedy(processed))
-    return accept_sampled(target_probs(processed, params), drafts, generator)
+    return accept_sampled(target_probs(processed, params), drafts, generator, seed, position)

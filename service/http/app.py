@@ -320,7 +320,7 @@ class _Ctx:
         used = oa.usage(self.start, ends[0], sum(f.completion_tokens for f in ends))
         return {
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-            "model": self.model, "choices": choices, "usage": used, "kvserve": self.ext,
+            "model": self.model, "choices": choices, "usage": used, "timings": oa.timings(ends), "kvserve": self.ext,
         }  # fmt: skip
 
     def _chunk(self, delta: dict[str, Any] | str | None, finish: str | None, index: int = 0,
@@ -360,6 +360,7 @@ class _Ctx:
                     completion_tokens += ev.completion_tokens
                     left -= 1
                     last = self._chunk(None, oa.finish_reason(ev), ev.index)
+                    last["timings"] = oa.timings([ev])  # llama.cpp's, in the chunk that ends the choice
                     last["kvserve"] = self.ext
                     if include_usage:
                         last["usage"] = None

@@ -25,6 +25,8 @@ frequency_penalty, presence_penalty        the same ([-2, 2]; counted over this 
                                            tokens, as vLLM does)
 logit_bias                                 logit_bias (token id strings -> [-100, 100])
 min_p, min_tokens                          min_p, min_new_tokens (vLLM's extensions)
+speculative (a boolean),                   speculative, spec_max_draft (kvserve's switch;
+speculative.n_max (llama.cpp's name)       n_max 0: off, as llama.cpp reads it)
 response_format (chat)                     text: free text; json_object and
                                            json_schema (its ``schema``): the
                                            response_format of SamplingParams
@@ -97,7 +99,7 @@ _COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
     "frequency_penalty", "presence_penalty", "user", "metadata", "store", "logprobs", "logit_bias",
     "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "cache_salt", "min_p", "min_tokens",
-    "service_tier", "prompt_cache_key", "safety_identifier",
+    "service_tier", "prompt_cache_key", "safety_identifier", "speculative", "speculative.n_max",
 }  # fmt: skip
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
@@ -203,7 +205,7 @@ def unsupported(name: str, why: str = "kvserve does not support it") -> HttpErro
 # OpenAI request's, per route: an error's message and param name the field the client sent.
 _BASE_NAMES: Mapping[str, str] = {
     "min_new_tokens": "min_tokens", "sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
-    "stop strings": "stop", "stop_token_ids": "stop_token_ids",
+    "stop strings": "stop", "stop_token_ids": "stop_token_ids", "speculative_max_draft": "speculative.n_max",
 }  # fmt: skip
 
 
@@ -224,7 +226,7 @@ _PARAMS = (
     "max_completion_tokens", "max_tokens", "max_output_tokens", "min_tokens", "temperature", "top_p", "top_k",
     "repetition_penalty", "seed", "stop_token_ids", "stop", "n", "min_p", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "cache_salt", "messages", "prompt", "input", "response_format",
-    "text.format", "tools", "tool_choice", "parallel_tool_calls",
+    "text.format", "tools", "tool_choice", "parallel_tool_calls", "speculative.n_max", "speculative",
 )  # fmt: skip
 
 
@@ -345,8 +347,25 @@ def _sampling(
         logit_bias=_logit_bias(body),
         min_new_tokens=0 if min_tokens is None else min_tokens,
         logprobs=logprobs,
+        **speculation(body),
     )
     return params, max_tokens
+
+
+def speculation(body: Mapping[str, Any]) -> dict[str, Any]:
+    """SamplingParams' speculative and spec_max_draft from ``speculative`` (a boolean;
+    null or absent: the server's setting) and llama.cpp's ``speculative.n_max`` (the most
+    tokens drafted a step; 0 turns drafting off, as llama.cpp reads it)."""
+    on = body.get("speculative")
+    if on is not None and not isinstance(on, bool):
+        raise HttpError(400, "speculative must be a boolean", param="speculative", code="invalid_type")
+    n_max = _number(body, "speculative.n_max", int)
+    if n_max is None:
+        return {"speculative": on}
+    if n_max < 0 or (on is not None and on != (n_max > 0)):
+        raise HttpError(400, f"speculative.n_max must be >= 0 (0: off) and agree with speculative, got {n_max} "
+                        f"with speculative {json.dumps(on)}", param="speculative.n_max")  # fmt: skip
+    return {"speculative": n_max > 0, "spec_max_draft": n_max or None}
 
 
 def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -684,6 +703,37 @@ def usage(start: Started | None, fin: Finished, completion_tokens: int | None = 
             "cached_tokens": fin.cached_tokens,
             "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
         },
+    }
+
+
+def timings(fins: Sequence[Finished]) -> dict[str, Any]:
+    """llama.cpp's ``timings`` object (its server's names) of a reply, beside ``usage``
+    (which stays OpenAI's): ``cache_n`` prompt tokens from the cache, ``prompt_n`` /
+    ``prompt_ms`` the prompt tokens computed and their time (restore included),
+    ``predicted_n`` / ``predicted_ms`` the generated tokens and the decode time (first
+    to last token), ``draft_n`` / ``draft_n_accepted`` the speculative drafts verified
+    and accepted, and kvserve's ``tokens_per_step`` (generated tokens per forward that
+    made them). With n > 1: the choices' counts and decode rates summed, their longest
+    times."""
+    f = fins[0]
+    prompt_n = f.prompt_tokens - f.cached_tokens
+    prompt_ms = max((x.timings.restore_s + x.timings.prefill_s) * 1e3 for x in fins)
+    predicted_n = sum(x.completion_tokens for x in fins)
+    predicted_ms = max(x.timings.decode_s * 1e3 for x in fins)
+    steps = sum(x.completion_tokens / x.timings.tokens_per_step for x in fins if x.timings.tokens_per_step)
+    return {
+        "cache_n": f.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+        "predicted_per_second": sum(x.timings.decode_tokens_per_s for x in fins),
+        "draft_n": sum(x.timings.draft_tokens for x in fins),
+        "draft_n_accepted": sum(x.timings.accepted_draft_tokens for x in fins),
+        "tokens_per_step": predicted_n / steps if steps else 0.0,
     }
 
 

@@ -74,7 +74,7 @@ _FIELDS = {
     "truncation", "reasoning", "include", "background", "conversation", "prompt", "max_tool_calls",
     # kvserve's extensions, as on chat
     "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "cache_salt", "stop_token_ids",
-    "presence_penalty", "frequency_penalty",
+    "presence_penalty", "frequency_penalty", "speculative", "speculative.n_max",
 }  # fmt: skip
 # OpenAI fields kvserve does not implement: accepted at these values (what SDKs send by default)
 _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
@@ -300,9 +300,11 @@ def response_object(
     rid: str, model: str, created_at: int, status: str, text: str | None, *, req: ResponseRequest | None = None,
     previous: str | None = None, usage: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
     incomplete: str | None = None, ext: dict[str, Any] | None = None, calls: tuple[ToolCall, ...] = (),
+    timings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """OpenAI's ``response`` object; ``text`` None: no output yet (in progress). With
-    ``calls``: a ``function_call`` item each, after the message (left out when empty)."""
+    ``calls``: a ``function_call`` item each, after the message (left out when empty).
+    ``timings``: llama.cpp's object (openai.timings) of a finished generation."""
     output = []
     if text is not None and (text or not calls):
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
@@ -327,6 +329,8 @@ def response_object(
         "safety_identifier": echo.get("safety_identifier"), "prompt_cache_key": echo.get("prompt_cache_key"),
         "reasoning": None, "usage": usage,
     }  # fmt: skip
+    if timings is not None:
+        out["timings"] = timings
     if ext is not None:
         out["kvserve"] = ext
     return out
@@ -495,6 +499,7 @@ class _Turn:
             self.rid, self.model, self.created, status, text, req=self.req, previous=self.req.previous_response_id,
             usage=response_usage(self.start, fin, self.block_size) if fin is not None else None, logprobs=logprobs,
             incomplete="max_output_tokens" if status == "incomplete" else None, ext=self.ext, calls=calls,
+            timings=oa.timings([fin]) if fin is not None else None,
         )  # fmt: skip
 
     def _error(self, fin: Finished) -> oa.HttpError | None:

@@ -203,7 +203,7 @@ def test_native_decode_attention_reads_a_narrow_pool_in_place(fmt, nh, nkv, wind
 def test_native_decode_steps_over_bf16_kv_match_torch(family, request) -> None:
     """Prefill, then 6 decode steps of two sequences over a bf16 pool: the decoder stack
     (native attention reading bf16) and torch's path (gathered bf16 widened in the layer)
-    give the same logits (float32 tolerance) and leave the same stored KV."""
+    give the same logits (within one bf16 step of the stored KV) and leave the same stored KV."""
     path = request.getfixturevalue(family)
     on = load_model(path, dtype="float32", device="cpu", progress=False)
     off = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
@@ -221,7 +221,11 @@ def test_native_decode_steps_over_bf16_kv_match_torch(family, request) -> None:
         for _ in range(6):
             layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], 4)
             a, c = (m.model(layout, pool) for m, pool in zip((on, off), pools))
-            torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
+            # the tolerance of one bf16 step in the stored K/V (below), not float32's: the
+            # paths' prefill K/V may round to neighbouring bf16 values, which moves a tiny
+            # model's logits by up to ~1e-3 (Qwen3's q/k norms amplify it); a wrong block or
+            # position moves them by O(1)
+            torch.testing.assert_close(a, c, atol=2e-3, rtol=2e-3)
             for s, tok in zip(seqs, c.argmax(-1).tolist()):
                 s.append(tok)
     # the same stored KV up to one bf16 step (the paths' float32 K/V differ in the last

@@ -2,11 +2,14 @@
 output): greedy tokens identical to plain decoding on every model family and the default
 model, with drafts actually accepted; the KV of rejected drafts never registered; stops,
 max tokens, penalties, logprobs and n > 1 as plain decoding has them; sampled rows keep
-their distribution; grammar and seeded rows decode plainly."""
+their distribution; grammar rows (response_format) and seeded rows speculate and give
+plain decoding's tokens; the per-request switch (SamplingParams.speculative,
+spec_max_draft) overrides the server's."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -204,17 +207,83 @@ def test_timings_and_stats_report_acceptance(loaded):
     assert off.stats().spec_steps == 0
 
 
-def test_grammar_and_seeded_rows_decode_plainly(loaded):
+COLOURS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 12, "maxItems": 12}
+
+
+def colour_prompt(loaded) -> list[int]:
+    """A prompt that holds arrays of the schema's kind: drafts from it are mostly grammatical."""
+    text = json.dumps(["red", "green", "blue"] * 2, separators=(",", ":"))
+    return loaded.tokenizer.encode(text + "\n" + text + "\n")
+
+
+def test_grammar_rows_speculate_and_give_plain_greedy_tokens(loaded):
+    """A JSON-schema response_format on a repetitive prompt: the drafts are cut where the
+    grammar refuses a token and each verify row gets the mask it would have had, so the
+    tokens and their logprobs (taken after the mask) are plain greedy decoding's, with
+    drafts accepted; the output validates."""
+    fmt = ResponseFormat("json_schema", json.dumps(COLOURS))
+    reqs = [req("g", colour_prompt(loaded), n=120, response_format=fmt, logprobs=2),
+            req("rx", repeating_prompts(loaded.config.vocab_size)[0], n=40,
+                response_format=ResponseFormat("regex", "(ab|ba)+c"))]  # fmt: skip
+    plain, spec, evs, engine = compare(loaded, reqs)
+    for rid in plain:
+        assert spec[rid].output_token_ids == plain[rid].output_token_ids, rid
+        assert spec[rid].text == plain[rid].text and spec[rid].finish_reason == plain[rid].finish_reason
+    assert json.loads(spec["g"].text) and len(json.loads(spec["g"].text)) == 12
+    t = spec["g"].timings
+    assert t.accepted_draft_tokens > spec["g"].completion_tokens / 2 and t.tokens_per_step > 2
+    _, pe, _ = outputs(loaded, reqs[:1], speculative="off")
+    a = [lp for e in pe["g"] if isinstance(e, Delta) for lp in e.logprobs]
+    b = [lp for e in evs["g"] if isinstance(e, Delta) for lp in e.logprobs]
+    assert [x.token_id for x in a] == [y.token_id for y in b] == spec["g"].output_token_ids
+    for x, y in zip(a, b):
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [tok for tok, _ in x.top] == [tok for tok, _ in y.top]  # masked tokens are no alternative
+    assert engine.blocks.num_free == engine.blocks.num_usable
+
+
+def test_seeded_rows_speculate_and_give_plain_tokens_whatever_the_batch(loaded):
+    """Seeded sampled requests draft (their draws depend on the output position, never on
+    how many draws came before): batched together in a speculative engine they give the
+    tokens each gives alone in a plain one, with and without a grammar."""
+    alpha = (11, 12, 13)
+    prompt = [11, 12, 13, 11, 13, 12, 12, 11, 13, 13, 11, 12]
+    kw = dict(temperature=1.0, logit_bias=tuple((t, 30.0) for t in alpha))
+    fmt = ResponseFormat("json_schema", json.dumps(COLOURS))
+    reqs = [req(f"s{i}", prompt, n=40, seed=i, **kw) for i in range(4)]
+    reqs += [req(f"g{i}", colour_prompt(loaded), n=100, seed=i, temperature=1.0, response_format=fmt) for i in range(2)]
+    alone = {}
+    for r in reqs:
+        alone.update(outputs(loaded, [r], speculative="off")[0])
+    spec, _, engine = outputs(loaded, reqs, speculative="ngram", max_num_seqs=8,
+                              kv_cache_memory=256 * BS * bytes_per_token(loaded))  # fmt: skip
+    for rid in alone:
+        assert spec[rid].output_token_ids == alone[rid].output_token_ids, rid
+        assert spec[rid].timings.accepted_draft_tokens > 0, rid
+    assert len({tuple(f.output_token_ids) for rid, f in spec.items() if rid.startswith("s")}) == 4  # seeds differ
+    assert engine.runner.num_draft_tokens > engine.runner.num_accepted_tokens  # some rejected too
+
+
+def test_the_request_switch_overrides_the_servers(loaded):
     p = repeating_prompts(loaded.config.vocab_size)[0]
-    engine = make_engine(loaded, speculative="ngram")
-    f = finished(run(engine, [req("seeded", p, n=30, temperature=0.8, seed=3)])["seeded"])
-    assert f.timings.draft_tokens == 0 and engine.stats().spec_steps == 0
-    plain = finished(run(make_engine(loaded, speculative="off"), [req("seeded", p, n=30, temperature=0.8, seed=3)])["seeded"])
-    assert f.output_token_ids == plain.output_token_ids
-    fmt = ResponseFormat("regex", "(ab)+")
-    f = finished(run(engine, [req("g", p, n=12, response_format=fmt)])["g"])
-    assert f.timings.draft_tokens == 0 and engine.stats().spec_steps == 0
-    assert f.text and set(f.text) <= {"a", "b"}
+    plain = finished(run(make_engine(loaded, speculative="off"), [req("a", p, n=40)])["a"])
+    # on for one request on a server started with --speculative off
+    off = make_engine(loaded, speculative="off")
+    evs = run(off, [req("on", p, n=40, speculative=True), req("dflt", p, n=40)])
+    on, dflt = finished(evs["on"]), finished(evs["dflt"])
+    assert on.output_token_ids == dflt.output_token_ids == plain.output_token_ids
+    assert on.timings.accepted_draft_tokens > 0 and dflt.timings.draft_tokens == 0
+    # off for one request on a speculating server; a cap of 2 drafts a step for another
+    eng = make_engine(loaded, speculative="ngram")
+    evs = run(eng, [req("off", p, n=40, speculative=False)])
+    assert finished(evs["off"]).timings.draft_tokens == 0 and eng.runner.num_verify_steps == 0
+    capped = finished(run(eng, [req("cap", p, n=40, spec_max_draft=2)])["cap"])
+    assert capped.output_token_ids == plain.output_token_ids
+    assert 0 < capped.timings.draft_tokens <= 2 * eng.runner.num_verify_steps
+    assert capped.timings.tokens_per_step <= 3.0
+    # the tokens-per-step counts add up to every output token of the engine's life
+    counts = eng.stats().step_tokens
+    assert sum(n * c for n, c in enumerate(counts)) == 80 and max(n for n, c in enumerate(counts) if c) <= 3
 
 
 def test_server_switches():
@@ -271,3 +340,23 @@ def test_drafts_never_cost_a_preemption(loaded):
     assert se.scheduler.num_preempted == pe.scheduler.num_preempted
     assert {r: f.output_token_ids for r, f in spec.items()} == {r: f.output_token_ids for r, f in plain.items()}
     assert se.runner.num_accepted_tokens > 0
+
+
+def test_a_trimmed_sequences_block_table_names_only_its_own_blocks(loaded):
+    """After a verification gives back the blocks of rejected drafts, the next block the
+    sequence takes is in its block table, never the freed one (which another sequence may
+    hold by then: drafts written through a stale table would land in its KV)."""
+    engine = make_engine(loaded)
+    seq = engine.output.new_sequence(req("t", list(range(3, 3 + 2 * BS))), b"ns", False)
+    seq.blocks = engine.blocks.allocate(3)  # two for its tokens, one taken for drafts
+    engine.runner._block_table(seq)  # the runner's table of the three
+    trimmed = seq.blocks[2]
+    engine.scheduler.trim(seq)  # the drafts were rejected: the third goes back
+    assert len(seq.blocks) == 2
+    other = engine.blocks.allocate(engine.blocks.num_free)  # another sequence takes every free block...
+    assert trimmed in other
+    spare = next(b for b in other if b is not trimmed)
+    engine.blocks.free([spare])  # ...but one, which the next draft step takes
+    seq.blocks.extend(engine.blocks.allocate(1))
+    assert list(engine.runner._block_table(seq)) == [b.block_id for b in seq.blocks]
+    assert trimmed.block_id not in engine.runner._block_table(seq)

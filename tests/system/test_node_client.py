@@ -154,3 +154,26 @@ def test_node_client_sends_a_double_slash_message_as_text(node_client, tiny_llam
         assert "[turn 1] user: /etc is a folder\n" in result.stdout
         with KVServeClient(server.address, timeout=60) as client:
             assert client.get_session("node-slash").turns == 1
+
+
+def test_node_client_switches_speculative_decoding(node_client, tiny_llama_dir):
+    """--speculative on|off sets SamplingParams.speculative; each turn's line then ends
+    with the drafts of FinalEvent.timings (none with off: one token a step)."""
+    phrase = "the cat sat on the mat. " * 3 + "the cat"
+    with ServerThread(tiny_config(tiny_llama_dir)) as server:
+        runs = {
+            mode: subprocess.run([*node_client, "--address", server.address, "--session", f"node-spec-{mode}-{uuid.uuid4().hex[:6]}",
+                                  "--max-new-tokens", "16", "--message", phrase, "--speculative", mode],
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            for mode in ("on", "off")
+        }
+        bad = subprocess.run([*node_client, "--address", server.address, "--speculative", "maybe"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    for mode, r in runs.items():
+        assert r.returncode == 0, r.stdout + r.stderr
+    on, off = _figures(runs["on"].stdout)[1], _figures(runs["off"].stdout)[1]
+    assert (int(off["draft_tokens"]), float(off["tokens_per_step"])) == (0, 1.0)
+    assert int(on["draft_tokens"]) >= int(on["accepted_draft_tokens"]) >= 0
+    assert float(on["tokens_per_step"]) == pytest.approx(
+        int(on["completion_tokens"]) / (int(on["completion_tokens"]) - int(on["accepted_draft_tokens"])), abs=0.01)
+    assert bad.returncode == 2 and "--speculative must be on or off" in bad.stderr

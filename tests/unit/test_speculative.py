@@ -16,6 +16,7 @@ from kvserve.service.engine.speculative import (
     accept_sampled,
     target_probs,
 )
+from kvserve.service.engine.sampling import draw, position_seed
 from kvserve.service.types import SamplingParams
 
 
@@ -181,3 +182,17 @@ def test_target_probs_follow_the_sampling_filters():
     assert torch.allclose(probs[0, :2], want)
     nan = target_probs(torch.tensor([[float("nan"), 1.0, 0.0]]), dataclasses.replace(params, top_k=0))
     assert nan.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_seeded_verification_emits_plain_seeded_decodings_draws():
+    """A seeded row's verification draws at each output position with that position's
+    seed: its tokens are the ones plain seeded decoding draws there, one a step, whatever
+    the drafts were (the drafts only decide how many of them come out of this step)."""
+    p = _target(4, 5)
+    plain = [draw(p[i], torch.Generator(), 7, 5 + i) for i in range(5)]
+    g = torch.Generator()
+    for k in range(5):  # the first k drafts agree with plain, the next one (if any) does not
+        drafts = plain[:k] + ([(plain[k] + 1) % V] if k < 4 else [])
+        out = accept_sampled(p[: len(drafts) + 1], drafts, g, seed=7, position=5)
+        assert out == plain[: len(out)] and len(out) == k + 1
+    assert position_seed(7, 5) == position_seed(7, 5) != position_seed(7, 6) != position_seed(8, 6)

@@ -141,7 +141,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty", "logit_bias", "min_new_tokens", "logprobs", "top_logprobs", "n", "response_format")
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty", "logit_bias", "min_new_tokens", "logprobs", "top_logprobs", "n", "response_format", "speculative", "speculative_max_draft")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,8 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_k: int
@@ -185,7 +187,9 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     n: int
     response_format: ResponseFormat
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_new_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    speculative: bool
+    speculative_max_draft: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_new_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., speculative: _Optional[bool] = ..., speculative_max_draft: _Optional[int] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex")
@@ -301,20 +305,28 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue", "restore", "prefill", "time_to_first_token", "decode", "decode_tokens_per_second")
+    __slots__ = ("queue", "restore", "prefill", "time_to_first_token", "decode", "decode_tokens_per_second", "draft_tokens", "accepted_draft_tokens", "acceptance_rate", "tokens_per_step")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     queue: _duration_pb2.Duration
     restore: _duration_pb2.Duration
     prefill: _duration_pb2.Duration
     time_to_first_token: _duration_pb2.Duration
     decode: _duration_pb2.Duration
     decode_tokens_per_second: float
-    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., restore: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_tokens_per_second: _Optional[float] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    acceptance_rate: float
+    tokens_per_step: float
+    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., restore: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_tokens_per_second: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_step: _Optional[float] = ...) -> None: ...
 
 class FinalEvent(_message.Message):
     __slots__ = ("finish_reason", "usage", "timings", "index", "tool_calls")
