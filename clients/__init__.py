@@ -19,6 +19,7 @@ from .client import (
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
+    WarmInfo,
     build_request,
 )
 
@@ -41,5 +42,6 @@ __all__ = [
     "TokenLogprob",
     "ToolCall",
     "ToolCallDelta",
+    "WarmInfo",
     "build_request",
 ]

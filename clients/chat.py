@@ -18,7 +18,9 @@ with ``/`` is refused as an unknown command (a mistyped command is never sent to
 model); start a message with ``//`` to send one that begins with ``/``. ``/regenerate``, ``/edit`` and ``/undo`` name the
 turn count the chat knows (expected_turns), so a turn another client added meanwhile
 is never replaced or dropped: the command fails, the chat reads the session again, and
-the same command then applies to the session as it is. ``--session NAME`` resumes that session (default: a new random id).
+the same command then applies to the session as it is. ``--session NAME`` resumes that session (default: a new random id);
+a resumed session is warmed up (WarmSession: the server restores its KV blocks into its
+device pool while the first message is typed; with stdin from a pipe, before it is sent).
 ``--tools FILE`` (a JSON list of OpenAI tools) offers functions to the model and
 ``--tool-choice`` (auto, required, none or a function's name) says how it calls them; a
 reply's calls are printed as ``[tool call NAME ARGUMENTS (id ID)]`` and the next line is
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import uuid
 from typing import Sequence, TextIO
@@ -200,6 +203,22 @@ def _turns_now(client: KVServeClient, session: str, turns: int) -> int:
         return turns
 
 
+def _warm(client: KVServeClient, session: str, *, background: bool) -> None:
+    """WarmSession for a resumed session: best effort (a server without it, or one that
+    cannot, changes nothing but the next turn's speed), in a thread while the user types."""
+
+    def warm() -> None:
+        try:
+            client.warm_session(session)
+        except KVServeError:
+            pass
+
+    if background:
+        threading.Thread(target=warm, name="kvserve-chat-warm", daemon=True).start()
+    else:
+        warm()
+
+
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvserve-chat", description=__doc__.splitlines()[0].replace("``", ""), epilog=COMMANDS,
@@ -240,6 +259,7 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
             info = client.get_session(session)
             out.write(f"[session {session}: resumed, {info.turns} turns, {info.token_count} tokens]\n")
             has_history, turns = True, info.turns
+            _warm(client, session, background=interactive)
         except KVServeError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:
                 err.write(_error_line(e))

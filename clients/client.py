@@ -238,6 +238,26 @@ class SessionInfo:
 
 
 @dataclass(frozen=True)
+class WarmInfo:
+    """What WarmSession did with the session's full blocks: ``blocks`` = ``on_device`` +
+    ``restored`` + ``missing`` + ``over_cap`` (see the proto's WarmSessionResponse)."""
+
+    blocks: int
+    on_device: int  # on the device already
+    restored: int  # restored into it by this call
+    restored_by_tier: dict[str, int]  # restored, per tier they came from
+    missing: int  # in no tier: the next turn computes them
+    over_cap: int  # left where they are by the server's warm-up caps
+    ttl_s: float  # how long the warmed blocks wait for the next turn
+
+
+def warm_from_pb(r: pb.WarmSessionResponse) -> WarmInfo:
+    by_tier = {"host": r.restored_by_tier.host, "disk": r.restored_by_tier.disk, "redis": r.restored_by_tier.redis}
+    return WarmInfo(r.blocks, r.on_device, r.restored, {k: v for k, v in by_tier.items() if v}, r.missing,
+                    r.over_cap, _seconds(r.ttl))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class TLSConfig:
     """PEM-encoded TLS material; ``private_key`` + ``certificate_chain`` for mutual TLS."""
 
@@ -654,6 +674,13 @@ class KVServeClient:
         resp = self._unary(self._stub.GetSession, req, timeout, session_id)
         return session_from_pb(resp.session, include_token_ids, include_turns)
 
+    def warm_session(self, session_id: str, *, timeout: float | None = None) -> WarmInfo:
+        """Ask the server to restore the session's KV blocks into its device pool ahead of
+        the next turn (call it when you know the session is coming back); returns where
+        the blocks are now. NOT_FOUND for an unknown session."""
+        resp = self._unary(self._stub.WarmSession, pb.WarmSessionRequest(session_id=session_id), timeout, session_id)
+        return warm_from_pb(resp)
+
     def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
         self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)
 
@@ -805,6 +832,11 @@ class AsyncKVServeClient:
         req = pb.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids, include_turns=include_turns)
         resp = await self._unary(self._stub.GetSession, req, timeout, session_id)
         return session_from_pb(resp.session, include_token_ids, include_turns)
+
+    async def warm_session(self, session_id: str, *, timeout: float | None = None) -> WarmInfo:
+        resp = await self._unary(self._stub.WarmSession, pb.WarmSessionRequest(session_id=session_id), timeout,
+                                 session_id)  # fmt: skip
+        return warm_from_pb(resp)
 
     async def delete_session(self, session_id: str, *, timeout: float | None = None) -> None:
         await self._unary(self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id), timeout, session_id)

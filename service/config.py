@@ -189,6 +189,9 @@ class ServerConfig:
     stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))
+    warm_pool_fraction: float = setting(0.25, "Share of the device KV pool's blocks that session warm-ups (WarmSession, POST /v1/sessions/{id}/warm) may hold at once for coming turns, all tenants together; they take only free or evictable cached blocks, and a sequence that needs a block takes a held one back before anything waits or is preempted (0 = warm-ups hold nothing and only report where the blocks are).", float, metavar="FRACTION")
+    warm_tenant_fraction: float = setting(0.125, "Share of the device KV pool's blocks that one tenant's session warm-ups may hold at once.", float, metavar="FRACTION")
+    warm_ttl: float = setting(30.0, "How long blocks warmed for a session's next turn are held for it; unused by then they become ordinary evictable cache (kvserve_warm_wasted_blocks_total).", parse_duration, metavar="SECONDS")
     spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.DISK, Tier.REDIS), "Tiers idle sessions spill to: any of host, disk, redis, comma-separated (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
@@ -235,6 +238,9 @@ class ServerConfig:
             ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
             ("redis_ttl", math.isfinite(self.redis_ttl) and self.redis_ttl >= 0, "must be >= 0"),
             ("spill_after", math.isfinite(self.spill_after) and self.spill_after >= 0, "must be >= 0"),
+            ("warm_pool_fraction", 0 <= self.warm_pool_fraction <= 1, "must be between 0 and 1"),
+            ("warm_tenant_fraction", 0 <= self.warm_tenant_fraction <= 1, "must be between 0 and 1"),
+            ("warm_ttl", math.isfinite(self.warm_ttl) and self.warm_ttl > 0, "must be > 0"),
             ("stream_interval", math.isfinite(self.stream_interval) and 0 <= self.stream_interval <= 10, "must be between 0 and 10 seconds"),
             ("redis_url", self.redis_url is None or self.redis_url.split("://")[0] in ("redis", "rediss", "unix"),
              "must start with redis://, rediss:// or unix://"),
@@ -343,6 +349,9 @@ class ServerConfig:
             stream_interval_s=self.stream_interval,
             spill_to=self.spill_to,
             restore_policy=self.restore_policy,
+            warm_pool_fraction=self.warm_pool_fraction,
+            warm_tenant_fraction=self.warm_tenant_fraction,
+            warm_ttl_s=self.warm_ttl,
         )
 
     def redis_connection_url(self) -> str | None:

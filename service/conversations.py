@@ -70,6 +70,7 @@ from .types import (
     Tier,
     TurnInput,
     TurnMode,
+    WarmResult,
 )
 from .validation import (
     Limits,
@@ -433,6 +434,13 @@ class Conversations:
         except Exception:  # the transcript is gone already; dropping its cache is best effort
             log.exception("dropping the KV blocks of session %r failed", rec.session_id)
             return {}
+
+    async def warm(self, owner: str, session_id: str) -> WarmResult:
+        """Warm the session's blocks up for its next turn (``AsyncEngine.warm``): the
+        caller's own session (another tenant's, an unknown or an expired one: raises
+        SessionNotFound), a turn in flight or not; counted against ``owner``'s warm-up share."""
+        rec, _busy = await self.sessions.get(owner, session_id)
+        return await self.engine.warm(rec.token_ids, self.cache_scope(owner, rec.cache_salt), owner)
 
     async def block_locations(self, owner: str, rec: SessionRecord) -> dict[Tier, int]:
         """How many of the session's full blocks each tier holds now."""

@@ -184,6 +184,20 @@ class CacheStoreCollector:
             f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",
             value=snap.restores_skipped,
         )
+        warm = snap.warm
+        if warm is not None:  # session warm-ups (WarmSession; service/engine/warm.py)
+            yield CounterMetricFamily(f"{p}_warm_requests", "Session warm-ups asked for (WarmSession, POST /v1/sessions/{id}/warm).", value=warm.requests)
+            restored = CounterMetricFamily(f"{p}_warm_restored_blocks", "Blocks session warm-ups restored into the device pool, by the tier they came from.", labels=["tier"])
+            for tier in (Tier.HOST, Tier.DISK, Tier.REDIS):
+                restored.add_metric([tier], warm.blocks_restored.get(tier, 0))
+            yield restored
+            yield GaugeMetricFamily(f"{p}_warm_held_blocks", "Device blocks held now for a warmed session's coming turn.", value=warm.pinned_blocks)
+            yield CounterMetricFamily(f"{p}_warm_hits", "Turns admitted with warmed blocks among their device hits.", value=warm.hits)
+            yield CounterMetricFamily(f"{p}_warm_claimed_blocks", "Warmed blocks a turn used.", value=warm.claimed_blocks)
+            wasted = CounterMetricFamily(f"{p}_warm_wasted_blocks", "Warmed blocks let go unused: expired (--warm-ttl passed), reclaimed (a sequence needed the block), forgotten (the session was deleted).", labels=["reason"])
+            for reason, n in sorted(warm.wasted_blocks.items()):
+                wasted.add_metric([reason], n)
+            yield wasted
 
 
 class SessionStoreCollector:

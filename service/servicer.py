@@ -1,7 +1,7 @@
 """The gRPC servicer: translates, nothing more.
 
 Each RPC turns its request into domain terms (``service.wire``), hands it to the
-conversation (``service.conversations``: Generate, Rewind, Fork) or the session table
+conversation (``service.conversations``: Generate, Rewind, Fork, Warm) or the session table
 (Get, Delete, List), and turns the result or the error back into messages and a status
 (``wire.status_of``: the status table is in ``service/wire.py``; every limit's message
 names the limit and its value). What stays here is what is gRPC's: the caller's tenant
@@ -209,6 +209,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             return pb.ForkSessionResponse(session=await self._session(owner, rec))
 
         return await self._unary("ForkSession", request, context, handle)
+
+    async def WarmSession(
+        self, request: pb.WarmSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WarmSessionResponse:
+        async def handle() -> pb.WarmSessionResponse:
+            return wire.warm_response(await self.conversations.warm(self._tenant_of(context), request.session_id))
+
+        return await self._unary("WarmSession", request, context, handle)
 
     # ------------------------------------------------------------------ model info
 

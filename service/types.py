@@ -438,6 +438,38 @@ class CacheStats:
     restores_skipped: int  # restores cut because recomputing was estimated faster (cumulative)
     sync_demotions: int  # device demotions copied synchronously, no staging buffer free (CUDA; cumulative)
     store: TieredStats | None = None  # per tier (TierStats), restore rates, writer; None: no store
+    warm: WarmStats | None = None  # session warm-ups (service/engine/warm.py)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult:
+    """What one warm-up of a session did (``AsyncEngine.warm``, WarmSession): of the
+    transcript's full ``blocks``, how many were on the device already (``on_device``),
+    were restored into it from a store tier (``restored``, per tier in
+    ``restored_by_tier``), are in no tier or failed to load (``missing``: the next turn
+    computes them), or were left where they are by the warm-up caps (``over_cap``: no
+    free device block, or the tenant's or the server's warm-up share is taken). The
+    blocks on the device are held for ``ttl_s`` seconds unless a turn uses them first."""
+
+    blocks: int
+    on_device: int
+    restored: int
+    missing: int
+    over_cap: int
+    restored_by_tier: dict[Tier, int] = field(default_factory=dict)
+    ttl_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WarmStats:
+    """Session warm-ups so far (cumulative but ``pinned_blocks``)."""
+
+    requests: int = 0  # warm-ups asked for
+    blocks_restored: dict[Tier, int] = field(default_factory=dict)  # loaded into the device pool, per tier
+    pinned_blocks: int = 0  # device blocks held for a coming turn now
+    hits: int = 0  # turns whose device hits included warmed blocks
+    claimed_blocks: int = 0  # warmed blocks a turn used
+    wasted_blocks: dict[str, int] = field(default_factory=dict)  # let go unused: expired, reclaimed, forgotten
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,7 @@ from .types import (
     ToolSpec,
     TurnInput,
     TurnMode,
+    WarmResult,
 )
 
 log = logging.getLogger(__name__)
@@ -431,6 +432,13 @@ def session(
         full_blocks=len(rec.token_ids) // block_size,
         token_ids=rec.token_ids if include_tokens else (),
     )
+
+
+def warm_response(r: WarmResult) -> pb.WarmSessionResponse:
+    return pb.WarmSessionResponse(
+        blocks=r.blocks, on_device=r.on_device, restored=r.restored, restored_by_tier=tier_counts(r.restored_by_tier),
+        missing=r.missing, over_cap=r.over_cap, ttl=duration(r.ttl_s),
+    )  # fmt: skip
 
 
 def model_info(m: ModelInfo, max_new_tokens_limit: int) -> pb.ModelInfo:

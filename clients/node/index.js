@@ -16,6 +16,8 @@
 //   --message "/edit TEXT"    TEXT replaces the last message, answered anew (TURN_MODE_EDIT)
 //   --message /undo           drop the last turn (RewindSession, turns = 1)
 //   --message "/fork NAME"    branch into a new session NAME and continue there (ForkSession)
+//   --message /warm           restore the session's KV blocks into the server's device pool
+//                             ahead of the next turn (WarmSession)
 // Any other message starting with "/" is a usage error (a mistyped operation is never sent
 // to the model as a turn); start it with "//" to send a message that begins with "/".
 // --json-schema / --regex constrain every reply (SamplingParams.response_format): the
@@ -34,6 +36,7 @@
 // and per operation one line, e.g.
 //   [undo] session=node-... turns=1 token_count=45 dropped_tokens=40
 //   [fork] session=branch from=node-... turns=2 token_count=85 shared_blocks=5/5
+//   [warm] session=node-... blocks=5 on_device=0 restored=5 missing=0 over_cap=0
 // Exit status: 0 on success, 1 on a failed call (the gRPC status is printed), 2 on bad usage.
 'use strict';
 
@@ -136,7 +139,7 @@ function parseOptions(argv) {
 
 // One --message: {command, arg} for a session operation, {text} for a turn. A mistyped or
 // incomplete operation is a usage error here, before any call (never a turn's text).
-const OPERATIONS = { '/regenerate': false, '/undo': false, '/edit': 'TEXT', '/fork': 'NAME' };
+const OPERATIONS = { '/regenerate': false, '/undo': false, '/edit': 'TEXT', '/fork': 'NAME', '/warm': false };
 function parseMessage(message) {
   if (message.startsWith('//')) return { text: message.slice(1) };
   if (!message.startsWith('/')) return { text: message };
@@ -282,6 +285,15 @@ async function fork(client, opts, name) {
   return session.turns;
 }
 
+// /warm: the server restores the session's blocks into its device pool for the next turn.
+async function warm(client, opts) {
+  const r = await unaryInSession(client, 'WarmSession', { session_id: opts.session }, opts);
+  process.stdout.write(
+    `[warm] session=${opts.session} blocks=${r.blocks} on_device=${r.on_device} restored=${r.restored} ` +
+      `missing=${r.missing} over_cap=${r.over_cap}\n`,
+  );
+}
+
 async function main(argv) {
   let opts;
   try {
@@ -291,7 +303,7 @@ async function main(argv) {
     return 2;
   }
   if (opts.help) {
-    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN] [--tools JSON [--tool-choice auto|required|none|NAME]] [--speculative on|off]\n' +
+    process.stdout.write('node index.js --address HOST:PORT [--session ID] [--max-new-tokens N] [--message TEXT|/regenerate|/edit TEXT|/undo|/fork NAME|/warm]... [--timeout SECONDS] [--json-schema JSON | --regex PATTERN] [--tools JSON [--tool-choice auto|required|none|NAME]] [--speculative on|off]\n' +
         '(a --message starting with / other than these is a usage error; start it with // to send a message that begins with /)\n');
     return 0;
   }
@@ -313,6 +325,8 @@ async function main(argv) {
         turns = await undo(client, opts);
       } else if (command === '/fork') {
         turns = await fork(client, opts, arg);
+      } else if (command === '/warm') {
+        await warm(client, opts);
       } else {
         turns += 1;
         await runTurn(client, opts, turns, text);

@@ -37,6 +37,7 @@ from ..types import (
     ModelInfo,
     ResponseFormat,
     Tier,
+    WarmResult,
 )
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ STREAM_INTERVAL_S = 0.020  # a stream's deltas are at least this far apart (see 
 class AsyncEngine:
     """The front's one typed seam to the engine: ``generate``, ``validate``, ``abort``, ``check_format``,
     ``stats``, ``cache_stats`` (a ``CacheStats`` snapshot), ``model_info``, ``tokenizer``,
-    ``spill``, ``flush_store``, ``forget`` and ``block_locations``. The front (servicer,
+    ``spill``, ``flush_store``, ``forget``, ``block_locations`` and ``warm``. The front (servicer,
     conversations, spill, metrics) uses nothing else; ``engine`` (the ``LLMEngine`` on its
     thread) is for this package and the engine's tests.
 
@@ -251,6 +252,29 @@ class AsyncEngine:
         )
         out.update(stored)
         return out
+
+    async def warm(self, token_ids: list[int], scope: CacheScope, tenant: str, timeout_s: float = 30.0) -> WarmResult:
+        """Warm a transcript up for its next turn (``LLMEngine.warm``, on the engine
+        thread, its loads on the restore thread) and wait until it is through: where
+        its full blocks are now (``WarmResult``). ``tenant``: whose warm-up share it
+        counts against."""
+        if self._stop.is_set() or not self.engine.is_accepting():
+            raise EngineStopped("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[WarmResult] = loop.create_future()
+
+        def done(result: WarmResult) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        def run() -> None:  # on the engine thread
+            try:
+                self.engine.warm(token_ids, scope, tenant, done)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                raise
+
+        self.engine.call_soon(run)
+        return await asyncio.wait_for(fut, timeout_s)
 
     async def block_locations(self, token_ids: list[int], scope: CacheScope) -> dict[Tier, int]:
         """How many of the transcript's full blocks each tier holds now."""

@@ -51,6 +51,11 @@ class EngineConfig:
     # "ngram" or "off"; drafts per step at most
     speculative: str = "ngram"
     spec_max_draft: int = 8
+    # session warm-ups (engine/warm.py): shares of the device pool's blocks they may hold
+    # at once, in all and per tenant, and how long a warmed block waits for its turn
+    warm_pool_fraction: float = 0.25
+    warm_tenant_fraction: float = 0.125
+    warm_ttl_s: float = 30.0
 
     def resolved_model_path(self) -> Path:
         return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR

@@ -14,6 +14,10 @@ processing, over the KV objects they share (``KVPool``, ``BlockManager``,
   streaming, stops and the start/finish events; a failure in one request's sampling or
   output fails that request alone.
 
+Beside them ``Warmer`` (warm.py) keeps the blocks that session warm-ups (``warm``) hold
+for a coming turn: the restore room loads them, the scheduler asks it to let go of some
+when a sequence needs blocks, an admitted sequence's device hits claim them.
+
 No room imports another (they share ``sequence.py``'s data, ``config.py`` and ``kv/``);
 this class calls them in order. It is synchronous
 and single-threaded: ``step()`` runs one scheduling iteration and returns the events it
@@ -56,6 +60,7 @@ from .sampling import sample
 from .scheduler import Scheduler
 from .speculative import SpecConfig
 from .sequence import Emitted, Sequence, SeqStatus
+from .warm import Warmer, WarmJob
 from ..kv.block_manager import Block, BlockManager
 from ..kv.cache import KVPool
 from ..kv.keys import BlockKeys
@@ -70,6 +75,7 @@ from ..types import (
     ModelInfo,
     ResponseFormat,
     Tier,
+    WarmResult,
 )
 from ..validation import check_generation
 
@@ -134,9 +140,15 @@ class LLMEngine:
             raise ValueError(f"speculative must be ngram or off, got {cfg.speculative!r}")
         # off: requests draft only when they ask to (SamplingParams.speculative)
         self.spec = SpecConfig(enabled=cfg.speculative == "ngram", max_draft=cfg.spec_max_draft)
+        usable = self.blocks.num_usable
+        self.warmer = Warmer(
+            self.blocks, max_blocks=int(cfg.warm_pool_fraction * usable),
+            max_blocks_per_tenant=int(cfg.warm_tenant_fraction * usable), ttl_s=cfg.warm_ttl_s,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             cfg, self.blocks, self.keys, has_tiers=store is not None,
             may_hold=lambda namespace, hashes: self.restorer.may_hold(namespace, hashes),
+            reclaim=self.warmer.reclaim,
             max_model_len=self.max_model_len, spec=self.spec,
         )  # fmt: skip
         self.restorer = Restorer(
@@ -199,7 +211,7 @@ class LLMEngine:
         self.scheduler.call_soon(fn)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.warmer.due()
 
     def wait_for_work(self, timeout_s: float) -> None:
         """Sleep until work is handed in (or ``timeout_s``)."""
@@ -240,6 +252,7 @@ class LLMEngine:
             restores_skipped=self.restorer.num_restores_skipped,
             sync_demotions=self.transfers.num_sync_demotions,
             store=self.store.stats() if self.store is not None else None,
+            warm=self.warmer.stats(),
         )
 
     def has_store(self) -> bool:
@@ -272,12 +285,41 @@ class LLMEngine:
         block. Returns how many were dropped."""
         n = 0
         for _, hashes in self.keys.every_regime(token_ids, scope):  # LongRoPE models: both regimes
-            for h in hashes[keep_blocks:]:
-                block = self.blocks.lookup(h)
-                if block is not None:
-                    self.blocks.drop_hash(block)
-                    n += 1
+            dropped = [b for b in (self.blocks.lookup(h) for h in hashes[keep_blocks:]) if b is not None]
+            self.warmer.forget(set(hashes[keep_blocks:]), dropped)  # held for a turn: let go
+            for block in dropped:
+                self.blocks.drop_hash(block)
+            n += len(dropped)
         return n
+
+    def warm(self, token_ids: list[int], scope: CacheScope, tenant: str, done: Callable[[WarmResult], None]) -> None:
+        """Engine thread: warm a transcript up for its next turn (service/engine/warm.py):
+        hold its leading device blocks, restore the leading ones a store tier holds into
+        free or evictable device blocks, within the warm-up caps, and hold those too for
+        ``--warm-ttl``. ``done(result)`` is called once it is through, on this thread."""
+        ns, hashes = self.keys.of(token_ids, scope)
+        job = self.warmer.begin(ns, hashes, tenant)
+        if not job.rest or self.store is None:
+            done(self.warmer.landed(job, []))
+            return
+        self.restorer.locate_warm(
+            ns, job.rest, lambda tiers: self.call_soon(lambda: self._warm_located(job, tiers, done))
+        )
+
+    def _warm_located(self, job: WarmJob, tiers: list[str], done: Callable[[WarmResult], None]) -> None:
+        blocks = self.warmer.allocate(job, len(tiers))
+        if not blocks:
+            done(self.warmer.landed(job, []))
+            return
+
+        def fetched(loaded: list[str], event: object) -> None:  # the restore thread
+            self.call_soon(lambda: self._warm_landed(job, loaded, event, done))
+
+        self.restorer.fetch_warm(job.namespace, job.rest[: len(blocks)], tiers[: len(blocks)], blocks, fetched)
+
+    def _warm_landed(self, job: WarmJob, loaded: list[str], event: object, done: Callable[[WarmResult], None]) -> None:
+        self.transfers.finish_restore(event)
+        done(self.warmer.landed(job, loaded))
 
     def forget_stored(
         self, token_ids: list[int], scope: CacheScope, *, keep_blocks: int = 0, timeout_s: float = 10.0
@@ -321,6 +363,8 @@ class LLMEngine:
                 log.exception("engine call failed")
         for seq in cancelled:
             self._finish(seq, FinishReason.CANCELLED, out)
+        if self.warmer.due():
+            self.warmer.expire()
         for seq in self.restorer.collect(self.scheduler.restoring):
             self.scheduler.restored(seq)
             if seq.cancelled:
@@ -330,6 +374,9 @@ class LLMEngine:
                 self._started(seq, out)
         admitted = self.scheduler.admit()
         if admitted is not None:
+            if self.warmer.holds_any():  # a turn the warm-up was for: it holds its own references now
+                for seq in admitted.running + [s for s, _, _ in admitted.restoring]:
+                    self.warmer.claim(seq.blocks[: seq.num_registered])
             for seq in admitted.refused:
                 self._finish(seq, FinishReason.ERROR, out, error="not enough KV blocks")
             for seq, hashes, blocks in admitted.restoring:

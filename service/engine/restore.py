@@ -136,6 +136,57 @@ class Restorer:
             seq.num_computed = seq.num_registered * self.block_size
         return landed
 
+    # ---- warm-ups (service/engine/warm.py holds what these load) ---------------------
+
+    def locate_warm(self, namespace: bytes, hashes: list[BlockHash], then: Callable[[list[str]], None]) -> None:
+        """A session warm-up: on the restore thread, the tier of each leading block of
+        ``hashes`` that a store tier holds; ``then(tiers)`` there (``[]`` when the lookup
+        fails: a warm-up that cannot look is a miss)."""
+        assert self.store is not None
+        store = self.store
+
+        def job() -> None:
+            try:
+                tiers = list(store.match_prefix(namespace, hashes))
+            except Exception:
+                log.exception("warm-up lookup failed")
+                tiers = []
+            then(tiers)
+
+        self._pool.submit(job)
+
+    def fetch_warm(
+        self,
+        namespace: bytes,
+        hashes: list[BlockHash],
+        tiers: list[str],
+        blocks: list[Block],
+        then: Callable[[list[str], Any], None],
+    ) -> None:
+        """A session warm-up: load ``hashes`` (held by ``tiers``) into ``blocks`` on the
+        restore thread, each verified, as a turn's restore does (``restore_in_rounds``);
+        ``then(loaded tiers, event)`` there, for the leading blocks that loaded."""
+        assert self.store is not None
+        store = self.store
+        after = self.transfers.begin_restore()
+        block_ids = [b.block_id for b in blocks]
+
+        def load(targets: list[torch.Tensor], start: int) -> int:
+            end = start + len(targets)
+            return store.fetch_into(namespace, hashes[start:end], tiers[start:end], targets)
+
+        def job() -> None:
+            try:
+                n_ok, event = self.transfers.restore_in_rounds(block_ids, load, after)
+            except Exception:
+                log.exception("warm-up restore failed")
+                n_ok, event = 0, None
+            if n_ok < len(tiers):
+                store.note_load_failed(tiers[n_ok:])
+            then(tiers[:n_ok], event)
+
+        self._pool.submit(job)
+
     # ---- demotions, spills, locations, forgetting ------------------------------------
 
     def demote(self, block: Block) -> None:

@@ -48,6 +48,7 @@ class Scheduler:
         *,
         has_tiers: bool,
         may_hold: Callable[[bytes, list[BlockHash]], bool] | None = None,
+        reclaim: Callable[[int], int] | None = None,
         max_model_len: int | None = None,
         spec: SpecConfig | None = None,
     ) -> None:
@@ -62,6 +63,9 @@ class Scheduler:
         # (the restore room's ``may_hold``: exact for the host tier, asked on this thread);
         # False: the sequence runs at once instead of waiting a step for the restore thread
         self.may_hold = may_hold or (lambda namespace, hashes: True)
+        # n -> how many blocks held only for a coming turn (session warm-ups, engine/warm.py)
+        # were let go to make room: asked before a sequence waits or another is preempted
+        self.reclaim = reclaim or (lambda n: 0)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []
@@ -169,6 +173,9 @@ class Scheduler:
         # n > 1: one block per extra sequence for its copy of the partial last prompt block
         n_fork = seq.request.sampling.n - 1 if seq.fork_pending and n_tokens % bs else 0
         idle_hits = sum(1 for b in device_hits if b.ref_count == 0)
+        short = n_needed - n_dev + n_fork - (self.blocks.num_free - idle_hits)
+        if short > 0 and self.reclaim(short):
+            idle_hits = sum(1 for b in device_hits if b.ref_count == 0)
         if self.blocks.num_free - idle_hits < n_needed - n_dev + n_fork:
             return None
         self.blocks.touch(device_hits)
@@ -302,6 +309,8 @@ class Scheduler:
         need = -(-n_tokens // self.block_size) - len(seq.blocks)
         if need <= 0:
             return True
+        if need > self.blocks.num_free:
+            self.reclaim(need - self.blocks.num_free)
         try:
             seq.blocks.extend(self.blocks.allocate(need))
             return True

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front: translates, nothing more (like the gRPC servicer).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
+``POST /v1/sessions/{id}/warm`` (WarmSession),
 ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` (``service.http.responses``),
 ``GET /v1/models``, ``GET /health``. A request is parsed by ``service.http.openai`` into
 a ``TurnInput`` and run by the same ``Conversations`` as gRPC's Generate; stream
@@ -90,6 +91,7 @@ class HttpFront:
                 Route("/v1/responses", self.responses.create, methods=["POST"]),
                 Route("/v1/responses/{response_id}", self.responses.retrieve, methods=["GET"]),
                 Route("/v1/responses/{response_id}", self.responses.delete, methods=["DELETE"]),
+                Route("/v1/sessions/{session_id}/warm", self.warm_session, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -170,6 +172,24 @@ class HttpFront:
             "kvserve": {"architecture": info.architecture, "model_fingerprint": info.model_fingerprint,
                         "block_size": info.block_size, "tiers": [t.value for t in info.tiers]},
         }  # fmt: skip
+
+    async def warm_session(self, request: Request) -> Response:
+        """WarmSession over HTTP: the session named in the path (the one a chat request
+        names in X-Session-Id), the caller's own; no body needed."""
+        session_id = request.path_params["session_id"]
+        try:
+            self.admission.check_serving()
+            r = await self.conversations.warm(self._tenant(request), session_id)
+        except Exception as exc:  # noqa: BLE001
+            err = self.error_of(exc, wire.new_request_id())
+            self._count("WarmSession", err.status)
+            return self._error(err)
+        self._count("WarmSession", 200)
+        return JSONResponse({
+            "object": "session.warm", "session_id": session_id, "blocks": r.blocks, "on_device": r.on_device,
+            "restored": r.restored, "restored_by_tier": {t.value: n for t, n in sorted(r.restored_by_tier.items())},
+            "missing": r.missing, "over_cap": r.over_cap, "ttl_s": r.ttl_s,
+        })  # fmt: skip
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)

@@ -132,7 +132,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    cfg = tiny_config(tiny_llama_dir, max_new_tokens_limit=LIMIT, default_max_new_tokens=4, max_prompt_tokens=400)
+    # warm-ups hold their blocks a moment only: the last test finds every block free again
+    cfg = tiny_config(tiny_llama_dir, max_new_tokens_limit=LIMIT, default_max_new_tokens=4, max_prompt_tokens=400,
+                      warm_ttl=0.2)  # fmt: skip
     with ServerThread(cfg, http_port=0) as s:
         yield s
 
@@ -292,6 +294,7 @@ def test_session_calls_get_an_answer_or_a_precise_status(stub, session_id, page_
         lambda: stub.ListSessions(pb.ListSessionsRequest(page_size=page_size, page_token=page_token), timeout=DEADLINE_S),
         lambda: stub.ForkSession(fork, timeout=DEADLINE_S),
         lambda: stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, turns=turns), timeout=DEADLINE_S),
+        lambda: stub.WarmSession(pb.WarmSessionRequest(session_id=session_id), timeout=DEADLINE_S),
     ]
     for call in calls:
         try:
@@ -311,6 +314,7 @@ def test_the_server_is_healthy_afterwards(server, stub):
     _check_stream(good, list(stub.Generate(good, timeout=DEADLINE_S)))
     engine = server.engine
     assert wait_until(lambda: engine.stats().running == 0 and engine.stats().waiting == 0)
+    assert wait_until(lambda: engine.cache_stats().warm.pinned_blocks == 0)  # warm-ups expired (warm_ttl)
     stats = engine.stats()
     assert stats.blocks_free == stats.blocks_total  # every block free or evictable cache
     assert server.running.admission.inflight == 0

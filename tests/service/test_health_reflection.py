@@ -59,7 +59,7 @@ def test_reflection_lists_the_services_and_describes_the_api(server):
         service = next(s for s in api.service if s.name == "GenerationService")
         methods = {m.name: m for m in service.method}
         assert set(methods) == {"Generate", "GetSession", "DeleteSession", "ListSessions", "RewindSession", "ForkSession",
-                                "GetModelInfo"}
+                                "WarmSession", "GetModelInfo"}
         assert methods["Generate"].server_streaming and not methods["GetSession"].server_streaming
 
 

@@ -47,10 +47,15 @@ def test_two_turn_session_through_stdin_then_resume(server):
     # the streamed reply text is printed between the stats lines
     assert out.count("\n[cached") == 2
 
+    warm0 = server.engine.cache_stats().warm
     resumed = _chat(server.address, "and the dog?\n", "--session", "cli-1").stdout
     assert resumed.startswith(f"[session cli-1: resumed, 2 turns, {info.token_count} tokens]\n")
     ((c3, p3, tier3, *_),) = STATS.findall(resumed)
     assert tier3 == "device" and int(c3) == info.token_count // BLOCK_SIZE * BLOCK_SIZE and int(p3) > info.token_count
+    # the resumed session was warmed up (WarmSession) before its turn, which used the warmed blocks
+    warm = server.engine.cache_stats().warm
+    assert (warm.requests - warm0.requests, warm.hits - warm0.hits) == (1, 1)
+    assert warm.claimed_blocks - warm0.claimed_blocks == info.token_count // BLOCK_SIZE
 
 
 def test_reset_starts_a_new_session_and_deletes_the_old(server):

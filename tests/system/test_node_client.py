@@ -89,7 +89,7 @@ def test_node_client_regenerates_edits_undoes_and_forks(node_client, tiny_llama_
             [*node_client, "--address", server.address, "--session", session, "--max-new-tokens", "6",
              "--message", "hello", "--message", "tell me about the fox", "--message", "/regenerate",
              "--message", "/edit tell me about the dog", "--message", "/undo", "--message", f"/fork {session}-b",
-             "--message", "something else"],
+             "--message", "something else", "--message", "/warm"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
@@ -100,6 +100,8 @@ def test_node_client_regenerates_edits_undoes_and_forks(node_client, tiny_llama_
         assert undo and fork and fork.group(1) == f"{session}-b" and fork.group(2) == undo.group(1), out
         assert fork.group(3) == fork.group(4), out  # every full block of the fork is the source's, on the device
         assert "[turn 2] user: something else" in out, out
+        warm = re.search(r"\[warm\] session=(\S+) blocks=(\d+) on_device=(\d+) restored=0 missing=0 over_cap=0", out)
+        assert warm and warm.group(1) == f"{session}-b" and warm.group(2) == warm.group(3) != "0", out  # on the device
         with KVServeClient(server.address, timeout=60) as client:
             trunk = client.get_session(session, include_token_ids=True)
             branch = client.get_session(f"{session}-b", include_token_ids=True, include_turns=True)

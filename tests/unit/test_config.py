@@ -39,7 +39,7 @@ def test_every_setting_has_a_flag_an_env_variable_and_help():
         assert env_name(f.name) == "KVSERVE_" + f.name.upper()
         assert f.metadata["help"].endswith(".")
         # each setting can be set from its variable to a non-default value
-        raw = {int: "300", float: "2.5", str: None}.get(type(f.default))
+        raw = {int: "300", float: "0.5" if f.name.endswith("_fraction") else "2.5", str: None}.get(type(f.default))
         if raw is not None:
             cfg = ServerConfig.from_args([], {env_name(f.name): raw})
             assert getattr(cfg, f.name) == f.metadata["parse"](raw)

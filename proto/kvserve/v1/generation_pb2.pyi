@@ -464,6 +464,30 @@ class ForkSessionRequest(_message.Message):
     at_turn: int
     def __init__(self, session_id: _Optional[str] = ..., new_session_id: _Optional[str] = ..., at_turn: _Optional[int] = ...) -> None: ...
 
+class WarmSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class WarmSessionResponse(_message.Message):
+    __slots__ = ("blocks", "on_device", "restored", "restored_by_tier", "missing", "over_cap", "ttl")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    OVER_CAP_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    on_device: int
+    restored: int
+    restored_by_tier: TierCounts
+    missing: int
+    over_cap: int
+    ttl: _duration_pb2.Duration
+    def __init__(self, blocks: _Optional[int] = ..., on_device: _Optional[int] = ..., restored: _Optional[int] = ..., restored_by_tier: _Optional[_Union[TierCounts, _Mapping]] = ..., missing: _Optional[int] = ..., over_cap: _Optional[int] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
 class ForkSessionResponse(_message.Message):
     __slots__ = ("session",)
     SESSION_FIELD_NUMBER: _ClassVar[int]

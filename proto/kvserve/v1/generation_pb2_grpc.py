@@ -65,6 +65,11 @@ class GenerationServiceStub:
                 request_serializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionResponse.FromString,
                 _registered_method=True)
+        self.WarmSession = channel.unary_unary(
+                '/kvserve.v1.GenerationService/WarmSession',
+                request_serializer=kvserve_dot_v1_dot_generation__pb2.WarmSessionRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_generation__pb2.WarmSessionResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/kvserve.v1.GenerationService/GetModelInfo',
                 request_serializer=kvserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -128,6 +133,19 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WarmSession(self, request, context):
+        """WarmSession restores a session's KV blocks into the device pool ahead of
+        its next turn (from host memory, disk or Redis; a client calls it when it
+        knows the session is coming back, e.g. the user opened the chat). Bounded:
+        it takes only free or evictable cached device blocks, within the server's
+        warm-up share of the pool (--warm-pool-fraction, --warm-tenant-fraction);
+        blocks no turn uses within --warm-ttl become ordinary cache again.
+        Idempotent. NOT_FOUND for an unknown (or expired) session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """GetModelInfo describes the served model and the cache configuration.
         """
@@ -167,6 +185,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.ForkSession,
                     request_deserializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_generation__pb2.ForkSessionResponse.SerializeToString,
+            ),
+            'WarmSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.WarmSession,
+                    request_deserializer=kvserve_dot_v1_dot_generation__pb2.WarmSessionRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_generation__pb2.WarmSessionResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -337,6 +360,33 @@ class GenerationService:
             '/kvserve.v1.GenerationService/ForkSession',
             kvserve_dot_v1_dot_generation__pb2.ForkSessionRequest.SerializeToString,
             kvserve_dot_v1_dot_generation__pb2.ForkSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WarmSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.GenerationService/WarmSession',
+            kvserve_dot_v1_dot_generation__pb2.WarmSessionRequest.SerializeToString,
+            kvserve_dot_v1_dot_generation__pb2.WarmSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
