@@ -77,7 +77,7 @@ def build_from_revision(rev: str, isa: str, out_dir: Path) -> Path:
             (src / name).write_bytes(done.stdout)
     lib = out_dir / f"libkvkernels-{isa}-{rev.replace('/', '_')}.so"
     try:
-        build.compile_sources(src, isa, lib)
+        build.compile_sources(src, isa, lib, sources=tuple(sorted(p.name for p in src.glob("*.cpp"))))
     except RuntimeError as e:
         raise SystemExit(f"--against {rev}: {e}") from None
     return lib
@@ -165,7 +165,7 @@ class Attention:
         for layer in range(self.L):
             lib.kv_decode_attention(
                 q.data_ptr(), s, k.data_ptr(), v.data_ptr(), s, self.B, self.nh, self.nkv, self.hd, self.pool.data_ptr(),
-                layer, self.L, BLOCK_SIZE, self.slot_blocks.data_ptr(), self.slot_offsets.data_ptr(),
+                header_binding().constants["KV_F32"], layer, self.L, BLOCK_SIZE, self.slot_blocks.data_ptr(), self.slot_offsets.data_ptr(),
                 self.tables.data_ptr(), self.tables.shape[1], self.lens.data_ptr(), 0, self.hd**-0.5, 0.0,
                 self.out.data_ptr(), self.threads,
             )  # fmt: skip

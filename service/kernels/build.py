@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent / "src"
-SOURCES = ("pool.cpp", "gemv.cpp", "decode.cpp", "layer.cpp")
+SOURCES = ("pool.cpp", "gemv.cpp", "gemm.cpp", "decode.cpp", "layer.cpp")
 HEADERS = ("kvkernels.h", "pool.h")
 FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off", "-Wl,-Bsymbolic")
 # ISA levels, best first: (name, compiler flags, the /proc/cpuinfo flags the CPU needs).
@@ -62,6 +62,8 @@ def source_digest(isa: str, src: Path = SRC) -> str:
     beside it so a stale build is never served."""
     h = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
+        if not (src / name).is_file():  # another revision's sources (bench_kernels --against) may lack one
+            continue
         data = (src / name).read_bytes()
         h.update(name.encode() + len(data).to_bytes(8, "little") + data)
     h.update(" ".join((*FLAGS, *isa_flags(isa))).encode())
@@ -96,9 +98,10 @@ def build_id_of(path: Path) -> str | None:
     return data[at + len(b"kvkernels-build:") : data.index(b"\0", at)].decode(errors="replace")
 
 
-def compile_sources(src: Path, isa: str, out: Path, cc: str | None = None) -> None:
-    """Compile ``src``'s SOURCES (this package's, or another revision's:
-    bench/bench_kernels.py) at ``isa`` into ``out``, written aside and renamed (a
+def compile_sources(src: Path, isa: str, out: Path, cc: str | None = None,
+                    sources: tuple[str, ...] = SOURCES) -> None:
+    """Compile ``src``'s ``sources`` (this package's SOURCES, or another revision's .cpp
+    files: bench/bench_kernels.py) at ``isa`` into ``out``, written aside and renamed (a
     process that has the old file loaded keeps its copy); RuntimeError with one line."""
     cc = cc or compiler()
     if cc is None:
@@ -107,7 +110,7 @@ def compile_sources(src: Path, isa: str, out: Path, cc: str | None = None) -> No
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *FLAGS, *isa_flags(isa), f'-DKV_BUILD_ID="{build_id}"', f"-I{src}", *(str(src / s) for s in SOURCES),
+    cmd = [cc, *FLAGS, *isa_flags(isa), f'-DKV_BUILD_ID="{build_id}"', f"-I{src}", *(str(src / s) for s in sources),
            "-o", tmp]  # fmt: skip
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

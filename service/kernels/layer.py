@@ -75,6 +75,14 @@ def product(p: ProductWeights, x: Tensor, out: Tensor | None = None, accumulate:
     return ops.gemv(x, p.w, p.scales, p.bias, out, accumulate)
 
 
+def product_gemm(p: ProductWeights, x: Tensor, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
+    """x (..., K) float32, any number of rows (prefill), through the product of an f32,
+    bf16 or i8 weight (gemm.cpp; not q8: w8a8's prefill quantizes its input otherwise)."""
+    if p.fmt == "q8":
+        raise ValueError("product_gemm: f32, bf16 or i8 weights")
+    return ops.gemm(x, p.w, p.scales, p.bias, out, accumulate)
+
+
 @dataclass(frozen=True)
 class NormWeights:
     """x * rsqrt(mean(x^2) + eps) * (weight + offset) (offset 1: Gemma's (1 + w))."""

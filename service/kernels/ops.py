@@ -26,35 +26,36 @@ def _lib():
 
 
 _GEMV = {torch.float32: "kv_gemv_f32", torch.bfloat16: "kv_gemv_bf16", torch.int8: "kv_gemv_i8"}
+_GEMM = {torch.float32: "kv_gemm_f32", torch.bfloat16: "kv_gemm_bf16", torch.int8: "kv_gemm_i8"}
 
 
 def _check(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, out: Tensor | None,
-           accumulate: bool) -> tuple[Tensor, Tensor]:
+           accumulate: bool, max_rows: int | None = MAX_ROWS, name: str = "gemv") -> tuple[Tensor, Tensor]:
     """(x as (rows, K) with unit stride, out (..., N)) after checking every argument."""
     N, K = weight.shape
     if x.shape[-1] != K:
-        raise ValueError(f"gemv: x has {x.shape[-1]} features, weight expects {K}")
+        raise ValueError(f"{name}: x has {x.shape[-1]} features, weight expects {K}")
     if x.dtype != torch.float32 or not weight.is_contiguous():
-        raise ValueError("gemv: x must be float32 and the weight contiguous")
+        raise ValueError(f"{name}: x must be float32 and the weight contiguous")
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"gemv: {rows} rows; 1..{MAX_ROWS} supported")
+    if rows < 1 or (max_rows is not None and rows > max_rows):
+        raise ValueError(f"{name}: {rows} rows; 1..{max_rows or 'any'} supported")
     if weight.dtype == torch.int8:
         if scales is None or scales.dtype != torch.float32 or scales.numel() != N or not scales.is_contiguous():
-            raise ValueError("gemv: int8 weights need float32 contiguous scales (N,)")
+            raise ValueError(f"{name}: int8 weights need float32 contiguous scales (N,)")
     elif scales is not None:
-        raise ValueError("gemv: scales are for int8 weights only")
+        raise ValueError(f"{name}: scales are for int8 weights only")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != N or not bias.is_contiguous()):
-        raise ValueError("gemv: bias must be float32 contiguous (N,)")
+        raise ValueError(f"{name}: bias must be float32 contiguous (N,)")
     if out is None:
         if accumulate:
-            raise ValueError("gemv: accumulate needs out")
+            raise ValueError(f"{name}: accumulate needs out")
         out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     elif out.dtype != torch.float32 or out.numel() != rows * N or not out.is_contiguous():
-        raise ValueError("gemv: out must be float32 contiguous with rows * N elements")
+        raise ValueError(f"{name}: out must be float32 contiguous with rows * N elements")
     return x2, out
 
 
@@ -70,6 +71,23 @@ def gemv(x: Tensor, weight: Tensor, scales: Tensor | None = None, bias: Tensor |
     x2, out = _check(x, weight, scales, bias, out, accumulate)
     rows = x2.shape[0]
     getattr(lib, _GEMV[weight.dtype])(
+        x2.data_ptr(), rows, x2.stride(0), K, weight.data_ptr(), N,
+        None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), N, int(accumulate), torch.get_num_threads(),
+    )
+    return out
+
+
+def gemm(x: Tensor, weight: Tensor, scales: Tensor | None = None, bias: Tensor | None = None,
+         out: Tensor | None = None, accumulate: bool = False) -> Tensor:
+    """``gemv``'s product for any number of rows (prefill; gemm.cpp): the weight, float32,
+    bfloat16 or int8 (with ``scales``), widened to float32 in cache-sized panels once per
+    call, never as a whole float32 copy. Each row's result does not depend on the others."""
+    lib = _lib()
+    N, K = weight.shape
+    x2, out = _check(x, weight, scales, bias, out, accumulate, max_rows=None, name="gemm")
+    rows = x2.shape[0]
+    getattr(lib, _GEMM[weight.dtype])(
         x2.data_ptr(), rows, x2.stride(0), K, weight.data_ptr(), N,
         None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
         out.data_ptr(), N, int(accumulate), torch.get_num_threads(),

@@ -22,8 +22,11 @@ cast back to it, so the residual stream keeps full precision. Activations go int
 product as bfloat16: the int8 kernel is ~2x slower with float32 activations than the
 float32 matmul, and several times faster with bfloat16 ones (docs/benchmarks.md).
 
-From ``DEQUANT_ROWS`` rows up (prefill, compute-bound), bf16 and int8 products on the CPU
-run a GEMM on the weight widened for the call: to bfloat16 where the CPU has AVX-512 BF16
+From ``DEQUANT_ROWS`` rows up (prefill, compute-bound), bf16 and int8 products with the
+native kernels and without AVX-512 BF16 run their GEMM (``kernels/src/gemm.cpp``): the
+stored weight widened to float32 in cache-sized panels, each reused by every prompt row,
+so it is read at its own size and never copied whole (float32 activations, as decode).
+Otherwise they run a GEMM on the weight widened for the call: to bfloat16 where the CPU has AVX-512 BF16
 (``BF16_GEMM``: oneDNN's bfloat16 GEMM, ~2.3x float32's there; the activations and the
 product's output are rounded to bfloat16, as on CUDA and as llama.cpp rounds F16's
 activations; int8 values are exact in bfloat16, the scales are applied in float32 after),
@@ -44,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels.layer import MAX_ROWS, ProductWeights, product
+from ..kernels.layer import MAX_ROWS, ProductWeights, product, product_gemm
 from .layers import Linear, UsesKernels
 
 WEIGHT_FORMATS = ("exact", "bf16", "int8", "w8a8")
@@ -61,6 +64,9 @@ def _has_bf16_gemm() -> bool:
 
 
 BF16_GEMM = _has_bf16_gemm()  # CPU prefill of bf16/int8 as a bfloat16 GEMM (module docstring)
+# Without it, with the native kernels: prefill of bf16/int8 by their GEMM (module docstring).
+# A module switch for benchmarks (bench/bench_kernels.py's prefill rows A/B it); always on.
+NATIVE_GEMM = True
 
 
 class QuantLinear(nn.Module, UsesKernels):
@@ -135,8 +141,9 @@ class QuantLinear(nn.Module, UsesKernels):
         if self._fbgemm is not None:
             return self._forward_w8a8(x, rows)
         if rows >= DEQUANT_ROWS and x.device.type == "cpu":
-            # prefill: compute-bound; widening the weight once per call costs far less than
-            # the product (module docstring)
+            # prefill: compute-bound (module docstring)
+            if self.kernel is not None and NATIVE_GEMM and not BF16_GEMM:
+                return product_gemm(self.kernel, x)  # widened per cache-sized panel
             if BF16_GEMM and x.dtype == torch.float32:
                 y = F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float()  # (.., out)
                 if self.scales is not None:

@@ -161,6 +161,44 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(isa, dtype) -> None:
             assert torch.equal(ops.gemv_q8(x, w[start:], s[start:]), batch[:, start:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 65, 200])  # micro-kernel rows: 6; 200 spans two row blocks (192)
+@pytest.mark.parametrize("K,N", [(64, 37), (771, 150), (600, 16)])  # tails past 8 and 16; two and three K blocks
+def test_gemm_matches_float64_reference(isa, dtype, rows, K, N) -> None:
+    """The prefill product (gemm.cpp): any rows, weight panels widened per block of K;
+    N past one column chunk (128) and not a multiple of the panel's 16."""
+    g = torch.Generator().manual_seed(rows * 1000 + K + N)
+    w, s, ref_w = _weights(dtype, N, K, g)
+    x = torch.randn(rows, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    ref = x.double() @ ref_w.T + bias.double()
+    got = ops.gemm(x, w, s, bias)
+    assert got.shape == (rows, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+    out = torch.randn(rows, N, generator=g)
+    expect = out.double() + x.double() @ ref_w.T
+    ops.gemm(x, w, s, out=out, accumulate=True)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4 * expect.abs().max().item(), rtol=1e-5)
+    # a strided input (a view into a wider tensor): rows read at their own stride
+    wide = torch.randn(rows, K + 5, generator=g)
+    torch.testing.assert_close(ops.gemm(wide[:, :K], w, s), ops.gemm(wide[:, :K].contiguous(), w, s), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_gemm_rows_result_does_not_depend_on_the_other_rows(isa, dtype) -> None:
+    """Bit for bit, as gemv: a prompt row's product is the same whatever else is in the
+    prefill chunk, and whatever columns are computed beside it."""
+    g = torch.Generator().manual_seed(8)
+    w, s, _ = _weights(dtype, 150, 520, g)
+    x = torch.randn(77, 520, generator=g)
+    batch = ops.gemm(x, w, s)
+    for i in (0, 5, 6, 40, 76):
+        assert torch.equal(ops.gemm(x[i : i + 1], w, s), batch[i : i + 1])
+    assert torch.equal(ops.gemm(x[3:70], w, s), batch[3:70])
+    for start in (1, 16, 17):
+        assert torch.equal(ops.gemm(x, w[start:], None if s is None else s[start:]), batch[:, start:])
+
+
 def _q8_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """What gemv_q8 computes, in float64: x quantized per block of 32 (scale amax / 127,
     round half to even), exact integer block products, times the block and row scales."""
@@ -205,6 +243,12 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
         ops.gemv(torch.zeros(2, 64), w, out=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="multiple of 32"):
         ops.gemv_q8(torch.zeros(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(ValueError, match="features"):
+        ops.gemm(torch.zeros(100, 63), w)
+    with pytest.raises(ValueError, match="scales"):
+        ops.gemm(torch.zeros(100, 64), w.to(torch.int8))
+    with pytest.raises(ValueError, match="out"):
+        ops.gemm(torch.zeros(100, 64), w, out=torch.zeros(99, 8))
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +281,27 @@ def test_model_with_native_kernels_is_at_least_as_close_to_exact(llama_dir, fmt)
         assert err_on < 1e-4
     else:
         assert err_on <= err_off, (err_on, err_off)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_prefill_of_stored_weights_runs_the_native_gemm_as_the_widened_weight(llama_dir, fmt, monkeypatch) -> None:
+    """Without AVX-512 BF16 (forced here), a bf16/int8 prompt of more than 64 tokens runs
+    gemm.cpp on the stored weight; its logits are the widened float32 weight's product
+    (torch's path) up to float32 rounding."""
+    from kvserve.service.models import quant
+
+    monkeypatch.setattr(quant, "BF16_GEMM", False)
+    loaded = load_model(llama_dir, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    ids = torch.tensor([prompts(loaded.config.vocab_size, [150])[0]])
+    calls = []
+    real_gemm = ops.gemm
+    monkeypatch.setattr(ops, "gemm", lambda *a, **k: calls.append(a[0].shape) or real_gemm(*a, **k))
+    with torch.inference_mode():
+        got = loaded.model.forward_nocache(ids)
+        assert calls and all(shape[-2] == 150 for shape in calls)
+        monkeypatch.setattr(quant, "NATIVE_GEMM", False)
+        widened = loaded.model.forward_nocache(ids)
+    torch.testing.assert_close(got, widened, atol=1e-4 * widened.abs().max().item(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", ["exact", "w8a8"])

@@ -86,6 +86,16 @@ void kv_gemv_i8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8
 void kv_gemv_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8_t* W, int64_t N, const float* scales,
                 const float* bias, float* y, int64_t ldy, int accumulate, int nthreads, int8_t* xq, float* xs);
 
+// Prefill-sized products (gemm.cpp), any number of rows: y (rows, N) = x (rows, K) W^T * scales + bias
+// (y += ... when accumulate), the weight widened to float32 in cache-sized panels once per call
+// and reused across every row. scales: int8 only, else null.
+void kv_gemm_f32(const float* x, int64_t rows, int64_t ldx, int64_t K, const float* W, int64_t N, const float* scales,
+                 const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
+void kv_gemm_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint16_t* W, int64_t N,
+                  const float* scales, const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
+void kv_gemm_i8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8_t* W, int64_t N, const float* scales,
+                const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
+
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * (w + offset); out may be x.
 void kv_rmsnorm(const float* x, int64_t rows, int64_t ldx, int64_t D, const float* w, float eps, float offset,
                 float* out, int64_t ldo);
