@@ -62,8 +62,10 @@ class HostTier(BlockTier):
         self._slab = torch.empty(
             (self.capacity_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory
         )
-        self._slots: list[torch.Tensor] = list(self._slab.unbind(0))
-        self._slot_bytes: list[np.ndarray] = [byte_view(t) for t in self._slots]
+        # Slot i is self._slab[i] (a view) and, for memcpy, row i of one uint8 view of the
+        # slab: O(1) to build whatever the slot count (a view per slot, built up front,
+        # cost seconds at the default 1 GiB of small blocks: 262,144 of them).
+        self._slot_bytes: np.ndarray = byte_view(self._slab).reshape(self.capacity_blocks, self.block_nbytes)
         self._torch_shape = torch.Size(self.block_shape)
         self._free: list[int] = list(range(self.capacity_blocks - 1, -1, -1))
         self._lru: OrderedDict[BlockRef, int] = OrderedDict()  # oldest first
@@ -104,7 +106,7 @@ class HostTier(BlockTier):
                 if dst is not None:
                     np.copyto(dst, self._slot_bytes[slot])
                 else:
-                    out.copy_(self._slots[slot])
+                    out.copy_(self._slab[slot])
             n += 1
         self._counters.add(hits=n, bytes_out=n * self.block_nbytes)
         if n < len(refs):
@@ -137,7 +139,7 @@ class HostTier(BlockTier):
             if dst is not None:
                 np.copyto(dst, self._slot_bytes[slot])
             else:
-                out.copy_(self._slots[slot])
+                out.copy_(self._slab[slot])
         return True
 
     def get(self, ref: BlockRef) -> torch.Tensor | None:
@@ -178,7 +180,7 @@ class HostTier(BlockTier):
             self._counters.add(evictions=1)
             if self._on_evict is not None:
                 try:
-                    self._on_evict(victim, self._slots[slot])
+                    self._on_evict(victim, self._slab[slot])
                 except Exception:  # noqa: BLE001 - a demotion failure must not fail the put
                     log.exception("host tier on_evict callback failed")
                     self._counters.fail("evict_callback")
@@ -186,7 +188,7 @@ class HostTier(BlockTier):
         if src is not None:
             np.copyto(self._slot_bytes[slot], src)
         else:
-            self._slots[slot].copy_(value)
+            self._slab[slot].copy_(value)
         with self._lock:
             if ref in self._lru:  # another thread stored it meanwhile: keep theirs
                 self._free.append(slot)

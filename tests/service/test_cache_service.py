@@ -12,25 +12,14 @@ from kvserve.clients import KVServeClient
 from tests.fixtures.serving import (
     BLOCK_SIZE,
     ServerThread,
+    cold_reply,
     start_server_process,
     tiny_config,
+    transcript,
     wait_until,
 )
 
 MSGS = ["hello, tell me a short story about a fox", "what is the fox doing now", "and the dog?"]
-
-
-def transcript(client, sid):
-    return client.get_session(sid, include_token_ids=True).token_ids
-
-
-def cold_reply(model_dir, prompt, n):
-    """What a fresh server with no cache at all generates for this exact prompt."""
-    cfg = tiny_config(model_dir, host_cache_memory=0, redis_url=None)
-    with ServerThread(cfg) as cold, KVServeClient(cold.address, timeout=60) as c:
-        r = c.complete(token_ids=prompt, max_new_tokens=n)
-        assert r.start.cached_tokens == 0
-        return r.token_ids
 
 
 def full(n):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.clients import KVServeClient
-from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, ServerThread, cold_reply, tiny_config, wait_until
 
 MSGS = ["hello, tell me a short story about a fox", "what is the fox doing now"]
 
@@ -20,13 +20,6 @@ def disk_server(model_dir: Path, root: Path, **kw) -> ServerThread:
         tiny_config(model_dir, disk_cache_dir=str(root), disk_cache_size=64 << 20, spill_after=0.05,
                     restore_policy="always", **kw)
     )  # fmt: skip
-
-
-def cold_reply(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    with ServerThread(tiny_config(model_dir, host_cache_memory=0)) as cold, KVServeClient(cold.address) as c:
-        r = c.complete(token_ids=prompt, max_new_tokens=n)
-        assert r.start.cached_tokens == 0
-        return r.token_ids
 
 
 def first_turn(model_dir: Path, root: Path, sid: str, **kw) -> list[int]:

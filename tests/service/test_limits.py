@@ -4,7 +4,6 @@ session's KV blocks from being found in any tier."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
@@ -13,46 +12,9 @@ import pytest
 
 from kvserve.clients import KVServeClient, KVServeError
 from kvserve.service.auth import hash_key
-from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, HeldServer, ServerThread, tiny_config, wait_until
 
 KEY_A, KEY_B = "limits-key-a", "limits-key-b"
-
-
-class GatedEngine:
-    """The real engine, but ``generate`` waits at a gate first: streams stay in flight
-    (admitted and counted) until the test opens it. Everything else is the engine's."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.gate = asyncio.Event()
-        self.gate.set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def generate(self, req):
-        await self.gate.wait()
-        async for event in self._inner.generate(req):
-            yield event
-
-
-class GatedServer(ServerThread):
-    async def _serve(self) -> None:
-        from kvserve.service.engine import build_engine
-
-        inner = await build_engine(self.config.engine_config())
-        self.gated = GatedEngine(inner)
-        self._kwargs["engine"] = self.gated
-        try:
-            await super()._serve()
-        finally:
-            await inner.shutdown(0.0)
-
-    def set_gate(self, is_open: bool) -> None:
-        async def flip() -> None:
-            self.gated.gate.set() if is_open else self.gated.gate.clear()
-
-        self.call(flip())
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +25,7 @@ def server(tiny_llama_dir):
         max_prompt_tokens=40, max_streams=3, max_streams_per_tenant=2, max_sessions_per_tenant=2,
         max_message_size=64 << 10, max_new_tokens_limit=64,
     )  # fmt: skip
-    with GatedServer(cfg) as s:
+    with HeldServer(cfg) as s:
         yield s
 
 

@@ -24,8 +24,7 @@ from kvserve.service.sessions import (
     SessionRecord,
 )
 from kvserve.service.sessions.stores import DELETED, REPLACED, RESTORED, TOMBSTONE_PREFIX, WRITTEN, Expect, new_etag
-from tests.fixtures.serving import ServerThread, wait_until
-from tests.system.test_redis_faults import HoldServer, _config, _transcript, _Turn
+from tests.fixtures.serving import ChatTurn, HeldServer, ServerThread, redis_session_config, transcript, wait_until
 
 PREFIX = "tomb:"
 
@@ -178,12 +177,12 @@ def test_delete_on_one_replica_while_a_turn_streams_on_the_other(tiny_llama_dir,
     nothing of it is written back, neither replica finds the session, and a new turn
     with the same id starts a new session that both see."""
     redis_srv = make_redis_server()
-    with HoldServer(_config(tiny_llama_dir, redis_srv.url)) as r1, \
-            ServerThread(_config(tiny_llama_dir, redis_srv.url)) as r2, \
+    with HeldServer(redis_session_config(tiny_llama_dir, redis_srv.url)) as r1, \
+            ServerThread(redis_session_config(tiny_llama_dir, redis_srv.url)) as r2, \
             KVServeClient(r1.address, timeout=60) as c1, KVServeClient(r2.address, timeout=60) as c2:  # fmt: skip
         c1.chat("s", "hello there", max_new_tokens=6)
         r1.hold(True)
-        a = _Turn(r1.address, "s", "tell me more")
+        a = ChatTurn(r1.address, "s", "tell me more")
         a.start()
         try:
             assert wait_until(lambda: r1.held == 1)  # generated, not committed
@@ -217,8 +216,8 @@ def test_delete_on_one_replica_while_a_turn_streams_on_the_other(tiny_llama_dir,
         # the same id is free for a new session, on either replica
         n = c1.chat("s", "a new start", max_new_tokens=4)
         assert n.start.session_created
-        assert _transcript(c2, "s") == _transcript(c1, "s") and c2.get_session("s").turns == 1
-        assert len(_transcript(c2, "s")) == n.start.prompt_tokens + len(n.token_ids)
+        assert transcript(c2, "s") == transcript(c1, "s") and c2.get_session("s").turns == 1
+        assert len(transcript(c2, "s")) == n.start.prompt_tokens + len(n.token_ids)
 
 
 def test_a_write_back_after_a_freeze_does_not_bring_back_a_deleted_session(tiny_llama_dir, make_redis_server):
@@ -226,8 +225,8 @@ def test_a_write_back_after_a_freeze_does_not_bring_back_a_deleted_session(tiny_
     copy has them. After SIGCONT, before replica 1 writes back, "w-del" is deleted
     through replica 2: the write-back restores "w-keep" and not "w-del"."""
     redis_srv = make_redis_server()
-    with ServerThread(_config(tiny_llama_dir, redis_srv.url)) as r1, \
-            ServerThread(_config(tiny_llama_dir, redis_srv.url)) as r2, \
+    with ServerThread(redis_session_config(tiny_llama_dir, redis_srv.url)) as r1, \
+            ServerThread(redis_session_config(tiny_llama_dir, redis_srv.url)) as r2, \
             KVServeClient(r1.address, timeout=10) as c1, KVServeClient(r2.address, timeout=10) as c2:  # fmt: skip
         store = r1.running.sessions.store
 

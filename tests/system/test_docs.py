@@ -263,3 +263,41 @@ def test_every_documented_metric_is_exported_and_every_family_documented(
         and not {f.name, f.name + "_total"} & documented
     )
     assert not undocumented, f"exported but not in docs/metrics.md: {undocumented}"
+
+
+def test_the_architecture_diagram_is_drawn_from_the_code():
+    """docs/architecture.md's flowchart: every box inside a package's subgraph names a
+    file (or a folder) of that package that defines each name the box lists, and every
+    arrow joins two boxes that exist, so a moved file or a renamed class fails here."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    chart = text[text.index("```mermaid\nflowchart LR\n"):]
+    chart = chart[: chart.index("\n```")]
+    folder, boxes, arrows, checked = None, set(), [], 0
+    for line in chart.splitlines()[2:]:
+        line = line.strip()
+        if m := re.fullmatch(r'subgraph \w+\["(\S+/) \(kvserve\.\w+\)"\]', line):
+            folder = REPO / m.group(1)
+            continue
+        if line == "end":
+            folder = None
+            continue
+        if m := re.fullmatch(r'(\w+)\["([^"<]+)<br/>([^"]+)"\]', line):
+            assert folder is not None, f"a box outside every package: {line}"
+            box, path, names = m.group(1), folder / m.group(2), [n.strip() for n in m.group(3).split(",")]
+            files = sorted(path.rglob("*.py")) if path.is_dir() else [path, path.with_suffix(".pyi")]
+            assert path.exists(), f"{line}: {path.relative_to(REPO)} does not exist"
+            source = "\n".join(f.read_text() for f in files if f.exists())
+            for name in names:
+                assert re.search(rf"^\s*(class|def|async def) {name}\b|^{name} = ", source, re.M), (
+                    f"{line}: {name} is not defined in {path.relative_to(REPO)}")
+                checked += 1
+            boxes.add(box)
+            continue
+        if m := re.fullmatch(r'(\w+)(\(\[[^\]]*\]\))? --> (\w+)', line):  # a([caller]) --> box, or box --> box
+            arrows.append((line, None if m.group(2) else m.group(1), m.group(3)))
+            continue
+        assert not line, f"a line the check does not read: {line}"
+    for line, a, b in arrows:
+        assert a is None or a in boxes, f"{line}: no box {a}"
+        assert b in boxes, f"{line}: no box {b}"
+    assert checked > 30 and {"stubs", "breaker", "tiers", "store", "servicer"} <= boxes

@@ -5,102 +5,27 @@ next to it nor drops an acknowledged turn (one replica and two), and a hung Redi
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import threading
 from typing import Any
 
 import grpc
 import pytest
 
 from kvserve.clients import KVServeClient, KVServeError
-from kvserve.service.types import Finished
-from tests.fixtures.serving import ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import ChatTurn, HeldServer, ServerThread, redis_session_config, transcript, wait_until
 
 
-class HoldFinal:
-    """The real engine, but a stream's last event waits while ``hold`` is set: its turn
-    stays in flight (generated, not yet committed) until the test lets it end."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.release = asyncio.Event()
-        self.release.set()
-        self.held = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def generate(self, req):
-        async for event in self._inner.generate(req):
-            if isinstance(event, Finished) and not self.release.is_set():
-                self.held += 1
-                await self.release.wait()
-                self.held -= 1
-            yield event
-
-
-class HoldServer(ServerThread):
-    async def _serve(self) -> None:
-        from kvserve.service.engine import build_engine
-
-        inner = await build_engine(self.config.engine_config())
-        self.engine_hold = HoldFinal(inner)
-        self._kwargs["engine"] = self.engine_hold
-        try:
-            await super()._serve()
-        finally:
-            await inner.shutdown(0.0)
-
-    def hold(self, on: bool) -> None:
-        async def flip() -> None:
-            self.engine_hold.release.clear() if on else self.engine_hold.release.set()
-
-        self.call(flip())
-
-    @property
-    def held(self) -> int:
-        return self.engine_hold.held
-
-
-def _config(model_dir, url, **kw):
-    kw.setdefault("session_lock_ttl", 30.0)
-    return tiny_config(model_dir, redis_url=url, host_cache_memory=0, spill_after=3600.0, **kw)
-
-
-class _Turn(threading.Thread):
-    """One chat turn in the background; ``result`` or ``error`` afterwards."""
-
-    def __init__(self, address: str, sid: str, text: str, **kw: Any) -> None:
-        super().__init__(daemon=True)
-        self.args = (address, sid, text, kw)
-        self.result = None
-        self.error: KVServeError | None = None
-
-    def run(self) -> None:
-        address, sid, text, kw = self.args
-        with KVServeClient(address, timeout=60) as c:
-            try:
-                self.result = c.chat(sid, text, max_new_tokens=8, **kw)
-            except KVServeError as e:
-                self.error = e
-
-
-def _transcript(client: KVServeClient, sid: str) -> list[int]:
-    return client.get_session(sid, include_token_ids=True).token_ids
-
-
-def _ends_with_turn(transcript: list[int], turn) -> bool:
-    return transcript[: turn.start.prompt_tokens + len(turn.token_ids)][-len(turn.token_ids):] == turn.token_ids
+def _ends_with_turn(tokens: list[int], turn) -> bool:
+    return tokens[: turn.start.prompt_tokens + len(turn.token_ids)][-len(turn.token_ids):] == turn.token_ids
 
 
 def test_redis_restart_during_a_turn_refuses_a_second_turn_and_keeps_the_first(tiny_llama_dir, make_redis_server):
     redis = make_redis_server()
-    with HoldServer(_config(tiny_llama_dir, redis.url)) as srv, KVServeClient(srv.address, timeout=60) as c:
+    with HeldServer(redis_session_config(tiny_llama_dir, redis.url)) as srv, KVServeClient(srv.address, timeout=60) as c:
         first = c.chat("s", "hello there", max_new_tokens=6)
         assert first.start.session_created
         srv.hold(True)
-        a = _Turn(srv.address, "s", "tell me more")
+        a = ChatTurn(srv.address, "s", "tell me more")
         a.start()
         try:
             assert wait_until(lambda: srv.held == 1)  # turn A generated, not yet committed
@@ -113,7 +38,7 @@ def test_redis_restart_during_a_turn_refuses_a_second_turn_and_keeps_the_first(t
             srv.hold(False)
             a.join(60)
         assert a.error is None and a.result is not None and not a.result.start.session_created
-        t = _transcript(c, "s")
+        t = transcript(c, "s")
         assert len(t) == a.result.start.prompt_tokens + len(a.result.token_ids)
         assert t[-len(a.result.token_ids):] == a.result.token_ids
         assert c.get_session("s").turns == 2
@@ -134,13 +59,13 @@ def test_flushall_with_two_replicas(tiny_llama_dir, make_redis_server):
     that, whichever of two overlapping turns commits second fails with
     FAILED_PRECONDITION: every turn a client saw end is in the transcript."""
     redis = make_redis_server()
-    with HoldServer(_config(tiny_llama_dir, redis.url)) as r1, ServerThread(_config(tiny_llama_dir, redis.url)) as r2, \
+    with HeldServer(redis_session_config(tiny_llama_dir, redis.url)) as r1, ServerThread(redis_session_config(tiny_llama_dir, redis.url)) as r2, \
             KVServeClient(r1.address, timeout=60) as c1, KVServeClient(r2.address, timeout=60) as c2:  # fmt: skip
         # --- s1: the replica that holds the session writes it back; the other refuses
         c1.chat("s1", "hello there", max_new_tokens=6)
-        before = _transcript(c2, "s1")
+        before = transcript(c2, "s1")
         r1.hold(True)
-        a = _Turn(r1.address, "s1", "tell me more")
+        a = ChatTurn(r1.address, "s1", "tell me more")
         a.start()
         try:
             assert wait_until(lambda: r1.held == 1)
@@ -165,19 +90,19 @@ def test_flushall_with_two_replicas(tiny_llama_dir, make_redis_server):
             r1.hold(False)
             a.join(60)
         assert a.error is None and a.result is not None
-        t = _transcript(c2, "s1")
+        t = transcript(c2, "s1")
         assert t[: len(before)] == before and _ends_with_turn(t, a.result)
 
         # --- s2: a turn on replica 2 right after the FLUSHALL, before replica 1 noticed
         c1.chat("s2", "good morning", max_new_tokens=6)
         r1.hold(True)
-        a = _Turn(r1.address, "s2", "what next")
+        a = ChatTurn(r1.address, "s2", "what next")
         a.start()
         try:
             assert wait_until(lambda: r1.held == 1)
             with redis.client() as r:
                 r.flushall()
-            b = _Turn(r2.address, "s2", "hi from elsewhere")
+            b = ChatTurn(r2.address, "s2", "hi from elsewhere")
             b.run()
         finally:
             r1.hold(False)
@@ -186,7 +111,7 @@ def test_flushall_with_two_replicas(tiny_llama_dir, make_redis_server):
         assert len(acked) == 1, "two overlapping turns of one session both acknowledged"
         failed = b if acked[0] is a else a
         assert failed.error is not None and failed.error.code == grpc.StatusCode.FAILED_PRECONDITION
-        t = _transcript(c2, "s2")
+        t = transcript(c2, "s2")
         assert _ends_with_turn(t, acked[0].result)
         if acked[0] is b:  # it started the session over, and said so
             assert b.result.start.session_created and len(t) == b.result.start.prompt_tokens + len(b.result.token_ids)
@@ -200,7 +125,7 @@ def test_a_hung_redis_stalls_no_session_call(tiny_llama_dir, make_redis_server):
     socket timeouts alone would take longer); after SIGCONT the lock writes Redis applies
     late do not refuse the next turn, and the turns it missed are written back."""
     redis = make_redis_server()
-    with ServerThread(_config(tiny_llama_dir, redis.url)) as srv, KVServeClient(srv.address, timeout=5) as c:
+    with ServerThread(redis_session_config(tiny_llama_dir, redis.url)) as srv, KVServeClient(srv.address, timeout=5) as c:
         c.chat("h", "hello there", max_new_tokens=6)
         store = srv.running.sessions.store
         redis._proc.send_signal(signal.SIGSTOP)
@@ -227,7 +152,7 @@ def test_a_hung_redis_stalls_no_session_call(tiny_llama_dir, make_redis_server):
         assert srv.running.sessions.unconfirmed_writes >= 1
 
         # another replica is not kept out for the lease (30 s) by lock writes applied late
-        with ServerThread(_config(tiny_llama_dir, redis.url)) as r2, KVServeClient(r2.address, timeout=5) as c2:
+        with ServerThread(redis_session_config(tiny_llama_dir, redis.url)) as r2, KVServeClient(r2.address, timeout=5) as c2:
             got: list[Any] = []
 
             def turn_elsewhere() -> bool:

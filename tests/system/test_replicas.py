@@ -4,7 +4,7 @@ Cluster, and a cluster that loses a master costs cache hits, never answers."""
 from __future__ import annotations
 
 from kvserve.clients import KVServeClient
-from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, ServerThread, cold_reply, tiny_config, wait_until
 
 MSGS = ["hello, tell me a short story about a fox", "what is the fox doing now", "and the dog?"]
 
@@ -14,13 +14,6 @@ def replica(model_dir, url, cluster=False):
         tiny_config(model_dir, redis_url=url, redis_cluster=cluster, host_cache_memory=0,
                     spill_after=0.05, spill_to=("redis",), restore_policy="always")
     )  # fmt: skip
-
-
-def cold_reply(model_dir, prompt, n):
-    with ServerThread(tiny_config(model_dir, host_cache_memory=0)) as cold, KVServeClient(cold.address) as c:
-        r = c.complete(token_ids=prompt, max_new_tokens=n)
-        assert r.start.cached_tokens == 0
-        return r.token_ids
 
 
 def spilled(client, sid):

@@ -53,11 +53,13 @@ def test_miss_is_none_and_counted() -> None:
 def test_capacity_is_whole_blocks_and_preallocated() -> None:
     tier = HostTier(3 * BLOCK_BYTES + BLOCK_BYTES // 2, SHAPE, torch.float32)
     assert tier.capacity_blocks == 3 and tier.capacity_bytes == 3 * BLOCK_BYTES
-    slab_ptrs = {s.data_ptr() for s in tier._slots}
+    slab_ptrs = {tier._slab[i].data_ptr() for i in range(tier.capacity_blocks)}
+    assert len(slab_ptrs) == 3  # and the memcpy view of each slot is that slot's memory
+    assert [tier._slot_bytes[i].ctypes.data for i in range(3)] == [tier._slab[i].data_ptr() for i in range(3)]
     for i in range(10):
         assert tier.put(REFS[i], value(i))
     # Every block lives in one of the preallocated slots: nothing was allocated per put.
-    assert {tier._slots[slot].data_ptr() for slot in tier._lru.values()} <= slab_ptrs
+    assert {tier._slab[slot].data_ptr() for slot in tier._lru.values()} <= slab_ptrs
     assert len(tier) == 3
     assert tier.stats().bytes_held == 3 * BLOCK_BYTES
 

@@ -40,20 +40,6 @@ def make_tier(url: str, **kw: Any) -> RedisTier:
     return RedisTier(url, **kw)
 
 
-@pytest.fixture
-def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
-    """Counts pipeline executions (one round trip each) on standalone clients."""
-    calls = [0]
-    original = redis.client.Pipeline.execute
-
-    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
-    return lambda: calls[0]
-
-
 # ---- the breaker on its own ------------------------------------------------------------
 
 

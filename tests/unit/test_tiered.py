@@ -12,11 +12,11 @@ import torch
 
 from kvserve.cachestore import codec
 from kvserve.cachestore.base import BlockRef
-from kvserve.common.tiers import Tier
 from kvserve.cachestore.host import HostTier
 from kvserve.cachestore.keys import block_hashes, make_namespace
 from kvserve.cachestore.redis import RedisTier
 from kvserve.cachestore.tiered import SpillResult, TieredStore
+from kvserve.common.tiers import Tier
 
 SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4
@@ -47,19 +47,6 @@ def make_store(redis_url: str) -> Any:
     yield make
     for s in stores:
         s.close(timeout=5)
-
-
-@pytest.fixture
-def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
-    calls = [0]
-    original = redis.client.Pipeline.execute
-
-    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
-    return lambda: calls[0]
 
 
 def test_match_prefix_prefers_host_and_asks_redis_once(make_store: Any, count_round_trips: Callable[[], int]) -> None:
