@@ -148,7 +148,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             cfg, self.blocks, self.keys, has_tiers=store is not None,
             may_hold=lambda namespace, hashes: self.restorer.may_hold(namespace, hashes),
-            reclaim=self.warmer.reclaim,
+            reclaim=self.warmer.reclaim, warming=self.warmer.loading,
             max_model_len=self.max_model_len, spec=self.spec,
         )  # fmt: skip
         self.restorer = Restorer(

@@ -49,6 +49,7 @@ class Scheduler:
         has_tiers: bool,
         may_hold: Callable[[bytes, list[BlockHash]], bool] | None = None,
         reclaim: Callable[[int], int] | None = None,
+        warming: Callable[[], bool] | None = None,
         max_model_len: int | None = None,
         spec: SpecConfig | None = None,
     ) -> None:
@@ -66,6 +67,8 @@ class Scheduler:
         # n -> how many blocks held only for a coming turn (session warm-ups, engine/warm.py)
         # were let go to make room: asked before a sequence waits or another is preempted
         self.reclaim = reclaim or (lambda n: 0)
+        # whether blocks are in flight to a warm-up (free or reclaimable when it lands)
+        self.warming = warming or (lambda: False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []
@@ -143,8 +146,9 @@ class Scheduler:
             seq = self.waiting[0]
             restore = self._try_allocate(seq)
             if restore is None:
-                if not self.running and not self.restoring:
-                    # nothing will ever free blocks for it (validate() should prevent this)
+                if not self.running and not self.restoring  and not self.warming():
+                    # nothing will ever free blocks for it (validate() should prevent this;
+                    # a warm-up's blocks in flight are reclaimable once they land: it waits)
                     self.waiting.popleft()
                     out.refused.append(seq)
                     continue

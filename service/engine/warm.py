@@ -117,6 +117,11 @@ class Warmer:
         self._jobs.append(job)
         return job.blocks
 
+    def loading(self) -> bool:
+        """Blocks are in flight to a warm-up: they are free or held (reclaimable) once it
+        lands, so a sequence short of blocks now waits for that instead of being refused."""
+        return self._in_flight > 0
+
     def landed(self, job: WarmJob, loaded: list[str]) -> WarmResult:
         """The first ``len(loaded)`` of ``job.blocks`` hold their blocks' KV (from those
         tiers): register and hold them, free the rest; what the warm-up did."""

@@ -116,3 +116,50 @@ def test_a_warm_up_takes_only_free_or_evictable_blocks_never_a_running_sequences
     assert {b.block_id for b in idle} <= {b.block_id for b in fresh}  # evicted: ordinary cache may go
     result = w.landed(job, ["host"] * 3)
     assert (result.restored, result.over_cap, result.missing) == (3, 3, 0)
+
+
+def test_a_sequence_short_of_blocks_waits_for_a_warm_up_in_flight_instead_of_failing():
+    """Nothing runs, and a warm-up's load in flight holds the free blocks: a sequence that
+    does not fit now waits (it is not refused "not enough KV blocks"), and once the load
+    lands its held blocks are let go for it (reclaim)."""
+    from kvserve.service.engine.config import EngineConfig
+    from kvserve.service.engine.scheduler import Scheduler
+    from kvserve.service.engine.sequence import Sequence
+    from kvserve.service.kv.keys import BlockKeys
+    from kvserve.service.types import CacheScope, GenerationRequest, SamplingParams
+
+    bm, clock = BlockManager(9), Clock()  # 8 usable blocks
+    w = warmer(bm, clock)
+    keys = BlockKeys("fp", "float32", 4, None)
+    sched = Scheduler(EngineConfig(block_size=4), bm, keys, has_tiers=False, reclaim=w.reclaim, warming=w.loading)
+    job = w.begin(NS, block_hashes(NS, list(range(32)), 4), "t")
+    assert len(w.allocate(job, 8)) == 8 and bm.num_free == 0  # loading into every free block
+    request = GenerationRequest(request_id="r", prompt_token_ids=list(range(100, 124)),
+                                sampling=SamplingParams(max_new_tokens=4))  # fmt: skip
+    seq = Sequence(request, keys.namespace(CacheScope("t", "")), list(request.prompt_token_ids), 24, 0.0, None, None)
+    sched.waiting.append(seq)
+    admitted = sched.admit()
+    assert admitted.refused == [] and admitted.running == [] and list(sched.waiting) == [seq]
+    w.landed(job, ["host"] * 8)  # landed: the 8 blocks are held for the coming turn
+    assert w.stats().pinned_blocks == 8 and bm.num_free == 0
+    admitted = sched.admit()  # now it fits: 6 held blocks let go for it
+    assert admitted.running == [seq] and len(seq.blocks) == 6 and w.stats().pinned_blocks == 2
+    assert w.wasted["reclaimed"] == 6
+
+
+def test_without_a_warm_up_in_flight_a_sequence_that_can_never_fit_is_refused():
+    from kvserve.service.engine.config import EngineConfig
+    from kvserve.service.engine.scheduler import Scheduler
+    from kvserve.service.engine.sequence import Sequence
+    from kvserve.service.kv.keys import BlockKeys
+    from kvserve.service.types import CacheScope, GenerationRequest, SamplingParams
+
+    bm, clock = BlockManager(5), Clock()  # 4 usable blocks
+    w = warmer(bm, clock)
+    keys = BlockKeys("fp", "float32", 4, None)
+    sched = Scheduler(EngineConfig(block_size=4), bm, keys, has_tiers=False, reclaim=w.reclaim, warming=w.loading)
+    request = GenerationRequest(request_id="r", prompt_token_ids=list(range(100, 124)),
+                                sampling=SamplingParams(max_new_tokens=4))  # fmt: skip
+    seq = Sequence(request, keys.namespace(CacheScope("t", "")), list(request.prompt_token_ids), 24, 0.0, None, None)
+    sched.waiting.append(seq)
+    assert sched.admit().refused == [seq]
