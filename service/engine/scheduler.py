@@ -146,7 +146,7 @@ class Scheduler:
             seq = self.waiting[0]
             restore = self._try_allocate(seq)
             if restore is None:
-                if not self.running and not self.restoring  and not self.warming():
+                if not self.running and not self.restoring and not self.warming():
                     # nothing will ever free blocks for it (validate() should prevent this;
                     # a warm-up's blocks in flight are reclaimable once they land: it waits)
                     self.waiting.popleft()
