@@ -35,7 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvserve serve does (kernels.passive_openmp), before torch loads
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]

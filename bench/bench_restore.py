@@ -66,7 +66,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+ENV_AT_START = dict(os.environ)  # llama.cpp runs with this: its own OpenMP threads keep libgomp's default wait
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvserve serve does (kernels.passive_openmp), before torch loads
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -409,7 +411,7 @@ class LlamaServer:
             [str(binary), "-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-np", "1", "--host", "127.0.0.1",
              "--port", str(self.port), "--slot-save-path", str(slot_dir), "--cache-ram", str(cache_ram_mib),
              "--no-webui"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log, stderr=subprocess.STDOUT, env=ENV_AT_START,
         )  # fmt: skip
         deadline = time.monotonic() + 300
         while True:

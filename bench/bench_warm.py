@@ -33,7 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvserve serve does (kernels.passive_openmp), before torch loads
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
