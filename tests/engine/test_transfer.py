@@ -234,29 +234,38 @@ def _logged_engine(loaded: Any, store: Any) -> tuple[Any, FakeOps]:
     return eng, ops
 
 
-def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(loaded: Any) -> None:
-    """The engine's CUDA code path on the CPU: restores land in staging buffers, are
-    copied into the pool on the restore stream in rounds (a slab of 4 buffers for 4
-    blocks), and the compute stream waits for the last copy before the forward that
-    reads them; the output equals recomputing and every staging buffer comes back."""
+def _history_on_host(loaded: Any, length: int, seed: int) -> tuple[Any, Any, FakeOps, list[int], list[Any]]:
+    """A history of ``length`` tokens run by engine ``a``, its full blocks put in a host
+    tier, and engine ``b`` (fake streams) over a new device pool and that same tier:
+    (a, b, b's ops, history, its block hashes)."""
     from kvserve.cachestore.host import HostTier
     from kvserve.cachestore.keys import block_hashes
     from kvserve.cachestore.tiered import TieredStore
     from kvserve.service.types import CacheScope
-    from tests.fixtures.engine import BS, bytes_per_token, finished, greedy_reference, prompts, req, run
+    from tests.fixtures.engine import BS, bytes_per_token, prompts, req, run
 
     c = loaded.config
     shape = (c.num_layers, 2, BS, c.num_kv_heads, c.head_dim)
     store = TieredStore([HostTier(64 * BS * bytes_per_token(loaded), shape, torch.float32)])
     a, _ = _logged_engine(loaded, store)
-    (hist,) = prompts(c.vocab_size, [13], seed=5)
+    (hist,) = prompts(c.vocab_size, [length], seed=seed)
     run(a, [req("a", hist, n=1)])
     ns = a.keys.namespace(CacheScope())
     hashes = block_hashes(ns, hist, BS)
     for h in hashes:  # the history's blocks to the host tier
         store.put(ns, h, a.pool.data[a.blocks.lookup(h).block_id], ("host",))
-
     b, ops = _logged_engine(loaded, store)  # a new device pool, the same host tier
+    return a, b, ops, hist, hashes
+
+
+def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(loaded: Any) -> None:
+    """The engine's CUDA code path on the CPU: restores land in staging buffers, are
+    copied into the pool on the restore stream in rounds (a slab of 4 buffers for 4
+    blocks), and the compute stream waits for the last copy before the forward that
+    reads them; the output equals recomputing and every staging buffer comes back."""
+    from tests.fixtures.engine import BS, finished, greedy_reference, req, run
+
+    a, b, ops, hist, hashes = _history_on_host(loaded, 13, seed=5)
 
     turn = hist + [3, 4]
     fin = finished(run(b, [req("b", turn, n=3)])["b"])

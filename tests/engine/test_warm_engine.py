@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
-from tests.engine.test_transfer import _logged_engine, loaded  # noqa: F401 - the module fixture
+from tests.engine.test_transfer import _history_on_host, loaded  # noqa: F401 - the module fixture
 
 __all__ = ["loaded"]
 
@@ -28,24 +27,10 @@ def _warm(engine: Any, tokens: list[int]) -> Any:
 
 
 def test_a_warm_up_restores_through_staging_before_the_turn_and_the_turn_hits_the_device(loaded: Any) -> None:  # noqa: F811
-    from kvserve.cachestore.host import HostTier
-    from kvserve.cachestore.keys import block_hashes
-    from kvserve.cachestore.tiered import TieredStore
-    from kvserve.service.types import CacheScope, Tier
-    from tests.fixtures.engine import BS, bytes_per_token, finished, greedy_reference, prompts, req, run
+    from kvserve.service.types import Tier
+    from tests.fixtures.engine import BS, finished, greedy_reference, req, run
 
-    c = loaded.config
-    shape = (c.num_layers, 2, BS, c.num_kv_heads, c.head_dim)
-    store = TieredStore([HostTier(64 * BS * bytes_per_token(loaded), shape, torch.float32)])
-    a, _ = _logged_engine(loaded, store)
-    (hist,) = prompts(c.vocab_size, [21], seed=7)
-    run(a, [req("a", hist, n=1)])
-    ns = a.keys.namespace(CacheScope())
-    hashes = block_hashes(ns, hist, BS)
-    for h in hashes:  # the history's blocks to the host tier
-        store.put(ns, h, a.pool.data[a.blocks.lookup(h).block_id], ("host",))
-
-    b, ops = _logged_engine(loaded, store)  # a new device pool, the same host tier
+    a, b, ops, hist, hashes = _history_on_host(loaded, 21, seed=7)
     result = _warm(b, hist)
     assert (result.blocks, result.on_device, result.restored, result.missing) == (len(hashes), 0, len(hashes), 0)
     assert result.restored_by_tier == {Tier.HOST: len(hashes)}
