@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from tests.engine.test_transfer import _history_on_host, loaded  # noqa: F401 - the module fixture
 
 __all__ = ["loaded"]
