@@ -216,6 +216,28 @@ inline void weighted_sum_heads(const typename E::T* const* v, const float* w, in
   if (G - g == 1) weighted_sum_group<E, 1, C1>(v, w + g * n, n, hd, acc + g * hd);
 }
 
+
+// Work units of the decode attention kernels: (sequence, kv head, slice of that kv head's
+// query heads). The query heads of a slice share each K and V row read from the pool
+// (grouped-query attention reads the context once per slice, not once per query head); a
+// group is split into slices only as far as needed to give every thread work.
+struct AttnUnits {
+  int64_t nkv, group, slices, per;
+  AttnUnits(int64_t B, int64_t nh, int64_t nkv_, int nthreads) : nkv(nkv_), group(nh / nkv_) {
+    slices = (2 * (int64_t)nthreads + B * nkv - 1) / (B * nkv);
+    slices = slices < 1 ? 1 : (slices > group ? group : slices);
+    per = (group + slices - 1) / slices;
+  }
+  int64_t count(int64_t B) const { return B * nkv * slices; }
+  // unit u: its sequence b, kv head kvh and query heads [h0, h1) (empty when h1 <= h0)
+  void at(int64_t u, int64_t& b, int64_t& kvh, int64_t& h0, int64_t& h1) const {
+    b = u / (nkv * slices);
+    kvh = (u / slices) % nkv;
+    h0 = kvh * group + (u % slices) * per;
+    h1 = h0 + per < (kvh + 1) * group ? h0 + per : (kvh + 1) * group;
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -334,21 +356,13 @@ void decode_attention(const float* q, int64_t sq, const float* k, const float* v
       for (int64_t i = 0; i < tok; i++) dst[half_blk + i] = E::store1(v[b * skv + i]);
     }
   }
-  // Work units: (sequence, kv head, slice of that kv head's query heads). The query heads
-  // of a slice share each K and V row read from the pool (grouped-query attention reads
-  // the context once per slice, not once per query head); a group is split into slices
-  // only as far as needed to give every thread work.
-  const int64_t group = nh / nkv;
-  int64_t slices = (2 * (int64_t)nthreads + B * nkv - 1) / (B * nkv);
-  slices = slices < 1 ? 1 : (slices > group ? group : slices);
-  const int64_t per = (group + slices - 1) / slices;
-  kvpool::parallel_for(B * nkv * slices, 1, nthreads, [&](int64_t u0, int64_t u1) {
+  const AttnUnits units(B, nh, nkv, nthreads);  // (sequence, kv head, slice of its query heads)
+  kvpool::parallel_for(units.count(B), 1, nthreads, [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scores, acc;
     thread_local std::vector<const T*> kps, vps;
     for (int64_t u = u0; u < u1; u++) {
-      const int64_t b = u / (nkv * slices), kvh = (u / slices) % nkv, sl = u % slices;
-      const int64_t h0 = kvh * group + sl * per;
-      const int64_t h1 = h0 + per < (kvh + 1) * group ? h0 + per : (kvh + 1) * group;
+      int64_t b, kvh, h0, h1;
+      units.at(u, b, kvh, h0, h1);
       const int64_t G = h1 - h0;
       if (G <= 0) continue;
       const int64_t len = lens[b];
@@ -503,17 +517,13 @@ void decode_attention_i8(const float* q, int64_t sq, const float* k, const float
     write_row_i8(kp, soff, slot_off[b], k + b * skv, nkv, hd);
     write_row_i8(kp + plane, soff, slot_off[b], v + b * skv, nkv, hd);
   }
-  const int64_t group = nh / nkv;
-  int64_t slices = (2 * (int64_t)nthreads + B * nkv - 1) / (B * nkv);
-  slices = slices < 1 ? 1 : (slices > group ? group : slices);
-  const int64_t per = (group + slices - 1) / slices;
-  kvpool::parallel_for(B * nkv * slices, 1, nthreads, [&](int64_t u0, int64_t u1) {
+  const AttnUnits units(B, nh, nkv, nthreads);
+  kvpool::parallel_for(units.count(B), 1, nthreads, [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scores, acc, ks, vs;
     thread_local std::vector<const int8_t*> kps, vps;
     for (int64_t u = u0; u < u1; u++) {
-      const int64_t b = u / (nkv * slices), kvh = (u / slices) % nkv, sl = u % slices;
-      const int64_t h0 = kvh * group + sl * per;
-      const int64_t h1 = h0 + per < (kvh + 1) * group ? h0 + per : (kvh + 1) * group;
+      int64_t b, kvh, h0, h1;
+      units.at(u, b, kvh, h0, h1);
       const int64_t G = h1 - h0;
       if (G <= 0) continue;
       const int64_t len = lens[b];
