@@ -35,14 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvserve serve does (kernels.passive_openmp), before torch loads
-import torch  # noqa: E402
-import torch.nn.functional as F
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from kvserve.service import kernels  # noqa: E402  torch-free
+
+kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_engine import SHAPES  # noqa: E402
 from kvserve.service.engine.config import DEFAULT_MODEL_DIR  # noqa: E402

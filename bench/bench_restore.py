@@ -66,12 +66,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ENV_AT_START = dict(os.environ)  # llama.cpp runs with this: its own OpenMP threads keep libgomp's default wait
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvserve serve does (kernels.passive_openmp), before torch loads
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from kvserve.service import kernels  # noqa: E402  torch-free
+
+ENV_AT_START = dict(os.environ)  # llama.cpp runs with this: its own OpenMP threads keep libgomp's default wait
+kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+import torch  # noqa: E402
 
 from kvserve.cachestore.keys import block_hashes  # noqa: E402
 from kvserve.cachestore.tiered import TieredStore  # noqa: E402

@@ -33,13 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvserve serve does (kernels.passive_openmp), before torch loads
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from kvserve.service import kernels  # noqa: E402  torch-free
+
+kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
+import torch  # noqa: E402
 
 from bench.bench_restore import BLOCK, NEW_TURN, SHAPES, checkpoint, store  # noqa: E402
 from kvserve.service.engine.config import EngineConfig  # noqa: E402
