@@ -54,7 +54,7 @@ class EngineConfig:
     # speculative decoding drafted from the sequence's own history (engine/speculative.py):
     # "ngram" or "off"; drafts per step at most
     speculative: str = "ngram"
-    spec_max_draft: int = 8
+    spec_max_draft: int = 16
     # session warm-ups (engine/warm.py): shares of the device pool's blocks they may hold
     # at once, in all and per tenant, and how long a warmed block waits for its turn
     warm_pool_fraction: float = 0.25
