@@ -290,28 +290,26 @@ def med(rs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rs[1:])
 
 
+def best(rs: list[dict], key: str) -> float:
+    return max(r[key] for r in rs[1:])
+
+
 def report(res: dict, servers: list[Server], work: dict[str, list[int]], tokens: int) -> list[dict]:
+    """One row per workload: each ratio as "median (best)" of the servers' timings rates."""
     rows = []
     names = [s.name for s in servers]
-    kv_off, kv_on = "kvserve off", "kvserve ngram"
-    llama_plain = "llama plain"
-    llama_specs = [n for n in names if n.startswith("llama ") and n != llama_plain]
+    kv_off, kv_on, llama_plain = "kvserve off", "kvserve ngram", "llama plain"
+
+    def ratio(r: dict, a: str, b: str) -> str:
+        return f"{med(r[a], 'server_tok_s') / med(r[b], 'server_tok_s'):.2f} ({best(r[a], 'server_tok_s') / best(r[b], 'server_tok_s'):.2f})"
+
     for wname in work:
         r = res[wname]
-        row = {"workload": wname, "prompt": len(work[wname]), "tokens": tokens}
+        row: dict = {"workload": wname}
         for n in names:
-            row[f"{n} tok/s"] = round(med(r[n], "server_tok_s"), 1)
-            row[f"{n} client tok/s"] = round(med(r[n], "client_tok_s"), 1)
-            t = r[n][-1]["timings"]
-            if n != kv_off and n != llama_plain:
-                d = int(t.get("draft_n", 0))
-                row[f"{n} acceptance"] = round(int(t.get("draft_n_accepted", 0)) / d, 3) if d else 0.0
-        spec = row[f"{kv_on} tok/s"]
-        if llama_plain in names:
-            row["kv spec / llama plain"] = round(spec / row[f"{llama_plain} tok/s"], 2)
-        for n in llama_specs:
-            row[f"kv spec / {n}"] = round(spec / row[f"{n} tok/s"], 2)
-        row["kv spec / kv plain"] = round(spec / row[f"{kv_off} tok/s"], 2)
+            if n.startswith("llama"):
+                row[f"kv spec / {n}"] = ratio(r, kv_on, n)
+        row["kv spec / kv plain"] = ratio(r, kv_on, kv_off)
         # token for token (round 0's logprobs tokens) and text for text in every round
         same_tokens = r[kv_on][0]["pieces"] == r[kv_off][0]["pieces"] and bool(r[kv_on][0]["pieces"])
         same_text = all(a["text"] == b["text"] for a, b in zip(r[kv_on], r[kv_off]))
@@ -326,7 +324,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model directory (default: the packaged default model)")
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one untimed)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after one untimed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-format", default="exact", choices=["exact", "bf16"],
                     help="kvserve's --weight-format; llama.cpp gets GGUF F32 for exact, F16 for bf16")
@@ -335,7 +333,8 @@ def main() -> None:
     ap.add_argument("--llama-src", default="", help="llama.cpp's source (convert_hf_to_gguf.py); default: above --llama-bin")
     ap.add_argument("--llama-spec", action="append", default=None,
                     help="a llama-server speculation: TYPE[:FLAGS] (repeatable; default: " + "; ".join(LLAMA_SPEC_DEFAULT) + ")")
-    ap.add_argument("--llama-args", default="", help="more llama-server flags for every llama server (e.g. '--poll 0')")
+    ap.add_argument("--llama-poll", type=int, default=None,
+                    help="llama-server's --poll for every llama server (0: its threads sleep between ops, not spin; default: its own, 50)")
     ap.add_argument("--no-llama", action="store_true", help="kvserve only")
     ap.add_argument("--json", action="store_true", help="one JSON line per row after the table")
     args = ap.parse_args()
@@ -358,11 +357,11 @@ def main() -> None:
             gguf = convert(model_dir, src, "f32" if args.weight_format == "exact" else "f16", workdir)
             ctx = max(len(p) for p in work.values()) + args.tokens + 64
             servers.append(Llama(bin_dir / "llama-server", gguf, args.threads, ctx, None, workdir, "llama plain",
-                                 args.llama_args))  # fmt: skip
+                                 "" if args.llama_poll is None else f"--poll {args.llama_poll}"))  # fmt: skip
             for i, spec in enumerate(args.llama_spec or LLAMA_SPEC_DEFAULT):
                 print(f"# llama spec{i + 1}: --spec-type {spec.replace(':', ' ', 1)}")
                 servers.append(Llama(bin_dir / "llama-server", gguf, args.threads, ctx, spec, workdir,
-                                     f"llama spec{i + 1}", args.llama_args))  # fmt: skip
+                                     f"llama spec{i + 1}", "" if args.llama_poll is None else f"--poll {args.llama_poll}"))  # fmt: skip
         load = os.getloadavg()
         res = measure(servers, work, args.tokens, args.rounds)
         load_end = os.getloadavg()
@@ -373,23 +372,24 @@ def main() -> None:
     print(f"# threads={args.threads} tokens={args.tokens} rounds={args.rounds} weight_format={args.weight_format} "
           f"max_draft={args.max_draft} load average at start {load[0]:.2f}, at end {load_end[0]:.2f}")
     names = [s.name for s in servers]
-    print("decode tok/s: the server's timings.predicted_per_second (the client's, first streamed text to the end), "
-          "median of the rounds; CPU ms/token: the server process's user+system CPU over the whole request / tokens; "
+    print("decode tok/s: the server's timings.predicted_per_second, median (best) of the rounds; client tok/s: "
+          "first streamed text to the end, median; CPU ms/token: the server process's user+system CPU over the whole request / tokens; "
           "acceptance: draft_n_accepted / draft_n of the last round")
-    print("| workload | prompt | server | decode tok/s (client) | CPU ms/token | acceptance |")
-    print("|" + " --- |" * 6)
+    print("| workload | prompt | server | decode tok/s median (best) | client tok/s | CPU ms/token | acceptance | tokens/step |")
+    print("|" + " --- |" * 8)
     for wname in work:
         r = res[wname]
         for n in names:
             t = r[n][-1]["timings"]
             d = int(t.get("draft_n", 0))
             acc = f"{int(t.get('draft_n_accepted', 0)) / d:.2f}" if d else "-"
-            print(f"| {wname} | {len(work[wname])} | {n} | {med(r[n], 'server_tok_s'):.1f} "
-                  f"({med(r[n], 'client_tok_s'):.1f}) | {med(r[n], 'cpu_ms_tok'):.2f} | {acc} |")
+            tps = f"{t['tokens_per_step']:.2f}" if "tokens_per_step" in t else "-"
+            print(f"| {wname} | {len(work[wname])} | {n} | {med(r[n], 'server_tok_s'):.1f} ({best(r[n], 'server_tok_s'):.1f}) "
+                  f"| {med(r[n], 'client_tok_s'):.1f} | {med(r[n], 'cpu_ms_tok'):.2f} | {acc} | {tps} |")
     if rows:
-        ratio_cols = [c for c in rows[0] if c.startswith("kv spec") or c.startswith("llama plain ==")]
+        ratio_cols = [c for c in rows[0] if c != "workload"]
         print()
-        print("ratios of the decode tok/s above (kv spec: kvserve ngram)")
+        print("ratios of the servers' decode tok/s, median (best) of the rounds (kv spec: kvserve ngram)")
         print("| workload | " + " | ".join(ratio_cols) + " |")
         print("|" + " --- |" * (len(ratio_cols) + 1))
         for row in rows:
