@@ -163,9 +163,10 @@ def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
 def paged_int8_attention(q: Tensor, kv: KVPool, layer: int, layout: BatchLayout, mask: Tensor | None, scale: float,
                          softcap: float | None = None, chunk_blocks: int = 32) -> Tensor:
     """softmax(cap(q k^T * scale) + mask) v over each sequence's cached context in an int8
-    or fp8 pool (``--kv-cache-format int8 | fp8``: values and per-block scales), its blocks (``layout.ctx_blocks``) dequantized
-    ``chunk_blocks`` at a time inside the attention, the chunks joined by an online
-    softmax (running max and sum): no widened copy of the whole context is ever made.
+    or fp8 pool (``--kv-cache-format int8 | fp8``: values and per-block scales), its
+    blocks (``layout.ctx_blocks``) dequantized ``chunk_blocks`` at a time inside the
+    attention, the chunks joined by an online softmax (running max and sum): no widened
+    copy of the whole context is ever made.
 
     q (B, T, nh, hd); mask (B, 1, T, C) additive or None (``layout.mask_for``); softcap
     None or cap: cap * tanh(s / cap) (Gemma 2) -> (B, T, nh, hd) in q's dtype."""

@@ -154,8 +154,8 @@ def test_loss_and_greedy_tokens_stay_close_to_exact(loaded, fmt) -> None:
 def test_formats_never_read_each_others_blocks(loaded, redis_url) -> None:
     """A transcript spilled to Redis by an exact engine is a miss for a bf16 engine on the
     same Redis and prefix (and the reverse): different namespaces, not rounded reuse."""
-    cases = (("exact", "bf16"), ("bf16", "fp16"), ("bf16", "exact"), ("exact", "int8"), ("int8", "exact"), ("int8", "bf16"),
-             ("exact", "fp8"), ("fp8", "exact"), ("fp8", "int8"), ("int8", "fp8"))  # fmt: skip
+    cases = (("exact", "bf16"), ("bf16", "fp16"), ("bf16", "exact"), ("exact", "int8"), ("int8", "exact"),
+             ("int8", "bf16"), ("exact", "fp8"), ("fp8", "exact"), ("fp8", "int8"), ("int8", "fp8"))  # fmt: skip
     for i, (writer, reader) in enumerate(cases):
         (p1,) = prompts(loaded.config.vocab_size, [16], seed=21 + i)  # a prefix no earlier case wrote
         a = make_engine(loaded, writer, store=store_for(loaded, writer, redis_url=redis_url))
@@ -459,7 +459,8 @@ def test_fp8_kv_output_stays_within_fp8_tolerance_of_transformers(loaded, tiny_l
             hf = torch.log_softmax(ref(torch.tensor([s])).logits[0].double(), -1)  # (n, V)
         nb = 1 + -(-len(s) // BS)
         exact = torch.log_softmax(_logits(loaded, KVPool(nb, c.num_layers, BS, c.num_kv_heads, c.head_dim), s), -1)
-        pool = KVPool(nb, c.num_layers, BS, c.num_kv_heads, c.head_dim, torch.float8_e4m3fn, compute_dtype=torch.float32)
+        pool = KVPool(nb, c.num_layers, BS, c.num_kv_heads, c.head_dim, torch.float8_e4m3fn,
+                      compute_dtype=torch.float32)  # fmt: skip
         fp8 = torch.log_softmax(_logits(loaded, pool, s), -1)
         worst_exact = max(worst_exact, float((exact - hf).abs().max()))
         kls.append((hf.exp() * (hf - fp8)).sum(-1))  # (n,) nats
@@ -499,7 +500,8 @@ def test_the_open_fp8_block_grows_its_scale_and_holds_each_row_within_e4m3s_step
         scale = pool.k_scale(0)[2]
         torch.testing.assert_close(scale, held.abs().amax(dim=(0, 2)) / 448, rtol=1e-6, atol=0)
         err = (stored_kv(pool, 0)[0][2, : p + 1] - held).abs()
-        rounds = torch.arange(p + 1, 0, -1, dtype=torch.float32)[:, None, None]  # row i: written, requantized p - i times
+        # row i: written once, then requantized p - i times
+        rounds = torch.arange(p + 1, 0, -1, dtype=torch.float32)[:, None, None]
         grow = (1 + 2**-4) ** rounds  # each rounding: half e4m3's relative step, or half its subnormal step
         bound = held.abs() * (grow - 1) + rounds * grow * scale[None, :, None] * 2**-10
         assert (err <= bound * (1 + 1e-5)).all(), p
