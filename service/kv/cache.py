@@ -187,7 +187,7 @@ class KVPool:
         # (N, L, 2, bs, n_kv, hd); int8 / fp8 KV: (N, L, 2, plane_bytes), values then scales per plane
         # ``_rows``: the data as torch indexes it: fp8's bytes as uint8 (torch's CPU index_copy_
         # has no float8 kernel), any other dtype itself
-        self._rows = self.data.view(torch.uint8) if dtype == torch.float8_e4m3fn else self.data
+        self._rows = _rows_of(self.data)
         if self.spec.quantized:
             n_val, at = self.spec.values_per_plane, self.spec.scale_offset
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -314,8 +314,8 @@ class KVPool:
     def dequantized(self, layer: int, block_ids: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """Int8 / fp8 KV: the K and V of ``layer`` in ``block_ids`` (n,), dequantized:
         (n, bs, n_kv, hd) each, in ``dtype``."""
-        return (dequantize(self._k[layer].index_select(0, block_ids), self._k_scale[layer].index_select(0, block_ids), dtype),
-                dequantize(self._v[layer].index_select(0, block_ids), self._v_scale[layer].index_select(0, block_ids), dtype))
+        return (dequantize(_select(self._k[layer], block_ids), self._k_scale[layer].index_select(0, block_ids), dtype),
+                dequantize(_select(self._v[layer], block_ids), self._v_scale[layer].index_select(0, block_ids), dtype))
 
     def _update_int8(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``update`` for int8 / fp8 KV: each plane's new rows quantized at their block's scale,
@@ -355,12 +355,12 @@ class KVPool:
         s_new = torch.maximum(s_old, grown / QUANT_MAX[self.dtype])
         inv_new = torch.where(s_new > 0, 1.0 / s_new, 0.0)  # a block of zeros: scale 0, values 0
         if rows.device.type != "cpu" or not torch.equal(s_new, s_old):  # requantize what the blocks hold
-            held = dequantize(q_cache.index_select(0, blocks), s_old)  # (U, bs, n_kv, hd)
+            held = dequantize(_select(q_cache, blocks), s_old)  # (U, bs, n_kv, hd)
             requant = quantize(held, inv_new[:, None], self.dtype)
             _rows_of(q_cache).index_copy_(0, blocks, _rows_of(requant))
         s_cache.index_copy_(0, blocks, s_new)
         q = quantize(rows, inv_new.index_select(0, inverse), self.dtype)  # (B*T, n_kv, hd) int8 | e4m3
-        q_cache.index_put_((layout.slot_blocks, layout.slot_offsets), q)
+        _rows_of(q_cache).index_put_((layout.slot_blocks, layout.slot_offsets), _rows_of(q))
         return dequantize(q, s_new.index_select(0, inverse))
 
     # ---- export / import (the cache store's unit) -----------------------------------
@@ -394,12 +394,12 @@ class KVPool:
         """Contiguous copies of several blocks, shape (n, L, 2, bs, n_kv, hd)."""
         idx = self._index(block_ids)
         if out is None:
-            return self.data.index_select(0, idx)
+            return _select(self.data, idx)
         self._check_tensor(out, (len(block_ids), *self.block_shape), "out")
         if out.device == self.device:
-            torch.index_select(self.data, 0, idx, out=out)
+            torch.index_select(self._rows, 0, idx, out=_rows_of(out))
         else:
-            out.copy_(self.data.index_select(0, idx), non_blocking=self._async(out))
+            out.copy_(_select(self.data, idx), non_blocking=self._async(out))
         return out
 
     def import_blocks(self, block_ids: Sequence[int], tensor: Tensor) -> None:
@@ -438,8 +438,14 @@ def quantize(x: Tensor, inv_scale: Tensor, dtype: torch.dtype = torch.int8) -> T
 
 
 def _rows_of(t: Tensor) -> Tensor:
-    """``t`` as torch's CPU index ops take it: an e4m3 tensor's bytes (uint8), else ``t``."""
+    """``t`` as torch's index ops take it on every device: an e4m3 tensor's bytes (uint8;
+    torch's CPU ``index_copy_`` has no float8 kernel), else ``t``."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _select(t: Tensor, index: Tensor) -> Tensor:
+    """``t.index_select(0, index)`` through ``_rows_of`` (e4m3 selected as bytes), in t's dtype."""
+    return _rows_of(t).index_select(0, index).view(t.dtype)
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
