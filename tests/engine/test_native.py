@@ -416,7 +416,7 @@ def test_decode_attention_reads_the_pool_in_place(isa, nh, nkv, window, softcap,
 # The kernel splits a batch's contexts into spans (at block boundaries, about two per thread)
 # only when it runs on more than one thread; each span's (max, sum, accumulator) is merged.
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8])
-@pytest.mark.parametrize("window,softcap", [(None, None), (100, None), (None, 30.0)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (400, None), (None, 30.0)])
 @pytest.mark.parametrize("hd", [64, 12])
 def test_decode_attention_over_long_contexts_split_into_spans(isa, pool_dtype, window, softcap, hd) -> None:
     """Contexts of hundreds of positions in 16-position blocks (lengths not a multiple of
@@ -427,7 +427,7 @@ def test_decode_attention_over_long_contexts_split_into_spans(isa, pool_dtype, w
 
     g = torch.Generator().manual_seed(hd + (window or 0))
     bs, L, nh, nkv = 16, 2, 12, 4
-    lens = [301, 45, 200]  # context before the new token: 300, 44, 199
+    lens = [601, 45, 300]  # context before the new token: 600, 44, 299 (window 400: from position 201)
     nbs = [-(-n // bs) for n in lens]
     ids = (torch.randperm(sum(nbs), generator=g) + 1).tolist()
     tables = [ids[sum(nbs[:b]) : sum(nbs[: b + 1])] for b in range(3)]

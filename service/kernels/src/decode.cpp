@@ -254,7 +254,7 @@ constexpr int kScoreRows = 4;  // GN * 4 <= 12 accumulators of 16
 constexpr int kVChunk1 = 8, kVChunk2 = 4, kVChunk3 = 4;
 #endif
 constexpr int kTile = 16;          // positions per online-softmax step (a block of the default size)
-constexpr int64_t kMinSpan = 64;   // positions: a sequence is split into spans no shorter
+constexpr int64_t kMinSpan = 128;  // positions: a sequence is split into spans of about this many or more
 constexpr int64_t kPrefetchBlocks = 1;  // how far ahead (in blocks) a span's planes are prefetched
 
 // The 4 lane sums of a[0..3]: out[j] = hsum(a[j]).
@@ -499,8 +499,8 @@ void attend_span(const PoolView<E>& pv, const int64_t* table, int64_t bs, int64_
 // The decode attention of B sequences (after their new K/V are in the pool): each
 // sequence's context [start, len) (start: len - window with a window shorter than it) in
 // spans, split only to give nthreads threads work (about two spans per thread over the
-// batch's positions, none shorter than kMinSpan, boundaries on blocks); a split sequence's
-// spans' states merged into its output.
+// batch's positions, a sequence into at most len / kMinSpan, of whole blocks but the
+// first and last); a split sequence's spans' states merged into its output.
 template <class E>
 void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, int64_t nh, int64_t nkv, int64_t hd,
                   int64_t bs, const int64_t* tables, int64_t nb, const int64_t* lens, int64_t window, float scale,
@@ -511,23 +511,21 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
   auto first = [&](int64_t b) { return (window > 0 && lens[b] > window) ? lens[b] - window : 0; };
   int64_t total = 0;
   for (int64_t b = 0; b < B; b++) total += lens[b] - first(b);
-  int64_t chunk = INT64_MAX;
-  if (nthreads > 1) {
-    chunk = std::max(kMinSpan, (total + 2 * nthreads - 1) / (2 * nthreads));
-    chunk = (chunk + bs - 1) / bs * bs;
-  }
+  const int64_t target = (total + 2 * nthreads - 1) / (2 * nthreads);  // positions per span for ~2 spans a thread
   std::vector<Span> spans;
   std::vector<int64_t> part0(B, -1), parts(B, 0);
   int64_t nparts = 0;
   for (int64_t b = 0; b < B; b++) {
-    const int64_t start = first(b), len = lens[b];
-    if (len - start <= chunk) {
+    const int64_t start = first(b), len = lens[b], n = len - start;
+    const int64_t pieces = nthreads > 1 ? std::min((n + target - 1) / target, n / kMinSpan) : 1;
+    if (pieces <= 1) {
       spans.push_back({b, start, len, -1});
       continue;
     }
+    const int64_t fb = start / bs, per = ((len - 1) / bs - fb + pieces) / pieces;  // blocks per span
     part0[b] = nparts;
     for (int64_t p = start; p < len;) {
-      const int64_t e = std::min(len, (p / chunk + 1) * chunk);
+      const int64_t e = std::min(len, (fb + (parts[b] + 1) * per) * bs);
       spans.push_back({b, p, e, nparts++});
       parts[b]++;
       p = e;
