@@ -162,7 +162,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(isa, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 65, 200])  # micro-kernel rows: 6; 200 spans two row blocks (192)
+# micro-kernel rows: 6 (AVX2), 12 (AVX-512): every remainder; 200 spans two row blocks (192)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 65, 200])
 @pytest.mark.parametrize("K,N", [(64, 37), (771, 150), (600, 16)])  # tails past 8 and 16; two and three K blocks
 def test_gemm_matches_float64_reference(isa, dtype, rows, K, N) -> None:
     """The prefill product (gemm.cpp): any rows, weight panels widened per block of K;

@@ -12,10 +12,17 @@
 //               scale for int8) into a thread's panel buffer, NR columns per panel,
 //               laid out [k][NR] (~128 KiB: L2)
 //   ic          input rows in blocks of MC (MC x KC float32, ~192 KiB: L2)
-//   panel       one NR-column panel (KC x NR, 16 KiB: L1)
+//   panel       one NR-column panel (KC x NR: 16 KiB on AVX2, 32 KiB on AVX-512: L1)
 //   ir          MR input rows: the micro-kernel, MR x NR accumulators in registers
 //               (6 x 16 on AVX2: 12 of the 16 vector registers, 2 for the panel's row,
-//               1 for the broadcast input), one pass over the panel's KC values
+//               1 for the broadcast input; 12 x 32 on AVX-512: 24 of 32), one pass
+//               over the panel's KC values
+//
+// The AVX-512 library's 12 x 32 kernel ran ~1.8x the AVX2 one's GFLOP per CPU second on
+// the Zen 4 host of docs/benchmarks.md (issue 29); KC 256 measured ahead of 128 and 192
+// there. Packing the input rows too (BLIS's A panel, [k][MR]) measured 0-15% slower on
+// AVX2 there (an extra pass over the input, and the unpacked rows already stream from
+// L2), so the input stays unpacked.
 //
 // Each output's sum runs over K in blocks of KC, in order, so a row's result does not
 // depend on the other rows (bit for bit: each row is computed with the same operations
@@ -37,8 +44,30 @@
 
 namespace {
 
+// The micro-kernel's tile: MR rows x NR columns of accumulators in registers.
+#ifdef __AVX512F__
+// 12 x 32: 24 of AVX-512's 32 registers as accumulators, 2 for the panel's row, 1 broadcast
+constexpr int MR = 12, NR = 32;
+constexpr int64_t KC = 256, MC = 192, NC = 128;
+using vec = __m512;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline void vstore(float* p, vec v) { _mm512_store_ps(p, v); }
+#else
+// 6 x 16: 12 of AVX2's 16 registers as accumulators, 2 for the panel's row, 1 broadcast
 constexpr int MR = 6, NR = 16;
 constexpr int64_t KC = 256, MC = 192, NC = 128;
+using vec = __m256;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vec vfmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline void vstore(float* p, vec v) { _mm256_store_ps(p, v); }
+#endif
+constexpr int VW = sizeof(vec) / sizeof(float);  // floats per vector: NR = 2 VW
+static_assert(NR == 2 * VW && NC % NR == 0, "two vectors per panel row, whole panels per chunk");
 
 // 8 consecutive weights widened to float32
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
@@ -127,22 +156,22 @@ inline void store_tile(const float* t, int mr, float* c, int64_t ldc, int nr, bo
 template <int mr>
 inline void micro(const float* a, int64_t lda, const float* bp, int64_t kc, float* c, int64_t ldc, int nr, bool add,
                   const float* bias) {
-  __m256 c0[mr], c1[mr];
-  for (int m = 0; m < mr; m++) c0[m] = c1[m] = _mm256_setzero_ps();
+  vec c0[mr], c1[mr];
+  for (int m = 0; m < mr; m++) c0[m] = c1[m] = vzero();
   for (int64_t k = 0; k < kc; k++) {
-    const __m256 b0 = _mm256_loadu_ps(bp + k * NR), b1 = _mm256_loadu_ps(bp + k * NR + 8);
+    const vec b0 = vload(bp + k * NR), b1 = vload(bp + k * NR + VW);
     for (int m = 0; m < mr; m++) {
-      const __m256 av = _mm256_broadcast_ss(a + m * lda + k);
-      c0[m] = _mm256_fmadd_ps(av, b0, c0[m]);
-      c1[m] = _mm256_fmadd_ps(av, b1, c1[m]);
+      const vec av = vbroadcast(a + m * lda + k);
+      c0[m] = vfmadd(av, b0, c0[m]);
+      c1[m] = vfmadd(av, b1, c1[m]);
     }
   }
   // the tile leaves the registers once, then is added where it goes (kept out of the
   // loop above: indexing the accumulators at run time made the compiler keep them in memory)
-  alignas(32) float t[mr][NR];
+  alignas(64) float t[mr][NR];
   for (int m = 0; m < mr; m++) {
-    _mm256_store_ps(t[m], c0[m]);
-    _mm256_store_ps(t[m] + 8, c1[m]);
+    vstore(t[m], c0[m]);
+    vstore(t[m] + VW, c1[m]);
   }
   store_tile(&t[0][0], mr, c, ldc, nr, add, bias);
 }
