@@ -88,7 +88,7 @@ class Attention:
                 self.tables.data_ptr(), self.tables.shape[1], self.lens.data_ptr(), 0, self.hd**-0.5, 0.0,
                 self.out.data_ptr(), self.threads,
             )  # fmt: skip
-        # the step wrote its K/V at the same slot each time: the context's length stays ctx + 1
+        # every step writes its K/V at the same slot: the context stays ctx + 1 positions
 
     def label(self) -> str:
         return f"{self.fmt} KV, {self.B} x {self.ctx}, {self.threads} thr"
@@ -141,7 +141,8 @@ def main() -> None:
         print(f"{args.shape}, {isa} build, {args.steps} steps per build{' in turn' if len(libs) > 1 else ''}",
               file=sys.stderr)  # fmt: skip
         two = len(libs) > 1
-        print("| workload | build | wall (ms) | CPU (ms) | GB/s wall | GB/s CPU |" + (" CPU vs " + names[1] + " |" if two else ""))
+        vs = f" CPU vs {names[1]} |" if two else ""
+        print(f"| workload | build | wall (ms) | CPU (ms) | GB/s wall | GB/s CPU |{vs}")
         print("|---|---|---:|---:|---:|---:|" + ("---:|" if two else ""))
         for f in args.kv_formats.split(","):
             for ctx in map(int, args.contexts.split(",")):
@@ -153,8 +154,9 @@ def main() -> None:
                         for i, (name, (wall, c)) in enumerate(zip(names, res)):
                             mw = statistics.median(wall)
                             ratio = (f" {cpu[0] / cpu[1]:.2f}x |" if i == 0 else " |") if two else ""
-                            print(f"| {w.label()} | {name} | {mw * 1e3:.2f} | {cpu[i] * 1e3:.2f} | {w.bytes / mw / 1e9:.1f} "
-                                  f"| {w.bytes / cpu[i] / 1e9:.1f} |{ratio}", flush=True)  # fmt: skip
+                            print(f"| {w.label()} | {name} | {mw * 1e3:.2f} | {cpu[i] * 1e3:.2f} "
+                                  f"| {w.bytes / mw / 1e9:.1f} | {w.bytes / cpu[i] / 1e9:.1f} |{ratio}",
+                                  flush=True)  # fmt: skip
                         del w
 
 
