@@ -414,6 +414,60 @@ def test_decode_attention_reads_the_pool_in_place(isa, nh, nkv, window, softcap,
     torch.testing.assert_close(out.view(3, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
 
 
+# The kernel splits a batch's contexts into spans (at block boundaries, about two per thread)
+# only when it runs on more than one thread; each span's (max, sum, accumulator) is merged.
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("window,softcap", [(None, None), (400, None), (None, 30.0)])
+@pytest.mark.parametrize("hd", [64, 12])
+def test_decode_attention_over_long_contexts_split_into_spans(isa, pool_dtype, window, softcap, hd) -> None:
+    """Contexts of hundreds of positions in 16-position blocks (lengths not a multiple of
+    a block, a window starting inside one), scattered over the pool: with one thread (one
+    pass over each context) and with two (the long contexts split into spans whose
+    partial softmax states are merged) the output is the float64 attention."""
+    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+
+    g = torch.Generator().manual_seed(hd + (window or 0))
+    bs, L, nh, nkv = 16, 2, 12, 4
+    lens = [601, 45, 300]  # context before the new token: 600, 44, 299 (window 400: from position 201)
+    nbs = [-(-n // bs) for n in lens]
+    ids = (torch.randperm(sum(nbs), generator=g) + 1).tolist()
+    tables = [ids[sum(nbs[:b]) : sum(nbs[: b + 1])] for b in range(3)]
+    kwargs = {"compute_dtype": torch.float32} if pool_dtype == torch.int8 else {}
+    pool = KVPool(sum(nbs) + 1, L, bs, nkv, hd, pool_dtype, **kwargs)
+    if pool_dtype == torch.int8:  # the context written by torch's path: values and scales as an engine's
+        for t, n in zip(tables, lens):
+            k, v = torch.randn(2, 1, n - 1, nkv, hd, generator=g)
+            pool.update(1, BatchLayout.build([SeqSlice(t, 0, [1] * (n - 1))], bs), k, v)
+    else:
+        pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    layout = BatchLayout.build([SeqSlice(t, n - 1, [5]) for t, n in zip(tables, lens)], bs)
+    q = torch.randn(3, 1, nh, hd, generator=g)
+    k, v = torch.randn(3, 1, 2 * nkv, hd, generator=g).split(nkv, dim=2)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            data = pool.data.clone()  # the same context for both: the call writes the new K/V into it
+            outs.append(ops.decode_attention(q, k, v, data, 1, layout.slot_blocks, layout.slot_offsets,
+                                             layout.ctx_blocks, layout.lens_tensor(), window, hd**-0.5, softcap,
+                                             block_size=bs))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    pool.data.copy_(data)
+    if pool_dtype == torch.int8:
+        blocks = layout.ctx_blocks.view(-1)
+        k_ctx = (pool.k(1).float() * pool.k_scale(1)[..., None, :, None]).index_select(0, blocks)
+        v_ctx = (pool.v(1).float() * pool.v_scale(1)[..., None, :, None]).index_select(0, blocks)
+    else:
+        k_ctx = pool.k(1).index_select(0, layout.ctx_blocks.view(-1))
+        v_ctx = pool.v(1).index_select(0, layout.ctx_blocks.view(-1))
+    k_ctx, v_ctx = k_ctx.reshape(3, -1, nkv, hd), v_ctx.reshape(3, -1, nkv, hd)
+    ref = _ref_attention(q[:, 0], k_ctx, v_ctx, lens, window, hd**-0.5, softcap)
+    for out in outs:
+        torch.testing.assert_close(out.view(3, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
+
+
 def test_norm_rope_and_gates_match_torch(isa) -> None:
     import torch.nn.functional as F
 

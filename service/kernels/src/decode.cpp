@@ -52,12 +52,14 @@ inline float hsum(__m256 v) {
 // exactly, and rounds a float32 to the stored type to nearest even, as torch's .to() does.
 struct F32Kv {
   using T = float;
+  static constexpr bool scaled = false;
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
   static float load1(const float* p) { return *p; }
   static float store1(float x) { return x; }
 };
 struct Bf16Kv {  // bfloat16: the high half of a float32
   using T = uint16_t;
+  static constexpr bool scaled = false;
   static __m256 load8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
@@ -76,6 +78,7 @@ struct Bf16Kv {  // bfloat16: the high half of a float32
 };
 struct F16Kv {  // IEEE half (F16C)
   using T = uint16_t;
+  static constexpr bool scaled = false;
   static __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
   static uint16_t store1(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -119,124 +122,6 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(lo, hi);
 }
 
-// out[j] = dot(q, k[j]) for the n <= 8 rows k[j] (hd floats each, hd % 8 == 0): one
-// accumulator per row, so the eight multiply-add chains run side by side. Eight rows (all
-// but a context's last block) take the unrolled form, whose accumulators and row pointers
-// stay in registers; the same sums in the same order either way.
-template <class E>
-inline void dot8(const float* q, const typename E::T* const* k, int n, int64_t hd, float* out) {
-  if (n == 8) {
-    const typename E::T *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t i = 0; i < hd; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, E::load8(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, E::load8(k1 + i), a1);
-      a2 = _mm256_fmadd_ps(qv, E::load8(k2 + i), a2);
-      a3 = _mm256_fmadd_ps(qv, E::load8(k3 + i), a3);
-      a4 = _mm256_fmadd_ps(qv, E::load8(k4 + i), a4);
-      a5 = _mm256_fmadd_ps(qv, E::load8(k5 + i), a5);
-      a6 = _mm256_fmadd_ps(qv, E::load8(k6 + i), a6);
-      a7 = _mm256_fmadd_ps(qv, E::load8(k7 + i), a7);
-    }
-    const __m256 r[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-    _mm256_storeu_ps(out, hsum8(r));
-    return;
-  }
-  __m256 a[8];
-  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < hd; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(qv, E::load8(k[j] + i), a[j]);
-  }
-  float r[8];
-  _mm256_storeu_ps(r, hsum8(a));
-  for (int j = 0; j < n; j++) out[j] = r[j];
-}
-
-// How far ahead (in positions) attention prefetches K and V rows: a position's rows for one
-// kv head are short pieces (hd floats) at the pool's token stride, which the hardware
-// prefetcher follows poorly, and eight positions' work is shorter than a memory access.
-// 12 layers of ~110M's attention, 8 sequences x 1024 positions, AVX2 host, two threads,
-// five alternating runs: medians 24.1 ms (8 ahead, K only) against 19.5 (24 ahead, K and V;
-// 16 and 40 ahead measured within the noise of 24); one sequence unchanged.
-constexpr int64_t kPrefetchRows = 24;
-
-// The weighted sums of GN query heads over one kv head's V rows, in chunks of CH vectors
-// of 8 floats: acc[g] (hd) = sum_p w[g * n + p] * v[p] for g < GN. Each V row chunk is read
-// once for the GN heads (grouped-query attention shares V rows among a kv head's query
-// heads); the GN * CH accumulators stay in registers across the positions. hd % 8 == 0.
-// Per element the sum runs over p in order, whatever GN and CH are: the same bits.
-template <class E, int GN, int CH>
-inline void weighted_sum_group(const typename E::T* const* v, const float* w, int64_t n, int64_t hd, float* acc) {
-  int64_t c = 0;
-  for (; c + 8 * CH <= hd; c += 8 * CH) {
-    __m256 a[GN][CH];
-    for (int g = 0; g < GN; g++)
-      for (int j = 0; j < CH; j++) a[g][j] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < n; p++) {
-      const typename E::T* vp = v[p] + c;
-      if (p + kPrefetchRows < n)  // this chunk of the row kPrefetchRows positions on
-        for (int j = 0; j < CH; j += 2) _mm_prefetch((const char*)(v[p + kPrefetchRows] + c + 8 * j), _MM_HINT_T0);
-      __m256 wp[GN];
-      for (int g = 0; g < GN; g++) wp[g] = _mm256_broadcast_ss(w + g * n + p);
-      for (int j = 0; j < CH; j++) {
-        const __m256 x = E::load8(vp + 8 * j);
-        for (int g = 0; g < GN; g++) a[g][j] = _mm256_fmadd_ps(wp[g], x, a[g][j]);
-      }
-    }
-    for (int g = 0; g < GN; g++)
-      for (int j = 0; j < CH; j++) _mm256_storeu_ps(acc + g * hd + c + 8 * j, a[g][j]);
-  }
-  for (; c < hd; c += 8) {  // the last hd % (8 * CH) floats, one vector at a time
-    __m256 a[GN];
-    for (int g = 0; g < GN; g++) a[g] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < n; p++) {
-      const __m256 x = E::load8(v[p] + c);
-      for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * n + p), x, a[g]);
-    }
-    for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * hd + c, a[g]);
-  }
-}
-
-// acc (G, hd) = the weighted sums of G query heads (weights w (G, n)) over the same V rows,
-// taken in groups of up to 3 heads sized to the vector registers: 16 with AVX2, 32 with
-// AVX-512 (its __m256 code reaches ymm16-31).
-template <class E>
-inline void weighted_sum_heads(const typename E::T* const* v, const float* w, int64_t G, int64_t n, int64_t hd,
-                               float* acc) {
-#ifdef __AVX512F__
-  constexpr int C1 = 8, C2 = 8, C3 = 8;
-#else
-  constexpr int C1 = 8, C2 = 4, C3 = 4;
-#endif
-  int64_t g = 0;
-  for (; g + 3 <= G; g += 3) weighted_sum_group<E, 3, C3>(v, w + g * n, n, hd, acc + g * hd);
-  if (G - g == 2) weighted_sum_group<E, 2, C2>(v, w + g * n, n, hd, acc + g * hd);
-  if (G - g == 1) weighted_sum_group<E, 1, C1>(v, w + g * n, n, hd, acc + g * hd);
-}
-
-
-// Work units of the decode attention kernels: (sequence, kv head, slice of that kv head's
-// query heads). The query heads of a slice share each K and V row read from the pool
-// (grouped-query attention reads the context once per slice, not once per query head); a
-// group is split into slices only as far as needed to give every thread work.
-struct AttnUnits {
-  int64_t nkv, group, slices, per;
-  AttnUnits(int64_t B, int64_t nh, int64_t nkv_, int nthreads) : nkv(nkv_), group(nh / nkv_) {
-    slices = (2 * (int64_t)nthreads + B * nkv - 1) / (B * nkv);
-    slices = slices < 1 ? 1 : (slices > group ? group : slices);
-    per = (group + slices - 1) / slices;
-  }
-  int64_t count(int64_t B) const { return B * nkv * slices; }
-  // unit u: its sequence b, kv head kvh and query heads [h0, h1) (empty when h1 <= h0)
-  void at(int64_t u, int64_t& b, int64_t& kvh, int64_t& h0, int64_t& h1) const {
-    b = u / (nkv * slices);
-    kvh = (u / slices) % nkv;
-    h0 = kvh * group + (u % slices) * per;
-    h1 = h0 + per < (kvh + 1) * group ? h0 + per : (kvh + 1) * group;
-  }
-};
 
 }  // namespace
 
@@ -333,7 +218,360 @@ void kv_act_mul(const float* gu, int64_t rows, int64_t ldg, int64_t I, int act, 
 
 }  // extern "C"
 
+
 namespace {
+
+// ---- decode attention over the block pool ------------------------------------------------
+// One work unit is a span of one sequence's context positions, all its kv heads and query
+// heads, read block by block from the block's base: a block's K plane (bs, nkv, hd) of this
+// layer and its V plane right after it are one contiguous run of the pool, read in order
+// (no per-position pointer table; the next block's planes are prefetched while this one's
+// are used). Per kv head and tile of up to kTile positions of a block, the G query heads
+// sharing it take their scores at once (a small GEMM: each K row chunk widened once for the
+// G heads' accumulators, one horizontal reduction per kScoreRows positions), then one
+// online-softmax step (running max and sum per head, the accumulator rescaled when the max
+// grows) and the V rows of the tile added into the G accumulators, each V row chunk widened
+// once: one pass over the context. A sequence split into several spans (to give every
+// thread work when the batch is small) has its spans' partial (max, sum, accumulator)
+// merged after.
+
+// The int8 pool's element (KV_I8): widened exactly; a block's per-kv-head K scale multiplies
+// its scores, its V scale the softmax weights (the float pools' Kv types have scaled = false).
+struct I8Kv {
+  using T = int8_t;
+  static constexpr bool scaled = true;
+  static __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
+  static float load1(const int8_t* p) { return (float)*p; }
+};
+
+#ifdef __AVX512F__
+constexpr int kScoreRows = 8;  // K rows per pass of score_rows: GN * 8 <= 24 accumulators of 32 vector registers
+constexpr int kVChunk1 = 8, kVChunk2 = 8, kVChunk3 = 8;  // accumulate_v's vectors per head: GN * CH <= 24
+#else
+constexpr int kScoreRows = 4;  // GN * 4 <= 12 accumulators of 16
+constexpr int kVChunk1 = 8, kVChunk2 = 4, kVChunk3 = 4;
+#endif
+constexpr int kTile = 16;          // positions per online-softmax step (a block of the default size)
+constexpr int64_t kMinSpan = 128;  // positions: a sequence is split into spans of about this many or more
+constexpr int64_t kPrefetchBlocks = 1;  // how far ahead (in blocks) a span's planes are prefetched
+
+// The 4 lane sums of a[0..3]: out[j] = hsum(a[j]).
+inline __m128 hsum4(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s = _mm256_hadd_ps(s01, s23);  // [a0 a1 a2 a3 | a0 a1 a2 a3]: each half's partial sums
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// s[g * ls + j] = dot(q[g], k[j]) for GN query heads (q rows at stride hd) and the m <= P
+// K rows k + j * stride (hd % 8 == 0): each 8-value chunk of a row widened once for the GN
+// heads, GN * P accumulators, one horizontal reduction per head and P rows. Rows past m
+// repeat the last (computed, not stored).
+template <class E, int GN, int P>
+inline void score_rows(const float* q, int64_t hd, const typename E::T* k, int64_t stride, int m, float* s,
+                       int64_t ls) {
+  const typename E::T* r[P];
+  for (int j = 0; j < P; j++) r[j] = k + (j < m ? j : m - 1) * stride;
+  __m256 a[GN][P];
+  for (int g = 0; g < GN; g++)
+    for (int j = 0; j < P; j++) a[g][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < hd; i += 8) {
+    __m256 qv[GN];
+    for (int g = 0; g < GN; g++) qv[g] = _mm256_loadu_ps(q + g * hd + i);
+    for (int j = 0; j < P; j++) {
+      const __m256 x = E::load8(r[j] + i);
+      for (int g = 0; g < GN; g++) a[g][j] = _mm256_fmadd_ps(qv[g], x, a[g][j]);
+    }
+  }
+  for (int g = 0; g < GN; g++) {
+    float t[8];
+    if constexpr (P == 8) {
+      _mm256_storeu_ps(t, hsum8(a[g]));
+    } else {
+      _mm_storeu_ps(t, hsum4(a[g]));
+    }
+    for (int j = 0; j < m; j++) s[g * ls + j] = t[j];
+  }
+}
+
+// acc[g] (hd) = acc[g] * alpha[g] + sum_p w[g * ls + p] * v[p] over the m V rows
+// v + p * stride, for GN heads, in chunks of CH vectors (hd % 8 == 0): GN * CH accumulators
+// in registers across the rows, each row chunk widened once for the GN heads.
+template <class E, int GN, int CH>
+inline void accumulate_v(const typename E::T* v, int64_t stride, int m, const float* w, int64_t ls, int64_t hd,
+                         const float* alpha, float* acc) {
+  int64_t c = 0;
+  for (; c + 8 * CH <= hd; c += 8 * CH) {
+    __m256 a[GN][CH];
+    for (int g = 0; g < GN; g++) {
+      const __m256 al = _mm256_set1_ps(alpha[g]);
+      for (int j = 0; j < CH; j++) a[g][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * hd + c + 8 * j), al);
+    }
+    for (int p = 0; p < m; p++) {
+      const typename E::T* vp = v + p * stride + c;
+      __m256 wp[GN];
+      for (int g = 0; g < GN; g++) wp[g] = _mm256_broadcast_ss(w + g * ls + p);
+      for (int j = 0; j < CH; j++) {
+        const __m256 x = E::load8(vp + 8 * j);
+        for (int g = 0; g < GN; g++) a[g][j] = _mm256_fmadd_ps(wp[g], x, a[g][j]);
+      }
+    }
+    for (int g = 0; g < GN; g++)
+      for (int j = 0; j < CH; j++) _mm256_storeu_ps(acc + g * hd + c + 8 * j, a[g][j]);
+  }
+  for (; c < hd; c += 8) {  // the last hd % (8 * CH) floats, one vector at a time
+    __m256 a[GN];
+    for (int g = 0; g < GN; g++) a[g] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * hd + c), _mm256_set1_ps(alpha[g]));
+    for (int p = 0; p < m; p++) {
+      const __m256 x = E::load8(v + p * stride + c);
+      for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * ls + p), x, a[g]);
+    }
+    for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * hd + c, a[g]);
+  }
+}
+
+// One online-softmax step of one query head over its scores sg[0..m) of a tile: scaled by
+// kscale (the softmax scale, times the block's K scale for int8) and capped when
+// softcap > 0, the running max *mrun and sum *lrun updated; sg becomes the weights
+// exp(score - max) (times vscale: the block's V scale for int8). Returns the factor
+// exp(old max - new max) the head's accumulator is rescaled by (0 at its first tile).
+template <class E>
+inline float softmax_step(float* sg, int m, float kscale, float vscale, float softcap, float* mrun, float* lrun) {
+  float mx = -INFINITY;
+  int j = 0;
+  if (softcap > 0.0f) {
+    for (; j < m; j++) {
+      sg[j] = softcap * tanhf(sg[j] * kscale / softcap);
+      mx = sg[j] > mx ? sg[j] : mx;
+    }
+  } else {
+    const __m256 kv = _mm256_set1_ps(kscale);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= m; j += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sg + j), kv);
+      _mm256_storeu_ps(sg + j, x);
+      mv = _mm256_max_ps(mv, x);
+    }
+    float r[8];
+    _mm256_storeu_ps(r, mv);
+    for (int i = 0; i < 8; i++) mx = r[i] > mx ? r[i] : mx;
+    for (; j < m; j++) {
+      sg[j] *= kscale;
+      mx = sg[j] > mx ? sg[j] : mx;
+    }
+  }
+  const float mnew = mx > *mrun ? mx : *mrun;
+  const float alpha = mnew == *mrun ? 1.0f : expf(*mrun - mnew);
+  *mrun = mnew;
+  const __m256 mv = _mm256_set1_ps(mnew);
+  __m256 sv = _mm256_setzero_ps();
+  j = 0;
+  for (; j + 8 <= m; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
+    sv = _mm256_add_ps(sv, e);
+    _mm256_storeu_ps(sg + j, E::scaled ? _mm256_mul_ps(e, _mm256_set1_ps(vscale)) : e);
+  }
+  float sum = hsum(sv);
+  for (; j < m; j++) {
+    const float e = expf(sg[j] - mnew);
+    sum += e;
+    sg[j] = E::scaled ? e * vscale : e;
+  }
+  *lrun = *lrun * alpha + sum;
+  return alpha;
+}
+
+// The scores (GN query heads, rows of s at stride kTile) of the m K rows k + j * stride.
+template <class E, int GN>
+inline void score_tile(const float* q, int64_t hd, const typename E::T* k, int64_t stride, int m, float* s) {
+  if (hd % 8 == 0) {
+    score_rows<E, GN, kScoreRows>(q, hd, k, stride, m, s, kTile);
+  } else {
+    for (int g = 0; g < GN; g++)
+      for (int j = 0; j < m; j++) s[g * kTile + j] = dot_kv<E>(q + g * hd, k + j * stride, hd);
+  }
+}
+
+// acc (GN, hd) rescaled by alpha (GN) plus the weights w (GN rows at stride kTile) times
+// the m V rows v + p * stride.
+template <class E, int GN, int CH>
+inline void value_tile(const typename E::T* v, int64_t stride, int m, const float* w, int64_t hd, const float* alpha,
+                       float* acc) {
+  if (hd % 8 == 0) {
+    accumulate_v<E, GN, CH>(v, stride, m, w, kTile, hd, alpha, acc);
+  } else {
+    for (int g = 0; g < GN; g++)
+      for (int64_t d = 0; d < hd; d++) {
+        float a = acc[g * hd + d] * alpha[g];
+        for (int p = 0; p < m; p++) a += w[g * kTile + p] * E::load1(v + p * stride + d);
+        acc[g * hd + d] = a;
+      }
+  }
+}
+
+// f(h, GN) over one kv head's G query heads [h0, h0 + G) in groups of 3, then 2 or 1
+// (GN a compile-time constant: the register blocking of the score and value kernels).
+template <class F>
+inline void head_groups(int64_t h0, int64_t G, const F& f) {
+  int64_t h = h0;
+  for (; h + 3 <= h0 + G; h += 3) f.template operator()<3, kVChunk3>(h);
+  if (h0 + G - h == 2) f.template operator()<2, kVChunk2>(h);
+  if (h0 + G - h == 1) f.template operator()<1, kVChunk1>(h);
+}
+
+// Where one layer's planes of a block are: K at k(id), V vplane elements on, rows of
+// tok = nkv * hd elements (kv head h's hd at h * hd); int8: each plane's nkv float32 scales
+// soff bytes into it.
+template <class E>
+struct PoolView {
+  using T = typename E::T;
+  const T* base;
+  int64_t blk, layer_off, vplane, tok, soff;
+  const T* k(int64_t id) const { return base + id * blk + layer_off; }
+};
+
+// Attention of one sequence's query q (nh, hd) over its positions [p0, p1) (its block
+// table `table`): the unnormalized state, mrun and lrun (nh) and acc (nh, hd), from scratch.
+// Per tile of up to kTile rows of a block: the scores of every head, kScoreRows rows at a
+// time for every kv head in turn (the K plane read in address order), one softmax step per
+// head, then the V rows the same way.
+template <class E>
+void attend_span(const PoolView<E>& pv, const int64_t* table, int64_t bs, int64_t p0, int64_t p1, const float* q,
+                 int64_t nh, int64_t nkv, int64_t hd, float scale, float softcap, float* mrun, float* lrun,
+                 float* acc) {
+  using T = typename E::T;
+  const int64_t G = nh / nkv, tok = pv.tok;
+  thread_local std::vector<float> s_, alpha_, ones_;
+  s_.resize(nh * kTile), alpha_.resize(nh), ones_.assign(nh, 1.0f);
+  float *s = s_.data(), *alpha = alpha_.data();
+  const float* ones = ones_.data();
+  for (int64_t h = 0; h < nh; h++) mrun[h] = -INFINITY, lrun[h] = 0.0f;
+  memset(acc, 0, nh * hd * sizeof(float));
+  const int64_t plane_bytes = pv.vplane * (int64_t)sizeof(T);
+  for (int64_t bi = p0 / bs; bi * bs < p1; bi++) {
+    const int64_t j0 = p0 > bi * bs ? p0 - bi * bs : 0, j1 = p1 < (bi + 1) * bs ? p1 - bi * bs : bs;
+    const T* kp = pv.k(table[bi]);
+    const T* vp = kp + pv.vplane;
+    // a later block's K and V planes of this layer, prefetched a kv head's share of the rows
+    // in hand at a time (its rows at the same offsets), spread over the work on these
+    const char* next = (bi + kPrefetchBlocks) * bs < p1 ? (const char*)pv.k(table[bi + kPrefetchBlocks]) : nullptr;
+    for (int64_t t0 = j0; t0 < j1; t0 += kTile) {
+      const int m = j1 - t0 < kTile ? (int)(j1 - t0) : kTile;
+      for (int j = 0; j < m; j += kScoreRows) {
+        const int r = m - j < kScoreRows ? m - j : kScoreRows;
+        const int64_t piece = (r * tok * (int64_t)sizeof(T) + nkv - 1) / nkv, at = (t0 + j) * tok * (int64_t)sizeof(T);
+        for (int64_t kvh = 0; kvh < nkv; kvh++) {
+          if (next)
+            for (int64_t o = kvh * piece; o < (kvh + 1) * piece; o += 64) _mm_prefetch(next + at + o, _MM_HINT_T0);
+          const T* kr = kp + (t0 + j) * tok + kvh * hd;
+          head_groups(kvh * G, G, [&]<int GN, int CH>(int64_t h) {
+            score_tile<E, GN>(q + h * hd, hd, kr, tok, r, s + h * kTile + j);
+          });
+        }
+      }
+      for (int64_t kvh = 0; kvh < nkv; kvh++) {
+        float ks = scale, vs = 1.0f;
+        if constexpr (E::scaled) {
+          ks = ((const float*)((const char*)kp + pv.soff))[kvh] * scale;
+          vs = ((const float*)((const char*)vp + pv.soff))[kvh];
+        }
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+          alpha[h] = softmax_step<E>(s + h * kTile, m, ks, vs, softcap, mrun + h, lrun + h);
+      }
+      for (int j = 0; j < m; j += kScoreRows) {
+        const int r = m - j < kScoreRows ? m - j : kScoreRows;
+        const int64_t piece = (r * tok * (int64_t)sizeof(T) + nkv - 1) / nkv, at = (t0 + j) * tok * (int64_t)sizeof(T);
+        for (int64_t kvh = 0; kvh < nkv; kvh++) {
+          if (next)
+            for (int64_t o = kvh * piece; o < (kvh + 1) * piece; o += 64)
+              _mm_prefetch(next + plane_bytes + at + o, _MM_HINT_T0);
+          const T* vr = vp + (t0 + j) * tok + kvh * hd;
+          head_groups(kvh * G, G, [&]<int GN, int CH>(int64_t h) {
+            value_tile<E, GN, CH>(vr, tok, r, s + h * kTile + j, hd, (j == 0 ? alpha : ones) + h, acc + h * hd);
+          });
+        }
+      }
+    }
+  }
+}
+
+// The decode attention of B sequences (after their new K/V are in the pool): each
+// sequence's context [start, len) (start: len - window with a window shorter than it) in
+// spans, split only to give nthreads threads work (about two spans per thread over the
+// batch's positions, a sequence into at most len / kMinSpan, of whole blocks but the
+// first and last); a split sequence's spans' states merged into its output.
+template <class E>
+void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, int64_t nh, int64_t nkv, int64_t hd,
+                  int64_t bs, const int64_t* tables, int64_t nb, const int64_t* lens, int64_t window, float scale,
+                  float softcap, float* out, int nthreads) {
+  struct Span {
+    int64_t b, p0, p1, part;  // part: its state's index among the split sequences' spans; -1: the whole context
+  };
+  auto first = [&](int64_t b) { return (window > 0 && lens[b] > window) ? lens[b] - window : 0; };
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; b++) total += lens[b] - first(b);
+  const int64_t target = (total + 2 * nthreads - 1) / (2 * nthreads);  // positions per span for ~2 spans a thread
+  std::vector<Span> spans;
+  std::vector<int64_t> part0(B, -1), parts(B, 0);
+  int64_t nparts = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t start = first(b), len = lens[b], n = len - start;
+    const int64_t pieces = nthreads > 1 ? std::min((n + target - 1) / target, n / kMinSpan) : 1;
+    if (pieces <= 1) {
+      spans.push_back({b, start, len, -1});
+      continue;
+    }
+    const int64_t fb = start / bs, per = ((len - 1) / bs - fb + pieces) / pieces;  // blocks per span
+    part0[b] = nparts;
+    for (int64_t p = start; p < len;) {
+      const int64_t e = std::min(len, (fb + (parts[b] + 1) * per) * bs);
+      spans.push_back({b, p, e, nparts++});
+      parts[b]++;
+      p = e;
+    }
+  }
+  std::vector<float> pm(nparts * nh), pl(nparts * nh), pacc(nparts * nh * hd);
+  kvpool::parallel_for((int64_t)spans.size(), 1, nthreads, [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> m_, l_, a_;
+    for (int64_t u = u0; u < u1; u++) {
+      const Span& sp = spans[u];
+      float *mr, *lr, *ac;
+      if (sp.part < 0) {
+        m_.resize(nh), l_.resize(nh), a_.resize(nh * hd);
+        mr = m_.data(), lr = l_.data(), ac = a_.data();
+      } else {
+        mr = pm.data() + sp.part * nh, lr = pl.data() + sp.part * nh, ac = pacc.data() + sp.part * nh * hd;
+      }
+      attend_span<E>(pv, tables + sp.b * nb, bs, sp.p0, sp.p1, q + sp.b * sq, nh, nkv, hd, scale, softcap, mr, lr, ac);
+      if (sp.part < 0) {
+        float* o = out + sp.b * nh * hd;
+        for (int64_t h = 0; h < nh; h++) {
+          const float inv = 1.0f / lr[h];
+          for (int64_t d = 0; d < hd; d++) o[h * hd + d] = ac[h * hd + d] * inv;
+        }
+      }
+    }
+  });
+  for (int64_t b = 0; b < B; b++) {  // merge: out = sum_i acc_i e^(m_i - m) / sum_i l_i e^(m_i - m)
+    if (part0[b] < 0) continue;
+    float* o = out + b * nh * hd;
+    for (int64_t h = 0; h < nh; h++) {
+      float mx = -INFINITY;
+      for (int64_t i = part0[b]; i < part0[b] + parts[b]; i++) mx = std::max(mx, pm[i * nh + h]);
+      float sum = 0.0f;
+      for (int64_t d = 0; d < hd; d++) o[h * hd + d] = 0.0f;
+      for (int64_t i = part0[b]; i < part0[b] + parts[b]; i++) {
+        const float f = expf(pm[i * nh + h] - mx);
+        sum += pl[i * nh + h] * f;
+        const float* a = pacc.data() + (i * nh + h) * hd;
+        for (int64_t d = 0; d < hd; d++) o[h * hd + d] += a[d] * f;
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < hd; d++) o[h * hd + d] *= inv;
+    }
+  }
+}
 
 // kv_decode_attention over a pool of E::T elements (float32, bfloat16 or float16): the
 // new K/V rounded into it, the context widened 8 values at a time as it is read.
@@ -356,116 +594,16 @@ void decode_attention(const float* q, int64_t sq, const float* k, const float* v
       for (int64_t i = 0; i < tok; i++) dst[half_blk + i] = E::store1(v[b * skv + i]);
     }
   }
-  const AttnUnits units(B, nh, nkv, nthreads);  // (sequence, kv head, slice of its query heads)
-  kvpool::parallel_for(units.count(B), 1, nthreads, [&](int64_t u0, int64_t u1) {
-    thread_local std::vector<float> scores, acc;
-    thread_local std::vector<const T*> kps, vps;
-    for (int64_t u = u0; u < u1; u++) {
-      int64_t b, kvh, h0, h1;
-      units.at(u, b, kvh, h0, h1);
-      const int64_t G = h1 - h0;
-      if (G <= 0) continue;
-      const int64_t len = lens[b];
-      const int64_t start = (window > 0 && len > window) ? len - window : 0;
-      const int64_t n = len - start;
-      scores.resize(G * n);
-      acc.resize(G * hd);
-      kps.resize(n);
-      vps.resize(n);
-      for (int64_t p = start; p < len;) {  // where each position's K and V rows are in the pool, a block at a time
-        const T* row = pool + tables[b * nb + p / bs] * blk + layer * 2 * half_blk + (p % bs) * tok + kvh * hd;
-        const int64_t end = std::min(len, (p / bs + 1) * bs);
-        for (; p < end; p++, row += tok) {
-          kps[p - start] = row;
-          vps[p - start] = row + half_blk;
-        }
-      }
-      const float* qb = q + b * sq + h0 * hd;
-      // Scores, eight positions at a time for all G heads: the eight K rows are read from
-      // the pool once and stay in L1 for the G dot products; rows kPrefetchRows on are prefetched.
-      for (int64_t i = 0; i < n; i += 8) {
-        const int m = n - i < 8 ? (int)(n - i) : 8;
-        for (int64_t j = i + kPrefetchRows; j < i + kPrefetchRows + 8 && j < n; j++)
-          for (int64_t o = 0; o < hd * (int64_t)sizeof(T); o += 64) _mm_prefetch((const char*)kps[j] + o, _MM_HINT_T0);
-        for (int64_t g = 0; g < G; g++) {
-          float* sg = scores.data() + g * n + i;
-          if (hd % 8 == 0) {
-            dot8<E>(qb + g * hd, kps.data() + i, m, hd, sg);
-          } else {
-            for (int j = 0; j < m; j++) sg[j] = dot_kv<E>(qb + g * hd, kps[i + j], hd);
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; g++) {  // scale (and cap), then softmax over the context, per query head
-        float* sg = scores.data() + g * n;
-        float mx = -INFINITY;
-        if (softcap > 0.0f) {
-          for (int64_t i = 0; i < n; i++) {
-            const float sc = softcap * tanhf(sg[i] * scale / softcap);
-            sg[i] = sc;
-            mx = sc > mx ? sc : mx;
-          }
-        } else {  // the same products, eight at a time (the maximum is exact in any order)
-          const __m256 sv8 = _mm256_set1_ps(scale);
-          __m256 mv8 = _mm256_set1_ps(-INFINITY);
-          int64_t i = 0;
-          for (; i + 8 <= n; i += 8) {
-            const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sg + i), sv8);
-            _mm256_storeu_ps(sg + i, sc);
-            mv8 = _mm256_max_ps(mv8, sc);
-          }
-          float r[8];
-          _mm256_storeu_ps(r, mv8);
-          for (int j = 0; j < 8; j++) mx = r[j] > mx ? r[j] : mx;
-          for (; i < n; i++) {
-            sg[i] *= scale;
-            mx = sg[i] > mx ? sg[i] : mx;
-          }
-        }
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sv = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));
-          _mm256_storeu_ps(sg + i, e);
-          sv = _mm256_add_ps(sv, e);
-        }
-        float sum = hsum(sv);
-        for (; i < n; i++) {
-          sg[i] = expf(sg[i] - mx);
-          sum += sg[i];
-        }
-        const float inv = 1.0f / sum;
-        for (i = 0; i < n; i++) sg[i] *= inv;
-      }
-      if (hd % 8 == 0) {
-        weighted_sum_heads<E>(vps.data(), scores.data(), G, n, hd, acc.data());
-      } else {
-        for (int64_t g = 0; g < G; g++) {
-          float* ag = acc.data() + g * hd;
-          for (int64_t d = 0; d < hd; d++) ag[d] = 0.0f;
-          for (int64_t p = 0; p < n; p++)
-            for (int64_t d = 0; d < hd; d++) ag[d] += scores[g * n + p] * E::load1(vps[p] + d);
-        }
-      }
-      memcpy(out + b * nh * hd + h0 * hd, acc.data(), G * hd * sizeof(float));
-    }
-  });
+  const PoolView<E> pv{pool, blk, layer * 2 * half_blk, half_blk, tok, 0};
+  attend_batch<E>(pv, q, sq, B, nh, nkv, hd, bs, tables, nb, lens, window, scale, softcap, out, nthreads);
 }
+
 
 // ---- int8 KV (KV_I8) ------------------------------------------------------------------
 // Each (layer, K|V) plane of a block is kv_i8_plane(bs, nkv, hd) bytes: the bs * nkv * hd
 // int8 values (bs, nkv, hd), zero padding to a multiple of 4, then nkv float32 scales, one
 // per kv head (kv/cache.py's KVCacheSpec). x ~= q * s; q = round(x * (1 / s)) to nearest
 // even, clamped to +-127; s = absmax / 127 of every row the block holds.
-
-struct I8Kv {  // widened exactly; the block's scale is applied to the dot products and weights
-  using T = int8_t;
-  static __m256 load8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  }
-  static float load1(const int8_t* p) { return (float)*p; }
-};
 
 inline int64_t kv_i8_scale_offset(int64_t bs, int64_t nkv, int64_t hd) { return (bs * nkv * hd + 3) / 4 * 4; }
 inline int64_t kv_i8_plane(int64_t bs, int64_t nkv, int64_t hd) { return kv_i8_scale_offset(bs, nkv, hd) + 4 * nkv; }
@@ -502,9 +640,9 @@ inline void write_row_i8(int8_t* plane, int64_t soff, int64_t off, const float* 
   }
 }
 
-// kv_decode_attention over an int8 pool: the same work units and order as decode_attention,
-// the rows widened in registers as read, each position's dot products times its block's K
-// scale and its softmax weights times its block's V scale.
+// kv_decode_attention over an int8 pool: the new rows quantized into their blocks, then the
+// same spans and tiles as decode_attention, the rows widened in registers as read, each
+// tile's scores times its block's K scale and its softmax weights times its block's V scale.
 void decode_attention_i8(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
                          int64_t nh, int64_t nkv, int64_t hd, int8_t* pool, int64_t layer, int64_t L, int64_t bs,
                          const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
@@ -517,91 +655,12 @@ void decode_attention_i8(const float* q, int64_t sq, const float* k, const float
     write_row_i8(kp, soff, slot_off[b], k + b * skv, nkv, hd);
     write_row_i8(kp + plane, soff, slot_off[b], v + b * skv, nkv, hd);
   }
-  const AttnUnits units(B, nh, nkv, nthreads);
-  kvpool::parallel_for(units.count(B), 1, nthreads, [&](int64_t u0, int64_t u1) {
-    thread_local std::vector<float> scores, acc, ks, vs;
-    thread_local std::vector<const int8_t*> kps, vps;
-    for (int64_t u = u0; u < u1; u++) {
-      int64_t b, kvh, h0, h1;
-      units.at(u, b, kvh, h0, h1);
-      const int64_t G = h1 - h0;
-      if (G <= 0) continue;
-      const int64_t len = lens[b];
-      const int64_t start = (window > 0 && len > window) ? len - window : 0;
-      const int64_t n = len - start;
-      scores.resize(G * n);
-      acc.resize(G * hd);
-      kps.resize(n);
-      vps.resize(n);
-      ks.resize(n);
-      vs.resize(n);
-      for (int64_t p = start; p < len;) {  // each position's rows and its block's scales
-        const int8_t* kplane = pool + tables[b * nb + p / bs] * blk + layer * 2 * plane;
-        const float ksc = ((const float*)(kplane + soff))[kvh], vsc = ((const float*)(kplane + plane + soff))[kvh];
-        const int8_t* row = kplane + (p % bs) * tok + kvh * hd;
-        const int64_t end = std::min(len, (p / bs + 1) * bs);
-        for (; p < end; p++, row += tok) {
-          kps[p - start] = row;
-          vps[p - start] = row + plane;
-          ks[p - start] = ksc;
-          vs[p - start] = vsc;
-        }
-      }
-      const float* qb = q + b * sq + h0 * hd;
-      for (int64_t i = 0; i < n; i += 8) {
-        const int m = n - i < 8 ? (int)(n - i) : 8;
-        for (int64_t j = i + kPrefetchRows; j < i + kPrefetchRows + 8 && j < n; j++)
-          for (int64_t o = 0; o < hd; o += 64) _mm_prefetch((const char*)kps[j] + o, _MM_HINT_T0);
-        for (int64_t g = 0; g < G; g++) {
-          float* sg = scores.data() + g * n + i;
-          if (hd % 8 == 0) {
-            dot8<I8Kv>(qb + g * hd, kps.data() + i, m, hd, sg);
-          } else {
-            for (int j = 0; j < m; j++) sg[j] = dot_kv<I8Kv>(qb + g * hd, kps[i + j], hd);
-          }
-          for (int j = 0; j < m; j++) sg[j] *= ks[i + j];
-        }
-      }
-      for (int64_t g = 0; g < G; g++) {  // scale (and cap), softmax, then each weight times its V scale
-        float* sg = scores.data() + g * n;
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < n; i++) {
-          const float sc = softcap > 0.0f ? softcap * tanhf(sg[i] * scale / softcap) : sg[i] * scale;
-          sg[i] = sc;
-          mx = sc > mx ? sc : mx;
-        }
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sv = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));
-          _mm256_storeu_ps(sg + i, e);
-          sv = _mm256_add_ps(sv, e);
-        }
-        float sum = hsum(sv);
-        for (; i < n; i++) {
-          sg[i] = expf(sg[i] - mx);
-          sum += sg[i];
-        }
-        const float inv = 1.0f / sum;
-        for (i = 0; i < n; i++) sg[i] = (sg[i] * inv) * vs[i];
-      }
-      if (hd % 8 == 0) {
-        weighted_sum_heads<I8Kv>(vps.data(), scores.data(), G, n, hd, acc.data());
-      } else {
-        for (int64_t g = 0; g < G; g++) {
-          float* ag = acc.data() + g * hd;
-          for (int64_t d = 0; d < hd; d++) ag[d] = 0.0f;
-          for (int64_t p = 0; p < n; p++)
-            for (int64_t d = 0; d < hd; d++) ag[d] += scores[g * n + p] * I8Kv::load1(vps[p] + d);
-        }
-      }
-      memcpy(out + b * nh * hd + h0 * hd, acc.data(), G * hd * sizeof(float));
-    }
-  });
+  const PoolView<I8Kv> pv{pool, blk, layer * 2 * plane, plane, tok, soff};
+  attend_batch<I8Kv>(pv, q, sq, B, nh, nkv, hd, bs, tables, nb, lens, window, scale, softcap, out, nthreads);
 }
 
 }  // namespace
+
 
 extern "C" {
 
