@@ -393,7 +393,7 @@ def row(users: int, r: Result, ref: Result | None) -> str:
         f"| {1000 * p99:.0f}{ratio(p99, q(ref.ttft_s, 0.99) if ref else 0)} | {steps} "
         f"| {1000 * q(r.gaps_s, 0.5):.1f} / {1000 * q(r.gaps_s, 0.99):.1f} "
         f"| {f'{100 * r.cached_tokens / r.prompt_tokens:.0f}%' if r.prompt_tokens else '-'} "
-        f"| {f'{1000 * r.cpu_s / r.tokens:.0f}' if r.cpu_s else '-'} |"
+        f"| {f'{1000 * r.cpu_s / r.tokens:.1f}' if r.cpu_s else '-'} |"
     )
 
 
