@@ -1,7 +1,7 @@
 """What ``--kv-cache-format`` costs and buys: quality against the exact cache, and decode speed.
 
 For each model (the packaged default model; random weights at the ~110M shape) and each
-KV cache format (exact, bf16, fp16, int8):
+KV cache format (exact, bf16, fp16, int8, fp8):
 
 - held-out loss: mean next-token cross-entropy over windows of ``--window`` tokens, each
   one paged prefill through a pool in the format (every attention reads the rounded K/V,
@@ -11,8 +11,9 @@ KV cache format (exact, bf16, fp16, int8):
   what matters);
 - decoded loss: the same windows, the first half of each one prefill and the second half
   teacher-forced decode steps (all windows one batch), scored on the second half: the
-  serving path's KV writes (int8: each open block's scale growing as its tokens arrive,
-  its rows requantized) read by the decode attention (the native one where it loaded);
+  serving path's KV writes (int8, fp8: each open block's scale growing as its tokens
+  arrive, its rows requantized) read by the decode attention (the native one where it
+  loaded; fp8: torch's block-wise one, the native kernels decline it);
 - greedy agreement: ``--prompts`` prompts of ``--prompt-len`` tokens (from the text /
   random), ``--greedy-tokens`` greedy tokens each through the paged decode path (the
   native decode layer where it loaded); the share of prompts whose continuation equals

@@ -99,7 +99,7 @@ PATHS = ("cold", "device", "host", "disk", "disk_cold", "redis")
 RESTORED = ("host", "disk", "disk_cold", "redis")  # the paths that restore from a tier
 STAGES = {"off": 0, "on": 4}  # --restore-stages without and with the overlap (on: set by --stages)
 BLOCK = 16
-RUN = {"device": "cpu", "dtype": "float32"}  # set by --device / --dtype
+RUN = {"device": "cpu", "dtype": "float32", "weight_format": "exact"}  # set by --device / --dtype / --weight-format
 
 
 def checkpoint(shape: str, max_pos: int, cache: Path) -> Path:
@@ -242,7 +242,8 @@ def measure(shape: str, histories: list[int], redis_url: str, cache: Path, reps:
     import redis
 
     max_pos = max(histories) + NEW_TURN + 16
-    loaded = load_model(str(checkpoint(shape, max_pos, cache)), dtype=RUN["dtype"], device=RUN["device"])
+    loaded = load_model(str(checkpoint(shape, max_pos, cache)), dtype=RUN["dtype"], device=RUN["device"],
+                        weight_format=RUN["weight_format"])
     g = torch.Generator().manual_seed(0)
     rows = []
     for H in histories:
@@ -326,7 +327,8 @@ def measure_formats(
     from kvserve.cachestore import codec
 
     loaded = load_model(
-        str(checkpoint(shape, history + NEW_TURN + 16, cache)), dtype=RUN["dtype"], device=RUN["device"]
+        str(checkpoint(shape, history + NEW_TURN + 16, cache)), dtype=RUN["dtype"], device=RUN["device"],
+        weight_format=RUN["weight_format"]
     )
     g = torch.Generator().manual_seed(1)
     hist = torch.randint(3, loaded.config.vocab_size, (history,), generator=g).tolist()
@@ -560,8 +562,11 @@ def main() -> None:
     ap.add_argument("--llama-src", default="", help="llama.cpp's source tree (convert_hf_to_gguf.py); default: found above --llama-bin")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    ap.add_argument("--weight-format", default="exact",
+                    help="kvserve's served weight format (--weight-format): exact | bf16 | int8 | w8a8; "
+                         "compare bf16 with --llama-types f16, exact with f32")
     args = ap.parse_args()
-    RUN.update(device=args.device, dtype=args.dtype)
+    RUN.update(device=args.device, dtype=args.dtype, weight_format=args.weight_format)
     STAGES["on"] = args.stages
     if args.quick:
         args.shapes, args.histories, args.reps = "tiny", "64,256", 1
@@ -617,7 +622,7 @@ def main() -> None:
 
     print()
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype} {where}, block {BLOCK} tokens, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype} {where}, weights {args.weight_format}, block {BLOCK} tokens, "
           f"new turn {NEW_TURN} tokens, median of {args.reps}")
     print()
     hdr = ("| shape | history | KV format | KV MB | cold ms | device ms | host ms | disk ms | disk-cold ms | redis ms "

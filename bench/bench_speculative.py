@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="default", help="default (the packaged model), 110m (random weights)")
     ap.add_argument("--tokens", type=int, default=96, help="output tokens per request")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--max-draft", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--json", action="store_true", help="one JSON line per row instead of the table")

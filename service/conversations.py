@@ -418,8 +418,9 @@ class Conversations:
     async def forget(self, rec: SessionRecord) -> dict[Tier, int]:
         """Stop a removed session's KV blocks from being found (device, host, Redis).
         Blocks in a shared namespace are left alone: they are not the session's own; so
-        are a fork's leading blocks it still shares with its source
-        (``SessionManager.shared_prefix``)."""
+        are the leading blocks another live session still shares (its source, its
+        forks, theirs: ``SessionManager.shared_prefix``), so a deleted parent response
+        leaves its follow-ups' history cached."""
         if self.spill is not None:
             self.spill.forget(rec.owner, rec.session_id)
         if self.is_shared_salt(rec.cache_salt) or not rec.token_ids:

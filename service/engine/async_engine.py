@@ -328,6 +328,10 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
         log.info("native CPU kernels unavailable (%s): torch's kernels serve decode", loaded.native)
     if loaded.weight_format != "exact":
         log.info("weights served as %s (quantized at load; fingerprint %s)", loaded.weight_format, loaded.fingerprint[:12])
+    if cfg.kv_cache_format == "fp8" and loaded.device.type == "cpu":
+        log.warning("--kv-cache-format fp8 on the CPU: torch's attention reads it; int8 takes the same bytes per "
+                    "token, has less error, and the native kernels read it (1.2x to 27x faster decode: "
+                    "docs/benchmarks.md, KV cache formats)")
     store = build_store(cfg, loaded)
     engine = LLMEngine(loaded, cfg, store=store)
     aengine = AsyncEngine(engine, stream_interval_s=cfg.stream_interval_s)

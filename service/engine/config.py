@@ -19,7 +19,7 @@ class EngineConfig:
     pack_weights: bool = True  # oneDNN-packed float32 copies for batched decode on CPU (models/layers.py)
     native_kernels: str = "auto"  # auto | on | off: native CPU decode kernels (service/kernels/)
     kv_cache_memory: int = 1 << 30  # bytes for the device block pool
-    kv_cache_format: str = "exact"  # kv.cache.KV_CACHE_FORMATS: exact | bf16 | fp16 | int8 (the pool and every tier)
+    kv_cache_format: str = "exact"  # kv.cache.KV_CACHE_FORMATS: exact | bf16 | fp16 | int8 | fp8 (the pool and every tier)
     block_size: int = 16
     max_num_seqs: int = 32  # running sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (decode rows + prefill chunks)
@@ -54,7 +54,7 @@ class EngineConfig:
     # speculative decoding drafted from the sequence's own history (engine/speculative.py):
     # "ngram" or "off"; drafts per step at most
     speculative: str = "ngram"
-    spec_max_draft: int = 8
+    spec_max_draft: int = 16
     # session warm-ups (engine/warm.py): shares of the device pool's blocks they may hold
     # at once, in all and per tenant, and how long a warmed block waits for its turn
     warm_pool_fraction: float = 0.25

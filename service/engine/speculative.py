@@ -17,7 +17,10 @@ Two pure parts, no engine state:
   was accepted: up by one after a step that accepted every draft, down to one past what
   was accepted otherwise, and after a step that accepted nothing the drafter sits out a
   few steps (1, 2, 4 .. 16), so text that does not repeat costs little more than plain
-  decoding.
+  decoding. The match's own length (how far back the history agrees with the earlier
+  occurrence, up to MAX_MATCH) bounds the draft too: a match shorter than ``max_ngram``
+  drafts at most its length less one (a 2-token coincidence, one token), a longer one
+  at least half its length, up to the cap (a long quoted run goes on for a while).
 
 - the verification rule, given the target's processed logits at every drafted position
   (row i: the logits after the history plus ``drafts[:i]``, penalties and masks applied
@@ -57,6 +60,7 @@ from .sampling import draw, filter_logits, greedy
 from ..types import SamplingParams
 
 MAX_SKIP = 16  # steps a drafter sits out at most after drafts that were all rejected
+MAX_MATCH = 32  # how far back a match's length is counted
 MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
 
 
@@ -66,7 +70,7 @@ class SpecConfig:
     ``enabled``: the default of a request that does not say (SamplingParams.speculative)."""
 
     enabled: bool = True
-    max_draft: int = 8  # drafts per step at most (the adaptive length's cap)
+    max_draft: int = 16  # drafts per step at most (the adaptive length's cap)
     max_ngram: int = 4  # longest suffix matched
     min_ngram: int = 2  # shortest suffix matched: shorter ones match too often to pay
 
@@ -121,7 +125,13 @@ class NgramDrafter:
         for n in range(min(self.config.max_ngram, L - 1), self.config.min_ngram - 1, -1):
             c = self.index[n].get(tuple(tokens[L - n : L]))
             if c is not None:
-                return list(tokens[c : min(c + k, L)])
+                m = match_length(tokens, c, n)
+                if m < self.config.max_ngram:  # a short match: as many drafts as it is long, less one
+                    k = min(k, m - 1)
+                else:  # a long one: at least half its length, within the cap
+                    cap = self.config.max_draft if limit is None else min(self.config.max_draft, limit)
+                    k = min(cap, max(k, m // 2))
+                return list(tokens[c : min(c + max(k, 1), L)])
         return []
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -139,6 +149,16 @@ class NgramDrafter:
             self.backoff = min(MAX_SKIP, self.backoff * 2)
         else:
             self.backoff = 1
+
+
+def match_length(tokens: Sequence[int], c: int, n: int) -> int:
+    """How many tokens before position ``c`` equal the history's last ones, given that
+    ``n`` do (the n-gram found), counted up to MAX_MATCH."""
+    L = len(tokens)
+    m = n
+    while m < MAX_MATCH and c - m - 1 >= 0 and tokens[c - m - 1] == tokens[L - m - 1]:
+        m += 1
+    return m
 
 
 # ---- verification ----------------------------------------------------------------------

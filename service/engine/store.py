@@ -8,7 +8,6 @@ from kvserve.cachestore.base import BlockTier
 from kvserve.cachestore.codec import STORAGE_FORMATS
 from kvserve.cachestore.disk import DiskTier
 from kvserve.cachestore.host import HostTier
-from kvserve.cachestore.redis import RedisTier
 from kvserve.cachestore.tiered import TieredStore
 from .config import EngineConfig
 
@@ -33,6 +32,8 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
     if cfg.disk_cache_dir:  # DiskCacheLocked when another server holds the directory
         tiers.append(DiskTier(cfg.disk_cache_dir, cfg.disk_cache_size, spec.block_shape, spec.dtype, fsync=cfg.disk_cache_fsync))
     if cfg.redis_url:
+        from kvserve.cachestore.redis import RedisTier  # here: no Redis configured, redis-py never loads
+
         tiers.append(
             RedisTier(
                 cfg.redis_url,

@@ -63,7 +63,7 @@ import grpc
 
 from .. import wire
 from ..auth import MISSING_CREDENTIALS, Unauthenticated
-from ..sessions import SessionBusy, SessionConflict, SessionNotFound, TurnsChanged
+from ..sessions import SessionBusy, SessionConflict, SessionExists, SessionNotFound, TurnsChanged, TurnUnavailable
 from ..types import (
     MAX_LOGIT_BIAS,
     ChatMessage,
@@ -82,13 +82,18 @@ from ..types import (
     TurnInput,
 )
 
-# gRPC status (service/wire.py's table) -> HTTP status and OpenAI error type
+# gRPC status (service/wire.py's table) -> HTTP status and OpenAI error type, as
+# google.rpc's HTTP mapping has it except FAILED_PRECONDITION: google.rpc's 400 is kept
+# for the cases a retry never mends (``SESSION_ERRORS``: a turn unavailable), while the
+# session errors that are races (busy, overtaken, turns changed) are 409 conflicts, as
+# clients treat them (the OpenAI SDKs' ConflictError, retried by them). ALREADY_EXISTS is
+# google.rpc's 409 too; ``error.code`` tells every case apart (docs/api.md's table).
 HTTP_OF_CODE: Mapping[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),  # the metrics' label of a 409
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
@@ -144,6 +149,15 @@ CODE_OF_STATUS: Mapping[grpc.StatusCode, str] = {
     grpc.StatusCode.UNAVAILABLE: "service_unavailable",
     grpc.StatusCode.INTERNAL: "internal_error",
 }
+# Session errors -> (HTTP status, error type, error code): every FAILED_PRECONDITION and
+# ALREADY_EXISTS case its own code
+SESSION_ERRORS: Mapping[type, tuple[int, str, str]] = {
+    SessionExists: (409, "conflict_error", "already_exists"),  # a fork to an id the tenant has
+    SessionBusy: (409, "conflict_error", "session_busy"),  # a turn in flight: retry when it ends
+    SessionConflict: (409, "conflict_error", "session_conflict"),  # another replica's write overtook the turn
+    TurnsChanged: (409, "conflict_error", "turns_changed"),  # expected_turns: another turn changed it
+    TurnUnavailable: (400, "invalid_request_error", "turn_unavailable"),  # never there: no retry mends it
+}
 RETRY_AFTER_S: Mapping[int, int] = {429: 1, 503: 2}  # the Retry-After of a status (seconds)
 HTTP_MISSING_CREDENTIALS = "missing API key: send the header 'Authorization: Bearer <api key>'"
 
@@ -192,8 +206,10 @@ def error_of(
         message = f"{ctx}{message[:1].upper()}{message[1:]}. Please reduce the length of the {param}."
     elif isinstance(exc, Unauthenticated):
         message = HTTP_MISSING_CREDENTIALS if str(exc) == MISSING_CREDENTIALS else message
-    elif isinstance(exc, (SessionNotFound, SessionBusy, TurnsChanged, SessionConflict)):
-        code = {SessionNotFound: "session_not_found", SessionBusy: "session_busy"}.get(type(exc), code)
+    elif isinstance(exc, SessionNotFound):
+        code = "session_not_found"
+    elif type(exc) in SESSION_ERRORS:
+        http, kind, code = SESSION_ERRORS[type(exc)]
     return HttpError(http, message, kind, param=param, code=code)
 
 

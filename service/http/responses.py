@@ -15,8 +15,9 @@ follow up or retrieve). A turn refused, failed or cancelled leaves no response b
 ``GET`` rebuilds the response from its session: the reply (the last turn's output
 decoded), status, ``previous_response_id`` (the session it was forked from); the request
 parameters and usage are not stored (``usage`` is null there). ``DELETE`` removes the
-session and forgets its KV blocks (``Conversations.remove``), except the prefix it
-shares with the response it followed.
+session and forgets its KV blocks (``Conversations.remove``), except the prefix another
+stored response still shares (the one it followed, its follow-ups: a deleted parent
+leaves its children's history cached).
 
 Function tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, flat as the
 Responses API writes them) run through the same machinery as chat's (``service/tools``,

@@ -3,7 +3,7 @@
 ``KVPool`` holds every block of every layer in ONE tensor::
 
     data: (num_blocks, num_layers, 2, block_size, n_kv, head_dim)    # 2 = (K, V)
-    data: (num_blocks, num_layers, 2, plane_bytes) int8               # int8 KV: values, then scales
+    data: (num_blocks, num_layers, 2, plane_bytes) int8 | e4m3        # int8 / fp8 KV: values, then scales
 
 Block-major, so one block (all layers, K and V) is one contiguous span: exporting or
 importing a block is a single memcpy, the unit the cache store moves between tiers.
@@ -35,9 +35,12 @@ from .block_manager import NULL_BLOCK
 
 
 # --kv-cache-format: the dtype the pool and every tier store KV in (None: the model's own);
-# int8 is stored with scales (``KVCacheSpec`` below: Int8 KV)
-KV_CACHE_FORMATS = {"exact": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+# int8 and fp8 (e4m3) are stored with scales (``KVCacheSpec`` below: Int8 and fp8 KV)
+KV_CACHE_FORMATS = {"exact": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
+                    "fp8": torch.float8_e4m3fn}
 INT8_MAX = 127.0  # int8 KV: q = round(x / s) in [-127, 127], s = absmax / 127
+FP8_MAX = 448.0  # fp8 KV: q = e4m3(x / s) in [-448, 448], s = absmax / 448
+QUANT_MAX = {torch.int8: INT8_MAX, torch.float8_e4m3fn: FP8_MAX}  # the scaled formats: their largest value
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,14 @@ class KVCacheSpec:
     ``(L, 2, plane_bytes)`` of int8, so every tier and the codec move it, scales included,
     as they move any block: the same bytes, never re-encoded. x ~= q * s, with
     q = round(x / s) (to nearest even, clamped to +-127) and s = absmax / 127 of the rows
-    written so far: a block's scale covers every token it holds (``KVPool.update``)."""
+    written so far: a block's scale covers every token it holds (``KVPool.update``).
+
+    Fp8 KV (e4m3): the same planes, scales and growth, the values float8_e4m3fn (one
+    byte each; the scales' bytes are elements of the plane too, read as float32):
+    q = e4m3(x / s) (the cast rounds to nearest even) with s = absmax / 448. Scaled, not
+    plain e4m3: a head's values fill the format's range whatever their magnitude (plain
+    e4m3 keeps 3 mantissa bits only above 2^-6 and flushes below 2^-9, where small V
+    heads live, and clips past 448), for 4 bytes per head and plane."""
 
     num_layers: int
     num_kv_heads: int
@@ -89,8 +99,8 @@ class KVCacheSpec:
 
     @property
     def quantized(self) -> bool:
-        """True for int8 KV (values and scales in each plane: ``plane_bytes``)."""
-        return self.dtype == torch.int8
+        """True for int8 and fp8 KV (values and scales in each plane: ``plane_bytes``)."""
+        return self.dtype in QUANT_MAX
 
     @property
     def values_per_plane(self) -> int:
@@ -99,12 +109,12 @@ class KVCacheSpec:
 
     @property
     def scale_offset(self) -> int:
-        """Int8 KV: the byte offset of a plane's float32 scales (after its values, 4-aligned)."""
+        """Int8 / fp8 KV: the byte offset of a plane's float32 scales (after its values, 4-aligned)."""
         return -(-self.values_per_plane // 4) * 4
 
     @property
     def plane_bytes(self) -> int:
-        """Int8 KV: bytes of one (layer, K|V) plane: the values, padding, n_kv float32 scales."""
+        """Int8 / fp8 KV: bytes of one (layer, K|V) plane: the values, padding, n_kv float32 scales."""
         return self.scale_offset + 4 * self.num_kv_heads
 
     @property
@@ -130,8 +140,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) * layers * kv heads * head_dim * element size; int8 KV: a block's
-        bytes (its scales included) over its tokens, rounded up."""
+        """2 (K and V) * layers * kv heads * head_dim * element size; int8 and fp8 KV: a
+        block's bytes (its scales included) over its tokens, rounded up."""
         return -(-self.bytes_per_block // self.block_size)
 
     @property
@@ -174,11 +184,14 @@ class KVPool:
         # zeros, not empty: every page is touched now, so nbytes is the real footprint
         # and the first forward pays no page faults.
         self.data = torch.zeros(num_blocks, *self.spec.block_shape, dtype=dtype, device=self.device)
-        # (N, L, 2, bs, n_kv, hd); int8 KV: (N, L, 2, plane_bytes), values then scales per plane
+        # (N, L, 2, bs, n_kv, hd); int8 / fp8 KV: (N, L, 2, plane_bytes), values then scales per plane
+        # ``_rows``: the data as torch indexes it: fp8's bytes as uint8 (torch's CPU index_copy_
+        # has no float8 kernel), any other dtype itself
+        self._rows = _rows_of(self.data)
         if self.spec.quantized:
             n_val, at = self.spec.values_per_plane, self.spec.scale_offset
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
-            self._k = [self.data[:, layer, 0, :n_val].view(shape) for layer in range(num_layers)]  # (N, bs, n_kv, hd) int8
+            self._k = [self.data[:, layer, 0, :n_val].view(shape) for layer in range(num_layers)]  # (N, bs, n_kv, hd) int8 | e4m3
             self._v = [self.data[:, layer, 1, :n_val].view(shape) for layer in range(num_layers)]
             # (N, n_kv) float32 views of the scales' bytes (a little-endian host)
             self._k_scale = [self.data[:, layer, 0, at:].view(torch.float32) for layer in range(num_layers)]
@@ -235,7 +248,7 @@ class KVPool:
         return self._v[layer]  # (N, bs, n_kv, hd)
 
     def k_scale(self, layer: int) -> Tensor:
-        """Int8 KV: the K scales of ``layer``, (N, n_kv) float32 (a view into the blocks)."""
+        """Int8 / fp8 KV: the K scales of ``layer``, (N, n_kv) float32 (a view into the blocks)."""
         return self._k_scale[layer]
 
     def v_scale(self, layer: int) -> Tensor:
@@ -290,7 +303,7 @@ class KVPool:
         return k_ctx, v_ctx
 
     def write_int8(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> None:
-        """Int8 KV: write the new K/V (B, T, n_kv, hd) of ``layer`` at the layout's slots
+        """Int8 / fp8 KV: write the new K/V (B, T, n_kv, hd) of ``layer`` at the layout's slots
         (``_write_int8``) and return nothing: the attention reads the context from the
         pool a chunk of blocks at a time (``dequantized``; models/layers.py
         ``paged_int8_attention``), never as one widened copy."""
@@ -299,13 +312,13 @@ class KVPool:
         self._write_int8(self._v[layer], self._v_scale[layer], layout, groups, v)
 
     def dequantized(self, layer: int, block_ids: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """Int8 KV: the K and V of ``layer`` in ``block_ids`` (n,), dequantized:
+        """Int8 / fp8 KV: the K and V of ``layer`` in ``block_ids`` (n,), dequantized:
         (n, bs, n_kv, hd) each, in ``dtype``."""
-        return (dequantize(self._k[layer].index_select(0, block_ids), self._k_scale[layer].index_select(0, block_ids), dtype),
-                dequantize(self._v[layer].index_select(0, block_ids), self._v_scale[layer].index_select(0, block_ids), dtype))
+        return (dequantize(_select(self._k[layer], block_ids), self._k_scale[layer].index_select(0, block_ids), dtype),
+                dequantize(_select(self._v[layer], block_ids), self._v_scale[layer].index_select(0, block_ids), dtype))
 
     def _update_int8(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """``update`` for int8 KV: each plane's new rows quantized at their block's scale,
+        """``update`` for int8 / fp8 KV: each plane's new rows quantized at their block's scale,
         the scale first grown to cover them; the KV to attend over dequantized (in k's
         dtype). The open block: see ``_write_int8``. The model's layers call it for a
         fresh prefill only (the new K/V as stored); with a cached context they call
@@ -322,15 +335,15 @@ class KVPool:
 
     def _write_int8(self, q_cache: Tensor, s_cache: Tensor, layout: "BatchLayout",
                     groups: tuple[Tensor, Tensor, Tensor], x: Tensor) -> Tensor:
-        """Write the new rows ``x`` (B, T, n_kv, hd) into one int8 plane of the pool:
-        q_cache (N, bs, n_kv, hd) int8, s_cache (N, n_kv) float32; return the stored rows
-        dequantized, (B*T, n_kv, hd) float32.
+        """Write the new rows ``x`` (B, T, n_kv, hd) into one int8 / fp8 plane of the pool:
+        q_cache (N, bs, n_kv, hd) int8 | e4m3, s_cache (N, n_kv) float32; return the stored
+        rows dequantized, (B*T, n_kv, hd) float32.
 
-        The open (partly filled) block: its scale per kv head is absmax / 127 of every row
+        The open (partly filled) block: its scale per kv head is absmax / qmax (127; e4m3: 448) of every row
         it holds, so it must grow when a new row's absmax exceeds it. A block written from
         offset 0 starts afresh (its old scale is a previous owner's); one written further on
         keeps its rows, requantized to the grown scale (round(q * s_old / s_new): at most
-        half a step of error more, once per growth; a full block never changes again). So
+        half a step of error more, once per growth; fp8: e4m3(q * s_old / s_new); a full block never changes again). So
         a block filled token by token may hold other values than one written by a single
         prefill (both within a step of the float KV); each is served as stored."""
         blocks, inverse, from_zero = groups  # (U,) touched blocks, (B*T,) each row's, (U,) written from offset 0
@@ -339,14 +352,15 @@ class KVPool:
         grown = torch.zeros(len(blocks), self.num_kv_heads, dtype=torch.float32, device=rows.device)
         grown.scatter_reduce_(0, inverse[:, None].expand_as(amax), amax, "amax")  # (U, n_kv): the new rows' absmax
         s_old = s_cache.index_select(0, blocks).masked_fill_(from_zero[:, None], 0.0)  # (U, n_kv)
-        s_new = torch.maximum(s_old, grown / INT8_MAX)
+        s_new = torch.maximum(s_old, grown / QUANT_MAX[self.dtype])
         inv_new = torch.where(s_new > 0, 1.0 / s_new, 0.0)  # a block of zeros: scale 0, values 0
         if rows.device.type != "cpu" or not torch.equal(s_new, s_old):  # requantize what the blocks hold
-            held = dequantize(q_cache.index_select(0, blocks), s_old)  # (U, bs, n_kv, hd)
-            q_cache.index_copy_(0, blocks, quantize(held, inv_new[:, None]))
+            held = dequantize(_select(q_cache, blocks), s_old)  # (U, bs, n_kv, hd)
+            requant = quantize(held, inv_new[:, None], self.dtype)
+            _rows_of(q_cache).index_copy_(0, blocks, _rows_of(requant))
         s_cache.index_copy_(0, blocks, s_new)
-        q = quantize(rows, inv_new.index_select(0, inverse))  # (B*T, n_kv, hd) int8
-        q_cache.index_put_((layout.slot_blocks, layout.slot_offsets), q)
+        q = quantize(rows, inv_new.index_select(0, inverse), self.dtype)  # (B*T, n_kv, hd) int8 | e4m3
+        _rows_of(q_cache).index_put_((layout.slot_blocks, layout.slot_offsets), _rows_of(q))
         return dequantize(q, s_new.index_select(0, inverse))
 
     # ---- export / import (the cache store's unit) -----------------------------------
@@ -380,12 +394,12 @@ class KVPool:
         """Contiguous copies of several blocks, shape (n, L, 2, bs, n_kv, hd)."""
         idx = self._index(block_ids)
         if out is None:
-            return self.data.index_select(0, idx)
+            return _select(self.data, idx)
         self._check_tensor(out, (len(block_ids), *self.block_shape), "out")
         if out.device == self.device:
-            torch.index_select(self.data, 0, idx, out=out)
+            torch.index_select(self._rows, 0, idx, out=_rows_of(out))
         else:
-            out.copy_(self.data.index_select(0, idx), non_blocking=self._async(out))
+            out.copy_(_select(self.data, idx), non_blocking=self._async(out))
         return out
 
     def import_blocks(self, block_ids: Sequence[int], tensor: Tensor) -> None:
@@ -394,7 +408,7 @@ class KVPool:
         self._check_tensor(tensor, (len(block_ids), *self.block_shape), "tensor")
         if tensor.device != self.device:
             tensor = tensor.to(self.device, non_blocking=self._async(tensor))
-        self.data.index_copy_(0, idx, tensor)
+        self._rows.index_copy_(0, idx, _rows_of(tensor))
 
     def _async(self, host: Tensor) -> bool:
         return self.device.type == "cuda" and host.device.type == "cpu" and host.is_pinned()
@@ -413,14 +427,29 @@ class KVPool:
             raise ValueError(f"{name}: expected {tuple(shape)} {self.dtype}, got {tuple(t.shape)} {t.dtype}")
 
 
-def quantize(x: Tensor, inv_scale: Tensor) -> Tensor:
+def quantize(x: Tensor, inv_scale: Tensor, dtype: torch.dtype = torch.int8) -> Tensor:
     """Int8 KV: round(x * inv_scale) (to nearest even) clamped to +-127, int8; inv_scale
-    (..., n_kv) broadcast over x's last dim (hd). The native kernels round alike."""
-    return (x.float() * inv_scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    (..., n_kv) broadcast over x's last dim (hd). The native kernels round alike. Fp8 KV
+    (``dtype`` float8_e4m3fn): x * inv_scale clamped to +-448, cast to e4m3 (to nearest even)."""
+    y = x.float() * inv_scale[..., None]
+    if dtype == torch.float8_e4m3fn:
+        return y.clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+    return y.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def _rows_of(t: Tensor) -> Tensor:
+    """``t`` as torch's index ops take it on every device: an e4m3 tensor's bytes (uint8;
+    torch's CPU ``index_copy_`` has no float8 kernel), else ``t``."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _select(t: Tensor, index: Tensor) -> Tensor:
+    """``t.index_select(0, index)`` through ``_rows_of`` (e4m3 selected as bytes), in t's dtype."""
+    return _rows_of(t).index_select(0, index).view(t.dtype)
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Int8 KV: q (..., n_kv, hd) int8 with scale (n, n_kv) per block (q's first dim):
+    """Int8 / fp8 KV: q (..., n_kv, hd) int8 | e4m3 with scale (n, n_kv) per block (q's first dim):
     q * scale, in ``dtype``."""
     s = scale.view(scale.shape[0], *([1] * (q.dim() - 3)), scale.shape[1], 1)  # (n, 1.., n_kv, 1)
     return (q.to(torch.float32) * s).to(dtype)

@@ -39,7 +39,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         B, T, D = x.shape
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim) for t in self.c_attn(x).split(D, dim=-1))
-        if layout is not None and kv.spec.quantized and not layout.fresh:  # int8 KV over a cached context
+        if layout is not None and kv.spec.quantized and not layout.fresh:  # int8 / fp8 KV over a cached context
             kv.write_int8(self.layer_idx, layout, k, v)
             y = paged_int8_attention(q, kv, self.layer_idx, layout, layout.attn_bias(torch.float32), self.head_dim**-0.5)
             return self.c_proj(y.reshape(B, T, self.n_heads * self.head_dim))

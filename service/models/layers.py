@@ -152,7 +152,7 @@ def use_kernels(model: CausalLM) -> int:
 def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | None:
     """The kernels' view of a decode step over ``kv`` (made once per layout), or None
     when ``layout`` is no decode step over a cached context in a pool the kernels read
-    (float32, bfloat16, float16, int8: ``--kv-cache-format``)."""
+    (float32, bfloat16, float16, int8: ``--kv-cache-format``; fp8 is torch's alone)."""
     if layout is None or layout.ctx_blocks is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
         return None
     if layout.landed is not None:  # a context still landing: each layer waits in ``KVPool.update``
@@ -176,9 +176,10 @@ def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
 def paged_int8_attention(q: Tensor, kv: KVPool, layer: int, layout: BatchLayout, mask: Tensor | None, scale: float,
                          softcap: float | None = None, chunk_blocks: int = 32) -> Tensor:
     """softmax(cap(q k^T * scale) + mask) v over each sequence's cached context in an int8
-    pool (``--kv-cache-format int8``), its blocks (``layout.ctx_blocks``) dequantized
-    ``chunk_blocks`` at a time inside the attention, the chunks joined by an online
-    softmax (running max and sum): no widened copy of the whole context is ever made.
+    or fp8 pool (``--kv-cache-format int8 | fp8``: values and per-block scales), its
+    blocks (``layout.ctx_blocks``) dequantized ``chunk_blocks`` at a time inside the
+    attention, the chunks joined by an online softmax (running max and sum): no widened
+    copy of the whole context is ever made.
 
     q (B, T, nh, hd); mask (B, 1, T, C) additive or None (``layout.mask_for``); softcap
     None or cap: cap * tanh(s / cap) (Gemma 2) -> (B, T, nh, hd) in q's dtype."""
@@ -415,7 +416,7 @@ class PagedAttention(nn.Module):
         """x (B, T, D) -> (B, T, D); ``layout`` None: plain causal attention over x alone."""
         q, k, v = self.qkv(x, rope)
         B, T = q.shape[:2]
-        if layout is not None and kv.spec.quantized and not layout.fresh:  # int8 KV over a cached context
+        if layout is not None and kv.spec.quantized and not layout.fresh:  # int8 / fp8 KV over a cached context
             kv.write_int8(self.layer_idx, layout, k, v)
             mask, _ = layout.mask_for(torch.float32, self.window)
             y = paged_int8_attention(q, kv, self.layer_idx, layout, mask, self.scale, self.softcap)  # (B, T, nh, hd)

@@ -148,7 +148,10 @@ def load_model(
     cls = MODEL_CLASSES[config.architecture]
     with torch.device("meta"), _skip_init():
         model = cls(config)
-    model = model.to(dtype=torch_dtype).to_empty(device=torch_device)  # allocate once, uninitialized
+    # allocate once, uninitialized: Module.to_empty's empty_like of a meta tensor runs
+    # torch's Python reference, which imports sympy (~0.3-0.5 s of every start); a plain
+    # torch.empty of each tensor's shape is the same allocation
+    model = model.to(dtype=torch_dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=torch_device))
     model.tie_weights()
     model.reset_buffers()
     if progress is None:

@@ -64,6 +64,26 @@ def doubled(freq: Tensor) -> tuple[Tensor, Tensor]:
     return f2, sign
 
 
+# Elements up to which cos/sin run on the calling thread alone. torch runs them in parallel
+# from ~100 elements, so a decode step of 2+ rows woke its other OpenMP threads for two tiny
+# ops: ~20 us on an idle 2-core host, and up to ms when the native kernels' threads or the
+# host's other work hold the cores (a speculative step of the default model: ~0.85 ms of its
+# ~3.4 ms in one cos). One thread computes the same values, bit for bit.
+SERIAL_MAX = 1 << 15
+
+
+def cos_sin(emb: Tensor) -> tuple[Tensor, Tensor]:
+    """(emb.cos(), emb.sin()); a small CPU tensor's on this thread alone (``SERIAL_MAX``)."""
+    n = torch.get_num_threads()
+    if n == 1 or emb.numel() > SERIAL_MAX or emb.device.type != "cpu":
+        return emb.cos(), emb.sin()
+    torch.set_num_threads(1)
+    try:
+        return emb.cos(), emb.sin()
+    finally:
+        torch.set_num_threads(n)
+
+
 class Rotary(nn.Module):
     """cos/sin (B, T, 1, dim) for given positions; computed per forward, no max-length table."""
 
@@ -93,7 +113,7 @@ class Rotary(nn.Module):
         if self.longrope and long is not None:
             freq = torch.where(long[:, None], rows[4], freq)[:, None, :]  # (B, 1, hd)
         emb = positions[..., None].float() * freq  # (B, T, hd): [freqs, freqs]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = cos_sin(emb)
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         sin = sin.mul_(sign)  # [-sin f, sin f]

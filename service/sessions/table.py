@@ -494,23 +494,30 @@ class SessionManager:
         return rec
 
     async def shared_prefix(self, rec: SessionRecord) -> int:
-        """How many leading tokens of ``rec``'s transcript the session it was forked from
-        still has (0 when it was not forked, or that session is gone or keyed elsewhere):
-        the KV blocks of that prefix are that session's too."""
-        if not rec.forked_from:
-            return 0
+        """How many leading tokens of ``rec``'s transcript another live session of its
+        owner, in its cache namespace (the same ``cache_salt``), still has: the most any
+        one shares (0 when none does). The KV blocks of that prefix are that session's
+        too, so a removed session's blocks past it are the only ones nothing references:
+        the session it was forked from (a Responses API follow-up's previous response),
+        the forks of it (the follow-ups of a deleted response), theirs, and any other
+        transcript that happens to start the same way.
+
+        Reads every session of the owner (a page of ``MAX_PAGE_SIZE`` at a time): a
+        delete costs one pass over the tenant's records (``--max-sessions-per-tenant``
+        bounds it). A store error makes it 0 (the caller then drops every block: a
+        later miss, never wrong output)."""
+        n, token = 0, ""
         try:
-            src = await self.store.get(rec.owner, rec.forked_from)
+            while n < len(rec.token_ids):
+                page, token = await self.store.list(rec.owner, MAX_PAGE_SIZE, token)
+                for other in page:
+                    if other.session_id != rec.session_id and other.cache_salt == rec.cache_salt:
+                        n = max(n, _common_prefix(rec.token_ids, other.token_ids))
+                if not token:
+                    break
         except Exception:  # noqa: BLE001 - best effort: the caller then drops every block
-            log.warning("could not read session %r, the source of fork %r", rec.forked_from, rec.session_id)
+            log.warning("could not read the sessions sharing blocks with %r", rec.session_id, exc_info=True)
             return 0
-        if src is None or src.cache_salt != rec.cache_salt:
-            return 0
-        n = 0
-        for a, b in zip(rec.token_ids, src.token_ids):
-            if a != b:
-                break
-            n += 1
         return n
 
     async def reap(self) -> list[SessionRecord]:
@@ -526,6 +533,16 @@ class SessionManager:
         recs, next_token = await self.store.list(owner, page_size or DEFAULT_PAGE_SIZE, page_token)
         busy = await asyncio.gather(*(self.store.is_locked(owner, r.session_id) for r in recs))
         return [(r, b or self.in_flight_here(owner, r.session_id)) for r, b in zip(recs, busy)], next_token
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _takes_prune_at(store: SessionStore) -> bool:

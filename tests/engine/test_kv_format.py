@@ -1,7 +1,7 @@
-"""--kv-cache-format: the device pool and every tier store KV as bf16/fp16, or int8 with
-per-block scales (float32 compute), attention reads it as stored (the native kernels and
-torch), the format is in the block namespace, and the tiers move the pool's bytes as they
-are (int8: the scales with them)."""
+"""--kv-cache-format: the device pool and every tier store KV as bf16/fp16, or int8 or
+fp8 (e4m3) with per-block scales (float32 compute), attention reads it as stored (the
+native kernels and torch; fp8: torch alone), the format is in the block namespace, and
+the tiers move the pool's bytes as they are (int8, fp8: the scales with them)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,13 @@ from kvserve.service.types import CacheScope, Tier
 from tests.fixtures.engine import BS, finished, prompts, req, run
 from tests.fixtures.engine import make_engine as _make_engine
 
-FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+SCALED = ("int8", "fp8")  # values and per-block scales in each plane
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, for exact comparisons (torch's CPU ``equal`` has no float8 kernel)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,7 @@ def store_for(loaded, fmt, *, host_blocks=0, redis_url=None, redis_kv_format="ex
 
 def stored_kv(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V of ``layer`` as attention reads them, (N, bs, n_kv, hd) float32, any format."""
-    if pool.spec.quantized:
+    if pool.spec.quantized:  # int8, fp8
         return (dequantize(pool.k(layer), pool.k_scale(layer)), dequantize(pool.v(layer), pool.v_scale(layer)))
     return pool.k(layer).float(), pool.v(layer).float()
 
@@ -65,6 +71,11 @@ def test_the_spec_derives_dtype_bytes_and_namespace_field_once(loaded) -> None:
     # a model computing in bfloat16 already stores bf16: the format is exact, the same namespace as before
     spec = KVCacheSpec.for_model(loaded.config, BS, torch.bfloat16, "bf16")
     assert spec.dtype == torch.bfloat16 and spec.format == "exact" and spec.namespace_field == "bfloat16"
+    # fp8: int8's planes, one e4m3 byte per value: the same bytes, its own namespace
+    fp8 = loaded.kv_spec(BS, "fp8")
+    assert (fp8.dtype, fp8.format, fp8.namespace_field) == (torch.float8_e4m3fn, "fp8", "float32/kv=fp8")
+    assert (fp8.block_shape, fp8.bytes_per_block, fp8.bytes_per_token) == (int8.block_shape, int8.bytes_per_block,
+                                                                           int8.bytes_per_token)  # fmt: skip
     with pytest.raises(ValueError, match="unknown KV cache format 'int4'"):
         loaded.kv_spec(BS, "int4")
 
@@ -82,15 +93,19 @@ def test_the_setting_reaches_the_engine_and_refuses_a_redis_re_encoding() -> Non
     for other in ("bf16", "fp16", "fp8"):  # an int8 block (values and scales) re-encoded: refused
         with pytest.raises(ConfigError, match="would re-encode the --kv-cache-format int8 blocks"):
             ServerConfig.from_args(["--kv-cache-format", "int8", "--redis-kv-format", other], {})
+    assert ServerConfig.from_args(["--kv-cache-format", "fp8", "--redis-kv-format", "fp8"], {}).engine_config(
+        ).kv_cache_format == "fp8"  # fmt: skip
+    with pytest.raises(ConfigError, match="would re-encode the --kv-cache-format fp8 blocks"):
+        ServerConfig.from_args(["--kv-cache-format", "fp8", "--redis-kv-format", "int8"], {})
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8", "fp8"])
 def test_the_engine_serves_the_format_and_reports_its_bytes_per_token(loaded, fmt) -> None:
     eng = make_engine(loaded, fmt)
     assert eng.pool.data.dtype == FORMATS[fmt]
     exact = loaded.kv_spec(BS).bytes_per_token
-    want = exact // 2 if fmt != "int8" else loaded.kv_spec(BS, "int8").bytes_per_token
-    assert eng.model_info.bytes_per_token == want and (fmt != "int8" or exact // 4 < want < exact // 3)
+    want = exact // 2 if fmt not in SCALED else loaded.kv_spec(BS, fmt).bytes_per_token
+    assert eng.model_info.bytes_per_token == want and (fmt not in SCALED or exact // 4 < want < exact // 3)
     assert eng.model_info.dtype == "float32"  # the compute dtype
     assert eng.keys.kv_dtype == f"float32/kv={fmt}"
     eng.close()
@@ -110,7 +125,7 @@ def _nll(loaded, pool, tokens) -> torch.Tensor:
     return -logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8", "fp8"])
 def test_loss_and_greedy_tokens_stay_close_to_exact(loaded, fmt) -> None:
     """On the tiny model: mean NLL within 1% of the exact cache's, and the greedy tokens of
     the engine (native decode steps) mostly the exact engine's."""
@@ -139,7 +154,8 @@ def test_loss_and_greedy_tokens_stay_close_to_exact(loaded, fmt) -> None:
 def test_formats_never_read_each_others_blocks(loaded, redis_url) -> None:
     """A transcript spilled to Redis by an exact engine is a miss for a bf16 engine on the
     same Redis and prefix (and the reverse): different namespaces, not rounded reuse."""
-    cases = (("exact", "bf16"), ("bf16", "fp16"), ("bf16", "exact"), ("exact", "int8"), ("int8", "exact"), ("int8", "bf16"))
+    cases = (("exact", "bf16"), ("bf16", "fp16"), ("bf16", "exact"), ("exact", "int8"), ("int8", "exact"),
+             ("int8", "bf16"), ("exact", "fp8"), ("fp8", "exact"), ("fp8", "int8"), ("int8", "fp8"))  # fmt: skip
     for i, (writer, reader) in enumerate(cases):
         (p1,) = prompts(loaded.config.vocab_size, [16], seed=21 + i)  # a prefix no earlier case wrote
         a = make_engine(loaded, writer, store=store_for(loaded, writer, redis_url=redis_url))
@@ -157,12 +173,12 @@ def test_formats_never_read_each_others_blocks(loaded, redis_url) -> None:
         again.close()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
 def test_redis_disk_and_host_restores_give_the_device_hits_tokens(loaded, redis_url, tmp_path, fmt) -> None:
-    """Turn 2 of a conversation in bf16 / int8: from the device, after a restart from
+    """Turn 2 of a conversation in bf16 / int8 / fp8: from the device, after a restart from
     Redis, after a restart from the disk tier, and after a device eviction from the host,
     the same tokens; Redis and the disk hold the pool's bytes as they are (bf16: half the
-    exact value size; int8: a quarter plus the scales; no re-encoding)."""
+    exact value size; int8, fp8: a quarter plus the scales; no re-encoding)."""
     (p1,) = prompts(loaded.config.vocab_size, [13], seed=31 + len(fmt))
     dev = make_engine(loaded, fmt, store=store_for(loaded, fmt, redis_url=redis_url, redis_kv_format=fmt,
                                                    disk_dir=tmp_path))  # fmt: skip
@@ -180,7 +196,7 @@ def test_redis_disk_and_host_restores_give_the_device_hits_tokens(loaded, redis_
     rt, ert = rs.tier("redis"), store_for(loaded, "exact", redis_url=redis_url).tier("redis")
     assert rt.storage_dtype is None and rt.dtype == FORMATS[fmt]  # the pool's format in Redis: stored as it is
     assert rt.block_nbytes == loaded.kv_spec(BS, fmt).bytes_per_block
-    # each value saves half (int8: three quarters, less the scales) of the exact block's bytes
+    # each value saves half (int8, fp8: three quarters, less the scales) of the exact block's bytes
     assert rt.value_nbytes < ert.value_nbytes - (0.45 if fmt == "bf16" else 0.7) * ert.block_nbytes
     b = make_engine(loaded, fmt, store=rs)
     start_r, *_, fin_r = run(b, [req("t2", prompt, n=6)])["t2"]
@@ -206,20 +222,22 @@ def test_redis_disk_and_host_restores_give_the_device_hits_tokens(loaded, redis_
     h.close()
 
 
+@pytest.mark.parametrize("fmt", SCALED)
 @pytest.mark.parametrize("family", ["tiny_gpt2_dir", "tiny_qwen2_window_dir", "tiny_gemma3_dir"])
-def test_torch_decode_over_int8_kv_stays_close_to_exact(family, request) -> None:
-    """Torch's path alone (native kernels off) over an int8 pool, in the families with
+def test_torch_decode_over_scaled_kv_stays_close_to_exact(family, fmt, request) -> None:
+    """Torch's path alone (native kernels off) over an int8 / fp8 pool, in the families with
     their own attention (GPT-2), sliding windows (Qwen2, Gemma 3): a prefill of half,
-    then decode steps reading the int8 context block by block; mean NLL within 1% of the
+    then decode steps reading the scaled context block by block; mean NLL within 1% of the
     exact pool's, and the quantization really changed something."""
     lm = load_model(request.getfixturevalue(family), dtype="float32", device="cpu", progress=False,
                     native_kernels="off")  # fmt: skip
     c = lm.config
     (s,) = prompts(c.vocab_size, [45], seed=13)
     exact = _nll(lm, KVPool(14, c.num_layers, BS, c.num_kv_heads, c.head_dim), s)
-    int8 = _nll(lm, KVPool(14, c.num_layers, BS, c.num_kv_heads, c.head_dim, torch.int8, compute_dtype=torch.float32), s)
-    assert not torch.equal(exact, int8)
-    assert abs(int8.mean() - exact.mean()) / exact.mean() < 0.01
+    lossy = _nll(lm, KVPool(14, c.num_layers, BS, c.num_kv_heads, c.head_dim, FORMATS[fmt],
+                            compute_dtype=torch.float32), s)  # fmt: skip
+    assert not torch.equal(exact, lossy)
+    assert abs(lossy.mean() - exact.mean()) / exact.mean() < 0.01
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
@@ -281,10 +299,11 @@ def test_native_decode_attention_reads_an_int8_pool_in_place(nh, nkv, window, hd
     torch.testing.assert_close(out.view(3, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", SCALED)
 @pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (6, 3, 7, None), (4, 1, None, 5.0)])
-def test_torch_attention_over_int8_reads_the_pool_chunk_by_chunk(nh, nkv, window, softcap) -> None:
+def test_torch_attention_over_scaled_kv_reads_the_pool_chunk_by_chunk(nh, nkv, window, softcap, fmt) -> None:
     """A prefill chunk over a cached context and a decode row in one batch: attention
-    over the int8 pool a few blocks at a time (online softmax) equals attention over the
+    over the int8 / fp8 pool a few blocks at a time (online softmax) equals attention over the
     whole dequantized context (what ``KVPool.update`` returns) with the layout's mask,
     and both write the same KV."""
     from kvserve.service.models.gemma import softcapped_attention
@@ -292,7 +311,7 @@ def test_torch_attention_over_int8_reads_the_pool_chunk_by_chunk(nh, nkv, window
 
     g = torch.Generator().manual_seed(nh * nkv)
     bs, hd = 4, 16
-    pools = [KVPool(40, 2, bs, nkv, hd, torch.int8, compute_dtype=torch.float32) for _ in range(2)]
+    pools = [KVPool(40, 2, bs, nkv, hd, FORMATS[fmt], compute_dtype=torch.float32) for _ in range(2)]
     tables, cached, new = [[7, 3, 22, 9, 30, 2], [12, 5, 6, 1]], [13, 10], [5, 1]
     for t, n in zip(tables, cached):
         kv = torch.randn(2, 1, n, nkv, hd, generator=g)
@@ -305,7 +324,7 @@ def test_torch_attention_over_int8_reads_the_pool_chunk_by_chunk(nh, nkv, window
     pools[0].write_int8(1, layout, k, v)
     out = paged_int8_attention(q, pools[0], 1, layout, mask, hd**-0.5, softcap, chunk_blocks=2)
     k_ctx, v_ctx = pools[1].update(1, layout, k, v)  # (B, C, n_kv, hd) dequantized
-    assert torch.equal(pools[0].data, pools[1].data)
+    assert torch.equal(raw(pools[0].data), raw(pools[1].data))
     qt, kt, vt = q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)
     if softcap is None:
         ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=hd**-0.5,
@@ -383,9 +402,9 @@ def test_native_decode_steps_over_narrow_kv_match_torch(family, fmt, request) ->
             assert ((a - c).abs() <= 1e-5 + step * (c.abs() if fmt == "bf16" else 1)).all()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
 def test_codec_moves_a_narrow_block_as_it_is(fmt) -> None:
-    """A bf16 block, or an int8 pool's block (values and scales), through the codec with
+    """A bf16 block, or an int8 / fp8 pool's block (values and scales), through the codec with
     no storage dtype (or its own): the same bytes back, its payload half (int8: about a
     quarter of) a float32 block's."""
     from kvserve.cachestore.keys import make_namespace
@@ -401,8 +420,89 @@ def test_codec_moves_a_narrow_block_as_it_is(fmt) -> None:
     for storage in (None, FORMATS[fmt]):
         enc = codec.encode(ns, bh, block, storage_dtype=storage)
         out = torch.empty_like(block)
-        assert codec.decode_into(enc, ns, bh, out).ok and torch.equal(out, block)
+        assert codec.decode_into(enc, ns, bh, out).ok and torch.equal(raw(out), raw(block))
         assert len(enc) < (0.52 if fmt == "bf16" else 0.27) * len(exact)
-    if fmt == "int8":  # never re-encoded: its bytes are not float values
+    if fmt in SCALED:  # never re-encoded: its bytes are not float values alone
         with pytest.raises(ValueError, match="can only be stored as itself"):
             codec.encode(ns, bh, block, storage_dtype=torch.bfloat16)
+
+
+def _logits(loaded, pool, tokens) -> torch.Tensor:
+    """(n, V) float64 logits of ``tokens``, teacher-forced as ``_nll`` runs them: a prefill
+    of half, then one-token decode steps reading the rest of the context from ``pool``."""
+    n, half = len(tokens), len(tokens) // 2
+    table = list(range(1, 1 + -(-n // BS)))
+    with torch.inference_mode():
+        out = [loaded.model(BatchLayout.build([SeqSlice(table, 0, tokens[:half])], BS), pool, all_logits=True)[0]]
+        for p in range(half, n):
+            out.append(loaded.model(BatchLayout.build([SeqSlice(table, p, [tokens[p]])], BS), pool)[:1])
+    return torch.cat(out)[:n].double()
+
+
+def test_fp8_kv_output_stays_within_fp8_tolerance_of_transformers(loaded, tiny_llama_dir) -> None:
+    """The tiny Llama over an fp8 pool (torch's block-wise attention; the native kernels
+    decline fp8) against Hugging Face transformers' float32 forward of the same tokens:
+    the exact pool matches transformers to float32 rounding (log-probs within 1e-4), the
+    fp8 pool within fp8's tolerance, stated as KL(transformers || fp8) at most 5e-3 nats
+    at every position and 1e-3 on average (measured: 1.3e-3 and 4e-4; int8's are ~20x
+    smaller: e4m3 keeps 3 mantissa bits), greedy tokens transformers' at >= 85% of the
+    positions (measured 92%: a random tiny model has near ties), and the rounding really
+    moved the output."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    c = loaded.config
+    seqs = prompts(c.vocab_size, [40, 29, 47], seed=17)
+    worst_exact, kls, agree = 0.0, [], 0
+    for s in seqs:
+        with torch.inference_mode():
+            hf = torch.log_softmax(ref(torch.tensor([s])).logits[0].double(), -1)  # (n, V)
+        nb = 1 + -(-len(s) // BS)
+        exact = torch.log_softmax(_logits(loaded, KVPool(nb, c.num_layers, BS, c.num_kv_heads, c.head_dim), s), -1)
+        pool = KVPool(nb, c.num_layers, BS, c.num_kv_heads, c.head_dim, torch.float8_e4m3fn,
+                      compute_dtype=torch.float32)  # fmt: skip
+        fp8 = torch.log_softmax(_logits(loaded, pool, s), -1)
+        worst_exact = max(worst_exact, float((exact - hf).abs().max()))
+        kls.append((hf.exp() * (hf - fp8)).sum(-1))  # (n,) nats
+        agree += int((fp8.argmax(-1) == hf.argmax(-1)).sum())
+    kl = torch.cat(kls)
+    assert worst_exact < 1e-4
+    assert 0 < kl.mean() < 1e-3 and kl.max() < 5e-3, (kl.mean(), kl.max())
+    assert agree >= 0.85 * len(kl), (agree, len(kl))
+
+
+def test_the_native_kernels_decline_an_fp8_pool_and_torch_reads_it() -> None:
+    """Fp8 is read by torch's path alone: the kernels' decode step refuses the pool
+    (``decode_step`` None: the decoder stack is not used), so a model with the native
+    kernels on runs the same attention over it as one with them off."""
+    from kvserve.service.models.layers import decode_step
+
+    pool = KVPool(8, 1, BS, 2, 16, torch.float8_e4m3fn, compute_dtype=torch.float32)
+    layout = BatchLayout.build([SeqSlice([1, 2], 5, [3])], BS)
+    assert pool.data.dtype not in ops.KV_POOL_FORMATS and decode_step(layout, pool) is None
+
+
+def test_the_open_fp8_block_grows_its_scale_and_holds_each_row_within_e4m3s_step() -> None:
+    """Rows written one at a time into an fp8 block, each larger than the last: the
+    block's scale per kv head is the absmax of every row it holds / 448 after each write,
+    and each stored row is within the roundings it went through of its float value: each
+    (its write, then one per growth of the scale) at most half e4m3's relative step
+    (2^-4) or half its smallest subnormal step (scale * 2^-10)."""
+    bs, nkv, hd = 8, 2, 16
+    pool = KVPool(4, 1, bs, nkv, hd, torch.float8_e4m3fn, compute_dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for p in range(bs):
+        k = (1 + p) * torch.randn(1, 1, nkv, hd, generator=g)
+        rows.append(k[0, 0])
+        pool.update(0, BatchLayout.build([SeqSlice([2], p, [1])], bs), k, k.clone())
+        held = torch.stack(rows)  # (p + 1, n_kv, hd)
+        scale = pool.k_scale(0)[2]
+        torch.testing.assert_close(scale, held.abs().amax(dim=(0, 2)) / 448, rtol=1e-6, atol=0)
+        err = (stored_kv(pool, 0)[0][2, : p + 1] - held).abs()
+        # row i: written once, then requantized p - i times
+        rounds = torch.arange(p + 1, 0, -1, dtype=torch.float32)[:, None, None]
+        grow = (1 + 2**-4) ** rounds  # each rounding: half e4m3's relative step, or half its subnormal step
+        bound = held.abs() * (grow - 1) + rounds * grow * scale[None, :, None] * 2**-10
+        assert (err <= bound * (1 + 1e-5)).all(), p
+    assert pool.k(0)[2].float().abs().max() == 448

@@ -444,3 +444,18 @@ def test_one_row_runs_on_the_packed_weight_only_with_more_than_one_thread() -> N
                 torch.testing.assert_close(got, ref(x), atol=1e-4, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [3, 1 << 11])  # on this thread alone / past rope.SERIAL_MAX: torch's threads
+def test_rope_cos_sin_on_one_thread_are_torchs_bit_for_bit(rows: int) -> None:
+    """rope.cos_sin computes a small decode step's cos/sin on the calling thread alone
+    (waking torch's other threads for two tiny ops cost more than the ops): the same values
+    as torch's parallel ops, and the thread count is torch's again after."""
+    from kvserve.service.models.rope import SERIAL_MAX, cos_sin
+
+    threads = torch.get_num_threads()
+    emb = torch.rand(rows, 1, 64) * 4000  # angles of positions up to ~4000
+    assert (emb.numel() <= SERIAL_MAX) == (rows == 3)
+    cos, sin = cos_sin(emb)
+    assert torch.equal(cos, emb.cos()) and torch.equal(sin, emb.sin())
+    assert torch.get_num_threads() == threads

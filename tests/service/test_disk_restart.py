@@ -150,3 +150,31 @@ def test_compose_and_k8s_put_the_disk_tier_on_a_volume():
     from kvserve.service.config import parse_bytes
 
     assert parse_bytes(vol["emptyDir"]["sizeLimit"] + "B") > k8s_cfg.disk_cache_size
+
+
+def test_an_fp8_kv_cache_resumes_from_disk_after_a_restart(tiny_llama_dir, tmp_path):
+    """--kv-cache-format fp8: GetModelInfo reports the format's bytes per token (a block's
+    e4m3 values and float32 scales over its tokens), and after a restart the session's
+    next turn restores its fp8 blocks from the disk tier as they were written: the reply
+    a fork of it got from the same blocks on the device before the restart."""
+    from kvserve.service.models.loading import load_model
+
+    root = tmp_path / "kv"
+    spec = load_model(str(tiny_llama_dir), dtype="float32", device="cpu", progress=False).kv_spec(BLOCK_SIZE, "fp8")
+    with disk_server(tiny_llama_dir, root, kv_cache_format="fp8") as s, KVServeClient(s.address, timeout=60) as c:
+        info = c.model_info()
+        assert info.bytes_per_token == spec.bytes_per_token == -(-spec.bytes_per_block // BLOCK_SIZE)
+        assert info.dtype == "float32"  # the compute dtype
+        c.chat("fox8", MSGS[0], max_new_tokens=10)
+        t1 = c.get_session("fox8", include_token_ids=True).token_ids
+        assert wait_until(lambda: c.get_session("fox8").cached_blocks.get("disk", 0) == len(t1) // BLOCK_SIZE > 0)
+        c.fork_session("fox8", "fox8-device")
+        ref = c.chat("fox8-device", MSGS[1], max_new_tokens=10)
+        assert ref.start.cached_tier == "device"
+    with disk_server(tiny_llama_dir, root, kv_cache_format="fp8") as s, KVServeClient(s.address, timeout=60) as c:
+        r = c.chat("fox8", MSGS[1], max_new_tokens=10)
+        full = len(t1) // BLOCK_SIZE * BLOCK_SIZE
+        assert ref.start.cached_tokens == full  # (the fork's own turn spilled too: its prompt's blocks are on disk)
+        assert r.start.cached_by_tier["disk"] >= full and r.start.cached_tokens == r.start.cached_by_tier["disk"]
+        assert r.token_ids == ref.token_ids
+        assert s.engine.cache_stats().store.tiers["disk"].failures == {}

@@ -94,6 +94,28 @@ def test_create_follow_up_fork_retrieve_delete(oai, model, server):
         oai.responses.delete(r.id)
 
 
+def test_deleting_a_response_leaves_its_follow_ups_history_cached(oai, model, server):
+    gen = dict(model=model, max_output_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    _, r1 = _create(oai, input=FOX + " and the hound", **gen)
+    _, r2 = _create(oai, input="and the dog?", previous_response_id=r1.id, **gen)
+    first = r1.usage.input_tokens + r1.usage.output_tokens
+    oai.responses.delete(r1.id)  # r2's leading blocks are r1's: still referenced, kept
+    # r2's next turn finds its whole history cached, r1's part included
+    _, r3 = _create(oai, input="and the cat?", previous_response_id=r2.id, **gen)
+    second = r2.usage.input_tokens + r2.usage.output_tokens
+    assert r3.usage.input_tokens_details.cached_tokens >= _full_blocks(second) - BLOCK_SIZE >= _full_blocks(first)
+    # deleting the middle response keeps what r3 shares with it; deleting r3 then drops what nothing references
+    oai.responses.delete(r2.id)
+    with KVServeClient(server.address, timeout=60) as g:
+        info = g.get_session(r3.id)
+        assert info.cached_blocks.get("device", 0) == info.full_blocks > 0
+        tokens = list(g.get_session(r3.id, include_token_ids=True).token_ids)
+        assert g.complete(token_ids=tokens, max_new_tokens=1).start.cached_tokens == _full_blocks(len(tokens))
+        oai.responses.delete(r3.id)
+        again = g.complete(token_ids=tokens, max_new_tokens=1)  # no session holds them now: recomputed
+        assert again.start.cached_tokens == 0
+
+
 def test_streamed_events(oai, model):
     kinds, deltas, final = [], [], None
     with oai.responses.with_streaming_response.create(model=model, input=FOX, max_output_tokens=5, stream=True,

@@ -9,11 +9,13 @@ import torch
 from scipy.stats import chisquare
 
 from kvserve.service.engine.speculative import (
+    MAX_MATCH,
     NgramDrafter,
     SpecConfig,
     accept,
     accept_greedy,
     accept_sampled,
+    match_length,
     target_probs,
 )
 from kvserve.service.engine.sampling import draw, position_seed
@@ -83,6 +85,31 @@ def test_adaptive_draft_length_and_sit_out():
     assert d.propose(hist) == [] and d.propose(hist) == [] and d.propose(hist) == [3]
     d.record(1, 1)  # an acceptance resets the backoff
     assert d.backoff == 1 and (d.steps, d.drafted, d.accepted) == (8, 29, 21)
+
+
+def test_match_length_counts_back_from_the_occurrence():
+    #        0  1  2  3  4  5  6  7  8
+    hist = [9, 1, 2, 3, 5, 8, 1, 2, 3]
+    assert match_length(hist, 4, 2) == 3  # (2, 3) found continuing at 4; 1 agrees too, 9 vs 8 not
+    assert match_length([7] * 100, 60, 2) == MAX_MATCH  # counted up to the bound
+
+
+def test_a_short_match_drafts_less_and_a_long_match_more():
+    # max_ngram 4: the suffix (1, 2) matches only 2 long -> one draft, whatever the draft length
+    d = drafter(max_draft=8, max_ngram=4, min_ngram=2)
+    assert d.propose([1, 2, 30, 31, 32, 33, 7, 1, 2]) == [30]
+    # a 3-token match: two drafts
+    d = drafter(max_draft=8, max_ngram=4, min_ngram=2)
+    assert d.propose([1, 2, 3, 30, 31, 32, 33, 7, 1, 2, 3]) == [30, 31]
+    # a 12-token repeat of a long run: at least half of it (6), past a draft length of 2
+    run = list(range(100, 112))
+    hist = run + list(range(200, 220)) + [5] + run
+    d = drafter(max_draft=16, max_ngram=4, min_ngram=2)
+    d.draft_len = 2
+    assert d.propose(hist) == list(range(200, 206))
+    assert d.propose(hist, limit=3) == [200, 201, 202]  # the limit still binds
+    d = drafter(max_draft=4, max_ngram=4, min_ngram=2)
+    assert len(d.propose(hist)) == 4  # and the cap
 
 
 def test_config_rejects_bad_ranges():
