@@ -24,7 +24,15 @@ Two ways to run it:
   endpoints (token-id prompts, streaming) with the same sessions; there the transcript is
   the earlier prompts plus the new ids (the generated ids are not returned as ids), so
   the cached prefix is the earlier prompts. Start llama-server with ``-np N`` (N = users)
-  and kvserve with ``--http-port``; both serve the same model.
+  and kvserve with ``--http-port``; both serve the same model. TTFT: to the first streamed
+  chunk; tokens: the usage (kvserve coalesces the tokens of ``--stream-interval`` into one
+  chunk); ITL: each turn's mean gap, first token to last;
+- HTTP with the servers started here: ``--llama-bin DIR`` (llama.cpp's build/bin) writes the
+  random ``--shape`` model (or takes ``--model``), converts it to GGUF F32 (kvserve's exact
+  weights) and, rep by rep, starts ``llama-server -np USERS -t THREADS -c USERS*512`` and
+  ``python -m kvserve.service --http-port`` (CPU float32, ``--torch-threads THREADS``, the
+  server's defaults otherwise: host tier on; with ``--repo`` also that checkout's), one server
+  at a time, alternating the order, and prints all of them in one table.
 
 Figures: aggregate tokens/s (all generated tokens / wall time), TTFT of the returning
 turns p50/p99 (wall; engine mode also in steps), inter-token gap p50/p99.
@@ -32,6 +40,7 @@ turns p50/p99 (wall; engine mode also in steps), inter-token gap p50/p99.
     python bench/bench_many_users.py --users 8,16 --repo /tmp/base     # before/after
     python bench/bench_many_users.py --users 8 --kvserve-url http://127.0.0.1:8000 \\
         --llama-server http://127.0.0.1:8080 --model-name m
+    python bench/bench_many_users.py --users 8,16 --shape 110m --llama-bin /work/llama/src/build/bin
 """
 
 from __future__ import annotations
@@ -76,6 +85,9 @@ class Result:
     ttft_steps: list[int] = field(default_factory=list)  # returning turns (engine mode)
     gaps_s: list[float] = field(default_factory=list)
     steps: int = 0
+    prompt_tokens: int = 0  # returning turns' prompts (HTTP mode)
+    cached_tokens: int = 0  # of them served from the server's cache (its timings' cache_n, else the usage's)
+    cpu_s: float = 0.0  # --llama-bin: the server process's CPU time over the run (user + system, all threads)
 
     @property
     def tok_s(self) -> float:
@@ -190,22 +202,41 @@ async def run_http(args: argparse.Namespace, url: str, users: int, label: str) -
 
         async def turn_of(prompt: list[int], returning: bool) -> None:
             t_sent = time.perf_counter()
-            last = None
+            first = last = None
+            n = 0
             stream = await client.completions.create(
                 model=args.model_name, prompt=prompt, max_tokens=args.tokens, temperature=0, stream=True,
-                extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             )  # fmt: skip
+            cached = None
             async for chunk in stream:
-                if not (chunk.choices and chunk.choices[0].text):
+                if chunk.usage is not None and chunk.usage.completion_tokens:
+                    n = chunk.usage.completion_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    if cached is None and details is not None and details.cached_tokens is not None:
+                        cached = details.cached_tokens
+                timings = (chunk.model_extra or {}).get("timings")
+                if isinstance(timings, dict) and "cache_n" in timings:  # llama.cpp's names (kvserve's too)
+                    cached = int(timings["cache_n"])
+                if not chunk.choices:
                     continue
                 now = time.perf_counter()
-                if last is None:
+                # the first chunk carrying a choice is the first token, its text possibly empty
+                # (a random model's token may be part of a UTF-8 character)
+                if first is None:
+                    first = now
                     if returning:
                         res.ttft_s.append(now - t_sent)
-                else:
-                    res.gaps_s.append(now - last)
                 last = now
-                res.tokens += 1  # one chunk ~ one token (both servers stream a token per chunk here)
+            # tokens from the usage (kvserve coalesces tokens made within --stream-interval into
+            # one chunk: chunks are not tokens); ITL: the turn's mean gap, first to last token
+            n = n or args.tokens
+            res.tokens += n
+            if returning:
+                res.prompt_tokens += len(prompt)
+                res.cached_tokens += cached or 0
+            if first is not None and n > 1:
+                res.gaps_s.append((last - first) / (n - 1))
 
         async def user(u: int, first: list[int]) -> None:
             prompt = list(first)
@@ -217,11 +248,119 @@ async def run_http(args: argparse.Namespace, url: str, users: int, label: str) -
         await turn_of(first_prompts(1, 40, 9)[0], False)  # warm-up
         res.ttft_s.clear()
         res.gaps_s.clear()
-        res.tokens = 0
+        res.tokens = res.prompt_tokens = res.cached_tokens = 0
         t0 = time.perf_counter()
         await asyncio.gather(*(user(u, firsts[u]) for u in range(users)))
         res.wall_s = time.perf_counter() - t0
     return res
+
+
+# ---- servers started by the bench (--llama-bin) -------------------------------------------
+
+ENV_AT_START = dict(os.environ)  # llama-server runs with this (its OpenMP threads keep their own wait policy)
+SESSION_CTX = 512  # context per session: first prompt + 3 x 64 new + 64 out, rounded up
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on a free loopback port, up once GET ``/v1/models`` answers."""
+
+    def __init__(self, label: str, cmd: list[str], port: int, env: dict, cwd: Path, log_dir: Path) -> None:
+        import urllib.request
+
+        self.label, self.url = label, f"http://127.0.0.1:{port}"
+        self.log = open(log_dir / f"{label}-{port}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{label} exited ({self.proc.returncode}): see {self.log.name}\n{Path(self.log.name).read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    self.model_name = json.loads(r.read())["data"][0]["id"]
+                break
+            except (OSError, KeyError, IndexError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"{label} did not come up: see {self.log.name}")
+            time.sleep(0.5)
+
+    def cpu_s(self) -> float:
+        """The process's CPU seconds so far (user + system, every thread): /proc/PID/stat."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def start_llama(args: argparse.Namespace, gguf: Path, users: int, log_dir: Path) -> Server:
+    port = free_port()
+    cmd = [str(Path(args.llama_bin) / "llama-server"), "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads),
+           "-np", str(users), "-c", str(users * SESSION_CTX), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]  # fmt: skip
+    return Server("llama-server", cmd, port, ENV_AT_START, log_dir, log_dir)
+
+
+def start_kvserve(args: argparse.Namespace, repo: Path, label: str, model: Path, users: int, log_dir: Path) -> Server:
+    """``kvserve serve`` of the checkout ``repo`` (its own ``kvserve/``: cwd and PYTHONPATH),
+    CPU float32, the server's defaults otherwise (host tier on)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.service", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+           "--http-port", str(port), "--device", "cpu", "--dtype", "float32", "--torch-threads", str(args.threads),
+           "--max-num-seqs", str(max(users, 32))]  # fmt: skip
+    env = dict(ENV_AT_START, PYTHONPATH=str(repo))
+    return Server(label, cmd, port, env, repo, log_dir)
+
+
+def gguf_of(args: argparse.Namespace, model: Path, out: Path) -> Path:
+    """The checkpoint as GGUF F32 (kvserve's exact weights), by llama.cpp's converter."""
+    src = Path(args.llama_src) if args.llama_src else next(
+        (d for d in Path(args.llama_bin).resolve().parents if (d / "convert_hf_to_gguf.py").exists()), None)  # fmt: skip
+    if src is None:
+        raise SystemExit("no convert_hf_to_gguf.py above --llama-bin: give --llama-src")
+    env = dict(ENV_AT_START, PYTHONPATH=str(src / "gguf-py"))
+    conv = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model), "--outfile", str(out),
+                           "--outtype", "f32"], env=env, capture_output=True, text=True)  # fmt: skip
+    if conv.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed:\n{conv.stderr[-3000:]}")
+    return out
+
+
+def run_servers(args: argparse.Namespace, model: Path, gguf: Path, users: int, rep: int, log_dir: Path) -> list[Result]:
+    """One rep: each server in turn (the order alternating rep by rep), one at a time."""
+    order: list[tuple[str, Path | None]] = [("llama-server", None), ("kvserve", REPO)]
+    if args.repo:
+        order.append(("kvserve-base", Path(args.repo)))
+    out = []
+    for label, repo in order if rep % 2 == 0 else order[::-1]:
+        srv = start_llama(args, gguf, users, log_dir) if repo is None else start_kvserve(args, repo, label, model, users, log_dir)
+        try:
+            run_args = argparse.Namespace(**{**vars(args), "model_name": srv.model_name})
+            cpu0 = srv.cpu_s()
+            try:
+                r = asyncio.run(run_http(run_args, srv.url, users, label))
+            except Exception as e:  # noqa: BLE001  which server, and its log's tail
+                tail = Path(srv.log.name).read_text()[-3000:]
+                raise SystemExit(f"{label} at {users} users failed ({e!r}, exit {srv.proc.poll()}); its log:\n{tail}") from e
+            r.cpu_s = srv.cpu_s() - cpu0
+            out.append(r)
+        finally:
+            srv.stop()
+    return out
 
 
 # ---- driver -----------------------------------------------------------------------------
@@ -252,7 +391,9 @@ def row(users: int, r: Result, ref: Result | None) -> str:
         f"| {users} | {r.label} | {r.tok_s:.1f}{ratio(r.tok_s, ref.tok_s if ref else 0)} "
         f"| {1000 * p50:.0f}{ratio(p50, q(ref.ttft_s, 0.5) if ref else 0)} "
         f"| {1000 * p99:.0f}{ratio(p99, q(ref.ttft_s, 0.99) if ref else 0)} | {steps} "
-        f"| {1000 * q(r.gaps_s, 0.5):.1f} / {1000 * q(r.gaps_s, 0.99):.1f} |"
+        f"| {1000 * q(r.gaps_s, 0.5):.1f} / {1000 * q(r.gaps_s, 0.99):.1f} "
+        f"| {f'{100 * r.cached_tokens / r.prompt_tokens:.0f}%' if r.prompt_tokens else '-'} "
+        f"| {f'{1000 * r.cpu_s / r.tokens:.1f}' if r.cpu_s else '-'} |"
     )
 
 
@@ -279,6 +420,11 @@ def main() -> None:
     p.add_argument("--kvserve-url", default=None, help="HTTP mode: kvserve's OpenAI endpoint")
     p.add_argument("--llama-server", default=None, help="HTTP mode: llama-server's OpenAI endpoint (-np = users)")
     p.add_argument("--model-name", default="model", help="HTTP mode: the model name to send")
+    p.add_argument("--llama-bin", default=None,
+                   help="llama.cpp's build/bin: the bench starts llama-server (-np = users) and kvserve (--http-port; "
+                        "with --repo also that checkout's) one at a time, HTTP mode, the same random model")  # fmt: skip
+    p.add_argument("--llama-src", default=None, help="llama.cpp's source tree (convert_hf_to_gguf.py); default: above --llama-bin")
+    p.add_argument("--threads", type=int, default=2, help="--llama-bin: threads of each server (-t / --torch-threads)")
     p.add_argument("--label", default="this")
     p.add_argument("--_one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -289,8 +435,8 @@ def main() -> None:
         return
 
     lines = [
-        "| users | run | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TTFT steps p50 / p99 | ITL p50 / p99 (ms) |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| users | run | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TTFT steps p50 / p99 | ITL p50 / p99 (ms) | returning prompts cached | server CPU ms / token |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -298,10 +444,18 @@ def main() -> None:
             from tests.fixtures.models import make_tiny_llama
 
             model = str(make_tiny_llama(Path(tmp) / args.shape, **SHAPES[args.shape]))
+        gguf = gguf_of(args, Path(model), Path(tmp) / "model-f32.gguf") if args.llama_bin else None
         for users in user_counts:
             runs: dict[str, list[Result]] = {}
             for rep in range(args.reps):
-                if args.kvserve_url or args.llama_server:
+                if args.llama_bin:
+                    for r in run_servers(args, Path(model), gguf, users, rep, Path(tmp)):
+                        runs.setdefault(r.label, []).append(r)
+                        print(f"  users={users} rep={rep} {r.label}: {r.tok_s:.1f} tok/s, TTFT p50 "
+                              f"{1000 * q(r.ttft_s, 0.5):.0f} ms p99 {1000 * q(r.ttft_s, 0.99):.0f} ms, "
+                              f"{r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s, cached {r.cached_tokens}/{r.prompt_tokens}, "
+                              f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
+                elif args.kvserve_url or args.llama_server:
                     for label, url in (("llama-server", args.llama_server), ("kvserve", args.kvserve_url)):
                         if url:
                             runs.setdefault(label, []).append(asyncio.run(run_http(args, url, users, label)))

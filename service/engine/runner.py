@@ -1,8 +1,11 @@
 """The runner room: block tables, the batch layout and the model's forward.
 
 ``run(plan)`` computes a step plan (service/engine/scheduler.py): one batched decode
-forward over the decode rows, one forward per prefill chunk, and returns the rows to
-sample with their logits. Every forward advances its sequences' ``num_computed``,
+forward over the decode rows, then the prefill chunks batched into as few forwards as
+padding allows (``prefill_groups``: chunks of similar length and context share one
+forward, one read of the weights and larger products; a long cold chunk beside a returning
+turn's few tokens runs on its own rather than padding the short one to its length), and
+returns the rows to sample with their logits. Every forward advances its sequences' ``num_computed``,
 registers the blocks it completed under their hashes (from then on any request in the
 same namespace can share them) and, on sliding-window models, gives back the leading
 blocks no later query can see. The runner also measures the prefill rate (tokens/s) that
@@ -26,7 +29,32 @@ from ..kv.transfer import BlockTransfers
 
 Row = tuple[Sequence, torch.Tensor]  # a sequence to sample and its (V,) logits
 
-PREFILL_TIMED_MIN = 32  # prefill chunks at least this long are timed for the prefill rate
+PREFILL_TIMED_MIN = 32  # prefill forwards of at least this many tokens are timed for the prefill rate
+# a prefill forward is padded to (chunks, longest chunk) tokens and each chunk attends over
+# the longest context of the forward: chunks join one forward while both padded sizes stay
+# within this factor of the real ones
+PREFILL_PAD_SLACK = 1.25
+
+
+def prefill_groups(chunks: list[tuple[Sequence, int]], pad_slack: float = PREFILL_PAD_SLACK) -> list[list[tuple[Sequence, int]]]:
+    """The step's prefill chunks ((sequence, tokens) each) as forwards: sorted by length
+    (ties: plan order), a chunk joins the current forward while the forward's padded
+    tokens (chunks x longest) and padded context (chunks x longest context) stay within
+    ``pad_slack`` of the real ones; else it starts the next forward. Every chunk is in
+    exactly one forward; one chunk alone is one forward (the layout of before)."""
+    groups: list[list[tuple[Sequence, int]]] = []
+    tokens = ctx = longest = widest = 0
+    for seq, n in sorted(chunks, key=lambda c: c[1]):
+        c = seq.num_computed + n  # the context this chunk attends over, itself included
+        if groups:
+            k = len(groups[-1]) + 1
+            if k * max(longest, n) <= pad_slack * (tokens + n) and k * max(widest, c) <= pad_slack * (ctx + c):
+                groups[-1].append((seq, n))
+                tokens, ctx, longest, widest = tokens + n, ctx + c, max(longest, n), max(widest, c)
+                continue
+        groups.append([(seq, n)])
+        tokens, ctx, longest, widest = n, c, n, c
+    return groups
 
 
 class Runner:
@@ -52,6 +80,7 @@ class Runner:
         # blocks outside every layer's window can be given back (when every layer has one)
         self.release_window = release_window
         self.num_prefill_tokens = 0
+        self.num_prefill_forwards = 0  # prefill forwards run (several chunks may share one)
         self.num_decode_tokens = 0
         self.num_seal_tokens = 0
         # speculative decoding: verify forwards (one per sequence), drafts run through them
@@ -79,14 +108,19 @@ class Runner:
                 verified.append((seq, logits[at : at + 1 + len(seq.drafts)]))
                 at += 1 + len(seq.drafts)
         ops = self.transfers.ops
-        for seq, n in plan.prefill:
+        done: dict[int, torch.Tensor] = {}  # id(seq) -> logits of a chunk that ended its prompt
+        for group in prefill_groups(plan.prefill):
             t0 = ops.mark()
-            logits = self.forward([(seq, n)])
+            logits = self.forward(group)  # (len(group), V)
+            n = sum(k for _, k in group)
             self.num_prefill_tokens += n
+            self.num_prefill_forwards += 1
             if n >= PREFILL_TIMED_MIN:  # timed for the prefill rate (restore-vs-recompute)
                 self._prefill_marks.append((n, t0, ops.mark()))
-            if seq.num_computed == len(seq.token_ids):
-                rows.append((seq, logits[0]))
+            for i, (seq, _) in enumerate(group):
+                if seq.num_computed == len(seq.token_ids):
+                    done[id(seq)] = logits[i]
+        rows.extend((seq, done[id(seq)]) for seq, _ in plan.prefill if id(seq) in done)  # in plan order
         self.poll_prefill_rate()
         return rows, decode_logits if len(rows) == len(plan.decode) else None, verified
 

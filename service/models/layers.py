@@ -40,6 +40,14 @@ PACKED_ROWS = range(2, 65)
 # Smaller weights are not packed: oneDNN's fixed cost per call (~35 us against ~20 us for
 # MKL) outweighs its faster read below ~256K elements (measured at 4 rows, one thread).
 PACK_MIN_ELEMENTS = 1 << 18
+# From this many rows (prefill: compute-bound) a float32 CPU ``Linear`` of at least
+# PACK_MIN_ELEMENTS runs oneDNN's GEMM on its dense weight (``mkldnn._linear_pointwise``:
+# the weight read in place, no second copy) instead of MKL's ``F.linear``: MKL takes its
+# generic path on AMD CPUs, oneDNN JITs for the ISA it finds. On this project's AMD EPYC
+# host (AVX-512, 2 threads), a ~110M model's products: 2.2-3.3x MKL's rate at 72-576 rows
+# (docs/benchmarks.md "Many users at once").
+ONEDNN_MIN_ROWS = 65
+ONEDNN_F32 = torch.backends.mkldnn.is_available()
 
 
 class UsesKernels:
@@ -68,8 +76,9 @@ class Linear(nn.Linear, UsesKernels):
     - Unpacked, 2..64 rows compute ``W @ x.T`` instead of ``x @ W.T`` (MKL is several
       times slower per weight byte on the latter at a few rows on AVX2).
 
-    From 65 rows (prefill, compute-bound) MKL's ``F.linear`` runs. Rounding may differ in
-    the last bits between the paths.
+    From 65 rows (prefill, compute-bound) oneDNN's GEMM runs on the dense float32 CPU
+    weight (``ONEDNN_MIN_ROWS``; small weights, other dtypes and devices: ``F.linear``).
+    Rounding may differ in the last bits between the paths.
     """
 
     _packed: Tensor | None = None  # the weight in oneDNN's layout (opaque tensor); None: unpacked
@@ -109,7 +118,11 @@ class Linear(nn.Linear, UsesKernels):
         ):
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         if x.device.type != "cpu" or rows not in SMALL_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            w = self.weight
+            if (rows >= ONEDNN_MIN_ROWS and ONEDNN_F32 and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+                    and w.numel() >= PACK_MIN_ELEMENTS and w.is_contiguous()):  # fmt: skip
+                return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
+            return F.linear(x, w, self.bias)
         xt = x.reshape(rows, x.shape[-1]).t()  # (in, rows)
         if self.bias is None:
             y = torch.mm(self.weight, xt)  # (out, rows)

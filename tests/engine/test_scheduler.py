@@ -149,3 +149,78 @@ def test_decodes_are_planned_before_prefills_and_short_prefills_before_long(load
         assert [(s.request_id, n) for s, n in plan.prefill] == [("short", 9), ("long", 40 - N_DECODING - 9)]
     finally:
         engine.close()
+
+
+def test_returning_turns_of_one_step_share_one_prefill_forward(loaded):
+    """Three returning turns admitted together beside 8 decodes: their prefill chunks run
+    as one forward (one read of the weights, not three), each gets its first token in 1
+    step, and each output is the uncached reference's."""
+    engine = engine_for(loaded, host_tier=True)
+    try:
+        transcripts = [cached_transcript(loaded, engine, seed=10 + i) for i in range(3)]
+        events: dict = {}
+        start_decoders(loaded, engine, events)
+        new = [list(range(30 + 9 * i, 39 + 9 * i)) for i in range(3)]  # 9 new tokens each
+        turns = {f"turn2-{i}": t + n for i, (t, n) in enumerate(zip(transcripts, new))}
+        for rid, prompt in turns.items():
+            engine.add_request(req(rid, prompt, n=5))
+        forwards0 = engine.runner.num_prefill_forwards
+        prefill0 = engine.runner.num_prefill_tokens
+        assert steps_to_first_token(engine, "turn2-0", events) == 1
+        assert all(any(isinstance(e, Delta) and e.token_ids for e in events[rid]) for rid in turns)
+        assert engine.runner.num_prefill_forwards - forwards0 == 1
+        cached = [events[rid][0].cached_tokens for rid in turns]
+        assert engine.runner.num_prefill_tokens - prefill0 == sum(len(p) for p in turns.values()) - sum(cached)
+        finish_all(engine, events)
+        for rid, prompt in turns.items():
+            assert output_of(events[rid]) == greedy_reference(loaded.model, prompt, 5)
+        for i in range(N_DECODING):
+            assert len(output_of(events[f"d{i}"])) == 60
+    finally:
+        engine.close()
+
+
+def test_a_long_cold_chunk_runs_apart_from_a_returning_turn(loaded):
+    """Padding decides the forwards: a 120-token cold chunk and a returning turn's few
+    tokens would pad the short one to 120, so they run as two forwards in the same step;
+    the returning turn still gets its first token in 1 step, both outputs the reference's."""
+    engine = engine_for(loaded, host_tier=False)
+    try:
+        transcript = cached_transcript(loaded, engine, seed=20)
+        events: dict = {}
+        start_decoders(loaded, engine, events)
+        (cold,) = prompts(loaded.config.vocab_size, [120], seed=21)
+        prompt = transcript + [40, 41, 42, 43, 44, 45, 46]
+        engine.add_request(req("cold", cold, n=3))
+        engine.add_request(req("turn2", prompt, n=3))
+        forwards0 = engine.runner.num_prefill_forwards
+        assert steps_to_first_token(engine, "turn2", events) == 1
+        assert any(isinstance(e, Delta) and e.token_ids for e in events["cold"])  # whole in this step too
+        assert engine.runner.num_prefill_forwards - forwards0 == 2
+        finish_all(engine, events)
+        assert output_of(events["turn2"]) == greedy_reference(loaded.model, prompt, 3)
+        assert output_of(events["cold"]) == greedy_reference(loaded.model, cold, 3)
+    finally:
+        engine.close()
+
+
+def test_prefill_groups_join_chunks_while_padding_stays_within_the_slack():
+    """The grouping rule itself, on stand-in sequences (num_computed is all it reads)."""
+    from types import SimpleNamespace
+
+    from kvserve.service.engine.runner import prefill_groups
+
+    def s(computed: int) -> SimpleNamespace:
+        return SimpleNamespace(num_computed=computed)
+
+    a, b, c, d = s(100), s(104), s(96), s(0)
+    # similar chunks over similar contexts: one forward, sorted by length
+    assert [[(x, n) for x, n in g] for g in prefill_groups([(a, 70), (b, 66), (c, 72)])] == [[(b, 66), (a, 70), (c, 72)]]
+    # a long cold chunk beside a short one: apart
+    assert prefill_groups([(d, 400), (a, 70)]) == [[(a, 70)], [(d, 400)]]
+    # the same lengths over very different contexts: apart (each would attend over the longest)
+    far, near = s(2000), s(10)
+    assert prefill_groups([(near, 16), (far, 16)]) == [[(near, 16)], [(far, 16)]]
+    # every chunk in exactly one forward; one chunk: one forward
+    assert prefill_groups([(a, 5)]) == [[(a, 5)]]
+    assert prefill_groups([]) == []
