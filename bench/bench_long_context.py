@@ -8,8 +8,9 @@ K and V are 200 MB per stream and step in float32 (100 MB as fp16/bf16), against
 K/V, as a prefill would leave them: the decode step's cost does not depend on the
 values), so a long context costs no prefill; llama-bench fills its KV cache untimed
 (``-d``). llama-bench decodes one stream (its KV cache F16 by default: compare with
-``--kv-formats fp16``); eight streams are kvserve's alone here (llama-server ``-np 8``:
-bench/bench_many_users.py).
+``--kv-formats fp16``); ``--llama-batched-bench`` adds llama.cpp's many-stream figure:
+``llama-batched-bench -npp CTX -ntg STEPS -npl B`` (B sequences, each its own CTX-token
+prompt, not shared, then STEPS decode steps of all B together: its ``speed_tg``).
 
     python bench/bench_long_context.py --shapes 110m --weight-formats exact,bf16 --kv-formats exact,fp16 \\
         --contexts 1024,4096,8192 --batches 1,8 --llama-bench /work/llama/src/build/bin/llama-bench
@@ -79,6 +80,19 @@ def llama_decode(binary: Path, gguf: Path, ctx: int, steps: int, threads: int) -
     return float(json.loads(res.stdout)[0]["avg_ts"])
 
 
+def llama_batched_decode(binary: Path, gguf: Path, ctx: int, steps: int, batch: int, threads: int) -> float | None:
+    """llama.cpp's aggregate decode tok/s of ``batch`` sequences of ``ctx`` positions each."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(batch * (ctx + steps + 16)),
+           "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(steps), "-npl", str(batch),
+           "--output-format", "jsonl"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=ENV_AT_START)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        print(f"[llama.cpp] llama-batched-bench failed: {res.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return float(json.loads(lines[-1])["speed_tg"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="110m")
@@ -92,6 +106,8 @@ def main() -> None:
     ap.add_argument("--llama-rounds", type=int, default=2, help="llama-bench runs per context (each refills -d)")
     ap.add_argument("--llama-bench", type=Path, help="llama-bench binary (outside the repository); none: kvserve alone")
     ap.add_argument("--llama-src", type=Path, default=Path("/work/llama/src"), help="for convert_hf_to_gguf.py")
+    ap.add_argument("--llama-batched-bench", type=Path,
+                    help="llama-batched-bench binary: llama.cpp's figure for the rows of more than one stream (once each)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -105,7 +121,7 @@ def main() -> None:
             for fmt in args.weight_formats.split(","):
                 loaded = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
                 gguf = None
-                if args.llama_bench:
+                if args.llama_bench or args.llama_batched_bench:
                     gguf = work / f"{shape}-{LLAMA_TYPE[fmt]}.gguf"
                     if not gguf.exists():
                         env = dict(ENV_AT_START, PYTHONPATH=str(args.llama_src / "gguf-py"))
@@ -126,15 +142,22 @@ def main() -> None:
                             t0 = time.perf_counter()
                             run.run()
                             ours[key].append(key[1] * args.steps / (time.perf_counter() - t0))
-                        if gguf is not None and r < args.llama_rounds:
+                        if args.llama_bench and r < args.llama_rounds:
                             got = llama_decode(args.llama_bench, gguf, ctx, args.steps, args.threads)
                             if got is not None:
                                 ref.append(got)
                     del runs
                     rr = statistics.median(ref) if ref else float("nan")
+                    many = {}  # streams -> llama.cpp's aggregate tok/s (after kvserve's rounds: one process at a time)
+                    if args.llama_batched_bench:
+                        for batch in batches:
+                            if batch > 1:
+                                got = llama_batched_decode(args.llama_batched_bench, gguf, ctx, args.steps, batch,
+                                                           args.threads)  # fmt: skip
+                                many[batch] = float("nan") if got is None else got
                     for (kvf, batch), t in ours.items():
                         o = statistics.median(t)
-                        r1 = rr if batch == 1 else float("nan")
+                        r1 = rr if batch == 1 else many.get(batch, float("nan"))
                         rows.append((shape, fmt, kvf, ctx, batch, o, min(t), max(t), r1))
                         print(f"[{shape}] {fmt} kv {kvf} ctx {ctx} batch {batch}: {o:.1f} tok/s "
                               f"({min(t):.1f}-{max(t):.1f}); llama.cpp {LLAMA_TYPE[fmt]} {r1:.1f} {ref}",
