@@ -14,18 +14,24 @@ from kvserve.clients import KVServeClient, KVServeError, StreamEnd, TextDelta
 from tests.fixtures.models import make_tiny_llama
 from tests.fixtures.serving import start_server_process, wait_until
 
-LONG = 1500  # tokens: the stream outlives the checks made during the drain
+# tokens: the stream outlives the checks made during the drain and the short drain's 200 ms
+# by a wide margin on a fast host (the first version, 1500 tokens of the smallest model with
+# speculation on, took 0.15-0.21 s in the engine and once ended inside the short drain):
+# plain decoding of a wider model, ~2 s here
+LONG = 4000
 
 
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_4k"), max_position_embeddings=4096)
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_4k"), max_position_embeddings=4096, hidden_size=256,
+                           intermediate_size=688, num_hidden_layers=4)  # fmt: skip
 
 
 def _server(model_dir, drain_timeout: str):
     return start_server_process([
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--dtype", "float32",
-        "--kv-cache-memory", "8MiB", "--block-size", "16", "--drain-timeout", drain_timeout, "--log-level", "info",
+        "--kv-cache-memory", "32MiB", "--block-size", "16", "--drain-timeout", drain_timeout, "--log-level", "info",
+        "--speculative", "off",
     ])  # fmt: skip
 
 
