@@ -121,8 +121,16 @@ class HttpFront:
     def _tenant(self, request: Request) -> str:
         return self.authenticator.authenticate([("authorization", request.headers.get("authorization", ""))])
 
-    def _count(self, method: str, status: int) -> None:
-        self.metrics.requests.labels(f"http:{method}", status_label(status, oa.HTTP_OF_CODE)).inc()
+    def _count(self, method: str, outcome: int | oa.HttpError) -> None:
+        """One answer in ``kvserve_requests_total``: an HTTP status, or the error sent, counted
+        under the gRPC code it came from (the gRPC front's label for the same failure) where
+        it came from one, else under its status's."""
+        if isinstance(outcome, oa.HttpError):
+            code = outcome.grpc_code
+            label = code.name if code is not None else status_label(outcome.status, oa.HTTP_OF_CODE)
+        else:
+            label = status_label(outcome, oa.HTTP_OF_CODE)
+        self.metrics.requests.labels(f"http:{method}", label).inc()
 
     async def _body(self, request: Request) -> Any:
         """The request's JSON, read and parsed within the front's limits (service.http.limits)."""
@@ -147,7 +155,7 @@ class HttpFront:
             self._tenant(request)
         except Exception as exc:  # noqa: BLE001
             err = oa.error_of(exc, wire.new_request_id())
-            self._count("models", err.status)
+            self._count("models", err)
             return self._error(err)
         self._count("models", 200)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -159,7 +167,7 @@ class HttpFront:
             self._check_model(request.path_params["model_id"])
         except Exception as exc:  # noqa: BLE001
             err = oa.error_of(exc, wire.new_request_id())
-            self._count("models", err.status)
+            self._count("models", err)
             return self._error(err)
         self._count("models", 200)
         return JSONResponse(self._model_card())
@@ -182,7 +190,7 @@ class HttpFront:
             r = await self.conversations.warm(self._tenant(request), session_id)
         except Exception as exc:  # noqa: BLE001
             err = self.error_of(exc, wire.new_request_id())
-            self._count("WarmSession", err.status)
+            self._count("WarmSession", err)
             return self._error(err)
         self._count("WarmSession", 200)
         return JSONResponse({
@@ -237,7 +245,7 @@ class HttpFront:
             if ticket is not None:
                 ticket.release()
             err = self.error_of(exc, request_id, names)
-            self._count(method, err.status)
+            self._count(method, err)
             trace.end(err.status, err.message)
             return self._error(err)
         headers = {"X-Request-Id": request_id}
@@ -297,7 +305,7 @@ class _Ctx:
                     err = self._finish_error(ev)
                     if err is not None:
                         status, message = err.status, err.message
-                        self.front._count(self.method, err.status)
+                        self.front._count(self.method, err)
                         return err.body(), err.status
                     ends[ev.index] = ev
                     if len(ends) == self.n:
@@ -311,7 +319,7 @@ class _Ctx:
         except Exception as exc:  # noqa: BLE001
             err = self.front.error_of(exc, self.request_id, self.names)
             status, message = err.status, err.message
-            self.front._count(self.method, err.status)
+            self.front._count(self.method, err)
             return err.body(), err.status
         finally:
             await self._close()
@@ -357,7 +365,7 @@ class _Ctx:
         def data(obj: Any) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
-        status = 200
+        status, failed = 200, None
         completion_tokens = 0
         left = self.n
         try:
@@ -374,7 +382,7 @@ class _Ctx:
                 elif isinstance(ev, Finished):
                     err = self._finish_error(ev)
                     if err is not None:
-                        status = err.status
+                        status, failed = err.status, err
                         yield data(err.body())
                         break
                     completion_tokens += ev.completion_tokens
@@ -400,11 +408,11 @@ class _Ctx:
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
             err = self.front.error_of(exc, self.request_id, self.names)
-            status = err.status
+            status, failed = err.status, err
             yield data(err.body())
         finally:
             await self._close()
-            self.front._count(self.method, status)
+            self.front._count(self.method, failed or status)
             self.trace.end(status)
 
 

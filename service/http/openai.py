@@ -132,6 +132,7 @@ class HttpError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.grpc_code: grpc.StatusCode | None = None  # error_of's: the code kvserve_requests_total counts it under
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -210,7 +211,9 @@ def error_of(
         code = "session_not_found"
     elif type(exc) in SESSION_ERRORS:
         http, kind, code = SESSION_ERRORS[type(exc)]
-    return HttpError(http, message, kind, param=param, code=code)
+    err = HttpError(http, message, kind, param=param, code=code)
+    err.grpc_code = status.code  # a 409 already_exists counts as ALREADY_EXISTS, a 400 turn_unavailable as FAILED_PRECONDITION
+    return err
 
 
 def unsupported(name: str, why: str = "kvserve does not support it") -> HttpError:

@@ -377,7 +377,7 @@ class ResponsesRoutes:
 
     def _fail(self, exc: BaseException, request_id: str, method: str, names: Any = None) -> Response:
         err = self.front.error_of(exc, request_id, names)
-        self.front._count(method, err.status)
+        self.front._count(method, err)
         return self.front._error(err)
 
     async def retrieve(self, request: Request) -> Response:
@@ -457,7 +457,7 @@ class ResponsesRoutes:
             err = front.error_of(exc, request_id, names)
             if isinstance(exc, SessionNotFound) and prev is not None:  # removed since it was read
                 err = _not_found(prev, param="previous_response_id")
-            front._count("Responses", err.status)
+            front._count("Responses", err)
             trace.end(err.status, err.message)
             return front._error(err)
         turn = _Turn(self, owner, rid, req, request_id, start, events, gen, ticket, trace)
@@ -529,7 +529,7 @@ class _Turn:
                     err = self._error(ev)
                     if err is not None:
                         status, message = err.status, err.message
-                        self.front._count("Responses", err.status)
+                        self.front._count("Responses", err)
                         return err.body(), err.status
                     status, message, ok = 200, "", True
                     self.front._count("Responses", 200)
@@ -542,7 +542,7 @@ class _Turn:
         except Exception as exc:  # noqa: BLE001
             err = self.front.error_of(exc, self.request_id, oa.RESPONSES_NAMES)
             status, message = err.status, err.message
-            self.front._count("Responses", err.status)
+            self.front._count("Responses", err)
             return err.body(), err.status
         finally:
             await self._close(ok)
@@ -557,7 +557,7 @@ class _Turn:
             seq += 1
             return f"event: {kind}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
-        status, ok = 200, False
+        status, ok, failed = 200, False, None
         item_id = "msg_" + self.rid[len(RESPONSE_PREFIX):]
         # with tools the items open as their output comes (the message on its first text,
         # a function_call on its call's first piece); without, the message opens at once
@@ -607,7 +607,7 @@ class _Turn:
                 elif isinstance(ev, Finished):
                     err = self._error(ev)
                     if err is not None:
-                        status = err.status
+                        status, failed = err.status, err
                         e = err.body()["error"]
                         yield event("error", code=e["code"], message=e["message"], param=e["param"])
                         break
@@ -645,10 +645,10 @@ class _Turn:
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
             err = self.front.error_of(exc, self.request_id, oa.RESPONSES_NAMES)
-            status = err.status
+            status, failed = err.status, err
             e = err.body()["error"]
             yield event("error", code=e["code"], message=e["message"], param=e["param"])
         finally:
             await self._close(ok)
-            self.front._count("Responses", status)
+            self.front._count("Responses", failed or status)
             self.trace.end(status)

@@ -45,6 +45,13 @@ def _error(e: pytest.ExceptionInfo) -> tuple[int, str, str]:
     return e.value.status_code, e.value.body["type"], e.value.body["code"]
 
 
+def _counted(server, code: str) -> float:
+    """kvserve_requests_total of the Responses API under a gRPC code name."""
+    value = server.running.metrics.registry.get_sample_value(
+        "kvserve_requests_total", {"method": "http:Responses", "code": code})  # fmt: skip
+    return value or 0.0
+
+
 def test_a_turn_on_a_busy_session_is_409_session_busy(oai, model, server):
     sessions = server.running.sessions
     turn = server.call(sessions.begin_turn("", "codes-busy"))  # a turn in flight holds the session's lock
@@ -80,9 +87,13 @@ def test_a_fork_to_an_existing_id_is_409_already_exists(oai, model, server, monk
     r1 = oai.responses.create(model=model, input=FOX, max_output_tokens=3)
     r2 = oai.responses.create(model=model, input=FOX, max_output_tokens=3)
     monkeypatch.setattr(responses, "new_response_id", lambda: r2.id)  # the new response's id is taken
+    before = {c: _counted(server, c) for c in ("ALREADY_EXISTS", "FAILED_PRECONDITION")}
     with pytest.raises(openai.ConflictError) as e:
         oai.responses.create(model=model, input="more", previous_response_id=r1.id, max_output_tokens=3)
     assert _error(e) == (409, "conflict_error", "already_exists") and "already exists" in e.value.body["message"]
+    # counted under the gRPC code it came from, as the gRPC front counts it, not as any 409
+    assert _counted(server, "ALREADY_EXISTS") == before["ALREADY_EXISTS"] + 1
+    assert _counted(server, "FAILED_PRECONDITION") == before["FAILED_PRECONDITION"]
     monkeypatch.undo()
     for r in (r1, r2):
         oai.responses.delete(r.id)
@@ -93,8 +104,11 @@ def test_a_follow_up_of_a_response_without_turn_boundaries_is_400_turn_unavailab
     store = server.running.sessions.store
     rec = server.call(store.get("", r1.id))
     server.call(store.put(copy_record(rec, turn_log=[])))  # as a version 1 record loads
+    before = {c: _counted(server, c) for c in ("FAILED_PRECONDITION", "INVALID_ARGUMENT")}
     with pytest.raises(openai.BadRequestError) as e:  # retrying never mends it
         oai.responses.create(model=model, input="more", previous_response_id=r1.id, max_output_tokens=3)
     assert _error(e) == (400, "invalid_request_error", "turn_unavailable")
+    assert _counted(server, "FAILED_PRECONDITION") == before["FAILED_PRECONDITION"] + 1  # not as any 400
+    assert _counted(server, "INVALID_ARGUMENT") == before["INVALID_ARGUMENT"]
     assert "turn boundaries" in e.value.body["message"]
     oai.responses.delete(r1.id)
