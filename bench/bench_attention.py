@@ -36,7 +36,7 @@ kernels.passive_openmp()
 import torch  # noqa: E402
 
 from bench.bench_engine import BLOCK_SIZE, SHAPES  # noqa: E402
-from bench.bench_kernels import build_from_revision, load  # noqa: E402
+from bench.bench_kernels import libraries  # noqa: E402
 
 _C = header_binding().constants
 KV_FORMATS = {"f32": (torch.float32, _C["KV_F32"]), "bf16": (torch.bfloat16, _C["KV_BF16"]),
@@ -128,15 +128,8 @@ def main() -> None:
     for f in args.kv_formats.split(","):
         if f not in KV_FORMATS:
             raise SystemExit(f"unknown KV format {f!r}; one of {', '.join(KV_FORMATS)}")
-    names = ["this checkout"]
     with tempfile.TemporaryDirectory(prefix="kvserve-attn-") as tmp:
-        this = kernels.library_path(isa)
-        if not this.is_file():
-            raise SystemExit(f"no {this.name}: build the kernels first (python -m kvserve.service.kernels)")
-        libs = [load(this)]
-        if args.against:
-            libs.append(load(build_from_revision(args.against, isa, Path(tmp))))
-            names.append(args.against)
+        libs, names = libraries(isa, args.against, Path(tmp))
         flush = torch.empty(64 << 20, dtype=torch.uint8)
         print(f"{args.shape}, {isa} build, {args.steps} steps per build{' in turn' if len(libs) > 1 else ''}",
               file=sys.stderr)  # fmt: skip

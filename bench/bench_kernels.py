@@ -174,6 +174,17 @@ class Attention:
         return f"attention, {self.B} x {self.ctx} positions"
 
 
+def libraries(isa: str, against: str | None, tmp: Path) -> tuple[list[ctypes.CDLL], list[str]]:
+    """This checkout's library for ``isa`` and, with ``against``, the one built from that
+    git revision (in ``tmp``), with their names."""
+    this = kernels.library_path(isa)
+    if not this.is_file():
+        raise SystemExit(f"no {this.name}: build the kernels first (pip install -e . or python -m kvserve.service.kernels)")
+    if against is None:
+        return [load(this)], ["this checkout"]
+    return [load(this), load(build_from_revision(against, isa, tmp))], ["this checkout", against]
+
+
 def timed(work, libs: list[ctypes.CDLL], steps: int, flush: torch.Tensor | None) -> list[list[float]]:
     """Seconds per step for each build, the builds taking turns step by step (after two
     warm-up steps each). ``flush``: a buffer written before every step, so the step's data
@@ -207,15 +218,8 @@ def main() -> None:
         raise SystemExit("the native kernels need an x86-64 CPU with AVX2 and FMA")
     isa = isas[0]
     shape = SHAPES[args.shape]
-    names = ["this checkout"]
     with tempfile.TemporaryDirectory(prefix="kvserve-kernels-") as tmp:
-        this = kernels.library_path(isa)
-        if not this.is_file():
-            raise SystemExit(f"no {this.name}: build the kernels first (pip install -e . or python -m kvserve.service.kernels)")
-        libs = [load(this)]
-        if args.against:
-            libs.append(load(build_from_revision(args.against, isa, Path(tmp))))
-            names.append(args.against)
+        libs, names = libraries(isa, args.against, Path(tmp))
         work: list = []
         formats = [f for f in args.formats.split(",") if f and f != "none"]
         for f in formats:

@@ -336,6 +336,23 @@ def test_torch_attention_over_scaled_kv_reads_the_pool_chunk_by_chunk(nh, nkv, w
         torch.testing.assert_close(out[b, t], ref.transpose(1, 2)[b, t], atol=1e-5, rtol=1e-5)
 
 
+def _growing_rows(pool: KVPool, g: torch.Generator, qmax: int):
+    """Rows written one at a time into block 2 of ``pool`` (one layer), each larger than the
+    last. After each write the block's K scale per kv head must be the absmax of every row
+    it holds / ``qmax``; yields (position, the rows held (p + 1, n_kv, hd), that scale,
+    |stored - held|)."""
+    bs, nkv, hd = pool.block_size, pool.num_kv_heads, pool.head_dim
+    rows = []
+    for p in range(bs):
+        k = (1 + p) * torch.randn(1, 1, nkv, hd, generator=g)
+        rows.append(k[0, 0])
+        pool.update(0, BatchLayout.build([SeqSlice([2], p, [1])], bs), k, k.clone())
+        held = torch.stack(rows)  # (p + 1, n_kv, hd)
+        scale = pool.k_scale(0)[2]
+        torch.testing.assert_close(scale, held.abs().amax(dim=(0, 2)) / qmax, rtol=1e-6, atol=0)
+        yield p, held, scale, (stored_kv(pool, 0)[0][2, : p + 1] - held).abs()
+
+
 def test_the_open_int8_block_grows_its_scale_and_a_reused_block_starts_afresh() -> None:
     """Rows written one at a time into a block, each larger than the last: after each
     write the block's scale per kv head is the absmax of every row it holds / 127, and
@@ -345,15 +362,7 @@ def test_the_open_int8_block_grows_its_scale_and_a_reused_block_starts_afresh() 
     bs, nkv, hd = 8, 2, 16
     pool = KVPool(4, 1, bs, nkv, hd, torch.int8, compute_dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
-    rows = []
-    for p in range(bs):
-        k = (1 + p) * torch.randn(1, 1, nkv, hd, generator=g)
-        rows.append(k[0, 0])
-        pool.update(0, BatchLayout.build([SeqSlice([2], p, [1])], bs), k, k.clone())
-        held = torch.stack(rows)  # (p + 1, n_kv, hd)
-        scale = pool.k_scale(0)[2]
-        torch.testing.assert_close(scale, held.abs().amax(dim=(0, 2)) / 127, rtol=1e-6, atol=0)
-        err = (stored_kv(pool, 0)[0][2, : p + 1] - held).abs()
+    for p, held, scale, err in _growing_rows(pool, g, 127):
         assert (err <= scale[None, :, None] * (1 + 1e-5)).all(), p
     assert pool.k(0)[2].abs().max() == 127
     small = 0.01 * torch.randn(1, 3, nkv, hd, generator=g)
@@ -488,18 +497,9 @@ def test_the_open_fp8_block_grows_its_scale_and_holds_each_row_within_e4m3s_step
     and each stored row is within the roundings it went through of its float value: each
     (its write, then one per growth of the scale) at most half e4m3's relative step
     (2^-4) or half its smallest subnormal step (scale * 2^-10)."""
-    bs, nkv, hd = 8, 2, 16
-    pool = KVPool(4, 1, bs, nkv, hd, torch.float8_e4m3fn, compute_dtype=torch.float32)
+    pool = KVPool(4, 1, 8, 2, 16, torch.float8_e4m3fn, compute_dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
-    rows = []
-    for p in range(bs):
-        k = (1 + p) * torch.randn(1, 1, nkv, hd, generator=g)
-        rows.append(k[0, 0])
-        pool.update(0, BatchLayout.build([SeqSlice([2], p, [1])], bs), k, k.clone())
-        held = torch.stack(rows)  # (p + 1, n_kv, hd)
-        scale = pool.k_scale(0)[2]
-        torch.testing.assert_close(scale, held.abs().amax(dim=(0, 2)) / 448, rtol=1e-6, atol=0)
-        err = (stored_kv(pool, 0)[0][2, : p + 1] - held).abs()
+    for p, held, scale, err in _growing_rows(pool, g, 448):
         # row i: written once, then requantized p - i times
         rounds = torch.arange(p + 1, 0, -1, dtype=torch.float32)[:, None, None]
         grow = (1 + 2**-4) ** rounds  # each rounding: half e4m3's relative step, or half its subnormal step
