@@ -7,6 +7,7 @@ caller's own."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -89,6 +90,13 @@ def test_a_warm_up_never_takes_a_running_requests_blocks(tiny_llama_dir):
     with ServerThread(cfg) as srv, KVServeClient(srv.address, timeout=60) as c:
         c.complete(token_ids=SESSION, session_id="s", max_new_tokens=6)
         n = spill_and_push_off(srv, c, "s", "host")
+        engine, step = srv.engine.engine, srv.engine.engine.step
+
+        def slow_step():  # the long request still runs when the warm-up comes (a fast host once finished it first)
+            time.sleep(0.01)
+            return step()
+
+        engine.step = slow_step
         with c.generate(token_ids=long_prompt, max_new_tokens=40) as stream:
             events = iter(stream)
             first = [next(events) for _ in range(2)]  # started, and a first token: it runs
