@@ -162,7 +162,7 @@ class ServerConfig:
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not set it (capped to the limit and to the context left).", int)
     max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
     speculative: str = setting("ngram", "Speculative decoding drafted from the sequence's own history (session transcript, prompt, output so far): ngram drafts the continuation of the longest repeated suffix and checks the drafts in one forward (greedy tokens identical to plain decoding; sampled ones from the same distribution); off decodes one token a step. The default of a request that does not set SamplingParams.speculative (HTTP: speculative, speculative.n_max).", choice("ngram", "off"))
-    spec_max_draft: int = setting(16, "Most tokens drafted for one sequence in one step (--speculative ngram); the draft length adapts below it to what was accepted and to how long the repeated text matched.", int)
+    spec_max_draft: int = setting(16, "Most tokens drafted for one sequence in one step (--speculative ngram); below it each step drafts as many as pay for their rows, from how predictable the sequence's text has been and what a row measured to cost.", int)
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     http_port: int = setting(0, "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; 0 = off). Same engine, sessions, API keys, limits and TLS certificates as the gRPC port (docs/api.md).", int)
     http_max_connections: int = setting(1024, "Most connections the HTTP front holds at once; one more gets 503 and is closed at once (each holds a file descriptor).", int, metavar="N")

@@ -46,6 +46,7 @@ finish as independent sequences. A request ends after n ``Finished`` events.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -394,11 +395,16 @@ class LLMEngine:
             self.scheduler.wait_for_work(0.01)
             return out
         if self.scheduler.running:
-            rows, logits, verified = self.runner.run(self.scheduler.plan())
+            t0 = time.perf_counter()
+            plan = self.scheduler.plan()
+            decode_rows = len(plan.decode) + sum(1 + len(s.drafts) for s in plan.verify)
+            rows, logits, verified = self.runner.run(plan)
             if verified:
                 self._verify_and_emit(verified, out)
             if rows:
                 self._sample_and_emit(rows, out, logits)
+            if decode_rows and not plan.prefill:  # a decode step alone: what its rows cost, for the drafts
+                self.scheduler.step_cost.add(decode_rows, time.perf_counter() - t0)
         return out
 
     def _overlap(self, seq: Sequence, out: Emitted) -> None:

@@ -22,7 +22,7 @@ from typing import Callable
 from kvserve.cachestore.keys import BlockHash
 from .config import EngineConfig
 from .sequence import Sequence, SeqStatus, StepPlan
-from .speculative import MAX_STEP_ROWS, NgramDrafter, SpecConfig
+from .speculative import MAX_STEP_ROWS, NgramDrafter, SpecConfig, StepCost
 from ..kv.block_manager import Block, BlockManager, NoFreeBlocks
 from ..kv.keys import BlockKeys
 from ..types import QueueFull, Tier
@@ -56,6 +56,7 @@ class Scheduler:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.spec = spec or SpecConfig(enabled=False)  # enabled: the default of a request that does not say
+        self.step_cost = StepCost()  # what a draft row costs, from the engine's timed decode steps
         self.block_size = cfg.block_size
         self.blocks = blocks
         self.keys = keys
@@ -225,6 +226,7 @@ class Scheduler:
         # drafts are extra rows of the decode forward: no more rows than the native decode
         # layer takes in one call (past it the whole step would run on torch's kernels)
         spare_rows = MAX_STEP_ROWS - len(self.running)
+        row_cost = self.step_cost.share(len(self.running))  # a draft row's share of this step's cost
         for seq in order:
             if seq not in self.running:  # preempted below
                 continue
@@ -240,7 +242,7 @@ class Scheduler:
             if seq not in self.running:
                 continue
             if left == 1:
-                seq.drafts = self._draft(seq, min(budget - 1, spare_rows))
+                seq.drafts = self._draft(seq, min(budget - 1, spare_rows), row_cost)
                 if seq.drafts:
                     verify.append(seq)
                     n += len(seq.drafts)
@@ -257,13 +259,15 @@ class Scheduler:
             verify=[s for s in verify if s in self.running],
         )
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+    def _draft(self, seq: Sequence, budget: int, row_cost: float) -> list[int]:
         """Drafts for a decode row (engine/speculative.py), within ``budget`` tokens, the
         request's max_new_tokens and the context (the bonus token counts too), the blocks
         it holds or free ones (a draft never preempts), the LongRoPE switch length (the
         tokens past it are computed in the other regime) and, with a response_format,
         the grammar: a draft ends before the first token the matcher refuses (its
-        ``validate_tokens`` moves nothing). None when the request (SamplingParams.
+        ``validate_tokens`` moves nothing). How many the drafter takes of its candidate
+        is its cost decision (speculative.draft_length) at ``row_cost``, a draft row's
+        share of this step's cost (``step_cost``). None when the request (SamplingParams.
         speculative) or else the server says off, or before an n > 1 request forks (it
         forks at its first sample, which a plain row makes). Seeded rows draft: their
         draws depend on the output position alone (sampling.position_seed), so what a
@@ -282,7 +286,7 @@ class Scheduler:
             if p.spec_max_draft is not None:
                 config = dataclasses.replace(config, max_draft=p.spec_max_draft)
             seq.drafter = NgramDrafter(config)
-        drafts = seq.drafter.propose(seq.token_ids, limit)
+        drafts = seq.drafter.propose(seq.token_ids, limit, row_cost)
         while drafts and not seq.long_rope and self.keys.is_long(L + len(drafts)):
             drafts.pop()
         if drafts and seq.matcher is not None:

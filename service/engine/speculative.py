@@ -11,16 +11,22 @@ token's.
 Two pure parts, no engine state:
 
 - ``NgramDrafter``: per sequence, an index from each n-gram (n = ``min_ngram`` ..
-  ``max_ngram``) of the history to where its most recent occurrence continues. A draft is
-  the continuation of the longest suffix of the history found earlier in it (n from the
-  max down to the min), up to the sequence's current draft length, which adapts to what
-  was accepted: up by one after a step that accepted every draft, down to one past what
-  was accepted otherwise, and after a step that accepted nothing the drafter sits out a
-  few steps (1, 2, 4 .. 16), so text that does not repeat costs little more than plain
-  decoding. The match's own length (how far back the history agrees with the earlier
-  occurrence, up to MAX_MATCH) bounds the draft too: a match shorter than ``max_ngram``
-  drafts at most its length less one (a 2-token coincidence, one token), a longer one
-  at least half its length, up to the cap (a long quoted run goes on for a while).
+  ``max_ngram``) of the history to where its most recent occurrence continues. The
+  candidate is the continuation of the longest suffix of the history found earlier in it
+  (n from the max down to the min), up to ``max_draft`` tokens. How much of it is drafted
+  is a cost decision (``draft_length``): the sequence's measured predictability p (how
+  often the drafter's next token was the one the sequence went on with: an exponential
+  average over every token it is scored on) gives the expected tokens of a step with k
+  drafts, E(k) = 1 + p + .. + p^k (each draft is taken only if every one before it was),
+  and the step's measured cost with k more rows is 1 + c k of a plain step (c: the
+  caller's ``row_cost``, from the runner's timing of decode forwards); the draft is the k
+  that maximizes E(k) / (1 + c k), none when no k beats plain decoding (p <= c). The
+  drafter is scored on what the sequence did whether or not it drafted: each call compares
+  the tokens added since the last call with the last candidate, token by token up to the
+  first miss, so a sequence that stopped drafting (text that does not repeat) starts again
+  as soon as its text repeats, at no cost, and a draft length follows the text's
+  predictability and the hardware's cost of a row (a small model on a CPU pays for every
+  row; a large one, bound by reading its weights, hardly at all).
 
 - the verification rule, given the target's processed logits at every drafted position
   (row i: the logits after the history plus ``drafts[:i]``, penalties and masks applied
@@ -59,8 +65,9 @@ import torch
 from .sampling import draw, filter_logits, greedy
 from ..types import SamplingParams
 
-MAX_SKIP = 16  # steps a drafter sits out at most after drafts that were all rejected
-MAX_MATCH = 32  # how far back a match's length is counted
+PRIOR = 0.5  # a new sequence's predictability, before it is scored on any token
+DECAY = 0.9  # the predictability's exponential average: each scored token weighs 1 - DECAY
+DEFAULT_ROW_COST = 0.05  # a draft row's cost (of a plain step) before the runner has measured one
 MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
 
 
@@ -86,9 +93,9 @@ class NgramDrafter:
     """One sequence's drafter over its token history (see the module docstring)."""
 
     config: SpecConfig
-    draft_len: int = 0  # the next draft's length at most (0: not started, set to the cap's half)
-    skip: int = 0  # steps left to sit out
-    backoff: int = 1  # the next sit-out after a step that accepted nothing
+    p: float = PRIOR  # predictability: how often the candidate's next token was the sequence's
+    seen: int = 0  # len(tokens) at the last propose
+    candidate: list[int] = field(default_factory=list)  # the last propose's candidate, drafted or not
     indexed: int = 0  # history positions p < indexed whose n-grams ending at p - 1 are in the index
     index: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)  # n -> n-gram -> continuation
     # figures of this sequence (the engine sums them): verification steps, drafted, accepted
@@ -109,56 +116,103 @@ class NgramDrafter:
                 self.index[n][tuple(tokens[p - n + 1 : p + 1])] = p + 1
         self.indexed = max(self.indexed, end)
 
-    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
-        """Up to ``min(draft_len, limit)`` tokens to follow ``tokens`` (the sequence's
-        whole history), or [] (no match, or sitting out)."""
-        self._update(tokens)
-        if self.skip > 0:
-            self.skip -= 1
-            return []
-        if self.draft_len == 0:
-            self.draft_len = max(1, self.config.max_draft // 2)
-        k = self.draft_len if limit is None else min(self.draft_len, limit)
+    def _score(self, tokens: Sequence[int]) -> None:
+        """Fold the tokens added since the last call into ``p``: each one that the last
+        candidate predicted is a hit, the first one it did not a miss (the candidate's
+        later tokens continued a history that did not happen: not scored)."""
+        if self.candidate and len(tokens) > self.seen:
+            for tok, want in zip(tokens[self.seen :], self.candidate):
+                hit = tok == want
+                self.p = DECAY * self.p + (1.0 - DECAY) * hit
+                if not hit:
+                    break
+        self.seen = len(tokens)
+
+    def candidate_for(self, tokens: Sequence[int]) -> list[int]:
+        """The continuation of the longest suffix of ``tokens`` found earlier in them, up
+        to ``max_draft`` tokens and the end of the history; [] when none is."""
         L = len(tokens)
-        if k <= 0 or L < 2:
-            return []
         for n in range(min(self.config.max_ngram, L - 1), self.config.min_ngram - 1, -1):
             c = self.index[n].get(tuple(tokens[L - n : L]))
             if c is not None:
-                m = match_length(tokens, c, n)
-                if m < self.config.max_ngram:  # a short match: as many drafts as it is long, less one
-                    k = min(k, m - 1)
-                else:  # a long one: at least half its length, within the cap
-                    cap = self.config.max_draft if limit is None else min(self.config.max_draft, limit)
-                    k = min(cap, max(k, m // 2))
-                return list(tokens[c : min(c + max(k, 1), L)])
+                return list(tokens[c : min(c + self.config.max_draft, L)])
         return []
 
+    def propose(self, tokens: Sequence[int], limit: int | None = None, row_cost: float = DEFAULT_ROW_COST) -> list[int]:
+        """The drafts to follow ``tokens`` (the sequence's whole history): the candidate
+        cut to ``draft_length`` for this sequence's predictability and ``row_cost`` (a
+        draft row's cost as a share of the step's), at most ``limit``; [] when drafting
+        does not pay or nothing matches."""
+        self._update(tokens)
+        self._score(tokens)
+        self.candidate = self.candidate_for(tokens) if len(tokens) >= 2 else []
+        kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
+        return self.candidate[: draft_length(self.p, row_cost, kmax)]
+
     def record(self, drafted: int, accepted: int) -> None:
-        """Fold one verification (``drafted`` drafts, ``accepted`` of them taken) into the
-        next draft length and the sit-out."""
+        """Count one verification (``drafted`` drafts, ``accepted`` of them taken) in the
+        sequence's figures (the draft length follows ``p``, scored in ``propose``)."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        if accepted >= drafted:
-            self.draft_len = min(self.config.max_draft, self.draft_len + 1)
-        else:
-            self.draft_len = max(1, accepted + 1)
-        if accepted == 0:
-            self.skip = self.backoff
-            self.backoff = min(MAX_SKIP, self.backoff * 2)
-        else:
-            self.backoff = 1
 
 
-def match_length(tokens: Sequence[int], c: int, n: int) -> int:
-    """How many tokens before position ``c`` equal the history's last ones, given that
-    ``n`` do (the n-gram found), counted up to MAX_MATCH."""
-    L = len(tokens)
-    m = n
-    while m < MAX_MATCH and c - m - 1 >= 0 and tokens[c - m - 1] == tokens[L - m - 1]:
-        m += 1
-    return m
+def draft_length(p: float, row_cost: float, kmax: int) -> int:
+    """The k in 0..kmax that maximizes E(k) / (1 + row_cost k), E(k) = 1 + p + .. + p^k:
+    the expected tokens of a step with k drafts each taken with probability p given the
+    ones before it, over that step's cost as a share of a plain step's. 0 when no draft
+    pays (p <= row_cost, or kmax <= 0)."""
+    best, best_k, e, term = 1.0, 0, 1.0, 1.0
+    for k in range(1, kmax + 1):
+        term *= p
+        e += term
+        v = e / (1.0 + row_cost * k)
+        if v > best:
+            best, best_k = v, k
+    return best_k
+
+
+class StepCost:
+    """What a draft row costs, measured: a decode step's seconds against its rows (the
+    sequences' pending tokens and their drafts), an exponentially weighted least-squares
+    line a + b rows over the steps the engine timed (``add``: steps with no prefill chunk,
+    from the plan to the emitted tokens, so the fixed cost a is the whole step's: the
+    Python around the forward, sampling, the output). ``share(rows)``: one more row's cost
+    as a share of a step of ``rows`` rows, b / (a + b rows); DEFAULT_ROW_COST until the
+    steps timed spread over enough row counts to fit a line."""
+
+    WEIGHT = 0.05  # each timed step's weight in the moments
+    MIN_SPREAD = 0.25  # the rows' variance the fit needs
+
+    def __init__(self) -> None:
+        self._m = [0.0] * 5  # weighted sums of 1, x, y, x^2, x y (x: rows, y: seconds)
+
+    def add(self, rows: int, seconds: float) -> None:
+        if rows < 1 or not seconds > 0.0:
+            return
+        w, m = self.WEIGHT, self._m
+        for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            m[i] += w * (v - m[i])
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) seconds, or None before the fit is possible."""
+        n, x, y, xx, xy = self._m
+        if n <= 0.0:
+            return None
+        mx, my = x / n, y / n
+        var = xx / n - mx * mx
+        if var < self.MIN_SPREAD:
+            return None
+        b = max((xy / n - mx * my) / var, 0.0)
+        a = my - b * mx
+        return (a, b) if a > 0.0 else None
+
+    def share(self, rows: int = 1) -> float:
+        fit = self.line()
+        if fit is None:
+            return DEFAULT_ROW_COST
+        a, b = fit
+        return min(max(b / (a + b * max(rows, 1)), 1e-3), 1.0)
 
 
 # ---- verification ----------------------------------------------------------------------

@@ -131,8 +131,12 @@ def test_http_chat_stream_ends_each_choice_with_its_timings(oai, model):
     assert set(chunks[-1].usage.model_dump(exclude_none=True)) == USAGE_KEYS  # the usage chunk: OpenAI's alone
     whole = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], max_tokens=24,
                                         temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-    assert whole.model_extra["timings"]["predicted_n"] == 24
-    assert whole.model_extra["timings"]["draft_n"] == t["draft_n"]  # the same greedy drafts, streamed or not
+    w = whole.model_extra["timings"]
+    assert w["predicted_n"] == 24 and w["draft_n"] >= w["draft_n_accepted"] >= 0
+    # the same greedy text streamed or not (how many drafts a step takes follows the measured
+    # cost of a row, so the draft counts of two runs may differ; the tokens may not)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed
 
 
 def test_http_responses_object_has_timings(oai, model):

@@ -9,13 +9,15 @@ import torch
 from scipy.stats import chisquare
 
 from kvserve.service.engine.speculative import (
-    MAX_MATCH,
+    DEFAULT_ROW_COST,
+    PRIOR,
     NgramDrafter,
     SpecConfig,
+    StepCost,
     accept,
     accept_greedy,
     accept_sampled,
-    match_length,
+    draft_length,
     target_probs,
 )
 from kvserve.service.engine.sampling import draw, position_seed
@@ -23,8 +25,9 @@ from kvserve.service.types import SamplingParams
 
 
 def drafter(**kw) -> NgramDrafter:
+    """A drafter whose text has been perfectly predictable: it drafts its whole candidate."""
     d = NgramDrafter(SpecConfig(**kw))
-    d.draft_len = d.config.max_draft
+    d.p = 1.0
     return d
 
 
@@ -67,49 +70,86 @@ def test_index_is_incremental_over_a_growing_history():
     assert fresh.propose(hist) == [9, 5] and fresh.index == d.index
 
 
-def test_adaptive_draft_length_and_sit_out():
-    d = NgramDrafter(SpecConfig(max_draft=6, max_ngram=2, min_ngram=2))
+def test_draft_length_is_the_argmax_of_expected_tokens_over_cost():
+    def brute(p: float, c: float, kmax: int) -> int:
+        values = [sum(p**i for i in range(k + 1)) / (1 + c * k) for k in range(kmax + 1)]
+        return max(range(kmax + 1), key=lambda k: (values[k], -k))  # the shortest of equal ones
+
+    for p in (0.0, 0.05, 0.2, 0.5, 0.7, 0.85, 0.95, 1.0):
+        for c in (0.001, 0.01, 0.05, 0.2, 1.0):
+            for kmax in (0, 1, 4, 16):
+                assert draft_length(p, c, kmax) == brute(p, c, kmax), (p, c, kmax)
+    assert draft_length(0.04, 0.05, 16) == 0  # p <= c: no draft pays for its row
+    assert draft_length(0.9, 0.05, 16) > draft_length(0.5, 0.05, 16) > draft_length(0.2, 0.05, 16) > 0
+    assert draft_length(0.8, 0.005, 16) > draft_length(0.8, 0.05, 16) > draft_length(0.8, 0.3, 16)
+    assert draft_length(1.0, 0.05, 5) == 5  # bounded by what is there
+
+
+def test_predictability_is_scored_on_every_token_drafted_or_not():
+    # the candidate after (1, 2) is 3 4 5 ...; the history goes on with it: hits, drafted or not
     hist = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
-    assert len(d.propose(hist)) == 3  # starts at half the cap
-    d.record(3, 3)
-    assert d.draft_len == 4
-    d.record(4, 4), d.record(5, 5), d.record(6, 6)
-    assert d.draft_len == 6  # capped
-    d.record(6, 2)
-    assert d.draft_len == 3 and d.skip == 0
-    d.record(3, 0)  # nothing accepted: sits out 1 step, then 2, then 4
-    assert d.draft_len == 1 and d.skip == 1
-    assert d.propose(hist) == [] and d.propose(hist) == [3]
-    d.record(1, 0)
-    assert d.skip == 2
-    assert d.propose(hist) == [] and d.propose(hist) == [] and d.propose(hist) == [3]
-    d.record(1, 1)  # an acceptance resets the backoff
-    assert d.backoff == 1 and (d.steps, d.drafted, d.accepted) == (8, 29, 21)
+    d = NgramDrafter(SpecConfig(max_draft=6, max_ngram=2, min_ngram=2))
+    assert d.p == PRIOR
+    d.propose(hist, row_cost=1.0)  # a row as dear as a step: nothing drafted, the candidate kept
+    assert d.candidate == [3, 4, 5, 6, 7, 8]
+    hist += [3, 4, 5]
+    d.propose(hist, row_cost=1.0)
+    assert d.p == pytest.approx(1 - (1 - PRIOR) * 0.9**3)  # three hits
+    # the text stops repeating: one miss each call, the first token after the candidate
+    p_before = d.p
+    hist += [50]  # the candidate after (4, 5) was 6
+    d.propose(hist)
+    assert d.p == pytest.approx(0.9 * p_before)
+    # a miss ends the scoring of a call: the candidate's later tokens are not counted
+    d2 = NgramDrafter(SpecConfig(max_draft=6, max_ngram=2, min_ngram=2))
+    h2 = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    d2.propose(h2)
+    d2.propose(h2 + [9, 4, 5])  # 9 misses 3; 4 and 5 are not scored
+    assert d2.p == pytest.approx(0.9 * PRIOR)
 
 
-def test_match_length_counts_back_from_the_occurrence():
-    #        0  1  2  3  4  5  6  7  8
-    hist = [9, 1, 2, 3, 5, 8, 1, 2, 3]
-    assert match_length(hist, 4, 2) == 3  # (2, 3) found continuing at 4; 1 agrees too, 9 vs 8 not
-    assert match_length([7] * 100, 60, 2) == MAX_MATCH  # counted up to the bound
+def test_a_drafter_stops_on_text_that_does_not_repeat_and_starts_again_when_it_does():
+    d = NgramDrafter(SpecConfig(max_draft=8, max_ngram=2, min_ngram=2))
+    hist: list[int] = []
+    # 1 2 x: after each "1 2" the candidate is the last x, and the text goes on with a new one
+    for t in range(30):
+        hist += [1, 2]
+        d.propose(hist)
+        hist.append(100 + t)
+        d.propose(hist)
+    assert d.p < DEFAULT_ROW_COST  # thirty misses
+    assert d.propose(hist + [1, 2]) == []  # drafting no longer pays
+    # the text repeats again (1 2 7): scored while nothing is drafted, so drafts resume
+    # without one wasted on the way
+    for _ in range(3):
+        for tok in (1, 2, 7):
+            hist.append(tok)
+            d.propose(hist)
+    drafts = d.propose(hist + [1, 2])
+    assert drafts and drafts == [7, 1, 2, 7, 1, 2, 7][: len(drafts)] and d.drafted == 0
 
 
-def test_a_short_match_drafts_less_and_a_long_match_more():
-    # max_ngram 4: the suffix (1, 2) matches only 2 long -> one draft, whatever the draft length
-    d = drafter(max_draft=8, max_ngram=4, min_ngram=2)
-    assert d.propose([1, 2, 30, 31, 32, 33, 7, 1, 2]) == [30]
-    # a 3-token match: two drafts
-    d = drafter(max_draft=8, max_ngram=4, min_ngram=2)
-    assert d.propose([1, 2, 3, 30, 31, 32, 33, 7, 1, 2, 3]) == [30, 31]
-    # a 12-token repeat of a long run: at least half of it (6), past a draft length of 2
-    run = list(range(100, 112))
-    hist = run + list(range(200, 220)) + [5] + run
-    d = drafter(max_draft=16, max_ngram=4, min_ngram=2)
-    d.draft_len = 2
-    assert d.propose(hist) == list(range(200, 206))
-    assert d.propose(hist, limit=3) == [200, 201, 202]  # the limit still binds
-    d = drafter(max_draft=4, max_ngram=4, min_ngram=2)
-    assert len(d.propose(hist)) == 4  # and the cap
+def test_record_counts_the_figures():
+    d = drafter(max_draft=4, max_ngram=2, min_ngram=2)
+    d.record(4, 3), d.record(2, 0)
+    assert (d.steps, d.drafted, d.accepted) == (2, 6, 3)
+
+
+def test_step_cost_fits_the_line_of_the_timed_steps():
+    c = StepCost()
+    assert c.line() is None and c.share() == DEFAULT_ROW_COST
+    for _ in range(50):
+        c.add(1, 0.002)  # only plain steps: no spread to fit a slope on
+    assert c.line() is None and c.share() == DEFAULT_ROW_COST
+    for i in range(400):
+        rows = 1 + i % 9
+        c.add(rows, 0.001 + 0.0001 * rows)
+    a, b = c.line()
+    assert a == pytest.approx(0.001, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)
+    assert c.share(1) == pytest.approx(0.0001 / 0.0011)
+    assert c.share(8) == pytest.approx(0.0001 / 0.0018)  # a row is a smaller share of a bigger batch
+    c.add(0, 1.0), c.add(3, 0.0)  # nothing to learn from
+    assert c.line() == pytest.approx((a, b))
 
 
 def test_config_rejects_bad_ranges():
