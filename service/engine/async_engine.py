@@ -7,7 +7,11 @@ token goes at once, tokens generated within the interval after a delivery are he
 message on the wire, not one per token), and the sequence's end ends the hold. A model
 slower than one token per interval per stream gets each token as it comes; a fast one
 (a tiny model, many streams on a CPU) sends a few tokens per message instead of paying
-the per-message cost of gRPC or SSE per token. Closing it early (the gRPC call was
+the per-message cost of gRPC or SSE per token. The engine thread keeps the deltas of an
+interval too and wakes the event loop only for what someone waits on (a request's first
+token, its end, any event that is not a delta) or once the interval is over: each wake
+costs the engine thread the GIL and a context switch or two, which on a small model on a
+CPU doubled the time of a decode step. Closing it early (the gRPC call was
 cancelled, the client went away, the deadline passed) aborts the request: the engine
 finishes it on its next step and releases its blocks.
 """
@@ -79,8 +83,14 @@ class AsyncEngine:
 
     def _run_loop(self) -> None:
         eng = self.engine
+        pending: Emitted = []  # emitted, not yet handed to the event loop
+        flush_at = 0.0  # monotonic time from which pending deltas go
+        streaming: set[str] = set()  # requests whose first token was handed over
         while not self._stop.is_set():
             if not eng.has_work():
+                if pending:
+                    self._dispatch_threadsafe(pending)
+                    pending = []
                 eng.wait_for_work(0.05)
                 continue
             try:
@@ -89,8 +99,29 @@ class AsyncEngine:
                 log.exception("engine step failed; failing the requests in flight")
                 self.loop_error = exc
                 emitted = eng.fail_all(f"internal engine error: {type(exc).__name__}")
-            if emitted:
-                self._dispatch_threadsafe(emitted)
+            if not emitted:
+                continue
+            pending.extend(emitted)
+            # Waking the event loop costs the engine thread the GIL and a context switch
+            # or two, so a step's events go to it at once only when someone waits on them
+            # (a request's first token, its end, anything but a delta; every step with a
+            # stream interval of 0), else the deltas of one interval go together: the
+            # streams would hold them that long anyway (``generate``).
+            now = time.monotonic()
+            urgent = self.stream_interval_s <= 0 or now >= flush_at
+            for rid, event in emitted:
+                if not isinstance(event, Delta):
+                    urgent = True
+                    streaming.discard(rid)
+                elif rid not in streaming:
+                    urgent = True
+                    streaming.add(rid)
+            if urgent:
+                self._dispatch_threadsafe(pending)
+                pending = []
+                flush_at = now + self.stream_interval_s
+        if pending:
+            self._dispatch_threadsafe(pending)
 
     def _dispatch_threadsafe(self, emitted: Emitted) -> None:
         assert self._loop is not None
