@@ -28,6 +28,9 @@ Each request: ``/v1/completions`` with the prompt as token ids, ``temperature`` 
 own ``timings.predicted_per_second`` (llama.cpp's; kvserve's HTTP front returns the same
 object), and the client's: output tokens after the first over the wall time from the first
 streamed text to the last chunk. Acceptance: ``timings.draft_n_accepted / draft_n``.
+kvserve runs at its default ``--stream-interval`` (20 ms: the tokens made within one interval
+go in one chunk, the first at once), llama-server sends a chunk per token; ``--stream-interval
+0`` makes kvserve stream per token too.
 
     python bench/bench_chat_edit.py --llama-bin /work/llama/src/build/bin
     python bench/bench_chat_edit.py --weight-format bf16 ...   # kvserve bf16 weights, GGUF F16
@@ -207,14 +210,17 @@ class Server:
 
 
 class Kvserve(Server):
-    def __init__(self, model_dir: str, spec: str, threads: int, weight_format: str, max_draft: int) -> None:
+    def __init__(self, model_dir: str, spec: str, threads: int, weight_format: str, max_draft: int,
+                 stream_interval: str = "") -> None:  # fmt: skip
         self.name = f"kvserve {spec}"
         self.spec = spec
         port = free_port()
         flags = ["--model", model_dir, "--device", "cpu", "--dtype", "float32", "--weight-format", weight_format,
                  "--host", "127.0.0.1", "--port", "0", "--http-port", str(port), "--torch-threads", str(threads),
                  "--speculative", spec, "--spec-max-draft", str(max_draft), "--kv-cache-memory", "256MiB",
-                 "--host-cache-memory", "0", "--stream-interval", "0", "--log-level", "info"]  # fmt: skip
+                 "--host-cache-memory", "0", "--log-level", "info"]  # fmt: skip
+        if stream_interval:
+            flags += ["--stream-interval", stream_interval]
         self.proc, _, self.log = start_server_process(flags, timeout=300)
         self.url = f"http://127.0.0.1:{port}"
         wait_health(self.url, self.proc, self.name)
@@ -329,6 +335,8 @@ def main() -> None:
     ap.add_argument("--weight-format", default="exact", choices=["exact", "bf16"],
                     help="kvserve's --weight-format; llama.cpp gets GGUF F32 for exact, F16 for bf16")
     ap.add_argument("--max-draft", type=int, default=16, help="kvserve's --spec-max-draft")
+    ap.add_argument("--stream-interval", default="", help="kvserve's --stream-interval (default: the server's, 20 ms: "
+                    "the tokens of one interval in one chunk); 0: a chunk per token, as llama-server streams")
     ap.add_argument("--llama-bin", default="/work/llama/src/build/bin", help="llama.cpp's bin directory")
     ap.add_argument("--llama-src", default="", help="llama.cpp's source (convert_hf_to_gguf.py); default: above --llama-bin")
     ap.add_argument("--llama-spec", action="append", default=None,
@@ -346,8 +354,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="chatedit-bench-"))
     servers: list[Server] = []
     try:
-        servers.append(Kvserve(model_dir, "off", args.threads, args.weight_format, args.max_draft))
-        servers.append(Kvserve(model_dir, "ngram", args.threads, args.weight_format, args.max_draft))
+        servers.append(Kvserve(model_dir, "off", args.threads, args.weight_format, args.max_draft, args.stream_interval))
+        servers.append(Kvserve(model_dir, "ngram", args.threads, args.weight_format, args.max_draft, args.stream_interval))
         if not args.no_llama:
             bin_dir = Path(args.llama_bin)
             src = Path(args.llama_src) if args.llama_src else next(

@@ -100,6 +100,9 @@ class AsyncEngine:
                 self.loop_error = exc
                 emitted = eng.fail_all(f"internal engine error: {type(exc).__name__}")
             if not emitted:
+                if pending and time.monotonic() >= flush_at:  # a step that emitted nothing (a preemption)
+                    self._dispatch_threadsafe(pending)
+                    pending = []
                 continue
             pending.extend(emitted)
             # Waking the event loop costs the engine thread the GIL and a context switch
