@@ -566,3 +566,57 @@ def test_concurrent_callers_from_several_threads_get_their_own_results(isa) -> N
 
     with ThreadPoolExecutor(6) as pool:
         assert all(pool.map(work, range(6)))
+
+
+# A sequence's speculative verification is R decode rows over one block table at consecutive
+# positions: the kernel reads their common context once for all R rows' heads, then each row
+# its own last positions, and merges the two states.
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("nh,nkv,hd", [(12, 4, 64), (4, 2, 12), (6, 1, 40)])
+def test_decode_attention_of_verify_rows_reads_their_context_once(isa, pool_dtype, nh, nkv, hd) -> None:
+    """A batch of a plain row, a sequence's 9 verify rows (its pending token and 8 drafts)
+    and another sequence's 2: with one thread and two (the long context split into spans)
+    every row's output is the float64 attention over its own positions, each verify row
+    seeing the rows before it (their K/V written by the same call) and none after."""
+    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+
+    g = torch.Generator().manual_seed(nh + hd)
+    bs, L = 16, 2
+    ctx = [37, 350, 5]  # context before the step's rows
+    rows = [1, 9, 2]  # rows per sequence
+    nbs = [-(-(c + r) // bs) for c, r in zip(ctx, rows)]
+    ids = (torch.randperm(sum(nbs), generator=g) + 1).tolist()
+    tables = [ids[sum(nbs[:b]) : sum(nbs[: b + 1])] for b in range(3)]
+    kwargs = {"compute_dtype": torch.float32} if pool_dtype != torch.float32 else {}
+    pool = KVPool(sum(nbs) + 1, L, bs, nkv, hd, pool_dtype, **kwargs)
+    for t, c in zip(tables, ctx):  # the contexts written by torch's path, as an engine's
+        k, v = torch.randn(2, 1, c, nkv, hd, generator=g)
+        pool.update(1, BatchLayout.build([SeqSlice(t, 0, [1] * c)], bs), k, v)
+    slices = [SeqSlice(t, c + i, [5]) for t, c, r in zip(tables, ctx, rows) for i in range(r)]
+    layout = BatchLayout.build(slices, bs)
+    B = len(slices)
+    q = torch.randn(B, 1, nh, hd, generator=g)
+    k, v = torch.randn(B, 1, 2 * nkv, hd, generator=g).split(nkv, dim=2)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            data = pool.data.clone()
+            outs.append(ops.decode_attention(q, k, v, data, 1, layout.slot_blocks, layout.slot_offsets,
+                                             layout.ctx_blocks, layout.lens_tensor(), None, hd**-0.5, None,
+                                             block_size=bs))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    pool.data.copy_(data)
+    blocks = layout.ctx_blocks.view(-1)
+    if pool_dtype == torch.int8:
+        k_ctx = (pool.k(1).float() * pool.k_scale(1)[..., None, :, None]).index_select(0, blocks)
+        v_ctx = (pool.v(1).float() * pool.v_scale(1)[..., None, :, None]).index_select(0, blocks)
+    else:
+        k_ctx, v_ctx = pool.k(1).float().index_select(0, blocks), pool.v(1).float().index_select(0, blocks)
+    k_ctx, v_ctx = k_ctx.reshape(B, -1, nkv, hd), v_ctx.reshape(B, -1, nkv, hd)
+    lens = [c + i + 1 for c, r in zip(ctx, rows) for i in range(r)]
+    ref = _ref_attention(q[:, 0], k_ctx, v_ctx, lens, None, hd**-0.5, None)
+    for out in outs:
+        torch.testing.assert_close(out.view(B, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)

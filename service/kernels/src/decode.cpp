@@ -496,42 +496,86 @@ void attend_span(const PoolView<E>& pv, const int64_t* table, int64_t bs, int64_
   }
 }
 
-// The decode attention of B sequences (after their new K/V are in the pool): each
-// sequence's context [start, len) (start: len - window with a window shorter than it) in
-// spans, split only to give nthreads threads work (about two spans per thread over the
-// batch's positions, a sequence into at most len / kMinSpan, of whole blocks but the
-// first and last); a split sequence's spans' states merged into its output.
+// The decode attention of B rows (after their new K/V are in the pool). A row is one new
+// token of a sequence; the rows of one sequence's speculative verification (the same block
+// table, consecutive context lengths: its pending token and its drafts, kv/cache.py's
+// decode layout) are one unit that reads its context once: over the positions every one
+// of its R rows sees, [0, len of its first row), its R x nh query heads are one sequence's
+// heads (the R rows' G query heads of a kv head side by side), so each K and V row is
+// widened once for all of them instead of once per row; row i then adds its last i
+// positions alone, and the two states are merged. Any other row is a unit of its own, its
+// context [start, len) (start: len - window with a window shorter than it). Units are cut
+// into spans only to give nthreads threads work (about two spans per thread over the
+// batch's positions, a unit into at most len / kMinSpan, of whole blocks but the first and
+// last); a unit's spans' states are merged into its rows' outputs.
 template <class E>
 void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, int64_t nh, int64_t nkv, int64_t hd,
                   int64_t bs, const int64_t* tables, int64_t nb, const int64_t* lens, int64_t window, float scale,
                   float softcap, float* out, int nthreads) {
-  struct Span {
-    int64_t b, p0, p1, part;  // part: its state's index among the split sequences' spans; -1: the whole context
-  };
   auto first = [&](int64_t b) { return (window > 0 && lens[b] > window) ? lens[b] - window : 0; };
+  struct Unit {
+    int64_t b, R, qoff;  // rows [b, b + R); qoff: a group's query heads in qv (R > 1)
+  };
+  std::vector<Unit> units;
+  int64_t qv_size = 0;
+  for (int64_t b = 0; b < B;) {
+    int64_t R = 1;
+    while (b + R < B && lens[b + R] == lens[b] + R && first(b + R) == 0 &&
+           memcmp(tables + (b + R) * nb, tables + b * nb, nb * sizeof(int64_t)) == 0)
+      R++;
+    units.push_back({b, R, R > 1 ? qv_size : -1});
+    if (R > 1) qv_size += R * nh * hd;
+    b += R;
+  }
+  const int64_t G = nh / nkv;
+  std::vector<float> qv(qv_size);  // a group's heads: kv head by kv head, row by row, its G query heads
+  for (const Unit& u : units) {
+    if (u.R == 1) continue;
+    for (int64_t kvh = 0; kvh < nkv; kvh++)
+      for (int64_t i = 0; i < u.R; i++)
+        memcpy(qv.data() + u.qoff + ((kvh * u.R + i) * G) * hd, q + (u.b + i) * sq + kvh * G * hd, G * hd * sizeof(float));
+  }
+  struct Span {
+    int64_t b, p0, p1, part, nhs;  // part: its state's first head in pm/pl/pacc; -1: a lone row's whole context
+    const float* qs;               // its nhs query heads
+  };
   int64_t total = 0;
-  for (int64_t b = 0; b < B; b++) total += lens[b] - first(b);
+  for (const Unit& u : units) total += lens[u.b] - first(u.b) + (u.R - 1) * u.R / 2;
   const int64_t target = (total + 2 * nthreads - 1) / (2 * nthreads);  // positions per span for ~2 spans a thread
   std::vector<Span> spans;
-  std::vector<int64_t> part0(B, -1), parts(B, 0);
-  int64_t nparts = 0;
-  for (int64_t b = 0; b < B; b++) {
-    const int64_t start = first(b), len = lens[b], n = len - start;
+  std::vector<int64_t> part0(units.size(), -1), parts(units.size(), 0), tail0(units.size(), -1);
+  int64_t nheads = 0;  // heads of all partial states
+  for (size_t ui = 0; ui < units.size(); ui++) {
+    const Unit& u = units[ui];
+    const int64_t b = u.b, start = first(b), len = lens[b], n = len - start, nhu = u.R * nh;
+    const float* qu = u.R > 1 ? qv.data() + u.qoff : q + b * sq;
     const int64_t pieces = nthreads > 1 ? std::min((n + target - 1) / target, n / kMinSpan) : 1;
-    if (pieces <= 1) {
-      spans.push_back({b, start, len, -1});
+    if (pieces <= 1 && u.R == 1) {
+      spans.push_back({b, start, len, -1, nh, qu});
       continue;
     }
-    const int64_t fb = start / bs, per = ((len - 1) / bs - fb + pieces) / pieces;  // blocks per span
-    part0[b] = nparts;
-    for (int64_t p = start; p < len;) {
-      const int64_t e = std::min(len, (fb + (parts[b] + 1) * per) * bs);
-      spans.push_back({b, p, e, nparts++});
-      parts[b]++;
-      p = e;
+    part0[ui] = nheads;
+    if (pieces <= 1) {
+      spans.push_back({b, start, len, nheads, nhu, qu});
+      nheads += nhu, parts[ui] = 1;
+    } else {
+      const int64_t fb = start / bs, per = ((len - 1) / bs - fb + pieces) / pieces;  // blocks per span
+      for (int64_t p = start; p < len;) {
+        const int64_t e = std::min(len, (fb + (parts[ui] + 1) * per) * bs);
+        spans.push_back({b, p, e, nheads, nhu, qu});
+        nheads += nhu, parts[ui]++;
+        p = e;
+      }
+    }
+    if (u.R > 1) {  // row i's own last i positions [len, len + i)
+      tail0[ui] = nheads;
+      for (int64_t i = 1; i < u.R; i++) {
+        spans.push_back({b, len, len + i, nheads, nh, q + (b + i) * sq});
+        nheads += nh;
+      }
     }
   }
-  std::vector<float> pm(nparts * nh), pl(nparts * nh), pacc(nparts * nh * hd);
+  std::vector<float> pm(nheads), pl(nheads), pacc(nheads * hd);
   kvpool::parallel_for((int64_t)spans.size(), 1, nthreads, [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> m_, l_, a_;
     for (int64_t u = u0; u < u1; u++) {
@@ -541,9 +585,9 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
         m_.resize(nh), l_.resize(nh), a_.resize(nh * hd);
         mr = m_.data(), lr = l_.data(), ac = a_.data();
       } else {
-        mr = pm.data() + sp.part * nh, lr = pl.data() + sp.part * nh, ac = pacc.data() + sp.part * nh * hd;
+        mr = pm.data() + sp.part, lr = pl.data() + sp.part, ac = pacc.data() + sp.part * hd;
       }
-      attend_span<E>(pv, tables + sp.b * nb, bs, sp.p0, sp.p1, q + sp.b * sq, nh, nkv, hd, scale, softcap, mr, lr, ac);
+      attend_span<E>(pv, tables + sp.b * nb, bs, sp.p0, sp.p1, sp.qs, sp.nhs, nkv, hd, scale, softcap, mr, lr, ac);
       if (sp.part < 0) {
         float* o = out + sp.b * nh * hd;
         for (int64_t h = 0; h < nh; h++) {
@@ -553,23 +597,34 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
       }
     }
   });
-  for (int64_t b = 0; b < B; b++) {  // merge: out = sum_i acc_i e^(m_i - m) / sum_i l_i e^(m_i - m)
-    if (part0[b] < 0) continue;
-    float* o = out + b * nh * hd;
-    for (int64_t h = 0; h < nh; h++) {
-      float mx = -INFINITY;
-      for (int64_t i = part0[b]; i < part0[b] + parts[b]; i++) mx = std::max(mx, pm[i * nh + h]);
-      float sum = 0.0f;
-      for (int64_t d = 0; d < hd; d++) o[h * hd + d] = 0.0f;
-      for (int64_t i = part0[b]; i < part0[b] + parts[b]; i++) {
-        const float f = expf(pm[i * nh + h] - mx);
-        sum += pl[i * nh + h] * f;
-        const float* a = pacc.data() + (i * nh + h) * hd;
-        for (int64_t d = 0; d < hd; d++) o[h * hd + d] += a[d] * f;
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t d = 0; d < hd; d++) o[h * hd + d] *= inv;
+  // merge: out = sum_i acc_i e^(m_i - m) / sum_i l_i e^(m_i - m) over a head's states
+  std::vector<int64_t> at;  // the states' heads in pm/pl/pacc
+  auto merge = [&](float* o) {
+    float mx = -INFINITY;
+    for (int64_t s : at) mx = std::max(mx, pm[s]);
+    float sum = 0.0f;
+    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+    for (int64_t s : at) {
+      const float f = expf(pm[s] - mx);
+      sum += pl[s] * f;
+      const float* a = pacc.data() + s * hd;
+      for (int64_t d = 0; d < hd; d++) o[d] += a[d] * f;
     }
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < hd; d++) o[d] *= inv;
+  };
+  for (size_t ui = 0; ui < units.size(); ui++) {
+    if (part0[ui] < 0) continue;
+    const Unit& u = units[ui];
+    const int64_t nhu = u.R * nh;
+    for (int64_t i = 0; i < u.R; i++)
+      for (int64_t h = 0; h < nh; h++) {
+        const int64_t vh = u.R == 1 ? h : ((h / G) * u.R + i) * G + h % G;  // its head among the unit's
+        at.clear();
+        for (int64_t p = 0; p < parts[ui]; p++) at.push_back(part0[ui] + p * nhu + vh);
+        if (i > 0) at.push_back(tail0[ui] + (i - 1) * nh + h);
+        merge(out + (u.b + i) * nh * hd + h * hd);
+      }
   }
 }
 
