@@ -526,12 +526,23 @@ class CausalLM(nn.Module):
             x = block(x, ropes[block.rope_group] if ropes else None, layout, kv)
         return x
 
-    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False) -> Tensor:
+    def native_rows(self, kv: KVPool) -> int:
+        """How many decode rows one native decode step over ``kv`` takes (0: none: no
+        native stack, or a pool format the kernels do not read)."""
+        if self.stack is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
+            return 0
+        return kernel_ops.MAX_ROWS
+
+    def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False, rows: Tensor | None = None) -> Tensor:
+        """Logits of each sequence's last new token (B, V); ``all_logits``: of every new
+        token (B, T, V); ``rows`` (R,): of those rows of the B alone (R, V)."""
         x = self.embed(layout.input_ids, layout.positions)  # (B, T, D)
         x = self.run_blocks(x, self.ropes(layout.positions, x.dtype, layout), layout, kv)
         if not all_logits:
             x = last_tokens(x, layout)  # (B, D)
-        return self.head(x)  # (B, V) or (B, T, V)
+            if rows is not None:
+                x = x.index_select(0, rows)  # (R, D)
+        return self.head(x)  # (B, V), (R, V) or (B, T, V)
 
     def forward_nocache(self, input_ids: Tensor) -> Tensor:
         B, T = input_ids.shape

@@ -17,7 +17,7 @@ from kvserve.service import kernels
 from kvserve.service.kernels import build, ops
 from kvserve.service.models.config import ModelLoadError
 from kvserve.service.models.loading import load_model
-from tests.fixtures.engine import greedy_reference, make_engine, prompts, req, run, finished
+from tests.fixtures.engine import BS, greedy_reference, make_engine, prompts, req, run, finished
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels unavailable: {kernels.reason()}")
 
@@ -314,6 +314,64 @@ def test_engine_decodes_with_native_kernels_as_the_uncached_model(llama_dir, fmt
     prompt = prompts(loaded.config.vocab_size, [21])[0]
     events = run(make_engine(loaded), [req("a", prompt, n=12)])
     assert finished(events["a"]).output_token_ids == greedy_reference(loaded.model, prompt, 12)
+
+
+@pytest.mark.parametrize("kv_format", ["exact", "bf16", "int8"])
+def test_a_returning_turns_chunk_runs_as_decode_rows_as_the_padded_prefill(llama_dir, kv_format) -> None:
+    """Chunks over a cached context, at most one native step's rows together (returning
+    turns' new tokens), run as decode rows (Runner.forward_rows): their logits and the KV
+    they leave are the padded prefill forward's to rounding; more rows than one step takes,
+    or a chunk with nothing cached, go padded."""
+    from kvserve.service.engine.runner import Runner
+
+    loaded = load_model(llama_dir, dtype="float32", device="cpu", progress=False)
+    history, turn2, turn3 = prompts(loaded.config.vocab_size, [37, 9, 20], seed=5)
+    engines, logits = {}, {}
+    for path in ("rows", "padded"):
+        eng = engines[path] = make_engine(loaded, kv_cache_format=kv_format)
+        runner = eng.runner
+        if path == "padded":  # the padded forward for every chunk
+            runner._chunks_as_rows = lambda chunks: ([], chunks)
+        seen = []
+        fwd = runner.forward_rows
+        runner.forward_rows = lambda work, fwd=fwd: seen.append([n for _, n in work]) or fwd(work)
+        # two sessions' first turns, then both return at once: 9 + 20 new tokens, one step
+        run(eng, [req("h1", history, n=1), req("h2", history[::-1], n=1)])
+        events = run(eng, [req("r1", history + turn2, n=6), req("r2", history[::-1] + turn3, n=6)])
+        logits[path] = (finished(events["r1"]).output_token_ids, finished(events["r2"]).output_token_ids)
+        if path == "rows":
+            cached = len(history) // BS * BS  # the history's full blocks
+            # both returning chunks (their tokens past the cached blocks), one native step
+            assert seen == [[len(history) + 9 - cached, len(history) + 20 - cached]]
+        else:
+            assert seen == []
+    assert logits["rows"] == logits["padded"]
+    for layer in range(loaded.config.num_layers):  # the KV both left, dequantized
+        kv = []
+        for p in ("rows", "padded"):
+            pool = engines[p].runner.pool
+            if kv_format == "int8":
+                kv.append([pool.k(layer).float() * pool.k_scale(layer)[..., None, :, None],
+                           pool.v(layer).float() * pool.v_scale(layer)[..., None, :, None]])  # fmt: skip
+            else:
+                kv.append([pool.k(layer).float(), pool.v(layer).float()])
+        for a, b in zip(*kv):
+            scale = b.abs().max().item()
+            torch.testing.assert_close(a, b, atol=(2e-2 if kv_format == "int8" else 1e-4) * scale, rtol=1e-3)
+    # a cold chunk, and cached chunks past one native step's rows, go padded
+    r = engines["rows"].runner
+    assert isinstance(r, Runner)
+
+    class S:  # what _chunks_as_rows reads of a sequence
+        def __init__(self, computed: int) -> None:
+            self.num_computed = computed
+
+    cold, warm = S(0), S(40)
+    rows, padded = r._chunks_as_rows([(cold, 30), (warm, 10)])
+    assert rows == [[(warm, 10)]] and padded == [(cold, 30)]
+    cap = r.model.native_rows(r.pool)
+    rows, padded = r._chunks_as_rows([(warm, cap), (S(8), 1)])
+    assert rows == [] and [n for _, n in padded] == [cap, 1]
 
 
 def test_without_a_library_for_this_cpu_auto_falls_back_and_on_refuses_in_one_line(tmp_path, llama_dir) -> None:

@@ -225,9 +225,12 @@ def _logged_engine(loaded: Any, store: Any) -> tuple[Any, FakeOps]:
     model = loaded.model
 
     class Logged(torch.nn.Module):
-        def forward(self, layout: Any, kv: Any) -> torch.Tensor:
+        def forward(self, layout: Any, kv: Any, **kw: Any) -> torch.Tensor:
             ops.forward()
-            return model(layout, kv)
+            return model(layout, kv, **kw)
+
+        def native_rows(self, kv: Any) -> int:
+            return model.native_rows(kv)
 
     eng = make_engine(dataclasses.replace(loaded, model=Logged()), store=store, restore_policy="always",
                       engine_kw=dict(transfers=lambda pool: BlockTransfers(pool, ops, staging_blocks=4)))
