@@ -468,6 +468,8 @@ def measure_llama(shape: str, history: int, cache: Path, bin_dir: Path, src_dir:
     hist = torch.randint(3, vocab, (history,), generator=g).tolist()
     turns = [hist + torch.randint(3, vocab, (NEW_TURN,), generator=g).tolist() for _ in range(reps)]
     other = torch.randint(3, vocab, (64,), generator=g).tolist()  # another prompt, to take the slot
+    # the RAM cache's own new turns: a turn the warm slot ran is in the RAM cache whole after it
+    ram_turns = [hist + torch.randint(3, vocab, (NEW_TURN,), generator=g).tolist() for _ in range(reps)]
     rows = []
     for qtype in types:
         gguf = workdir / f"{shape}-{qtype}.gguf"
@@ -481,11 +483,12 @@ def measure_llama(shape: str, history: int, cache: Path, bin_dir: Path, src_dir:
         srv = LlamaServer(binary, gguf, ctx, threads, workdir, 8192)
         try:
             cold, cold_s = srv.complete(turns[0])
-            for t in turns:
+            for t, rt in zip(turns, ram_turns):
                 srv.complete(hist)
                 warm.append(srv.complete(t)[1])
+                srv.complete(hist)
                 srv.complete(other)  # the slot is taken: the history goes to the RAM cache
-                reply, s = srv.complete(t)
+                reply, s = srv.complete(rt)  # a turn never sent: its history from the RAM cache
                 ram.append(s)
                 ram_cached.append(int(reply.get("timings", {}).get("cache_n", -1)))
         finally:
