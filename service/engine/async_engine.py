@@ -86,11 +86,16 @@ class AsyncEngine:
         pending: Emitted = []  # emitted, not yet handed to the event loop
         flush_at = 0.0  # monotonic time from which pending deltas go
         streaming: set[str] = set()  # requests whose first token was handed over
+
+        def flush() -> None:
+            nonlocal pending
+            if pending:
+                self._dispatch_threadsafe(pending)
+                pending = []
+
         while not self._stop.is_set():
             if not eng.has_work():
-                if pending:
-                    self._dispatch_threadsafe(pending)
-                    pending = []
+                flush()
                 eng.wait_for_work(0.05)
                 continue
             try:
@@ -99,10 +104,10 @@ class AsyncEngine:
                 log.exception("engine step failed; failing the requests in flight")
                 self.loop_error = exc
                 emitted = eng.fail_all(f"internal engine error: {type(exc).__name__}")
+            now = time.monotonic()
             if not emitted:
-                if pending and time.monotonic() >= flush_at:  # a step that emitted nothing (a preemption)
-                    self._dispatch_threadsafe(pending)
-                    pending = []
+                if now >= flush_at:  # a step that emitted nothing (a preemption)
+                    flush()
                 continue
             pending.extend(emitted)
             # Waking the event loop costs the engine thread the GIL and a context switch
@@ -110,7 +115,6 @@ class AsyncEngine:
             # (a request's first token, its end, anything but a delta; every step with a
             # stream interval of 0), else the deltas of one interval go together: the
             # streams would hold them that long anyway (``generate``).
-            now = time.monotonic()
             urgent = self.stream_interval_s <= 0 or now >= flush_at
             for rid, event in emitted:
                 if not isinstance(event, Delta):
@@ -120,11 +124,9 @@ class AsyncEngine:
                     urgent = True
                     streaming.add(rid)
             if urgent:
-                self._dispatch_threadsafe(pending)
-                pending = []
+                flush()
                 flush_at = now + self.stream_interval_s
-        if pending:
-            self._dispatch_threadsafe(pending)
+        flush()
 
     def _dispatch_threadsafe(self, emitted: Emitted) -> None:
         assert self._loop is not None

@@ -143,15 +143,11 @@ class Runner:
         for seq in decode:
             slices.append(self._slice(seq, seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1]))
         for seq in verify:
-            table = self._block_table(seq)
-            for i, tok in enumerate([seq.token_ids[-1], *seq.drafts]):
-                slices.append(self._slice(seq, seq.num_computed + i, [tok], table))
+            slices.extend(self._rows(seq, [seq.token_ids[-1], *seq.drafts]))
         layout = BatchLayout.build(slices, self.block_size, self.device)
         logits = self.model(layout, self.pool)
         for seq in decode:
-            seq.num_computed += 1
-            self._register_full_blocks(seq)
-            self._release_outside_window(seq)
+            self._advance(seq, 1)
         self.num_decode_tokens += len(slices)
         self.num_verify_steps += len(verify)
         self.num_draft_tokens += len(slices) - len(decode) - len(verify)
@@ -165,15 +161,26 @@ class Runner:
             long_rope=seq.long_rope if self.longrope else None,
         )
 
+    def _rows(self, seq: Sequence, tokens: list[int]) -> list[SeqSlice]:
+        """One decode row per token of ``tokens``, at consecutive positions from the
+        sequence's ``num_computed``, over its block table."""
+        table = self._block_table(seq)
+        return [self._slice(seq, seq.num_computed + i, [tok], table) for i, tok in enumerate(tokens)]
+
+    def _advance(self, seq: Sequence, n: int) -> None:
+        """``n`` more of the sequence's tokens are computed KV: the blocks they complete
+        registered, the ones no later query can see given back."""
+        seq.num_computed += n
+        self._register_full_blocks(seq)
+        self._release_outside_window(seq)
+
     def commit(self, seq: Sequence, accepted: int) -> None:
         """A verified sequence kept ``accepted`` of its drafts (each one now a token of
         it): its pending token's and theirs are computed KV (registered when they complete
         a block); the rejected drafts' KV past them is stale and is overwritten when
         those positions are computed again."""
-        seq.num_computed = min(seq.num_computed + 1 + accepted, len(seq.token_ids))
         self.num_accepted_tokens += accepted
-        self._register_full_blocks(seq)
-        self._release_outside_window(seq)
+        self._advance(seq, min(1 + accepted, len(seq.token_ids) - seq.num_computed))
 
     def poll_prefill_rate(self) -> None:
         """Fold timed prefill chunks into the EWMA of prefill tokens/s, in order, as far
@@ -241,9 +248,7 @@ class Runner:
         layout = BatchLayout.build(slices, self.block_size, self.device)
         logits = self.model(layout, self.pool)
         for seq, n in work:
-            seq.num_computed += n
-            self._register_full_blocks(seq)
-            self._release_outside_window(seq)
+            self._advance(seq, n)
         return logits
 
     def _chunks_as_rows(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[list[tuple[Sequence, int]]], list[tuple[Sequence, int]]]:
@@ -267,20 +272,15 @@ class Runner:
         any row attends, a row seeing the positions up to its own, a sequence's rows
         reading their context once), the head on each chunk's last row alone. The same
         (len(work), V) logits as ``forward`` gives, to rounding."""
-        slices = []
+        slices: list[SeqSlice] = []
         last = []
         for seq, n in work:
-            table = self._block_table(seq)
-            for i in range(n):
-                p = seq.num_computed + i
-                slices.append(self._slice(seq, p, seq.token_ids[p : p + 1], table))
+            slices.extend(self._rows(seq, seq.token_ids[seq.num_computed : seq.num_computed + n]))
             last.append(len(slices) - 1)
         layout = BatchLayout.build(slices, self.block_size, self.device)
         logits = self.model(layout, self.pool, rows=torch.tensor(last, dtype=torch.long, device=self.device))
         for seq, n in work:
-            seq.num_computed += n
-            self._register_full_blocks(seq)
-            self._release_outside_window(seq)
+            self._advance(seq, n)
         return logits
 
     def forward_over_restore(self, seq: Sequence, start: int, landed: Callable[[int], None]) -> torch.Tensor:
@@ -303,10 +303,8 @@ class Runner:
         the forward's start): its tokens are computed KV, registered as they complete
         blocks."""
         n = len(seq.token_ids) - seq.num_computed
-        seq.num_computed += n
         self.num_prefill_tokens += n
-        self._register_full_blocks(seq)
-        self._release_outside_window(seq)
+        self._advance(seq, n)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = seq.num_computed // self.block_size

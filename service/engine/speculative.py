@@ -67,7 +67,7 @@ from ..types import SamplingParams
 
 PRIOR = 0.5  # a new sequence's predictability, before it is scored on any token
 DECAY = 0.9  # the predictability's exponential average: each scored token weighs 1 - DECAY
-DEFAULT_ROW_COST = 0.05  # a draft row's cost (of a plain step) before the runner has measured one
+DEFAULT_ROW_COST = 0.05  # a draft row's cost (of a plain step) before StepCost has measured one
 MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
 
 
@@ -77,7 +77,7 @@ class SpecConfig:
     ``enabled``: the default of a request that does not say (SamplingParams.speculative)."""
 
     enabled: bool = True
-    max_draft: int = 16  # drafts per step at most (the adaptive length's cap)
+    max_draft: int = 16  # drafts per step at most (draft_length's cap)
     max_ngram: int = 4  # longest suffix matched
     min_ngram: int = 2  # shortest suffix matched: shorter ones match too often to pay
 
@@ -120,7 +120,7 @@ class NgramDrafter:
         """Fold the tokens added since the last call into ``p``: each one that the last
         candidate predicted is a hit, the first one it did not a miss (the candidate's
         later tokens continued a history that did not happen: not scored)."""
-        if self.candidate and len(tokens) > self.seen:
+        if self.candidate:
             for tok, want in zip(tokens[self.seen :], self.candidate):
                 hit = tok == want
                 self.p = DECAY * self.p + (1.0 - DECAY) * hit
@@ -145,7 +145,7 @@ class NgramDrafter:
         does not pay or nothing matches."""
         self._update(tokens)
         self._score(tokens)
-        self.candidate = self.candidate_for(tokens) if len(tokens) >= 2 else []
+        self.candidate = self.candidate_for(tokens)
         kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
         return self.candidate[: draft_length(self.p, row_cost, kmax)]
 

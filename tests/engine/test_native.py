@@ -347,14 +347,7 @@ def test_a_returning_turns_chunk_runs_as_decode_rows_as_the_padded_prefill(llama
             assert seen == []
     assert logits["rows"] == logits["padded"]
     for layer in range(loaded.config.num_layers):  # the KV both left, dequantized
-        kv = []
-        for p in ("rows", "padded"):
-            pool = engines[p].runner.pool
-            if kv_format == "int8":
-                kv.append([pool.k(layer).float() * pool.k_scale(layer)[..., None, :, None],
-                           pool.v(layer).float() * pool.v_scale(layer)[..., None, :, None]])  # fmt: skip
-            else:
-                kv.append([pool.k(layer).float(), pool.v(layer).float()])
+        kv = [_pool_kv(engines[p].runner.pool, layer) for p in ("rows", "padded")]
         for a, b in zip(*kv):
             scale = b.abs().max().item()
             torch.testing.assert_close(a, b, atol=(2e-2 if kv_format == "int8" else 1e-4) * scale, rtol=1e-3)
@@ -439,6 +432,33 @@ def _ref_attention(q, k_ctx, v_ctx, lens, window, scale, softcap):
     return out
 
 
+def _pool_kv(pool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool's K and V of ``layer`` as float32 (int8: times their block scales)."""
+    if pool.data.dtype == torch.int8:
+        return (pool.k(layer).float() * pool.k_scale(layer)[..., None, :, None],
+                pool.v(layer).float() * pool.v_scale(layer)[..., None, :, None])  # fmt: skip
+    return pool.k(layer).float(), pool.v(layer).float()
+
+
+def _attention_on_1_and_2_threads(q, k, v, pool, layout, window, softcap, hd, bs) -> list[torch.Tensor]:
+    """ops.decode_attention of layer 1 with one thread and with two, each over the same
+    context (the call writes the new K/V into its pool); the pool is left as the second
+    call left it."""
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            data = pool.data.clone()
+            outs.append(ops.decode_attention(q, k, v, data, 1, layout.slot_blocks, layout.slot_offsets,
+                                             layout.ctx_blocks, layout.lens_tensor(), window, hd**-0.5, softcap,
+                                             block_size=bs))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    pool.data.copy_(data)
+    return outs
+
+
 # query heads per kv head: 2, 1, 3 (6 over 1 head, split in two slices for two threads), 5 (a group of 3 and one of 2)
 @pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (4, 4, None, None), (6, 1, 5, None),
                                                     (4, 2, None, 30.0), (10, 2, None, None)])  # fmt: skip
@@ -501,25 +521,8 @@ def test_decode_attention_over_long_contexts_split_into_spans(isa, pool_dtype, w
     layout = BatchLayout.build([SeqSlice(t, n - 1, [5]) for t, n in zip(tables, lens)], bs)
     q = torch.randn(3, 1, nh, hd, generator=g)
     k, v = torch.randn(3, 1, 2 * nkv, hd, generator=g).split(nkv, dim=2)
-    threads = torch.get_num_threads()
-    outs = []
-    try:
-        for nt in (1, 2):
-            torch.set_num_threads(nt)
-            data = pool.data.clone()  # the same context for both: the call writes the new K/V into it
-            outs.append(ops.decode_attention(q, k, v, data, 1, layout.slot_blocks, layout.slot_offsets,
-                                             layout.ctx_blocks, layout.lens_tensor(), window, hd**-0.5, softcap,
-                                             block_size=bs))  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
-    pool.data.copy_(data)
-    if pool_dtype == torch.int8:
-        blocks = layout.ctx_blocks.view(-1)
-        k_ctx = (pool.k(1).float() * pool.k_scale(1)[..., None, :, None]).index_select(0, blocks)
-        v_ctx = (pool.v(1).float() * pool.v_scale(1)[..., None, :, None]).index_select(0, blocks)
-    else:
-        k_ctx = pool.k(1).index_select(0, layout.ctx_blocks.view(-1))
-        v_ctx = pool.v(1).index_select(0, layout.ctx_blocks.view(-1))
+    outs = _attention_on_1_and_2_threads(q, k, v, pool, layout, window, softcap, hd, bs)
+    k_ctx, v_ctx = (x.index_select(0, layout.ctx_blocks.view(-1)) for x in _pool_kv(pool, 1))
     k_ctx, v_ctx = k_ctx.reshape(3, -1, nkv, hd), v_ctx.reshape(3, -1, nkv, hd)
     ref = _ref_attention(q[:, 0], k_ctx, v_ctx, lens, window, hd**-0.5, softcap)
     for out in outs:
@@ -655,24 +658,8 @@ def test_decode_attention_of_verify_rows_reads_their_context_once(isa, pool_dtyp
     B = len(slices)
     q = torch.randn(B, 1, nh, hd, generator=g)
     k, v = torch.randn(B, 1, 2 * nkv, hd, generator=g).split(nkv, dim=2)
-    threads = torch.get_num_threads()
-    outs = []
-    try:
-        for nt in (1, 2):
-            torch.set_num_threads(nt)
-            data = pool.data.clone()
-            outs.append(ops.decode_attention(q, k, v, data, 1, layout.slot_blocks, layout.slot_offsets,
-                                             layout.ctx_blocks, layout.lens_tensor(), None, hd**-0.5, None,
-                                             block_size=bs))  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
-    pool.data.copy_(data)
-    blocks = layout.ctx_blocks.view(-1)
-    if pool_dtype == torch.int8:
-        k_ctx = (pool.k(1).float() * pool.k_scale(1)[..., None, :, None]).index_select(0, blocks)
-        v_ctx = (pool.v(1).float() * pool.v_scale(1)[..., None, :, None]).index_select(0, blocks)
-    else:
-        k_ctx, v_ctx = pool.k(1).float().index_select(0, blocks), pool.v(1).float().index_select(0, blocks)
+    outs = _attention_on_1_and_2_threads(q, k, v, pool, layout, None, None, hd, bs)
+    k_ctx, v_ctx = (x.index_select(0, layout.ctx_blocks.view(-1)) for x in _pool_kv(pool, 1))
     k_ctx, v_ctx = k_ctx.reshape(B, -1, nkv, hd), v_ctx.reshape(B, -1, nkv, hd)
     lens = [c + i + 1 for c, r in zip(ctx, rows) for i in range(r)]
     ref = _ref_attention(q[:, 0], k_ctx, v_ctx, lens, None, hd**-0.5, None)
