@@ -151,6 +151,7 @@ class LLMEngine:
             may_hold=lambda namespace, hashes: self.restorer.may_hold(namespace, hashes),
             reclaim=self.warmer.reclaim, warming=self.warmer.loading,
             max_model_len=self.max_model_len, spec=self.spec,
+            prefill_rate=lambda: self.runner.prefill_tokens_per_s,
         )  # fmt: skip
         self.restorer = Restorer(
             store, self.transfers, self.pool, self.blocks, self.keys,

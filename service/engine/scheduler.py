@@ -39,6 +39,37 @@ class Admitted:
     refused: list[Sequence] = field(default_factory=list)
 
 
+def first_batch(sizes: list[int], fixed: float, per_token: float, budget: int) -> int:
+    """How many of the prefills ``sizes`` (pending tokens each, fewest first) this step
+    should compute so that the sum of their first tokens' times is least, when a step of
+    s prefill tokens takes ``fixed + per_token * s`` seconds and holds at most ``budget``
+    tokens. Computing them together saves a step's fixed cost for every one after the
+    first but makes the first wait for the others' tokens too: a wave of returning turns
+    whose tokens cost far more than a step's fixed cost (the products of a compute-bound
+    forward) is best computed one turn a step, each getting its first token as soon as its
+    own tokens are done, where one step for all of them would give every turn the last
+    one's time. Without the budget, batches of consecutive prefills in this order are
+    optimal for the sum over every order and batching (Coffman, Yannakakis, Magazine and
+    Santos, "Batch sizing and job sequencing on a single machine", 1990); within it, this
+    is the best batching of this order. The first batch's end comes from their O(n^2)
+    recursion over where the batches end: best(i) = min over j of (n - i) * (fixed +
+    per_token * sum(sizes[i:j])) + best(j), the n - i prefills not yet done all waiting
+    for the batch i..j. Ties go to the larger batch (fewer steps)."""
+    n = len(sizes)
+    best = [0.0] * (n + 1)  # best[i]: the least sum of the waits of prefills i.. once they start
+    cut = [n] * (n + 1)  # cut[i]: where the first batch of that schedule ends
+    for i in range(n - 1, -1, -1):
+        best[i], tokens = float("inf"), 0
+        for j in range(i, n):
+            tokens += sizes[j]
+            if j > i and tokens > budget:
+                break
+            cost = (n - i) * (fixed + per_token * tokens) + best[j + 1]
+            if cost <= best[i]:
+                best[i], cut[i] = cost, j + 1
+    return cut[0]
+
+
 class Scheduler:
     def __init__(
         self,
@@ -52,11 +83,14 @@ class Scheduler:
         warming: Callable[[], bool] | None = None,
         max_model_len: int | None = None,
         spec: SpecConfig | None = None,
+        prefill_rate: Callable[[], float | None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.spec = spec or SpecConfig(enabled=False)  # enabled: the default of a request that does not say
-        self.step_cost = StepCost()  # what a draft row costs, from the engine's timed decode steps
+        self.step_cost = StepCost()  # what a step and a draft row cost, from the engine's timed decode steps
+        # the measured prefill tokens/s (the runner's), for how many prefills share a step
+        self.prefill_rate = prefill_rate or (lambda: None)
         self.block_size = cfg.block_size
         self.blocks = blocks
         self.keys = keys
@@ -227,10 +261,17 @@ class Scheduler:
         # layer takes in one call (past it the whole step would run on torch's kernels)
         spare_rows = MAX_STEP_ROWS - len(self.running)
         row_cost = self.step_cost.share(len(self.running))  # a draft row's share of this step's cost
+        batch: set[int] | None = None  # the prefills this step computes (first_batch), once the decode rows are planned
         for seq in order:
             if seq not in self.running:  # preempted below
                 continue
             left = pending[id(seq)]
+            if left != 1:
+                if batch is None:
+                    prefills = [s for s in order if pending[id(s)] != 1 and s in self.running]
+                    batch = self._prefill_batch(prefills, pending, self.cfg.max_num_batched_tokens - budget, budget)
+                if id(seq) not in batch:
+                    continue
             n = 1 if left == 1 else min(left, max(budget, 0))
             if n == 0:
                 continue
@@ -258,6 +299,22 @@ class Scheduler:
             prefill=[(s, n) for s, n in prefill if s in self.running],
             verify=[s for s in verify if s in self.running],
         )
+
+    def _prefill_batch(self, prefills: list[Sequence], pending: dict[int, int], decode_rows: int, budget: int) -> set[int]:
+        """Which of this step's prefills (fewest pending tokens first) it computes: of those
+        that can end their prompt this step (pending within ``budget``), the first batch of
+        ``first_batch``'s schedule, at a step's measured fixed cost (``step_cost.at`` the
+        planned decode rows) and the runner's measured prefill seconds per token; when that
+        batch is all of them, the longer prompts too (they take what is left of the budget,
+        chunked). Every prefill before either cost is measured, or when fewer than two can
+        end their prompt."""
+        every = {id(s) for s in prefills}
+        short = [s for s in prefills if pending[id(s)] <= budget]
+        fixed, rate = self.step_cost.at(decode_rows), self.prefill_rate()
+        if len(short) < 2 or fixed is None or not rate:
+            return every
+        k = first_batch([pending[id(s)] for s in short], fixed, 1.0 / rate, budget)
+        return every if k == len(short) else {id(s) for s in short[:k]}
 
     def _draft(self, seq: Sequence, budget: int, row_cost: float) -> list[int]:
         """Drafts for a decode row (engine/speculative.py), within ``budget`` tokens, the

@@ -173,13 +173,14 @@ def draft_length(p: float, row_cost: float, kmax: int) -> int:
 
 
 class StepCost:
-    """What a draft row costs, measured: a decode step's seconds against its rows (the
+    """What a step and a draft row cost, measured: a decode step's seconds against its rows (the
     sequences' pending tokens and their drafts), an exponentially weighted least-squares
     line a + b rows over the steps the engine timed (``add``: steps with no prefill chunk,
     from the plan to the emitted tokens, so the fixed cost a is the whole step's: the
     Python around the forward, sampling, the output). ``share(rows)``: one more row's cost
     as a share of a step of ``rows`` rows, b / (a + b rows); DEFAULT_ROW_COST until the
-    steps timed spread over enough row counts to fit a line."""
+    steps timed spread over enough row counts to fit a line. ``at(rows)``: a decode step's
+    seconds, the fixed cost a prefill batch adds a step to (scheduler.first_batch)."""
 
     WEIGHT = 0.05  # each timed step's weight in the moments
     MIN_SPREAD = 0.25  # the rows' variance the fit needs
@@ -206,6 +207,16 @@ class StepCost:
         b = max((xy / n - mx * my) / var, 0.0)
         a = my - b * mx
         return (a, b) if a > 0.0 else None
+
+    def at(self, rows: int) -> float | None:
+        """A decode step's predicted seconds at ``rows`` rows (0: the fixed cost a): the
+        line once it fits, before then the mean timed step (more than a), None before any
+        step was timed."""
+        fit = self.line()
+        if fit is not None:
+            return fit[0] + fit[1] * rows
+        n, _, y, _, _ = self._m
+        return y / n if n > 0.0 else None
 
     def share(self, rows: int = 1) -> float:
         fit = self.line()

@@ -4,15 +4,22 @@ A returning turn whose prefix is cached on the device needs only its new tokens
 prefilled: it must get its first token in the step it is admitted, while 8 other
 sequences decode, with the host tier on (its new blocks are in no tier: no hop through
 the restore thread) and with a long cold prompt admitted before it (chunked: the cold
-prompt takes what is left of the step's token budget). Counted in engine steps, so the
-figures do not depend on how loaded the machine is. Outputs are checked against an
-uncached reference."""
+prompt takes what is left of the step's token budget). A wave of returning turns is
+computed in the batches that give the least sum of their first tokens' times, at the
+step costs the engine measured (pinned here, so that the plans do not depend on how
+loaded the machine is). Counted in engine steps, for the same reason. Outputs are
+checked against an uncached reference."""
 
 from __future__ import annotations
+
+import itertools
+import random
 
 import pytest
 
 from kvserve.service.engine.config import EngineConfig
+from kvserve.service.engine.scheduler import first_batch
+from kvserve.service.engine.speculative import StepCost
 from kvserve.service.engine.store import build_store
 from kvserve.service.models.loading import load_model
 from kvserve.service.types import Delta, Finished, Tier
@@ -34,6 +41,25 @@ def engine_for(loaded, *, host_tier: bool, batched_tokens: int = 512):
         loaded, store=store, kv_cache_memory=512 * BS * bytes_per_token(loaded),
         max_num_seqs=16, max_num_batched_tokens=batched_tokens,
     )  # fmt: skip
+
+
+class PinnedCost(StepCost):
+    """A step's fixed cost, whatever the engine times."""
+
+    def __init__(self, fixed_s: float) -> None:
+        super().__init__()
+        self.fixed_s = fixed_s
+
+    def add(self, rows: int, seconds: float) -> None:
+        pass
+
+    def at(self, rows: int) -> float:
+        return self.fixed_s
+
+
+def pin_costs(engine, *, fixed_s: float, prefill_tokens_per_s: float) -> None:
+    engine.scheduler.step_cost = PinnedCost(fixed_s)
+    engine.scheduler.prefill_rate = lambda: prefill_tokens_per_s
 
 
 def cached_transcript(loaded, engine, seed: int) -> list[int]:
@@ -152,10 +178,13 @@ def test_decodes_are_planned_before_prefills_and_short_prefills_before_long(load
 
 
 def test_returning_turns_of_one_step_share_one_prefill_forward(loaded):
-    """Three returning turns admitted together beside 8 decodes: their prefill chunks run
-    as one forward (one read of the weights, not three), each gets its first token in 1
-    step, and each output is the uncached reference's."""
+    """Three returning turns admitted together beside 8 decodes, their tokens cheap against
+    a step's fixed cost: their prefill chunks run as one forward (one read of the weights,
+    not three), each gets its first token in 1 step, and each output is the uncached
+    reference's."""
     engine = engine_for(loaded, host_tier=True)
+    # a step's fixed cost far above their tokens' (a ~1 ms step, 9 tokens at 1M tokens/s)
+    pin_costs(engine, fixed_s=1e-3, prefill_tokens_per_s=1e6)
     try:
         transcripts = [cached_transcript(loaded, engine, seed=10 + i) for i in range(3)]
         events: dict = {}
@@ -185,6 +214,7 @@ def test_a_long_cold_chunk_runs_apart_from_a_returning_turn(loaded):
     tokens would pad the short one to 120, so they run as two forwards in the same step;
     the returning turn still gets its first token in 1 step, both outputs the reference's."""
     engine = engine_for(loaded, host_tier=False)
+    pin_costs(engine, fixed_s=1e-3, prefill_tokens_per_s=1e6)  # one step's batch: both
     try:
         transcript = cached_transcript(loaded, engine, seed=20)
         events: dict = {}
@@ -224,3 +254,104 @@ def test_prefill_groups_join_chunks_while_padding_stays_within_the_slack():
     # every chunk in exactly one forward; one chunk: one forward
     assert prefill_groups([(a, 5)]) == [[(a, 5)]]
     assert prefill_groups([]) == []
+
+
+def test_a_wave_of_returning_turns_whose_tokens_cost_more_than_a_step_gets_a_step_each(loaded):
+    """Four returning turns arriving together beside 8 decodes, their new tokens costing
+    far more than a step's fixed cost (the products of a compute-bound forward): one turn
+    a step, fewest new tokens first, so each gets its first token as soon as its own
+    tokens are done (steps 1..4) instead of all of them at the last one's time; the
+    outputs are the uncached reference's. With the fixed cost far above the tokens' the
+    same wave shares step 1."""
+    for fixed_s, expect in ((1e-4, [1, 2, 3, 4]), (1.0, [1, 1, 1, 1])):
+        engine = engine_for(loaded, host_tier=True)
+        pin_costs(engine, fixed_s=fixed_s, prefill_tokens_per_s=1000.0)  # 1 ms a token
+        try:
+            transcripts = [cached_transcript(loaded, engine, seed=40 + i) for i in range(4)]
+            events: dict = {}
+            start_decoders(loaded, engine, events)
+            # new tokens: 23, 5, 14 and 9 past each transcript (not in admission order)
+            turns = {f"t{i}": t + list(range(50, 50 + k)) for i, (t, k) in enumerate(zip(transcripts, (23, 5, 14, 9)))}
+            for rid, prompt in turns.items():
+                engine.add_request(req(rid, prompt, n=4))
+            first: dict[str, int] = {}
+            for step in range(1, 10):
+                for r, ev in engine.step():
+                    events.setdefault(r, []).append(ev)
+                    if r in turns and isinstance(ev, Delta) and ev.token_ids:
+                        first.setdefault(r, step)
+                if len(first) == len(turns):
+                    break
+            by_pending = sorted(turns, key=lambda r: len(turns[r]) - events[r][0].cached_tokens)
+            assert [first[r] for r in by_pending] == expect
+            finish_all(engine, events)
+            for rid, prompt in turns.items():
+                assert output_of(events[rid]) == greedy_reference(loaded.model, prompt, 4)
+            for i in range(N_DECODING):
+                assert len(output_of(events[f"d{i}"])) == 60
+        finally:
+            engine.close()
+
+
+def _sum_of_waits(batches: list[list[int]], fixed: float, per_token: float) -> float:
+    t = total = 0.0
+    for batch in batches:
+        t += fixed + per_token * sum(batch)
+        total += t * len(batch)
+    return total
+
+
+def _schedule(sizes: list[int], fixed: float, per_token: float, budget: int) -> list[list[int]]:
+    """first_batch applied step after step: the batches the scheduler would run."""
+    out, rest = [], list(sizes)
+    while rest:
+        k = first_batch(rest, fixed, per_token, budget)
+        assert 1 <= k <= len(rest)
+        out.append(rest[:k])
+        rest = rest[k:]
+    return out
+
+
+def _batchings(order: tuple[int, ...]):
+    """Every split of ``order`` into consecutive batches."""
+    for cuts in itertools.product([False, True], repeat=len(order) - 1):
+        batches, cur = [], [order[0]]
+        for size, cut in zip(order[1:], cuts):
+            if cut:
+                batches.append(cur)
+                cur = []
+            cur.append(size)
+        batches.append(cur)
+        yield batches
+
+
+def test_first_batch_gives_the_least_sum_of_first_token_times():
+    """Against brute force. With no budget: over every order of the prefills and every
+    split of it into batches, none has a smaller sum of completion times than the
+    schedule first_batch gives step after step (fewest tokens first). Within a budget:
+    none of the splits of that order that keep to it has."""
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(1, 5)
+        sizes = sorted(rng.randint(1, 40) for _ in range(n))
+        fixed, per_token = rng.choice([0.0, 0.5, 5.0, 50.0]), rng.choice([0.1, 1.0])
+        got = _sum_of_waits(_schedule(sizes, fixed, per_token, 10**9), fixed, per_token)
+        best = min(_sum_of_waits(b, fixed, per_token) for o in set(itertools.permutations(sizes)) for b in _batchings(o))
+        assert got == pytest.approx(best), (sizes, fixed, per_token)
+        budget = rng.randint(40, 90)
+        schedule = _schedule(sizes, fixed, per_token, budget)
+        assert all(sum(b) <= budget for b in schedule)
+        got = _sum_of_waits(schedule, fixed, per_token)
+        best = min(
+            _sum_of_waits(b, fixed, per_token) for b in _batchings(tuple(sizes)) if all(sum(x) <= budget for x in b)
+        )
+        assert got == pytest.approx(best), (sizes, fixed, per_token, budget)
+
+
+def test_first_batch_on_a_wave_of_equal_turns():
+    """Eight 64-token turns: one a step when a token costs far more than a step's fixed
+    cost, all in one step when the fixed cost dominates, and never past the budget."""
+    assert first_batch([64] * 8, 0.001, 0.0015, 512) == 1  # ~110M on 2 cores: compute-bound
+    assert first_batch([64] * 8, 1.0, 0.0015, 512) == 8
+    assert first_batch([64] * 8, 1.0, 0.0015, 200) == 3  # 3 x 64 <= 200
+    assert first_batch([70], 0.0, 1.0, 512) == 1
