@@ -1,10 +1,11 @@
 """The runner room: block tables, the batch layout and the model's forward.
 
 ``run(plan)`` computes a step plan (service/engine/scheduler.py): one batched decode
-forward over the decode rows, then the prefill chunks: those over a cached context that
-fit one native decode step together (a returning turn's new tokens) as decode rows, a row
-per token (``forward_rows``: the native layer reads the context in place, once per
-sequence, where the padded forward gathers it), the others batched into as few forwards as
+forward over the decode rows and the prefill chunks over a cached context that fit one
+native decode step with them (a returning turn's new tokens, a row per token: the native
+layer reads the context in place, once per sequence, where the padded forward gathers it,
+and the weights are read once for the decodes and the returning turns), then the other
+prefill chunks, batched into as few forwards as
 padding allows (``prefill_groups``: chunks of similar length and context share one
 forward, one read of the weights and larger products; a long cold chunk beside a returning
 turn's few tokens runs on its own rather than padding the short one to its length), and
@@ -102,55 +103,77 @@ class Runner:
         rows: list[Row] = []
         decode_logits = None
         verified: list[Row] = []
-        if plan.decode or plan.verify:
-            logits = self.decode_step(plan.decode, plan.verify)
+        done: dict[int, torch.Tensor] = {}  # id(seq) -> logits of a chunk that ended its prompt
+        n_rows = len(plan.decode) + sum(1 + len(s.drafts) for s in plan.verify)
+        as_rows, padded = self._chunks_as_rows(plan.prefill, n_rows)
+        if n_rows or as_rows:
+            t0 = self.transfers.ops.mark()
+            logits = self.decode_step(plan.decode, plan.verify, as_rows)
             decode_logits = logits[: len(plan.decode)]
             rows.extend((s, decode_logits[i]) for i, s in enumerate(plan.decode))
             at = len(plan.decode)
             for seq in plan.verify:
                 verified.append((seq, logits[at : at + 1 + len(seq.drafts)]))
                 at += 1 + len(seq.drafts)
-        ops = self.transfers.ops
-        done: dict[int, torch.Tensor] = {}  # id(seq) -> logits of a chunk that ended its prompt
-        as_rows, padded = self._chunks_as_rows(plan.prefill)
-        forwards = [(g, self.forward_rows) for g in as_rows] + [(g, self.forward) for g in prefill_groups(padded)]
-        for group, forward in forwards:
-            t0 = ops.mark()
-            logits = forward(group)  # (len(group), V)
-            n = sum(k for _, k in group)
-            self.num_prefill_tokens += n
-            self.num_prefill_forwards += 1
-            if n >= PREFILL_TIMED_MIN:  # timed for the prefill rate (restore-vs-recompute)
-                self._prefill_marks.append((n, t0, ops.mark()))
-            for i, (seq, _) in enumerate(group):
-                if seq.num_computed == len(seq.token_ids):
-                    done[id(seq)] = logits[i]
+            if as_rows:
+                self._prefilled(as_rows, logits[n_rows:], t0, done)
+        for group in prefill_groups(padded):
+            t0 = self.transfers.ops.mark()
+            self._prefilled(group, self.forward(group), t0, done)
         rows.extend((seq, done[id(seq)]) for seq, _ in plan.prefill if id(seq) in done)  # in plan order
         self.poll_prefill_rate()
         return rows, decode_logits if len(rows) == len(plan.decode) else None, verified
 
-    def decode_step(self, decode: list[Sequence], verify: list[Sequence]) -> torch.Tensor:
-        """One batched decode forward, (rows, V) logits: a row per decode sequence (its
-        pending token), then for each verify sequence a row per position of its pending
-        token and its drafts (``seq.drafts``), in order, all sharing its block table. Each
-        row is one new token at its own position, so the whole step is a decode step (the
-        native decode layer where it applies): every row's K/V is written before any row
-        attends, and a row sees the positions up to its own, so row i of a verify sequence
-        is the target after its drafts[:i], as a prefill chunk of those tokens would give.
-        Decode rows advance; a verify sequence's ``num_computed`` does not move until
-        ``commit`` knows what its drafts' KV is worth, and nothing of it is registered."""
+    def _prefilled(self, group: list[tuple[Sequence, int]], logits: torch.Tensor, t0: Any, done: dict[int, torch.Tensor]) -> None:
+        """A forward computed ``group``'s chunks ((len(group), V) logits of their last
+        tokens): counted, timed for the prefill rate, and the logits of those that ended
+        their prompt kept in ``done``."""
+        n = sum(k for _, k in group)
+        self.num_prefill_tokens += n
+        self.num_prefill_forwards += 1
+        if n >= PREFILL_TIMED_MIN:  # timed for the prefill rate (restore-vs-recompute)
+            self._prefill_marks.append((n, t0, self.transfers.ops.mark()))
+        for i, (seq, _) in enumerate(group):
+            if seq.num_computed == len(seq.token_ids):
+                done[id(seq)] = logits[i]
+
+    def decode_step(
+        self, decode: list[Sequence], verify: list[Sequence], chunks: list[tuple[Sequence, int]] | None = None
+    ) -> torch.Tensor:
+        """One batched forward of decode rows, (rows, V) logits: a row per decode sequence
+        (its pending token), then for each verify sequence a row per position of its
+        pending token and its drafts (``seq.drafts``), in order, all sharing its block
+        table, then the logits of each of ``chunks``' last token ((sequence, tokens) over
+        a cached context: a row per token, the head on the last alone). Each row is one
+        new token at its own position, so the whole step is a decode step (the native
+        decode layer where it applies: one read of the weights for the step's decodes and
+        returning turns together, every row's K/V written before any row attends, a
+        sequence's rows reading their context once), and a row sees the positions up to
+        its own, so row i of a verify sequence is the target after its drafts[:i], as a
+        prefill chunk of those tokens would give. Decode rows and chunks advance; a verify
+        sequence's ``num_computed`` does not move until ``commit`` knows what its drafts'
+        KV is worth, and nothing of it is registered."""
         slices = []
         for seq in decode:
             slices.append(self._slice(seq, seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1]))
         for seq in verify:
             slices.extend(self._rows(seq, [seq.token_ids[-1], *seq.drafts]))
+        n_rows = len(slices)
+        head = list(range(n_rows))
+        chunks = chunks or []
+        for seq, n in chunks:
+            slices.extend(self._rows(seq, seq.token_ids[seq.num_computed : seq.num_computed + n]))
+            head.append(len(slices) - 1)
         layout = BatchLayout.build(slices, self.block_size, self.device)
-        logits = self.model(layout, self.pool)
+        rows = torch.tensor(head, dtype=torch.long, device=self.device) if chunks else None
+        logits = self.model(layout, self.pool, rows=rows)
         for seq in decode:
             self._advance(seq, 1)
-        self.num_decode_tokens += len(slices)
+        for seq, n in chunks:
+            self._advance(seq, n)
+        self.num_decode_tokens += n_rows
         self.num_verify_steps += len(verify)
-        self.num_draft_tokens += len(slices) - len(decode) - len(verify)
+        self.num_draft_tokens += n_rows - len(decode) - len(verify)
         return logits
 
     def _slice(self, seq: Sequence, start: int, tokens: list[int], table: array.array | None = None) -> SeqSlice:
@@ -251,37 +274,20 @@ class Runner:
             self._advance(seq, n)
         return logits
 
-    def _chunks_as_rows(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[list[tuple[Sequence, int]]], list[tuple[Sequence, int]]]:
-        """The step's prefill chunks split into those that run as one decode step of a row
-        per token (``forward_rows``: chunks over a cached context, together at most
-        ``native_rows`` rows: a returning turn's few new tokens) and the rest, for
-        ``prefill_groups``' padded forwards. More rows than one native step takes go padded
-        too: there one forward of many rows reads the weights once for all of them, where
-        64-row decode steps would read them once per step (~110M, 8 chunks of 64 tokens
-        over 256 positions: 816 ms padded against 1010 ms as rows; one chunk: 151 against
-        120 ms; 16 tokens over 2000: 65 against 45 ms)."""
-        cap = self.model.native_rows(self.pool)
+    def _chunks_as_rows(self, chunks: list[tuple[Sequence, int]], taken: int = 0) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
+        """The step's prefill chunks split into those that run in the step's decode forward
+        as a row per token (``decode_step``: chunks over a cached context, together with
+        the ``taken`` decode rows at most ``native_rows`` rows: returning turns' new
+        tokens) and the rest, for ``prefill_groups``' padded forwards. More rows than one
+        native step takes go padded too: there one forward of many rows runs compute-bound
+        products (~110M, 256 tokens over 320 positions: 394-419 ms padded against 459-493
+        ms as rows; 80 tokens: 159-188 against 133-146 ms; 16 tokens over 2000: 65 against
+        45 ms)."""
+        cap = self.model.native_rows(self.pool) - taken
         cached = [(seq, n) for seq, n in chunks if seq.num_computed > 0]
         if not cached or sum(n for _, n in cached) > cap:
             return [], chunks
-        return [cached], [(seq, n) for seq, n in chunks if seq.num_computed == 0]
-
-    def forward_rows(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """``forward`` of chunks over cached contexts as one decode step: a row per new
-        token at its own position (the native decode layer: every row's K/V written before
-        any row attends, a row seeing the positions up to its own, a sequence's rows
-        reading their context once), the head on each chunk's last row alone. The same
-        (len(work), V) logits as ``forward`` gives, to rounding."""
-        slices: list[SeqSlice] = []
-        last = []
-        for seq, n in work:
-            slices.extend(self._rows(seq, seq.token_ids[seq.num_computed : seq.num_computed + n]))
-            last.append(len(slices) - 1)
-        layout = BatchLayout.build(slices, self.block_size, self.device)
-        logits = self.model(layout, self.pool, rows=torch.tensor(last, dtype=torch.long, device=self.device))
-        for seq, n in work:
-            self._advance(seq, n)
-        return logits
+        return cached, [(seq, n) for seq, n in chunks if seq.num_computed == 0]
 
     def forward_over_restore(self, seq: Sequence, start: int, landed: Callable[[int], None]) -> torch.Tensor:
         """An overlapped restore's forward (service/engine/restore.py): the rest of the

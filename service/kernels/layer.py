@@ -25,6 +25,12 @@ from . import ops
 from .binding import header_binding
 
 MAX_ROWS = ops.MAX_ROWS  # decode-sized work; more rows (prefill) are compute-bound: torch's GEMM
+# rows one whole-layer step (DecoderStack) takes: the decode rows, and a returning turn's
+# new tokens over its cached context as rows (engine/runner.py decode_step), which
+# measured ahead of the padded forward up to about this many (~110M, a 320-position
+# context, one chunk: 80 rows 133-146 against 159-188 ms, 128 rows 234-291 against
+# 237-268, 256 rows 459-493 against 394-419)
+STACK_ROWS = 2 * MAX_ROWS
 _H = header_binding()
 _C = _H.constants
 KvLinear, KvLayer, KvStep = _H.structs["KvLinear"], _H.structs["KvLayer"], _H.structs["KvStep"]
@@ -210,8 +216,8 @@ class DecoderStack:
     @staticmethod
     def applies(x: Tensor) -> bool:
         """Whether x (B, T, D) is a decode step the stack runs: one float32 token per
-        sequence, B <= MAX_ROWS."""
-        return x.shape[1] == 1 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous()
+        row, B <= STACK_ROWS."""
+        return x.shape[1] == 1 and x.shape[0] <= STACK_ROWS and x.dtype == torch.float32 and x.is_contiguous()
 
     def run(self, x: Tensor, ropes: tuple[tuple[Tensor, Tensor], ...], step: DecodeStep) -> Tensor:
         """x (B, 1, D) through every layer, in place (the caller checked ``applies``);

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from ..kernels import ops as kernel_ops
-from ..kernels.layer import (MAX_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights,
+from ..kernels.layer import (MAX_ROWS, STACK_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights,
                                            ProductWeights, norm, product)
 from .config import ModelConfig
 from .rope import Rotary, apply_rope_
@@ -531,7 +531,7 @@ class CausalLM(nn.Module):
         native stack, or a pool format the kernels do not read)."""
         if self.stack is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
             return 0
-        return kernel_ops.MAX_ROWS
+        return STACK_ROWS
 
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False, rows: Tensor | None = None) -> Tensor:
         """Logits of each sequence's last new token (B, V); ``all_logits``: of every new

@@ -319,7 +319,7 @@ def test_engine_decodes_with_native_kernels_as_the_uncached_model(llama_dir, fmt
 @pytest.mark.parametrize("kv_format", ["exact", "bf16", "int8"])
 def test_a_returning_turns_chunk_runs_as_decode_rows_as_the_padded_prefill(llama_dir, kv_format) -> None:
     """Chunks over a cached context, at most one native step's rows together (returning
-    turns' new tokens), run as decode rows (Runner.forward_rows): their logits and the KV
+    turns' new tokens), run as decode rows (in the step's decode forward): their logits and the KV
     they leave are the padded prefill forward's to rounding; more rows than one step takes,
     or a chunk with nothing cached, go padded."""
     from kvserve.service.engine.runner import Runner
@@ -331,10 +331,10 @@ def test_a_returning_turns_chunk_runs_as_decode_rows_as_the_padded_prefill(llama
         eng = engines[path] = make_engine(loaded, kv_cache_format=kv_format)
         runner = eng.runner
         if path == "padded":  # the padded forward for every chunk
-            runner._chunks_as_rows = lambda chunks: ([], chunks)
+            runner._chunks_as_rows = lambda chunks, taken=0: ([], chunks)
         seen = []
-        fwd = runner.forward_rows
-        runner.forward_rows = lambda work, fwd=fwd: seen.append([n for _, n in work]) or fwd(work)
+        fwd = runner.decode_step
+        runner.decode_step = lambda d, v, chunks=None, fwd=fwd: (chunks and seen.append([n for _, n in chunks])) or fwd(d, v, chunks)
         # two sessions' first turns, then both return at once: 9 + 20 new tokens, one step
         run(eng, [req("h1", history, n=1), req("h2", history[::-1], n=1)])
         events = run(eng, [req("r1", history + turn2, n=6), req("r2", history[::-1] + turn3, n=6)])
@@ -361,10 +361,41 @@ def test_a_returning_turns_chunk_runs_as_decode_rows_as_the_padded_prefill(llama
 
     cold, warm = S(0), S(40)
     rows, padded = r._chunks_as_rows([(cold, 30), (warm, 10)])
-    assert rows == [[(warm, 10)]] and padded == [(cold, 30)]
+    assert rows == [(warm, 10)] and padded == [(cold, 30)]
     cap = r.model.native_rows(r.pool)
     rows, padded = r._chunks_as_rows([(warm, cap), (S(8), 1)])
     assert rows == [] and [n for _, n in padded] == [cap, 1]
+    # the step's decode rows count against the cap
+    assert r._chunks_as_rows([(warm, cap - 3)], taken=3)[0] == [(warm, cap - 3)]
+    assert r._chunks_as_rows([(warm, cap - 3)], taken=4)[0] == []
+
+
+def test_decode_rows_and_a_returning_turns_rows_share_one_forward(llama_dir) -> None:
+    """A returning turn arriving while another sequence decodes: its new tokens run in the
+    step's one decode forward beside the decode row (one model call, one read of the
+    weights), both get a token in that step, and both outputs are the uncached model's."""
+    from kvserve.service.types import Delta
+
+    loaded = load_model(llama_dir, dtype="float32", device="cpu", progress=False)
+    history, turn2, other = prompts(loaded.config.vocab_size, [37, 21, 15], seed=8)
+    eng = make_engine(loaded)
+    run(eng, [req("h", history, n=1)])
+    events: dict = {}
+    eng.add_request(req("d", other, n=12))
+    while not any(isinstance(e, Delta) for e in events.get("d", [])):
+        for rid, ev in eng.step():
+            events.setdefault(rid, []).append(ev)
+    calls = []
+    hook = loaded.model.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)))
+    eng.add_request(req("r", history + turn2, n=6))
+    got = [rid for rid, ev in eng.step() if isinstance(ev, Delta) and ev.token_ids]
+    hook.remove()
+    assert sorted(got) == ["d", "r"] and len(calls) == 1 and calls[0][0] == 2  # the decode row and r's last
+    while eng.has_work():
+        for rid, ev in eng.step():
+            events.setdefault(rid, []).append(ev)
+    assert finished(events["r"]).output_token_ids == greedy_reference(loaded.model, history + turn2, 6)
+    assert finished(events["d"]).output_token_ids == greedy_reference(loaded.model, other, 12)
 
 
 def test_without_a_library_for_this_cpu_auto_falls_back_and_on_refuses_in_one_line(tmp_path, llama_dir) -> None:
