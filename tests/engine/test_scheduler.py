@@ -103,6 +103,16 @@ def output_of(evs) -> list[int]:
     return fin.output_token_ids
 
 
+def finish_and_check(loaded, engine, events: dict, turns: dict[str, list[int]], n: int) -> None:
+    """Run to the end: each turn's n tokens are the uncached reference's, and every
+    decoder made its 60."""
+    finish_all(engine, events)
+    for rid, prompt in turns.items():
+        assert output_of(events[rid]) == greedy_reference(loaded.model, prompt, n)
+    for i in range(N_DECODING):
+        assert len(output_of(events[f"d{i}"])) == 60
+
+
 @pytest.mark.parametrize("host_tier", [False, True], ids=["device-only", "host-tier"])
 def test_returning_turn_gets_its_first_token_in_the_step_it_is_admitted(loaded, host_tier):
     engine = engine_for(loaded, host_tier=host_tier)
@@ -200,11 +210,7 @@ def test_returning_turns_of_one_step_share_one_prefill_forward(loaded):
         assert engine.runner.num_prefill_forwards - forwards0 == 1
         cached = [events[rid][0].cached_tokens for rid in turns]
         assert engine.runner.num_prefill_tokens - prefill0 == sum(len(p) for p in turns.values()) - sum(cached)
-        finish_all(engine, events)
-        for rid, prompt in turns.items():
-            assert output_of(events[rid]) == greedy_reference(loaded.model, prompt, 5)
-        for i in range(N_DECODING):
-            assert len(output_of(events[f"d{i}"])) == 60
+        finish_and_check(loaded, engine, events, turns, 5)
     finally:
         engine.close()
 
@@ -284,11 +290,7 @@ def test_a_wave_of_returning_turns_whose_tokens_cost_more_than_a_step_gets_a_ste
                     break
             by_pending = sorted(turns, key=lambda r: len(turns[r]) - events[r][0].cached_tokens)
             assert [first[r] for r in by_pending] == expect
-            finish_all(engine, events)
-            for rid, prompt in turns.items():
-                assert output_of(events[rid]) == greedy_reference(loaded.model, prompt, 4)
-            for i in range(N_DECODING):
-                assert len(output_of(events[f"d{i}"])) == 60
+            finish_and_check(loaded, engine, events, turns, 4)
         finally:
             engine.close()
 
