@@ -310,13 +310,23 @@ class Soak:
         return out
 
     async def _pool_at_end(self) -> dict[str, float]:
-        """Blocks once nothing runs: every block free or evictable cache (baseline)."""
-        for _ in range(100):
+        """Blocks once nothing runs and the background writes are through: every block
+        free or evictable cache (baseline). An idle session's spill (``--spill-after``)
+        holds a reference on its device blocks until the writer has copied them, so a
+        spill that began as the last turns ended leaves blocks in use for a moment; a
+        block that stays in use past the deadline is a leak."""
+        t0 = time.monotonic()
+        first_quiet: float | None = None  # blocks in use when nothing ran any more
+        while True:
             m = await self._metric_blocks()
-            if m.get("kvserve_running_sequences", 1) == 0 and m.get("kvserve_waiting_sequences", 1) == 0:
-                break
+            used = m.get('kvserve_kv_blocks{state="used"}', 1)
+            quiet = m.get("kvserve_running_sequences", 1) == 0 and m.get("kvserve_waiting_sequences", 1) == 0
+            if quiet and first_quiet is None:
+                first_quiet = used
+            if (quiet and used == 0) or time.monotonic() > t0 + 15.0:
+                return {**m, "used_when_quiet": first_quiet if first_quiet is not None else used,
+                        "settle_s": time.monotonic() - t0}  # fmt: skip
             await asyncio.sleep(0.1)
-        return m
 
     # ---- one client ----------------------------------------------------------------------
 
@@ -560,6 +570,8 @@ class Soak:
             "blocks_total": self.blocks_total.get('kvserve_kv_blocks{state="free"}', 0.0),
             "blocks_free_at_end": pool.get('kvserve_kv_blocks{state="free"}'),
             "blocks_used_at_end": pool.get('kvserve_kv_blocks{state="used"}'),
+            "blocks_used_when_quiet": pool.get("used_when_quiet"),
+            "pool_settle_s": round(pool.get("settle_s", 0.0), 2),
             "server_exit_code": exit_code,
             "cold_checked": cold["checked"],
             "cold_mismatches": cold["mismatches"],
@@ -664,7 +676,8 @@ def table(r: dict[str, Any]) -> str:
         ("prompt-count mismatches", str(r["prompt_mismatches"])),
         ("server anonymous RSS MiB: warm -> end (max), per run",
          "; ".join(f"#{s['incarnation']} {s['warm_mib']} -> {s['end_mib']} ({s['max_mib']})" for s in r["rss"])),
-        ("KV blocks free at end / total", f"{r['blocks_free_at_end']:.0f} / {r['blocks_total']:.0f}"),
+        ("KV blocks free at end / total (in use when the last turn ended, settled in)",
+         f"{r['blocks_free_at_end']:.0f} / {r['blocks_total']:.0f} ({r['blocks_used_when_quiet']:.0f}, {r['pool_settle_s']} s)"),
         ("greedy turns replayed cold / mismatches", f"{r['cold_checked']} / {r['cold_mismatches']}"),
         ("server exit status on SIGTERM", str(r["server_exit_code"])),
     ]  # fmt: skip
