@@ -39,6 +39,12 @@ class Admitted:
     refused: list[Sequence] = field(default_factory=list)
 
 
+# A prefill left out of this many steps in a row (``first_batch`` never puts a long prompt
+# before short ones, and short prompts may keep arriving) is computed in the next one,
+# with what the step's budget leaves after the planned batch: no prompt waits unbounded.
+PREFILL_MAX_WAITS = 4
+
+
 def first_batch(sizes: list[int], fixed: float, per_token: float, budget: int) -> int:
     """How many of the prefills ``sizes`` (pending tokens each, fewest first) this step
     should compute so that the sum of their first tokens' times is least, when a step of
@@ -246,7 +252,9 @@ class Scheduler:
         while a long cold prompt takes what is left of the budget (chunked across steps)
         instead of holding the budget while returning turns wait behind it. A sequence
         that needs a block when none is free preempts the most recently started one
-        (itself last); one that grew past LongRoPE's switch length is re-admitted."""
+        (itself last); one that grew past LongRoPE's switch length is re-admitted. A
+        prefill that the plan left out of ``PREFILL_MAX_WAITS`` steps in a row takes what
+        is left of the budget in the next."""
         for seq in list(self.running):
             if not seq.long_rope and self.keys.is_long(len(seq.token_ids)):
                 self._switch_to_long_rope(seq)
@@ -270,10 +278,13 @@ class Scheduler:
                 if batch is None:
                     prefills = [s for s in order if pending[id(s)] != 1 and s in self.running]
                     batch = self._prefill_batch(prefills, pending, self.cfg.max_num_batched_tokens - budget, budget)
-                if id(seq) not in batch:
+                if id(seq) not in batch and seq.prefill_waits < PREFILL_MAX_WAITS:
+                    seq.prefill_waits += 1
                     continue
             n = 1 if left == 1 else min(left, max(budget, 0))
             if n == 0:
+                if left != 1:
+                    seq.prefill_waits += 1
                 continue
             while not self._ensure_blocks(seq, seq.num_computed + n):
                 victim = self.running[-1]
@@ -292,6 +303,7 @@ class Scheduler:
                     decode.append(seq)
             else:
                 prefill.append((seq, n))
+                seq.prefill_waits = 0
             budget -= n
         # a preemption may have removed a sequence scheduled earlier in this loop
         return StepPlan(

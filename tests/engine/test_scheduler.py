@@ -18,7 +18,7 @@ import random
 import pytest
 
 from kvserve.service.engine.config import EngineConfig
-from kvserve.service.engine.scheduler import first_batch
+from kvserve.service.engine.scheduler import PREFILL_MAX_WAITS, first_batch
 from kvserve.service.engine.speculative import StepCost
 from kvserve.service.engine.store import build_store
 from kvserve.service.models.loading import load_model
@@ -293,6 +293,40 @@ def test_a_wave_of_returning_turns_whose_tokens_cost_more_than_a_step_gets_a_ste
             finish_and_check(loaded, engine, events, turns, 4)
         finally:
             engine.close()
+
+
+def test_a_long_prompt_progresses_while_short_prompts_keep_arriving(loaded):
+    """Short prompts arriving every step, at costs that compute them one a step (the
+    least-sum plan never puts a long prompt first): a long cold prompt still gets a chunk
+    at least every PREFILL_MAX_WAITS + 1 steps (what is left of the budget after the
+    step's short prompt) and ends with the uncached reference's output, instead of
+    waiting for as long as short prompts arrive."""
+    budget = 48
+    engine = engine_for(loaded, host_tier=False, batched_tokens=budget)
+    pin_costs(engine, fixed_s=1e-4, prefill_tokens_per_s=1000.0)
+    try:
+        (long,) = prompts(loaded.config.vocab_size, [160], seed=7)
+        engine.add_request(req("long", long, n=3))
+        events: dict = {}
+        waited, longest, computed = 0, 0, 0
+        for step in range(40):
+            for k, n in enumerate((8, 9)):  # two new short prompts a step: always two waiting
+                (p,) = prompts(loaded.config.vocab_size, [n], seed=100 + 2 * step + k)
+                engine.add_request(req(f"s{step}-{k}", p, n=1))
+            for r, ev in engine.step():
+                events.setdefault(r, []).append(ev)
+            seq = engine.scheduler._by_id.get("long")
+            now = len(long) if seq is None else seq.num_computed
+            waited = 0 if now > computed else waited + 1
+            longest, computed = max(longest, waited), now
+            if any(isinstance(e, Delta) and e.token_ids for e in events.get("long", [])):
+                break
+        assert computed == len(long), f"the long prompt computed {computed} of {len(long)} tokens in 40 steps"
+        assert longest <= PREFILL_MAX_WAITS
+        finish_all(engine, events)
+        assert output_of(events["long"]) == greedy_reference(loaded.model, long, 3)
+    finally:
+        engine.close()
 
 
 def _sum_of_waits(batches: list[list[int]], fixed: float, per_token: float) -> float:
