@@ -39,9 +39,12 @@ class Admitted:
     refused: list[Sequence] = field(default_factory=list)
 
 
-# A prefill left out of this many steps in a row (``first_batch`` never puts a long prompt
-# before short ones, and short prompts may keep arriving) is computed in the next one,
-# with what the step's budget leaves after the planned batch: no prompt waits unbounded.
+# A prefill passed over by prefills that started running after it in this many steps
+# (``first_batch`` puts short prompts first and never a prompt longer than the budget
+# before them, and short prompts may keep arriving) is computed in the next one, with
+# what the step's budget leaves after the planned batch: no prompt waits unbounded. The
+# prefills of one wave (started in the same step) never count against each other, so a
+# wave is still computed in first_batch's batches.
 PREFILL_MAX_WAITS = 4
 
 
@@ -120,6 +123,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self.work_ready = threading.Event()
         self.num_preempted = 0
+        self.num_plans = 0  # steps planned (a sequence's started_step: when it began running)
         self.num_rope_switches = 0  # sequences recomputed on crossing the LongRoPE switch length
 
     # ---- called from other threads ---------------------------------------------------
@@ -237,6 +241,7 @@ class Scheduler:
 
     def start_running(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING
+        seq.started_step = self.num_plans
         self.running.append(seq)
 
     def restored(self, seq: Sequence) -> None:
@@ -253,8 +258,8 @@ class Scheduler:
         instead of holding the budget while returning turns wait behind it. A sequence
         that needs a block when none is free preempts the most recently started one
         (itself last); one that grew past LongRoPE's switch length is re-admitted. A
-        prefill that the plan left out of ``PREFILL_MAX_WAITS`` steps in a row takes what
-        is left of the budget in the next."""
+        prefill passed over by later ones in ``PREFILL_MAX_WAITS`` steps takes what is
+        left of the budget in the next."""
         for seq in list(self.running):
             if not seq.long_rope and self.keys.is_long(len(seq.token_ids)):
                 self._switch_to_long_rope(seq)
@@ -279,12 +284,9 @@ class Scheduler:
                     prefills = [s for s in order if pending[id(s)] != 1 and s in self.running]
                     batch = self._prefill_batch(prefills, pending, self.cfg.max_num_batched_tokens - budget, budget)
                 if id(seq) not in batch and seq.prefill_waits < PREFILL_MAX_WAITS:
-                    seq.prefill_waits += 1
                     continue
             n = 1 if left == 1 else min(left, max(budget, 0))
             if n == 0:
-                if left != 1:
-                    seq.prefill_waits += 1
                 continue
             while not self._ensure_blocks(seq, seq.num_computed + n):
                 victim = self.running[-1]
@@ -305,12 +307,23 @@ class Scheduler:
                 prefill.append((seq, n))
                 seq.prefill_waits = 0
             budget -= n
+        self.num_plans += 1
+        self._count_passed_over(prefill, pending)
         # a preemption may have removed a sequence scheduled earlier in this loop
         return StepPlan(
             decode=[s for s in decode if s in self.running],
             prefill=[(s, n) for s, n in prefill if s in self.running],
             verify=[s for s in verify if s in self.running],
         )
+
+    def _count_passed_over(self, prefill: list[tuple[Sequence, int]], pending: dict[int, int]) -> None:
+        """Each running prefill this step leaves out while it computes one that started
+        running later has been passed over once more (``PREFILL_MAX_WAITS``)."""
+        newest = max((s.started_step for s, _ in prefill if s in self.running), default=-1)
+        chosen = {id(s) for s, _ in prefill}
+        for seq in self.running:
+            if pending.get(id(seq), 1) != 1 and id(seq) not in chosen and seq.started_step < newest:
+                seq.prefill_waits += 1
 
     def _prefill_batch(self, prefills: list[Sequence], pending: dict[int, int], decode_rows: int, budget: int) -> set[int]:
         """Which of this step's prefills (fewest pending tokens first) it computes: of those

@@ -58,7 +58,8 @@ class Sequence:
     drafter: Any = None  # speculative.NgramDrafter over token_ids, made at the first decode step that drafts
     drafts: list[int] = field(default_factory=list)  # this step's drafted tokens (scheduler -> runner -> output)
     num_steps: int = 0  # forwards whose logits gave output tokens (a verification's several count once)
-    prefill_waits: int = 0  # steps in a row the plan left its pending prompt out (scheduler.PREFILL_MAX_WAITS)
+    started_step: int = 0  # the scheduler's step count when it began running
+    prefill_waits: int = 0  # steps its pending prompt was passed over by later ones (scheduler.PREFILL_MAX_WAITS)
     restore: Future | None = None
     landing: Any = None  # restore.Landing of an overlapped restore (restore room -> engine)
     table: tuple[list[Block], int, array.array] | None = None  # (blocks, num_released, block table): Runner

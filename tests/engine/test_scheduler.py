@@ -297,10 +297,10 @@ def test_a_wave_of_returning_turns_whose_tokens_cost_more_than_a_step_gets_a_ste
 
 def test_a_long_prompt_progresses_while_short_prompts_keep_arriving(loaded):
     """Short prompts arriving every step, at costs that compute them one a step (the
-    least-sum plan never puts a long prompt first): a long cold prompt still gets a chunk
-    at least every PREFILL_MAX_WAITS + 1 steps (what is left of the budget after the
-    step's short prompt) and ends with the uncached reference's output, instead of
-    waiting for as long as short prompts arrive."""
+    least-sum plan never puts a long prompt first): a long cold prompt, passed over by
+    later prompts at every step, still gets a chunk at least every PREFILL_MAX_WAITS + 1
+    steps (what is left of the budget after the step's short prompt) and ends with the
+    uncached reference's output, instead of waiting for as long as short prompts arrive."""
     budget = 48
     engine = engine_for(loaded, host_tier=False, batched_tokens=budget)
     pin_costs(engine, fixed_s=1e-4, prefill_tokens_per_s=1000.0)
@@ -308,7 +308,11 @@ def test_a_long_prompt_progresses_while_short_prompts_keep_arriving(loaded):
         (long,) = prompts(loaded.config.vocab_size, [160], seed=7)
         engine.add_request(req("long", long, n=3))
         events: dict = {}
-        waited, longest, computed = 0, 0, 0
+        for r, ev in engine.step():  # alone: its first chunk; every short prompt starts after it
+            events.setdefault(r, []).append(ev)
+        computed = engine.scheduler._by_id["long"].num_computed
+        assert 0 < computed < len(long)
+        waited, longest = 0, 0
         for step in range(40):
             for k, n in enumerate((8, 9)):  # two new short prompts a step: always two waiting
                 (p,) = prompts(loaded.config.vocab_size, [n], seed=100 + 2 * step + k)
@@ -325,6 +329,35 @@ def test_a_long_prompt_progresses_while_short_prompts_keep_arriving(loaded):
         assert longest <= PREFILL_MAX_WAITS
         finish_all(engine, events)
         assert output_of(events["long"]) == greedy_reference(loaded.model, long, 3)
+    finally:
+        engine.close()
+
+
+def test_a_wave_longer_than_prefill_max_waits_is_still_computed_a_prompt_a_step(loaded):
+    """The prompts of one wave (arriving together) never count as passing each other
+    over: 8 of them at the one-a-step costs get their first tokens at steps 1..8,
+    shortest first, the last ones long past PREFILL_MAX_WAITS steps."""
+    engine = engine_for(loaded, host_tier=False)
+    pin_costs(engine, fixed_s=1e-4, prefill_tokens_per_s=1000.0)
+    try:
+        lengths = [12, 5, 9, 7, 11, 6, 10, 8]
+        wave = {f"w{n}": p for n, p in zip(lengths, prompts(loaded.config.vocab_size, lengths, seed=60))}
+        for rid, p in wave.items():
+            engine.add_request(req(rid, p, n=2))
+        events: dict = {}
+        first: dict[str, int] = {}
+        for step in range(1, 20):
+            for r, ev in engine.step():
+                events.setdefault(r, []).append(ev)
+                if isinstance(ev, Delta) and ev.token_ids:
+                    first.setdefault(r, step)
+            if len(first) == len(wave):
+                break
+        assert [first[f"w{n}"] for n in sorted(lengths)] == list(range(1, 9))
+        assert len(wave) > PREFILL_MAX_WAITS + 1
+        finish_all(engine, events)
+        for rid, p in wave.items():
+            assert output_of(events[rid]) == greedy_reference(loaded.model, p, 2)
     finally:
         engine.close()
 
