@@ -318,7 +318,10 @@ class Scheduler:
 
     def _count_passed_over(self, prefill: list[tuple[Sequence, int]], pending: dict[int, int]) -> None:
         """Each running prefill this step leaves out while it computes one that started
-        running later has been passed over once more (``PREFILL_MAX_WAITS``)."""
+        running later has been passed over once more (``PREFILL_MAX_WAITS``). A step that
+        computes no prefill (a decode step) passes nothing over."""
+        if not prefill:
+            return
         newest = max((s.started_step for s, _ in prefill if s in self.running), default=-1)
         chosen = {id(s) for s, _ in prefill}
         for seq in self.running:
