@@ -204,3 +204,35 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, 
         int(window or 0), float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),
     )
     return out
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, kv_len: Tensor, n_new: Tensor, window: int | None,
+                      scale: float, softcap: float | None) -> Tensor:
+    """Causal attention of each sequence's new tokens over its keys (attention.cpp), the
+    work above the diagonal and before the window skipped: q (B, T, nh, hd), k and v
+    (B, C, n_kv, hd) float32 with contiguous heads (views into one fused q/k/v output, or
+    a gathered context); sequence b has ``kv_len[b]`` keys and its first ``n_new[b]``
+    rows are real, query t at position kv_len[b] - n_new[b] + t (the rest padding: zeros).
+    Key c is visible from position p iff c <= p (and c > p - window when given); the
+    scores are soft-capped (cap * tanh(s / cap)) when ``softcap`` is given. -> (B, T, nh, hd)."""
+    B, T, nh, hd = q.shape
+    Bk, C, nkv, hd2 = k.shape
+    if Bk != B or v.shape != k.shape or hd2 != hd or nh % nkv:
+        raise ValueError("prefill_attention: q (B, T, nh, hd), k and v (B, C, n_kv, hd)")
+    for t in (q, k, v):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 or t.stride(-2) != hd:
+            raise ValueError("prefill_attention: float32 CPU q, k, v with contiguous heads")
+    if k.stride()[:2] != v.stride()[:2]:
+        raise ValueError("prefill_attention: k and v at the same strides")
+    for t in (kv_len, n_new):
+        if t.dtype != torch.long or t.numel() != B or not t.is_contiguous():
+            raise ValueError("prefill_attention: kv_len and n_new are (B,) int64")
+    if not all(1 <= n <= T and n <= c <= C for n, c in zip(n_new.tolist(), kv_len.tolist())):
+        raise ValueError("prefill_attention: need 1 <= n_new[b] <= T, n_new[b] <= kv_len[b] <= C")
+    out = torch.empty(B, T, nh, hd, dtype=torch.float32)
+    _lib().kv_prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), B, T, nh, nkv,
+        hd, kv_len.data_ptr(), n_new.data_ptr(), int(window or 0), float(scale), float(softcap or 0.0),
+        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
+    )
+    return out

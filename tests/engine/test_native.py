@@ -696,3 +696,75 @@ def test_decode_attention_of_verify_rows_reads_their_context_once(isa, pool_dtyp
     ref = _ref_attention(q[:, 0], k_ctx, v_ctx, lens, None, hd**-0.5, None)
     for out in outs:
         torch.testing.assert_close(out.view(B, nh, hd).double(), ref, atol=2e-5, rtol=1e-5)
+
+
+# ---- prefill attention (attention.cpp): causal, the work above the diagonal skipped ---------
+
+
+def _ref_prefill_attention(q, k, v, kv_len, n_new, window, scale, softcap):
+    """float64 causal attention: query t < n_new[b] at position kv_len[b] - n_new[b] + t over
+    sequence b's keys at or before it (and after position - window when given)."""
+    B, T, nh, hd = q.shape
+    G = nh // k.shape[2]
+    out = torch.zeros(B, T, nh, hd, dtype=torch.float64)
+    for b in range(B):
+        C, n = kv_len[b], n_new[b]
+        kk = k[b, :C].double().repeat_interleave(G, 1).transpose(0, 1)  # (nh, C, hd)
+        vv = v[b, :C].double().repeat_interleave(G, 1).transpose(0, 1)
+        s = q[b, :n].double().transpose(0, 1) @ kk.transpose(1, 2) * scale  # (nh, n, C)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        pos, c = torch.arange(C - n, C)[:, None], torch.arange(C)[None, :]
+        visible = (c <= pos) & (c > pos - window if window else True)
+        out[b, :n] = (s.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+    return out
+
+
+# query heads per kv head 2, 1, 6 (MQA), 5; a window shorter than a task's 24 rows and one longer
+@pytest.mark.parametrize("nh,nkv,window,softcap", [(4, 2, None, None), (4, 4, None, None), (6, 1, 7, None),
+                                                    (10, 2, 40, None), (4, 2, None, 30.0)])  # fmt: skip
+# 64: whole panels; 96: three AVX-512 panels, six AVX2 ones; 40 and 12: a partial panel
+@pytest.mark.parametrize("hd", [64, 96, 40, 12])
+def test_prefill_attention_is_the_float64_causal_attention(isa, nh, nkv, window, softcap, hd) -> None:
+    """Three sequences in one call, as a batched forward has them: a fresh prompt of all T
+    rows, a returning turn's 30 new rows over a cached context (their positions start at
+    70), a short prompt padded to T. Each real row is the float64 attention over the keys
+    it can see (GQA, window, soft-cap), padding rows are zeros, and one thread and two
+    compute the same bits (a row's sum does not depend on how the tasks are shared)."""
+    g = torch.Generator().manual_seed(nh * 100 + hd)
+    B, T, C = 3, 61, 100  # 61 rows: two whole tasks of 24 and a partial one
+    kv_len, n_new = [61, 100, 9], [61, 30, 9]
+    qkv = torch.randn(B, T, nh + 2 * nkv, hd, generator=g)  # q in one fused projection's output
+    q = qkv[:, :, :nh]
+    kv = torch.randn(B, C, 2, nkv, hd, generator=g)
+    k, v = kv[:, :, 0], kv[:, :, 1]  # the context's K and V at one row stride
+    args = (torch.tensor(kv_len), torch.tensor(n_new), window, hd**-0.5, softcap)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            outs.append(ops.prefill_attention(q, k, v, *args))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    ref = _ref_prefill_attention(q, k, v, kv_len, n_new, window, hd**-0.5, softcap)
+    for b in range(B):
+        torch.testing.assert_close(outs[0][b, : n_new[b]].double(), ref[b, : n_new[b]], atol=2e-6, rtol=1e-5)
+        assert not outs[0][b, n_new[b] :].any()
+
+
+def test_prefill_attention_refuses_bad_arguments() -> None:
+    q, k = torch.randn(2, 8, 4, 16), torch.randn(2, 10, 2, 16)
+    lens, new = torch.tensor([10, 5]), torch.tensor([8, 5])
+    with pytest.raises(ValueError, match="n_kv"):
+        ops.prefill_attention(q, k[:1], k[:1], lens, new, None, 0.25, None)
+    with pytest.raises(ValueError, match="float32"):
+        ops.prefill_attention(q.double(), k, k, lens, new, None, 0.25, None)
+    with pytest.raises(ValueError, match="strides"):
+        ops.prefill_attention(q, k, k.contiguous().transpose(0, 1).contiguous().transpose(0, 1), lens, new, None, 0.25, None)
+    for bad_lens, bad_new in (([11, 5], [8, 5]), ([10, 5], [9, 5]), ([10, 5], [8, 6]), ([10, 5], [0, 5])):
+        with pytest.raises(ValueError, match="n_new"):
+            ops.prefill_attention(q, k, k, torch.tensor(bad_lens), torch.tensor(bad_new), None, 0.25, None)
+    with pytest.raises(ValueError, match="int64"):
+        ops.prefill_attention(q, k, k, lens.int(), new, None, 0.25, None)

@@ -97,6 +97,15 @@ void kv_gemm_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const ui
 void kv_gemm_i8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8_t* W, int64_t N, const float* scales,
                 const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
 
+// Causal attention of T new queries per sequence over its kv_len[b] keys (attention.cpp):
+// q (B, T, nh, hd) at strides (sqb, sqt, hd, 1), k and v (B, C, nkv, hd) at (skb, skt, hd, 1),
+// query t < n_new[b] at position kv_len[b] - n_new[b] + t (later rows: padding, zeros);
+// window 0: no window; softcap 0: none. out (B, T, nh, hd) at (sob, sot, hd, 1).
+void kv_prefill_attention(const float* q, int64_t sqb, int64_t sqt, const float* k, const float* v, int64_t skb,
+                          int64_t skt, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int64_t* kv_len,
+                          const int64_t* n_new, int64_t window, float scale, float softcap, float* out, int64_t sob,
+                          int64_t sot, int nthreads);
+
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * (w + offset); out may be x.
 void kv_rmsnorm(const float* x, int64_t rows, int64_t ldx, int64_t D, const float* w, float eps, float offset,
                 float* out, int64_t ldo);
