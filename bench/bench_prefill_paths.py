@@ -2,13 +2,17 @@
 process, in turn, and llama.cpp's ``llama-bench -p N -n 0`` on the same weights between
 rounds (optional).
 
-    native gemm   kernels/src/gemm.cpp: the stored weight widened per L2-sized panel
+    native gemm   kernels/src/gemm.cpp: the stored weight widened per L2-sized panel,
+                  attention by kernels/src/attention.cpp (causal: no work above the
+                  diagonal), norms, RoPE and gates by the kernels (layers.NATIVE_ROWWISE)
+    native gemm, torch SDPA and row ops   the same products, the rest torch's (before)
     torch widen   a whole float32 copy of the weight per call, then MKL's SGEMM (before)
     oneDNN bf16   torch's bfloat16 GEMM (CPUs with AVX-512 BF16 only: ``quant.BF16_GEMM``)
 
 ``--isa avx2`` serves with the AVX2 library (what an AVX2 host runs) on an AVX-512 host.
 ``--products`` (bf16) also times the products alone (the ~110M layer's four shapes at the
-prompt's rows, GFLOP per CPU second: the host's load counts less than in wall time).
+prompt's rows, GFLOP per CPU second: the host's load counts less than in wall time);
+``--attention`` the layer's causal attention alone, native against torch's SDPA.
 
     python bench/bench_prefill_paths.py --isa avx2 --lens 512,2048 \\
         --llama-bench /work/llama/src/build/bin/llama-bench --llama-src /work/llama/src
@@ -38,10 +42,22 @@ import torch.nn.functional as F  # noqa: E402
 
 import bench_engine  # noqa: E402
 from kvserve.service.kernels import ops  # noqa: E402
-from kvserve.service.models import quant  # noqa: E402
+from kvserve.service.models import layers, quant  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
 
-MODES = {"native gemm": (True, False), "torch widen": (False, False), "oneDNN bf16": (False, True)}
+# mode -> (quant.NATIVE_GEMM, quant.BF16_GEMM, native attention and row-wise ops)
+MODES = {"native gemm": (True, False, True), "native gemm, torch SDPA and row ops": (True, False, False),
+         "torch widen": (False, False, True), "oneDNN bf16": (False, True, True)}
+
+
+def native_attention(model: torch.nn.Module, on: bool) -> None:
+    """The layers' attention by the native kernel (``layers.attend_natively``) and a
+    prefill's norms, RoPE and gates too (``layers.NATIVE_ROWWISE``), or torch's SDPA and
+    row-wise ops (before)."""
+    layers.NATIVE_ROWWISE = on
+    for m in model.modules():
+        if hasattr(m, "native_attention"):
+            m.native_attention = on and kernels.available()
 LLAMA_TYPE = {"bf16": "f16", "int8": "q8_0"}
 
 
@@ -66,14 +82,46 @@ def products(rows: int, dtype: torch.dtype, shape: dict, repeats: int = 5) -> No
         print(f"  products at {rows} rows, {name}: {flops / statistics.median(t) / 1e9:.1f} GFLOP per CPU second")
 
 
+def attention_alone(T: int, shape: dict, repeats: int = 7) -> None:
+    """The ~110M layer's causal attention over T fresh tokens, alone: the native kernel
+    (attention.cpp) against torch's SDPA on contiguous heads (the model's path before), min
+    of ``repeats`` alternating calls each; GFLOP per second counts the causal work
+    (2 T^2 hd nh: the half below the diagonal)."""
+    nh, nkv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd = shape["hidden_size"] // nh
+    q, k, v = torch.randn(1, T, nh + 2 * nkv, hd).split((nh, nkv, nkv), 2)  # one fused projection's output
+    lens = torch.tensor([T])
+
+    def native() -> torch.Tensor:
+        return ops.prefill_attention(q, k, v, lens, lens, None, hd**-0.5, None)
+
+    def sdpa() -> torch.Tensor:
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=hd**-0.5, enable_gqa=True)
+
+    diff = (native() - sdpa().transpose(1, 2)).abs().max().item()
+    best = {"native": float("inf"), "torch SDPA": float("inf")}
+    for _ in range(repeats):
+        for name, fn in (("native", native), ("torch SDPA", sdpa)):
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    flops = 2 * T * T * hd * nh
+    print(f"  attention of {T} tokens, {torch.get_num_threads()} threads: native {best['native'] * 1e3:.2f} ms "
+          f"({flops / best['native'] / 1e9:.0f} GFLOP/s), torch SDPA {best['torch SDPA'] * 1e3:.2f} ms: "
+          f"{best['torch SDPA'] / best['native']:.2f}x; max |difference| {diff:.1e}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", default="bf16", choices=sorted(LLAMA_TYPE))
     ap.add_argument("--lens", default="512,2048")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="0: no prefill rounds (--attention alone)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--isa", help="serve with this ISA level's library (avx2 on an AVX-512 host)")
     ap.add_argument("--products", action="store_true")
+    ap.add_argument("--attention", action="store_true",
+                    help="time the causal attention alone (native kernel against torch SDPA) on 1 and --threads threads")
     ap.add_argument("--llama-bench", type=Path)
     ap.add_argument("--llama-src", type=Path, default=Path("/work/llama/src"))
     args = ap.parse_args()
@@ -84,6 +132,14 @@ def main() -> None:
     modes = {m: v for m, v in MODES.items() if m != "oneDNN bf16" or quant.BF16_GEMM}
     saved = quant.NATIVE_GEMM, quant.BF16_GEMM
     print(f"{args.format}, {kernels.isa()} library, {args.threads} threads, BF16_GEMM on this CPU: {quant.BF16_GEMM}")
+    if args.attention:
+        for n in lens:
+            for threads in sorted({1, args.threads}):
+                torch.set_num_threads(threads)
+                attention_alone(n, bench_engine.SHAPES["110m"])
+        torch.set_num_threads(args.threads)
+    if args.rounds < 1:  # the attention alone
+        return
     with tempfile.TemporaryDirectory(prefix="bench_prefill_") as tmp:
         path = bench_engine.family_checkpoint("llama", Path(tmp) / "110m", bench_engine.SHAPES["110m"], max(lens) + 16)
         gguf = None
@@ -98,15 +154,17 @@ def main() -> None:
         for n in lens:
             p = torch.randint(3, loaded.config.vocab_size, (1, n), generator=g).tolist()
             first = {}
-            for m, (native, bf16) in modes.items():
+            for m, (native, bf16, attention) in modes.items():
                 quant.NATIVE_GEMM, quant.BF16_GEMM = native, bf16
+                native_attention(loaded.model, attention)
                 first[m] = ours.prefill(p)  # untimed
             wall = {m: [] for m in modes}
             cpu = {m: [] for m in modes}
             llama = []
             for _ in range(args.rounds):
-                for m, (native, bf16) in modes.items():
+                for m, (native, bf16, attention) in modes.items():
                     quant.NATIVE_GEMM, quant.BF16_GEMM = native, bf16
+                    native_attention(loaded.model, attention)
                     t0, c0 = time.perf_counter(), time.process_time()
                     ours.prefill(p)
                     wall[m].append(n / (time.perf_counter() - t0))
@@ -118,6 +176,7 @@ def main() -> None:
                     if res.returncode == 0:
                         llama.append(float(json.loads(res.stdout)[0]["avg_ts"]))
             quant.NATIVE_GEMM, quant.BF16_GEMM = saved
+            native_attention(loaded.model, True)
             for m in modes:
                 diff = (first[m] - first["torch widen"]).abs().max().item()
                 print(f"  prefill {n}, {m}: {statistics.median(wall[m]):.0f} tok/s (median of {args.rounds}, "

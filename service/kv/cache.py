@@ -579,6 +579,12 @@ class BatchLayout:
             self._bias["lens"] = torch.tensor(self.seq_lens, dtype=torch.long, device=self.slot_blocks.device)
         return self._bias["lens"]
 
+    def new_tokens_tensor(self) -> Tensor:
+        """``num_new_tokens`` as a (B,) int64 tensor (built once per layout)."""
+        if "new_tokens" not in self._bias:
+            self._bias["new_tokens"] = torch.tensor(self.num_new_tokens, dtype=torch.long, device=self.slot_blocks.device)
+        return self._bias["new_tokens"]
+
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)

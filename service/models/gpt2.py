@@ -24,10 +24,12 @@ from torch import Tensor, nn
 
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
-from .layers import CausalLM, Linear, causal_mask, paged_int8_attention
+from .layers import CausalLM, Linear, UsesKernels, attend_natively, causal_mask, paged_int8_attention
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, UsesKernels):
+    native_attention: bool = False  # attention by the native kernel (``layers.attend_natively``; ``use_kernels``)
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -35,6 +37,9 @@ class Attention(nn.Module):
         d = config.hidden_size
         self.c_attn = Linear(d, 3 * d)  # q, k, v stacked
         self.c_proj = Linear(d, d)
+
+    def use_kernels(self) -> None:
+        self.native_attention = True
 
     def forward(self, x: Tensor, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         B, T, D = x.shape
@@ -45,6 +50,10 @@ class Attention(nn.Module):
             return self.c_proj(y.reshape(B, T, self.n_heads * self.head_dim))
         if layout is not None:
             k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, nh, hd)
+        y = attend_natively(q, k, v, layout, None, self.head_dim**-0.5, None) if self.native_attention else None
+        if y is not None:  # (B, T, nh, hd)
+            return self.c_proj(y.reshape(B, T, self.n_heads * self.head_dim))
+        if layout is not None:
             mask, is_causal = layout.attn_bias(q.dtype), layout.is_causal
         else:
             mask, is_causal = causal_mask(T, None, q.dtype, x.device)

@@ -47,6 +47,18 @@ PACK_MIN_ELEMENTS = 1 << 18
 # host (AVX-512, 2 threads), a ~110M model's products: 2.2-3.3x MKL's rate at 72-576 rows
 # (docs/benchmarks.md "Many users at once").
 ONEDNN_MIN_ROWS = 65
+# With the native kernels, a prefill's rows too (not only decode's) run the kernels' norm,
+# RoPE and gate: one pass over the rows each, where torch's path runs 3-7 ops with a
+# parallel region each (~110M bf16, 512 and 2048 tokens, 2 threads: +11-12% on the whole
+# prefill; exact: +5%; docs/benchmarks.md "Causal prefill attention"). False: decode-sized
+# rows only (what ran before; benchmarks compare the two).
+NATIVE_ROWWISE = True
+# The native causal attention (``attend_natively``) from this many query rows per kv head
+# (T * nh / n_kv): it packs each kv head's K and V once per call, which fewer rows do not
+# repay. Measured against torch's SDPA over a gathered context (2 threads, hd 64, 256-2048
+# keys): 0.9-1.1x at 4-8 rows of one head group, 1.2-1.6x from 8 rows with GQA, 1.15x at
+# 16 rows; a decode step's single row (T = 1, no GQA) 0.5-0.6x.
+NATIVE_ATTENTION_MIN_ROWS = 8
 ONEDNN_F32 = torch.backends.mkldnn.is_available()
 
 
@@ -138,7 +150,7 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def use_kernels(model: CausalLM) -> int:
-    """Route the decode-sized work of ``model`` to the native kernels (the caller checked
+    """Route the decode-sized work and the attention of ``model`` to the native kernels (the caller checked
     that they loaded and that the model computes in float32 on the CPU): every
     ``UsesKernels`` module takes its weights' view, then the model builds its decoder
     stack (None when a block cannot run natively). Returns how many modules were switched."""
@@ -263,9 +275,9 @@ class RMSNorm(nn.Module, UsesKernels):
     sum, fill, div, add, rsqrt, two muls and two copies wrapping the Python scalars 1/D
     and eps), bit for bit the same result, in eight: the scalars are 0-dim tensors made
     once per device and weight version (with (1 + w)), and the divide, add and rsqrt run
-    in place. With the kernels, 1..64 rows are one native call."""
+    in place. With the kernels, the rows are one native call (more than 64: ``NATIVE_ROWWISE``)."""
 
-    kernel: NormWeights | None = None  # decode-sized rows by one native call (``use_kernels``)
+    kernel: NormWeights | None = None  # the rows by one native call (``use_kernels``; prefill's: NATIVE_ROWWISE)
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -291,7 +303,7 @@ class RMSNorm(nn.Module, UsesKernels):
         return xf.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_(), scale
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+        if self.kernel is not None and (NATIVE_ROWWISE or x.numel() <= MAX_ROWS * x.shape[-1]):
             return norm(self.kernel, x)
         if self.offset or x.dtype == torch.float32 == self.weight.dtype:
             xf = x.float()
@@ -321,7 +333,7 @@ class GatedMLP(nn.Module, UsesKernels):
     gate and up run as one product, ``gate_up_proj``: fused in the checkpoint (Phi-3), or
     after loading (``fuse``: the checkpoint's ``gate_proj`` and ``up_proj``)."""
 
-    kernel: bool = False  # decode-sized rows: act(gate) * up in one native call (``use_kernels``)
+    kernel: bool = False  # act(gate) * up in one native call (``use_kernels``; prefill's rows: NATIVE_ROWWISE)
 
     def __init__(self, d: int, hidden: int, bias: bool, act: str, fused: bool = False) -> None:
         super().__init__()
@@ -345,14 +357,35 @@ class GatedMLP(nn.Module, UsesKernels):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # (B, T, 2h)
-        if self.kernel and x.numel() <= MAX_ROWS * x.shape[-1]:
+        if self.kernel and (NATIVE_ROWWISE or x.numel() <= MAX_ROWS * x.shape[-1]):
             return self.down_proj(kernel_ops.act_mul(gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)  # (B, T, h) each
         # in place: no extra (B, T, h) temporaries (each a page-faulting allocation when large)
         return self.down_proj(_GATES[self.act](gate).mul_(up))
 
 
-class PagedAttention(nn.Module):
+def attend_natively(q: Tensor, k: Tensor, v: Tensor, layout: BatchLayout | None, window: int | None, scale: float,
+                     softcap: float | None) -> Tensor | None:
+    """Causal attention by the native kernel (``ops.prefill_attention``: the work above
+    the diagonal and before the window skipped), q (B, T, nh, hd) over k, v (B, C, n_kv,
+    hd) -> (B, T, nh, hd); None where it does not apply (not float32 on the CPU, heads not
+    contiguous, fewer than NATIVE_ATTENTION_MIN_ROWS query rows per kv head): the caller's
+    torch path then runs. ``layout`` None: each sequence's T
+    tokens from position 0 (``forward_nocache``)."""
+    if q.shape[1] * (q.shape[2] // k.shape[2]) < NATIVE_ATTENTION_MIN_ROWS:
+        return None
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in (q, k, v)):
+        return None
+    if k.stride()[:2] != v.stride()[:2]:
+        v = v.contiguous()
+        k = k.contiguous()
+    if layout is None:
+        lens = torch.full((q.shape[0],), q.shape[1], dtype=torch.long)
+        return kernel_ops.prefill_attention(q, k, v, lens, lens, window, scale, softcap)
+    return kernel_ops.prefill_attention(q, k, v, layout.lens_tensor(), layout.new_tokens_tensor(), window, scale, softcap)
+
+
+class PagedAttention(nn.Module, UsesKernels):
     """Grouped-query attention over the paged KV pool, as every RoPE family has it:
 
         q, k, v = split(qkv_proj(x))     # one product (fused in the checkpoint, or by ``fuse``)
@@ -361,9 +394,13 @@ class PagedAttention(nn.Module):
         y = o_proj(attention(q, K, V))   # K, V: the pool's context with k, v written in
 
     ``scale`` defaults to head_dim^-1/2; ``window`` is the config's for this layer. A
-    family changes the scores by overriding ``sdpa`` (Gemma 2's soft-cap)."""
+    family changes the scores by overriding ``sdpa`` (Gemma 2's soft-cap). With the native
+    kernels (``use_kernels``) the attention of float32 rows runs ``attend_natively``
+    instead of ``sdpa`` (soft-cap and window included), and RoPE one native call
+    (``NATIVE_ROWWISE``)."""
 
     softcap: float | None = None  # attention logit soft-cap (Gemma 2)
+    native_attention: bool = False  # attention by the native kernel (``use_kernels``)
 
     def __init__(self, config: ModelConfig, layer_idx: int, fused: bool = False, scale: float | None = None,
                  norm_offset: float = 0.0) -> None:
@@ -385,6 +422,9 @@ class PagedAttention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps, norm_offset)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps, norm_offset)
 
+    def use_kernels(self) -> None:
+        self.native_attention = True
+
     def fuse(self) -> None:
         """One projection for q, k and v (one weight read, one kernel call per step)."""
         if not hasattr(self, "qkv_proj"):
@@ -401,7 +441,10 @@ class PagedAttention(nn.Module):
         if self.qk_norm:
             self.q_norm.forward_(q)
             self.k_norm.forward_(k)
-        apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], *rope)
+        if NATIVE_ROWWISE and self.native_attention and qkv.dtype == torch.float32:
+            kernel_ops.rope_(qkv[:, :, : self.n_heads + self.n_kv], *rope)
+        else:
+            apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], *rope)
         return q, k, v
 
     def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
@@ -423,11 +466,14 @@ class PagedAttention(nn.Module):
             return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
         if layout is not None:
             k, v = kv.update(self.layer_idx, layout, k, v)  # (B, C, n_kv, hd)
-            mask, is_causal = layout.mask_for(q.dtype, self.window)
-        else:
-            mask, is_causal = causal_mask(x.shape[1], self.window, q.dtype, x.device)
-        y = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal)  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        y = attend_natively(q, k, v, layout, self.window, self.scale, self.softcap) if self.native_attention else None
+        if y is None:
+            if layout is not None:
+                mask, is_causal = layout.mask_for(q.dtype, self.window)
+            else:
+                mask, is_causal = causal_mask(x.shape[1], self.window, q.dtype, x.device)
+            y = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal).transpose(1, 2)
+        return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))  # y (B, T, nh, hd)
 
 
 def layer_weights(attn: PagedAttention, norm_in: RMSNorm, norm_mlp: RMSNorm, mlp: GatedMLP,

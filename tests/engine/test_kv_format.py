@@ -13,6 +13,7 @@ from kvserve.service.config import ConfigError, ServerConfig
 from kvserve.service.engine.config import EngineConfig
 from kvserve.service.engine.store import build_store
 from kvserve.service.kernels import ops
+from kvserve.service.kv.block_manager import NULL_BLOCK
 from kvserve.service.kv.cache import BatchLayout, KVCacheSpec, KVPool, SeqSlice, dequantize
 from kvserve.service.models.loading import load_model
 from kvserve.service.types import CacheScope, Tier
@@ -404,9 +405,12 @@ def test_native_decode_steps_over_narrow_kv_match_torch(family, fmt, request) ->
             for s, tok in zip(seqs, c.argmax(-1).tolist()):
                 s.append(tok)
     # the same stored KV up to one bf16 / int8 step (the paths' float32 K/V differ in the
-    # last bits, which may round to neighbouring values; the rounding itself is exact: above)
+    # last bits, which may round to neighbouring values; the rounding itself is exact: above),
+    # the null block aside: the padding rows' K/V land there and are never read
     for layer in range(cfg.num_layers):
         for a, c in zip(stored_kv(pools[0], layer), stored_kv(pools[1], layer)):
+            keep = torch.arange(a.shape[0]) != NULL_BLOCK
+            a, c = a[keep], c[keep]
             step = 2**-7 if fmt == "bf16" else c.abs().amax(dim=(1, 3), keepdim=True) / 127 * 1.01
             assert ((a - c).abs() <= 1e-5 + step * (c.abs() if fmt == "bf16" else 1)).all()
 
