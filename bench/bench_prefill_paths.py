@@ -5,7 +5,7 @@ rounds (optional).
     native gemm   kernels/src/gemm.cpp: the stored weight widened per L2-sized panel,
                   attention by kernels/src/attention.cpp (causal: no work above the
                   diagonal), norms, RoPE and gates by the kernels (layers.NATIVE_ROWWISE)
-    native gemm, torch SDPA and row ops   the same products, the rest torch's (before)
+    native gemm + torch SDPA and row ops   the same products, the rest torch's (before)
     torch widen   a whole float32 copy of the weight per call, then MKL's SGEMM (before)
     oneDNN bf16   torch's bfloat16 GEMM (CPUs with AVX-512 BF16 only: ``quant.BF16_GEMM``)
 
@@ -46,7 +46,7 @@ from kvserve.service.models import layers, quant  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
 
 # mode -> (quant.NATIVE_GEMM, quant.BF16_GEMM, native attention and row-wise ops)
-MODES = {"native gemm": (True, False, True), "native gemm, torch SDPA and row ops": (True, False, False),
+MODES = {"native gemm": (True, False, True), "native gemm + torch SDPA and row ops": (True, False, False),
          "torch widen": (False, False, True), "oneDNN bf16": (False, True, True)}
 
 
@@ -115,6 +115,8 @@ def attention_alone(T: int, shape: dict, repeats: int = 7) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", default="bf16", choices=sorted(LLAMA_TYPE))
+    ap.add_argument("--shape", default="110m", choices=["110m", "1.1b"])
+    ap.add_argument("--modes", help="comma-separated modes to run (default: all; 'torch widen' is the logits' reference)")
     ap.add_argument("--lens", default="512,2048")
     ap.add_argument("--rounds", type=int, default=3, help="0: no prefill rounds (--attention alone)")
     ap.add_argument("--threads", type=int, default=2)
@@ -130,21 +132,24 @@ def main() -> None:
         kernels.select(args.isa)
     lens = [int(n) for n in args.lens.split(",")]
     modes = {m: v for m, v in MODES.items() if m != "oneDNN bf16" or quant.BF16_GEMM}
+    if args.modes:
+        keep = {m.strip() for m in args.modes.split(",")} | {"torch widen"}
+        modes = {m: v for m, v in modes.items() if m in keep}
     saved = quant.NATIVE_GEMM, quant.BF16_GEMM
     print(f"{args.format}, {kernels.isa()} library, {args.threads} threads, BF16_GEMM on this CPU: {quant.BF16_GEMM}")
     if args.attention:
         for n in lens:
             for threads in sorted({1, args.threads}):
                 torch.set_num_threads(threads)
-                attention_alone(n, bench_engine.SHAPES["110m"])
+                attention_alone(n, bench_engine.SHAPES[args.shape])
         torch.set_num_threads(args.threads)
     if args.rounds < 1:  # the attention alone
         return
     with tempfile.TemporaryDirectory(prefix="bench_prefill_") as tmp:
-        path = bench_engine.family_checkpoint("llama", Path(tmp) / "110m", bench_engine.SHAPES["110m"], max(lens) + 16)
+        path = bench_engine.family_checkpoint("llama", Path(tmp) / args.shape, bench_engine.SHAPES[args.shape], max(lens) + 16)
         gguf = None
         if args.llama_bench:
-            gguf = Path(tmp) / "110m.gguf"
+            gguf = Path(tmp) / f"{args.shape}.gguf"
             env = dict(ENV_AT_START, PYTHONPATH=str(args.llama_src / "gguf-py"))
             subprocess.run([sys.executable, str(args.llama_src / "convert_hf_to_gguf.py"), str(path), "--outfile",
                             str(gguf), "--outtype", LLAMA_TYPE[args.format]], env=env, capture_output=True, check=True)
@@ -186,7 +191,7 @@ def main() -> None:
                 print(f"  prefill {n}, llama.cpp {LLAMA_TYPE[args.format].upper()}: {statistics.median(llama):.0f} "
                       f"tok/s (median of {len(llama)}, {min(llama):.0f}-{max(llama):.0f})", flush=True)  # fmt: skip
             if args.products and args.format == "bf16":
-                products(n, torch.bfloat16, bench_engine.SHAPES["110m"])
+                products(n, torch.bfloat16, bench_engine.SHAPES[args.shape])
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
