@@ -42,6 +42,7 @@
 namespace {
 
 constexpr int64_t BQ = 24;  // query rows per task: 4 AVX2 tiles, 2 AVX-512 ones
+constexpr size_t kKeepFloats = (size_t)16 << 20;  // packed K/V kept between calls up to 64 MiB (a 2048-token ~110M prompt: 8 MiB)
 static_assert(BQ % MR == 0, "whole tiles per task");
 
 inline int64_t panels(int64_t n) { return (n + NR - 1) / NR; }
@@ -187,4 +188,6 @@ extern "C" void kv_prefill_attention(const float* q, int64_t sqb, int64_t sqt, c
         for (int64_t d = 0; d < hd; d++) o[r * sot + d] *= inv[r];
     }
   });
+  // a long context's packed K and V (2 x its float32 size) are not kept for the next call
+  if (packed.size() > kKeepFloats) std::vector<float>().swap(packed);
 }
