@@ -35,6 +35,7 @@ go in one chunk, the first at once), llama-server sends a chunk per token; ``--s
     python bench/bench_chat_edit.py --llama-bin /work/llama/src/build/bin
     python bench/bench_chat_edit.py --weight-format bf16 ...   # kvserve bf16 weights, GGUF F16
     python bench/bench_chat_edit.py --llama-spec 'ngram-simple' --llama-spec 'ngram-mod:--spec-ngram-mod-n-min 2'
+    python bench/bench_chat_edit.py --no-llama --repo /tmp/base   # A/B: another checkout's servers in the same rounds
 """
 
 from __future__ import annotations
@@ -211,8 +212,8 @@ class Server:
 
 class Kvserve(Server):
     def __init__(self, model_dir: str, spec: str, threads: int, weight_format: str, max_draft: int,
-                 stream_interval: str = "") -> None:  # fmt: skip
-        self.name = f"kvserve {spec}"
+                 stream_interval: str = "", repo: str = "") -> None:  # fmt: skip
+        self.name = f"{'base' if repo else 'kvserve'} {spec}"
         self.spec = spec
         port = free_port()
         flags = ["--model", model_dir, "--device", "cpu", "--dtype", "float32", "--weight-format", weight_format,
@@ -221,7 +222,7 @@ class Kvserve(Server):
                  "--host-cache-memory", "0", "--log-level", "info"]  # fmt: skip
         if stream_interval:
             flags += ["--stream-interval", stream_interval]
-        self.proc, _, self.log = start_server_process(flags, timeout=300)
+        self.proc, _, self.log = start_server_process(flags, timeout=300, **({"repo": Path(repo)} if repo else {}))
         self.url = f"http://127.0.0.1:{port}"
         wait_health(self.url, self.proc, self.name)
         self.model = _get(self.url + "/v1/models")["data"][0]["id"]
@@ -344,6 +345,8 @@ def main() -> None:
     ap.add_argument("--llama-poll", type=int, default=None,
                     help="llama-server's --poll for every llama server (0: its threads sleep between ops, not spin; default: its own, 50)")
     ap.add_argument("--no-llama", action="store_true", help="kvserve only")
+    ap.add_argument("--repo", default="", help="another checkout (its kernels built): its kvserve off and ngram "
+                    "servers too, as 'base off' / 'base ngram', in the same rounds")
     ap.add_argument("--json", action="store_true", help="one JSON line per row after the table")
     args = ap.parse_args()
 
@@ -356,6 +359,10 @@ def main() -> None:
     try:
         servers.append(Kvserve(model_dir, "off", args.threads, args.weight_format, args.max_draft, args.stream_interval))
         servers.append(Kvserve(model_dir, "ngram", args.threads, args.weight_format, args.max_draft, args.stream_interval))
+        if args.repo:
+            for spec in ("off", "ngram"):
+                servers.append(Kvserve(model_dir, spec, args.threads, args.weight_format, args.max_draft,
+                                       args.stream_interval, repo=args.repo))  # fmt: skip
         if not args.no_llama:
             bin_dir = Path(args.llama_bin)
             src = Path(args.llama_src) if args.llama_src else next(
