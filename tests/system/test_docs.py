@@ -76,6 +76,7 @@ EXTERNAL_FLAGS = {
     },
     "pip / pytest / npm": {"--no-binary", "--no-deps", "--quiet", "--index-url"},
     "llama.cpp's llama-server (bench/bench_restore.py --llama-bin)": {"--cache-ram", "--slot-save-path"},
+    "py-spy record (profiling a server)": {"--gil"},
 }
 
 
