@@ -32,7 +32,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent / "src"
 SOURCES = ("pool.cpp", "gemv.cpp", "gemm.cpp", "attention.cpp", "decode.cpp", "layer.cpp")
-HEADERS = ("kvkernels.h", "pool.h", "tile.h")
+HEADERS = ("kvkernels.h", "pool.h", "reduce.h", "tile.h")
 FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off", "-Wl,-Bsymbolic")
 # ISA levels, best first: (name, compiler flags, the /proc/cpuinfo flags the CPU needs).
 # Explicit flags, not -march=native: a library built on one x86-64 machine runs on any

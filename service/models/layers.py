@@ -370,8 +370,8 @@ def attend_natively(q: Tensor, k: Tensor, v: Tensor, layout: BatchLayout | None,
     the diagonal and before the window skipped), q (B, T, nh, hd) over k, v (B, C, n_kv,
     hd) -> (B, T, nh, hd); None where it does not apply (not float32 on the CPU, heads not
     contiguous, fewer than NATIVE_ATTENTION_MIN_ROWS query rows per kv head): the caller's
-    torch path then runs. ``layout`` None: each sequence's T
-    tokens from position 0 (``forward_nocache``)."""
+    torch path then runs. ``layout`` None: each sequence's T tokens from position 0
+    (``forward_nocache``)."""
     if q.shape[1] * (q.shape[2] // k.shape[2]) < NATIVE_ATTENTION_MIN_ROWS:
         return None
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in (q, k, v)):

@@ -37,6 +37,7 @@
 
 #include "kvkernels.h"
 #include "pool.h"
+#include "reduce.h"
 #include "tile.h"
 
 namespace {
@@ -65,20 +66,6 @@ inline __m256 exp2_neg8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // softmax over s[0, n) in place, scores at [vis0, vis1) visible and the rest set to 0:
 // returns 1 / the sum of the visible exponentials. exp(a) is computed as 2^(a log2 e).
 float softmax_row(float* s, int64_t n, int64_t vis0, int64_t vis1, float scale, float softcap) {
@@ -90,7 +77,7 @@ float softmax_row(float* s, int64_t n, int64_t vis0, int64_t vis1, float scale, 
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int64_t j = vis0;
   for (; j + 8 <= vis1; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-  float mx = hmax8(mv);
+  float mx = reduce_max8(mv);
   for (; j < vis1; j++) mx = s[j] > mx ? s[j] : mx;
   const float c = scale * 1.44269504088896341f;  // exp(scale (s - mx)) = 2^(c s - c mx)
   const __m256 cv = _mm256_set1_ps(c), off = _mm256_set1_ps(-c * mx);
@@ -100,7 +87,7 @@ float softmax_row(float* s, int64_t n, int64_t vis0, int64_t vis1, float scale, 
     _mm256_storeu_ps(s + j, e);
     acc = _mm256_add_ps(acc, e);
   }
-  float sum = hsum8(acc);
+  float sum = reduce_add8(acc);
   for (; j < vis1; j++) {
     s[j] = exp2f(s[j] * c - c * mx);
     sum += s[j];

@@ -17,6 +17,7 @@
 
 #include "kvkernels.h"
 #include "pool.h"
+#include "reduce.h"
 
 namespace {
 
@@ -41,12 +42,7 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float hsum(__m256 v) { return reduce_add8(v); }
 
 // The KV pool's element types (KvStep.kv_fmt): each widens 8 stored values to float32
 // exactly, and rounds a float32 to the stored type to nearest even, as torch's .to() does.

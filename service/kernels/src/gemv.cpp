@@ -27,6 +27,7 @@
 
 #include "kvkernels.h"
 #include "pool.h"
+#include "reduce.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define KV_AVX512 1
@@ -92,12 +93,7 @@ struct V {  // 8 floats
     odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
   }
   static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static float hsum(T v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float hsum(T v) { return reduce_add8(v); }
 };
 #endif
 
