@@ -67,6 +67,9 @@ from tests.fixtures import models as fixtures  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
 SHAPES: dict[str, dict] = {
+    # the embedded default model's dims (service/default_model: bench_chat_edit's model)
+    "default": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=2048),
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=400),
     "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,

@@ -55,6 +55,7 @@ struct V {  // 16 floats
   static constexpr int NB_F32 = 4, RB_F32 = 4, NB_BF16 = 4, RB_BF16 = 4, NB_Q8 = 4, RB_Q8 = 4;
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_store_ps(p, v); }  // p 64-byte aligned
   static T load(const uint16_t* p) {  // bfloat16: the high half of a float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
   }
@@ -67,7 +68,25 @@ struct V {  // 16 floats
     odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
   }
   static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static float hsum(T v) { return _mm512_reduce_add_ps(v); }
+  // The lane sums of up to 16 vectors at once, each summed in _mm512_reduce_add_ps's order
+  // (the 256-bit halves, then the 128-bit quarters, then element pairs 0,1 + 2,3, then
+  // 0 + 1), four levels of two shuffles and an add per pair of vectors instead of a
+  // reduction of its own per vector. Vector v's sum lands in lane 4 (v % 4) + v / 4.
+  static float hsum(T v) { return _mm512_reduce_add_ps(v); }  // the same order, one vector
+  static constexpr int LANES = 16;
+  static int slot(int v) { return 4 * (v % 4) + v / 4; }
+  static T reduce(T (&a)[16]) {
+    T t[8], u[4], w[2];
+    for (int p = 0; p < 8; p++)  // [lo8 | lo8] + [hi8 | hi8]: each vector's 8 pair sums
+      t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (int q = 0; q < 4; q++)  // quarters 0 + 1 and 2 + 3 of each: 4 sums per vector
+      u[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0x88),
+                           _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0xDD));
+    for (int r = 0; r < 2; r++)  // elements 0,1 + 2,3 of each quarter
+      w[r] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * r], u[2 * r + 1], 0x44), _mm512_shuffle_ps(u[2 * r], u[2 * r + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));  // 0 + 1
+  }
 };
 #else
 struct V {  // 8 floats
@@ -83,6 +102,7 @@ struct V {  // 8 floats
   static constexpr int NB_F32 = 4, RB_F32 = 2, NB_BF16 = 2, RB_BF16 = 4, NB_Q8 = 4, RB_Q8 = 2;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_store_ps(p, v); }  // p 32-byte aligned
   static T load(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
@@ -93,9 +113,45 @@ struct V {  // 8 floats
     odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
   }
   static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static float hsum(T v) { return reduce_add8(v); }
+  // The lane sums of up to 8 vectors at once, each summed in reduce_add8's order (the
+  // 128-bit halves, then element pairs 0,1 + 2,3, then 0 + 1), three levels of two
+  // shuffles and an add per pair of vectors. Vector v's sum lands in lane 4 (v % 2) + v / 2.
+  static float hsum(T v) { return reduce_add8(v); }  // the same order, one vector
+  static constexpr int LANES = 8;
+  static int slot(int v) { return 4 * (v % 2) + v / 2; }
+  static T reduce(T (&a)[8]) {
+    T t[4], u[2];
+    for (int p = 0; p < 4; p++)  // [lo | lo] + [hi | hi]: each vector's 4 sums
+      t[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                           _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+    for (int q = 0; q < 2; q++)  // elements 0,1 + 2,3 of each half
+      u[q] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * q], t[2 * q + 1], 0x44), _mm256_shuffle_ps(t[2 * q], t[2 * q + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));  // 0 + 1
+  }
 };
 #endif
+
+// out[i][r] = the lane sum of a[i][r] for a tile's NB x RB accumulators, reduced together
+// (V::reduce, the unused vectors zero; one or two vectors alone, V::hsum). Each sum's order
+// is that of one vector's own reduction, whatever the tile, so a row's result does not
+// depend on the tile it was in.
+template <int NB, int RB>
+inline void hsum_tile(typename V::T (&a)[NB][RB], float (*out)[V::RB]) {
+  static_assert(NB * RB <= V::LANES, "a tile's accumulators fit one reduction");
+  if constexpr (NB * RB <= 2) {
+    for (int i = 0; i < NB; i++)
+      for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+    return;
+  }
+  typename V::T v[V::LANES];
+  for (int j = 0; j < V::LANES; j++) v[j] = V::zero();
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) v[i * RB + r] = a[i][r];
+  alignas(64) float s[V::LANES];
+  V::store(s, V::reduce(v));
+  for (int i = 0; i < NB; i++)
+    for (int r = 0; r < RB; r++) out[i][r] = s[V::slot(i * RB + r)];
+}
 
 // A tile's NB weight rows are NB short streams (K values each) that the hardware
 // prefetcher does not follow well; each step of a tile prefetches the same share of the
@@ -133,8 +189,7 @@ inline void tile(const WT* w, int64_t K, const float* x, int64_t ldx, float (*ou
       for (int i = 0; i < NB; i++) a[i][r] = V::fmadd(wv[i], xv, a[i][r]);
     }
   }
-  for (int i = 0; i < NB; i++)
-    for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+  hsum_tile<NB, RB>(a, out);
   for (; k < K; k++)
     for (int i = 0; i < NB; i++) {
       const float wk = load1(w + i * K + k);
@@ -159,8 +214,7 @@ inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, float (*out
       for (int i = 0; i < NB; i++) a[i][r] = V::fmadd(o[i], xo, V::fmadd(e[i], xe, a[i][r]));
     }
   }
-  for (int i = 0; i < NB; i++)
-    for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+  hsum_tile<NB, RB>(a, out);
 }
 
 // ---- int8 x int8 (llama.cpp's Q8_0 dot) ---------------------------------------------
@@ -203,8 +257,7 @@ inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* x
       }
     }
   }
-  for (int i = 0; i < NB; i++)
-    for (int r = 0; r < RB; r++) out[i][r] = _mm512_reduce_add_ps(a[i][r]);
+  hsum_tile<NB, RB>(a, out);
 }
 #else
 // maddubs: pairs of byte products to int16 (|w| <= 127: no saturation), madd with ones
@@ -233,8 +286,7 @@ inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* x
       }
     }
   }
-  for (int i = 0; i < NB; i++)
-    for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+  hsum_tile<NB, RB>(a, out);
 }
 #endif
 
