@@ -425,6 +425,11 @@ struct PoolView {
   const T* base;
   int64_t blk, layer_off, vplane, tok, soff;
   const T* k(int64_t id) const { return base + id * blk + layer_off; }
+  // the view of kv heads [h, ...) alone: their rows start h * hd elements in (the row
+  // stride tok unchanged), their int8 scales 4 h bytes after the plane's first
+  PoolView heads_from(int64_t h, int64_t hd) const {
+    return {base, blk, layer_off + h * hd, vplane, tok, soff + 4 * h - h * hd * (int64_t)sizeof(T)};
+  }
 };
 
 // Attention of one sequence's query q (nh, hd) over its positions [p0, p1) (its block
@@ -503,7 +508,11 @@ void attend_span(const PoolView<E>& pv, const int64_t* table, int64_t bs, int64_
 // context [start, len) (start: len - window with a window shorter than it). Units are cut
 // into spans only to give nthreads threads work (about two spans per thread over the
 // batch's positions, a unit into at most len / kMinSpan, of whole blocks but the first and
-// last); a unit's spans' states are merged into its rows' outputs.
+// last), and a group's spans over its common context also by kv head (each kv head's R x G
+// query heads are independent of the others': the same arithmetic per head, so the same
+// bits, on as many threads as there are kv heads, where a context too short to split by
+// position would run the whole group on one); a unit's spans' states are merged into its
+// rows' outputs.
 template <class E>
 void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, int64_t nh, int64_t nkv, int64_t hd,
                   int64_t bs, const int64_t* tables, int64_t nb, const int64_t* lens, int64_t window, float scale,
@@ -534,6 +543,7 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
   struct Span {
     int64_t b, p0, p1, part, nhs;  // part: its state's first head in pm/pl/pacc; -1: a lone row's whole context
     const float* qs;               // its nhs query heads
+    int64_t kvh0 = 0, nkvs = 0;    // the kv heads it reads: [kvh0, kvh0 + nkvs) (0: all nkv)
   };
   int64_t total = 0;
   for (const Unit& u : units) total += lens[u.b] - first(u.b) + (u.R - 1) * u.R / 2;
@@ -551,15 +561,23 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
       continue;
     }
     part0[ui] = nheads;
+    // a group's span [p, e): one per kv head (its R x G heads, qu's kv-head-major layout)
+    auto common = [&](int64_t p, int64_t e) {
+      if (u.R == 1 || nthreads <= 1 || nkv == 1) {
+        spans.push_back({b, p, e, nheads, nhu, qu});
+      } else {
+        for (int64_t kvh = 0; kvh < nkv; kvh++)
+          spans.push_back({b, p, e, nheads + kvh * u.R * G, u.R * G, qu + kvh * u.R * G * hd, kvh, 1});
+      }
+      nheads += nhu, parts[ui]++;
+    };
     if (pieces <= 1) {
-      spans.push_back({b, start, len, nheads, nhu, qu});
-      nheads += nhu, parts[ui] = 1;
+      common(start, len);
     } else {
       const int64_t fb = start / bs, per = ((len - 1) / bs - fb + pieces) / pieces;  // blocks per span
       for (int64_t p = start; p < len;) {
         const int64_t e = std::min(len, (fb + (parts[ui] + 1) * per) * bs);
-        spans.push_back({b, p, e, nheads, nhu, qu});
-        nheads += nhu, parts[ui]++;
+        common(p, e);
         p = e;
       }
     }
@@ -583,7 +601,11 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
       } else {
         mr = pm.data() + sp.part, lr = pl.data() + sp.part, ac = pacc.data() + sp.part * hd;
       }
-      attend_span<E>(pv, tables + sp.b * nb, bs, sp.p0, sp.p1, sp.qs, sp.nhs, nkv, hd, scale, softcap, mr, lr, ac);
+      if (sp.nkvs)
+        attend_span<E>(pv.heads_from(sp.kvh0, hd), tables + sp.b * nb, bs, sp.p0, sp.p1, sp.qs, sp.nhs, sp.nkvs, hd,
+                       scale, softcap, mr, lr, ac);
+      else
+        attend_span<E>(pv, tables + sp.b * nb, bs, sp.p0, sp.p1, sp.qs, sp.nhs, nkv, hd, scale, softcap, mr, lr, ac);
       if (sp.part < 0) {
         float* o = out + sp.b * nh * hd;
         for (int64_t h = 0; h < nh; h++) {
