@@ -22,7 +22,7 @@ from typing import Callable
 from kvserve.cachestore.keys import BlockHash
 from .config import EngineConfig
 from .sequence import Sequence, SeqStatus, StepPlan
-from .speculative import MAX_STEP_ROWS, NgramDrafter, SpecConfig, StepCost
+from .speculative import MAX_STEP_ROWS, MatchStats, NgramDrafter, SpecConfig, StepCost
 from ..kv.block_manager import Block, BlockManager, NoFreeBlocks
 from ..kv.keys import BlockKeys
 from ..types import QueueFull, Tier
@@ -98,6 +98,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.spec = spec or SpecConfig(enabled=False)  # enabled: the default of a request that does not say
         self.step_cost = StepCost()  # what a step and a draft row cost, from the engine's timed decode steps
+        self.match_stats = MatchStats()  # how often drafts continued, per match length: every sequence's drafter's
         # the measured prefill tokens/s (the runner's), for how many prefills share a step
         self.prefill_rate = prefill_rate or (lambda: None)
         self.block_size = cfg.block_size
@@ -370,7 +371,7 @@ class Scheduler:
             config = self.spec
             if p.spec_max_draft is not None:
                 config = dataclasses.replace(config, max_draft=p.spec_max_draft)
-            seq.drafter = NgramDrafter(config)
+            seq.drafter = NgramDrafter(config, self.match_stats)
         drafts = seq.drafter.propose(seq.token_ids, limit, row_cost)
         while drafts and not seq.long_rope and self.keys.is_long(L + len(drafts)):
             drafts.pop()

@@ -13,20 +13,30 @@ Two pure parts, no engine state:
 - ``NgramDrafter``: per sequence, an index from each n-gram (n = ``min_ngram`` ..
   ``max_ngram``) of the history to where its most recent occurrence continues. The
   candidate is the continuation of the longest suffix of the history found earlier in it
-  (n from the max down to the min), up to ``max_draft`` tokens. How much of it is drafted
-  is a cost decision (``draft_length``): the sequence's measured predictability p (how
-  often the drafter's next token was the one the sequence went on with: an exponential
-  average over every token it is scored on) gives the expected tokens of a step with k
-  drafts, E(k) = 1 + p + .. + p^k (each draft is taken only if every one before it was),
-  and the step's measured cost with k more rows is 1 + c k of a plain step (c: the
-  caller's ``row_cost``, from the runner's timing of decode forwards); the draft is the k
-  that maximizes E(k) / (1 + c k), none when no k beats plain decoding (p <= c). The
-  drafter is scored on what the sequence did whether or not it drafted: each call compares
-  the tokens added since the last call with the last candidate, token by token up to the
-  first miss, so a sequence that stopped drafting (text that does not repeat) starts again
-  as soon as its text repeats, at no cost, and a draft length follows the text's
-  predictability and the hardware's cost of a row (a small model on a CPU pays for every
-  row; a large one, bound by reading its weights, hardly at all).
+  (n from the max down to the min), up to ``max_draft`` tokens; a continuation that runs
+  into the present (the match is less than ``max_draft`` tokens back: the text repeats
+  with that period) goes on as the period it found, the drafts repeating themselves (a
+  list, a table row, a loop). How much of it is drafted is a cost decision
+  (``draft_length``). Draft i is taken only if every one before it was, with the
+  probability q_i that the text goes on as the candidate there, so a step with k drafts
+  yields E(k) = 1 + q_1 + q_1 q_2 + .. + q_1 .. q_k tokens, and costs 1 + c k of a plain
+  step (c: the caller's ``row_cost``, from the runner's timing of decode forwards); the
+  draft is the k that maximizes E(k) / (1 + c k), none when no k beats plain decoding.
+  q_i depends on how long the match it extends is (m + i - 1 tokens for draft i, m the
+  match's length at the proposal: how many tokens before the candidate agree with the
+  history's end, up to ``MATCH_CAP``): a continuation of a long verbatim repeat goes on
+  far more often than one of a common bigram. It is estimated per class of match length
+  (``MATCH_CLASSES``), the sequence's own rate shrunk toward the server's
+  (``MatchStats``, shared by every sequence of an engine: q = (hits + W r) / (seen + W),
+  the sequence's decayed counts, r the server's rate, W = ``SEQUENCE_WEIGHT``), so a
+  new sequence drafts at once as the server's traffic has measured and a sequence whose
+  text does not repeat stops drafting after a few misses. The drafter is scored on what
+  the sequence did whether or not it drafted: each call compares the tokens added since
+  the last call with the last candidate, token by token up to the first miss, each
+  comparison counted in its match length's class, so a sequence that stopped drafting
+  starts again as soon as its text repeats, at no cost, and a draft length follows the
+  text's repetition and the hardware's cost of a row (a small model on a CPU pays for
+  every row; a large one, bound by reading its weights, hardly at all).
 
 - the verification rule, given the target's processed logits at every drafted position
   (row i: the logits after the history plus ``drafts[:i]``, penalties and masks applied
@@ -57,6 +67,7 @@ the mask plain decoding would have used at that position.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -65,10 +76,68 @@ import torch
 from .sampling import draw, filter_logits, greedy
 from ..types import SamplingParams
 
-PRIOR = 0.5  # a new sequence's predictability, before it is scored on any token
-DECAY = 0.9  # the predictability's exponential average: each scored token weighs 1 - DECAY
+PRIOR = 0.5  # the rate of a match class no sequence has been scored in yet
+DECAY = 0.9  # a sequence's counts per class: each scored token weighs 1, the ones before DECAY as much
 DEFAULT_ROW_COST = 0.05  # a draft row's cost (of a plain step) before StepCost has measured one
 MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
+MATCH_CAP = 64  # longest match measured (tokens before the candidate agreeing with the history's end)
+MATCH_CLASSES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # the match-length classes' lower ends (bisect)
+SEQUENCE_WEIGHT = 4.0  # the server's rate counts as this many of the sequence's own scored tokens
+
+
+def match_class(m: int) -> int:
+    """The class of a match of ``m`` tokens: the last of MATCH_CLASSES at or below it (0
+    below the first)."""
+    return max(bisect.bisect_right(MATCH_CLASSES, m) - 1, 0)
+
+
+class MatchStats:
+    """How often the history went on as the drafter's candidate, per class of the length of
+    the match the token extended: every sequence's drafter of an engine scores into one
+    (the scheduler's), decayed counts (each scored token weighs 1, the ones before
+    ``DECAY`` as much: a window of ~1 / (1 - DECAY) tokens per class) from PRIOR_WEIGHT
+    tokens at PRIOR. Plain Python floats: the engine thread alone touches it."""
+
+    DECAY = 0.999
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self) -> None:
+        self.hits = [PRIOR * self.PRIOR_WEIGHT] * len(MATCH_CLASSES)
+        self.seen = [self.PRIOR_WEIGHT] * len(MATCH_CLASSES)
+
+    def rate(self, cls: int) -> float:
+        return self.hits[cls] / self.seen[cls]
+
+    def add(self, cls: int, hit: bool) -> None:
+        self.hits[cls] = self.DECAY * self.hits[cls] + hit
+        self.seen[cls] = self.DECAY * self.seen[cls] + 1.0
+
+
+def match_length(tokens: Sequence[int], c: int, n: int, cap: int = MATCH_CAP) -> int:
+    """The longest m in [n, min(cap, c)] with tokens[c - m : c] == tokens[-m:], given that
+    the last n tokens match (n <= c): doubling, then bisection, over slice comparisons."""
+    L = len(tokens)
+    hi = min(cap, c)
+    if hi <= n:
+        return n
+
+    def agree(m: int) -> bool:
+        return tokens[c - m : c] == tokens[L - m : L]
+
+    k = n
+    while k < hi:
+        nk = min(2 * k, hi)
+        if not agree(nk):
+            lo, top = k, nk - 1  # k agrees, nk does not
+            while lo < top:
+                mid = (lo + top + 1) // 2
+                if agree(mid):
+                    lo = mid
+                else:
+                    top = mid - 1
+            return lo
+        k = nk
+    return k
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +162,15 @@ class NgramDrafter:
     """One sequence's drafter over its token history (see the module docstring)."""
 
     config: SpecConfig
-    p: float = PRIOR  # predictability: how often the candidate's next token was the sequence's
+    stats: MatchStats = field(default_factory=MatchStats)  # the engine's, shared by its sequences
     seen: int = 0  # len(tokens) at the last propose
     candidate: list[int] = field(default_factory=list)  # the last propose's candidate, drafted or not
+    match: int = 0  # the length of the match the candidate continues (its first token extends it)
     indexed: int = 0  # history positions p < indexed whose n-grams ending at p - 1 are in the index
     index: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)  # n -> n-gram -> continuation
+    # this sequence's decayed counts per match class: tokens scored, and how many the candidate predicted
+    hits: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_CLASSES))
+    scored: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_CLASSES))
     # figures of this sequence (the engine sums them): verification steps, drafted, accepted
     steps: int = 0
     drafted: int = 0
@@ -117,54 +190,73 @@ class NgramDrafter:
         self.indexed = max(self.indexed, end)
 
     def _score(self, tokens: Sequence[int]) -> None:
-        """Fold the tokens added since the last call into ``p``: each one that the last
-        candidate predicted is a hit, the first one it did not a miss (the candidate's
-        later tokens continued a history that did not happen: not scored)."""
-        if self.candidate:
-            for tok, want in zip(tokens[self.seen :], self.candidate):
-                hit = tok == want
-                self.p = DECAY * self.p + (1.0 - DECAY) * hit
-                if not hit:
-                    break
+        """Count the tokens added since the last call against the last candidate, in the
+        class of the match each extended (the sequence's and the server's): each one it
+        predicted a hit, the first one it did not a miss (the candidate's later tokens
+        continued a history that did not happen: not scored)."""
+        for j, (tok, want) in enumerate(zip(tokens[self.seen :], self.candidate)):
+            hit = tok == want
+            cls = match_class(self.match + j)
+            self.hits[cls] = DECAY * self.hits[cls] + hit
+            self.scored[cls] = DECAY * self.scored[cls] + 1.0
+            self.stats.add(cls, hit)
+            if not hit:
+                break
         self.seen = len(tokens)
+
+    def rate(self, m: int) -> float:
+        """The probability that the history goes on as the candidate at a match of ``m``
+        tokens: the sequence's rate in m's class shrunk toward the server's."""
+        cls = match_class(m)
+        return (self.hits[cls] + SEQUENCE_WEIGHT * self.stats.rate(cls)) / (self.scored[cls] + SEQUENCE_WEIGHT)
 
     def candidate_for(self, tokens: Sequence[int]) -> list[int]:
         """The continuation of the longest suffix of ``tokens`` found earlier in them, up
-        to ``max_draft`` tokens and the end of the history; [] when none is."""
+        to ``max_draft`` tokens, past the end of the history as the period the match
+        found (the continuation at c of a suffix ending at L - 1 repeats every L - c
+        tokens); [] when none is. Sets ``match``: how long the match is."""
         L = len(tokens)
         for n in range(min(self.config.max_ngram, L - 1), self.config.min_ngram - 1, -1):
             c = self.index[n].get(tuple(tokens[L - n : L]))
-            if c is not None:
-                return list(tokens[c : min(c + self.config.max_draft, L)])
+            if c is not None and c < L:  # (c >= L: indexed from a longer history than this one)
+                self.match = match_length(tokens, c, n)
+                out = list(tokens[c : min(c + self.config.max_draft, L)])
+                period = L - c
+                while len(out) < self.config.max_draft:
+                    out.append(out[len(out) - period])
+                return out
+        self.match = 0
         return []
 
     def propose(self, tokens: Sequence[int], limit: int | None = None, row_cost: float = DEFAULT_ROW_COST) -> list[int]:
         """The drafts to follow ``tokens`` (the sequence's whole history): the candidate
-        cut to ``draft_length`` for this sequence's predictability and ``row_cost`` (a
-        draft row's cost as a share of the step's), at most ``limit``; [] when drafting
-        does not pay or nothing matches."""
+        cut to ``draft_length`` of its drafts' rates (``rate`` at the match length each
+        extends) and ``row_cost`` (a draft row's cost as a share of the step's), at most
+        ``limit``; [] when drafting does not pay or nothing matches."""
         self._update(tokens)
         self._score(tokens)
         self.candidate = self.candidate_for(tokens)
         kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
-        return self.candidate[: draft_length(self.p, row_cost, kmax)]
+        rates = [self.rate(self.match + i) for i in range(kmax)]
+        return self.candidate[: draft_length(rates, row_cost)]
 
     def record(self, drafted: int, accepted: int) -> None:
         """Count one verification (``drafted`` drafts, ``accepted`` of them taken) in the
-        sequence's figures (the draft length follows ``p``, scored in ``propose``)."""
+        sequence's figures (the draft length follows the rates scored in ``propose``)."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
 
 
-def draft_length(p: float, row_cost: float, kmax: int) -> int:
-    """The k in 0..kmax that maximizes E(k) / (1 + row_cost k), E(k) = 1 + p + .. + p^k:
-    the expected tokens of a step with k drafts each taken with probability p given the
-    ones before it, over that step's cost as a share of a plain step's. 0 when no draft
-    pays (p <= row_cost, or kmax <= 0)."""
+def draft_length(rates: Sequence[float], row_cost: float) -> int:
+    """The k in 0..len(rates) that maximizes E(k) / (1 + row_cost k), E(k) = 1 + q_1 +
+    q_1 q_2 + .. + q_1 .. q_k (q_i = rates[i - 1], draft i's probability of being taken
+    given the ones before it): the expected tokens of a step with k drafts over that
+    step's cost as a share of a plain step's. 0 when no draft pays (the first shorter of
+    equal values)."""
     best, best_k, e, term = 1.0, 0, 1.0, 1.0
-    for k in range(1, kmax + 1):
-        term *= p
+    for k, q in enumerate(rates, 1):
+        term *= q
         e += term
         v = e / (1.0 + row_cost * k)
         if v > best:

@@ -9,8 +9,12 @@ import torch
 from scipy.stats import chisquare
 
 from kvserve.service.engine.speculative import (
+    DECAY,
     DEFAULT_ROW_COST,
+    MATCH_CLASSES,
     PRIOR,
+    SEQUENCE_WEIGHT,
+    MatchStats,
     NgramDrafter,
     SpecConfig,
     StepCost,
@@ -18,6 +22,8 @@ from kvserve.service.engine.speculative import (
     accept_greedy,
     accept_sampled,
     draft_length,
+    match_class,
+    match_length,
     target_probs,
 )
 from kvserve.service.engine.sampling import draw, position_seed
@@ -25,10 +31,10 @@ from kvserve.service.types import SamplingParams
 
 
 def drafter(**kw) -> NgramDrafter:
-    """A drafter whose text has been perfectly predictable: it drafts its whole candidate."""
-    d = NgramDrafter(SpecConfig(**kw))
-    d.p = 1.0
-    return d
+    """A drafter on a server whose drafts have always been taken: it drafts its whole candidate."""
+    stats = MatchStats()
+    stats.hits = list(stats.seen)
+    return NgramDrafter(SpecConfig(**kw), stats)
 
 
 # ---- drafting ----------------------------------------------------------------------------
@@ -50,12 +56,31 @@ def test_most_recent_occurrence_wins_and_the_suffix_itself_is_no_match():
     assert drafter(max_draft=4, max_ngram=3, min_ngram=2).propose([9, 8, 7]) == []  # no repeat
 
 
-def test_draft_stops_at_the_end_of_history_and_at_the_limit():
+def test_a_continuation_that_runs_into_the_present_goes_on_as_its_period():
     hist = [1, 2, 3, 1, 2]
     d = drafter(max_draft=8, max_ngram=2, min_ngram=2)
-    assert d.propose(hist) == [3, 1, 2]  # the continuation runs into the suffix, not past the end
+    # (1, 2) last continued with 3, two tokens before the end: the text repeats every 3
+    assert d.propose(hist) == [3, 1, 2, 3, 1, 2, 3, 1]
     assert d.propose(hist, limit=1) == [3]
     assert d.propose(hist, limit=0) == []
+    # a continuation that ends before the present is cut at max_draft alone
+    assert drafter(max_draft=2, max_ngram=2, min_ngram=2).propose([7, 8, 9, 4, 5, 6, 7, 8]) == [9, 4]
+
+
+def test_match_length_is_how_far_back_the_history_agrees():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        tokens = torch.randint(0, 3, (int(torch.randint(3, 90, (1,), generator=g)),), generator=g).tolist()
+        L = len(tokens)
+        for c in range(2, L):
+            if tokens[c - 2 : c] != tokens[L - 2 :]:
+                continue
+            want = 2
+            while want < min(64, c) and tokens[c - want - 1] == tokens[L - want - 1]:
+                want += 1
+            assert match_length(tokens, c, 2) == want, (tokens, c)
+    assert match_length([5] * 200, 150, 4) == 64  # capped
+    assert [match_class(m) for m in (0, 2, 3, 5, 8, 47, 48, 64)] == [0, 0, 1, 2, 4, 8, 9, 9]
 
 
 def test_index_is_incremental_over_a_growing_history():
@@ -71,41 +96,88 @@ def test_index_is_incremental_over_a_growing_history():
 
 
 def test_draft_length_is_the_argmax_of_expected_tokens_over_cost():
-    def brute(p: float, c: float, kmax: int) -> int:
-        values = [sum(p**i for i in range(k + 1)) / (1 + c * k) for k in range(kmax + 1)]
-        return max(range(kmax + 1), key=lambda k: (values[k], -k))  # the shortest of equal ones
+    def brute(rates: list[float], c: float) -> int:
+        values = []
+        for k in range(len(rates) + 1):
+            e, term = 1.0, 1.0
+            for q in rates[:k]:
+                term *= q
+                e += term
+            values.append(e / (1 + c * k))
+        return max(range(len(rates) + 1), key=lambda k: (values[k], -k))  # the shortest of equal ones
 
     for p in (0.0, 0.05, 0.2, 0.5, 0.7, 0.85, 0.95, 1.0):
         for c in (0.001, 0.01, 0.05, 0.2, 1.0):
             for kmax in (0, 1, 4, 16):
-                assert draft_length(p, c, kmax) == brute(p, c, kmax), (p, c, kmax)
-    assert draft_length(0.04, 0.05, 16) == 0  # p <= c: no draft pays for its row
-    assert draft_length(0.9, 0.05, 16) > draft_length(0.5, 0.05, 16) > draft_length(0.2, 0.05, 16) > 0
-    assert draft_length(0.8, 0.005, 16) > draft_length(0.8, 0.05, 16) > draft_length(0.8, 0.3, 16)
-    assert draft_length(1.0, 0.05, 5) == 5  # bounded by what is there
+                assert draft_length([p] * kmax, c) == brute([p] * kmax, c), (p, c, kmax)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(200):  # rates that change along the draft
+        rates = torch.rand(int(torch.randint(0, 17, (1,), generator=g)), generator=g).tolist()
+        c = float(torch.rand(1, generator=g)) * 0.3
+        assert draft_length(rates, c) == brute(rates, c)
+    assert draft_length([0.04] * 16, 0.05) == 0  # q <= c: no draft pays for its row
+    assert draft_length([0.9] * 16, 0.05) > draft_length([0.5] * 16, 0.05) > draft_length([0.2] * 16, 0.05) > 0
+    assert draft_length([0.8] * 16, 0.005) > draft_length([0.8] * 16, 0.05) > draft_length([0.8] * 16, 0.3)
+    assert draft_length([1.0] * 5, 0.05) == 5  # bounded by what is there
+    assert draft_length([0.95, 0.95, 0.05, 0.95], 0.05) == 2  # a likely miss ends it
 
 
-def test_predictability_is_scored_on_every_token_drafted_or_not():
+def test_rates_are_scored_per_match_class_on_every_token_drafted_or_not():
     # the candidate after (1, 2) is 3 4 5 ...; the history goes on with it: hits, drafted or not
+    stats = MatchStats()
     hist = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
-    d = NgramDrafter(SpecConfig(max_draft=6, max_ngram=2, min_ngram=2))
-    assert d.p == PRIOR
+    d = NgramDrafter(SpecConfig(max_draft=6, max_ngram=2, min_ngram=2), stats)
+    assert d.rate(2) == PRIOR  # nothing scored anywhere yet
     d.propose(hist, row_cost=1.0)  # a row as dear as a step: nothing drafted, the candidate kept
-    assert d.candidate == [3, 4, 5, 6, 7, 8]
+    assert d.candidate == [3, 4, 5, 6, 7, 8] and d.match == 2
     hist += [3, 4, 5]
     d.propose(hist, row_cost=1.0)
-    assert d.p == pytest.approx(1 - (1 - PRIOR) * 0.9**3)  # three hits
-    # the text stops repeating: one miss each call, the first token after the candidate
-    p_before = d.p
-    hist += [50]  # the candidate after (4, 5) was 6
+    # three hits, extending matches of 2, 3 and 4 tokens: one in each of the first three classes
+    assert d.hits[:3] == d.scored[:3] == [1.0, 1.0, 1.0] and sum(d.scored) == 3
+    assert stats.hits[0] == pytest.approx(MatchStats.DECAY * PRIOR * MatchStats.PRIOR_WEIGHT + 1)
+    r = stats.rate(0)
+    assert d.rate(2) == pytest.approx((1 + SEQUENCE_WEIGHT * r) / (1 + SEQUENCE_WEIGHT)) and d.rate(2) > r > PRIOR
+    # the candidate after (4, 5) continues a match of 5 tokens (1 2 3 4 5 again); 50 misses it
+    assert d.match == 5
+    hist += [50]
     d.propose(hist)
-    assert d.p == pytest.approx(0.9 * p_before)
+    cls = match_class(5)
+    assert d.hits[cls] == pytest.approx(DECAY * 1.0) and d.scored[cls] == pytest.approx(DECAY + 1.0)
     # a miss ends the scoring of a call: the candidate's later tokens are not counted
     d2 = NgramDrafter(SpecConfig(max_draft=6, max_ngram=2, min_ngram=2))
     h2 = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     d2.propose(h2)
     d2.propose(h2 + [9, 4, 5])  # 9 misses 3; 4 and 5 are not scored
-    assert d2.p == pytest.approx(0.9 * PRIOR)
+    assert d2.scored == [1.0] + [0.0] * (len(MATCH_CLASSES) - 1) and d2.hits[0] == 0.0
+
+
+def test_a_new_sequence_drafts_at_the_servers_rate_and_its_own_text_pulls_it_away():
+    stats = MatchStats()
+    cfg = SpecConfig(max_draft=8, max_ngram=2, min_ngram=2)
+    # a sequence copying a long passage: its drafts' classes fill with hits, on the server too
+    text = list(range(100, 140))
+    first = NgramDrafter(cfg, stats)
+    hist = text + text[:2]
+    for tok in text[2:]:
+        first.propose(hist)
+        hist.append(tok)
+    first.propose(hist)
+    assert all(stats.rate(c) > 0.8 for c in range(len(MATCH_CLASSES)) if stats.seen[c] > 5)
+    # a new sequence drafts as the server measured, before any token of its own is scored
+    new = NgramDrafter(cfg, stats)
+    assert new.rate(2) == pytest.approx(stats.rate(0))
+    drafts = new.propose([7, 8, 9, 10, 11, 7, 8])
+    assert drafts == [9, 10, 11, 7, 8, 9, 10, 11][: len(drafts)]
+    assert len(drafts) > len(NgramDrafter(cfg).propose([7, 8, 9, 10, 11, 7, 8])) > 0  # more than on a new server
+    # one whose text never goes on as it did: its own misses outweigh the server's rate
+    other = NgramDrafter(cfg, stats)
+    hist = []
+    for t in range(30):
+        hist += [1, 2]
+        other.propose(hist)
+        hist.append(300 + t)
+    assert other.rate(2) < DEFAULT_ROW_COST < stats.rate(0)
+    assert other.propose(hist + [1, 2]) == []
 
 
 def test_a_drafter_stops_on_text_that_does_not_repeat_and_starts_again_when_it_does():
@@ -117,7 +189,7 @@ def test_a_drafter_stops_on_text_that_does_not_repeat_and_starts_again_when_it_d
         d.propose(hist)
         hist.append(100 + t)
         d.propose(hist)
-    assert d.p < DEFAULT_ROW_COST  # thirty misses
+    assert d.rate(2) < DEFAULT_ROW_COST  # thirty misses
     assert d.propose(hist + [1, 2]) == []  # drafting no longer pays
     # the text repeats again (1 2 7): scored while nothing is drafted, so drafts resume
     # without one wasted on the way
@@ -126,7 +198,7 @@ def test_a_drafter_stops_on_text_that_does_not_repeat_and_starts_again_when_it_d
             hist.append(tok)
             d.propose(hist)
     drafts = d.propose(hist + [1, 2])
-    assert drafts and drafts == [7, 1, 2, 7, 1, 2, 7][: len(drafts)] and d.drafted == 0
+    assert drafts and drafts == [7, 1, 2, 7, 1, 2, 7, 1][: len(drafts)] and d.drafted == 0
 
 
 def test_record_counts_the_figures():
