@@ -67,13 +67,16 @@ def main() -> None:
     model = loaded.model
     in_model = [0.0]  # seconds inside the model's forward, this step
 
-    class Timed:  # the model, its forward timed (the engine calls model(layout, pool))
-        def __call__(self, layout, pool):
+    class Timed:  # the model, its forward timed (the engine calls model(layout, pool, ...)); the rest passed through
+        def __call__(self, layout, pool, **kw):
             t = now()
             try:
-                return model(layout, pool)
+                return model(layout, pool, **kw)
             finally:
                 in_model[0] += now() - t
+
+        def __getattr__(self, name):
+            return getattr(model, name)
 
     loaded = dataclasses.replace(loaded, model=Timed())
     batches = [int(b) for b in args.batches.split(",")]
