@@ -207,20 +207,8 @@ class NgramDrafter:
     def rate(self, m: int) -> float:
         """The probability that the history goes on as the candidate at a match of ``m``
         tokens: the sequence's rate in m's class shrunk toward the server's."""
-        return self._class_rate(match_class(m))
-
-    def _class_rate(self, cls: int) -> float:
+        cls = match_class(m)
         return (self.hits[cls] + SEQUENCE_WEIGHT * self.stats.rate(cls)) / (self.scored[cls] + SEQUENCE_WEIGHT)
-
-    def _rates(self, k: int) -> list[float]:
-        """[rate(match + i) for i < k], each class's rate computed once."""
-        out: list[float] = []
-        m, cls = self.match, match_class(self.match)
-        while len(out) < k:
-            end = MATCH_CLASSES[cls + 1] if cls + 1 < len(MATCH_CLASSES) else m + k  # the next class's first m
-            out.extend([self._class_rate(cls)] * min(k - len(out), end - (m + len(out))))
-            cls += 1
-        return out
 
     def candidate_for(self, tokens: Sequence[int]) -> list[int]:
         """The continuation of the longest suffix of ``tokens`` found earlier in them, up
@@ -249,7 +237,7 @@ class NgramDrafter:
         self._score(tokens)
         self.candidate = self.candidate_for(tokens)
         kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
-        return self.candidate[: draft_length(self._rates(kmax), row_cost)]
+        return self.candidate[: draft_length([self.rate(self.match + i) for i in range(kmax)], row_cost)]
 
     def record(self, drafted: int, accepted: int) -> None:
         """Count one verification (``drafted`` drafts, ``accepted`` of them taken) in the

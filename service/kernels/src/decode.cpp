@@ -543,7 +543,7 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
   struct Span {
     int64_t b, p0, p1, part, nhs;  // part: its state's first head in pm/pl/pacc; -1: a lone row's whole context
     const float* qs;               // its nhs query heads
-    int64_t kvh0 = 0, nkvs = 0;    // the kv heads it reads: [kvh0, kvh0 + nkvs) (0: all nkv)
+    int64_t kvh0 = 0, nkvs = 0;    // the kv heads it reads: [kvh0, kvh0 + nkvs) (nkvs 0: all nkv)
   };
   int64_t total = 0;
   for (const Unit& u : units) total += lens[u.b] - first(u.b) + (u.R - 1) * u.R / 2;
@@ -601,11 +601,8 @@ void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, 
       } else {
         mr = pm.data() + sp.part, lr = pl.data() + sp.part, ac = pacc.data() + sp.part * hd;
       }
-      if (sp.nkvs)
-        attend_span<E>(pv.heads_from(sp.kvh0, hd), tables + sp.b * nb, bs, sp.p0, sp.p1, sp.qs, sp.nhs, sp.nkvs, hd,
-                       scale, softcap, mr, lr, ac);
-      else
-        attend_span<E>(pv, tables + sp.b * nb, bs, sp.p0, sp.p1, sp.qs, sp.nhs, nkv, hd, scale, softcap, mr, lr, ac);
+      attend_span<E>(pv.heads_from(sp.kvh0, hd), tables + sp.b * nb, bs, sp.p0, sp.p1, sp.qs, sp.nhs,
+                     sp.nkvs ? sp.nkvs : nkv, hd, scale, softcap, mr, lr, ac);
       if (sp.part < 0) {
         float* o = out + sp.b * nh * hd;
         for (int64_t h = 0; h < nh; h++) {

@@ -68,11 +68,11 @@ struct V {  // 16 floats
     odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
   }
   static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(T v) { return _mm512_reduce_add_ps(v); }  // the same order, one vector
   // The lane sums of up to 16 vectors at once, each summed in _mm512_reduce_add_ps's order
   // (the 256-bit halves, then the 128-bit quarters, then element pairs 0,1 + 2,3, then
   // 0 + 1), four levels of two shuffles and an add per pair of vectors instead of a
   // reduction of its own per vector. Vector v's sum lands in lane 4 (v % 4) + v / 4.
-  static float hsum(T v) { return _mm512_reduce_add_ps(v); }  // the same order, one vector
   static constexpr int LANES = 16;
   static int slot(int v) { return 4 * (v % 4) + v / 4; }
   static T reduce(T (&a)[16]) {
@@ -113,10 +113,10 @@ struct V {  // 8 floats
     odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
   }
   static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(T v) { return reduce_add8(v); }  // the same order, one vector
   // The lane sums of up to 8 vectors at once, each summed in reduce_add8's order (the
   // 128-bit halves, then element pairs 0,1 + 2,3, then 0 + 1), three levels of two
   // shuffles and an add per pair of vectors. Vector v's sum lands in lane 4 (v % 2) + v / 2.
-  static float hsum(T v) { return reduce_add8(v); }  // the same order, one vector
   static constexpr int LANES = 8;
   static int slot(int v) { return 4 * (v % 2) + v / 2; }
   static T reduce(T (&a)[8]) {
