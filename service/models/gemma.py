@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..kernels.layer import LayerWeights
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
-from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights
+from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights, rope_span
 from .rope import Rotary
 
 
@@ -131,9 +131,10 @@ class GemmaForCausalLM(CausalLM):
 
     def ropes(self, positions: Tensor, dtype: torch.dtype, layout: BatchLayout | None) -> tuple[Rope, ...]:
         """(global, local) pairs, (B, T, 1, hd) each; local is global without a local base."""
-        cos_sin = self.model.rotary_emb(positions, dtype)
+        n = rope_span(positions, layout)
+        cos_sin = self.model.rotary_emb(positions, dtype, span=n)
         local = self.model.rotary_emb_local
-        return cos_sin, local(positions, dtype) if local is not None else cos_sin
+        return cos_sin, local(positions, dtype, span=n) if local is not None else cos_sin
 
     def head(self, x: Tensor) -> Tensor:
         logits = self.lm_head(self.model.norm(x)).float()

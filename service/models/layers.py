@@ -177,6 +177,23 @@ def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | N
     return step
 
 
+def rope_span(positions: Tensor, layout: BatchLayout | None) -> tuple[int, int | None]:
+    """``Rotary``'s span of the forward's positions (B, T), from the layout's host-side
+    lengths (no device read): (the longest sequence's length, the first position when the
+    positions in order are one run: one sequence's tokens, or one new token per row at
+    consecutive positions, as a verify step's rows; else None). No layout (no cache, every
+    row at 0 .. T - 1): (T, 0) for one row."""
+    if layout is None:
+        T = positions.shape[-1]
+        return T, 0 if positions.shape[0] == 1 else None
+    lens, new = layout.seq_lens, layout.num_new_tokens
+    if len(lens) == 1:
+        return lens[0], lens[0] - new[0]
+    if positions.shape[1] == 1 and all(b == a + 1 for a, b in zip(lens, lens[1:])):
+        return lens[-1], lens[0] - 1
+    return max(lens), None
+
+
 def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
     """(B, D): each sequence's last new token's row of x (B, T, D); a decode step's x
     (T == 1) as it is, a view (no copy)."""

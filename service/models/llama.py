@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..kernels.layer import LayerWeights
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
-from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights
+from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights, rope_span
 from .rope import Rotary
 
 
@@ -76,7 +76,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens(input_ids)  # (B, T, D)
 
     def ropes(self, positions: Tensor, dtype: torch.dtype, layout: BatchLayout | None) -> tuple[Rope, ...]:
-        return (self.model.rotary_emb(positions, dtype),)  # (cos, sin) (B, T, 1, rot)
+        return (self.model.rotary_emb(positions, dtype, span=rope_span(positions, layout)),)  # (cos, sin) (B, T, 1, rot)
 
     def head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.model.norm(x)).float()

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..kv.cache import BatchLayout
 from .config import ModelConfig
-from .layers import Rope
+from .layers import Rope, rope_span
 from .llama import LlamaForCausalLM
 
 
@@ -42,7 +42,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self.threshold = config.longrope_threshold  # None: no LongRoPE
 
     def ropes(self, positions: Tensor, dtype: torch.dtype, layout: BatchLayout | None) -> tuple[Rope, ...]:
-        return (self.model.rotary_emb(positions, dtype, self._long(positions, layout)),)  # (B, T, 1, rot)
+        long = self._long(positions, layout)
+        return (self.model.rotary_emb(positions, dtype, long, rope_span(positions, layout)),)  # (B, T, 1, rot)
 
     def _long(self, positions: Tensor, layout: BatchLayout | None) -> Tensor | None:
         """(B,) bool: which sequences use the long factors (the engine's choice, else by length)."""

@@ -72,10 +72,11 @@ def doubled(freq: Tensor) -> tuple[Tensor, Tensor]:
 SERIAL_MAX = 1 << 15
 
 
-def cos_sin(emb: Tensor) -> tuple[Tensor, Tensor]:
-    """(emb.cos(), emb.sin()); a small CPU tensor's on this thread alone (``SERIAL_MAX``)."""
+def cos_sin(emb: Tensor, serial: bool = False) -> tuple[Tensor, Tensor]:
+    """(emb.cos(), emb.sin()); a small CPU tensor's (``SERIAL_MAX``), or any with ``serial``,
+    on this thread alone."""
     n = torch.get_num_threads()
-    if n == 1 or emb.numel() > SERIAL_MAX or emb.device.type != "cpu":
+    if n == 1 or (emb.numel() > SERIAL_MAX and not serial) or emb.device.type != "cpu":
         return emb.cos(), emb.sin()
     torch.set_num_threads(1)
     try:
@@ -84,10 +85,22 @@ def cos_sin(emb: Tensor) -> tuple[Tensor, Tensor]:
         torch.set_num_threads(n)
 
 
+# Positions a cos/sin table covers when first made; it doubles when a longer context needs it.
+TABLE_MIN = 256
+
+
 class Rotary(nn.Module):
-    """cos/sin (B, T, 1, dim) for given positions; computed per forward, no max-length table."""
+    """cos/sin (B, T, 1, dim) for given positions. Given the forward's length (every
+    position below it), the rows are taken from a table of every position up to a power of
+    two past it (``TABLE_MIN`` at least), made once per dtype and device and doubled as
+    contexts grow: a decode step's RoPE is two row gathers, not eight small ops. Each table
+    row is computed by the same ops on the same angle as a forward's own (one thread, so
+    every element takes torch's vectorized cos and sin), so the values are the same either
+    way. Without a length (and for LongRoPE's per-sequence factor sets), computed for the
+    positions given."""
 
     _rows: tuple[Tensor, ...] | None = None  # (inv_freq, long_inv_freq, their ``doubled`` rows): remade when they change
+    _table: tuple[Tensor, Tensor, Tensor] | None = None  # (inv_freq it was made from, cos (n, dim), sin (n, dim))
 
     def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -102,9 +115,36 @@ class Rotary(nn.Module):
         self.inv_freq = inv_freq(self.dim, self.theta, self.scaling).to(device)
         self.long_inv_freq = inv_freq(self.dim, self.theta, self.scaling, long=True).to(device)
 
-    def forward(self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None,
+                span: tuple[int, int | None] | None = None) -> tuple[Tensor, Tensor]:
         """positions (B, T) -> (cos, sin) (B, T, 1, dim), sin signed [-sin f, sin f];
-        ``long`` (B,) bool: which sequences use longrope's long factors."""
+        ``long`` (B,) bool: which sequences use longrope's long factors; ``span``
+        (length, first): every position is below length, and when first is not None the
+        positions in order are first, first + 1, ... (one run: the rows are a slice of the
+        table, a view); the rows then come from the table."""
+        if span is None or (self.longrope and long is not None):
+            return self._compute(positions, dtype, long)
+        length, first = span
+        cos, sin = self._rows_upto(length, dtype, positions.device)
+        shape = (*positions.shape, 1, cos.shape[-1])
+        if first is not None:
+            n = positions.numel()
+            return cos[first : first + n].view(shape), sin[first : first + n].view(shape)
+        flat = positions.reshape(-1)
+        return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
+
+    def _rows_upto(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The table's (cos, sin) (n, dim) in ``dtype`` on ``device``, n >= length."""
+        t = self._table
+        if t is None or t[0] is not self.inv_freq or t[1].shape[0] < length or t[1].dtype != dtype or t[1].device != device:
+            n = max(TABLE_MIN, 1 << max(length - 1, 1).bit_length(), t[1].shape[0] if t is not None else 0)
+            with torch.inference_mode(False):  # plain tensors: usable outside inference mode too
+                cos, sin = self._compute(torch.arange(n, device=device)[None, :], dtype, None, serial=True)
+            t = self._table = (self.inv_freq, cos.reshape(n, -1), sin.reshape(n, -1))
+        return t[1], t[2]
+
+    def _compute(self, positions: Tensor, dtype: torch.dtype, long: Tensor | None,
+                 serial: bool = False) -> tuple[Tensor, Tensor]:
         inv, long_inv = self.inv_freq, self.long_inv_freq
         rows = self._rows
         if rows is None or rows[0] is not inv or rows[1] is not long_inv:
@@ -113,7 +153,7 @@ class Rotary(nn.Module):
         if self.longrope and long is not None:
             freq = torch.where(long[:, None], rows[4], freq)[:, None, :]  # (B, 1, hd)
         emb = positions[..., None].float() * freq  # (B, T, hd): [freqs, freqs]
-        cos, sin = cos_sin(emb)
+        cos, sin = cos_sin(emb, serial)
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         sin = sin.mul_(sign)  # [-sin f, sin f]

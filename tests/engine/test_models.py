@@ -364,6 +364,46 @@ def test_rope_in_place_with_signed_sin_is_rotate_half_bit_for_bit(rot_dim: int, 
     assert got.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, :, :5], want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rows_from_the_table_are_the_computed_rows(dtype: torch.dtype) -> None:
+    """Rotary's table (given a forward's span) gives exactly the rows computed for the
+    positions themselves: for one sequence's run (a slice), a verify step's rows at
+    consecutive positions, a batch of unrelated positions (a gather), past the first
+    table's end (it doubles, keeping the rows it had) and for a cold prompt (no layout);
+    LongRoPE's per-sequence factor sets keep the computed path. rope_span reads the
+    layout's host-side lengths."""
+    from kvserve.service.kv.cache import BatchLayout, SeqSlice
+    from kvserve.service.models.layers import rope_span
+    from kvserve.service.models.rope import TABLE_MIN, Rotary
+
+    rotary = Rotary(16, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})  # fmt: skip
+    table = list(range(1, 80))
+    layouts = [
+        ([SeqSlice(table, 30, list(range(20)))], (50, 30)),  # one sequence's new tokens: a run
+        ([SeqSlice(table, 220 + j, [7]) for j in range(5)], (225, 220)),  # verify rows
+        ([SeqSlice(table, 200, [7]), SeqSlice(table, 17, [3])], (201, None)),  # a decode batch
+        ([SeqSlice(table, 10, [1, 2, 3]), SeqSlice(table, 90, [4])], (91, None)),  # padded chunks
+        ([SeqSlice(table, TABLE_MIN + 700, [7])], (TABLE_MIN + 701, TABLE_MIN + 700)),  # the table doubles
+    ]
+    with torch.inference_mode():
+        for slices, span in layouts:
+            layout = BatchLayout.build(slices, 16, "cpu")
+            assert rope_span(layout.positions, layout) == span
+            got, want = rotary(layout.positions, dtype, span=span), rotary(layout.positions, dtype)
+            assert got[0].shape == want[0].shape and got[0].dtype == dtype
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert rotary._table[1].shape[0] >= TABLE_MIN + 701 and rotary._table[1].shape[0] & (rotary._table[1].shape[0] - 1) == 0
+        cold = torch.arange(40)[None, :]
+        assert rope_span(cold, None) == (40, 0)
+        assert torch.equal(rotary(cold, dtype, span=(40, 0))[1], rotary(cold, dtype)[1])
+        longrope = Rotary(16, 10000.0, {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                                        "attention_factor": 1.19})  # fmt: skip
+        pos, long = torch.tensor([[5], [9]]), torch.tensor([False, True])
+        assert torch.equal(longrope(pos, dtype, long, span=(10, None))[0], longrope(pos, dtype, long)[0])
+        assert longrope._table is None  # per-sequence factor sets: computed, no table
+
+
 def test_loader_packs_large_cpu_float32_linears_only(tiny_llama_dir) -> None:
     """The loader packs the float32 CPU projections big enough to gain (oneDNN layout for
     decode-sized products), not smaller ones, nor bfloat16 or quantized ones; the dense
