@@ -5,6 +5,7 @@ stack that runs a whole decode step natively.
     NormWeights      an RMSNorm's weight, eps and offset         -> norm(n, x)
     LayerWeights     one decoder layer: its norms, products and attention geometry
     DecoderStack     every layer of a model: run(x, ropes, step), one call per layer
+    StackEnds        the step's ends: the embedding rows in, the final norm and head out
     DecodeStep       one decode step's batch over the block pool (arrays only)
 
 A layer of the model builds its view once at load (``Linear.kernel_weights`` and the
@@ -189,6 +190,31 @@ def _rope_rows(cos: Tensor, sin: Tensor, B: int) -> tuple[Tensor, Tensor]:
     return c, s
 
 
+@dataclass(frozen=True)
+class StackEnds:
+    """What a decode step runs around the layers, natively: the embedding's rows in
+    (``x = embedding[ids] * scale``) and the logits out (``head(norm(x))``, then
+    ``tanh(l / softcap) * softcap`` by torch where the family caps them). The same kernels
+    and order as the per-op path (torch's gather; ``norm``, ``product``), so the same bits."""
+
+    embedding: Tensor  # (V, D) float32
+    scale: float  # 1.0: none (Gemma's sqrt(D), rounded to float32 as its reference does)
+    norm: NormWeights
+    head: ProductWeights
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, embedding: Tensor, scale: float, norm: NormWeights | None, head: ProductWeights | None,
+           softcap: float | None = None) -> StackEnds | None:
+        """The ends, or None where the kernels cannot run them (no native norm or head, an
+        embedding not float32 contiguous on the CPU, or of another width)."""
+        if norm is None or head is None or not _usable(embedding) or embedding.dim() != 2:
+            return None
+        if embedding.shape[1] != norm.weight.numel() or head.shape[1] != embedding.shape[1]:
+            return None
+        return cls(embedding, float(scale), norm, head, softcap)
+
+
 class DecoderStack:
     """Every decoder layer of a model on a decode step (one new token per sequence), in
     order, one native call each (``kv_decode_layer``); what the step needs (its
@@ -197,7 +223,7 @@ class DecoderStack:
     ``groups[i]``: which of the step's (cos, sin) pairs layer i rotates with (Gemma 3's
     sliding layers have their own RoPE base: pair 1); pair 0 for every layer by default."""
 
-    def __init__(self, layers: list[LayerWeights], groups: list[int] | None = None) -> None:
+    def __init__(self, layers: list[LayerWeights], groups: list[int] | None = None, ends: StackEnds | None = None) -> None:
         groups = [0] * len(layers) if groups is None else list(groups)
         if not layers or len(groups) != len(layers) or min(groups) < 0:
             raise ValueError("a decoder stack needs one layer and one rope group per layer")
@@ -209,6 +235,10 @@ class DecoderStack:
         self._structs = [layer.struct() for layer in layers]
         self.num_groups = max(groups) + 1
         self._calls = [(ctypes.byref(s), g) for s, g in zip(self._structs, groups)]
+        if ends is not None and ends.embedding.shape[1] != self.hidden:
+            raise ValueError("the stack's ends differ from its layers in hidden size")
+        self.ends = ends  # None: the family's own embedding and head run around the layers
+        self._head = ctypes.byref(ends.head.struct()) if ends is not None else None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -218,6 +248,39 @@ class DecoderStack:
         """Whether x (B, T, D) is a decode step the stack runs: one float32 token per
         row, B <= STACK_ROWS."""
         return x.shape[1] == 1 and x.shape[0] <= STACK_ROWS and x.dtype == torch.float32 and x.is_contiguous()
+
+    @staticmethod
+    def takes(input_ids: Tensor) -> bool:
+        """Whether input_ids (B, T) is a decode step the stack runs whole, ends included."""
+        return input_ids.shape[1] == 1 and input_ids.shape[0] <= STACK_ROWS and input_ids.device.type == "cpu"
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """(B, 1) ids -> x (B, 1, D) float32, the ends' embedding rows (``ends`` set;
+        IndexError for an id outside the vocabulary, as torch's embedding raises)."""
+        e = self.ends
+        ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else input_ids.long().contiguous()
+        x = torch.empty(*ids.shape, self.hidden, dtype=torch.float32)
+        V = e.embedding.shape[0]
+        if kernels.load().lib.kv_embed(ids.data_ptr(), ids.numel(), e.embedding.data_ptr(), V, self.hidden, e.scale, x.data_ptr()):
+            raise IndexError(f"a token id is outside the vocabulary (0..{V - 1})")
+        return x
+
+    def head(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
+        """x (B, 1, D) after the layers -> float32 logits (B, V), or of ``rows`` (R,) of
+        the B alone (R, V): the ends' norm and head in one call (``ends`` set)."""
+        e = self.ends
+        B = x.shape[0]
+        which = None
+        if rows is not None:
+            which = rows if rows.dtype == torch.int64 and rows.is_contiguous() else rows.long().contiguous()
+        n = B if which is None else which.numel()
+        logits = torch.empty(n, e.head.shape[0], dtype=torch.float32)
+        kernels.load().lib.kv_decode_head(x.data_ptr(), self.hidden, None if which is None else which.data_ptr(), n,
+                                          e.norm.weight.data_ptr(), e.norm.eps, e.norm.offset, self._head,
+                                          logits.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if e.softcap is not None:
+            logits = torch.tanh(logits / e.softcap) * e.softcap
+        return logits
 
     def run(self, x: Tensor, ropes: tuple[tuple[Tensor, Tensor], ...], step: DecodeStep) -> Tensor:
         """x (B, 1, D) through every layer, in place (the caller checked ``applies``);

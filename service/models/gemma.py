@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..kernels.layer import LayerWeights
+from ..kernels.layer import LayerWeights, StackEnds
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
 from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights, rope_span
@@ -141,3 +141,7 @@ class GemmaForCausalLM(CausalLM):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def decode_ends(self) -> StackEnds | None:
+        return StackEnds.of(self.model.embed_tokens.weight, self.embed_scale, self.model.norm.kernel, self.lm_head.kernel,
+                            self.final_softcap)  # fmt: skip

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from ..kernels import ops as kernel_ops
-from ..kernels.layer import (MAX_ROWS, STACK_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights,
-                                           ProductWeights, norm, product)
+from ..kernels.layer import (MAX_ROWS, STACK_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights, StackEnds,
+                             ProductWeights, norm, product)
 from .config import ModelConfig
 from .rope import Rotary, apply_rope_
 
@@ -561,7 +561,13 @@ class CausalLM(nn.Module):
         layers = [getattr(block, "kernel_layer", lambda: None)() for block in self.blocks]
         if any(layer is None for layer in layers):
             return None
-        return DecoderStack(layers, [block.rope_group for block in self.blocks])
+        return DecoderStack(layers, [block.rope_group for block in self.blocks], self.decode_ends())
+
+    def decode_ends(self) -> StackEnds | None:
+        """The decode step's embedding and head as the stack runs them natively
+        (``StackEnds``), when the family's ``embed`` and ``head`` are a plain row gather
+        (times a scale) and a norm and product (and a softcap); None: the family's own."""
+        return None
 
     # ---- what a family defines
     @property
@@ -598,7 +604,15 @@ class CausalLM(nn.Module):
 
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False, rows: Tensor | None = None) -> Tensor:
         """Logits of each sequence's last new token (B, V); ``all_logits``: of every new
-        token (B, T, V); ``rows`` (R,): of those rows of the B alone (R, V)."""
+        token (B, T, V); ``rows`` (R,): of those rows of the B alone (R, V). A decode step
+        the stack takes whole (its ends: ``decode_ends``) is three native calls and the
+        layers': the embedding rows, the layers, the norm and head."""
+        stack = self.stack
+        if (stack is not None and stack.ends is not None and stack.takes(layout.input_ids)
+                and (step := decode_step(layout, kv)) is not None):  # fmt: skip
+            x = stack.embed(layout.input_ids)  # (B, 1, D)
+            stack.run(x, self.ropes(layout.positions, x.dtype, layout), step)
+            return stack.head(x)[:, None] if all_logits else stack.head(x, rows)  # (B, 1, V); (B, V) or (R, V)
         x = self.embed(layout.input_ids, layout.positions)  # (B, T, D)
         x = self.run_blocks(x, self.ropes(layout.positions, x.dtype, layout), layout, kv)
         if not all_logits:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..kernels.layer import LayerWeights
+from ..kernels.layer import LayerWeights, StackEnds
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
 from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights, rope_span
@@ -80,3 +80,6 @@ class LlamaForCausalLM(CausalLM):
 
     def head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.model.norm(x)).float()
+
+    def decode_ends(self) -> StackEnds | None:
+        return StackEnds.of(self.model.embed_tokens.weight, 1.0, self.model.norm.kernel, self.lm_head.kernel)

@@ -641,7 +641,55 @@ def test_decode_steps_with_native_kernels_match_torch_per_family(isa, family, re
     else:
         assert len(whole.model.stack) == cfg.num_layers
         assert calls["layer"] == 6 * cfg.num_layers
-    assert calls["product"] > 0  # the per-op path (and lm_head on every path) ran the native products
+    assert calls["product"] > 0  # the per-op path ran the native products
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tiny_gpt2_dir"])
+@pytest.mark.parametrize("fmt", ["exact", "w8a8"])
+def test_decode_step_ends_run_natively_with_the_same_bits(isa, family, fmt, request, monkeypatch) -> None:
+    """A decode step the stack takes whole runs its embedding rows and its final norm and
+    head natively (``StackEnds``: Gemma's embedding scale and logit softcap included) and
+    gives exactly the logits of the family's own embed and head around the same stack: for
+    every row, for some rows (a returning turn's last token), with all_logits; the family's
+    embed and head do not run. A token id outside the vocabulary is an IndexError, as
+    torch's embedding raises, not a read past the table."""
+    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+
+    path = request.getfixturevalue(family)
+    native = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    family_ends = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    stack = native.model.stack
+    assert stack is not None and stack.ends is not None
+    family_ends.model.stack.ends = None
+    cfg, bs = native.config, 4
+    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
+    tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
+    prompts_ = prompts(cfg.vocab_size, [11, 6], seed=7)
+    seqs = [list(p) for p in prompts_]
+    ran = {"embed": 0, "head": 0}
+    for name in ran:
+        real = getattr(native.model, name)
+        monkeypatch.setattr(native.model, name, lambda *a, _r=real, _n=name: ran.__setitem__(_n, ran[_n] + 1) or _r(*a))
+    with torch.inference_mode():
+        for m, pool in zip((native, family_ends), pools):
+            m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
+        ran.update(embed=0, head=0)  # the prompts' prefill ran the family's (T > 1)
+        for _ in range(4):
+            layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
+            a, b = (m.model(layout, pool) for m, pool in zip((native, family_ends), pools))
+            assert a.shape == (2, cfg.vocab_size) and torch.equal(a, b)
+            for s, tok in zip(seqs, a.argmax(-1).tolist()):
+                s.append(tok)
+        assert ran == {"embed": 0, "head": 0}
+        layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
+        rows = torch.tensor([1])
+        a, b = (m.model(layout, pool, rows=rows) for m, pool in zip((native, family_ends), pools))
+        assert a.shape == (1, cfg.vocab_size) and torch.equal(a, b)
+        a, b = (m.model(layout, pool, all_logits=True) for m, pool in zip((native, family_ends), pools))
+        assert a.shape == (2, 1, cfg.vocab_size) and torch.equal(a, b)
+        bad = BatchLayout.build([SeqSlice(tables[0], len(seqs[0]) - 1, [cfg.vocab_size + 3])], bs)
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            native.model(bad, pools[0])
 
 
 def test_concurrent_callers_from_several_threads_get_their_own_results(isa) -> None:

@@ -122,6 +122,13 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
                          const int64_t* lens, int64_t window, float scale, float softcap, float* out, int nthreads);
 // x (B, D) through one decoder layer, in place.
 void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, const float* cos, const float* sin, int64_t rot);
+// The decode step's ends (layer.cpp), around the layers: x (rows, D) = table (V, D)[ids[r]] * scale (scale 1:
+// the rows as stored); returns how many ids were outside 0..V-1 (their rows zero).
+int64_t kv_embed(const int64_t* ids, int64_t rows, const float* table, int64_t V, int64_t D, float scale, float* x);
+// logits (rows, head.N) = head(norm(x[which[r]])) for x (B, D), norm's weight (D,) with eps and offset
+// (kv_rmsnorm's); which null: rows = B, every row in order.
+void kv_decode_head(const float* x, int64_t D, const int64_t* which, int64_t rows, const float* norm_w, float eps,
+                    float offset, const KvLinear* head, float* logits, int nthreads);
 
 // What the library was built from: "<source digest> <compiler>" (build.py), and the
 // sizes of the structs above in the order declared, for the binding's check.

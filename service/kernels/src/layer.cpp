@@ -90,6 +90,39 @@ extern "C" void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, con
   residual_add(*l, l->down, l->norm_post_mlp, m.data(), B, D, x, tmp.data(), nt);
 }
 
+extern "C" int64_t kv_embed(const int64_t* ids, int64_t rows, const float* table, int64_t V, int64_t D, float scale,
+                            float* x) {
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; r++) {
+    float* out = x + r * D;
+    const int64_t id = ids[r];
+    if (id < 0 || id >= V) {
+      memset(out, 0, D * sizeof(float));
+      bad++;
+      continue;
+    }
+    const float* row = table + id * D;
+    if (scale == 1.0f) {
+      memcpy(out, row, D * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < D; i++) out[i] = row[i] * scale;
+    }
+  }
+  return bad;
+}
+
+extern "C" void kv_decode_head(const float* x, int64_t D, const int64_t* which, int64_t rows, const float* norm_w,
+                               float eps, float offset, const KvLinear* head, float* logits, int nthreads) {
+  thread_local std::vector<float> h;
+  h.resize(rows * D);
+  if (which) {
+    for (int64_t r = 0; r < rows; r++) kv_rmsnorm(x + which[r] * D, 1, D, D, norm_w, eps, offset, h.data() + r * D, D);
+  } else {
+    kv_rmsnorm(x, rows, D, D, norm_w, eps, offset, h.data(), D);
+  }
+  linear(*head, h.data(), rows, logits, 0, nthreads);
+}
+
 #ifndef KV_BUILD_ID
 #define KV_BUILD_ID "unknown"
 #endif
