@@ -131,16 +131,16 @@ struct V {  // 8 floats
 };
 #endif
 
-// out[i][r] = the lane sum of a[i][r] for a tile's NB x RB accumulators, reduced together
+// out[r][i] = the lane sum of a[i][r] for a tile's NB x RB accumulators, reduced together
 // (V::reduce, the unused vectors zero; one or two vectors alone, V::hsum). Each sum's order
 // is that of one vector's own reduction, whatever the tile, so a row's result does not
 // depend on the tile it was in.
 template <int NB, int RB>
-inline void hsum_tile(typename V::T (&a)[NB][RB], float (*out)[V::RB]) {
+inline void hsum_tile(typename V::T (&a)[NB][RB], float (*out)[V::NB]) {
   static_assert(NB * RB <= V::LANES, "a tile's accumulators fit one reduction");
   if constexpr (NB * RB <= 2) {
     for (int i = 0; i < NB; i++)
-      for (int r = 0; r < RB; r++) out[i][r] = V::hsum(a[i][r]);
+      for (int r = 0; r < RB; r++) out[r][i] = V::hsum(a[i][r]);
     return;
   }
   typename V::T v[V::LANES];
@@ -150,7 +150,7 @@ inline void hsum_tile(typename V::T (&a)[NB][RB], float (*out)[V::RB]) {
   alignas(64) float s[V::LANES];
   V::store(s, V::reduce(v));
   for (int i = 0; i < NB; i++)
-    for (int r = 0; r < RB; r++) out[i][r] = s[V::slot(i * RB + r)];
+    for (int r = 0; r < RB; r++) out[r][i] = s[V::slot(i * RB + r)];
 }
 
 // A tile's NB weight rows are NB short streams (K values each) that the hardware
@@ -172,10 +172,10 @@ inline void prefetch_next(const WT* w, int64_t K, int64_t k, int64_t step) {
   for (int64_t off = (b0 + 63) & ~(int64_t)63; off < b1; off += 64) _mm_prefetch(next + off, hint);
 }
 
-// out[i][r] = dot(w[i*K : i*K + K], x[r*ldx : r*ldx + K]), i < NB, r < RB: one W-wide
+// out[r][i] = dot(w[i*K : i*K + K], x[r*ldx : r*ldx + K]), i < NB, r < RB: one W-wide
 // accumulator per output, W weights at a time, the tail one by one.
 template <typename WT, int NB, int RB>
-inline void tile(const WT* w, int64_t K, const float* x, int64_t ldx, float (*out)[V::RB]) {
+inline void tile(const WT* w, int64_t K, const float* x, int64_t ldx, float (*out)[V::NB]) {
   typename V::T a[NB][RB];
   for (int i = 0; i < NB; i++)
     for (int r = 0; r < RB; r++) a[i][r] = V::zero();
@@ -193,7 +193,7 @@ inline void tile(const WT* w, int64_t K, const float* x, int64_t ldx, float (*ou
   for (; k < K; k++)
     for (int i = 0; i < NB; i++) {
       const float wk = load1(w + i * K + k);
-      for (int r = 0; r < RB; r++) out[i][r] += wk * x[r * ldx + k];
+      for (int r = 0; r < RB; r++) out[r][i] += wk * x[r * ldx + k];
     }
 }
 
@@ -201,7 +201,7 @@ inline void tile(const WT* w, int64_t K, const float* x, int64_t ldx, float (*ou
 // the input is permuted once per call to match, per block of 2W: its even elements, then
 // its odd ones (xp, row stride K).
 template <int NB, int RB>
-inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, float (*out)[V::RB]) {
+inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, float (*out)[V::NB]) {
   typename V::T a[NB][RB];
   for (int i = 0; i < NB; i++)
     for (int r = 0; r < RB; r++) a[i][r] = V::zero();
@@ -233,7 +233,7 @@ inline void tile_bf16(const uint16_t* w, int64_t K, const float* xp, float (*out
 // sign trick of the AVX2 kernel costs a second op per pair).
 constexpr int64_t XS_REPEAT = 8;
 template <int NB, int RB>
-inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* xs, float (*out)[V::RB]) {
+inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* xs, float (*out)[V::NB]) {
   const __m512i zero = _mm512_setzero_si512(), off = _mm512_set1_epi8((char)0x80);
   __m512 a[NB][RB];
   for (int i = 0; i < NB; i++)
@@ -264,7 +264,7 @@ inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* x
 // to int32 lanes; one block of 32 per 256-bit register.
 constexpr int64_t XS_REPEAT = 1;
 template <int NB, int RB>
-inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* xs, float (*out)[V::RB]) {
+inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* xs, float (*out)[V::NB]) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 a[NB][RB];
   for (int i = 0; i < NB; i++)
@@ -290,15 +290,30 @@ inline void tile_q8(const int8_t* w, int64_t K, const int8_t* xq, const float* x
 }
 #endif
 
-// y[r0 + r, n0 + i] (+)= out[i][r] * scale + bias for the tile's nb x rb outputs.
-inline void store(float* y, int64_t ldy, int64_t r0, int rb, int64_t n0, int nb, const float (*out)[V::RB],
+// y[r0 + r, n0 + i] (+)= out[r][i] * scale + bias for the tile's nb x rb outputs: a whole
+// tile's row of V::NB = 4 outputs as one 4-wide multiply, add (and add to y), the same
+// two roundings per output as one at a time (this file is built with -ffp-contract=off;
+// no scales multiply by 1 and no bias adds 0, as the scalar path does).
+inline void store(float* y, int64_t ldy, int64_t r0, int rb, int64_t n0, int nb, const float (*out)[V::NB],
                   const float* scales, const float* bias, int accumulate) {
+  static_assert(V::NB == 4, "a tile row is one 4-wide vector");
+  if (nb == 4) {
+    const __m128 s = scales ? _mm_loadu_ps(scales + n0) : _mm_set1_ps(1.0f);
+    const __m128 b = bias ? _mm_loadu_ps(bias + n0) : _mm_setzero_ps();
+    for (int r = 0; r < rb; r++) {
+      float* yv = y + (r0 + r) * ldy + n0;
+      __m128 v = _mm_add_ps(_mm_mul_ps(_mm_load_ps(out[r]), s), b);
+      if (accumulate) v = _mm_add_ps(_mm_loadu_ps(yv), v);
+      _mm_storeu_ps(yv, v);
+    }
+    return;
+  }
   for (int i = 0; i < nb; i++) {
     const float s = scales ? scales[n0 + i] : 1.0f;
     const float b = bias ? bias[n0 + i] : 0.0f;
     for (int r = 0; r < rb; r++) {
       float* yv = y + (r0 + r) * ldy + n0 + i;
-      const float v = out[i][r] * s + b;
+      const float v = out[r][i] * s + b;
       *yv = accumulate ? *yv + v : v;
     }
   }
@@ -348,7 +363,7 @@ void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* sca
   const bool few = rows <= 2;
   const int nbmax = few ? ((KV_AVX512 && rows == 1 && sizeof(WT) == 2) ? 1 : V::NB) : NBM;
   kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {
-    float out[V::NB][V::RB];
+    alignas(16) float out[V::RB][V::NB];
     // weight rows [n, n + nb) over every input row, RB_ at a time in tiles of at most NB_ x RB_
     auto rows_of = [&]<int NB_, int RB_>(int64_t n, int nb) {
       for (int64_t r0 = 0; r0 < rows; r0 += RB_) {
@@ -371,7 +386,7 @@ template <typename WT>
 void gemv(const float* x, int64_t rows, int64_t ldx, int64_t K, const WT* W, int64_t N, const float* scales,
           const float* bias, float* y, int64_t ldy, int accumulate, int nthreads) {
   run_tiles<V::NB_F32, V::RB_F32>(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
-                                  [&]<int NB, int RB>(const WT* w, int64_t r0, float (*out)[V::RB]) {
+                                  [&]<int NB, int RB>(const WT* w, int64_t r0, float (*out)[V::NB]) {
                                     tile<WT, NB, RB>(w, K, x + r0 * ldx, ldx, out);
                                   });
 }
@@ -393,7 +408,7 @@ void gemv_bf16(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint1
         xp[r * K + k + V::W + j] = x[r * ldx + k + 2 * j + 1];
       }
   run_tiles<V::NB_BF16, V::RB_BF16>(rows, K, W, N, nullptr, bias, y, ldy, accumulate, nthreads,
-                                    [&]<int NB, int RB>(const uint16_t* w, int64_t r0, float (*out)[V::RB]) {
+                                    [&]<int NB, int RB>(const uint16_t* w, int64_t r0, float (*out)[V::NB]) {
                                       tile_bf16<NB, RB>(w, K, xp + r0 * K, out);
                                     });
 }
@@ -442,7 +457,7 @@ void gemv_q8(const int8_t* xq, const float* xs, int64_t rows, int64_t K, const i
   }
   const int64_t ls = nb * XS_REPEAT;
   run_tiles<V::NB_Q8, V::RB_Q8>(rows, K, W, N, scales, bias, y, ldy, accumulate, nthreads,
-                                [&]<int NB, int RB>(const int8_t* w, int64_t r0, float (*out)[V::RB]) {
+                                [&]<int NB, int RB>(const int8_t* w, int64_t r0, float (*out)[V::NB]) {
                                   tile_q8<NB, RB>(w, K, xq + r0 * K, xs + r0 * ls, out);
                                 });
 }
