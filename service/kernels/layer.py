@@ -238,7 +238,8 @@ class DecoderStack:
         if ends is not None and ends.embedding.shape[1] != self.hidden:
             raise ValueError("the stack's ends differ from its layers in hidden size")
         self.ends = ends  # None: the family's own embedding and head run around the layers
-        self._head = ctypes.byref(ends.head.struct()) if ends is not None else None
+        self._head_struct = ends.head.struct() if ends is not None else None  # kept referenced, as _structs
+        self._head = ctypes.byref(self._head_struct) if ends is not None else None
 
     def __len__(self) -> int:
         return len(self.layers)
