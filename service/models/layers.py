@@ -308,7 +308,9 @@ class RMSNorm(nn.Module, UsesKernels):
     def _inv(self, xf: Tensor) -> tuple[Tensor, Tensor]:
         """(rsqrt(mean(xf^2) + eps) (..., 1), the scale (D,)) for float32 xf."""
         w = self.weight
-        key = (w.device, w.data_ptr(), w._version)
+        # an inference tensor (a model loaded under torch.inference_mode) has no version
+        # counter; it cannot change outside inference mode either
+        key = (w.device, w.data_ptr(), None if w.is_inference() else w._version)
         if key not in self._cache:
             with torch.inference_mode(False):  # plain tensors: usable with autograd too
                 self._cache = {key: (

@@ -310,6 +310,28 @@ def test_rmsnorm_float32_is_torch_rms_norm_bit_for_bit(dim: int) -> None:
         assert torch.equal(norm(x), want)
 
 
+@pytest.mark.parametrize("variant", ["tiny_llama_dir", "tiny_gemma2_dir"])
+def test_a_model_loaded_under_inference_mode_runs_torchs_path(variant: str, request) -> None:
+    """A model loaded inside ``torch.inference_mode`` (its parameters inference tensors,
+    which keep no version counter) runs the torch path, the one a GPU runs, with the same
+    logits as one loaded outside it (the float32 norm's cached scalars were keyed by the
+    weight's version: the first GPU run died there)."""
+    path = request.getfixturevalue(variant)
+    ids = [5, 9, 2, 7, 11, 3]
+
+    def logits(ours: LoadedModel) -> torch.Tensor:
+        c = ours.config
+        pool = KVPool(4, c.num_layers, BLOCK, c.num_kv_heads, c.head_dim, ours.dtype, ours.device)
+        with torch.inference_mode():
+            return ours.model(BatchLayout.build([SeqSlice([1, 2, 3], 0, ids)], BLOCK, ours.device, ours.dtype), pool)
+
+    plain = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
+    with torch.inference_mode():
+        inside = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
+    assert next(inside.model.parameters()).is_inference()
+    assert torch.equal(logits(inside), logits(plain))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemma_offset_rmsnorm_is_the_plain_formula_bit_for_bit(dtype: torch.dtype) -> None:
     """layers.RMSNorm with Gemma's offset (fewer kernels, (1 + w) cached per weight
