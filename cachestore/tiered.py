@@ -747,6 +747,10 @@ class TieredStore:
             return job
 
     def _writer_loop(self) -> None:
+        with torch.inference_mode():  # the tiers' buffers may be inference tensors (a store built under it)
+            self._write_jobs()
+
+    def _write_jobs(self) -> None:
         while (job := self._next_job()) is not None:
             try:
                 held = self._write_job(job)

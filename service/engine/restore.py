@@ -123,7 +123,7 @@ class Restorer:
         # layer groups of an overlapped restore (none: restores land whole before prefill);
         # only where restores write into the pool in place (the CPU)
         self.stages = layer_stages(pool.num_layers, stages) if stages > 0 and transfers.in_place else []
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-restore")  # jobs through ``_submit``
         self.num_restores_skipped = 0  # restores cut because recomputing was faster
         self.num_overlapped = 0  # forwards run over a landing restore (LLMEngine._overlap)
         self.num_overlaps_voided = 0  # of those, thrown away: a planned block did not verify
@@ -139,8 +139,14 @@ class Restorer:
         block_ids = [b.block_id for b in blocks]
         s_per_block = None if prefill_tokens_per_s is None else self.block_size / prefill_tokens_per_s
         seq.landing = Landing() if self.stages else None
-        seq.restore = self._pool.submit(self._job, seq.namespace, hashes, block_ids, after, s_per_block, seq.landing)
+        seq.restore = self._submit(self._job, seq.namespace, hashes, block_ids, after, s_per_block, seq.landing)
         seq.restore.add_done_callback(lambda _: self._wake())
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the restore thread in torch's inference mode, as the engine's
+        steps run: the pool may be an inference tensor (an engine built inside
+        ``torch.inference_mode``), which only inference mode may write."""
+        return self._pool.submit(torch.inference_mode()(fn), *args)
 
     def overlappable(self, restoring: list[Sequence], budget: int) -> Sequence | None:
         """Engine thread: a restoring sequence whose restore is planned and still
@@ -271,7 +277,7 @@ class Restorer:
                 tiers = []
             then(tiers)
 
-        self._pool.submit(job)
+        self._submit(job)
 
     def fetch_warm(
         self,
@@ -303,7 +309,7 @@ class Restorer:
                 store.note_load_failed(tiers[n_ok:])
             then(tiers[:n_ok], event)
 
-        self._pool.submit(job)
+        self._submit(job)
 
     # ---- demotions, spills, locations, forgetting ------------------------------------
 

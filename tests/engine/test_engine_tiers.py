@@ -90,6 +90,32 @@ def test_redis_restore_after_restart(loaded, redis_url):
     b.close()
 
 
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.REDIS])
+def test_an_engine_built_under_inference_mode_restores(tiny_llama_dir, redis_url, tier):
+    """Everything built inside ``torch.inference_mode`` (model, pool, host slab: inference
+    tensors, which only inference mode may write): the store's writer thread and the
+    restore thread still write them, so the returning turn restores instead of falling
+    back to recomputing (the first GPU check's script built its engines so, and every
+    restore there failed: "Inplace update to inference tensor outside InferenceMode")."""
+    import torch
+
+    with torch.inference_mode():
+        model = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+
+        def store():
+            return store_for(model, host_blocks=64 if tier is Tier.HOST else 0,
+                             redis_url=redis_url if tier is Tier.REDIS else None)
+
+        shared = store()
+        a = make_engine(model, store=shared)
+        transcript, prompt, n = two_turns(model, a, a, seed=5)
+        assert spill_now(a, transcript, (tier.value,)) == len(transcript) // BS
+        b = make_engine(model, store=shared if tier is Tier.HOST else store())
+    check_turn2(model, b, prompt, n, tier, (len(transcript) // BS) * BS)
+    a.close()
+    b.close()
+
+
 def test_device_eviction_demotes_to_host_and_restores(loaded):
     # 10 usable blocks: the second conversation evicts the first one's blocks
     eng = make_engine(

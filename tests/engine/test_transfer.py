@@ -284,6 +284,25 @@ def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(l
     a.close()
 
 
+def test_an_engine_built_under_inference_mode_restores_through_staging(loaded: Any) -> None:
+    """The same CUDA code path with the engine built inside ``torch.inference_mode`` (its
+    pool an inference tensor, which only inference mode may write): the restore thread's
+    copies into the pool still land, and the turn restores rather than recomputes (on the
+    H200 every such restore failed with "Inplace update to inference tensor outside
+    InferenceMode" and fell back to prefill)."""
+    from tests.fixtures.engine import BS, finished, greedy_reference, req, run
+
+    with torch.inference_mode():
+        a, b, ops, hist, hashes = _history_on_host(loaded, 13, seed=6)
+    assert b.pool.data.is_inference()
+    turn = hist + [3, 4]
+    fin = finished(run(b, [req("b", turn, n=3)])["b"])
+    assert fin.cached_tokens == len(hashes) * BS
+    assert fin.output_token_ids == greedy_reference(loaded.model, turn, 3)
+    b.close()
+    a.close()
+
+
 def test_prefill_rate_is_read_from_completed_marks_only(loaded: Any) -> None:
     """On CUDA the host clock around a forward measures its launch: the engine times
     prefill with marks on the compute stream and reads them only once complete."""
