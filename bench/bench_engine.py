@@ -2,7 +2,8 @@
 
 For each shape a random LlamaForCausalLM (or, with ``--family``, a Mistral, Qwen3,
 Gemma 2/3 or Phi-3/Phi-4-mini model of the same sizes) is written with transformers'
-save_pretrained, loaded by kvserve's loader, and both run greedy decoding in float32:
+save_pretrained, loaded by kvserve's loader, and both run greedy decoding in float32
+(``--dtype bfloat16``: both in bf16, as on a GPU):
 
 - prefill: one forward over a prompt of 128 / 512 / 2048 tokens, logits of the last
   token only (transformers: ``logits_to_keep=1``, with its DynamicCache);
@@ -17,7 +18,7 @@ block tables), the layout build included in every step's time.
 
     python bench/bench_engine.py --quick            # tiny shape, seconds
     python bench/bench_engine.py                     # tiny, ~110M, TinyLlama-1.1B (10+ min on 2 cores)
-    python bench/bench_engine.py --device cuda --shapes 110m,1.1b
+    python bench/bench_engine.py --device cuda --dtype bfloat16 --shapes 110m,1.1b
     python bench/bench_engine.py --family gemma2 --shapes 110m   # another family, same sizes
 
 Weight formats (``--weight-formats exact,bf16,int8,w8a8``): "exact" runs against
@@ -41,6 +42,7 @@ one is skipped with one line saying why; its cells in the table are "-".
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -198,16 +200,18 @@ class Ours:
 
 
 class Reference:
-    """transformers: forward with logits_to_keep=1 and its DynamicCache."""
+    """transformers: forward with logits_to_keep=1 and its DynamicCache (the cache's
+    argument and output are ``cache`` from transformers 5.2x, ``past_key_values`` before)."""
 
     def __init__(self, model, device: torch.device) -> None:
         self.model, self.device = model, device
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]):
         ids = torch.tensor(prompts, device=self.device)
         out = self.model(ids, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], out.cache
+        return out.logits[:, -1], getattr(out, self.cache_arg)
 
     @torch.inference_mode()
     def decode(self, first, steps: int) -> list[list[int]]:
@@ -215,8 +219,8 @@ class Reference:
         nxt = logits.argmax(-1)
         out = [nxt]
         for _ in range(steps):
-            o = self.model(nxt[:, None], cache=past, use_cache=True, logits_to_keep=1)
-            past = o.cache
+            o = self.model(nxt[:, None], **{self.cache_arg: past}, use_cache=True, logits_to_keep=1)
+            past = getattr(o, self.cache_arg)
             nxt = o.logits[:, -1].argmax(-1)
             out.append(nxt)
         return torch.stack(out, 1).tolist()
@@ -237,7 +241,7 @@ def timed_one(fn, device: torch.device, repeats: int, now=time.perf_counter) -> 
 
 def bench_format(name: str, fmt: str, path: Path, args, device: torch.device) -> list[Row]:
     """Ours alone in weight format ``fmt``: prefill and decode rows (ref = nan)."""
-    loaded = load_model(path, dtype="float32", device=device, progress=False, weight_format=fmt)
+    loaded = load_model(path, dtype=args.dtype, device=device, progress=False, weight_format=fmt)
     vocab = loaded.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ours = Ours(loaded, max(max(args.prompt_lens), args.decode_prompt + args.decode_tokens + 1))
@@ -277,8 +281,8 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
             rows += bench_format(name, fmt, path, args, device)
     if "exact" not in args.weight_formats:
         return rows
-    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    loaded = load_model(path, dtype="float32", device=device, progress=False)
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device).eval()
+    loaded = load_model(path, dtype=args.dtype, device=device, progress=False)
     print(f"[{name}] built, saved and loaded in {time.perf_counter() - t0:.1f}s "
           f"({sum(p.numel() for p in loaded.model.parameters()) / 1e6:.0f}M params)", file=sys.stderr)
     vocab = loaded.config.vocab_size
@@ -323,11 +327,11 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
 
 
 def print_table(rows: list[Row], args, device: torch.device) -> None:
-    print(f"\nfamily {args.family}, device {device}, float32 compute, torch {torch.__version__}, "
+    print(f"\nfamily {args.family}, device {device}, {args.dtype} compute, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, "
           f"clock {args.clock}, "
           f"block size {BLOCK_SIZE}, decode: {args.decode_tokens} steps after a {args.decode_prompt}-token prompt\n")
-    print("| shape | weights | metric | kvserve | transformers (fp32) | ratio (>1: kvserve better) |")
+    print(f"| shape | weights | metric | kvserve | transformers ({args.dtype}) | ratio (>1: kvserve better) |")
     print("|---|---|---|---:|---:|---:|")
     for r in rows:
         ref = "-" if math.isnan(r.ref) else f"{r.ref:.1f} {r.unit}"
@@ -470,6 +474,8 @@ def main() -> None:
                     help="also run llama.cpp's llama-bench on GGUF conversions of the same checkpoints; "
                          "DIR caches the llama.cpp source and build (built on first use)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute dtype of both sides (bfloat16: transformers' SDPA in bf16, kvserve's bf16 pool)")
     ap.add_argument("--shapes", default="tiny,110m,1.1b")
     ap.add_argument("--family", default="llama", choices=FAMILIES,
                     help="model family at each shape's sizes (its options at their usual settings)")

@@ -642,15 +642,23 @@ def main() -> None:
     print()
     print(hdr)
     print("|---" * 15 + "|")
-    for r in rows if set(args.paths.split(",")) == set(RESTORED) else []:
+    def ms(r: dict, key: str) -> str:  # "-" for a path not run (--paths)
+        return f"{r[key]:.1f}" if key in r else "-"
+
+    def ratio(r: dict, a: str, b: str, fmt: str) -> str:
+        return f"{r[a] / r[b]:{fmt}}x" if a in r and b in r and r[b] else "-"
+
+    def rate(r: dict, path: str, ceiling: float) -> str:
+        key = f"{path}_gbps"
+        return f"{r[key]:.2f} ({100 * r[key] / ceiling:.0f}%)" if key in r and ceiling else "-"
+
+    for r in rows:
         memcpy, rawread, rawget = ceilings[r["shape"]]
         print(
             f"| {r['shape']} | {r['history']} | {r['format']} | {r['kv_mb']:.1f} | {r['cold_ms']:.1f} | {r['device_ms']:.1f} "
-            f"| {r['host_off_ms']:.1f} | {r['disk_off_ms']:.1f} | {r['disk_cold_off_ms']:.1f} | {r['redis_off_ms']:.1f} "
-            f"| {r['disk_off_ms'] / r['host_off_ms']:.2f}x | {r['cold_ms'] / r['redis_off_ms']:.1f}x "
-            f"| {r['host_gbps']:.2f} ({100 * r['host_gbps'] / memcpy:.0f}%) "
-            f"| {r['disk_gbps']:.2f} ({100 * r['disk_gbps'] / rawread:.0f}%) "
-            f"| {r['redis_gbps']:.2f} ({100 * r['redis_gbps'] / rawget:.0f}%) |"
+            f"| {ms(r, 'host_off_ms')} | {ms(r, 'disk_off_ms')} | {ms(r, 'disk_cold_off_ms')} | {ms(r, 'redis_off_ms')} "
+            f"| {ratio(r, 'disk_off_ms', 'host_off_ms', '.2f')} | {ratio(r, 'cold_ms', 'redis_off_ms', '.1f')} "
+            f"| {rate(r, 'host', memcpy)} | {rate(r, 'disk', rawread)} | {rate(r, 'redis', rawget)} |"
         )
     print_overlap(rows, args.stages)
     if llama_rows:
@@ -674,6 +682,8 @@ def main() -> None:
             xs = [r["history"] for r in rs]
             for path in PATHS:
                 key = f"{path}_ms" if path in ("cold", "device") else f"{path}_off_ms"
+                if key not in rs[0]:  # not run (--paths)
+                    continue
                 ax.plot(xs, [r[key] for r in rs], marker="o", label=path)
             ax.set_yscale("log")
             ax.set_xlabel("history tokens (+16 new)")
