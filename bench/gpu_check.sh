@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: every figure issue 15 asks of an H200, in one run (< 8 min), into one file.
+# The GPU check: every figure issue 15 asks of an H200, in one run (~6 min), into one file.
 #
 #   bench/gpu_prepare.sh            # once, on a machine with network: fills bench/gpu_deps/
 #   bench/gpu_check.sh              # on the GPU machine (no network, no Redis needed)
@@ -8,7 +8,8 @@
 # Writes $OUT/gpu_check.txt (OUT defaults to bench/out): environment (GPU, driver, torch,
 # CUDA), CUDA parity vs transformers (fp32 and bf16, Llama GQA and GPT-2), 3-turn sessions
 # restored from the host tier and from Redis vs cold, the engine bench (prefill
-# 512/2048/8192, decode batch 1/8/32 vs transformers) and the restore bench (cold vs
+# 512/2048/8192, decode batch 1/8/32 vs transformers, bf16), cold turns of new and repeated
+# lengths through the engine (what a new shape costs) and the restore bench (cold vs
 # device vs host vs Redis TTFT at 2k and 8k history, restore GB/s vs raw pinned H2D and
 # raw Redis GET). Each step has its own time limit; a failed step is recorded and the
 # rest still run. Exit status: the number of failed steps.
@@ -48,16 +49,20 @@ if ! command -v redis-server >/dev/null && [ -x "$DEPS/redis/bin/redis-server" ]
     export PATH="$PWD/$DEPS/redis/bin:$PATH"
 fi
 
-if [ "$MODE" = gpu ]; then
+if [ "$MODE" = gpu ]; then  # sized for a 15-minute device lease (its start included): ~6 minutes
     DEV=(--device cuda)
-    ENGINE=(--device cuda --shapes 1.1b --prompt-lens 512,2048,8192 --batches 1,8,32 --decode-tokens 64 --repeats 3)
-    RESTORE=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 2048,8192 --reps 3)
-    FORMATS=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 8192 --reps 2
-             --formats exact,int8,fp8 --formats-only --sessions 32)
+    ENGINE=(--device cuda --dtype bfloat16 --shapes 1.1b --prompt-lens 512,2048,8192 --batches 1,8,32
+            --decode-tokens 32 --repeats 2)
+    SHAPES=(--device cuda --shape 1.1b --prompts 8192,8192,8000,2048,2048,2000 --decode 32)
+    RESTORE=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 2048,8192 --reps 2
+             --kv-formats exact --paths host,disk,redis)
+    FORMATS=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 8192 --reps 1
+             --formats exact,int8,fp8 --formats-only --sessions 8)
 else
     DEV=(--device cpu)
-    ENGINE=(--quick)
-    RESTORE=(--quick)
+    ENGINE=(--quick --dtype bfloat16)
+    SHAPES=(--shape tiny --prompts 256,256,200,64 --decode 8)
+    RESTORE=(--quick --kv-formats exact --paths host,disk,redis)
     FORMATS=(--quick --formats exact,bf16,int8,fp8 --formats-only --sessions 4)
 fi
 
@@ -87,11 +92,12 @@ if shutil.which("nvidia-smi"):
 import transformers; print("transformers:", transformers.__version__)
 print("redis-server:", shutil.which("redis-server"))
 PY
-step parity 240 python3 bench/gpu_check.py parity "${DEV[@]}"
-step sessions 300 python3 bench/gpu_check.py sessions "${DEV[@]}"
-step engine-bench 420 python3 bench/bench_engine.py "${ENGINE[@]}"
-step restore-bench 420 python3 bench/bench_restore.py "${RESTORE[@]}" --out "$OUTDIR"
-step restore-formats 300 python3 bench/bench_restore.py "${FORMATS[@]}" --out "$OUTDIR"
+step parity 100 python3 bench/gpu_check.py parity "${DEV[@]}"
+step sessions 120 python3 bench/gpu_check.py sessions "${DEV[@]}"
+step engine-bench 150 python3 bench/bench_engine.py "${ENGINE[@]}"
+step new-shapes 120 python3 bench/profile_engine.py "${SHAPES[@]}"
+step restore-bench 150 python3 bench/bench_restore.py "${RESTORE[@]}" --out "$OUTDIR"
+step restore-formats 90 python3 bench/bench_restore.py "${FORMATS[@]}" --out "$OUTDIR"
 log ""
 log "=== $FAILED step(s) failed; report: $REPORT"
 exit "$FAILED"

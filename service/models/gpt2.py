@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
-from .layers import CausalLM, Linear, UsesKernels, attend_natively, causal_mask, paged_int8_attention
+from .layers import CausalLM, Linear, UsesKernels, attend_natively, causal_mask, paged_int8_attention, sdpa
 
 
 class Attention(nn.Module, UsesKernels):
@@ -60,7 +60,7 @@ class Attention(nn.Module, UsesKernels):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T|C, hd)
         if T > 1:  # prefill: the flash kernel runs markedly faster on contiguous heads
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # (B, nh, T, hd)
+        y = sdpa(q, k, v, mask, is_causal)  # (B, nh, T, hd)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

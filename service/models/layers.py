@@ -13,11 +13,13 @@ kernel call is part of its own forward.
 
 from __future__ import annotations
 
+import contextlib
 import torch
 import torch.nn.functional as F
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ContextManager
 
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import ops as kernel_ops
 from ..kernels.layer import (MAX_ROWS, STACK_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights, StackEnds,
@@ -255,6 +257,37 @@ def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.de
     return torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")), False
 
 
+# torch's CUDA attention kernels a forward may use, in torch's order: all but cuDNN's, which
+# builds a graph for every new shape (on the H200, torch 2.11, 1.1B bf16: a cold prompt of a
+# length not seen before +65-80 ms, the process's first 1.3 s; a decode step's context is a
+# new length every step: 11 tok/s, against 95-100 by flash's split-KV decode kernel).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device) -> ContextManager:
+    """The SDPA kernels for one forward's layers on ``device``: CUDA_SDPA_BACKENDS on
+    CUDA (entered once per forward: ~11 us a time), torch's own choice elsewhere."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None = None,
+         expand_heads: bool | None = None) -> Tensor:
+    """(B, nh, T, hd) from q (B, nh, T, hd) and k, v (B, n_kv, C, hd): torch's
+    scaled-dot-product attention, grouped-query when n_kv < nh. On CUDA a masked call
+    over grouped kv heads gets them expanded (repeat_interleave) first: torch runs GQA
+    only in its flash kernel, which takes no mask, and in the math one, which writes out
+    every score (a 4096-token chunk over 8192 positions: 550-590 ms on the H200); the
+    memory-efficient kernel takes the mask over the expanded heads (``expand_heads``:
+    that choice forced either way, for tests)."""
+    gqa = k.shape[1] != q.shape[1]
+    if expand_heads is None:
+        expand_heads = mask is not None and q.device.type == "cuda"
+    if gqa and expand_heads:
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
 def fuse_linears(linears: list[Linear]) -> Linear:
     """One ``Linear`` computing the given ones side by side: its output is their outputs
     concatenated on the last dim (split it with ``.split([l.out_features ...], -1)``).
@@ -470,9 +503,7 @@ class PagedAttention(nn.Module, UsesKernels):
         """(B, nh, T, hd) from q (B, nh, T, hd) and k, v (B, n_kv, C, hd)."""
         if q.shape[2] > 1:  # prefill: the flash kernel runs markedly faster on contiguous heads
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
-        )
+        return sdpa(q, k, v, mask, is_causal, self.scale)
 
     def forward(self, x: Tensor, rope: Rope, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         """x (B, T, D) -> (B, T, D); ``layout`` None: plain causal attention over x alone."""
@@ -593,8 +624,9 @@ class CausalLM(nn.Module):
         stack = self.stack
         if stack is not None and stack.applies(x) and (step := decode_step(layout, kv)) is not None:
             return stack.run(x, ropes, step)  # a decode step: decided once, not per block
-        for block in self.blocks:
-            x = block(x, ropes[block.rope_group] if ropes else None, layout, kv)
+        with attention_backends(x.device):
+            for block in self.blocks:
+                x = block(x, ropes[block.rope_group] if ropes else None, layout, kv)
         return x
 
     def native_rows(self, kv: KVPool) -> int:

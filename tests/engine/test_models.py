@@ -332,6 +332,34 @@ def test_a_model_loaded_under_inference_mode_runs_torchs_path(variant: str, requ
     assert torch.equal(logits(inside), logits(plain))
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_attention_over_expanded_kv_heads_is_grouped_query_attention(masked: bool) -> None:
+    """layers.sdpa's CUDA choice for a masked grouped-query call (the kv heads expanded,
+    so the memory-efficient kernel can take the mask) is the same attention as torch's
+    GQA: query head h reads kv head h // (nh / n_kv); and a forward's SDPA kernels on CUDA
+    leave cuDNN's out (its graph per new shape), on the CPU are torch's own."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend
+
+    from kvserve.service.models.layers import CUDA_SDPA_BACKENDS, attention_backends, sdpa
+
+    torch.manual_seed(3)
+    q = torch.randn(2, 8, 5, 16)  # (B, nh, T, hd)
+    k, v = torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)  # (B, n_kv, C, hd)
+    mask = None
+    if masked:  # a padded batch over a cached context: key c visible to query t iff c <= 4 + t (row 1: one shorter)
+        limit = torch.tensor([[4], [3]])[:, :, None] + torch.arange(5)[None, :, None]  # (B, T, 1)
+        allowed = torch.arange(9)[None, None, :] <= limit  # (B, T, C)
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]  # (B, 1, T, C)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(sdpa(q, k, v, mask, False, expand_heads=True), want, atol=1e-6)
+    assert torch.equal(sdpa(q, k, v, mask, False), want)  # the CPU: torch's own call
+    assert SDPBackend.CUDNN_ATTENTION not in CUDA_SDPA_BACKENDS and SDPBackend.FLASH_ATTENTION in CUDA_SDPA_BACKENDS
+    assert isinstance(attention_backends(torch.device("cpu")), contextlib.nullcontext)
+    assert not isinstance(attention_backends(torch.device("cuda")), contextlib.nullcontext)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemma_offset_rmsnorm_is_the_plain_formula_bit_for_bit(dtype: torch.dtype) -> None:
     """layers.RMSNorm with Gemma's offset (fewer kernels, (1 + w) cached per weight
