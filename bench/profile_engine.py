@@ -88,7 +88,7 @@ def main() -> None:
             b = torch.backends.cuda
             print(f"sdpa backends enabled: flash {b.flash_sdp_enabled()}, efficient {b.mem_efficient_sdp_enabled()}, "
                   f"cudnn {b.cudnn_sdp_enabled()}, math {b.math_sdp_enabled()}")
-        per_token = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * loaded.dtype.itemsize
+        per_token = loaded.kv_spec(16).bytes_per_token
         cfg = EngineConfig(block_size=16, kv_cache_memory=per_token * (max(lens) + args.decode + 64) * 2,
                            max_num_batched_tokens=args.chunk, max_model_len=max(lens) + args.decode + 64,
                            speculative="off")
