@@ -30,6 +30,13 @@ forward, and whether the speculative tokens equal plain decoding's.
 
     python bench/bench_speculative.py                       # default model, ~2 minutes
     python bench/bench_speculative.py --shapes default,110m --tokens 96
+    python bench/bench_speculative.py --device cuda --dtype bfloat16 --clock wall --shapes default,1.1b
+
+On a GPU (``--device cuda``, wall clock) a decode step of these models is bound by its
+kernels' launches, not by the rows they compute, so a verify step of several rows costs
+about one plain step; each row also prints the engine's measured step line (``step_ms``:
+a decode step's fixed milliseconds, ``row_ms``: each row's), which the drafts' length is
+sized from.
 """
 
 from __future__ import annotations
@@ -55,8 +62,12 @@ from kvserve.service.models.loading import load_model  # noqa: E402
 from kvserve.service.types import Delta, Finished, GenerationRequest, ResponseFormat, SamplingParams  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
-SHAPE_110M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)  # its tokenizer: 400 pieces
+RANDOM_SHAPES = {  # random weights, the 400-piece test tokenizer
+    "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),  # TinyLlama's
+}
 QUOTE_SCHEMA = {"type": "object", "properties": {"quote": {"type": "string", "minLength": 160, "maxLength": 600}},
                 "required": ["quote"], "additionalProperties": False}  # the json workload's response_format
 EDITS = {" was ": " had been ", " the ": " that ", " not ": " never "}  # word swaps of the "edit" workload
@@ -64,7 +75,8 @@ EDITS = {" was ": " had been ", " the ": " that ", " not ": " never "}  # word s
 
 def engine_for(loaded, spec: str, max_draft: int) -> LLMEngine:
     per_token = loaded.kv_spec(16).bytes_per_token
-    cfg = EngineConfig(model_path="unused", device="cpu", dtype="float32", block_size=16,
+    cfg = EngineConfig(model_path="unused", device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
+                       block_size=16,
                        kv_cache_memory=1024 * 16 * per_token, speculative=spec, spec_max_draft=max_draft)
     return LLMEngine(loaded, cfg)
 
@@ -86,7 +98,7 @@ def generate(engine: LLMEngine, prompt: list[int], tokens: int, rid: str, now,
 
 def workloads(name: str, loaded, tokens: int) -> dict[str, list[int] | tuple[list[int], ResponseFormat]]:
     tok = loaded.tokenizer
-    if name == "110m":
+    if name in RANDOM_SHAPES:
         g = torch.Generator().manual_seed(0)
         r = torch.randint(3, loaded.tokenizer.vocab_size, (64,), generator=g).tolist()
         return {"repeat-random": r + r + r[:8]}
@@ -118,7 +130,9 @@ def workloads(name: str, loaded, tokens: int) -> dict[str, list[int] | tuple[lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="default", help="default (the packaged model), 110m (random weights)")
+    ap.add_argument("--shapes", default="default", help="default (the packaged model), 110m, 1.1b (random weights)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 (on a GPU)")
     ap.add_argument("--tokens", type=int, default=96, help="output tokens per request")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-draft", type=int, default=16)
@@ -132,13 +146,13 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         if shape == "default":
-            loaded = load_model(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu")
-        elif shape == "110m":
+            loaded = load_model(str(DEFAULT_MODEL_DIR), dtype=args.dtype, device=args.device)
+        elif shape in RANDOM_SHAPES:
             ckpt = Path(tempfile.mkdtemp(prefix="kvserve-spec-"))
-            make_tiny_llama(ckpt, **SHAPE_110M)
-            loaded = load_model(str(ckpt), dtype="float32", device="cpu")
+            make_tiny_llama(ckpt, **RANDOM_SHAPES[shape])
+            loaded = load_model(str(ckpt), dtype=args.dtype, device=args.device)
         else:
-            raise SystemExit(f"unknown shape {shape!r}: use default or 110m")
+            raise SystemExit(f"unknown shape {shape!r}: use default, 110m or 1.1b")
         n_out = min(args.tokens, loaded.config.max_position_embeddings // 4)
         for wname, work in workloads(shape, loaded, n_out).items():
             prompt, fmt = work if isinstance(work, tuple) else (work, None)
@@ -153,6 +167,7 @@ def main() -> None:
                     if rep and dt > 0:
                         rates[spec].append((fin.completion_tokens - 1) / dt)
             t = last["ngram"].timings
+            line = engines["ngram"].scheduler.step_cost.line() or (float("nan"), float("nan"))
             off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
             rows.append(dict(
                 shape=shape, workload=wname, prompt=len(prompt), tokens=last["ngram"].completion_tokens,
@@ -160,6 +175,7 @@ def main() -> None:
                 acceptance=round(t.accepted_draft_tokens / t.draft_tokens, 3) if t.draft_tokens else 0.0,
                 tokens_per_step=round(t.tokens_per_step, 2),
                 identical=last["ngram"].output_token_ids == last["off"].output_token_ids,
+                step_ms=round(line[0] * 1e3, 3), row_ms=round(line[1] * 1e3, 3),
             ))  # fmt: skip
             for eng in engines.values():
                 eng.close()
@@ -168,7 +184,7 @@ def main() -> None:
             print(json.dumps(r))
         return
     cols = list(rows[0])
-    print(f"# threads={args.threads} clock={args.clock} max_draft={args.max_draft} repeats={args.repeats}")
+    print(f"# device={args.device} dtype={args.dtype} threads={args.threads} clock={args.clock} max_draft={args.max_draft} repeats={args.repeats}")
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
     for r in rows:

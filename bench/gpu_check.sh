@@ -4,6 +4,7 @@
 #   bench/gpu_prepare.sh            # once, on a machine with network: fills bench/gpu_deps/
 #   bench/gpu_check.sh              # on the GPU machine (no network, no Redis needed)
 #   bench/gpu_check.sh --cpu        # the same steps at CPU sizes (shows the script works)
+#   STEPS=environment,speculative bench/gpu_check.sh   # only the steps named
 #
 # Writes $OUT/gpu_check.txt (OUT defaults to bench/out): environment (GPU, driver, torch,
 # CUDA), CUDA parity vs transformers (fp32 and bf16, Llama GQA and GPT-2), 3-turn sessions
@@ -11,7 +12,9 @@
 # 512/2048/8192, decode batch 1/8/32 vs transformers, bf16), cold turns of new and repeated
 # lengths through the engine (what a new shape costs) and the restore bench (cold vs
 # device vs host vs Redis TTFT at 2k and 8k history, restore GB/s vs raw pinned H2D and
-# raw Redis GET). Each step has its own time limit; a failed step is recorded and the
+# raw Redis GET), and speculative decoding from the conversation against plain decoding
+# (the default model and the 1.1B shape, bf16: tok/s, tokens a step, the step's fixed and
+# per-row cost, greedy tokens identical). Each step has its own time limit; a failed step is recorded and the
 # rest still run. Exit status: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,17 +61,20 @@ if [ "$MODE" = gpu ]; then  # sized for a 15-minute device lease (its start incl
              --kv-formats exact --paths host,disk,redis)
     FORMATS=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 8192 --reps 1
              --formats exact,int8,fp8 --formats-only --sessions 8)
+    SPEC=(--device cuda --dtype bfloat16 --clock wall --shapes default,1.1b --tokens 96 --repeats 3)
 else
     DEV=(--device cpu)
     ENGINE=(--quick --dtype bfloat16)
     SHAPES=(--shape tiny --prompts 256,256,200,64 --decode 8)
     RESTORE=(--quick --kv-formats exact --paths host,disk,redis)
     FORMATS=(--quick --formats exact,bf16,int8,fp8 --formats-only --sessions 4)
+    SPEC=(--device cpu --clock wall --shapes default --tokens 32 --repeats 1)
 fi
 
 FAILED=0
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2; shift 2
+    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return 0; fi
     log ""
     log "=== $name ($*)"
     local t0=$SECONDS
@@ -98,6 +104,7 @@ step engine-bench 150 python3 bench/bench_engine.py "${ENGINE[@]}"
 step new-shapes 120 python3 bench/profile_engine.py "${SHAPES[@]}"
 step restore-bench 150 python3 bench/bench_restore.py "${RESTORE[@]}" --out "$OUTDIR"
 step restore-formats 90 python3 bench/bench_restore.py "${FORMATS[@]}" --out "$OUTDIR"
+step speculative 150 python3 bench/bench_speculative.py "${SPEC[@]}"
 log ""
 log "=== $FAILED step(s) failed; report: $REPORT"
 exit "$FAILED"
