@@ -16,6 +16,7 @@ have the entry points' current signatures.
     python bench/bench_kernels.py --formats f32 --rows 1,8 --against HEAD~1
     python bench/bench_kernels.py --formats bf16 --rows 1,2,4,8,16 --steps 50 --against main
     python bench/bench_kernels.py --formats none --attention 1x1024,8x1024 --against HEAD~1
+    python bench/bench_kernels.py --shape default --formats none --attention 1x320,g4x320 --warm
 
 Per format and row count: the median and quartile of the step's products (ms), the
 weights read per second at the median, and with ``--against`` the ratio of medians
@@ -141,36 +142,45 @@ class Products:
 class Attention:
     """Decode attention of every layer for B sequences over ``ctx`` positions each, in a
     random float32 pool (each sequence its own blocks), as ``kv_decode_attention`` reads
-    it in a step."""
+    it in a step; ``group``: the B rows are one sequence's speculative verification (its
+    pending token and B - 1 drafts at consecutive positions from ``ctx``, one block table:
+    the kernel reads their common context once)."""
 
-    def __init__(self, B: int, ctx: int, shape: dict, threads: int) -> None:
-        self.B, self.ctx, self.threads = B, ctx, threads
+    def __init__(self, B: int, ctx: int, shape: dict, threads: int, group: bool = False) -> None:
+        self.B, self.ctx, self.threads, self.group = B, ctx, threads, group
         self.L, self.nh, self.nkv = shape["num_hidden_layers"], shape["num_attention_heads"], shape["num_key_value_heads"]
         self.hd = shape["hidden_size"] // self.nh
-        nb = (ctx + BLOCK_SIZE) // BLOCK_SIZE + 1  # blocks per sequence: the context and the new token
+        nb = (ctx + B + BLOCK_SIZE) // BLOCK_SIZE + 1  # blocks per sequence: the context and the new tokens
         g = torch.Generator().manual_seed(0)
-        self.pool = torch.randn(1 + B * nb, self.L, 2, BLOCK_SIZE, self.nkv, self.hd, generator=g)
-        self.tables = torch.tensor([[1 + b * nb + j for j in range(nb)] for b in range(B)])
-        self.lens = torch.full((B,), ctx + 1, dtype=torch.long)
-        self.slot_blocks = self.tables[:, ctx // BLOCK_SIZE].contiguous()
-        self.slot_offsets = torch.full((B,), ctx % BLOCK_SIZE, dtype=torch.long)
+        seqs = 1 if group else B
+        self.pool = torch.randn(1 + seqs * nb, self.L, 2, BLOCK_SIZE, self.nkv, self.hd, generator=g)
+        self.tables = torch.tensor([[1 + (0 if group else b) * nb + j for j in range(nb)] for b in range(B)])
+        pos = torch.arange(ctx, ctx + B) if group else torch.full((B,), ctx, dtype=torch.long)
+        self.lens = (pos + 1).contiguous()
+        self.slot_blocks = self.tables.gather(1, (pos // BLOCK_SIZE)[:, None]).reshape(-1).contiguous()
+        self.slot_offsets = (pos % BLOCK_SIZE).contiguous()
         self.qkv = torch.randn(B, (self.nh + 2 * self.nkv) * self.hd, generator=g)
         self.out = torch.empty(B, self.nh * self.hd)
-        self.bytes = B * (ctx + 1) * self.L * 2 * self.nkv * self.hd * 4
-
-    def step(self, lib: ctypes.CDLL) -> None:
+        self.bytes = seqs * (ctx + 1) * self.L * 2 * self.nkv * self.hd * 4
         q, s = self.qkv, self.qkv.stride(0)
         k = q[:, self.nh * self.hd :]
         v = q[:, (self.nh + self.nkv) * self.hd :]
-        for layer in range(self.L):
-            lib.kv_decode_attention(
-                q.data_ptr(), s, k.data_ptr(), v.data_ptr(), s, self.B, self.nh, self.nkv, self.hd, self.pool.data_ptr(),
-                header_binding().constants["KV_F32"], layer, self.L, BLOCK_SIZE, self.slot_blocks.data_ptr(), self.slot_offsets.data_ptr(),
-                self.tables.data_ptr(), self.tables.shape[1], self.lens.data_ptr(), 0, self.hd**-0.5, 0.0,
-                self.out.data_ptr(), self.threads,
-            )  # fmt: skip
+        self.args = [  # each layer's arguments, made once (a step times the calls, not the look-ups that make them)
+            (q.data_ptr(), s, k.data_ptr(), v.data_ptr(), s, self.B, self.nh, self.nkv, self.hd, self.pool.data_ptr(),
+             header_binding().constants["KV_F32"], layer, self.L, BLOCK_SIZE, self.slot_blocks.data_ptr(),
+             self.slot_offsets.data_ptr(), self.tables.data_ptr(), self.tables.shape[1], self.lens.data_ptr(), 0,
+             self.hd**-0.5, 0.0, self.out.data_ptr(), self.threads)
+            for layer in range(self.L)
+        ]  # fmt: skip
+
+    def step(self, lib: ctypes.CDLL) -> None:
+        fn = lib.kv_decode_attention
+        for args in self.args:
+            fn(*args)
 
     def label(self) -> str:
+        if self.group:
+            return f"attention, a verify group of {self.B} rows over {self.ctx} positions"
         return f"attention, {self.B} x {self.ctx} positions"
 
 
@@ -208,7 +218,10 @@ def main() -> None:
     ap.add_argument("--shape", default="110m", choices=sorted(SHAPES))
     ap.add_argument("--formats", default="f32,bf16,int8,w8a8", help=f"comma list of {', '.join(FORMATS)}, or none")
     ap.add_argument("--rows", default="1,8", help="input rows per product (1..64)")
-    ap.add_argument("--attention", default="", help="comma list of BxCTX, e.g. 1x1024,8x1024")
+    ap.add_argument("--attention", default="", help="comma list of BxCTX (B sequences), or gRxCTX (one sequence's "
+                    "verify group of R rows), e.g. 1x1024,8x1024,g4x320")
+    ap.add_argument("--warm", action="store_true", help="attention: no cache flush before each step (a small "
+                    "model's context stays in the caches between steps)")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per build and workload")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", metavar="REV", help="also time the library built from git revision REV")
@@ -228,7 +241,7 @@ def main() -> None:
             work += [Products(f, int(r), products(shape), args.threads) for r in args.rows.split(",")]
         for spec in filter(None, args.attention.split(",")):
             b, c = spec.lower().split("x")
-            work.append(Attention(int(b), int(c), shape, args.threads))
+            work.append(Attention(int(b.removeprefix("g")), int(c), shape, args.threads, group=b.startswith("g")))
         flush = torch.empty(64 << 20, dtype=torch.uint8)  # larger than the L3 caches of these hosts
         print(f"{args.shape}, {isa} build, {args.threads} threads, {args.steps} steps per build"
               f"{' in turn' if len(libs) > 1 else ''}", file=sys.stderr)  # fmt: skip
@@ -238,7 +251,7 @@ def main() -> None:
         print(head)
         print("|---|---|---:|---:|---:|" + ("---:|" if len(libs) > 1 else ""))
         for w in work:
-            times = timed(w, libs, args.steps, flush if isinstance(w, Attention) else None)
+            times = timed(w, libs, args.steps, flush if isinstance(w, Attention) and not args.warm else None)
             med = [statistics.median(t) for t in times]
             for i, (name, t) in enumerate(zip(names, times)):
                 q = statistics.quantiles(t, n=4)
