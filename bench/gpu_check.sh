@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: every figure issue 15 asks of an H200, in one run (~6 min), into one file.
+# The GPU check: every figure issue 15 asks of an H200, in one run (~6 min, up to 2.5 more with the speculative step), into one file.
 #
 #   bench/gpu_prepare.sh            # once, on a machine with network: fills bench/gpu_deps/
 #   bench/gpu_check.sh              # on the GPU machine (no network, no Redis needed)
@@ -52,7 +52,7 @@ if ! command -v redis-server >/dev/null && [ -x "$DEPS/redis/bin/redis-server" ]
     export PATH="$PWD/$DEPS/redis/bin:$PATH"
 fi
 
-if [ "$MODE" = gpu ]; then  # sized for a 15-minute device lease (its start included): ~6 minutes
+if [ "$MODE" = gpu ]; then  # sized for a 15-minute device lease (its start included): ~6-8.5 minutes
     DEV=(--device cuda)
     ENGINE=(--device cuda --dtype bfloat16 --shapes 1.1b --prompt-lens 512,2048,8192 --batches 1,8,32
             --decode-tokens 32 --repeats 2)
