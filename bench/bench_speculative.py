@@ -60,14 +60,10 @@ from kvserve.service.engine.config import DEFAULT_MODEL_DIR, EngineConfig  # noq
 from kvserve.service.engine.engine import LLMEngine  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
 from kvserve.service.types import Delta, Finished, GenerationRequest, ResponseFormat, SamplingParams  # noqa: E402
+from bench.bench_engine import SHAPES  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
 
-RANDOM_SHAPES = {  # random weights, the 400-piece test tokenizer
-    "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
-    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),  # TinyLlama's
-}
+RANDOM_SHAPES = ("110m", "1.1b")  # bench_engine.SHAPES' dims, random weights, the 400-piece test tokenizer
 QUOTE_SCHEMA = {"type": "object", "properties": {"quote": {"type": "string", "minLength": 160, "maxLength": 600}},
                 "required": ["quote"], "additionalProperties": False}  # the json workload's response_format
 EDITS = {" was ": " had been ", " the ": " that ", " not ": " never "}  # word swaps of the "edit" workload
@@ -149,7 +145,7 @@ def main() -> None:
             loaded = load_model(str(DEFAULT_MODEL_DIR), dtype=args.dtype, device=args.device)
         elif shape in RANDOM_SHAPES:
             ckpt = Path(tempfile.mkdtemp(prefix="kvserve-spec-"))
-            make_tiny_llama(ckpt, **RANDOM_SHAPES[shape])
+            make_tiny_llama(ckpt, max_position_embeddings=2048, **SHAPES[shape])
             loaded = load_model(str(ckpt), dtype=args.dtype, device=args.device)
         else:
             raise SystemExit(f"unknown shape {shape!r}: use default, 110m or 1.1b")
