@@ -25,8 +25,14 @@ Two pure parts, no engine state:
   q_i depends on how long the match it extends is (m + i - 1 tokens for draft i, m the
   match's length at the proposal: how many tokens before the candidate agree with the
   history's end, up to ``MATCH_CAP``): a continuation of a long verbatim repeat goes on
-  far more often than one of a common bigram. It is estimated per class of match length
-  (``MATCH_CLASSES``), the sequence's own rate shrunk toward the server's
+  far more often than one of a common bigram; and on whether the text went on the same
+  way each time the draft's context came before (its last ``max_ngram`` tokens, drafts
+  before it included): a draft where the history branched is a likelier miss (the
+  frequency signal of SuffixDecoding, Oliaro et al. 2024). It is estimated per class of
+  match length (``MATCH_CLASSES``) and of how the context went on (``FOLLOW_CLASSES``:
+  every time of two or more as the draft; once, or never seen; as several tokens, the
+  draft's the majority; the draft's half the times or fewer), the sequence's own rate
+  shrunk toward the server's
   (``MatchStats``, shared by every sequence of an engine: q = (hits + W r) / (seen + W),
   the sequence's decayed counts, r the server's rate, W = ``SEQUENCE_WEIGHT``), so a
   new sequence drafts at once as the server's traffic has measured and a sequence whose
@@ -82,6 +88,12 @@ DEFAULT_ROW_COST = 0.05  # a draft row's cost (of a plain step) before StepCost 
 MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
 MATCH_CAP = 64  # longest match measured (tokens before the candidate agreeing with the history's end)
 MATCH_CLASSES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # the match-length classes' lower ends (bisect)
+# How a draft's context (its last max_ngram tokens) went on where it came before in the history:
+AGREED = 0  # two or more times, every one with the draft's token
+ONCE = 1  # once, with the draft's token; or the context was not seen before
+MAJORITY = 2  # with several tokens, the draft's more than half the times
+MINORITY = 3  # with several tokens, the draft's half the times or fewer; or with another token alone
+FOLLOW_CLASSES = 4
 SEQUENCE_WEIGHT = 4.0  # the server's rate counts as this many of the sequence's own scored tokens
 
 
@@ -91,26 +103,35 @@ def match_class(m: int) -> int:
     return max(bisect.bisect_right(MATCH_CLASSES, m) - 1, 0)
 
 
+def rate_slot(cls: int, follow: int) -> int:
+    """The counts' index of match class ``cls`` and follow class ``follow``."""
+    return cls * FOLLOW_CLASSES + follow
+
+
+NUM_SLOTS = len(MATCH_CLASSES) * FOLLOW_CLASSES
+
+
 class MatchStats:
     """How often the history went on as the drafter's candidate, per class of the length of
-    the match the token extended: every sequence's drafter of an engine scores into one
-    (the scheduler's), decayed counts (each scored token weighs 1, the ones before
-    ``DECAY`` as much: a window of ~1 / (1 - DECAY) tokens per class) from PRIOR_WEIGHT
-    tokens at PRIOR. Plain Python floats: the engine thread alone touches it."""
+    the match the token extended and class of how its context went on before (``rate_slot``):
+    every sequence's drafter of an engine scores into one (the scheduler's), decayed counts
+    (each scored token weighs 1, the ones before ``DECAY`` as much: a window of
+    ~1 / (1 - DECAY) tokens per class) from PRIOR_WEIGHT tokens at PRIOR. Plain Python
+    floats: the engine thread alone touches it."""
 
     DECAY = 0.999
     PRIOR_WEIGHT = 2.0
 
     def __init__(self) -> None:
-        self.hits = [PRIOR * self.PRIOR_WEIGHT] * len(MATCH_CLASSES)
-        self.seen = [self.PRIOR_WEIGHT] * len(MATCH_CLASSES)
+        self.hits = [PRIOR * self.PRIOR_WEIGHT] * NUM_SLOTS
+        self.seen = [self.PRIOR_WEIGHT] * NUM_SLOTS
 
-    def rate(self, cls: int) -> float:
-        return self.hits[cls] / self.seen[cls]
+    def rate(self, slot: int) -> float:
+        return self.hits[slot] / self.seen[slot]
 
-    def add(self, cls: int, hit: bool) -> None:
-        self.hits[cls] = self.DECAY * self.hits[cls] + hit
-        self.seen[cls] = self.DECAY * self.seen[cls] + 1.0
+    def add(self, slot: int, hit: bool) -> None:
+        self.hits[slot] = self.DECAY * self.hits[slot] + hit
+        self.seen[slot] = self.DECAY * self.seen[slot] + 1.0
 
 
 def match_length(tokens: Sequence[int], c: int, n: int, cap: int = MATCH_CAP) -> int:
@@ -168,9 +189,13 @@ class NgramDrafter:
     match: int = 0  # the length of the match the candidate continues (its first token extends it)
     indexed: int = 0  # history positions p < indexed whose n-grams ending at p - 1 are in the index
     index: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)  # n -> n-gram -> continuation
-    # this sequence's decayed counts per match class: tokens scored, and how many the candidate predicted
-    hits: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_CLASSES))
-    scored: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_CLASSES))
+    # the max_ngram-grams' occurrences with a continuation, and those grams with each continuation appended
+    contexts: dict[tuple[int, ...], int] = field(default_factory=dict)
+    follows: dict[tuple[int, ...], int] = field(default_factory=dict)
+    follow: list[int] = field(default_factory=list)  # the candidate's follow classes
+    # this sequence's decayed counts per rate_slot: tokens scored, and how many the candidate predicted
+    hits: list[float] = field(default_factory=lambda: [0.0] * NUM_SLOTS)
+    scored: list[float] = field(default_factory=lambda: [0.0] * NUM_SLOTS)
     # figures of this sequence (the engine sums them): verification steps, drafted, accepted
     steps: int = 0
     drafted: int = 0
@@ -179,15 +204,40 @@ class NgramDrafter:
     def _update(self, tokens: Sequence[int]) -> None:
         """Index the n-grams of ``tokens`` that have a continuation: an n-gram ending at
         position p (p < len - 1) continues at p + 1; a later occurrence replaces an
-        earlier one (the most recent wins)."""
+        earlier one (the most recent wins). The max_ngram-grams' occurrences are counted
+        too, and each with its continuation (``contexts``, ``follows``)."""
         lo, hi = self.config.min_ngram, self.config.max_ngram
         if not self.index:
             self.index = {n: {} for n in range(lo, hi + 1)}
         end = len(tokens) - 1  # the last token has no continuation yet
+        contexts, follows = self.contexts, self.follows
         for p in range(self.indexed, end):
             for n in range(lo, min(hi, p + 1) + 1):
                 self.index[n][tuple(tokens[p - n + 1 : p + 1])] = p + 1
+            if p + 1 >= hi:
+                gram = tuple(tokens[p - hi + 1 : p + 2])  # the context and its continuation
+                contexts[gram[:-1]] = contexts.get(gram[:-1], 0) + 1
+                follows[gram] = follows.get(gram, 0) + 1
         self.indexed = max(self.indexed, end)
+
+    def follow_classes(self, tokens: Sequence[int], candidate: list[int]) -> list[int]:
+        """The follow class of each token of ``candidate`` (the continuation proposed for
+        ``tokens``): how its context, the last max_ngram tokens of the history and the
+        candidate before it, went on where it came before in the history."""
+        n = self.config.max_ngram
+        tail = list(tokens[max(len(tokens) - n, 0) :]) + candidate
+        out = []
+        for j in range(len(tail) - n):
+            gram = tuple(tail[j : j + n])
+            seen = self.contexts.get(gram, 0)
+            same = self.follows.get(gram + (tail[j + n],), 0) if seen else 0
+            if seen == 0:
+                out.append(ONCE)
+            elif same == seen:
+                out.append(AGREED if seen >= 2 else ONCE)
+            else:
+                out.append(MAJORITY if 2 * same > seen else MINORITY)
+        return [ONCE] * (len(candidate) - len(out)) + out  # (a history shorter than max_ngram)
 
     def _score(self, tokens: Sequence[int]) -> None:
         """Count the tokens added since the last call against the last candidate, in the
@@ -196,19 +246,20 @@ class NgramDrafter:
         continued a history that did not happen: not scored)."""
         for j, (tok, want) in enumerate(zip(tokens[self.seen :], self.candidate)):
             hit = tok == want
-            cls = match_class(self.match + j)
-            self.hits[cls] = DECAY * self.hits[cls] + hit
-            self.scored[cls] = DECAY * self.scored[cls] + 1.0
-            self.stats.add(cls, hit)
+            slot = rate_slot(match_class(self.match + j), self.follow[j])
+            self.hits[slot] = DECAY * self.hits[slot] + hit
+            self.scored[slot] = DECAY * self.scored[slot] + 1.0
+            self.stats.add(slot, hit)
             if not hit:
                 break
         self.seen = len(tokens)
 
-    def rate(self, m: int) -> float:
+    def rate(self, m: int, follow: int = ONCE) -> float:
         """The probability that the history goes on as the candidate at a match of ``m``
-        tokens: the sequence's rate in m's class shrunk toward the server's."""
-        cls = match_class(m)
-        return (self.hits[cls] + SEQUENCE_WEIGHT * self.stats.rate(cls)) / (self.scored[cls] + SEQUENCE_WEIGHT)
+        tokens where the draft's context went on as ``follow`` before: the sequence's
+        rate in that class shrunk toward the server's."""
+        slot = rate_slot(match_class(m), follow)
+        return (self.hits[slot] + SEQUENCE_WEIGHT * self.stats.rate(slot)) / (self.scored[slot] + SEQUENCE_WEIGHT)
 
     def candidate_for(self, tokens: Sequence[int]) -> list[int]:
         """The continuation of the longest suffix of ``tokens`` found earlier in them, up
@@ -236,8 +287,10 @@ class NgramDrafter:
         self._update(tokens)
         self._score(tokens)
         self.candidate = self.candidate_for(tokens)
+        self.follow = self.follow_classes(tokens, self.candidate)  # every token's: scored drafted or not
         kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
-        return self.candidate[: draft_length([self.rate(self.match + i) for i in range(kmax)], row_cost)]
+        rates = [self.rate(self.match + i, self.follow[i]) for i in range(kmax)]
+        return self.candidate[: draft_length(rates, row_cost)]
 
     def record(self, drafted: int, accepted: int) -> None:
         """Count one verification (``drafted`` drafts, ``accepted`` of them taken) in the

@@ -11,7 +11,12 @@ from scipy.stats import chisquare
 from kvserve.service.engine.speculative import (
     DECAY,
     DEFAULT_ROW_COST,
+    AGREED,
+    MAJORITY,
     MATCH_CLASSES,
+    MINORITY,
+    NUM_SLOTS,
+    ONCE,
     PRIOR,
     SEQUENCE_WEIGHT,
     MatchStats,
@@ -24,6 +29,7 @@ from kvserve.service.engine.speculative import (
     draft_length,
     match_class,
     match_length,
+    rate_slot,
     target_probs,
 )
 from kvserve.service.engine.sampling import draw, position_seed
@@ -132,23 +138,25 @@ def test_rates_are_scored_per_match_class_on_every_token_drafted_or_not():
     assert d.candidate == [3, 4, 5, 6, 7, 8] and d.match == 2
     hist += [3, 4, 5]
     d.propose(hist, row_cost=1.0)
-    # three hits, extending matches of 2, 3 and 4 tokens: one in each of the first three classes
-    assert d.hits[:3] == d.scored[:3] == [1.0, 1.0, 1.0] and sum(d.scored) == 3
-    assert stats.hits[0] == pytest.approx(MatchStats.DECAY * PRIOR * MatchStats.PRIOR_WEIGHT + 1)
-    r = stats.rate(0)
+    # three hits, extending matches of 2, 3 and 4 tokens: one in each of the first three
+    # classes, each context seen once before (1 2 -> 3, 2 3 -> 4, 3 4 -> 5)
+    slots = [rate_slot(c, ONCE) for c in range(3)]
+    assert [d.hits[i] for i in slots] == [d.scored[i] for i in slots] == [1.0, 1.0, 1.0] and sum(d.scored) == 3
+    assert stats.hits[slots[0]] == pytest.approx(MatchStats.DECAY * PRIOR * MatchStats.PRIOR_WEIGHT + 1)
+    r = stats.rate(slots[0])
     assert d.rate(2) == pytest.approx((1 + SEQUENCE_WEIGHT * r) / (1 + SEQUENCE_WEIGHT)) and d.rate(2) > r > PRIOR
     # the candidate after (4, 5) continues a match of 5 tokens (1 2 3 4 5 again); 50 misses it
     assert d.match == 5
     hist += [50]
     d.propose(hist)
-    cls = match_class(5)
-    assert d.hits[cls] == pytest.approx(DECAY * 1.0) and d.scored[cls] == pytest.approx(DECAY + 1.0)
+    slot = rate_slot(match_class(5), ONCE)
+    assert d.hits[slot] == pytest.approx(DECAY * 1.0) and d.scored[slot] == pytest.approx(DECAY + 1.0)
     # a miss ends the scoring of a call: the candidate's later tokens are not counted
     d2 = NgramDrafter(SpecConfig(max_draft=6, max_ngram=2, min_ngram=2))
     h2 = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     d2.propose(h2)
     d2.propose(h2 + [9, 4, 5])  # 9 misses 3; 4 and 5 are not scored
-    assert d2.scored == [1.0] + [0.0] * (len(MATCH_CLASSES) - 1) and d2.hits[0] == 0.0
+    assert d2.scored[rate_slot(0, ONCE)] == 1.0 == sum(d2.scored) and d2.hits[rate_slot(0, ONCE)] == 0.0
 
 
 def test_a_new_sequence_drafts_at_the_servers_rate_and_its_own_text_pulls_it_away():
@@ -162,10 +170,10 @@ def test_a_new_sequence_drafts_at_the_servers_rate_and_its_own_text_pulls_it_awa
         first.propose(hist)
         hist.append(tok)
     first.propose(hist)
-    assert all(stats.rate(c) > 0.8 for c in range(len(MATCH_CLASSES)) if stats.seen[c] > 5)
+    assert all(stats.rate(i) > 0.8 for i in range(NUM_SLOTS) if stats.seen[i] > 5)
     # a new sequence drafts as the server measured, before any token of its own is scored
     new = NgramDrafter(cfg, stats)
-    assert new.rate(2) == pytest.approx(stats.rate(0))
+    assert new.rate(2) == pytest.approx(stats.rate(rate_slot(0, ONCE)))
     drafts = new.propose([7, 8, 9, 10, 11, 7, 8])
     assert drafts == [9, 10, 11, 7, 8, 9, 10, 11][: len(drafts)]
     assert len(drafts) > len(NgramDrafter(cfg).propose([7, 8, 9, 10, 11, 7, 8])) > 0  # more than on a new server
@@ -176,7 +184,8 @@ def test_a_new_sequence_drafts_at_the_servers_rate_and_its_own_text_pulls_it_awa
         hist += [1, 2]
         other.propose(hist)
         hist.append(300 + t)
-    assert other.rate(2) < DEFAULT_ROW_COST < stats.rate(0)
+    # (1 2 went on as a different token each time: the candidate is a minority's)
+    assert other.rate(2, MINORITY) < DEFAULT_ROW_COST < stats.rate(rate_slot(0, ONCE))
     assert other.propose(hist + [1, 2]) == []
 
 
@@ -189,7 +198,7 @@ def test_a_drafter_stops_on_text_that_does_not_repeat_and_starts_again_when_it_d
         d.propose(hist)
         hist.append(100 + t)
         d.propose(hist)
-    assert d.rate(2) < DEFAULT_ROW_COST  # thirty misses
+    assert d.rate(2, MINORITY) < DEFAULT_ROW_COST  # thirty misses
     assert d.propose(hist + [1, 2]) == []  # drafting no longer pays
     # the text repeats again (1 2 7): scored while nothing is drafted, so drafts resume
     # without one wasted on the way
@@ -199,6 +208,42 @@ def test_a_drafter_stops_on_text_that_does_not_repeat_and_starts_again_when_it_d
             d.propose(hist)
     drafts = d.propose(hist + [1, 2])
     assert drafts and drafts == [7, 1, 2, 7, 1, 2, 7, 1][: len(drafts)] and d.drafted == 0
+
+
+def test_follow_classes_say_how_each_drafts_context_went_on_before():
+    d = drafter(max_draft=4, max_ngram=2, min_ngram=2)
+    hist = [1, 2, 3, 9, 1, 2, 3, 8, 5, 6, 7, 5, 6, 4, 5, 6, 4, 5, 6]
+    d.propose(hist)
+    # (5, 6) went on as 7, 4, 4: the candidate's first token (4, the most recent) is the
+    # majority's; then (6, 4) as 5 twice (agreed), (4, 5) as 6 twice (agreed), and
+    # (5, 6) again, now followed by the candidate's period: 4 once more, the majority's
+    assert d.candidate == [4, 5, 6, 4] and d.follow == [MAJORITY, AGREED, AGREED, MAJORITY]
+    # (2, 3) went on as 9 and 8: the most recent, 8, is half of them: a minority's; (3, 8) once
+    d = drafter(max_draft=4, max_ngram=2, min_ngram=2)
+    d.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3])
+    assert d.candidate[:2] == [8, 1] and d.follow[:2] == [MINORITY, ONCE]
+    # a context never seen before (a draft past the end of the history's repeats) is "once"
+    d2 = drafter(max_draft=3, max_ngram=3, min_ngram=2)
+    d2.propose([7, 1, 2, 3, 1, 2])  # (1, 2) -> 3 matched as a bigram; (7, 1, 2)'s trigram never recurred
+    assert d2.candidate == [3, 1, 2] and d2.follow[0] == ONCE
+    # the counts are incremental over a growing history, as a fresh drafter's
+    grown = drafter(max_draft=4, max_ngram=2, min_ngram=2)
+    grown.propose([1, 2, 3, 9]), grown.propose([1, 2, 3, 9, 1, 2, 3, 8]), grown.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3])
+    assert (grown.contexts, grown.follows) == (d.contexts, d.follows) and grown.follow == d.follow
+
+
+def test_a_draft_where_the_text_branched_before_is_drafted_shorter():
+    # the server has measured drafts on agreed contexts taken, on split ones missed
+    stats = MatchStats()
+    for c in range(len(MATCH_CLASSES)):
+        for _ in range(200):
+            stats.add(rate_slot(c, AGREED), True)
+            stats.add(rate_slot(c, MINORITY), False)
+    cfg = SpecConfig(max_draft=8, max_ngram=2, min_ngram=2)
+    # 1 2 3 4 5 twice: every context agreed; the draft runs on
+    assert NgramDrafter(cfg, stats).propose([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]) == [3, 4, 5, 1, 2, 3, 4, 5]
+    # the same, but (3, 4) went on as 5 and as 6: the draft stops before the branch
+    assert NgramDrafter(cfg, stats).propose([1, 2, 3, 4, 6, 1, 2, 3, 4, 5, 1, 2]) == [3, 4]
 
 
 def test_record_counts_the_figures():
