@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -289,7 +289,7 @@ class NgramDrafter:
         self.candidate = self.candidate_for(tokens)
         self.follow = self.follow_classes(tokens, self.candidate)  # every token's: scored drafted or not
         kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
-        rates = [self.rate(self.match + i, self.follow[i]) for i in range(kmax)]
+        rates = (self.rate(self.match + i, self.follow[i]) for i in range(kmax))  # read as far as they matter
         return self.candidate[: draft_length(rates, row_cost)]
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -300,12 +300,15 @@ class NgramDrafter:
         self.accepted += accepted
 
 
-def draft_length(rates: Sequence[float], row_cost: float) -> int:
+def draft_length(rates: Iterable[float], row_cost: float) -> int:
     """The k in 0..len(rates) that maximizes E(k) / (1 + row_cost k), E(k) = 1 + q_1 +
-    q_1 q_2 + .. + q_1 .. q_k (q_i = rates[i - 1], draft i's probability of being taken
-    given the ones before it): the expected tokens of a step with k drafts over that
-    step's cost as a share of a plain step's. 0 when no draft pays (the first shorter of
-    equal values)."""
+    q_1 q_2 + .. + q_1 .. q_k (q_i = rates[i - 1] in [0, 1], draft i's probability of
+    being taken given the ones before it): the expected tokens of a step with k drafts
+    over that step's cost as a share of a plain step's. 0 when no draft pays (the first
+    shorter of equal values). ``rates`` is read lazily, and no further once no longer
+    draft can win: after draft k, E(k') <= E(k) + (k' - k) t_k (t_k = q_1 .. q_k, the
+    terms do not grow), which beats best (1 + c k') >= E(k) + best c (k' - k) only if
+    t_k > best c."""
     best, best_k, e, term = 1.0, 0, 1.0, 1.0
     for k, q in enumerate(rates, 1):
         term *= q
@@ -313,6 +316,8 @@ def draft_length(rates: Sequence[float], row_cost: float) -> int:
         v = e / (1.0 + row_cost * k)
         if v > best:
             best, best_k = v, k
+        if term <= best * row_cost:
+            break
     return best_k
 
 

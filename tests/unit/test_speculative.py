@@ -126,6 +126,15 @@ def test_draft_length_is_the_argmax_of_expected_tokens_over_cost():
     assert draft_length([0.8] * 16, 0.005) > draft_length([0.8] * 16, 0.05) > draft_length([0.8] * 16, 0.3)
     assert draft_length([1.0] * 5, 0.05) == 5  # bounded by what is there
     assert draft_length([0.95, 0.95, 0.05, 0.95], 0.05) == 2  # a likely miss ends it
+    read: list[float] = []
+
+    def lazy():
+        for q in (0.9, 0.01, 0.9, 0.9):
+            read.append(q)
+            yield q
+
+    # after a draft whose chain of rates falls to row_cost's share of the best, none is read
+    assert draft_length(lazy(), 0.05) == 1 and read == [0.9, 0.01]
 
 
 def test_rates_are_scored_per_match_class_on_every_token_drafted_or_not():
