@@ -210,14 +210,18 @@ class NgramDrafter:
         if not self.index:
             self.index = {n: {} for n in range(lo, hi + 1)}
         end = len(tokens) - 1  # the last token has no continuation yet
-        contexts, follows = self.contexts, self.follows
+        index, contexts, follows = self.index, self.contexts, self.follows
         for p in range(self.indexed, end):
-            for n in range(lo, min(hi, p + 1) + 1):
-                self.index[n][tuple(tokens[p - n + 1 : p + 1])] = p + 1
-            if p + 1 >= hi:
-                gram = tuple(tokens[p - hi + 1 : p + 2])  # the context and its continuation
-                contexts[gram[:-1]] = contexts.get(gram[:-1], 0) + 1
-                follows[gram] = follows.get(gram, 0) + 1
+            if p + 1 < hi:  # the history's first tokens: the n-grams that fit
+                for n in range(lo, p + 2):
+                    index[n][tuple(tokens[p - n + 1 : p + 1])] = p + 1
+                continue
+            gram = tuple(tokens[p - hi + 1 : p + 2])  # the max_ngram-gram ending at p and its continuation
+            for n in range(lo, hi + 1):
+                index[n][gram[hi - n : hi]] = p + 1
+            context = gram[:hi]
+            contexts[context] = contexts.get(context, 0) + 1
+            follows[gram] = follows.get(gram, 0) + 1
         self.indexed = max(self.indexed, end)
 
     def follow_classes(self, tokens: Sequence[int], candidate: list[int]) -> list[int]:
