@@ -234,10 +234,11 @@ class NgramDrafter:
         for j in range(len(tail) - n):
             gram = tuple(tail[j : j + n])
             seen = self.contexts.get(gram, 0)
-            same = self.follows.get(gram + (tail[j + n],), 0) if seen else 0
-            if seen == 0:
+            if not seen:
                 out.append(ONCE)
-            elif same == seen:
+                continue
+            same = self.follows.get(gram + (tail[j + n],), 0)
+            if same == seen:
                 out.append(AGREED if seen >= 2 else ONCE)
             else:
                 out.append(MAJORITY if 2 * same > seen else MINORITY)
