@@ -27,7 +27,8 @@ import torch
 
 from .sequence import Sequence, StepPlan
 from ..kv.block_manager import NULL_BLOCK, BlockManager
-from ..kv.cache import BatchLayout, KVPool, SeqSlice
+from ..kernels.layer import STACK_ROWS
+from ..kv.cache import BatchLayout, DecodeRows, KVPool, SeqSlice
 from ..kv.keys import BlockKeys
 from ..kv.transfer import BlockTransfers
 
@@ -153,20 +154,13 @@ class Runner:
         prefill chunk of those tokens would give. Decode rows and chunks advance; a verify
         sequence's ``num_computed`` does not move until ``commit`` knows what its drafts'
         KV is worth, and nothing of it is registered."""
-        slices = []
-        for seq in decode:
-            slices.append(self._slice(seq, seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1]))
-        for seq in verify:
-            slices.extend(self._rows(seq, [seq.token_ids[-1], *seq.drafts]))
-        n_rows = len(slices)
-        head = list(range(n_rows))
         chunks = chunks or []
-        for seq, n in chunks:
-            slices.extend(self._rows(seq, seq.token_ids[seq.num_computed : seq.num_computed + n]))
-            head.append(len(slices) - 1)
-        layout = BatchLayout.build(slices, self.block_size, self.device)
-        rows = torch.tensor(head, dtype=torch.long, device=self.device) if chunks else None
-        logits = self.model(layout, self.pool, rows=rows)
+        n_rows = len(decode) + sum(1 + len(seq.drafts) for seq in verify)
+        native = self.model.native_step(self.pool) if not self.longrope else None
+        if native is not None and n_rows + sum(n for _, n in chunks) <= STACK_ROWS:
+            logits = self._native_rows(native, decode, verify, chunks)
+        else:
+            logits = self._layout_rows(decode, verify, chunks)
         for seq in decode:
             self._advance(seq, 1)
         for seq, n in chunks:
@@ -175,6 +169,38 @@ class Runner:
         self.num_verify_steps += len(verify)
         self.num_draft_tokens += n_rows - len(decode) - len(verify)
         return logits
+
+    def _native_rows(self, native: Any, decode: list[Sequence], verify: list[Sequence],
+                     chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """``decode_step``'s forward as the native step's one call (``DecodeRows``)."""
+        rows = DecodeRows(self.block_size)
+        for seq in decode:
+            rows.add(self._block_table(seq), seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1])
+        for seq in verify:
+            rows.add(self._block_table(seq), seq.num_computed, [seq.token_ids[-1], *seq.drafts])
+        which = None
+        if chunks:
+            which = array.array("q", range(len(rows)))
+            for seq, n in chunks:
+                rows.add(self._block_table(seq), seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + n])
+                which.append(len(rows) - 1)
+        return native(*rows.pack(), which)
+
+    def _layout_rows(self, decode: list[Sequence], verify: list[Sequence], chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """``decode_step``'s forward through a ``BatchLayout`` and the model's ``forward``
+        (where the native step does not apply)."""
+        slices = []
+        for seq in decode:
+            slices.append(self._slice(seq, seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1]))
+        for seq in verify:
+            slices.extend(self._rows(seq, [seq.token_ids[-1], *seq.drafts]))
+        head = list(range(len(slices)))
+        for seq, n in chunks:
+            slices.extend(self._rows(seq, seq.token_ids[seq.num_computed : seq.num_computed + n]))
+            head.append(len(slices) - 1)
+        layout = BatchLayout.build(slices, self.block_size, self.device)
+        rows = torch.tensor(head, dtype=torch.long, device=self.device) if chunks else None
+        return self.model(layout, self.pool, rows=rows)
 
     def _slice(self, seq: Sequence, start: int, tokens: list[int], table: array.array | None = None) -> SeqSlice:
         return SeqSlice(

@@ -7,6 +7,8 @@ stack that runs a whole decode step natively.
     DecoderStack     every layer of a model: run(x, ropes, step), one call per layer
     StackEnds        the step's ends: the embedding rows in, the final norm and head out
     DecodeStep       one decode step's batch over the block pool (arrays only)
+    NativeStep       a model's whole decode step over one pool as one native call: the
+                     embedding, every layer, the head (the engine's rows, as int64 arrays)
 
 A layer of the model builds its view once at load (``Linear.kernel_weights`` and the
 like, in ``models/``); the views hold the tensors themselves (nothing is copied) and the
@@ -15,8 +17,10 @@ kernels read nothing else: this module imports nothing from ``models/``.
 
 from __future__ import annotations
 
+import array
 import ctypes
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -34,7 +38,7 @@ MAX_ROWS = ops.MAX_ROWS  # decode-sized work; more rows (prefill) are compute-bo
 STACK_ROWS = 2 * MAX_ROWS
 _H = header_binding()
 _C = _H.constants
-KvLinear, KvLayer, KvStep = _H.structs["KvLinear"], _H.structs["KvLayer"], _H.structs["KvStep"]
+KvLinear, KvLayer, KvStep, KvModel = (_H.structs[n] for n in ("KvLinear", "KvLayer", "KvStep", "KvModel"))
 FORMATS = {"f32": _C["KV_F32"], "bf16": _C["KV_BF16"], "i8": _C["KV_I8"], "q8": _C["KV_Q8"]}
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i8": torch.int8, "q8": torch.int8}
 
@@ -234,6 +238,7 @@ class DecoderStack:
         self.layers = list(layers)  # the views keep the weights referenced
         self._structs = [layer.struct() for layer in layers]
         self.num_groups = max(groups) + 1
+        self.groups = groups
         self._calls = [(ctypes.byref(s), g) for s, g in zip(self._structs, groups)]
         if ends is not None and ends.embedding.shape[1] != self.hidden:
             raise ValueError("the stack's ends differ from its layers in hidden size")
@@ -296,3 +301,76 @@ class DecoderStack:
             cp, snp, rot = ptrs[g]
             fn(ref, xp, sp, cp, snp, rot)
         return x
+
+
+RopeTables = Callable[[int], tuple[tuple[Tensor, Tensor], ...]]  # length -> per group (cos, sin) (n >= length, rot)
+
+
+class NativeStep:
+    """A decode step whole in one native call (``kv_decode_forward``): the embedding rows,
+    every layer, the final norm and head, for a model whose stack has its ends
+    (``StackEnds``) over one pool the kernels read. The same kernels in the same order as
+    ``DecoderStack``'s embed, run and head (the RoPE rows copied from the same tables the
+    family's ``ropes`` slices), so the same bits; what it saves is the Python between them:
+    no layout tensors, no per-step structs, one call where there were six or more.
+
+    ``tables(length)``: the family's RoPE tables, one (cos, signed sin) (n, rot) float32
+    pair per rope group (at most two; () without RoPE), n >= length rows by position.
+
+    A call takes the step's rows as one int64 array (``pack``): ids, positions, the slot
+    block and offset of each row's new K/V, context lengths (the new token included) and
+    the block tables (B, nb)."""
+
+    def __init__(self, stack: DecoderStack, pool: Tensor, block_size: int, tables: RopeTables) -> None:
+        if stack.ends is None:
+            raise ValueError("a native step needs the stack's ends")
+        e = stack.ends
+        N, L, two = pool.shape[:3]
+        self.stack, self.pool, self.tables = stack, pool, tables
+        self.V, self.softcap = e.embedding.shape[0], e.softcap
+        self._layers = (KvLayer * len(stack))(*stack._structs)  # copies of the structs (they point at the weights)
+        self._groups = array.array("q", stack.groups)
+        self._model = KvModel(ctypes.addressof(self._layers), self._groups.buffer_info()[0], len(stack),
+                              e.embedding.data_ptr(), self.V, stack.hidden, e.scale, e.norm.eps, e.norm.offset,
+                              e.norm.weight.data_ptr(), ctypes.addressof(stack._head_struct))  # fmt: skip
+        self._pool = KvStep(0, stack.hidden, pool.data_ptr(), ops.KV_POOL_FORMATS[pool.dtype], L, block_size)
+        self._rope: tuple[tuple[Tensor, Tensor], ...] = ()  # the tables the struct points at (kept referenced)
+        self._rope_len = -1
+
+    def _cover(self, length: int) -> None:
+        """Point the model struct at RoPE tables of at least ``length`` rows (the family's
+        own, kept referenced here: a table that grows is a new tensor, the rows it had the
+        same values)."""
+        got = self.tables(length)
+        if len(got) > 2:
+            raise ValueError("a native step takes at most two RoPE groups")
+        m = self._model
+        if got:
+            (c0, s0), (c1, s1) = got[0], got[-1]
+            for t in (c0, s0, c1, s1):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape != c0.shape:
+                    raise ValueError("RoPE tables: (n, rot) float32 contiguous, the same shape per group")
+            m.cos0, m.sin0, m.cos1, m.sin1 = c0.data_ptr(), s0.data_ptr(), c1.data_ptr(), s1.data_ptr()
+            m.table_len, m.rot = c0.shape
+        else:
+            m.rot, m.table_len = 0, 0
+        self._rope, self._rope_len = got, m.table_len if got else 1 << 62
+
+    def __call__(self, batch: array.array, B: int, nb: int, longest: int, which: array.array | None = None) -> Tensor:
+        """Logits (B, V), or of rows ``which`` alone (R, V), for the step packed in ``batch``
+        (``pack``'s layout: B rows, tables of nb blocks; ``longest``: the largest context
+        length). IndexError for an id outside the vocabulary, before anything is computed."""
+        if longest > self._rope_len:
+            self._cover(longest)
+        n = B if which is None else len(which)
+        logits = torch.empty(n, self.V, dtype=torch.float32)
+        got = kernels.load().lib.kv_decode_forward(ctypes.byref(self._model), ctypes.byref(self._pool), batch.buffer_info()[0], B, nb,
+                                                   None if which is None else which.buffer_info()[0], n, logits.data_ptr(),
+                                                   torch.get_num_threads())  # fmt: skip
+        if got:
+            if got < 0:
+                raise IndexError("a position is outside the RoPE tables")
+            raise IndexError(f"a token id is outside the vocabulary (0..{self.V - 1})")
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

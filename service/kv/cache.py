@@ -483,6 +483,53 @@ class SeqSlice:
     long_rope: bool | None = None  # LongRoPE models: this sequence's factor set (None: by this forward's length)
 
 
+class DecodeRows:
+    """A decode step's rows for the native step (kernels/layer.py ``NativeStep``): one new
+    token per row at its position over a block table (a sequence's pending token and
+    drafts are rows at consecutive positions over one table), packed as one int64 array
+    in the order the kernel reads: ids, positions, the block and offset where each row's
+    K/V goes, context lengths (the row's token included), then the tables cut or padded
+    with the null block to the step's longest context. The layout ``BatchLayout.build``
+    makes of the same rows, without its tensors."""
+
+    __slots__ = ("block_size", "ids", "positions", "tables")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.tables: list[Sequence[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add(self, table: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+        """``tokens`` as rows at positions start, start + 1, ... over ``table`` (ValueError
+        when the table does not cover them)."""
+        if start < 0 or len(table) * self.block_size < start + len(tokens):
+            raise ValueError(f"a block table of {len(table)} blocks does not cover positions up to {start + len(tokens)}")
+        self.ids.extend(tokens)
+        self.positions.extend(range(start, start + len(tokens)))
+        self.tables.extend([table] * len(tokens))
+
+    def pack(self) -> tuple[array.array, int, int, int]:
+        """(the int64 array, rows B, blocks per table nb, the longest context)."""
+        bs, pos, tables = self.block_size, self.positions, self.tables
+        longest = max(pos) + 1
+        nb = -(-longest // bs)
+        buf = array.array("q", self.ids)
+        buf.extend(pos)
+        buf.extend([t[p // bs] for t, p in zip(tables, pos)])
+        buf.extend([p % bs for p in pos])
+        buf.extend([p + 1 for p in pos])
+        for t in tables:
+            cut = t[:nb]
+            buf.extend(cut)
+            if len(cut) < nb:
+                buf.extend([NULL_BLOCK] * (nb - len(cut)))
+        return buf, len(pos), nb, longest
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class BatchLayout:
     """Attention metadata of one forward pass over B sequences of up to T new tokens.

@@ -136,6 +136,13 @@ class GemmaForCausalLM(CausalLM):
         local = self.model.rotary_emb_local
         return cos_sin, local(positions, dtype, span=n) if local is not None else cos_sin
 
+    def rope_tables(self, length: int) -> tuple[tuple[Tensor, Tensor], ...] | None:
+        local = self.model.rotary_emb_local
+        rotaries = (self.model.rotary_emb,) if local is None else (self.model.rotary_emb, local)
+        if any(r.longrope for r in rotaries):
+            return None
+        return tuple(r.table(length) for r in rotaries)
+
     def head(self, x: Tensor) -> Tensor:
         logits = self.lm_head(self.model.norm(x)).float()
         if self.final_softcap is not None:

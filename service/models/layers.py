@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import ops as kernel_ops
-from ..kernels.layer import (MAX_ROWS, STACK_ROWS, DecoderStack, DecodeStep, LayerWeights, NormWeights, StackEnds,
+from ..kernels.layer import (MAX_ROWS, STACK_ROWS, DecoderStack, DecodeStep, LayerWeights, NativeStep, NormWeights, StackEnds,
                              ProductWeights, norm, product)
 from .config import ModelConfig
 from .rope import Rotary, apply_rope_
@@ -615,6 +615,12 @@ class CausalLM(nn.Module):
         """The step's (cos, sin) pairs in ``dtype`` for positions (B, T); () without RoPE."""
         return ()
 
+    def rope_tables(self, length: int) -> tuple[tuple[Tensor, Tensor], ...] | None:
+        """``ropes``' pairs as float32 tables by position ((n, rot) cos and sin each, n >=
+        length; () without RoPE), for the native decode step (``native_step``); None where
+        the family's rows are not a table's (LongRoPE's per-sequence factors)."""
+        return None
+
     def head(self, x: Tensor) -> Tensor:
         """(..., D) -> float32 logits (..., V)."""
         raise NotImplementedError
@@ -628,6 +634,22 @@ class CausalLM(nn.Module):
             for block in self.blocks:
                 x = block(x, ropes[block.rope_group] if ropes else None, layout, kv)
         return x
+
+    def native_step(self, kv: KVPool) -> NativeStep | None:
+        """The decode step over ``kv`` as one native call (kernels/layer.py ``NativeStep``:
+        the embedding, the layers and the head, no layout), made once per pool; None where
+        the stack has no ends, the pool's format is not the kernels', or the family's RoPE
+        is not a table (``rope_tables``): the engine then runs ``forward`` on a layout."""
+        cached = self.__dict__.get("_native_step")
+        if cached is not None and cached[0] is kv:
+            return cached[1]
+        step = None
+        stack = self.stack
+        if (stack is not None and stack.ends is not None and kv.data.device.type == "cpu"
+                and kv.data.dtype in kernel_ops.KV_POOL_FORMATS and self.rope_tables(1) is not None):  # fmt: skip
+            step = NativeStep(stack, kv.data, kv.block_size, self.rope_tables)
+        self.__dict__["_native_step"] = (kv, step)
+        return step
 
     def native_rows(self, kv: KVPool) -> int:
         """How many decode rows one native decode step over ``kv`` takes (0: none: no

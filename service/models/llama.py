@@ -78,6 +78,10 @@ class LlamaForCausalLM(CausalLM):
     def ropes(self, positions: Tensor, dtype: torch.dtype, layout: BatchLayout | None) -> tuple[Rope, ...]:
         return (self.model.rotary_emb(positions, dtype, span=rope_span(positions, layout)),)  # (cos, sin) (B, T, 1, rot)
 
+    def rope_tables(self, length: int) -> tuple[tuple[Tensor, Tensor], ...] | None:
+        rotary = self.model.rotary_emb
+        return None if rotary.longrope else (rotary.table(length),)
+
     def head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.model.norm(x)).float()
 

@@ -133,6 +133,12 @@ class Rotary(nn.Module):
         flat = positions.reshape(-1)
         return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
+    def table(self, length: int) -> tuple[Tensor, Tensor]:
+        """The float32 CPU (cos, sin) (n, dim) table, n >= length: what ``forward`` slices
+        its rows from (the native decode step reads it directly). Not for LongRoPE's long
+        factors."""
+        return self._rows_upto(length, torch.float32, torch.device("cpu"))
+
     def _rows_upto(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         """The table's (cos, sin) (n, dim) in ``dtype`` on ``device``, n >= length."""
         t = self._table

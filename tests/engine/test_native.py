@@ -5,6 +5,7 @@ this CPU, a stale build) handled as a fallback or a one-line refusal."""
 
 from __future__ import annotations
 
+import array
 import os
 import subprocess
 import sys
@@ -387,11 +388,18 @@ def test_decode_rows_and_a_returning_turns_rows_share_one_forward(llama_dir) -> 
     while not any(isinstance(e, Delta) for e in events.get("d", [])):
         for rid, ev in eng.step():
             events.setdefault(rid, []).append(ev)
-    calls = []
+    calls = []  # the model's forwards and its native steps (the decode step's one call)
     hook = loaded.model.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)))
-    eng.add_request(req("r", history + turn2, n=6))
-    got = [rid for rid, ev in eng.step() if isinstance(ev, Delta) and ev.token_ids]
-    hook.remove()
+    native = loaded.model.native_step(eng.runner.pool)
+    assert native is not None
+    real = native.__class__.__call__
+    native.__class__.__call__ = lambda self, *a: calls.append(tuple((out := real(self, *a)).shape)) or out
+    try:
+        eng.add_request(req("r", history + turn2, n=6))
+        got = [rid for rid, ev in eng.step() if isinstance(ev, Delta) and ev.token_ids]
+    finally:
+        hook.remove()
+        native.__class__.__call__ = real
     assert sorted(got) == ["d", "r"] and len(calls) == 1 and calls[0][0] == 2  # the decode row and r's last
     while eng.has_work():
         for rid, ev in eng.step():
@@ -690,6 +698,63 @@ def test_decode_step_ends_run_natively_with_the_same_bits(isa, family, fmt, requ
         bad = BatchLayout.build([SeqSlice(tables[0], len(seqs[0]) - 1, [cfg.vocab_size + 3])], bs)
         with pytest.raises(IndexError, match="outside the vocabulary"):
             native.model(bad, pools[0])
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tiny_gpt2_dir"])
+@pytest.mark.parametrize("fmt", ["exact", "int8"])
+def test_the_native_step_is_the_layout_forward_bit_for_bit(isa, family, fmt, request) -> None:
+    """The engine's decode step as one native call (``NativeStep`` over ``DecodeRows``) gives
+    the logits of the layout forward over the same rows, bit for bit, and writes the same
+    K/V into the pool: a decode row, a verify sequence's pending token and drafts (rows at
+    consecutive positions over one table), the head on every row or on some; Gemma 3's two
+    RoPE tables, Gemma's softcap and windows included. A token id outside the vocabulary is
+    an IndexError before anything is written. Families whose RoPE is not a table
+    (LongRoPE: Phi-4-mini) and GPT-2 (no stack) have no native step."""
+    from kvserve.service.kv.cache import BatchLayout, DecodeRows, KVPool, SeqSlice
+
+    path = request.getfixturevalue(family)
+    native = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    layout_run = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    cfg, bs = native.config, 4
+    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
+    step = native.model.native_step(pools[0])
+    if family == "tiny_phi4_mini_dir":
+        assert step is None  # LongRoPE: the layout path
+        return
+    assert step is not None and native.model.native_step(pools[0]) is step  # made once per pool
+    tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
+    prompts_ = prompts(cfg.vocab_size, [11, 6], seed=9)
+    with torch.inference_mode():
+        for m, pool in zip((native, layout_run), pools):
+            m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
+        decode_tok = 5
+        verify = [7, 1, 30, 2]  # the pending token and three drafts
+        for which in (None, [0, 4]):
+            rows = DecodeRows(bs)
+            rows.add(tables[0], 11, [decode_tok])
+            rows.add(tables[1], 6, verify)
+            got = step(*rows.pack(), None if which is None else array.array("q", which))
+            slices = [SeqSlice(tables[0], 11, [decode_tok])] + [SeqSlice(tables[1], 6 + i, [tok]) for i, tok in enumerate(verify)]
+            want = layout_run.model(BatchLayout.build(slices, bs), pools[1],
+                                    rows=None if which is None else torch.tensor(which))  # fmt: skip
+            assert got.shape == (5 if which is None else 2, cfg.vocab_size) and torch.equal(got, want)
+            assert torch.equal(pools[0].data, pools[1].data)  # the same K/V written where the rows go
+        before = pools[0].data.clone()
+        bad = DecodeRows(bs)
+        bad.add(tables[0], 12, [cfg.vocab_size + 3])
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            step(*bad.pack())
+        assert torch.equal(pools[0].data, before)
+        with pytest.raises(ValueError, match="does not cover"):
+            DecodeRows(bs).add(tables[1], 19, [1, 2])  # 5 blocks of 4 cover positions up to 20
+
+
+def test_a_gpt2_model_has_no_native_step(tiny_gpt2_dir) -> None:
+    from kvserve.service.kv.cache import KVPool
+
+    loaded = load_model(tiny_gpt2_dir, dtype="float32", device="cpu", progress=False)
+    cfg = loaded.config
+    assert loaded.model.native_step(KVPool(8, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)) is None
 
 
 def test_concurrent_callers_from_several_threads_get_their_own_results(isa) -> None:

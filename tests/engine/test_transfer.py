@@ -232,6 +232,9 @@ def _logged_engine(loaded: Any, store: Any) -> tuple[Any, FakeOps]:
         def native_rows(self, kv: Any) -> int:
             return model.native_rows(kv)
 
+        def native_step(self, kv: Any) -> None:
+            return None  # as on CUDA: every forward through ``forward``, where the ops are logged
+
     eng = make_engine(dataclasses.replace(loaded, model=Logged()), store=store, restore_policy="always",
                       engine_kw=dict(transfers=lambda pool: BlockTransfers(pool, ops, staging_blocks=4)))
     return eng, ops

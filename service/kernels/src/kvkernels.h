@@ -76,6 +76,31 @@ struct KvStep {
   int64_t nthreads;
 };
 
+// A model's decode step whole (layer.py's NativeStep), what stays from step to step: its
+// layers in order, each rotating with RoPE table groups[i] (0 or 1), the embedding and the
+// final norm and head around them (kv_embed's and kv_decode_head's), and the RoPE tables:
+// cos and signed sin (table_len, rot) per group, rows by position (replaced when they grow;
+// rot 0: no RoPE).
+struct KvModel {
+  const KvLayer* layers;        // (n_layers,)
+  const int64_t* groups;        // (n_layers,)
+  int64_t n_layers;
+  const float* embedding;       // (V, D)
+  int64_t V;
+  int64_t D;
+  float scale;
+  float eps;
+  float norm_offset;
+  const float* norm_w;          // (D,)
+  const KvLinear* head;
+  const float* cos0;
+  const float* sin0;
+  const float* cos1;            // group 1's tables (group 0's where the model has one group)
+  const float* sin1;
+  int64_t rot;
+  int64_t table_len;
+};
+
 // y (rows, N) = x (rows, K) W^T * scales + bias (y += ... when accumulate); 1..64 rows.
 void kv_gemv_f32(const float* x, int64_t rows, int64_t ldx, int64_t K, const float* W, int64_t N, const float* scales,
                  const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
@@ -129,6 +154,15 @@ int64_t kv_embed(const int64_t* ids, int64_t rows, const float* table, int64_t V
 // (kv_rmsnorm's); which null: rows = B, every row in order.
 void kv_decode_head(const float* x, int64_t D, const int64_t* which, int64_t rows, const float* norm_w, float eps,
                     float offset, const KvLinear* head, float* logits, int nthreads);
+
+// A whole decode step in one call (layer.cpp): batch (B * (5 + nb),) int64 = ids (B), positions (B),
+// slot_block (B), slot_off (B), lens (B), tables (B, nb); the pool and its layout from `pool` (its
+// B, D, slot/table/lens pointers, nb and nthreads unread). x (B, D) = kv_embed's rows, then every
+// layer (kv_decode_layer, the RoPE rows of each position from the model's tables), then logits (rows,
+// head.N) = kv_decode_head's of rows `which` (null: every row in order). Returns 0; n > 0: n ids
+// outside 0..V-1, -1: a position outside the RoPE tables (nothing computed or written either way).
+int64_t kv_decode_forward(const KvModel* m, const KvStep* pool, const int64_t* batch, int64_t B, int64_t nb,
+                          const int64_t* which, int64_t rows, float* logits, int nthreads);
 
 // What the library was built from: "<source digest> <compiler>" (build.py), and the
 // sizes of the structs above in the order declared, for the binding's check.

@@ -123,6 +123,41 @@ extern "C" void kv_decode_head(const float* x, int64_t D, const int64_t* which, 
   linear(*head, h.data(), rows, logits, 0, nthreads);
 }
 
+extern "C" int64_t kv_decode_forward(const KvModel* m, const KvStep* pool, const int64_t* batch, int64_t B,
+                                     int64_t nb, const int64_t* which, int64_t rows, float* logits, int nthreads) {
+  thread_local std::vector<float> x, rope;
+  const int64_t D = m->D, rot = m->rot;
+  const int64_t *ids = batch, *pos = batch + B;
+  int64_t bad = 0;
+  for (int64_t b = 0; b < B; b++) {
+    bad += ids[b] < 0 || ids[b] >= m->V;
+    if (rot > 0 && (pos[b] < 0 || pos[b] >= m->table_len)) return -1;
+  }
+  if (bad) return bad;
+  KvStep s = *pool;
+  s.B = B;
+  s.D = D;
+  s.slot_block = batch + 2 * B;
+  s.slot_off = batch + 3 * B;
+  s.lens = batch + 4 * B;
+  s.tables = batch + 5 * B;
+  s.nb = nb;
+  s.nthreads = nthreads;
+  // each group's cos and sin rows (B, rot) at the rows' positions: [cos0 | sin0 | cos1 | sin1]
+  rope.resize(4 * B * rot);
+  const float* tables[4] = {m->cos0, m->sin0, m->cos1, m->sin1};
+  for (int t = 0; t < 4 && rot > 0; t++)
+    for (int64_t b = 0; b < B; b++) memcpy(rope.data() + (t * B + b) * rot, tables[t] + pos[b] * rot, rot * sizeof(float));
+  x.resize(B * D);
+  kv_embed(ids, B, m->embedding, m->V, D, m->scale, x.data());
+  for (int64_t i = 0; i < m->n_layers; i++) {
+    const float* r = rope.data() + (m->groups[i] ? 2 : 0) * B * rot;
+    kv_decode_layer(m->layers + i, x.data(), &s, r, r + B * rot, rot);
+  }
+  kv_decode_head(x.data(), D, which, which ? rows : B, m->norm_w, m->eps, m->norm_offset, m->head, logits, nthreads);
+  return 0;
+}
+
 #ifndef KV_BUILD_ID
 #define KV_BUILD_ID "unknown"
 #endif
@@ -134,6 +169,7 @@ extern "C" int64_t kv_struct_size(int64_t which) {
     case 0: return sizeof(KvLinear);
     case 1: return sizeof(KvLayer);
     case 2: return sizeof(KvStep);
+    case 3: return sizeof(KvModel);
     default: return -1;
   }
 }
