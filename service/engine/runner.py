@@ -1,4 +1,5 @@
-"""The runner room: block tables, the batch layout and the model's forward.
+"""The runner room: block tables, the batch layout and the model's forward (a decode step,
+where the model has one, as its native step's one call over the rows packed as arrays).
 
 ``run(plan)`` computes a step plan (service/engine/scheduler.py): one batched decode
 forward over the decode rows and the prefill chunks over a cached context that fit one

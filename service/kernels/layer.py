@@ -325,7 +325,6 @@ class NativeStep:
         if stack.ends is None:
             raise ValueError("a native step needs the stack's ends")
         e = stack.ends
-        N, L, two = pool.shape[:3]
         self.stack, self.pool, self.tables = stack, pool, tables
         self.V, self.softcap = e.embedding.shape[0], e.softcap
         self._layers = (KvLayer * len(stack))(*stack._structs)  # copies of the structs (they point at the weights)
@@ -333,9 +332,10 @@ class NativeStep:
         self._model = KvModel(ctypes.addressof(self._layers), self._groups.buffer_info()[0], len(stack),
                               e.embedding.data_ptr(), self.V, stack.hidden, e.scale, e.norm.eps, e.norm.offset,
                               e.norm.weight.data_ptr(), ctypes.addressof(stack._head_struct))  # fmt: skip
-        self._pool = KvStep(0, stack.hidden, pool.data_ptr(), ops.KV_POOL_FORMATS[pool.dtype], L, block_size)
+        # the pool's part of each step's KvStep (kv_decode_forward fills in the rows'): (N, L, 2, ...)
+        self._pool = KvStep(0, stack.hidden, pool.data_ptr(), ops.KV_POOL_FORMATS[pool.dtype], pool.shape[1], block_size)
         self._rope: tuple[tuple[Tensor, Tensor], ...] = ()  # the tables the struct points at (kept referenced)
-        self._rope_len = -1
+        self._rope_len = -1  # positions they cover
 
     def _cover(self, length: int) -> None:
         """Point the model struct at RoPE tables of at least ``length`` rows (the family's
