@@ -299,10 +299,11 @@ class Output:
     def _verify(
         self, seq: Sequence, drafts: list[int], logits: torch.Tensor
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        logits = logits.float().clone()  # (1 + k, V): processed in place
+        p = seq.request.sampling
+        in_place = self.sampleable_vocab < logits.shape[-1] or needs_penalties(p) or seq.matcher is not None
+        logits = logits.float().clone() if in_place else logits.float()  # (1 + k, V): processed in place, a copy
         if self.sampleable_vocab < logits.shape[-1]:
             logits[:, self.sampleable_vocab :] = float("-inf")
-        p = seq.request.sampling
         rows = len(drafts) + 1
         if needs_penalties(p):
             states = [
