@@ -9,7 +9,7 @@ fair on a machine shared with other jobs) or the wall clock:
 
 - ``decode_bB_tok_s``: tokens/s, the median run;
 - ``step_bB_us``: the fastest decode step (min is what contention cannot inflate);
-- ``engine_bB_us``: the fastest step's time outside the model's forward (the scheduler,
+- ``engine_bB_us``: the fastest step's time outside the model's forward or native step (the scheduler,
   block tables, layout, sampling, detokenizing, events), min over steps.
 
 ``--repo DIR`` runs another checkout's engine (e.g. ``git archive REV | tar -x -C DIR``)
@@ -67,13 +67,28 @@ def main() -> None:
     model = loaded.model
     in_model = [0.0]  # seconds inside the model's forward, this step
 
-    class Timed:  # the model, its forward timed (the engine calls model(layout, pool, ...)); the rest passed through
+    class Timed:  # the model, its forward and native step timed (the engine calls model(layout, pool, ...) or
+        # model.native_step(pool)(rows...)); the rest passed through
         def __call__(self, layout, pool, **kw):
             t = now()
             try:
                 return model(layout, pool, **kw)
             finally:
                 in_model[0] += now() - t
+
+        def native_step(self, kv):  # the decode step as one native call: timed the same
+            step = model.native_step(kv)
+            if step is None:
+                return None
+
+            def timed(*a):
+                t = now()
+                try:
+                    return step(*a)
+                finally:
+                    in_model[0] += now() - t
+
+            return timed
 
         def __getattr__(self, name):
             return getattr(model, name)
