@@ -6,10 +6,11 @@ process so the host's drift hits them alike.
 The engine's own ``Runner.decode_step`` over a prefilled sequence of ``--context`` random
 tokens (the default model unless ``--model``), nothing committed between steps, so every
 step sees the same context. Per row count, the median over ``--steps`` steps of: the whole
-``decode_step`` (block table, layout, forward), the native decoder layers
-(``DecoderStack.run``), the final norm and head (``head``) and the embedding rows
-(``embed``). ``--empty-kernels`` runs the same steps with every native kernel an empty C
-function (bench/profile_decode.py's): what is left is the Python and torch around them.
+``decode_step`` (block tables, the rows packed, the forward) and the model's native step
+within it (``NativeStep``: the embedding rows, every decoder layer, the final norm and
+head in one call). ``--empty-kernels`` runs the same steps with every native kernel an
+empty C function (bench/profile_decode.py's): what is left is the Python and torch around
+them.
 
     python bench/bench_verify_rows.py                         # default model, 322 positions
     python bench/bench_verify_rows.py --drafts 0,3,7,15 --context 1000
@@ -39,7 +40,8 @@ from kvserve.service.kernels import layer as native_layer  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
 from kvserve.service.types import GenerationRequest, SamplingParams  # noqa: E402
 
-PARTS = ("run", "head", "embed")  # DecoderStack's native calls, timed apart
+PARTS = ("__call__",)  # NativeStep's call: the whole step natively (embedding, layers, head)
+LABELS = ("native step",)
 
 
 def main() -> None:
@@ -82,7 +84,7 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     label = [""]
     for name in PARTS:
-        real = getattr(native_layer.DecoderStack, name)
+        real = getattr(native_layer.NativeStep, name)
 
         def timed(*a, _real=real, _name=name, **kw):
             t0 = time.perf_counter()
@@ -90,7 +92,7 @@ def main() -> None:
             times[(label[0], _name)].append(time.perf_counter() - t0)
             return out
 
-        setattr(native_layer.DecoderStack, name, timed)
+        setattr(native_layer.NativeStep, name, timed)
 
     cases = [("plain", -1)] + [(f"verify {1 + k}", k) for k in drafts]
     with torch.inference_mode():
@@ -113,8 +115,8 @@ def main() -> None:
     base = med("plain", "step")
     print(f"# {Path(args.model).name}, {args.context} positions, {args.threads} threads, {args.steps} steps each"
           f"{', kernels emptied' if args.empty_kernels else ''}; medians in us")  # fmt: skip
-    print("| step | rows | decode_step | x plain | native layers | head | embedding | rest (Python, torch) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| step | rows | decode_step | x plain | " + " | ".join(LABELS) + " | rest (Python, torch) |")
+    print("|---|---:|---:|---:|" + "---:|" * len(LABELS) + "---:|")
     for name, k in cases:
         total = med(name, "step")
         parts = [med(name, p) for p in PARTS]
