@@ -243,3 +243,15 @@ def test_streamed_text_equals_decode_for_any_ids(sp_tok: Tokenizer, gpt2_tok: To
         ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=40))
         chunk = data.draw(st.integers(1, 4))
         assert _stream(tok, ids, chunk)[1] == tok.decode(ids)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(min_value=0, max_value=399), max_size=24))
+def test_sentencepiece_decode_is_the_processors_own(sp_tok: Tokenizer, ids: list[int]) -> None:
+    """Decoding calls sentencepiece's C++ method directly where the installed version has
+    it (its Python ``decode`` classifies the input on every call): the same text as
+    ``decode``, control and byte tokens, empty input included."""
+    backend = sp_tok._backend
+    raw = getattr(getattr(backend.sp, "_processor", None), "_DecodeIds", None)
+    assert backend._decode_ids == (raw if raw is not None else backend.sp.decode)  # direct where there is one
+    assert sp_tok.decode(ids) == backend.sp.decode(list(ids))
