@@ -53,21 +53,43 @@ class TextStream:
         self._stop = tuple(stop)
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""  # decoded, not yet emitted
+        self._held: list[int] = []  # tokens taken by ``defer``, not yet decoded
         self.text = ""  # emitted so far (the final text once finished)
         self.stopped = False
+
+    @property
+    def can_defer(self) -> bool:
+        """Whether ``defer`` may be used: no stop strings (their check needs each token's text)."""
+        return not self._stop
+
+    def defer(self, token_ids: list[int]) -> None:
+        """Take tokens whose text the next ``release``, ``push`` or ``finish`` returns:
+        a verification's several tokens decoded once, not once each. The same text in the
+        end however the tokens are grouped (a group that ends mid-character holds its
+        text, as one token that does, until the character is whole)."""
+        if self._stop:
+            raise ValueError("a stream with stop strings checks each token's text: push, not defer")
+        self._held.extend(token_ids)
+
+    def release(self) -> str:
+        """The text the deferred tokens completed ("" when none are held)."""
+        return self.push([]) if self._held else ""
 
     def push(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that became final. Sets ``stopped`` when a
         stop string appears (the stop string and everything after it are dropped)."""
+        if self._held:
+            token_ids, self._held = self._held + token_ids, []
         if self.stopped:
             return ""
         return self._emit(self._pending + self._detok.push(token_ids), final=False)
 
     def finish(self) -> str:
-        """End of generation: emit whatever is left."""
+        """End of generation: emit whatever is left (deferred tokens included)."""
+        text = self.release()
         if self.stopped:
-            return ""
-        return self._emit(self._pending + self._detok.flush(), final=True)
+            return text
+        return text + self._emit(self._pending + self._detok.flush(), final=True)
 
     def _emit(self, candidate: str, final: bool) -> str:
         if self._stop:
@@ -282,11 +304,14 @@ class Output:
             seq.drafter.record(len(drafts), accepted)
             seq.num_steps += 1
             before, first_event, ends = seq.num_output, len(out.events), len(out.finished) + len(out.failed)
+            defer = seq.stream.can_defer  # the tokens' text decoded once, after them (they stream as one delta)
             try:
                 for tok, lp in zip(tokens, logprobs):
-                    self._take(seq, tok, lp, now, out)
+                    self._take(seq, tok, lp, now, out, defer)
                     if len(out.finished) + len(out.failed) > ends:
                         break
+                if defer and (text := seq.stream.release()) and len(out.events) > first_event:
+                    out.events[-1][1].text += text
             except Exception as exc:
                 out.failed.append((seq, self._internal(seq, exc, "its output"), False))
             _merge_deltas(out.events, first_event)
@@ -316,7 +341,8 @@ class Output:
         tokens = accept(logits, drafts, p, seq.generator, seq.seed, seq.num_output)
         return tokens, token_logprobs(logits[: len(tokens)], tokens, [p.logprobs] * len(tokens))
 
-    def _take(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float, out: Emission) -> None:
+    def _take(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float, out: Emission,
+              defer: bool = False) -> None:
         p = seq.request.sampling
         if seq.matcher is not None and (not seq.matcher.consume_token(tok) or seq.matcher.is_error()):
             # llguidance gave up (e.g. its lexer limits on a huge regex): the output can no
@@ -332,7 +358,13 @@ class Output:
         if seq.matcher is not None:
             grammar_end = seq.matcher.is_stopped()  # the grammar accepts nothing more
             is_stop_token = is_stop_token or (grammar_end and tok in self.eos_ids)
-        text = "" if is_stop_token else seq.stream.push([tok])
+        if is_stop_token:
+            text = ""
+        elif defer:  # its text comes with the tokens after it (``TextStream.release``, or ``finish`` below)
+            seq.stream.defer([tok])
+            text = ""
+        else:
+            text = seq.stream.push([tok])
         reason = None
         if is_stop_token or seq.stream.stopped or grammar_end:
             reason = FinishReason.STOP

@@ -255,3 +255,33 @@ def test_sentencepiece_decode_is_the_processors_own(sp_tok: Tokenizer, ids: list
     raw = getattr(getattr(backend.sp, "_processor", None), "_DecodeIds", None)
     assert backend._decode_ids == (raw if raw is not None else backend.sp.decode)  # direct where there is one
     assert sp_tok.decode(ids) == backend.sp.decode(list(ids))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.sampled_from(list("ab é€😀\n")), max_size=30), cuts=st.lists(st.integers(1, 5), max_size=12))
+def test_deferred_tokens_stream_the_text_of_tokens_pushed_one_by_one(sp_tok: Tokenizer, text: str, cuts: list[int]) -> None:
+    """A verification's tokens deferred and released at once (``TextStream.defer``, one
+    decode for several) stream the text pushing them one at a time streams: at each release
+    a prefix of it (a group that ends mid-character holds its text until the character is
+    whole, spaces before it included), at the end all of it, multi-byte characters split
+    across tokens included; ``finish`` releases what is held. A stream with stop strings
+    refuses to defer (their check is per token's text)."""
+    from kvserve.service.engine.output import TextStream
+
+    ids = sp_tok.encode(text, add_bos=False)
+    one, grouped = TextStream(sp_tok.detokenizer()), TextStream(sp_tok.detokenizer())
+    at, by_one, by_group = 0, "", ""
+    for n in cuts:
+        group = ids[at : at + n]
+        at += len(group)
+        for tok in group:
+            by_one += one.push([tok])
+            grouped.defer([tok])
+        by_group += grouped.release()
+        assert by_one.startswith(by_group)
+    grouped.defer(ids[at:])
+    for tok in ids[at:]:
+        by_one += one.push([tok])
+    assert by_group + grouped.finish() == by_one + one.finish() == sp_tok.decode(ids)
+    with pytest.raises(ValueError, match="stop strings"):
+        TextStream(sp_tok.detokenizer(), ["END"]).defer([1])
