@@ -102,17 +102,23 @@ def test_two_concurrent_streams_both_progress_before_either_finishes(server, cli
 
 def test_cancelling_mid_stream_returns_free_blocks_to_baseline(server, client):
     baseline = _idle_baseline(server)
-    # plain decoding: drafted from its own repetitions, the default model's 400 tokens can
-    # all be made before the client reads its third (the check below would race the end)
-    stream = client.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True, speculative=False)
+    stream = client.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True)
+    # the engine's loop is held from the stream's first text until the cancel has reached the
+    # server (the tiny model makes its 400 tokens in ~30 ms: the end could otherwise come first)
+    gate = threading.Event()
     seen = 0
-    for ev in stream:
-        if isinstance(ev, TextDelta):
-            seen += len(ev.token_ids)
-            if seen >= 3:
+    try:
+        for ev in stream:
+            if isinstance(ev, TextDelta):
+                server.engine.engine.call_soon(lambda: gate.wait(30))
+                seen += len(ev.token_ids)
                 assert server.engine.stats().blocks_free < baseline  # the stream holds blocks
                 stream.cancel()
-    assert 3 <= seen < 400
+                break
+        assert wait_until(lambda: server.running.admission.inflight == 0)  # the server saw the cancel
+    finally:
+        gate.set()
+    assert 1 <= seen < 400
     assert wait_until(lambda: server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == baseline)
     assert server.running.admission.inflight == 0
@@ -146,15 +152,22 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
             with pytest.raises(asyncio.CancelledError):
                 await task
 
-            # stream.cancel() inside the loop ends the stream; the task carries on
+            # stream.cancel() inside the loop ends the stream; the task carries on (the
+            # engine's loop held from the first text until the loop has ended: the tiny
+            # model's 480 tokens could otherwise all come before the cancel)
+            gate = threading.Event()
             stream = c.generate(text="and then", max_new_tokens=480, ignore_eos=True)
-            n = 0
-            async for ev in stream:
-                if isinstance(ev, TextDelta) and ev.token_ids:
-                    n += 1
-                    if n == 3:
-                        stream.cancel()
-            assert 3 <= n < 480
+            tokens = 0
+            try:
+                async for ev in stream:
+                    if isinstance(ev, TextDelta) and ev.token_ids:
+                        if not tokens:
+                            server.engine.engine.call_soon(lambda: gate.wait(30))
+                            stream.cancel()
+                        tokens += len(ev.token_ids)
+            finally:
+                gate.set()
+            assert 1 <= tokens < 480
 
     asyncio.run(scenario())
     assert wait_until(lambda: server.engine.stats().running == 0)
