@@ -192,7 +192,10 @@ class NgramDrafter:
     # the max_ngram-grams' occurrences with a continuation, and those grams with each continuation appended
     contexts: dict[tuple[int, ...], int] = field(default_factory=dict)
     follows: dict[tuple[int, ...], int] = field(default_factory=dict)
-    follow: list[int] = field(default_factory=list)  # the candidate's follow classes
+    # the candidate's follow classes, computed as read (``follow_at``) from the context the
+    # candidate was proposed in: the history's last max_ngram tokens, then the candidate
+    computed: list[int] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)
     # this sequence's decayed counts per rate_slot: tokens scored, and how many the candidate predicted
     hits: list[float] = field(default_factory=lambda: [0.0] * NUM_SLOTS)
     scored: list[float] = field(default_factory=lambda: [0.0] * NUM_SLOTS)
@@ -230,19 +233,39 @@ class NgramDrafter:
         candidate before it, went on where it came before in the history."""
         n = self.config.max_ngram
         tail = list(tokens[max(len(tokens) - n, 0) :]) + candidate
-        out = []
-        for j in range(len(tail) - n):
-            gram = tuple(tail[j : j + n])
-            seen = self.contexts.get(gram, 0)
-            if not seen:
-                out.append(ONCE)
-                continue
-            same = self.follows.get(gram + (tail[j + n],), 0)
-            if same == seen:
-                out.append(AGREED if seen >= 2 else ONCE)
-            else:
-                out.append(MAJORITY if 2 * same > seen else MINORITY)
-        return [ONCE] * (len(candidate) - len(out)) + out  # (a history shorter than max_ngram)
+        return [self._follow_class(tail, len(candidate), i) for i in range(len(candidate))]
+
+    def _follow_class(self, tail: list[int], k: int, i: int) -> int:
+        """Candidate token i's follow class, ``tail`` the history's last (up to) max_ngram
+        tokens and the k candidate tokens; a token whose context reaches before a history
+        shorter than max_ngram is "once"."""
+        n = self.config.max_ngram
+        j = i - (k - (len(tail) - n))  # the context's start in tail
+        if j < 0:
+            return ONCE
+        gram = tuple(tail[j : j + n])
+        seen = self.contexts.get(gram, 0)
+        if not seen:
+            return ONCE
+        same = self.follows.get(gram + (tail[j + n],), 0)
+        if same == seen:
+            return AGREED if seen >= 2 else ONCE
+        return MAJORITY if 2 * same > seen else MINORITY
+
+    def follow_at(self, i: int) -> int:
+        """The last candidate's token i's follow class, from the counts as they were when
+        it was proposed (``propose`` scores before it counts the new tokens), computed
+        once, when first read: a step reads the classes of its drafts and of the tokens
+        scored at the next, not all max_draft of them."""
+        got = self.computed
+        while len(got) <= i:
+            got.append(self._follow_class(self.tail, len(self.candidate), len(got)))
+        return got[i]
+
+    @property
+    def follow(self) -> list[int]:
+        """Every follow class of the last candidate."""
+        return [self.follow_at(i) for i in range(len(self.candidate))]
 
     def _score(self, tokens: Sequence[int]) -> None:
         """Count the tokens added since the last call against the last candidate, in the
@@ -251,7 +274,7 @@ class NgramDrafter:
         continued a history that did not happen: not scored)."""
         for j, (tok, want) in enumerate(zip(tokens[self.seen :], self.candidate)):
             hit = tok == want
-            slot = rate_slot(match_class(self.match + j), self.follow[j])
+            slot = rate_slot(match_class(self.match + j), self.follow_at(j))
             self.hits[slot] = DECAY * self.hits[slot] + hit
             self.scored[slot] = DECAY * self.scored[slot] + 1.0
             self.stats.add(slot, hit)
@@ -289,12 +312,13 @@ class NgramDrafter:
         cut to ``draft_length`` of its drafts' rates (``rate`` at the match length each
         extends) and ``row_cost`` (a draft row's cost as a share of the step's), at most
         ``limit``; [] when drafting does not pay or nothing matches."""
+        self._score(tokens)  # before the new tokens are counted: the classes the candidate was proposed with
         self._update(tokens)
-        self._score(tokens)
         self.candidate = self.candidate_for(tokens)
-        self.follow = self.follow_classes(tokens, self.candidate)  # every token's: scored drafted or not
+        self.tail = list(tokens[max(len(tokens) - self.config.max_ngram, 0) :]) + self.candidate
+        self.computed = []
         kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
-        rates = (self.rate(self.match + i, self.follow[i]) for i in range(kmax))  # read as far as they matter
+        rates = (self.rate(self.match + i, self.follow_at(i)) for i in range(kmax))  # read as far as they matter
         return self.candidate[: draft_length(rates, row_cost)]
 
     def record(self, drafted: int, accepted: int) -> None:

@@ -227,6 +227,7 @@ def test_follow_classes_say_how_each_drafts_context_went_on_before():
     # majority's; then (6, 4) as 5 twice (agreed), (4, 5) as 6 twice (agreed), and
     # (5, 6) again, now followed by the candidate's period: 4 once more, the majority's
     assert d.candidate == [4, 5, 6, 4] and d.follow == [MAJORITY, AGREED, AGREED, MAJORITY]
+    assert d.follow == d.follow_classes(hist, d.candidate)  # computed as read, the same classes
     # (2, 3) went on as 9 and 8: the most recent, 8, is half of them: a minority's; (3, 8) once
     d = drafter(max_draft=4, max_ngram=2, min_ngram=2)
     d.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3])
