@@ -325,12 +325,13 @@ class Output:
         self, seq: Sequence, drafts: list[int], logits: torch.Tensor
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         p = seq.request.sampling
-        in_place = self.sampleable_vocab < logits.shape[-1] or needs_penalties(p) or seq.matcher is not None
+        penalties = needs_penalties(p)
+        in_place = self.sampleable_vocab < logits.shape[-1] or penalties or seq.matcher is not None
         logits = logits.float().clone() if in_place else logits.float()  # (1 + k, V): processed in place, a copy
         if self.sampleable_vocab < logits.shape[-1]:
             logits[:, self.sampleable_vocab :] = float("-inf")
         rows = len(drafts) + 1
-        if needs_penalties(p):
+        if penalties:
             states = [
                 RowState(seq.token_ids + drafts[:i], seq.num_prompt, self._stop_ids(seq, seq.num_output + i))
                 for i in range(rows)
