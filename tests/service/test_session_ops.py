@@ -11,6 +11,7 @@ import json
 import struct
 import threading
 import zlib
+from typing import Any
 
 import grpc
 import pytest
@@ -346,20 +347,28 @@ def test_the_async_client_has_every_operation(client, server):
 HOLD_TOKENS = 200
 
 
-def _racing(holder: KVServeClient, other: KVServeClient, sid: str, hold: dict, race) -> None:
+def _racing(holder: KVServeClient, other: KVServeClient, sid: str, hold: dict, race, engine: Any) -> None:
     """Start ``hold`` (a Generate) on ``holder``, and while its turn is in flight run each
-    of ``race`` on ``other``: every one gets FAILED_PRECONDITION. Then let ``hold`` finish."""
+    of ``race`` on ``other``: every one gets FAILED_PRECONDITION. Then let ``hold`` finish.
+    ``engine``: the holder's engine, whose loop is held from the turn's start until the
+    race is over (the tiny model's HOLD_TOKENS take only some tens of ms: the turn could
+    otherwise end before a call on another replica has checked its lock)."""
     stream = holder.generate(session_id=sid, max_new_tokens=HOLD_TOKENS, ignore_eos=True, **hold)
     events = iter(stream)
-    assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
-    for call in race:
-        code, msg = _code(call)
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "in flight" in msg, msg
+    gate = threading.Event()
+    try:
+        assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
+        engine.call_soon(lambda: gate.wait(30))
+        for call in race:
+            code, msg = _code(call)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "in flight" in msg, msg
+    finally:
+        gate.set()
     for _ in events:
         pass
 
 
-def test_regenerate_racing_a_new_turn_is_refused_and_the_transcript_stays_whole(client):
+def test_regenerate_racing_a_new_turn_is_refused_and_the_transcript_stays_whole(server, client):
     client.chat("race", MSGS[0], max_new_tokens=6)
     base = client.get_session("race", include_token_ids=True).token_ids
     # a new turn in flight: regenerate, edit, rewind and another turn are refused
@@ -368,7 +377,7 @@ def test_regenerate_racing_a_new_turn_is_refused_and_the_transcript_stays_whole(
         lambda: client.edit("race", "changed", max_new_tokens=4),
         lambda: client.rewind_session("race", 1),
         lambda: client.chat("race", "also", max_new_tokens=4),
-    ])  # fmt: skip
+    ], server.engine.engine)  # fmt: skip
     after = client.get_session("race", include_turns=True, include_token_ids=True)
     assert after.turns == 2 and after.token_ids[: len(base)] == base and after.turn_log[1].output_tokens == HOLD_TOKENS
     _check_log(after)
@@ -376,7 +385,7 @@ def test_regenerate_racing_a_new_turn_is_refused_and_the_transcript_stays_whole(
     _racing(client, client, "race", {"turn_mode": "regenerate"}, [
         lambda: client.chat("race", "again", max_new_tokens=4),
         lambda: client.rewind_session("race", 1),
-    ])  # fmt: skip
+    ], server.engine.engine)  # fmt: skip
     final = client.get_session("race", include_turns=True, include_token_ids=True)
     assert final.turns == 2 and final.token_ids[: after.turn_log[1].start_token + after.turn_log[1].input_tokens] \
         == after.token_ids[: after.turn_log[1].start_token + after.turn_log[1].input_tokens]  # fmt: skip
@@ -431,8 +440,9 @@ def test_a_regenerate_on_another_replica_is_refused_while_a_turn_runs(tiny_llama
             lambda: b.regenerate("two", max_new_tokens=4),
             lambda: b.edit("two", "changed", max_new_tokens=4),
             lambda: b.rewind_session("two", 1),
-        ])  # fmt: skip
-        _racing(b, a, "two", {"turn_mode": "regenerate"}, [lambda: a.chat("two", "and?", max_new_tokens=4)])
+        ], sa.engine.engine)  # fmt: skip
+        _racing(b, a, "two", {"turn_mode": "regenerate"}, [lambda: a.chat("two", "and?", max_new_tokens=4)],
+                sb.engine.engine)
         info = b.get_session("two", include_turns=True)
         assert info.turns == 2
         _check_log(info)
