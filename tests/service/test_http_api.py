@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -432,11 +433,17 @@ def test_a_diverging_history_racing_a_turn_is_refused_and_rewinds_nothing(oai, m
         before = g.get_session("busy", include_token_ids=True)
         stream = g.generate(session_id="busy", text=" more", max_new_tokens=200, ignore_eos=True)
         events = iter(stream)
-        assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
-        with pytest.raises(openai.ConflictError) as e:  # the regenerate pattern needs a rewind: refused
-            _turn(oai, model, "busy", msgs[:-1])
-        assert e.value.status_code == 409 and "in flight" in e.value.body["message"]
-        stream.cancel()
+        gate = threading.Event()  # the engine's loop held while the refused request runs (the tiny
+        # model's 200 tokens take some tens of ms: the turn could otherwise end first)
+        try:
+            assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
+            server.engine.engine.call_soon(lambda: gate.wait(30))
+            with pytest.raises(openai.ConflictError) as e:  # the regenerate pattern needs a rewind: refused
+                _turn(oai, model, "busy", msgs[:-1])
+            assert e.value.status_code == 409 and "in flight" in e.value.body["message"]
+            stream.cancel()
+        finally:
+            gate.set()
         assert wait_until(lambda: not g.get_session("busy").busy, timeout=30)
         after = g.get_session("busy", include_token_ids=True)
         assert (after.turns, after.token_ids) == (3, before.token_ids)
