@@ -157,7 +157,7 @@ class Runner:
         KV is worth, and nothing of it is registered."""
         chunks = chunks or []
         n_rows = len(decode) + sum(1 + len(seq.drafts) for seq in verify)
-        native = self.model.native_step(self.pool) if not self.longrope else None
+        native = self.model.native_step(self.pool)  # None where the family's RoPE is no table (LongRoPE)
         if native is not None and n_rows + sum(n for _, n in chunks) <= STACK_ROWS:
             logits = self._native_rows(native, decode, verify, chunks)
         else:

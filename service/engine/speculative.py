@@ -231,9 +231,12 @@ class NgramDrafter:
         """The follow class of each token of ``candidate`` (the continuation proposed for
         ``tokens``): how its context, the last max_ngram tokens of the history and the
         candidate before it, went on where it came before in the history."""
-        n = self.config.max_ngram
-        tail = list(tokens[max(len(tokens) - n, 0) :]) + candidate
+        tail = self._tail(tokens, candidate)
         return [self._follow_class(tail, len(candidate), i) for i in range(len(candidate))]
+
+    def _tail(self, tokens: Sequence[int], candidate: list[int]) -> list[int]:
+        """The candidate's contexts: the history's last (up to) max_ngram tokens, then it."""
+        return list(tokens[max(len(tokens) - self.config.max_ngram, 0) :]) + candidate
 
     def _follow_class(self, tail: list[int], k: int, i: int) -> int:
         """Candidate token i's follow class, ``tail`` the history's last (up to) max_ngram
@@ -315,7 +318,7 @@ class NgramDrafter:
         self._score(tokens)  # before the new tokens are counted: the classes the candidate was proposed with
         self._update(tokens)
         self.candidate = self.candidate_for(tokens)
-        self.tail = list(tokens[max(len(tokens) - self.config.max_ngram, 0) :]) + self.candidate
+        self.tail = self._tail(tokens, self.candidate)
         self.computed = []
         kmax = len(self.candidate) if limit is None else min(len(self.candidate), limit)
         rates = (self.rate(self.match + i, self.follow_at(i)) for i in range(kmax))  # read as far as they matter
