@@ -204,22 +204,47 @@ def encoded_size(
     return HEADER_SIZE + len(_st_header(sdt, tuple(block_shape), nbytes, extra > 0)) + extra + nbytes + CHECKSUM_SIZE
 
 
+def stored_nbytes(
+    block_shape: tuple[int, ...], dtype: torch.dtype, storage_dtype: torch.dtype | None = None
+) -> int:
+    """Bytes of a block's *stored form*: what an uncompressed payload holds after its
+    safetensors header (for int8 / fp8 storage the per-row float32 scales, then the
+    values; otherwise the values in the storage dtype). A restore may move these bytes
+    as they are and decode them where the block lands (``expand_into``), e.g. on the GPU
+    after the host-to-device copy."""
+    sdt = storage_dtype or dtype
+    return _scale_nbytes(dtype, sdt, tuple(block_shape)) + math.prod(block_shape) * sdt.itemsize
+
+
+def stored_prefix(
+    namespace: Namespace,
+    block_hash: BlockHash,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    storage_dtype: torch.dtype | None = None,
+) -> bytes:
+    """The exact bytes that precede the stored form (``stored_nbytes``) in ``encode(namespace,
+    block_hash, block, storage_dtype=storage_dtype)`` of an uncompressed block (after it
+    come ``CHECKSUM_SIZE`` bytes: xxh3_128 of prefix || stored bytes). Lets a reader
+    receive the stored bytes straight into their destination and verify afterwards
+    (``RedisTier``'s direct reads, ``DiskTier``'s reads)."""
+    sdt = storage_dtype or dtype
+    n_stored = stored_nbytes(shape, dtype, sdt)
+    scaled = _scale_nbytes(dtype, sdt, tuple(shape)) > 0
+    st_header = _st_header(sdt, tuple(shape), math.prod(shape) * sdt.itemsize, scaled)
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, HEADER_SIZE, namespace, block_hash,
+        _DTYPES[dtype][0], _DTYPES[sdt][0], _COMPRESSION[None], len(shape), shape[0],
+        *shape, *([0] * (MAX_DIMS - len(shape))), len(st_header) + n_stored, len(st_header) + n_stored,
+    )  # fmt: skip
+    return header + st_header
+
+
 def plain_prefix(
     namespace: Namespace, block_hash: BlockHash, shape: tuple[int, ...], dtype: torch.dtype
 ) -> bytes:
-    """The exact bytes that precede the tensor data in ``encode(namespace, block_hash,
-    block)`` of an uncompressed block stored in its own dtype (after the tensor come
-    ``CHECKSUM_SIZE`` bytes: xxh3_128 of prefix || tensor bytes). Lets a reader receive
-    the tensor bytes straight into their destination and verify afterwards
-    (``RedisTier``'s direct reads)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    st_header = _st_header(dtype, tuple(shape), nbytes)
-    header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, HEADER_SIZE, namespace, block_hash,
-        _DTYPES[dtype][0], _DTYPES[dtype][0], _COMPRESSION[None], len(shape), shape[0],
-        *shape, *([0] * (MAX_DIMS - len(shape))), len(st_header) + nbytes, len(st_header) + nbytes,
-    )  # fmt: skip
-    return header + st_header
+    """``stored_prefix`` of a block stored in its own dtype (the tensor bytes follow)."""
+    return stored_prefix(namespace, block_hash, shape, dtype)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
@@ -393,22 +418,16 @@ def _parse_st_header(
     return 8 + n
 
 
-def decode_into(
+def _verify(
     data: bytes | bytearray | memoryview,
     namespace: Namespace,
     block_hash: BlockHash,
-    out: torch.Tensor,
-    storage_dtype: torch.dtype | None = None,
-) -> DecodeResult:
-    """Verify ``data`` as the block ``(namespace, block_hash)`` shaped like ``out``,
-    stored as ``storage_dtype`` (None: ``out.dtype``, exact), and, only if everything
-    checks, copy it into ``out`` (any device, contiguous).
-
-    Never raises for bad data: answers ``DecodeResult(False, reason)`` and leaves ``out``
-    untouched. Raises ValueError only for a non-contiguous ``out`` (a caller bug).
-    """
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    storage_dtype: torch.dtype | None,
+) -> tuple[memoryview, int, torch.dtype] | DecodeResult:
+    """Every check of ``decode_into``, in its order: the payload (decompressed), the
+    offset of its stored form, and the storage dtype; or why not."""
     try:
         buf = memoryview(data).cast("B")
     except TypeError:
@@ -447,28 +466,27 @@ def decode_into(
         return _fail(WRONG_HASH)
     if not 1 <= ndim <= MAX_DIMS or any(dims[ndim:]):
         return _fail(BAD_HEADER)
-    shape = tuple(dims[:ndim])
-    if num_layers != shape[0]:
+    stored_shape = tuple(dims[:ndim])
+    if num_layers != stored_shape[0]:
         return _fail(BAD_HEADER)
-    if out.dim() < 1 or num_layers != out.shape[0]:
+    if len(shape) < 1 or num_layers != shape[0]:
         return _fail(WRONG_LAYERS)
-    dtype = _DTYPE_BY_CODE.get(dtype_code)
+    stored_dtype = _DTYPE_BY_CODE.get(dtype_code)
     sdtype = _DTYPE_BY_CODE.get(sdtype_code)
-    if dtype is None or sdtype is None:
+    if stored_dtype is None or sdtype is None:
         return _fail(BAD_HEADER)
-    if dtype != out.dtype:
+    if stored_dtype != dtype:
         return _fail(WRONG_DTYPE)
-    if shape != tuple(out.shape):
+    if stored_shape != tuple(shape):
         return _fail(WRONG_SHAPE)
-    if sdtype != (storage_dtype or out.dtype):
+    if sdtype != (storage_dtype or dtype):
         return _fail(WRONG_STORAGE)
     comp = _COMPRESSION_BY_CODE.get(comp_code, "?")
     if comp == "?":
         return _fail(BAD_HEADER)
 
-    numel = out.numel()
-    nbytes = numel * sdtype.itemsize
-    scale_nbytes = _scale_nbytes(dtype, sdtype, shape)
+    nbytes = math.prod(shape) * sdtype.itemsize
+    scale_nbytes = _scale_nbytes(dtype, sdtype, tuple(shape))
     if raw_size > 8 + _MAX_ST_HEADER + scale_nbytes + nbytes:
         return _fail(BAD_PAYLOAD)
     payload = buf[HEADER_SIZE : HEADER_SIZE + payload_size]
@@ -481,29 +499,116 @@ def decode_into(
         return _fail(BAD_HEADER)
     # The safetensors header we write is a pure function of (dtype, shape): compare
     # bytes (fast); anything else (another writer's formatting) is parsed strictly.
-    expected = _st_header(sdtype, shape, nbytes, scale_nbytes > 0)
-    if len(payload) == len(expected) + scale_nbytes + nbytes and payload[: len(expected)] == expected:
-        offset: int | None = len(expected)
+    st_expected = _st_header(sdtype, tuple(shape), nbytes, scale_nbytes > 0)
+    if len(payload) == len(st_expected) + scale_nbytes + nbytes and payload[: len(st_expected)] == st_expected:
+        offset: int | None = len(st_expected)
     elif scale_nbytes:  # only our own two-tensor layout is accepted
         return _fail(BAD_PAYLOAD)
     else:
-        offset = _parse_st_header(payload, sdtype, shape, nbytes)
+        offset = _parse_st_header(payload, sdtype, tuple(shape), nbytes)
         if offset is None:
             return _fail(BAD_PAYLOAD)
-
     if scale_nbytes:
-        scale = _readonly_tensor(payload, torch.float32, offset, scale_nbytes // 4).view(_scale_shape(shape))
-        q = _readonly_tensor(payload, sdtype, offset + scale_nbytes, numel).view(shape)
+        scale = _readonly_tensor(payload, torch.float32, offset, scale_nbytes // 4)
         if not torch.isfinite(scale).all():
             return _fail(BAD_PAYLOAD)
-        out.copy_(q.float().mul_(scale))  # one temporary float32 block, then into out's dtype
-        return _OK_RESULT
+    return payload, offset, sdtype
 
+
+def decode_into(
+    data: bytes | bytearray | memoryview,
+    namespace: Namespace,
+    block_hash: BlockHash,
+    out: torch.Tensor,
+    storage_dtype: torch.dtype | None = None,
+) -> DecodeResult:
+    """Verify ``data`` as the block ``(namespace, block_hash)`` shaped like ``out``,
+    stored as ``storage_dtype`` (None: ``out.dtype``, exact), and, only if everything
+    checks, copy it into ``out`` (any device, contiguous), decoded (``expand_into``).
+
+    Never raises for bad data: answers ``DecodeResult(False, reason)`` and leaves ``out``
+    untouched. Raises ValueError only for a non-contiguous ``out`` (a caller bug).
+    """
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    shape = tuple(out.shape)
+    checked = _verify(data, namespace, block_hash, shape, out.dtype, storage_dtype)
+    if isinstance(checked, DecodeResult):
+        return checked
+    payload, offset, sdtype = checked
+    numel = out.numel()
+    if sdtype != out.dtype:
+        n = stored_nbytes(shape, out.dtype, sdtype)
+        expand_into(_readonly_tensor(payload, torch.uint8, offset, n).view(1, n), out.view(1, *shape), sdtype)
+        return _OK_RESULT
     # Verified. Copy straight from the received buffer into the destination.
     np_dtype = _NUMPY_DTYPES.get(sdtype)
-    if np_dtype is not None and sdtype == out.dtype and out.device.type == "cpu":
+    if np_dtype is not None and out.device.type == "cpu":
         src = np.frombuffer(payload, dtype=np_dtype, count=numel, offset=offset).reshape(shape)
         np.copyto(out.numpy(), src)
     else:
         out.copy_(_readonly_tensor(payload, sdtype, offset, numel).view(shape))
     return _OK_RESULT
+
+
+def decode_stored_into(
+    data: bytes | bytearray | memoryview,
+    namespace: Namespace,
+    block_hash: BlockHash,
+    out: np.ndarray,
+    block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    storage_dtype: torch.dtype | None = None,
+) -> DecodeResult:
+    """``decode_into`` without the decoding: verify ``data`` as the block of that shape and
+    dtype stored as ``storage_dtype`` and copy its stored form (``stored_nbytes`` bytes)
+    into ``out`` (a flat uint8 array), for ``expand_into`` to decode where the block
+    lands. The same checks and reasons; ``out`` untouched unless ok."""
+    n = stored_nbytes(block_shape, dtype, storage_dtype)
+    if out.dtype != np.uint8 or out.shape != (n,):
+        raise ValueError(f"out must be {n} uint8 bytes, got {out.shape} {out.dtype}")
+    checked = _verify(data, namespace, block_hash, tuple(block_shape), dtype, storage_dtype)
+    if isinstance(checked, DecodeResult):
+        return checked
+    payload, offset, _ = checked
+    np.copyto(out, np.frombuffer(payload, dtype=np.uint8, count=n, offset=offset))
+    return _OK_RESULT
+
+
+def finite_scales(stored: torch.Tensor, block_shape: tuple[int, ...], dtype: torch.dtype,
+                  storage_dtype: torch.dtype | None) -> bool:
+    """Whether a stored form's scales (int8 / fp8; none otherwise) are all finite: the
+    check ``decode_into`` makes, for a reader that received the stored bytes itself."""
+    s = _scale_nbytes(dtype, storage_dtype or dtype, tuple(block_shape))
+    return not s or bool(torch.isfinite(stored.reshape(-1)[:s].view(torch.float32)).all())
+
+
+def _typed(stored: torch.Tensor, a: int, b: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Bytes ``a:b`` of each row of ``stored`` (n, S) uint8 as (n, *shape) of ``dtype``: a
+    view where the rows' stride allows one, else a copy."""
+    part = stored[:, a:b]
+    try:
+        typed = part.view(dtype)
+    except RuntimeError:  # a row stride the wider dtype cannot step by
+        typed = part.contiguous().view(dtype)
+    return typed.view(stored.shape[0], *shape)
+
+
+def expand_into(stored: torch.Tensor, out: torch.Tensor, storage_dtype: torch.dtype | None) -> None:
+    """Decode blocks from their stored form: ``stored`` (n, ``stored_nbytes``) uint8 into
+    ``out`` (n, *block_shape) of the block's dtype, both on one device (the CPU, or the
+    GPU after a host-to-device copy of the compact bytes). int8 / fp8: ``q.float() *
+    scale`` per row, then ``out``'s dtype (one float32 multiply, rounded once: the same
+    bits on any device); bf16 / fp16: a cast; exact: a copy."""
+    n, shape = out.shape[0], tuple(out.shape[1:])
+    sdt = storage_dtype or out.dtype
+    s = _scale_nbytes(out.dtype, sdt, shape)
+    if stored.dtype != torch.uint8 or tuple(stored.shape) != (n, stored_nbytes(shape, out.dtype, sdt)):
+        raise ValueError(f"stored must be ({n}, {stored_nbytes(shape, out.dtype, sdt)}) uint8, got "
+                         f"{tuple(stored.shape)} {stored.dtype}")
+    q = _typed(stored, s, stored.shape[1], sdt, shape)
+    if s:
+        scale = _typed(stored, 0, s, torch.float32, _scale_shape(shape))
+        out.copy_(q.float().mul_(scale))  # one temporary float32 block, then into out's dtype
+    else:
+        out.copy_(q)

@@ -130,6 +130,66 @@ def test_scaled_storage_round_trip(
         assert set(tensors) == {"kv", "scale"} and tensors["kv"].dtype == storage_dtype
 
 
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [("bf16", torch.float32), ("fp16", torch.float32), ("int8", torch.float32), ("fp8", torch.float32),
+     ("int8", torch.bfloat16), ("fp8", torch.bfloat16)],
+)
+def test_the_stored_form_decoded_after_a_copy_is_bit_identical_to_the_cpu_decode(fmt: str, dtype: torch.dtype) -> None:
+    """What a GPU restore does (verify, take the compact stored bytes, copy them as they
+    are, decode several blocks at once with ``expand_into`` where they land) writes the
+    bits ``decode_into`` writes, and those are the safetensors payload's tensors decoded
+    by the format's rule (read with safetensors' own reader: q * scale in float32, then
+    the block's dtype). The value is the stored prefix, the stored form, the checksum."""
+    sdt = codec.STORAGE_FORMATS[fmt]
+    blocks = [(block(seed=i) * torch.linspace(0.01, 50, SHAPE[-1])).to(dtype) for i in range(3)]
+    hashes = block_hashes(NS, list(range(12)), 4)
+    values = [codec.encode(NS, h, b, storage_dtype=sdt) for h, b in zip(hashes, blocks)]
+    n = codec.stored_nbytes(SHAPE, dtype, sdt)
+    stored = torch.empty(3, n, dtype=torch.uint8)
+    for v, h, row in zip(values, hashes, stored):
+        assert codec.decode_stored_into(v, NS, h, row.numpy(), SHAPE, dtype, sdt).ok
+        prefix = codec.stored_prefix(NS, h, SHAPE, dtype, sdt)
+        assert v == prefix + row.numpy().tobytes() + xxhash.xxh3_128_digest(v[: -codec.CHECKSUM_SIZE])
+    batched = torch.empty(3, *SHAPE, dtype=dtype)
+    codec.expand_into(stored, batched, sdt)
+    raw = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    for v, h, b, got in zip(values, hashes, blocks, batched):
+        one = sentinel_out(dtype)
+        assert codec.decode_into(v, NS, h, one, sdt).ok
+        assert torch.equal(raw(got), raw(one))
+        st = safetensors.torch.load(bytes(v[codec.HEADER_SIZE : -codec.CHECKSUM_SIZE]))
+        ref = (st["kv"].float() * st["scale"]).to(dtype) if "scale" in st else st["kv"].to(dtype)
+        assert torch.equal(raw(got), raw(ref))
+
+
+def test_decode_stored_into_verifies_as_decode_into_and_leaves_out_untouched() -> None:
+    b = block()
+    good = codec.encode(NS, H0, b, storage_dtype=torch.int8)
+    n = codec.stored_nbytes(SHAPE, torch.float32, torch.int8)
+    assert n == 3 * 2 * 4 * 2 * (8 + 4)  # one int8 per value, a float32 scale per row of 8
+    for bad, reason in [
+        (good[:-1], codec.TRUNCATED),
+        (good[:200] + bytes([good[200] ^ 1]) + good[201:], codec.BAD_CHECKSUM),
+        (codec.encode(NS, H1, b, storage_dtype=torch.int8), codec.WRONG_HASH),
+        (codec.encode(NS, H0, b), codec.WRONG_STORAGE),
+    ]:
+        out = torch.full((n,), 7, dtype=torch.uint8)
+        assert codec.decode_stored_into(bad, NS, H0, out.numpy(), SHAPE, torch.float32, torch.int8).reason == reason
+        assert bool((out == 7).all())
+    # scales that are not finite (a writer's bug, checksummed): a miss, whoever decodes
+    inf = good[:-codec.CHECKSUM_SIZE]
+    at = len(codec.stored_prefix(NS, H0, SHAPE, torch.float32, torch.int8))
+    inf = rechecksum(inf[:at] + struct.pack("<f", float("inf")) + inf[at + 4 :])
+    out = torch.empty(n, dtype=torch.uint8)
+    assert codec.decode_stored_into(inf, NS, H0, out.numpy(), SHAPE, torch.float32, torch.int8).reason == codec.BAD_PAYLOAD
+    fixed = torch.empty(n, dtype=torch.uint8)
+    assert codec.decode_stored_into(good, NS, H0, fixed.numpy(), SHAPE, torch.float32, torch.int8).ok
+    assert codec.finite_scales(fixed, SHAPE, torch.float32, torch.int8)
+    fixed[:4] = torch.tensor(list(struct.pack("<f", float("nan"))), dtype=torch.uint8)
+    assert not codec.finite_scales(fixed, SHAPE, torch.float32, torch.int8)
+
+
 @pytest.mark.parametrize("written", sorted(codec.STORAGE_FORMATS))
 def test_a_reader_takes_only_its_storage_format(written: str) -> None:
     """A value stored in one format is a miss (wrong_storage) for a reader of any other,
