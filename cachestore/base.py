@@ -37,6 +37,17 @@ the engine uses to restore straight into device-pool blocks:
   until ``finish``: what is computed over it is kept only for the blocks ``finish``
   returns. None: the tier reads whole blocks only (the store then loads them whole in
   the first stage).
+- ``hold(refs) -> HeldBlocks | None``: the leading blocks the tier holds, read in place
+  (the host tier's slots, pinned on CUDA: a restore copies them to the device without a
+  staging copy); ``spans(a, b)`` gives blocks ``a:b`` as contiguous runs to copy out of,
+  and ``release()``, called once the copies completed, how many leading blocks stayed
+  intact throughout (the all-or-nothing count). None: the tier cannot hand out its
+  memory (it loads into the caller's buffers).
+- ``get_many_stored_into(refs, outs) -> int``: ``get_many_into`` without the decoding:
+  each block's verified *stored form* (``codec.stored_nbytes`` bytes: a lossy format's
+  compact bytes) into ``outs[i]``, a flat uint8 CPU tensor, for ``codec.expand_into`` to
+  decode where the block lands (on the GPU after the copy). ``storage_dtype`` names the
+  form (None: the block's own bytes, where this is ``get_many_into``).
 
 Thread safety: tiers are safe to call from several threads at once.
 """
@@ -185,6 +196,18 @@ class LayeredRead(ABC):
     def finish(self) -> int: ...
 
 
+class HeldBlocks(ABC):
+    """Blocks a tier lends in place (``BlockTier.hold``; the module docstring)."""
+
+    n: int  # leading blocks held
+
+    @abstractmethod
+    def spans(self, start: int, end: int) -> list["torch.Tensor"]: ...
+
+    @abstractmethod
+    def release(self) -> int: ...
+
+
 class BlockTier(Storage["torch.Tensor"]):
     """A tier whose values are KV blocks ``(L, 2, block_size, n_kv, head_dim)``, with
     destination-passing reads (see the module docstring).
@@ -221,9 +244,22 @@ class BlockTier(Storage["torch.Tensor"]):
     batch_blocks: int = 64
     shared: bool = False
     durable: bool = False
+    storage_dtype: torch.dtype | None = None  # the stored form ``get_many_stored_into`` gives (None: exact)
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return False
+
+    def hold(self, refs: Sequence[BlockRef]) -> HeldBlocks | None:
+        """The leading held blocks of ``refs`` in place (see the module docstring); None
+        when the tier cannot lend its memory."""
+        return None
+
+    def get_many_stored_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
+        """Each block's stored form into ``outs`` (module docstring). A tier that stores
+        blocks as themselves loads them into ``outs`` viewed as blocks."""
+        if self.storage_dtype is not None:
+            raise NotImplementedError(f"{self.name} tier stores {self.storage_dtype} but reads no stored form")
+        return self.get_many_into(refs, [o.view(self.dtype).view(self.block_shape) for o in outs])
 
     def layered_read(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> LayeredRead | None:
         """A layer-by-layer load of ``refs`` into ``outs`` (see the module docstring);

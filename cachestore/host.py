@@ -1,11 +1,21 @@
 """Host-memory tier: an LRU of KV blocks, bounded by bytes, in one preallocated slab.
 
-The slab holds ``capacity_bytes // block_nbytes`` block buffers, allocated once (pinned
-when the device is CUDA, so host <-> device copies are DMA) and reused: a put copies
-into a free slot or into the least recently used one, never allocating (fresh
-allocations are ~4x slower than memcpy into warm memory). Reads copy out of the slot
-into a destination the caller owns (``get_into``: e.g. a device-pool block), so a block
-is never visible half-written and a slot is never read while it is reused.
+The slab holds ``capacity_bytes // block_nbytes`` block buffers, allocated once and
+reused: a put copies into a free slot or into the least recently used one, never
+allocating (fresh allocations are ~4x slower than memcpy into warm memory). Reads copy
+out of the slot into a destination the caller owns (``get_into``: e.g. a device-pool
+block), so a block is never visible half-written and a slot is never read while it is
+reused.
+
+Pinned (the device is CUDA): the slab is one ordinary allocation of exactly its size,
+page-locked with ``cudaHostRegister`` in chunks of ``pin_chunk_bytes`` (torch's pinned
+allocator would round the size up to a power of two: 40 GiB would lock 64), with a
+progress line every few seconds for a large slab. A restore then copies straight out of
+the slots to the device (``hold``: DMA, no staging copy on the CPU), in one copy per run
+of consecutive slots within a chunk (``HeldBlocks.spans``); the slots are not locked
+meanwhile: each keeps the generation it had when held, and ``release`` (after the copies
+completed) counts only the leading blocks whose slots no put took in between, so a slot
+reused while it was being copied ends the restore there instead of landing torn.
 
 Eviction calls ``on_evict(ref, block)`` with a view of the slot *before* it is reused;
 the view is valid only during the call, so the callback copies or encodes it (the
@@ -18,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -26,7 +37,7 @@ import torch
 
 from kvserve.common.tiers import Tier
 
-from .base import NOT_FOUND, BlockRef, BlockTier, LayeredRead, TierCounters, TierStats
+from .base import NOT_FOUND, BlockRef, BlockTier, HeldBlocks, LayeredRead, TierCounters, TierStats
 from .codec import byte_view, cpu_byte_view
 
 log = logging.getLogger(__name__)
@@ -47,9 +58,12 @@ class HostTier(BlockTier):
         dtype: torch.dtype,
         pin_memory: bool = False,
         on_evict: EvictCallback | None = None,
+        pin_chunk_bytes: int = 1 << 30,
     ) -> None:
         """``pin_memory`` asks for page-locked memory (only when the device is CUDA;
-        raises ValueError if CUDA is not available)."""
+        raises ValueError if CUDA is not available, ``PinError`` if the memory cannot be
+        locked); ``pin_chunk_bytes``: the size of each registration (a copy out of the
+        slab never spans two)."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if pin_memory and not torch.cuda.is_available():
@@ -58,10 +72,13 @@ class HostTier(BlockTier):
         self.pinned = pin_memory
         self.capacity_blocks = capacity_bytes // self.block_nbytes
         self.capacity_bytes = self.capacity_blocks * self.block_nbytes
-        # (capacity_blocks, L, 2, B, n_kv, hd); pages are touched on first write.
-        self._slab = torch.empty(
-            (self.capacity_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory
-        )
+        # slots per registered chunk: the runs ``hold`` hands out stay inside one
+        self.chunk_blocks = max(1, pin_chunk_bytes // self.block_nbytes)
+        # (capacity_blocks, L, 2, B, n_kv, hd); unpinned, pages are touched on first write.
+        self._slab = torch.empty((self.capacity_blocks, *self.block_shape), dtype=dtype)
+        if pin_memory and self.capacity_bytes:
+            ptrs = pin_host_memory(self._slab, self.chunk_blocks * self.block_nbytes, "the host KV tier")
+            weakref.finalize(self._slab, unpin_host_memory, ptrs)  # before the memory is freed
         # Slot i is self._slab[i] (a view) and, for memcpy, row i of one uint8 view of the
         # slab: O(1) to build whatever the slot count (a view per slot, built up front,
         # cost seconds at the default 1 GiB of small blocks: 262,144 of them).
@@ -126,6 +143,12 @@ class HostTier(BlockTier):
         if not all(cpu_byte_view(o) is not None for o in outs[: len(refs)]):
             return None  # a device destination: whole blocks (the CUDA path stages them)
         return _HostLayers(self, refs, outs)
+
+    def hold(self, refs: Sequence[BlockRef]) -> HeldBlocks:
+        """The leading blocks of ``refs`` the tier holds, read in place (a restore's copies
+        to the device go straight out of the slots: see the module docstring). Refreshes
+        their LRU positions; hits are counted by ``release``."""
+        return _HeldSlots(self, refs)
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         """Copy the block into ``out`` to write it elsewhere (a spill, the drain): unlike
@@ -265,3 +288,84 @@ class _HostLayers(LayeredRead):
             c.fail(NOT_FOUND)
         c.add_seconds("read", time.perf_counter() - self.t0)
         return self.n
+
+
+class _HeldSlots(HeldBlocks):
+    """``HostTier.hold``: the slots of the leading held blocks with their generations."""
+
+    def __init__(self, tier: HostTier, refs: Sequence[BlockRef]) -> None:
+        self.tier = tier
+        self.t0 = time.perf_counter()
+        self.slots: list[tuple[BlockRef, int, int]] = []  # (ref, slot, generation)
+        with tier._lock:
+            for ref in refs:
+                slot = tier._lru.get(ref)
+                if slot is None:
+                    break
+                tier._lru.move_to_end(ref)
+                self.slots.append((ref, slot, tier._gen[slot]))
+        self.n = len(self.slots)
+        self.missed = self.n < len(refs)
+        self.seconds = 0.0  # hold to release: what the copies out of the slots took
+
+    def spans(self, start: int, end: int) -> list[torch.Tensor]:
+        """Blocks ``start:end`` of the held ones as runs of consecutive slots, each one
+        tensor ``(r, *block_shape)`` of the slab within one registered chunk, in order."""
+        out: list[torch.Tensor] = []
+        slab, chunk = self.tier._slab, self.tier.chunk_blocks
+        i = start
+        while i < end:
+            first = self.slots[i][1]
+            j = i + 1
+            while j < end and self.slots[j][1] == first + (j - i) and (first + (j - i)) % chunk:
+                j += 1
+            out.append(slab[first : first + (j - i)])
+            i = j
+        return out
+
+    def release(self) -> int:
+        t = self.tier
+        with t._lock:  # a slot a put took since ``hold`` (its generation moved) was maybe overwritten mid-copy
+            n = next((i for i, (ref, slot, gen) in enumerate(self.slots) if t._gen[slot] != gen), self.n)
+        self.seconds = time.perf_counter() - self.t0
+        c = t._counters
+        c.add(hits=n, bytes_out=n * t.block_nbytes)
+        if n < self.n or self.missed:
+            c.add(misses=1)
+            c.fail(NOT_FOUND)
+        c.add_seconds("read", self.seconds)
+        self.n = n
+        return n
+
+
+class PinError(RuntimeError):
+    """Host memory could not be page-locked for the device (``pin_host_memory``)."""
+
+
+def pin_host_memory(t: torch.Tensor, chunk_bytes: int, what: str) -> list[int]:
+    """Page-lock the memory of the contiguous CPU tensor ``t`` for CUDA copies
+    (``cudaHostRegister``), ``chunk_bytes`` at a time, with a progress line every 5 s;
+    the registered addresses, for ``unpin_host_memory``. Raises ``PinError``."""
+    cudart = torch.cuda.cudart()
+    base, total = t.data_ptr(), t.numel() * t.element_size()
+    ptrs: list[int] = []
+    t0 = last = time.monotonic()
+    for off in range(0, total, chunk_bytes):
+        err = int(cudart.cudaHostRegister(base + off, min(chunk_bytes, total - off), 1))  # 1: portable
+        if err:
+            unpin_host_memory(ptrs)
+            raise PinError(f"cannot pin {total / 2**30:.1f} GiB for {what}: cudaHostRegister error {err} "
+                           f"after {off / 2**30:.1f} GiB")
+        ptrs.append(base + off)
+        if time.monotonic() - last >= 5.0:
+            last = time.monotonic()
+            log.info("pinning %s: %.1f of %.1f GiB", what, (off + chunk_bytes) / 2**30, total / 2**30)
+    if time.monotonic() - t0 >= 1.0:
+        log.info("pinned %s: %.1f GiB in %.1f s", what, total / 2**30, time.monotonic() - t0)
+    return ptrs
+
+
+def unpin_host_memory(ptrs: Sequence[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)

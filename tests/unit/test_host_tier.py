@@ -191,3 +191,43 @@ def test_concurrent_puts_and_reads_never_see_torn_blocks() -> None:
     assert len(tier) == 6
     s = tier.stats()
     assert s.hits > 0 and s.evictions > 0
+
+
+def test_hold_lends_the_slots_as_spans_of_consecutive_slots_within_a_chunk() -> None:
+    """A restore to the device copies straight out of the slots: ``spans`` are the held
+    blocks in order as runs of consecutive slots (one copy each), never across a pinned
+    chunk; hits are counted at the release, the LRU refreshed at the hold."""
+    tier = make(8, pin_chunk_bytes=3 * BLOCK_BYTES)  # chunks: slots 0-2, 3-5, 6-7
+    for i in range(6):
+        tier.put(REFS[i], value(i))  # slots 0..5 in order
+    tier.delete(REFS[2])
+    tier.put(REFS[6], value(6))  # takes slot 2 again
+    held = tier.hold([REFS[0], REFS[1], REFS[3], REFS[4], REFS[5], REFS[6], REFS[7]])
+    assert held.n == 6  # REFS[7] is not there: the held blocks end before it
+    spans = held.spans(0, 6)
+    assert [len(s) for s in spans] == [2, 3, 1]  # slots 0-1 | 3-5 | 2
+    got = torch.cat(spans)
+    assert all(torch.equal(got[k], value(i)) for k, i in enumerate([0, 1, 3, 4, 5, 6]))
+    assert [len(s) for s in held.spans(1, 4)] == [1, 2]  # a round's part: slot 1 | 3-4
+    assert all(s.data_ptr() >= tier._slab.data_ptr() for s in spans)  # views of the slab, no copy
+    assert tier.stats().hits == 0
+    assert held.release() == 6
+    s = tier.stats()
+    assert s.hits == 6 and s.misses == 1 and s.failures == {NOT_FOUND: 1}
+    whole = make(8, pin_chunk_bytes=3 * BLOCK_BYTES)
+    for i in range(8):
+        whole.put(REFS[i], value(i))
+    assert [len(s) for s in whole.hold(REFS[:8]).spans(0, 8)] == [3, 3, 2]  # cut at the chunks only
+
+
+def test_a_held_slot_taken_by_a_put_before_the_release_ends_the_restore_there() -> None:
+    tier = make(4)
+    for i in range(4):
+        tier.put(REFS[i], value(i))
+    held = tier.hold(REFS[:4])
+    tier.delete(REFS[2])
+    tier.put(REFS[9], value(9))  # reuses block 2's slot: copies out of it may be torn
+    assert held.release() == 2
+    held = tier.hold(REFS[:2])
+    tier.put(REFS[10], value(10))  # evicts REFS[3]: the hold refreshed the held ones
+    assert held.release() == 2
