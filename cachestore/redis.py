@@ -6,18 +6,24 @@ value's header, so a value is only ever decoded as the block it was written for;
 doubt (missing key, corrupted bytes, other namespace or weights, evicted by
 ``maxmemory``) is a miss with a counted reason, never wrong KV.
 
-Round trips: a restore of N blocks is one streamed pipeline on one connection: up to
-``max_batch_bytes`` of GET replies are in flight while the client verifies and copies
-the ones that arrived, so reading, checking and copying overlap and memory stays
-bounded on both ends. Lookups (``EXISTS``) and writes (``PEXPIRE`` / ``SET``) are plain
+Round trips: a restore of N blocks is streamed pipelines on ``read_connections``
+connections at once (the blocks cut into that many consecutive runs, one reader thread
+each, the calling thread one of them; one redis-py reader is bound by its own CPU, ~1.3
+GB/s): on each, up to ``max_batch_bytes / readers`` of GET replies are in flight while
+the reader verifies and copies the ones that arrived, so reading, checking and copying
+overlap and memory stays bounded on both ends. The answer is still the leading run of
+good blocks: a run after a failed block does not count, and stops early. Lookups (``EXISTS``) and writes (``PEXPIRE`` / ``SET``) are plain
 pipelines of at most ``max_batch_bytes`` of values. In cluster mode reads are pipelined
 batches too (``redis.cluster.RedisCluster`` groups their single-key commands by node),
 and no multi-key command is ever sent, so batches work across hash slots.
 
-Direct reads (standalone, plain layout, CPU destinations; ``direct_reads=True``): the
-tensor bytes of each GET reply are received from the socket straight into the
-destination block and verified there (prefix compared, xxh3_128 recomputed), skipping
-the three copies of redis-py's reply path and our own. Measured in
+Direct reads (standalone, uncompressed, CPU destinations; ``direct_reads=True``): the
+stored bytes of each GET reply are received from the socket straight into the
+destination block (exact) or its stored-form buffer (a lossy format: the compact bytes,
+decoded by ``codec.expand_into`` on the CPU, or on the GPU after the copy when the restore
+asks for the stored form: ``get_many_stored_into``, pinned staging) and verified there
+(prefix compared, xxh3_128 recomputed), skipping the three copies of redis-py's reply
+path and our own. Measured in
 ``bench/bench_cachestore.py`` against raw redis-py GETs. A block that fails is reported
 as not loaded; its destination may hold a partial write (see ``cachestore.base``).
 
@@ -52,6 +58,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -122,6 +129,19 @@ class _Progress:
     failure: str | None = None
 
 
+class _StopAt:
+    """The first block a parallel read found bad (its index in the whole read): runs of
+    blocks after it stop early, their blocks would not count."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.at = 1 << 62
+
+    def set(self, i: int) -> None:
+        with self._lock:
+            self.at = min(self.at, i)
+
+
 def _is_timeout(e: BaseException) -> bool:
     return isinstance(e, (redis.exceptions.TimeoutError, TimeoutError))
 
@@ -155,12 +175,15 @@ class RedisTier(BlockTier):
         ssl_keyfile: str | None = None,
         ssl_cert_reqs: str = "required",
         direct_reads: bool = True,
+        read_connections: int = 4,
+        min_blocks_per_reader: int = 8,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``ttl_s`` None means no expiry (rely on ``maxmemory``); ``compression`` and
         ``storage_dtype`` are the codec options (see ``cachestore.codec``: the latter is
         lossy, names its own keys, and only values stored so are read). The client connects lazily: a Redis that is down at startup is a miss,
-        not an error."""
+        not an error. ``read_connections``: connections (and reader threads) one restore
+        reads on at once, each taking at least ``min_blocks_per_reader`` blocks."""
         self._init_block(block_shape, dtype)
         self._torch_shape = torch.Size(self.block_shape)
         self.url = url
@@ -178,11 +201,15 @@ class RedisTier(BlockTier):
         if self.storage_format is None:
             raise ValueError(f"unsupported storage dtype {storage_dtype}; use one of {list(codec.STORAGE_FORMATS)}")
         self.value_nbytes = codec.encoded_size(self.block_shape, dtype, storage_dtype)
+        self.stored_nbytes = codec.stored_nbytes(self.block_shape, dtype, storage_dtype)
         self.batch_blocks = max(1, max_batch_bytes // self.value_nbytes)
-        # Direct reads need the plain layout: no compression, stored in its own dtype.
-        self._direct_layout = (
-            direct_reads and not cluster and compression is None and storage_dtype in (None, dtype)
-        )
+        if read_connections < 1:
+            raise ValueError(f"read_connections must be >= 1, got {read_connections}")
+        self.read_connections = 1 if cluster else read_connections
+        self.min_blocks_per_reader = max(1, min_blocks_per_reader)
+        self._readers: ThreadPoolExecutor | None = None  # the extra readers, made at the first parallel read
+        # Direct reads need an uncompressed value (any storage format): its prefix is known.
+        self._direct_layout = direct_reads and not cluster and compression is None
         self._client_kwargs: dict[str, Any] = {
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": socket_connect_timeout_s,
@@ -267,8 +294,21 @@ class RedisTier(BlockTier):
 
     def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
         """Load ``refs[i]`` into ``outs[i]`` in order, each value verified before it is
-        copied; stops at the first miss / error / bad value. Standalone: one streamed
-        pipeline (see ``_stream_into``); cluster: pipelined batches of ``batch_blocks``."""
+        copied; stops at the first miss / error / bad value. Standalone: streamed
+        pipelines on up to ``read_connections`` connections (see ``_stream_into``);
+        cluster: pipelined batches of ``batch_blocks``."""
+        return self._get_many(refs, outs, stored=False)
+
+    def get_many_stored_into(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor]) -> int:
+        """``get_many_into`` of each block's verified stored form (``stored_nbytes`` uint8
+        bytes, not decoded: ``cachestore.base``), e.g. into pinned staging for the GPU."""
+        for out in outs[: len(refs)]:
+            if out.dtype != torch.uint8 or tuple(out.shape) != (self.stored_nbytes,) or not out.is_cpu:
+                raise ValueError(f"stored-form destinations are {self.stored_nbytes} uint8 bytes on the CPU, "
+                                 f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+        return self._get_many(refs, outs, stored=True)
+
+    def _get_many(self, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], stored: bool) -> int:
         if len(refs) > len(outs):
             raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
         if not all(out.is_contiguous() for out in outs[: len(refs)]):
@@ -277,8 +317,11 @@ class RedisTier(BlockTier):
         progress = _Progress()
         complete = True
         if refs:
-            read = self._batches_into if self.cluster else self._stream_into
-            result = self._call(lambda c: read(c, refs, outs, progress), "get", read=True)
+            if self.cluster:
+                read: Callable[..., bool] = self._batches_into
+            else:
+                read = self._stream_into if len(self._runs(len(refs))) == 1 else self._parallel_into
+            result = self._call(lambda c: read(c, refs, outs, progress, stored), "get", read=True)
             complete = bool(result)
             if result is False:  # stopped at a missing or bad value (errors: counted by _call)
                 assert progress.failure is not None
@@ -289,31 +332,106 @@ class RedisTier(BlockTier):
         self._counters.add_seconds("read", time.perf_counter() - t0)
         return progress.n
 
-    def _stream_into(
-        self, client: redis.Redis, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress
+    def _runs(self, n: int) -> list[tuple[int, int]]:
+        """``n`` blocks cut into consecutive runs, one per reader: as many readers as
+        ``read_connections`` allows with ``min_blocks_per_reader`` blocks each, and at
+        least one reply in flight each within the ``batch_blocks`` they share."""
+        k = max(1, min(self.read_connections, n // self.min_blocks_per_reader, self.batch_blocks))
+        cuts = [n * i // k for i in range(k + 1)]
+        return list(zip(cuts, cuts[1:]))
+
+    def _parallel_into(
+        self, client: redis.Redis, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress,
+        stored: bool,
     ) -> bool:
-        """GETs streamed on one connection with up to ``batch_blocks`` replies in flight:
-        each reply is verified and copied while the next ones are on the wire, in one
-        round trip, with bounded memory on both ends. A connection left with unread
-        replies (early stop, error) is closed rather than returned to the pool."""
+        """``_stream_into`` over consecutive runs of the blocks at once, each on its own
+        connection and thread (the first on this one). The leading good blocks are those
+        of the runs before the first that stopped, plus that run's; a run past a stop
+        ends early. A backend error in the run that decides is raised (once: one breaker
+        failure), after every run returned."""
+        runs = self._runs(len(refs))
+        stop = _StopAt()
+        pool = self._reader_pool()
+        results: list[tuple[bool, _Progress] | BaseException] = []
+
+        def one(a: int, b: int) -> tuple[bool, _Progress]:
+            p = _Progress()
+            try:
+                with torch.inference_mode():  # destinations may be inference tensors (the restore thread's mode)
+                    ok = self._stream_into(client, refs[a:b], outs[a:b], p, stored, stop=stop, base=a,
+                                           readers=len(runs))
+            except BaseException:
+                stop.set(a + p.n)
+                raise
+            if not ok:
+                stop.set(a + p.n)
+            return ok, p
+
+        futures = [pool.submit(one, a, b) for a, b in runs[1:]]
+        try:
+            results.append(one(*runs[0]))
+        except _BACKEND_ERRORS as e:
+            results.append(e)
+        for f in futures:
+            try:
+                results.append(f.result())
+            except _BACKEND_ERRORS as e:
+                results.append(e)
+        for (a, b), r in zip(runs, results):
+            if isinstance(r, BaseException):
+                raise r
+            ok, p = r
+            progress.n, progress.nbytes = a + p.n, progress.nbytes + p.nbytes
+            if not ok:
+                progress.failure = p.failure
+                return False
+        return True
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._client_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.read_connections - 1, thread_name_prefix="redis-read")
+            return self._readers
+
+    def _stream_into(
+        self, client: redis.Redis, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress,
+        stored: bool = False, *, stop: _StopAt | None = None, base: int = 0, readers: int = 1,
+    ) -> bool:
+        """GETs streamed on one connection with up to ``batch_blocks`` replies in flight
+        (``batch_blocks / readers`` in a parallel read): each reply is verified and copied
+        while the next ones are on the wire, in one round trip, with bounded memory on
+        both ends. A connection left with unread replies (early stop, error) is closed
+        rather than returned to the pool. ``stop``/``base``: a parallel read's stop mark
+        and this run's first index in it (a run past the mark ends; its result is not
+        used)."""
         keys = [self.key(r) for r in refs]
-        window = self.batch_blocks
+        window = max(1, self.batch_blocks // readers)
         pool = client.connection_pool
         conn = pool.get_connection()
         clean = False
         try:
             sock = self._direct_socket(conn)
+            scratch = None  # a lossy block read directly, decoded on the CPU: its stored bytes first
             sent = min(window, len(keys))
             conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys[:sent]]))
             for i, (ref, out) in enumerate(zip(refs, outs)):
+                if stop is not None and base + i > stop.at:
+                    return False  # an earlier block failed: nothing from here counts
                 if sent < len(keys) and sent - i <= window // 2:  # top the window up
                     more = keys[sent : sent + window - (sent - i)]
                     conn.send_packed_command(conn.pack_commands([("GET", k) for k in more]))
                     sent += len(more)
-                if sock is not None and self._direct_target(out):
-                    nbytes, failure = self._read_direct(sock, ref, out)
+                if sock is not None and self._direct_target(out, stored):
+                    if stored or self.storage_dtype is None:
+                        nbytes, failure = self._read_direct(sock, ref, out, stored)
+                    else:
+                        if scratch is None:
+                            scratch = torch.empty(self.stored_nbytes, dtype=torch.uint8)
+                        nbytes, failure = self._read_direct(sock, ref, scratch, True)
+                        if failure is None:
+                            codec.expand_into(scratch.view(1, -1), out.view(1, *self.block_shape), self.storage_dtype)
                 else:
-                    nbytes, failure = self._read_parsed(conn, ref, out)
+                    nbytes, failure = self._read_parsed(conn, ref, out, stored)
                 if failure is not None:
                     progress.failure = failure
                     clean = i + 1 == sent  # every reply sent for was read
@@ -327,26 +445,26 @@ class RedisTier(BlockTier):
                 conn.disconnect()
             pool.release(conn)
 
-    def _read_parsed(self, conn: Any, ref: BlockRef, out: torch.Tensor) -> tuple[int, str | None]:
-        """One GET reply through redis-py's parser, then ``codec.decode_into``."""
+    def _read_parsed(self, conn: Any, ref: BlockRef, out: torch.Tensor, stored: bool) -> tuple[int, str | None]:
+        """One GET reply through redis-py's parser, then the codec."""
         try:
             value = conn.read_response()
         except redis.exceptions.ResponseError:  # an error reply: the connection is fine
             self._counters.add(errors=1)
             return 0, BACKEND_ERROR
-        return (len(value) if isinstance(value, bytes) else 0), self._load(ref, value, out)
+        return (len(value) if isinstance(value, bytes) else 0), self._load(ref, value, out, stored)
 
-    # -- direct reads: the tensor bytes go from the socket straight into ``out``
+    # -- direct reads: the stored bytes go from the socket straight into ``out``
     #
-    # For the plain layout (no compression, stored in its own dtype) everything before
-    # the tensor bytes is known in advance (``codec.plain_prefix``). We read the RESP
-    # bulk header and that prefix, compare, ``recv_into`` the destination block itself,
-    # then read the checksum and verify xxh3_128(prefix || out bytes). This skips the
-    # three copies of redis-py's reply path (parser buffer, hiredis buffer, ``bytes``)
-    # and our own copy out of the ``bytes``. A block that fails may be partly written
-    # (the ``get_many_into`` contract). Anything unexpected (nil, an error reply, another
-    # length or prefix) is read whole and handed to ``codec.decode_into`` for its reason,
-    # so the connection stays in step with the protocol. Used with RESP2 or RESP3 on a
+    # For an uncompressed value everything before the stored bytes is known in advance
+    # (``codec.stored_prefix``). We read the RESP bulk header and that prefix, compare,
+    # ``recv_into`` the destination itself (the block, or a stored-form buffer), then read
+    # the checksum and verify xxh3_128(prefix || those bytes). This skips the three copies
+    # of redis-py's reply path (parser buffer, hiredis buffer, ``bytes``) and our own copy
+    # out of the ``bytes``. A block that fails may be partly written (the
+    # ``get_many_into`` contract). Anything unexpected (nil, an error reply, another
+    # length or prefix) is read whole and handed to the codec for its reason, so the
+    # connection stays in step with the protocol. Used with RESP2 or RESP3 on a
     # standalone server, for contiguous CPU destinations; a RESP3 push message in the
     # middle of the replies is a protocol error (the connection is dropped).
 
@@ -355,12 +473,15 @@ class RedisTier(BlockTier):
             return None
         return getattr(conn, "_sock", None)
 
-    def _direct_target(self, out: torch.Tensor) -> bool:
+    def _direct_target(self, out: torch.Tensor, stored: bool = False) -> bool:
+        if stored:
+            return out.is_cpu and out.dtype == torch.uint8 and out.numel() == self.stored_nbytes and out.is_contiguous()
         return out.is_cpu and out.dtype == self.dtype and out.shape == self._torch_shape and out.is_contiguous()
 
-    def _read_direct(self, sock: Any, ref: BlockRef, out: torch.Tensor) -> tuple[int, str | None]:
-        prefix = codec.plain_prefix(ref.namespace, ref.block_hash, self.block_shape, self.dtype)
-        value_len = len(prefix) + self.block_nbytes + codec.CHECKSUM_SIZE
+    def _read_direct(self, sock: Any, ref: BlockRef, out: torch.Tensor, stored: bool) -> tuple[int, str | None]:
+        """One GET reply into ``out``: the block (exact) or, ``stored``, its stored form."""
+        prefix = codec.stored_prefix(ref.namespace, ref.block_hash, self.block_shape, self.dtype, self.storage_dtype)
+        value_len = len(prefix) + self.stored_nbytes + codec.CHECKSUM_SIZE
         expected = b"$%d\r\n" % value_len
         line = _recv_exact(sock, 3)  # the shortest reply, RESP3's null "_\r\n", is 3 bytes
         if line == expected[:3]:
@@ -370,8 +491,8 @@ class RedisTier(BlockTier):
                 head = _recv_exact(sock, len(prefix))
                 if head != prefix:  # another block, namespace, layout: let the codec say
                     value = head + _recv_exact(sock, value_len - len(prefix) + 2)[:-2]
-                    return value_len, self._load(ref, bytes(value), out)
-                data = memoryview(codec.byte_view(out))  # (nbytes,) of out
+                    return value_len, self._load(ref, bytes(value), out, stored)
+                data = memoryview(codec.byte_view(out))  # (stored_nbytes,) of out
                 _recv_exact_into(sock, data)
                 trailer = _recv_exact(sock, codec.CHECKSUM_SIZE + 2)
                 if trailer[-2:] != b"\r\n":
@@ -380,6 +501,9 @@ class RedisTier(BlockTier):
                 checksum.update(data)
                 if checksum.digest() != trailer[: codec.CHECKSUM_SIZE]:
                     return value_len, codec.BAD_CHECKSUM
+                if self.storage_dtype is not None and not codec.finite_scales(out, self.block_shape, self.dtype,
+                                                                              self.storage_dtype):
+                    return value_len, codec.BAD_PAYLOAD
                 return value_len, None
         # Anything else: finish the header line and take the reply whole.
         line, payload = _finish_line(sock, line)
@@ -389,7 +513,7 @@ class RedisTier(BlockTier):
         if kind in (b"$", b"!") and size.isdigit():  # a bulk string, a RESP3 blob error
             body = payload + _recv_exact(sock, int(size) + 2 - len(payload))
             if kind == b"$":
-                return int(size), self._load(ref, bytes(body[:-2]), out)
+                return int(size), self._load(ref, bytes(body[:-2]), out, stored)
         elif kind != b"-":  # not a simple error either (e.g. a RESP3 push): out of step
             raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:32]!r}")
         self._counters.add(errors=1)
@@ -404,32 +528,41 @@ class RedisTier(BlockTier):
         ranges are the tensor's layers); None otherwise."""
         if len(refs) > len(outs):
             raise ValueError(f"{len(refs)} refs but only {len(outs)} destinations")
-        if not self._direct_layout or not all(self._direct_target(o) for o in outs[: len(refs)]):
+        if self.storage_dtype is not None or not self._direct_layout:
+            return None  # (a lossy value's layers are not contiguous ranges: scales first)
+        if not all(self._direct_target(o) for o in outs[: len(refs)]):
             return None
         return _RedisLayers(self, refs, outs)
 
-    def _batches_into(self, client: Any, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress) -> bool:
+    def _batches_into(
+        self, client: Any, refs: Sequence[BlockRef], outs: Sequence[torch.Tensor], progress: _Progress, stored: bool
+    ) -> bool:
         """Pipelined GETs in batches of ``batch_blocks`` (cluster mode: each batch is
         split by node by redis-py)."""
         for start in self._batches(len(refs)):
             batch = refs[start : start + self.batch_blocks]
             values = self._pipeline(client, "get", [self.key(r) for r in batch])
             for ref, value, out in zip(batch, values, outs[start:]):
-                progress.failure = self._load(ref, value, out)
+                progress.failure = self._load(ref, value, out, stored)
                 if progress.failure is not None:
                     return False
                 progress.n += 1
                 progress.nbytes += len(value)
         return True
 
-    def _load(self, ref: BlockRef, value: Any, out: torch.Tensor) -> str | None:
-        """Verify ``value`` as ``ref`` into ``out``; the failure reason, or None if ok."""
+    def _load(self, ref: BlockRef, value: Any, out: torch.Tensor, stored: bool = False) -> str | None:
+        """Verify ``value`` as ``ref`` into ``out`` (decoded, or ``stored``: its stored
+        form); the failure reason, or None if ok."""
         if value is None:
             return NOT_FOUND
         if isinstance(value, Exception):
             self._counters.add(errors=1)
             return BACKEND_ERROR
-        result = codec.decode_into(value, ref.namespace, ref.block_hash, out, self.storage_dtype)
+        if stored:
+            result = codec.decode_stored_into(value, ref.namespace, ref.block_hash, codec.byte_view(out),
+                                              self.block_shape, self.dtype, self.storage_dtype)
+        else:
+            result = codec.decode_into(value, ref.namespace, ref.block_hash, out, self.storage_dtype)
         return None if result.ok else result.reason
 
     def _drop_bad(self, ref: BlockRef, reason: str) -> None:
@@ -577,6 +710,9 @@ class RedisTier(BlockTier):
         with self._client_lock:
             clients = [self._client, self._read_client]
             self._client = self._read_client = None
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
         for client in clients:
             if client is not None:
                 try:

@@ -238,7 +238,7 @@ def track_in_flight(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 def test_streamed_reads_keep_a_bounded_window(redis_url: str, track_in_flight: dict[str, int]) -> None:
     per_value = codec.encoded_size(SHAPE, torch.float32)
-    tier = make_tier(redis_url, max_batch_bytes=4 * per_value)
+    tier = make_tier(redis_url, max_batch_bytes=4 * per_value, read_connections=1)
     n = 30
     tier.put_many(REFS[:n], [value(i) for i in range(n)])
     outs = [torch.empty(SHAPE) for _ in range(n)]
@@ -378,6 +378,94 @@ def test_direct_and_parsed_reads_agree(redis_url: str) -> None:
     assert direct.stats().failures == {NOT_FOUND: 1, codec.WRONG_DTYPE: 1}
     with pytest.raises(ValueError):  # a caller bug, refused before any I/O
         direct.get_into(REFS[0], torch.empty(SHAPE[::-1]).permute(4, 3, 2, 1, 0))
+
+
+def _clients(c: redis.Redis) -> int:
+    return len(c.client_list())
+
+
+def test_parallel_readers_read_what_one_reader_reads_on_several_connections(redis_url: str, redis_server: Any) -> None:
+    """A restore of 40 blocks on 4 connections at once (runs of 10) loads exactly what one
+    connection loads, leading blocks in order."""
+    one = make_tier(redis_url, read_connections=1)
+    four = make_tier(redis_url, read_connections=4, min_blocks_per_reader=4)
+    one.put_many(REFS[:40], [value(i) for i in range(40)])
+    a, b = torch.full((40, *SHAPE), 7.0), torch.full((40, *SHAPE), 8.0)
+    with redis_server.client() as c:
+        before = _clients(c)
+        assert four.get_many_into(REFS[:40], list(b)) == 40
+        assert _clients(c) - before >= 4  # its read connections stay pooled
+    assert one.get_many_into(REFS[:40], list(a)) == 40
+    assert torch.equal(a, b) and all(torch.equal(b[i], value(i)) for i in range(40))
+    assert four.stats().hits == 40 and four.stats().misses == 0
+    assert four._runs(40) == [(0, 10), (10, 20), (20, 30), (30, 40)] and four._runs(7) == [(0, 7)]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "parsed"])
+def test_parallel_readers_stop_at_the_first_bad_block_whichever_reader_has_it(
+    redis_url: str, redis_server: Any, direct: bool
+) -> None:
+    """Only the leading good blocks count: a bad block in the third run ends the read
+    there (the fourth run's good blocks do not count), one in the first run ends it
+    earlier whatever the later runs found; the bad value is deleted; a missing block is
+    a miss; the connections stay in step for the next reads."""
+    tier = make_tier(redis_url, read_connections=4, min_blocks_per_reader=4, direct_reads=direct)
+    tier.put_many(REFS[:40], [value(i) for i in range(40)])
+    outs = [torch.empty(SHAPE) for _ in range(40)]
+    with redis_server.client() as c:
+        _corrupt(c, tier.key(REFS[25]), "flip")
+        assert tier.get_many_into(REFS[:40], outs) == 25
+        assert tier.stats().failures == {codec.BAD_CHECKSUM: 1} and not c.exists(tier.key(REFS[25]))
+        _corrupt(c, tier.key(REFS[5]), "truncate")
+        _corrupt(c, tier.key(REFS[33]), "garbage")
+        assert tier.get_many_into(REFS[:40], outs) == 5
+        assert tier.stats().failures == {codec.BAD_CHECKSUM: 1, codec.TRUNCATED: 1}
+    assert tier.get_many_into(REFS[:40], outs) == 5  # block 5 was deleted: now a plain miss
+    tier.put_many(REFS[:40], [value(i) for i in range(40)])  # the deleted ones stored again
+    with redis_server.client() as c:
+        c.delete(tier.key(REFS[33]))
+        assert tier.get_many_into(REFS[:40], outs) == 33
+    for _ in range(3):  # every connection in step
+        assert tier.get_many_into(REFS[:33], outs) == 33
+        assert all(torch.equal(outs[i], value(i)) for i in range(33))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "parsed"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+def test_stored_form_reads_give_the_verified_compact_bytes(redis_url: str, redis_server: Any, fmt: str,
+                                                           direct: bool) -> None:
+    """``get_many_stored_into`` (a GPU restore's load into pinned staging) gives each
+    value's stored form, verified, not decoded; decoding it (``expand_into``) gives the
+    bits ``get_many_into`` gives; direct and parsed reads of a lossy format agree; a bad
+    value is a miss with its reason."""
+    sdt = codec.STORAGE_FORMATS[fmt]
+    tier = make_tier(redis_url, storage_dtype=sdt, direct_reads=direct, read_connections=2, min_blocks_per_reader=4,
+                     key_prefix=f"sf-{direct}:")
+    tier.put_many(REFS[:12], [value(i) * 3 for i in range(12)])
+    n = codec.stored_nbytes(SHAPE, torch.float32, sdt)
+    assert tier.stored_nbytes == n
+    stored = torch.full((12, n), 7, dtype=torch.uint8)
+    assert tier.get_many_stored_into(REFS[:12], list(stored)) == 12
+    with redis_server.client() as c:
+        for i in (0, 11):
+            want = torch.empty(n, dtype=torch.uint8)
+            raw = c.get(tier.key(REFS[i]))
+            assert codec.decode_stored_into(raw, NS, REFS[i].block_hash, want.numpy(), SHAPE, torch.float32, sdt).ok
+            assert torch.equal(stored[i], want)
+    decoded = torch.empty(12, *SHAPE)
+    codec.expand_into(stored, decoded, sdt)
+    blocks = torch.full((12, *SHAPE), 9.0)
+    assert tier.get_many_into(REFS[:12], list(blocks)) == 12
+    assert torch.equal(decoded, blocks)
+    parsed = make_tier(redis_url, storage_dtype=sdt, direct_reads=False, key_prefix=f"sf-{direct}:")
+    other = torch.empty(12, *SHAPE)
+    assert parsed.get_many_into(REFS[:12], list(other)) == 12 and torch.equal(other, blocks)
+    with redis_server.client() as c:
+        _corrupt(c, tier.key(REFS[6]), "flip")
+    assert tier.get_many_stored_into(REFS[:12], list(stored)) == 6
+    assert tier.stats().failures == {codec.BAD_CHECKSUM: 1}
+    with pytest.raises(ValueError):  # a destination of another size: a caller bug
+        tier.get_many_stored_into(REFS[:1], [torch.empty(n + 1, dtype=torch.uint8)])
 
 
 def test_value_from_other_weights_is_a_miss(redis_url: str, redis_server: Any) -> None:
