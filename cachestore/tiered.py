@@ -46,7 +46,8 @@ import torch
 from kvserve.common.breaker import OPEN
 from kvserve.common.tiers import Tier
 
-from .base import BlockRef, BlockTier, LayeredRead, TierStats
+from . import codec
+from .base import BlockRef, BlockTier, HeldBlocks, LayeredRead, TierStats
 from .codec import copy_block
 from .keys import BlockHash, Namespace
 
@@ -128,6 +129,63 @@ class _Job:
     blocks: list[torch.Tensor | None]  # read by the writer; None: wherever the store holds it
     on_done: Callable[[SpillResult], None] | None = None
     staging: list[torch.Tensor] | None = None  # a demotion's buffers, freed when written
+
+
+class TierRead:
+    """One tier's share of a restore: blocks ``hashes`` (in order), all held by ``tier``,
+    as the device transfers read them (service/kv/transfer.py), in rounds, from
+    ``start``:
+
+    - ``load(start, outs)``: into block tensors, verified and decoded (``fetch_into``);
+    - ``load_stored(start, outs)``: each block's verified stored form into flat uint8
+      buffers of ``stored_nbytes`` (a lossy format's compact bytes), for ``expand`` to
+      decode where the blocks land (on the GPU after the copy);
+    - ``hold(start, end)`` / ``release(held)``: the blocks lent in place (the host tier's
+      pinned slots; None for tiers that cannot), their hits counted at the release.
+
+    Each load of at least ``min_rate_blocks`` blocks, and each hold to its release, is a
+    sample of the tier's restore rate."""
+
+    def __init__(self, store: TieredStore, tier: BlockTier, namespace: Namespace, hashes: Sequence[BlockHash]) -> None:
+        self.store, self.tier = store, tier
+        self.name = tier.name
+        self.refs = [BlockRef(namespace, h) for h in hashes]
+        self.storage_dtype = tier.storage_dtype
+        self.stored_nbytes = codec.stored_nbytes(tier.block_shape, tier.dtype, tier.storage_dtype)
+        self._held_t0 = 0.0
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def load(self, start: int, outs: Sequence[torch.Tensor]) -> int:
+        refs = self.refs[start : start + len(outs)]
+        return self._timed(len(refs), lambda: self.tier.get_many_into(refs, outs))
+
+    def load_stored(self, start: int, outs: Sequence[torch.Tensor]) -> int:
+        refs = self.refs[start : start + len(outs)]
+        return self._timed(len(refs), lambda: self.tier.get_many_stored_into(refs, outs))
+
+    def expand(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode ``stored`` (n, stored_nbytes) uint8 into ``out`` (n, *block_shape), on
+        their device (``codec.expand_into``)."""
+        codec.expand_into(stored, out, self.storage_dtype)
+
+    def hold(self, start: int, end: int) -> HeldBlocks | None:
+        self._held_t0 = time.perf_counter()
+        return self.tier.hold(self.refs[start:end])
+
+    def release(self, held: HeldBlocks) -> int:
+        n = held.release()
+        if n >= self.store.min_rate_blocks:
+            self.store.record_restore(self.name, n * self.store.block_nbytes, time.perf_counter() - self._held_t0)
+        return n
+
+    def _timed(self, n: int, read: Callable[[], int]) -> int:
+        t0 = time.perf_counter()
+        got = read()
+        if got >= self.store.min_rate_blocks:  # tiny restores measure latency, not rate
+            self.store.record_restore(self.name, got * self.store.block_nbytes, time.perf_counter() - t0)
+        return got
 
 
 class _WholeBlocks(LayeredRead):
@@ -305,25 +363,32 @@ class TieredStore:
         misses, errs or fails verification; ``outs`` from there on must not be used."""
         if not len(hashes) == len(tiers) <= len(outs):
             raise ValueError(f"{len(hashes)} hashes, {len(tiers)} tiers, {len(outs)} destinations")
+        done = 0
+        for read in self.reads(namespace, hashes, tiers):
+            got = read.load(0, outs[done : done + len(read)])
+            done += got
+            if got < len(read):
+                break
+        return done
+
+    def reads(self, namespace: Namespace, hashes: Sequence[BlockHash], tiers: Sequence[str]) -> list[TierRead]:
+        """``hashes[i]`` from ``tiers[i]`` (a plan's), as one ``TierRead`` per run of one
+        tier, in order; a tier that is not configured ends the list (its blocks and
+        those after it are not loaded)."""
+        if len(hashes) != len(tiers):
+            raise ValueError(f"{len(hashes)} hashes, {len(tiers)} tiers")
+        out: list[TierRead] = []
         i = 0
         while i < len(hashes):
-            name = tiers[i]
             j = i
-            while j < len(hashes) and tiers[j] == name:
+            while j < len(hashes) and tiers[j] == tiers[i]:
                 j += 1
-            tier = self._tiers.get(name)
+            tier = self._tiers.get(tiers[i])
             if tier is None:
-                return i
-            refs = [BlockRef(namespace, h) for h in hashes[i:j]]
-            t0 = time.perf_counter()
-            got = tier.get_many_into(refs, outs[i:j])
-            seconds = time.perf_counter() - t0
-            if got >= self.min_rate_blocks:  # tiny restores measure latency, not rate
-                self.record_restore(name, got * self.block_nbytes, seconds)
-            i += got
-            if i < j:
-                return i
-        return i
+                break
+            out.append(TierRead(self, tier, namespace, hashes[i:j]))
+            i = j
+        return out
 
     def fetch_layered(
         self,

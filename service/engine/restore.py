@@ -4,8 +4,8 @@ Restores: admission names a range of blocks past the device hits (service/engine
 scheduler.py); ``start`` looks them up in host/Redis and loads the hits into the
 sequence's fresh blocks, all on the ``kv-restore`` thread (plan: ``plan_restore`` cuts
 where restoring would lose to recomputing, weighed with the runner's measured prefill
-rate; fetch and verify: ``fetch_into`` through ``BlockTransfers``), so the decode loop
-never waits on the store. ``collect`` takes the landed ones on the engine thread and
+rate; fetch and verify: the plan's ``TieredStore.reads``, one per tier run, moved by
+``BlockTransfers.restore``), so the decode loop never waits on the store. ``collect`` takes the landed ones on the engine thread and
 registers what was loaded.
 
 Overlapped restores (``restore_stages`` > 0, off by default; CPU pools): a returning turn's prefill need
@@ -20,8 +20,9 @@ the turn's TTFT tends to max(restore, prefill) instead of their sum. Nothing of 
 forward is kept until the restore finished and verified every planned block: a block
 that fails (missing, truncated, bad checksum) makes the whole forward void, and the
 tokens from that block on are recomputed, as after any failed restore (never wrong KV).
-On CUDA the restore goes through the staging rounds (service/kv/transfer.py) and is
-not overlapped.
+On CUDA the restore goes through the staging rounds (service/kv/transfer.py: large
+host-to-device copies, one scatter into the pool per round, lossy formats decoded on the
+device) and is not overlapped.
 
 Besides: device evictions demote down the tiers, spills write
 a transcript's blocks out, and a transcript's stored blocks are located or forgotten,
@@ -132,8 +133,8 @@ class Restorer:
 
     def start(self, seq: Sequence, hashes: list[BlockHash], blocks: list[Block], prefill_tokens_per_s: float | None) -> None:
         """Look the blocks up in host/Redis and load the hits into ``blocks``, all on
-        the restore thread. The loads land in the pool itself (CPU) or go through pinned
-        staging buffers and the restore stream (CUDA; service/kv/transfer.py)."""
+        the restore thread. The loads land in the pool itself (CPU) or go through the
+        staging rounds on the restore stream (CUDA; service/kv/transfer.py)."""
         seq.t_restore0 = time.monotonic()
         after = self.transfers.begin_restore()
         block_ids = [b.block_id for b in blocks]
@@ -224,11 +225,8 @@ class Restorer:
                 self.store.note_load_failed(tiers[n_ok:])
             return tiers[:n_ok], None
 
-        def load(targets: list[torch.Tensor], start: int) -> int:
-            end = start + len(targets)
-            return self.store.fetch_into(namespace, hashes[start:end], tiers[start:end], targets)
-
-        n_ok, event = self.transfers.restore_in_rounds(block_ids[: len(tiers)], load, after)
+        reads = self.store.reads(namespace, hashes[: len(tiers)], tiers)
+        n_ok, event = self.transfers.restore(reads, block_ids[: len(tiers)], after)
         if n_ok < len(tiers):
             self.store.note_load_failed(tiers[n_ok:])
         return tiers[:n_ok], event
@@ -288,20 +286,16 @@ class Restorer:
         then: Callable[[list[str], Any], None],
     ) -> None:
         """A session warm-up: load ``hashes`` (held by ``tiers``) into ``blocks`` on the
-        restore thread, each verified, as a turn's restore does (``restore_in_rounds``);
+        restore thread, each verified, as a turn's restore does (``BlockTransfers.restore``);
         ``then(loaded tiers, event)`` there, for the leading blocks that loaded."""
         assert self.store is not None
         store = self.store
         after = self.transfers.begin_restore()
         block_ids = [b.block_id for b in blocks]
 
-        def load(targets: list[torch.Tensor], start: int) -> int:
-            end = start + len(targets)
-            return store.fetch_into(namespace, hashes[start:end], tiers[start:end], targets)
-
         def job() -> None:
             try:
-                n_ok, event = self.transfers.restore_in_rounds(block_ids, load, after)
+                n_ok, event = self.transfers.restore(store.reads(namespace, hashes, tiers), block_ids, after)
             except Exception:
                 log.exception("warm-up restore failed")
                 n_ok, event = 0, None

@@ -410,6 +410,12 @@ class KVPool:
             tensor = tensor.to(self.device, non_blocking=self._async(tensor))
         self._rows.index_copy_(0, idx, _rows_of(tensor))
 
+    def scatter(self, block_ids: Tensor, blocks: Tensor) -> None:
+        """``blocks`` (n, L, 2, bs, n_kv, hd), on the pool's device, into the pool blocks
+        ``block_ids`` (an int64 tensor there, ids unchecked: the caller's own blocks): one
+        ``index_copy_``, a restore's scatter out of device staging (service/kv/transfer.py)."""
+        self._rows.index_copy_(0, block_ids, _rows_of(blocks))
+
     def _async(self, host: Tensor) -> bool:
         return self.device.type == "cuda" and host.device.type == "cpu" and host.is_pinned()
 

@@ -4,16 +4,29 @@ On CUDA, restores and demotions are copies between the pool and pinned host memo
 issued on streams of their own so they overlap the model's kernels, and ordered
 against the compute stream with events, never with a host synchronisation:
 
-- **Restore** (host/Redis -> pool). At submission the engine marks the compute stream
-  (``begin_restore``: the target blocks' previous users may still be reading them).
-  The restore thread then works in rounds through pinned *staging* buffers (one slab,
-  allocated once): load a round from the store into them, enqueue ``non_blocking`` H2D
-  copies on the restore stream (after that mark), record an event, wait for it on the
-  restore thread only, reuse the buffers for the next round. Before the sequence runs,
-  the engine makes the compute stream wait for the last copy's event
-  (``finish_restore``), so no attention kernel reads a restored block before its bytes
-  landed (the bug class of copies racing the compute stream: restored KV that is
-  garbage under load).
+- **Restore** (host/disk/Redis -> pool). At submission the engine marks the compute
+  stream (``begin_restore``: the target blocks' previous users may still be reading
+  them). The restore thread then moves the blocks tier by tier (``restore``, one
+  ``BlockSource`` per run of one tier: cachestore's ``TierRead``), in rounds of at most
+  ``round_blocks`` blocks, each round on the restore stream (after that mark): a few large
+  host-to-device copies into *device staging* (``round_blocks`` blocks, allocated once),
+  then one scatter kernel from there into the blocks' pool slots (``scatter``:
+  kernels.triton's ``scatter_blocks``, or ``KVPool.scatter``'s ``index_copy_``):
+  - a tier that lends its memory (``hold``: the host tier's pinned slab) is copied
+    straight out of its slots, one copy per run of consecutive slots (``spans``), with no
+    copy on the CPU; once the copies completed the tier says how many blocks stayed
+    intact (``release``: a slot reused meanwhile ends the restore there);
+  - any other (disk, Redis) loads a round into one half of a contiguous pinned *restore
+    region* (disk reads and Redis replies land there directly), which goes to the
+    device in one copy while the next round loads into the other half (a half is
+    refilled once its copy's event completed);
+  - a lossy Redis format (int8, fp8, bf16, fp16 values) is loaded in its stored form (the
+    compact bytes, verified), copied as it is, and decoded on the device
+    (``BlockSource.expand``: the same bits as the CPU's decode), then scattered.
+  Before the sequence runs, the engine makes the compute stream wait for the last
+  round's event (``finish_restore``), so no attention kernel reads a restored block
+  before its bytes landed (the bug class of copies racing the compute stream: restored
+  KV that is garbage under load).
 - **Demotion** (pool -> host tier). ``demote`` makes the demotion stream wait for the
   compute stream (the block's last writes), copies the block into a staging buffer
   there, records an event, and makes the compute stream wait for it: the next kernel
@@ -23,10 +36,14 @@ against the compute stream with events, never with a host synchronisation:
   engine step; the staging buffer is reused after that.
 - ``poll`` never waits: it asks each event whether it completed (``cudaEventQuery``).
 
+``staging_blocks`` pinned host blocks are allocated once: half the restore region, half
+the demotions' buffers; device staging is a quarter of it (one round).
+
 On the CPU every copy is synchronous and every event complete: restores write into the
-pool in place (no staging), and a demotion hands the pool block itself to
-``on_copied`` during the call. The engine runs the same calls on both (``SyncOps``);
-the ordering itself is tested on the CPU with a fake stream/event implementation
+pool in place (no staging: each source loads into the pool's blocks, a lossy format
+decoded on the CPU), and a demotion hands the pool block itself to ``on_copied`` during
+the call. The engine runs the same calls on both (``SyncOps``); the ordering and the
+rounds are tested on the CPU with a fake stream/event implementation
 (tests/engine/test_transfer.py).
 """
 
@@ -42,6 +59,8 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 
 from .cache import KVPool
+
+Scatter = Callable[[torch.Tensor, torch.Tensor], None]  # (block ids on the device, blocks (n, ...) there)
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +173,44 @@ def stream_ops_for(device: torch.device) -> StreamOps:
     return CudaOps(device) if device.type == "cuda" else SyncOps()
 
 
+def pool_scatter(pool: KVPool) -> Scatter:
+    """The restore's scatter into ``pool``: kernels.triton's ``scatter_blocks`` on CUDA
+    where it is there, else ``KVPool.scatter`` (one ``index_copy_``: the same bytes)."""
+    if pool.device.type == "cuda":
+        try:
+            from ..kernels.triton import scatter_blocks
+        except ImportError:
+            pass
+        else:
+            return lambda ids, blocks: scatter_blocks(pool.data, blocks, ids)
+    return pool.scatter
+
+
+class Held(Protocol):
+    """Blocks a source lends in place (cachestore's ``HeldBlocks``)."""
+
+    n: int
+
+    def spans(self, start: int, end: int) -> list[torch.Tensor]: ...
+
+
+class BlockSource(Protocol):
+    """One tier's run of a restore, in order (cachestore's ``TierRead``)."""
+
+    storage_dtype: torch.dtype | None  # the stored form ``load_stored`` gives (None: the blocks' bytes)
+    stored_nbytes: int
+
+    def __len__(self) -> int: ...
+    def load(self, start: int, outs: Sequence[torch.Tensor]) -> int: ...
+    def load_stored(self, start: int, outs: Sequence[torch.Tensor]) -> int: ...
+    def expand(self, stored: torch.Tensor, out: torch.Tensor) -> None: ...
+    def hold(self, start: int, end: int) -> Held | None: ...
+    def release(self, held: Any) -> int: ...
+
+
 class StagingSlab:
     """``n`` block buffers in one host allocation (pinned when asked), made once and
-    reused; ``take`` and ``give_back`` are thread-safe (the restore thread takes too)."""
+    reused by demotions; ``take`` and ``give_back`` are thread-safe."""
 
     def __init__(self, n: int, block_shape: Sequence[int], dtype: torch.dtype, pin: bool) -> None:
         self.capacity = n
@@ -194,17 +248,26 @@ class _Pending:
 
 class BlockTransfers:
     """Restores into and demotions out of ``pool``. See the module docstring. All calls
-    but ``staging.take`` / ``give_back`` are for the engine thread."""
+    but ``restore`` (the restore thread's) are for the engine thread."""
 
-    def __init__(self, pool: KVPool, ops: StreamOps, staging_blocks: int = 0) -> None:
+    def __init__(self, pool: KVPool, ops: StreamOps, staging_blocks: int = 0, scatter: Scatter | None = None) -> None:
         self.pool = pool
         self.ops = ops
-        self.staging = StagingSlab(
-            staging_blocks if ops.asynchronous else 0,
-            pool.block_shape,
-            pool.dtype,
-            pin=ops.asynchronous and pool.device.type == "cuda",
+        pin = ops.asynchronous and pool.device.type == "cuda"
+        n = staging_blocks if ops.asynchronous else 0
+        # half the blocks: the demotions' buffers; the other half the restore region, two
+        # rounds (one loads while the other's copy runs); a round: what device staging holds
+        demotions = max(1, n // 2) if n else 0
+        self.round_blocks = max(1, (n - demotions) // 2) if n else 0
+        self.staging = StagingSlab(demotions, pool.block_shape, pool.dtype, pin=pin)
+        self._restore_host = (
+            torch.empty((2 * self.round_blocks, *pool.block_shape), dtype=pool.dtype, pin_memory=pin) if n else None
         )
+        self._restore_device = (
+            torch.empty((self.round_blocks, *pool.block_shape), dtype=pool.dtype, device=pool.device) if n else None
+        )
+        self._restore_lock = threading.Lock()  # one restore at a time in the staging
+        self.scatter = scatter or pool_scatter(pool)
         self.restore_stream = ops.new_stream()
         self.demote_stream = ops.new_stream()
         self._inflight: list[_Pending] = []
@@ -232,45 +295,109 @@ class BlockTransfers:
         them); the restore's copies wait for it. None on the CPU."""
         return None if self.in_place else self.ops.record(self.ops.current_stream())
 
-    def restore_in_rounds(
-        self,
-        block_ids: Sequence[int],
-        load: Callable[[list[torch.Tensor], int], int],
-        after: Any,
-    ) -> tuple[int, Any]:
-        """Restore thread: fill pool blocks ``block_ids`` through ``load(targets, start)``,
-        which loads blocks ``start, start+1, ...`` into ``targets`` and returns how many
-        it loaded (stopping at the first miss). CPU: one round, straight into the pool.
-        CUDA: rounds of at most half the staging slab (the rest stays free for
-        demotions): load into pinned buffers, copy them into the pool on the restore
-        stream (after ``after``, from ``begin_restore``), wait for that copy here (only
-        this thread waits) and reuse the buffers, so a restore of any size goes through
-        a slab of fixed size. Returns (blocks restored, the last copy's event for
+    def restore(self, sources: Sequence[BlockSource], block_ids: Sequence[int], after: Any) -> tuple[int, Any]:
+        """Restore thread: fill pool blocks ``block_ids`` from ``sources`` (their blocks in
+        order, one source per tier run), stopping at the first block that does not load.
+        CPU: each source loads into the pool's blocks. CUDA: rounds through the staging
+        on the restore stream, after ``after`` (``begin_restore``); see the module
+        docstring. Returns (blocks restored, the last round's event for
         ``finish_restore``; None when nothing was copied)."""
         if self.in_place:
-            return load([self.pool.block_view(b) for b in block_ids], 0), None
-        done, event = 0, None
-        bufs = self.staging.take(max(1, self.staging.capacity // 2))
-        if not bufs:
+            done = 0
+            for src in sources:
+                got = src.load(0, [self.pool.block_view(b) for b in block_ids[done : done + len(src)]])
+                done += got
+                if got < len(src):
+                    break
+            return done, None
+        if self._restore_device is None:
             return 0, None
-        try:
+        with self._restore_lock:
             if after is not None:
                 self.ops.wait_event(self.restore_stream, after)
-            while done < len(block_ids):
-                k = min(len(bufs), len(block_ids) - done)
-                got = load(bufs[:k], done)
+            done, event = 0, None
+            for src in sources:
+                ids = list(block_ids[done : done + len(src)])
+                held = src.hold(0, len(src))
+                if held is not None:
+                    got, event = self._from_held(src, held, ids, event)
+                else:
+                    got, event = self._from_loads(src, ids, event)
+                done += got
+                if got < len(src):
+                    break
+            return done, event
+
+    def _from_held(self, src: BlockSource, held: Any, ids: list[int], event: Any) -> tuple[int, Any]:
+        """Blocks lent in place: per round, a copy per span into device staging, one
+        scatter; the lender is released (counts what stayed intact) once the copies
+        completed."""
+        dev, r = self._restore_device, self.round_blocks
+        assert dev is not None
+        try:
+            for a in range(0, held.n, r):
+                b = min(held.n, a + r)
+                with self.ops.use(self.restore_stream):
+                    k = 0
+                    for span in held.spans(a, b):
+                        self.ops.copy(dev[k : k + len(span)], span)
+                        k += len(span)
+                    self._scatter(ids[a:b], dev[: b - a])
+                    event = self.ops.record(self.restore_stream)
+            if event is not None:
+                self.ops.synchronize(event)  # the slots were read: now ask whether they stayed intact
+        finally:
+            got = src.release(held)
+        return got, event
+
+    def _from_loads(self, src: BlockSource, ids: list[int], event: Any) -> tuple[int, Any]:
+        """Blocks loaded into the pinned restore region, a half per round (the other half's
+        copy runs meanwhile), one copy of the round into device staging, decoded there
+        when stored in a lossy form, one scatter."""
+        host, dev, r = self._restore_host, self._restore_device, self.round_blocks
+        assert host is not None and dev is not None
+        halves, pending = (host[:r], host[r:]), [None, None]
+        stored = src.storage_dtype is not None
+        nbytes = src.stored_nbytes
+        if stored and nbytes > self.pool.bytes_per_block:
+            raise ValueError(f"a stored block of {nbytes} bytes does not fit a staging block of {self.pool.bytes_per_block}")
+        done, h = 0, 0
+        try:
+            while done < len(ids):
+                k = min(r, len(ids) - done)
+                if pending[h] is not None:
+                    self.ops.synchronize(pending[h])  # the half's last copy read it
+                if stored:
+                    bufs = halves[h].view(-1).view(torch.uint8)[: k * nbytes].view(k, nbytes)
+                    got = src.load_stored(done, list(bufs.unbind(0)))
+                else:
+                    bufs = halves[h][:k]
+                    got = src.load(done, list(bufs.unbind(0)))
                 if got:
                     with self.ops.use(self.restore_stream):
-                        for i in range(got):
-                            self.ops.copy(self.pool.block_view(block_ids[done + i]), bufs[i])
-                        event = self.ops.record(self.restore_stream)
-                    self.ops.synchronize(event)  # the buffers are refilled next round
+                        if stored:
+                            dev_bytes = dev.view(-1).view(torch.uint8)[: got * nbytes].view(got, nbytes)
+                            self.ops.copy(dev_bytes, bufs[:got])
+                            blocks = torch.empty((got, *self.pool.block_shape), dtype=self.pool.dtype,
+                                                 device=self.pool.device)
+                            src.expand(dev_bytes, blocks)  # decoded on the device
+                        else:
+                            self.ops.copy(dev[:got], bufs[:got])
+                            blocks = dev[:got]
+                        self._scatter(ids[done : done + got], blocks)
+                        event = pending[h] = self.ops.record(self.restore_stream)
                 done += got
                 if got < k:
                     break
+                h ^= 1
         finally:
-            self.staging.give_back(bufs)
+            if event is not None:
+                self.ops.synchronize(event)  # the region is free for the next restore
         return done, event
+
+    def _scatter(self, ids: list[int], blocks: torch.Tensor) -> None:
+        """On the current stream: ``blocks`` (on the device) into pool blocks ``ids``."""
+        self.scatter(torch.tensor(ids, dtype=torch.long).to(self.pool.device, non_blocking=True), blocks)
 
     def finish_restore(self, event: Any) -> None:
         """Engine thread, before the restored blocks are used: the compute stream waits

@@ -1,8 +1,11 @@
 """Ordering of restores and demotions between the KV pool and host memory
 (service/kv/transfer.py), with a fake stream/event implementation on the CPU: copies are
-issued on their own streams after the compute stream's earlier work, the compute stream
-waits for them before its next kernel, staging buffers and host copies are used only
-once their event completed, and the engine restores through staging correctly."""
+issued on their own streams after the compute stream's earlier work, a restore's rounds
+are a few copies into device staging and one scatter each, the compute stream waits for
+them before its next kernel, staging buffers and host copies are used only once their
+event completed, the restore scatter writes what per-block copies write, a lossy format
+is copied in its stored form and decoded after the copy to the same bits, and the engine
+restores through staging correctly."""
 
 from __future__ import annotations
 
@@ -96,54 +99,202 @@ def block_value(pool: KVPool, seed: int) -> torch.Tensor:
     return torch.randn(pool.block_shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_restore_copies_in_rounds_on_its_stream_and_the_compute_stream_waits() -> None:
-    """Five blocks through a slab of 4 (rounds of 2): each round's copies go on the
-    restore stream after the compute stream's mark, the restore thread waits for a
-    round's copy before refilling its buffers, and the compute stream waits for the
-    last copy; the staging buffers all come back."""
-    pool, ops = make_pool(), FakeOps()
-    tr = BlockTransfers(pool, ops, staging_blocks=4)
+class ListSource:
+    """A ``BlockSource`` over given blocks (exact), loading into the caller's buffers;
+    ``fail_at``: the first block that does not load."""
+
+    storage_dtype = None
+
+    def __init__(self, blocks: list[torch.Tensor], fail_at: int | None = None, log: list | None = None) -> None:
+        self.blocks, self.fail_at, self.log = blocks, fail_at, log
+        self.stored_nbytes = blocks[0].numel() * blocks[0].element_size()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def load(self, start: int, outs: Any) -> int:
+        if self.log is not None:
+            self.log.append(("load", start, len(outs)))
+        for i, out in enumerate(outs):
+            if start + i == self.fail_at:
+                return i
+            out.copy_(self.blocks[start + i])
+        return len(outs)
+
+    def hold(self, start: int, end: int) -> None:
+        return None
+
+
+def logged_scatter(pool: KVPool, ops: FakeOps) -> Any:
+    def scatter(ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        ops.log.append(("scatter", ops.current_stream(), tuple(ids.tolist())))
+        pool.scatter(ids, blocks)
+
+    return scatter
+
+
+def test_restore_loads_rounds_into_the_pinned_halves_copies_each_once_and_scatters_once() -> None:
+    """Five blocks, rounds of 2 (a staging of 8: a restore region of two rounds, device
+    staging of one): each round is loaded into one half of the restore region, goes to
+    the device in one copy on the restore stream after the compute stream's mark, and is
+    scattered into its pool blocks by one kernel; a half is loaded again only after its
+    last copy completed; the compute stream waits for the last round."""
+    pool, ops = make_pool(16), FakeOps()
+    tr = BlockTransfers(pool, ops, staging_blocks=8, scatter=logged_scatter(pool, ops))
+    assert tr.round_blocks == 2 and tr.staging.capacity == 4  # the rest: the demotions'
     after = tr.begin_restore()  # engine thread, at submission
-    calls: list[tuple[int, int]] = []
-
-    def load(targets: list[torch.Tensor], start: int) -> int:  # the store, on the restore thread
-        calls.append((start, len(targets)))
-        for i, t in enumerate(targets):
-            t.copy_(block_value(pool, start + i))
-        return len(targets)
-
-    n, event = tr.restore_in_rounds([1, 2, 3, 4, 5], load, after)
-    assert n == 5 and calls == [(0, 2), (2, 2), (4, 1)]
-    for i, b in enumerate([1, 2, 3, 4, 5]):
+    src = ListSource([block_value(pool, i) for i in range(5)], log=ops.log)
+    ids = [9, 2, 14, 5, 7]
+    n, event = tr.restore([src], ids, after)
+    assert n == 5
+    for i, b in enumerate(ids):
         assert torch.equal(pool.data[b], block_value(pool, i))
     rs = tr.restore_stream
-    round_ops = lambda k, ev: [("copy", rs)] * k + [("record", rs, ev), ("synchronize", ev)]  # noqa: E731
     assert ops.log == [
         ("record", "compute", "e0"),  # begin_restore: after the blocks' previous users
         ("wait_event", rs, "e0"),
-        *round_ops(2, "e1"),
-        *round_ops(2, "e2"),
-        *round_ops(1, "e3"),
-    ]
-    assert tr.staging.num_free == 4
+        ("load", 0, 2), ("copy", rs), ("scatter", rs, (9, 2)), ("record", rs, "e1"),
+        ("load", 2, 2), ("copy", rs), ("scatter", rs, (14, 5)), ("record", rs, "e2"),
+        ("synchronize", "e1"),  # the first half again: once its copy read it
+        ("load", 4, 1), ("copy", rs), ("scatter", rs, (7,)), ("record", rs, "e3"),
+        ("synchronize", "e3"),  # the region is free for the next restore
+    ]  # fmt: skip
     tr.finish_restore(event)  # engine thread, before the sequence runs
     assert ops.log[-1] == ("wait_event", "compute", "e3")
 
 
 def test_a_restore_stops_at_the_first_block_that_does_not_load() -> None:
-    pool, ops = make_pool(), FakeOps()
-    tr = BlockTransfers(pool, ops, staging_blocks=4)
-    n, event = tr.restore_in_rounds([1, 2, 3, 4, 5], lambda targets, start: 1 if start == 2 else len(targets), None)
-    assert n == 3 and event is not None and tr.staging.num_free == 4
-    n, event = tr.restore_in_rounds([1, 2], lambda targets, start: 0, None)
-    assert n == 0 and event is None and ("copy", tr.restore_stream) not in ops.log[-1:]
+    pool, ops = make_pool(16), FakeOps()
+    tr = BlockTransfers(pool, ops, staging_blocks=8)
+    blocks = [block_value(pool, i) for i in range(5)]
+    n, event = tr.restore([ListSource(blocks, fail_at=3), ListSource(blocks)], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], None)
+    assert n == 3 and event is not None  # and the second source was never asked
+    assert all(torch.equal(pool.data[b], blocks[i]) for i, b in enumerate([1, 2, 3]))
+    n, event = tr.restore([ListSource(blocks, fail_at=0)], [1, 2], None)
+    assert n == 0 and event is None and ops.log[-1][0] != "copy"
 
-    def broken(targets: list[torch.Tensor], start: int) -> int:
-        raise RuntimeError("store failed")
+    class Broken(ListSource):
+        def load(self, start: int, outs: Any) -> int:
+            raise RuntimeError("store failed")
 
     with pytest.raises(RuntimeError):
-        tr.restore_in_rounds([1], broken, None)
-    assert tr.staging.num_free == 4  # given back whatever happened
+        tr.restore([Broken(blocks)], [1], None)
+    n, _ = tr.restore([ListSource(blocks)], [11, 12], None)  # the staging is usable again
+    assert n == 2 and torch.equal(pool.data[12], blocks[1])
+
+
+@pytest.mark.parametrize("fmt", ["exact", "bf16", "int8", "fp8"])
+def test_the_restore_scatter_equals_the_per_block_copy(fmt: str) -> None:
+    """``KVPool.scatter`` (the torch scatter a restore round ends with) writes exactly the
+    bytes that per-block copies write, for every pool format, ids in any order; and a
+    whole staged restore (fake streams) leaves the pool byte for byte as the CPU's
+    in-place restore of the same blocks."""
+    from kvserve.service.kv.cache import KV_CACHE_FORMATS, KVCacheSpec
+
+    spec = KVCacheSpec(2, 2, 8, 4, KV_CACHE_FORMATS[fmt] or torch.float32, torch.float32)
+    raw = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    nbytes = spec.bytes_per_block
+    blocks = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(spec.dtype).view(spec.block_shape)
+              for _ in range(6)]  # any bytes (fp8 NaN patterns too)
+    ids = [7, 3, 11, 1, 9, 4]
+    a, b = KVPool.from_spec(spec, 12 * nbytes), KVPool.from_spec(spec, 12 * nbytes)
+    a.scatter(torch.tensor(ids), torch.stack(blocks))
+    for i, bid in enumerate(ids):
+        b.data[bid].copy_(blocks[i])
+    assert torch.equal(raw(a.data), raw(b.data))
+    staged, ops = KVPool.from_spec(spec, 12 * nbytes), FakeOps()
+    assert BlockTransfers(staged, ops, staging_blocks=8).restore([ListSource(blocks)], ids, None)[0] == 6
+    in_place = KVPool.from_spec(spec, 12 * nbytes)
+    assert BlockTransfers(in_place, SyncOps()).restore([ListSource(blocks)], ids, None)[0] == 6
+    assert torch.equal(raw(staged.data), raw(in_place.data)) and torch.equal(raw(staged.data), raw(b.data))
+
+
+def test_host_blocks_go_to_the_device_straight_from_their_slots_by_span_and_count_after_the_copy() -> None:
+    """The host tier lends its slots (pinned on CUDA): a round is one copy per run of
+    consecutive slots within a registered chunk, then one scatter, with no load into the
+    restore region; the hits are counted once the copies completed, and a slot a put
+    took before then ends the restore there."""
+    from kvserve.cachestore.host import HostTier
+    from kvserve.cachestore.keys import block_hashes, make_namespace
+    from kvserve.cachestore.tiered import TieredStore
+
+    pool, ops = make_pool(16), FakeOps()
+    tr = BlockTransfers(pool, ops, staging_blocks=16, scatter=logged_scatter(pool, ops))  # rounds of 4
+    nbytes = pool.bytes_per_block
+    host = HostTier(12 * nbytes, pool.block_shape, torch.float32, pin_chunk_bytes=6 * nbytes)
+    store = TieredStore([host])
+    ns = make_namespace("w", "float32", 4)
+    hashes = block_hashes(ns, list(range(4 * 8)), 4)
+    for i, h in enumerate(hashes):  # slots 0..7 in order; a chunk boundary after slot 5
+        store.put(ns, h, block_value(pool, i), ("host",))
+    ids = [3, 1, 4, 15, 9, 2, 6, 5]
+    reads = store.reads(ns, hashes, ["host"] * 8)
+    n, event = tr.restore(reads, ids, None)
+    assert n == 8 and all(torch.equal(pool.data[b], block_value(pool, i)) for i, b in enumerate(ids))
+    rs = tr.restore_stream
+    assert [e for e in ops.log if e[0] in ("copy", "scatter", "synchronize")] == [
+        ("copy", rs), ("scatter", rs, (3, 1, 4, 15)),  # slots 0-3: one span
+        ("copy", rs), ("copy", rs), ("scatter", rs, (9, 2, 6, 5)),  # slots 4-5 | 6-7: the chunk boundary
+        ("synchronize", event.name),
+    ]  # fmt: skip
+    assert host.stats().hits == 8
+
+    class Racing:  # a put takes the slot of block 5 while the copies run
+        def __init__(self, read: Any) -> None:
+            self.read = read
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.read, name)
+
+        def __len__(self) -> int:
+            return len(self.read)
+
+        def release(self, held: Any) -> int:
+            host.delete(store.reads(ns, [hashes[5]], ["host"])[0].refs[0])
+            host.put(store.reads(ns, [hashes[0]], ["host"])[0].refs[0]._replace(block_hash=b"x" * 32), block_value(pool, 99))
+            return self.read.release(held)
+
+    n, _ = tr.restore([Racing(store.reads(ns, hashes, ["host"] * 8)[0])], ids, None)
+    assert n == 5  # block 5's slot was taken (maybe mid-copy): it and the rest are recomputed
+
+
+def test_a_lossy_format_is_copied_compact_and_decoded_after_the_copy_to_the_cpu_decodes_bits(redis_url: str) -> None:
+    """Redis blocks stored int8 / fp8 / bf16 go to the device in their stored form (the
+    compact bytes, verified, in the restore region), are decoded there after the copy,
+    then scattered: the pool holds exactly the bits the CPU's decode writes (an in-place
+    restore of the same blocks)."""
+    from kvserve.cachestore.codec import STORAGE_FORMATS
+    from kvserve.cachestore.keys import block_hashes, make_namespace
+    from kvserve.cachestore.redis import RedisTier
+    from kvserve.cachestore.tiered import TieredStore
+
+    ns = make_namespace("w", "bfloat16", 4)
+    hashes = block_hashes(ns, list(range(4 * 6)), 4)
+    ids = [5, 2, 9, 1, 7, 3]
+    for fmt in ("int8", "fp8", "bf16"):
+        dtype = torch.bfloat16 if fmt != "bf16" else torch.float32
+        pools = [KVPool(12, 2, 4, 2, 8, dtype=dtype) for _ in range(2)]
+        tier = RedisTier(redis_url, block_shape=pools[0].block_shape, dtype=dtype, key_prefix=f"t-{fmt}:",
+                         storage_dtype=STORAGE_FORMATS[fmt])
+        store = TieredStore([tier])
+        store.put_many(ns, hashes, [(3 * block_value(pools[0], i)).to(dtype) for i in range(6)], ("redis",))
+        ops = FakeOps()
+        staged = BlockTransfers(pools[0], ops, staging_blocks=16, scatter=logged_scatter(pools[0], ops))
+        reads = store.reads(ns, hashes, ["redis"] * 6)
+        expand = reads[0].expand
+        reads[0].expand = lambda stored, out: (ops.log.append(("expand", ops.current_stream(), stored.dtype)),
+                                               expand(stored, out))
+        assert staged.restore(reads, ids, None)[0] == 6
+        kinds = [e[:2] for e in ops.log if e[0] in ("copy", "expand", "scatter")]
+        rs = staged.restore_stream
+        assert kinds == [("copy", rs), ("expand", rs), ("scatter", rs)] * 2  # rounds of 4, then 2
+        assert all(e[2] == torch.uint8 for e in ops.log if e[0] == "expand")  # the compact bytes
+        assert BlockTransfers(pools[1], SyncOps()).restore(store.reads(ns, hashes, ["redis"] * 6), ids, None)[0] == 6
+        raw = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+        assert torch.equal(raw(pools[0].data), raw(pools[1].data)), fmt
+        assert pools[0].data[ids].abs().sum() > 0
+        store.close()
 
 
 def test_demotion_reaches_the_host_only_after_its_copy_completed() -> None:
@@ -172,7 +323,7 @@ def test_demotion_reaches_the_host_only_after_its_copy_completed() -> None:
 
 def test_completions_run_in_issue_order_and_drain_waits() -> None:
     pool, ops = make_pool(), FakeOps()
-    tr = BlockTransfers(pool, ops, staging_blocks=4)
+    tr = BlockTransfers(pool, ops, staging_blocks=8)  # 4 demotion buffers
     order: list[int] = []
     tr.demote(1, lambda _: order.append(1))
     tr.demote(2, lambda _: order.append(2))
@@ -186,9 +337,15 @@ def test_completions_run_in_issue_order_and_drain_waits() -> None:
 def test_cpu_transfers_are_in_place_and_synchronous() -> None:
     pool = make_pool()
     tr = BlockTransfers.for_pool(pool, staging_bytes=1 << 20)
-    assert isinstance(tr.ops, SyncOps) and tr.in_place and tr.staging.capacity == 0
+    assert isinstance(tr.ops, SyncOps) and tr.in_place and tr.staging.capacity == 0 and tr.round_blocks == 0
     ptrs: list[int] = []
-    n, event = tr.restore_in_rounds([2, 3], lambda ts, start: ptrs.extend(t.data_ptr() for t in ts) or 2, None)
+
+    class Pointers(ListSource):
+        def load(self, start: int, outs: Any) -> int:
+            ptrs.extend(t.data_ptr() for t in outs)
+            return len(outs)
+
+    n, event = tr.restore([Pointers([block_value(pool, 0)] * 2)], [2, 3], None)
     assert n == 2 and event is None and tr.begin_restore() is None
     assert ptrs == [pool.data[2].data_ptr(), pool.data[3].data_ptr()]  # straight into the pool
     seen: list[int] = []
@@ -265,10 +422,10 @@ def _history_on_host(loaded: Any, length: int, seed: int) -> tuple[Any, Any, Fak
 
 
 def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(loaded: Any) -> None:
-    """The engine's CUDA code path on the CPU: restores land in staging buffers, are
-    copied into the pool on the restore stream in rounds (a slab of 4 buffers for 4
-    blocks), and the compute stream waits for the last copy before the forward that
-    reads them; the output equals recomputing and every staging buffer comes back."""
+    """The engine's CUDA code path on the CPU: restores go to device staging on the
+    restore stream in rounds (a staging of 4 blocks: rounds of one) and are scattered
+    into the pool, and the compute stream waits for the last round before the forward
+    that reads them; the output equals recomputing and every staging buffer comes back."""
     from tests.fixtures.engine import BS, finished, greedy_reference, req, run
 
     a, b, ops, hist, hashes = _history_on_host(loaded, 13, seed=5)
@@ -283,7 +440,7 @@ def test_engine_restores_through_staging_and_orders_the_forward_after_the_copy(l
     last_copy_event = [e for e in ops.log if e[0] == "record" and e[1] == b.transfers.restore_stream][-1][2]
     assert ("wait_event", "compute", last_copy_event) in ops.log[:first_kernel]
     b.close()
-    assert b.transfers.staging.num_free == 4
+    assert b.transfers.staging.num_free == b.transfers.staging.capacity
     a.close()
 
 
