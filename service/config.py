@@ -185,6 +185,7 @@ class ServerConfig:
     redis_key_prefix: str = setting("kvserve:", "Prefix of every Redis key this server writes.", str)
     redis_kv_format: str = setting("exact", "How KV blocks are stored in Redis: exact (the KV dtype), or LOSSY bf16, fp16, int8 or fp8 (e4m3; int8 and fp8 with a float32 scale per head and token); fewer bytes per restore, restored KV rounded (measured error in docs/benchmarks.md). Each format has its own keys: replicas read only blocks stored in their format.", choice(*STORAGE_FORMAT_NAMES))
     redis_compression: str = setting("none", "Lossless compression of KV blocks in Redis: none, zstd or lz4 (pays only on slow links: random-weight KV hardly compresses).", choice("none", "zstd", "lz4"))
+    redis_read_connections: int = setting(4, "Connections one restore from Redis reads on at once (the blocks in consecutive runs, a reader thread each, at least 8 blocks a run): one redis-py reader is bound by its own CPU, ~1.3 GB/s; a cluster reads on one.", int, metavar="N")
     tool_call_parser: str = setting("auto", "How tool calls are read from (and, for tool_choice required or a named function, written into) the model's output: hermes (<tool_call> JSON blocks: Hermes, Qwen 2.5/3), mistral ([TOOL_CALLS]), llama3_json (Llama 3.1/3.2 JSON calls), or auto: chosen from the checkpoint's chat template and vocabulary, hermes when neither names a format (docs/api.md, Tools).", choice("auto", "hermes", "mistral", "llama3_json"))
     stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
@@ -235,6 +236,7 @@ class ServerConfig:
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
             ("restore_stages", self.restore_stages >= 0, "must be >= 0"),
+            ("redis_read_connections", self.redis_read_connections >= 1, "must be >= 1"),
             ("redis_kv_format", self.kv_cache_format == "exact" or self.redis_kv_format in ("exact", self.kv_cache_format),
              f"would re-encode the --kv-cache-format {self.kv_cache_format} blocks (use exact: they move as they are)"),
             ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),
@@ -347,6 +349,7 @@ class ServerConfig:
             redis_key_prefix=self.redis_key_prefix,
             redis_kv_format=self.redis_kv_format,
             redis_compression=self.redis_compression,
+            redis_read_connections=self.redis_read_connections,
             spill_after_s=self.spill_after,
             stream_interval_s=self.stream_interval,
             spill_to=self.spill_to,

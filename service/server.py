@@ -408,6 +408,7 @@ def disk_cache_problem(config: ServerConfig) -> str | None:
 
 async def _build_engine(config: ServerConfig) -> Any:
     from .engine import build_engine
+    from .engine.store import HostMemoryError
     from .models.config import ModelLoadError
 
     if config.torch_threads:
@@ -418,6 +419,8 @@ async def _build_engine(config: ServerConfig) -> Any:
         return await build_engine(config.engine_config())
     except DiskCacheLocked as e:  # taken since disk_cache_problem looked
         raise StartupError(f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR): {e}; give each server its own directory") from None
+    except HostMemoryError as e:
+        raise StartupError(f"--host-cache-memory (KVSERVE_HOST_CACHE_MEMORY): {e}; lower it (0: no host tier)") from None
     except ModelLoadError as e:
         raise StartupError(
             f"cannot load the model: {e}; --model (KVSERVE_MODEL) takes a Hugging Face model directory "

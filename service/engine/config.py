@@ -37,6 +37,7 @@ class EngineConfig:
     redis_key_prefix: str = "kvserve:"
     redis_kv_format: str = "exact"  # codec.STORAGE_FORMATS: exact | bf16 | fp16 | int8 | fp8
     redis_compression: str = "none"  # none | zstd | lz4
+    redis_read_connections: int = 4  # connections one Redis restore reads on at once (cachestore/redis.py)
     spill_after_s: float = 30.0  # idle seconds before a session's blocks are written out
     stream_interval_s: float = 0.02  # least time between two deltas of one stream (AsyncEngine.generate)
     spill_to: tuple[Tier, ...] = (Tier.HOST, Tier.DISK, Tier.REDIS)

@@ -7,12 +7,16 @@ from typing import TYPE_CHECKING
 from kvserve.cachestore.base import BlockTier
 from kvserve.cachestore.codec import STORAGE_FORMATS
 from kvserve.cachestore.disk import DiskTier
-from kvserve.cachestore.host import HostTier
+from kvserve.cachestore.host import HostTier, PinError
 from kvserve.cachestore.tiered import TieredStore
 from .config import EngineConfig
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
+
+
+class HostMemoryError(RuntimeError):
+    """The host tier's memory could not be pinned for the device (a startup error)."""
 
 
 def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
@@ -28,7 +32,10 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
                          f"use exact (the pool's {spec.format} bytes as they are)")
     tiers: list[BlockTier] = []
     if cfg.host_cache_memory:
-        tiers.append(HostTier(cfg.host_cache_memory, spec.block_shape, spec.dtype, pin_memory=loaded.device.type == "cuda"))
+        try:  # pinned on CUDA: page-locked in chunks, with progress (cachestore/host.py)
+            tiers.append(HostTier(cfg.host_cache_memory, spec.block_shape, spec.dtype, pin_memory=loaded.device.type == "cuda"))
+        except PinError as e:
+            raise HostMemoryError(str(e)) from None
     if cfg.disk_cache_dir:  # DiskCacheLocked when another server holds the directory
         tiers.append(DiskTier(cfg.disk_cache_dir, cfg.disk_cache_size, spec.block_shape, spec.dtype, fsync=cfg.disk_cache_fsync))
     if cfg.redis_url:
@@ -44,6 +51,7 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
                 key_prefix=cfg.redis_key_prefix,
                 storage_dtype=STORAGE_FORMATS[cfg.redis_kv_format],  # the pool's own dtype: none (RedisTier)
                 compression=None if cfg.redis_compression == "none" else cfg.redis_compression,
+                read_connections=cfg.redis_read_connections,
             )
         )
     return TieredStore(tiers, device=loaded.device.type) if tiers else None
