@@ -13,7 +13,15 @@ restore of N blocks (default 128 = a 2048-token history), it measures:
   ratio to memcpy and to raw GET (issue 4 goals: host >= 50% of memcpy, Redis >= 70%
   of raw GET);
 - writes: ``SET`` always vs the tier's ``PEXPIRE`` check + ``SET`` of the missing
-  blocks, for new and for already-stored blocks.
+  blocks, for new and for already-stored blocks;
+- readers (``--parts readers``): a Redis restore read on 1, 2 and 4 connections at once
+  (``--redis-read-connections``; exact into pool blocks, and int8's stored form as a GPU
+  restore loads it), against raw redis-py GETs on as many threads;
+- staging (``--parts staging``): a restore's moves on the CPU, as the CUDA path shapes them:
+  a copy per block from the host tier's slots into the pool, against a copy per span of
+  consecutive slots into staging and one ``index_copy_`` scatter into the pool (the CPU
+  only shows the Python and call overhead: both are memcpy here; on a GPU the copies are
+  PCIe and the scatter is device memory).
 
 It starts its own redis-server on a free loopback port. Each figure is the best of
 ``--reps`` runs, contenders interleaved round by round (the machine is shared). Prints markdown tables.
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -231,21 +240,150 @@ def bench_shape(name: str, dims: tuple[int, int, int], n: int, reps: int, url: s
     return rows
 
 
+def bench_readers(name: str, dims: tuple[int, int, int], n: int, reps: int, url: str) -> list[tuple[str, float, str]]:
+    """A Redis restore of ``n`` blocks on 1, 2, 4 connections at once, interleaved."""
+    layers, n_kv, hd = dims
+    shape = (layers, 2, BLOCK_SIZE, n_kv, hd)
+    ns = make_namespace(f"bench-{name}", "float32", BLOCK_SIZE)
+    hashes = block_hashes(ns, list(range(n * BLOCK_SIZE)), BLOCK_SIZE)
+    refs = [BlockRef(ns, h) for h in hashes]
+    src = torch.randn(n, *shape)
+    pool = torch.empty(n, *shape)
+    outs = list(pool.unbind(0))
+    rows: list[tuple[str, float, str]] = []
+
+    def row(what: str, value: float, note: str = "") -> None:
+        rows.append((what, value, note))
+        print(f"  {name:>15} | {what:<44} | {value:8.2f} | {note}", flush=True)
+
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    readers = (1, 2, 4)
+    tiers = {k: RedisTier(url, block_shape=shape, dtype=torch.float32, key_prefix="bench:r:", read_connections=k)
+             for k in readers}
+    lossy = {k: RedisTier(url, block_shape=shape, dtype=torch.float32, key_prefix="bench:r:", read_connections=k,
+                          storage_dtype=torch.int8) for k in (1, 4)}
+    assert tiers[1].put_many(refs, list(src)) == [True] * n and lossy[1].put_many(refs, list(src)) == [True] * n
+    stored = torch.empty(n, lossy[1].stored_nbytes, dtype=torch.uint8)  # a GPU restore's pinned staging
+    keys = [tiers[1].key(r) for r in refs]
+    value_bytes = len(client.get(keys[0]))
+    wire = n * value_bytes
+
+    def raw_threads(k: int) -> None:  # redis-py GETs, pipelined, on k threads at once: no verification, no copy
+        clients = [redis.Redis.from_url(url) for _ in range(k)]
+
+        def one(c: redis.Redis, part: list[str]) -> None:
+            pipe = c.pipeline(transaction=False)
+            for key in part:
+                pipe.get(key)
+            pipe.execute()
+
+        def run() -> None:
+            ts = [threading.Thread(target=one, args=(c, keys[i * n // k : (i + 1) * n // k])) for i, c in enumerate(clients)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+        return run  # type: ignore[return-value]
+
+    fns: dict[str, Callable[[], object]] = {f"exact{k}": (lambda t=t: t.get_many_into(refs, outs)) for k, t in tiers.items()}
+    fns |= {f"int8_{k}": (lambda t=t: t.get_many_stored_into(refs, list(stored))) for k, t in lossy.items()}
+    fns |= {f"raw{k}": raw_threads(k) for k in (1, 4)}
+    for f in fns.values():  # connections made, threads started
+        f()
+    t = best_seconds(fns, reps)
+    assert tiers[4].get_many_into(refs, outs) == n and torch.equal(pool, src)
+    for k in readers:
+        row(f"Redis restore, {k} reader(s) (GB/s)", gbps(wire, t[f"exact{k}"]),
+            f"{t['exact1'] / t[f'exact{k}']:.2f}x one reader")
+    for k in (1, 4):
+        row(f"Redis int8 stored form, {k} reader(s) (GB/s)", gbps(n * lossy[k].value_nbytes, t[f"int8_{k}"]),
+            f"{t['int8_1'] / t[f'int8_{k}']:.2f}x one reader")
+    for k in (1, 4):
+        row(f"raw GET pipelined, {k} thread(s) (GB/s)", gbps(wire, t[f"raw{k}"]))
+    for tier in (*tiers.values(), *lossy.values()):
+        tier.close()
+    client.close()
+    return rows
+
+
+def bench_staging(name: str, dims: tuple[int, int, int], n: int, reps: int) -> list[tuple[str, float, str]]:
+    """A restore's moves from the host tier's slots into a pool, per block vs by span
+    into staging plus one scatter (on the CPU: both memcpy)."""
+    from kvserve.service.kv.cache import KVPool
+
+    layers, n_kv, hd = dims
+    shape = (layers, 2, BLOCK_SIZE, n_kv, hd)
+    block_bytes = torch.Size(shape).numel() * 4
+    rows: list[tuple[str, float, str]] = []
+
+    def row(what: str, value: float, note: str = "") -> None:
+        rows.append((what, value, note))
+        print(f"  {name:>15} | {what:<44} | {value:8.2f} | {note}", flush=True)
+
+    ns = make_namespace(f"bench-{name}", "float32", BLOCK_SIZE)
+    refs = [BlockRef(ns, h) for h in block_hashes(ns, list(range(n * BLOCK_SIZE)), BLOCK_SIZE)]
+    host = HostTier(n * block_bytes, shape, torch.float32)
+    for i, r in enumerate(refs):
+        host.put(r, torch.randn(shape))
+    pool = KVPool(2 * n + 1, layers, BLOCK_SIZE, n_kv, hd)
+    ids = torch.randperm(2 * n, generator=torch.Generator().manual_seed(0))[:n] + 1
+    id_list = ids.tolist()
+    staging = torch.empty(n, *shape)
+
+    def per_block() -> None:
+        held = host.hold(refs)
+        slots = [b for span in held.spans(0, held.n) for b in span.unbind(0)]
+        for b, slot in zip(id_list, slots):
+            pool.data[b].copy_(slot)
+        held.release()
+
+    def staged() -> None:
+        held = host.hold(refs)
+        k = 0
+        spans = held.spans(0, held.n)
+        for span in spans:
+            staging[k : k + len(span)].copy_(span)
+            k += len(span)
+        pool.scatter(ids, staging)
+        held.release()
+
+    t = best_seconds({"per_block": per_block, "staged": staged}, reps, number=3)
+    total = n * block_bytes
+    row("host -> pool, a copy per block (GB/s)", gbps(total, t["per_block"]), f"{n} copies")
+    row("host -> staging by span, one scatter (GB/s)", gbps(total, t["staged"]),
+        f"{len(host.hold(refs).spans(0, n))} copies + 1 scatter; {t['per_block'] / t['staged']:.2f}x per block")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=128, help="blocks per restore (128 = 2048 tokens)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="16 blocks, 3 reps")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--parts", default="primitives,readers,staging",
+                    help="primitives (the tiers against memcpy and raw GET), readers (Redis on 1/2/4 connections), "
+                         "staging (a restore's moves per block vs by span + scatter)")
     args = ap.parse_args()
     n, reps = (16, 3) if args.quick else (args.blocks, args.reps)
+    parts = set(args.parts.split(","))
 
     server = start_redis_server()
-    print(f"redis-server {server.url}; torch threads {torch.get_num_threads()}; N={n} blocks; best of {reps}\n")
+    load = " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
+    print(f"redis-server {server.url}; torch threads {torch.get_num_threads()}; N={n} blocks; best of {reps}; "
+          f"load average {load}\n")
     results = {}
     try:
         for name in args.shapes.split(","):
-            results[name] = bench_shape(name, SHAPES[name], n, reps, server.url)
+            results[name] = []
+            if "primitives" in parts:
+                results[name] += bench_shape(name, SHAPES[name], n, reps, server.url)
+            if "readers" in parts:
+                results[name] += bench_readers(name, SHAPES[name], n, reps, server.url)
+            if "staging" in parts:
+                results[name] += bench_staging(name, SHAPES[name], n, reps)
     finally:
         server.stop()
 

@@ -1,7 +1,8 @@
-"""The correctness part of bench/gpu_check.sh, runnable on any device.
+"""The correctness part of bench/gpu_check.sh, and its restore figures, runnable on any device.
 
     python bench/gpu_check.py parity   --device cuda   # kvserve vs transformers, fp32 and bf16
     python bench/gpu_check.py sessions --device cuda   # 3-turn sessions restored = cold
+    python bench/gpu_check.py restore  --device cuda   # restores against pinned H2D, cold, raw GET
 
 parity: tiny random Llama (GQA: 4 heads, 2 KV heads) and GPT-2, each in float32 and
 bfloat16 on ``--device``: kvserve's paged forward (a prefill of the prompt in two chunks,
@@ -18,16 +19,31 @@ mismatch is counted; float32 must have none. bfloat16 is reported (a cold prefil
 restore + partial prefill run different kernels, so bf16 greedy ties may break
 differently).
 
+restore: the restore path's figures at TinyLlama-1.1B's KV shape in bfloat16 (22 layers, 4
+kv heads of 64, blocks of 16: 360 KB), each beside its limit measured in the same run:
+pinned host -> device (one large copy) for the host tier's restore of an 8k history into
+a CUDA pool (``BlockTransfers.restore``, spans of pinned slots, one scatter a round;
+target >= 50%); the engine's 8k returning turn restored from the host tier against the
+same turn cold (a random TinyLlama-shaped checkpoint, ``--models`` caches it; target <=
+1/10); a Redis restore on 1 and 4 connections (``--redis-read-connections``) against
+redis-py GETs on as many threads and against 3 GB/s (a private redis-server, with its
+default single I/O thread and with ``io-threads 4``); and the int8 / fp8 Redis formats,
+decoded on the device after the copy, against exact (target: faster). ``--restore-stages``
+is CPU-only: the engine line says so. Each figure is a median of ``--reps``.
+
 Every figure is printed as ``key: value`` lines; the exit status is 1 when a float32
-check fails.
+check fails (restore: when a restore loads fewer blocks than asked).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -180,13 +196,220 @@ def sessions(device: str, tmp: Path) -> bool:
     return ok
 
 
+# ---- restore figures ----------------------------------------------------------------
+
+R_LAYERS, R_KV_HEADS, R_HEAD_DIM, R_BLOCK = 22, 4, 64, 16  # TinyLlama-1.1B's KV
+TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000)
+
+
+def _timed(fn: Callable[[], object], device: str, reps: int) -> float:
+    """Median wall seconds of ``fn`` (the device synchronized before and after)."""
+    out = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _pinned_h2d_gbps(nbytes: int, device: str, reps: int) -> float:
+    """One large copy from pinned host memory (the CPU: a memcpy), the limit of a host
+    restore."""
+    cuda = device.startswith("cuda")
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).pin_memory() if cuda else torch.randint(
+        0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=cuda)
+    return nbytes / _timed(lambda: dst.copy_(src, non_blocking=cuda), device, reps) / 1e9
+
+
+def _raw_get_gbps(url: str, keys: list[str], threads: int, reps: int) -> float:
+    """redis-py GETs, pipelined, on ``threads`` threads at once (no verification, no
+    copy): the loopback limit as a client sees it."""
+    import threading
+
+    import redis
+
+    clients = [redis.Redis.from_url(url) for _ in range(threads)]
+    nbytes = sum(clients[0].strlen(k) for k in keys)
+
+    def one(c: redis.Redis, part: list[str]) -> None:
+        pipe = c.pipeline(transaction=False)
+        for k in part:
+            pipe.get(k)
+        pipe.execute()
+
+    def run() -> None:
+        ts = [threading.Thread(target=one, args=(c, keys[i * len(keys) // threads : (i + 1) * len(keys) // threads]))
+              for i, c in enumerate(clients)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    run()
+    return nbytes / _timed(run, "cpu", reps) / 1e9
+
+
+@torch.inference_mode()
+def restore(device: str, tmp: Path, tokens: int, reps: int, models: Path) -> bool:
+    from kvserve.cachestore.host import HostTier
+    from kvserve.cachestore.keys import block_hashes, make_namespace
+    from kvserve.cachestore.redis import RedisTier
+    from kvserve.cachestore.tiered import TieredStore
+    from kvserve.service.kv.transfer import BlockTransfers
+    from tests.fixtures.redis_server import start_redis_server
+
+    dtype = torch.bfloat16
+    cuda = device.startswith("cuda")
+    n = tokens // R_BLOCK
+    ns = make_namespace("gpu-check", "bfloat16", R_BLOCK)
+    hashes = block_hashes(ns, list(range(n * R_BLOCK)), R_BLOCK)
+    pool = KVPool(2 * n + 2, R_LAYERS, R_BLOCK, R_KV_HEADS, R_HEAD_DIM, dtype, device)
+    ids = (torch.randperm(2 * n, generator=torch.Generator().manual_seed(0))[:n] + 1).tolist()  # scattered slots
+    blocks = torch.randn(n, *pool.block_shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    nbytes = n * pool.bytes_per_block
+    ok = True
+    print(f"restore.shape: TinyLlama-1.1B KV, {tokens} tokens = {n} blocks of {pool.bytes_per_block} B "
+          f"({nbytes / 1e6:.1f} MB), bfloat16, {device}")
+    limit = _pinned_h2d_gbps(nbytes, device, reps)
+    print(f"restore.limit.pinned_h2d_gbps: {limit:.2f}" + ("" if cuda else " (the CPU: memcpy)"))
+
+    def check(got: int, what: str) -> None:
+        nonlocal ok
+        if got != n:
+            print(f"restore.{what}: FAILED, {got} of {n} blocks loaded")
+            ok = False
+
+    def same() -> bool:
+        return bool(torch.equal(pool.data[ids].cpu(), blocks))
+
+    # the host tier: pinned slots, straight to the device by span, one scatter a round
+    host = HostTier(nbytes, pool.block_shape, dtype, pin_memory=cuda)
+    hstore = TieredStore([host], device=device.split(":")[0])
+    for h, b in zip(hashes, blocks):
+        hstore.put(ns, h, b, ("host",))
+    tr = BlockTransfers.for_pool(pool, 256 << 20)
+    run = lambda: check(tr.restore(hstore.reads(ns, hashes, ["host"] * n), ids, None)[0], "host")  # noqa: E731
+    run()
+    t = _timed(run, device, reps)
+    print(f"restore.host.gbps: {nbytes / t / 1e9:.2f} ({nbytes / t / 1e9 / limit:.0%} of pinned H2D; target >= 50%), "
+          f"{t * 1e3:.1f} ms, equal: {same()}")
+    held = host.hold(hstore.reads(ns, hashes, ["host"] * n)[0].refs)
+    slots = [b for span in held.spans(0, held.n) for b in span.unbind(0)]
+    held.release()
+    t = _timed(lambda: [pool.data[i].copy_(b, non_blocking=cuda) for i, b in zip(ids, slots)], device, reps)
+    print(f"restore.host.per_block_copies_gbps: {nbytes / t / 1e9:.2f} ({nbytes / t / 1e9 / limit:.0%} of pinned "
+          f"H2D: a copy per block out of the same slots, for comparison)")
+    del slots, held
+    hstore.close()
+
+    # Redis: 1 and 4 connections, each format, into the device (lossy: decoded there)
+    for io_threads in (1, 4):
+        server = start_redis_server(tmp / f"redis-io{io_threads}", io_threads=io_threads)
+        try:
+            times: dict[str, float] = {}
+            keys: list[str] = []
+            for fmt, sdt in (("exact", None), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+                for k in ((1, 4) if fmt == "exact" else (4,)):
+                    tier = RedisTier(server.url, block_shape=pool.block_shape, dtype=dtype, storage_dtype=sdt,
+                                     read_connections=k, key_prefix=f"{fmt}:")
+                    store = TieredStore([tier], device=device.split(":")[0])
+                    if k == (1 if fmt == "exact" else 4):
+                        assert store.put_many(ns, hashes, list(blocks), ("redis",)) == [True] * n
+                    if fmt == "exact":
+                        keys = [tier.key(r) for r in store.reads(ns, hashes, ["redis"] * n)[0].refs]
+                    run = lambda: check(tr.restore(store.reads(ns, hashes, ["redis"] * n), ids, None)[0],  # noqa: E731
+                                        f"redis.{fmt}")
+                    run()
+                    times[f"{fmt}{k}"] = t = _timed(run, device, reps)
+                    wire = n * tier.value_nbytes
+                    print(f"restore.redis.io{io_threads}.{fmt}.readers{k}: {t * 1e3:.1f} ms, {wire / t / 1e9:.2f} GB/s "
+                          f"on the wire, {nbytes / t / 1e9:.2f} GB/s of KV ({nbytes / t / 1e9 / 3:.0%} of the 3 GB/s goal)"
+                          + (f", equal: {same()}" if fmt == "exact" else ""))
+                    store.close()
+            for k in (1, 4):
+                print(f"restore.redis.io{io_threads}.raw_get_threads{k}_gbps: {_raw_get_gbps(server.url, keys, k, reps):.2f}")
+            print(f"restore.redis.io{io_threads}.readers4_vs_1: {times['exact1'] / times['exact4']:.2f}x")
+            for fmt in ("int8", "fp8"):
+                print(f"restore.redis.io{io_threads}.{fmt}_vs_exact: {times['exact4'] / times[f'{fmt}4']:.2f}x "
+                      f"(> 1: faster than exact; target)")
+        finally:
+            server.stop()
+    del pool
+
+    # the engine: an 8k returning turn restored from the host tier against cold
+    from bench.bench_restore import checkpoint
+
+    path = checkpoint("tinyllama", tokens + 32, models) if cuda else make_tiny_llama(tmp / "tiny-restore",
+                                                                                     max_position_embeddings=tokens + 32)
+    loaded = load_model(str(path), dtype=dtype if cuda else torch.float32, device=device)
+    g = torch.Generator().manual_seed(2)
+    vocab = loaded.config.vocab_size
+    hist = torch.randint(3, vocab, (tokens,), generator=g).tolist()
+    turns = [hist + torch.randint(3, vocab, (16,), generator=g).tolist() for _ in range(reps + 1)]
+    cfg = EngineConfig(block_size=R_BLOCK, kv_cache_memory=(tokens + 64) * 2 * _bpt(loaded),
+                       max_num_batched_tokens=tokens + 64, max_model_len=tokens + 32, restore_policy="always",
+                       host_cache_memory=(tokens + 64) * _bpt(loaded))
+    hstore = build_store(cfg, loaded)
+    a = LLMEngine(loaded, cfg, store=hstore)
+    _run(a, torch.randint(3, vocab, (tokens + 16,), generator=g).tolist(), "shapes", n=1)  # this length's first
+    cold = [_run(a, torch.randint(3, vocab, (tokens + 16,), generator=g).tolist(), f"cold{r}", n=1).timings.ttft_s
+            for r in range(reps)]
+    _run(a, turns[0], "history", n=1)
+    _spill(a, hist, "host")
+    a.close()
+    host_ttft, restore_s, cached = [], [], []
+    for r in range(reps):
+        b = LLMEngine(loaded, cfg, store=build_store_over(hstore))
+        fin = _run(b, turns[1 + r], f"host{r}", n=1)
+        host_ttft.append(fin.timings.ttft_s)
+        restore_s.append(fin.timings.restore_s)
+        cached.append(fin.cached_tokens)
+        b.close()
+    c, h = statistics.median(cold), statistics.median(host_ttft)
+    print(f"restore.engine.cold_ms: {c * 1e3:.1f} ({tokens + 16} tokens)")
+    print(f"restore.engine.host_ms: {h * 1e3:.1f} (restored {min(cached)} tokens; restore "
+          f"{statistics.median(restore_s) * 1e3:.1f} ms)")
+    print(f"restore.engine.host_vs_cold: 1/{c / h:.1f} (target <= 1/10)")
+    print("restore.engine.restore_stages: " + ("not built on CUDA (the overlap is the CPU pools'): off = on"
+                                              if cuda else "see bench_restore.py's overlap table"))
+    if min(cached) < (tokens // R_BLOCK) * R_BLOCK - R_BLOCK:
+        print(f"restore.engine: FAILED, only {min(cached)} tokens restored")
+        ok = False
+    hstore.close()
+    return ok
+
+
+def build_store_over(store):
+    """A new store over the same host tier (a new device pool, the host memory kept)."""
+    from kvserve.cachestore.tiered import TieredStore
+
+    return TieredStore([store.tier("host")], device=store.device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("parity", "sessions"))
+    ap.add_argument("what", choices=("parity", "sessions", "restore"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=8192, help="restore: the history restored")
+    ap.add_argument("--reps", type=int, default=5, help="restore: repetitions (median)")
+    ap.add_argument("--models", default=str(ROOT / "bench" / "out" / "models"),
+                    help="restore: where the random TinyLlama-shaped checkpoint is built once (CUDA)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        ok = (parity if args.what == "parity" else sessions)(args.device, Path(tmp))
+        if args.what == "restore":
+            ok = restore(args.device, Path(tmp), args.tokens, args.reps, Path(args.models))
+        else:
+            ok = (parity if args.what == "parity" else sessions)(args.device, Path(tmp))
     sys.exit(0 if ok else 1)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: every figure issue 15 asks of an H200, in one run (~6 min, up to 2.5 more with the speculative step), into one file.
+# The GPU check: every figure issue 15 asks of an H200 and issue 46 its restore figures, in one run (~6.5 min, up to 2.5 more with the speculative step), into one file.
 #
 #   bench/gpu_prepare.sh            # once, on a machine with network: fills bench/gpu_deps/
 #   bench/gpu_check.sh              # on the GPU machine (no network, no Redis needed)
@@ -10,9 +10,12 @@
 # CUDA), CUDA parity vs transformers (fp32 and bf16, Llama GQA and GPT-2), 3-turn sessions
 # restored from the host tier and from Redis vs cold, the engine bench (prefill
 # 512/2048/8192, decode batch 1/8/32 vs transformers, bf16), cold turns of new and repeated
-# lengths through the engine (what a new shape costs) and the restore bench (cold vs
-# device vs host vs Redis TTFT at 2k and 8k history, restore GB/s vs raw pinned H2D and
-# raw Redis GET), and speculative decoding from the conversation against plain decoding
+# lengths through the engine (what a new shape costs), the restore bench (cold vs device
+# vs host vs Redis TTFT at 8k history, without and with --restore-stages), the restore
+# figures against their limits measured in the same run (host-tier restore vs pinned H2D,
+# the 8k returning turn from the host tier vs cold, Redis restore on 1 and 4 connections
+# vs raw GET and 3 GB/s, int8/fp8 Redis formats decoded on the device vs exact), and
+# speculative decoding from the conversation against plain decoding
 # (the default model and the 1.1B shape, bf16: tok/s, tokens a step, the step's fixed and
 # per-row cost, greedy tokens identical). Each step has its own time limit; a failed step is recorded and the
 # rest still run. Exit status: the number of failed steps.
@@ -52,13 +55,14 @@ if ! command -v redis-server >/dev/null && [ -x "$DEPS/redis/bin/redis-server" ]
     export PATH="$PWD/$DEPS/redis/bin:$PATH"
 fi
 
-if [ "$MODE" = gpu ]; then  # sized for a 15-minute device lease (its start included): ~6-8.5 minutes
+if [ "$MODE" = gpu ]; then  # sized for a 15-minute device lease (its start included): ~6.5-9 minutes
     DEV=(--device cuda)
     ENGINE=(--device cuda --dtype bfloat16 --shapes 1.1b --prompt-lens 512,2048,8192 --batches 1,8,32
             --decode-tokens 32 --repeats 2)
     SHAPES=(--device cuda --shape 1.1b --prompts 8192,8192,8000,2048,2048,2000 --decode 32)
-    RESTORE=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 2048,8192 --reps 2
-             --kv-formats exact --paths host,disk,redis)
+    RESTORE=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 8192 --reps 2
+             --kv-formats exact --paths host,redis)
+    RESTOREFIG=(--device cuda --tokens 8192 --reps 5 --models "$OUTDIR/models")  # the checkpoint restore-bench built
     FORMATS=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 8192 --reps 1
              --formats exact,int8,fp8 --formats-only --sessions 8)
     SPEC=(--device cuda --dtype bfloat16 --clock wall --shapes default,1.1b --tokens 96 --repeats 3)
@@ -67,6 +71,7 @@ else
     ENGINE=(--quick --dtype bfloat16)
     SHAPES=(--shape tiny --prompts 256,256,200,64 --decode 8)
     RESTORE=(--quick --kv-formats exact --paths host,disk,redis)
+    RESTOREFIG=(--device cpu --tokens 512 --reps 2 --models "$OUTDIR/models")
     FORMATS=(--quick --formats exact,bf16,int8,fp8 --formats-only --sessions 4)
     SPEC=(--device cpu --clock wall --shapes default --tokens 32 --repeats 1)
 fi
@@ -103,6 +108,7 @@ step sessions 120 python3 bench/gpu_check.py sessions "${DEV[@]}"
 step engine-bench 150 python3 bench/bench_engine.py "${ENGINE[@]}"
 step new-shapes 120 python3 bench/profile_engine.py "${SHAPES[@]}"
 step restore-bench 150 python3 bench/bench_restore.py "${RESTORE[@]}" --out "$OUTDIR"
+step restore 150 python3 bench/gpu_check.py restore "${RESTOREFIG[@]}"
 step restore-formats 90 python3 bench/bench_restore.py "${FORMATS[@]}" --out "$OUTDIR"
 step speculative 150 python3 bench/bench_speculative.py "${SPEC[@]}"
 log ""

@@ -49,8 +49,9 @@ class EngineConfig:
     # restore lands, each layer waiting for its group (service/engine/restore.py); 0 = off
     # (the default: slower on the 2-core host it was measured on, docs/benchmarks.md)
     restore_stages: int = 0
-    # pinned host buffers (CUDA) that restores land in and demotions leave through,
-    # allocated once (service/kv/transfer.py); unused on the CPU
+    # pinned host buffers (CUDA) that restores land in and demotions leave through, half
+    # each, and device staging of a quarter of it, allocated once (service/kv/transfer.py);
+    # unused on the CPU
     staging_memory: int = 256 << 20
     # speculative decoding drafted from the sequence's own history (engine/speculative.py):
     # "ngram" or "off"; drafts per step at most
