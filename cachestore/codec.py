@@ -580,7 +580,7 @@ def finite_scales(stored: torch.Tensor, block_shape: tuple[int, ...], dtype: tor
     """Whether a stored form's scales (int8 / fp8; none otherwise) are all finite: the
     check ``decode_into`` makes, for a reader that received the stored bytes itself."""
     s = _scale_nbytes(dtype, storage_dtype or dtype, tuple(block_shape))
-    return not s or bool(torch.isfinite(stored.reshape(-1)[:s].view(torch.float32)).all())
+    return not s or bool(np.isfinite(byte_view(stored)[:s].view(np.float32)).all())
 
 
 def _typed(stored: torch.Tensor, a: int, b: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
