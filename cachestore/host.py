@@ -366,6 +366,11 @@ def pin_host_memory(t: torch.Tensor, chunk_bytes: int, what: str) -> list[int]:
 
 
 def unpin_host_memory(ptrs: Sequence[int]) -> None:
-    cudart = torch.cuda.cudart()
-    for p in ptrs:
-        cudart.cudaHostUnregister(p)
+    """Unregister what ``pin_host_memory`` registered (best effort: at exit the CUDA
+    context may be gone already, and the memory with the process)."""
+    try:
+        cudart = torch.cuda.cudart()
+        for p in ptrs:
+            cudart.cudaHostUnregister(p)
+    except Exception:  # noqa: BLE001
+        log.debug("unpinning host memory failed", exc_info=True)

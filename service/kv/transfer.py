@@ -178,11 +178,11 @@ def pool_scatter(pool: KVPool) -> Scatter:
     where it is there, else ``KVPool.scatter`` (one ``index_copy_``: the same bytes)."""
     if pool.device.type == "cuda":
         try:
-            from ..kernels.triton import scatter_blocks
-        except ImportError:
-            pass
-        else:
-            return lambda ids, blocks: scatter_blocks(pool.data, blocks, ids)
+            from ..kernels import triton as kernels
+        except ImportError:  # not built into this tree
+            return pool.scatter
+        if getattr(kernels, "available", lambda: False)():
+            return lambda ids, blocks: kernels.scatter_blocks(pool.data, blocks, ids)
     return pool.scatter
 
 
