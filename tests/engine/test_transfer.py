@@ -479,3 +479,42 @@ def test_prefill_rate_is_read_from_completed_marks_only(loaded: Any) -> None:
     assert eng.runner.prefill_tokens_per_s == pytest.approx(n / (end.t - start.t))
     assert not eng.runner._prefill_marks
     eng.close()
+
+
+def test_an_engine_restores_a_lossy_redis_format_decoded_after_the_copy_as_the_cpu_does(
+    loaded: Any, redis_url: str
+) -> None:
+    """The whole chain on the CUDA code path (fake streams): a returning turn's blocks
+    stored in Redis as int8 (fp8 takes the same path: test_the_stored_form...) are planned, loaded in their stored form, copied,
+    decoded after the copy and scattered; the turn gives the tokens a CPU engine gives
+    restoring the same blocks (decoded on the CPU), and both restored every full block."""
+    from kvserve.service.types import CacheScope
+    from tests.fixtures.engine import BS, finished, make_engine, prompts, req, run
+    from kvserve.service.engine.config import EngineConfig
+    from kvserve.service.engine.store import build_store
+
+    fmt = "int8"
+
+    def store() -> Any:
+        return build_store(EngineConfig(block_size=BS, redis_url=redis_url, redis_kv_format=fmt,
+                                        redis_key_prefix=f"lossy-{fmt}:"), loaded)
+
+    (hist,) = prompts(loaded.config.vocab_size, [23], seed=11)
+    a = make_engine(loaded, store(), restore_policy="always")
+    run(a, [req("a", hist, n=1)])
+    a.spill(hist, CacheScope(), ("redis",), lambda n, held: None)
+    assert a.store.flush(30)
+    a.step()
+    a.close()
+    turn = hist + [5, 6, 7]
+    outs = []
+    for transfers in (lambda pool: BlockTransfers(pool, FakeOps(), staging_blocks=8), None):
+        eng = make_engine(loaded, store(), restore_policy="always",
+                          engine_kw=dict(transfers=transfers) if transfers else None)
+        if transfers is not None:
+            assert not eng.transfers.in_place
+        fin = finished(run(eng, [req("b", turn, n=4)])["b"])
+        assert fin.cached_tokens == (len(hist) // BS) * BS
+        outs.append(fin.output_token_ids)
+        eng.close()
+    assert outs[0] == outs[1]
