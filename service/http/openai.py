@@ -175,7 +175,7 @@ def rename_fields(message: str, names: Mapping[str, str]) -> str:
 
 def param_of(message: str) -> str | None:
     """The request field an error message names first (``messages[2].role``), if any."""
-    m = re.match(r"([a-z_]+(?:\.[a-z_]+)?)((?:\[\d+\])?(?:\.[a-z_]+)?)", message)
+    m = re.match(r"([a-z_]+(?:\.[a-z_]+)?)((?:\[\d+\]|\.[a-z_]+)*)", message)
     if m is None:
         return None
     if m.group(1) in _PARAMS:

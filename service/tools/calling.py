@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any, AsyncIterator, Sequence
 
-from .formats import ToolFormat, arguments_value
+from .formats import ToolFormat, arguments_value, root_type
 from .parsers import Piece, ToolCallParser, fold
 from .render import template_messages
 from ..validation import check_text
@@ -71,6 +71,11 @@ def check_tools(inp: TurnInput) -> ToolChoice:
         if not isinstance(schema, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object")
         check_text(json.dumps(schema, ensure_ascii=False), f"tools[{i}].function.parameters")  # a "\ud800" escape
+        kind = root_type(schema)
+        if kind is not None and kind not in ("object", ["object"]):  # OpenAI's words for it
+            raise InvalidRequest(f"tools[{i}].function.parameters: Invalid schema for function {t.name!r}: schema must "
+                                 f"be a JSON Schema of 'type: \"object\"', got 'type: {json.dumps(kind)[:80]}' (a "
+                                 f"function's arguments are an object)")  # fmt: skip
     if tools and inp.kind not in ("chat", None):
         raise InvalidRequest("tools need chat messages as input (not text or token ids)")
     if choice.kind in ("required", "function") and not tools:

@@ -61,6 +61,94 @@ def parameters_schema(spec: ToolSpec) -> dict[str, Any]:
     return schema
 
 
+def resolve_ref(root: Any, ref: str) -> Any:
+    """What a local ``$ref`` (``#``, ``#/$defs/Addr``, ``#/definitions/A``: a JSON pointer
+    into the schema's own document) points to in ``root``; None when it is not local or
+    points nowhere."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def root_type(schema: dict[str, Any]) -> Any:
+    """The ``type`` a schema gives its values: its own, or (where it has none) that of
+    what its root ``$ref`` points to, followed a few hops (pydantic writes a recursive
+    model as ``{"$defs": {...}, "$ref": "#/$defs/Model"}``); None when it says none."""
+    node: Any = schema
+    for _ in range(8):
+        if not isinstance(node, dict):
+            return None
+        if "type" in node:
+            return node["type"]
+        ref = node.get("$ref")
+        if not isinstance(ref, str):
+            return None
+        node = resolve_ref(schema, ref)
+    return None
+
+
+def arguments_schema(spec: ToolSpec) -> dict[str, Any]:
+    """The schema a required or named call's arguments are generated under: the tool's
+    own (its ``$defs``, ``definitions`` and ``$ref``s resolved against its own root, as it
+    is the root of its grammar rule), always an object (``type: object`` where it names
+    no type), and closed: every object schema that lists properties and says nothing of
+    others (at the root, nested, in its definitions) gets ``additionalProperties:
+    false``, so that a model writes only the named arguments (a subset of what the schema
+    allows: still valid), and an object's length is bounded where its values are.
+    Nothing is closed in a schema that combines object schemas (``allOf``, ``if``,
+    ``dependentSchemas``, ``properties`` beside a ``$ref``): closing the parts would
+    refuse the whole."""
+    schema = dict(parameters_schema(spec))
+    schema.setdefault("type", "object")
+    if any(_mentions(schema, key) for key in _COMBINING):
+        return schema
+    return _closed(schema)
+
+
+_COMBINING = ("allOf", "if", "dependentSchemas", "dependencies", "unevaluatedProperties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "additionalProperties", "propertyNames")
+
+
+def _closed(node: Any) -> Any:
+    """``node`` (a schema) with its object schemas closed (``arguments_schema``), a copy."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = [_closed(sub) for sub in out[key]] if isinstance(out[key], list) else _closed(out[key])
+    if "properties" in out and "$ref" not in out and not any(k in out for k in ("additionalProperties", "patternProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
+def _mentions(node: Any, key: str) -> bool:
+    if isinstance(node, dict):
+        return key in node or any(_mentions(v, key) for v in node.values())
+    if isinstance(node, list):
+        return any(_mentions(v, key) for v in node)
+    return False
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """One family's format for one tokenizer: ``markers`` are the ids of its markers
@@ -93,6 +181,7 @@ class ToolFormat:
         if self.family == "mistral":
             return "".join(secrets.choice(_ALNUM) for _ in range(9))
         return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
+
 
     # ---- writing (fallback rendering of history; the model's own format)
 
@@ -146,29 +235,22 @@ class ToolFormat:
 
     def grammar(self, tools: Sequence[ToolSpec], parallel: bool) -> str:
         """A lark grammar for one call (``parallel``: one or more) of one of ``tools``,
-        in this family's format, the arguments constrained by the tool's schema (with
-        ``additionalProperties: false`` where the schema lists properties and says
-        nothing of others, so that a model writes only the named arguments)."""
+        in this family's format. Each tool's arguments are a rule of their own
+        (``args_k: %json schema``, ``arguments_schema``): the tool's schema is the root
+        of that rule, so its ``$ref``s (``#/$defs/...``, ``#/definitions/...``, ``#``)
+        resolve in the tool's own schema, and the call's wrapper (``{"name": ...,
+        "arguments": ``) is literal text around it, written as ``json.dumps`` writes it."""
         rules = []
         alts = []
         for k, t in enumerate(tools):
-            params = dict(parameters_schema(t))
-            if "properties" in params and "additionalProperties" not in params:
-                # only the named arguments (a subset of what the schema allows: still valid)
-                params["additionalProperties"] = False
+            params = {**arguments_schema(t), "x-guidance": JSON_STYLE}
+            rules.append(f"args_{k}: %json {json.dumps(params)}")
             if self.family == "mistral" and self.mistral_named:
-                params["x-guidance"] = JSON_STYLE
-                rules.append(f"call_{k}: {json.dumps(t.name)} {self._lit('[ARGS]')} %json {json.dumps(params)}")
+                rules.append(f"call_{k}: {json.dumps(t.name)} {self._lit('[ARGS]')} args_{k}")
             else:
                 key = "parameters" if self.family == "llama3_json" else "arguments"
-                obj = {
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, key: params},
-                    "required": ["name", key],
-                    "additionalProperties": False,
-                    "x-guidance": JSON_STYLE,
-                }
-                rules.append(f"call_{k}: %json {json.dumps(obj)}")
+                head = "{" + f"{json.dumps('name')}: {json.dumps(t.name)}, {json.dumps(key)}: "
+                rules.append(f'call_{k}: {json.dumps(head)} args_{k} "}}"')
             alts.append(f"call_{k}")
         lines = ["%llguidance {}", "one: " + " | ".join(alts)]
         if self.family == "hermes":

@@ -260,13 +260,13 @@ def test_hermes_template_sees_the_tools_and_the_calls(hermes_server, hermes):
 @pytest.mark.parametrize(
     "extra,param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "stop": ["x"]}, "stop"),
         ({"tools": "x"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
     ],
 )
 def test_bad_tools_are_400(oai, extra, param):
