@@ -170,8 +170,8 @@ class Conversations:
         Both change the session only through the turn's commit: a turn refused, failed or
         cancelled after them leaves every session exactly as it was."""
         tooled = uses_tools(inp)
-        if tooled:
-            inp = self.tools.prepare(inp)  # tools checked; tool_choice required / named: its grammar
+        if tooled:  # tools and the messages' calls checked; tool_choice required / named: its grammar
+            inp = self.tools.prepare(inp, continues=bool(inp.session_id) and not resent_history)
         turn = self._turn(owner, inp, request_id, observer, resent_history, fork_from)
         async with aclosing(turn) as events:
             async for event in self.tools.events(inp, events) if tooled else events:

@@ -91,6 +91,45 @@ def check_tools(inp: TurnInput) -> ToolChoice:
     return choice
 
 
+def check_tool_messages(messages: Sequence[ChatMessage], tools: Sequence[Any], *, continues: bool = False) -> None:
+    """The tool-call bookkeeping of a turn's messages, as OpenAI checks it (InvalidRequest
+    naming the message and the field):
+
+    * an assistant's call names a function of ``tools`` (when the request has tools; a
+      request without any may carry earlier calls) and its arguments are JSON;
+    * a tool message answers a call of the assistant message it follows (only tool
+      messages between them), by that call's id. With ``continues`` (a turn that extends
+      a stored conversation with only its new messages: a gRPC session turn, a Responses
+      follow-up) the tool messages that lead the input answer the previous turn's calls,
+      which the request does not carry: those are not checked here (the Responses front
+      checks them against the previous response's calls).
+
+    It reads the messages only: it runs before the turn touches its session."""
+    declared = {t.name for t in tools}
+    answerable: set[str] | None = None if continues else set()  # None: the previous turn's calls (unknown here)
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and m.tool_calls:
+            for j, c in enumerate(m.tool_calls):
+                where = f"messages[{i}].tool_calls[{j}].function"
+                if declared and c.name not in declared:
+                    raise InvalidRequest(f"{where}.name: the function {c.name[:80]!r} is not in tools (a call of a "
+                                         f"function the request does not declare)")  # fmt: skip
+                try:
+                    if c.arguments.strip():  # (blank: no arguments, as some clients send them)
+                        json.loads(c.arguments)
+                except (ValueError, RecursionError):
+                    raise InvalidRequest(f"{where}.arguments: the arguments of call {c.id[:80]!r} are not valid JSON: "
+                                         f"{c.arguments[:80]!r}") from None  # fmt: skip
+            answerable = {c.id for c in m.tool_calls}
+        elif m.role == "tool":
+            if answerable is not None and m.tool_call_id not in answerable:
+                raise InvalidRequest(f"messages[{i}].tool_call_id: {m.tool_call_id[:80]!r} answers no call of the "
+                                     f"assistant message before it: a tool message must be a response to a preceding "
+                                     f"message with tool_calls, naming one of its ids")  # fmt: skip
+        else:
+            answerable = set()
+
+
 class ToolCalling:
     """See the module docstring; one per server, over the engine's tokenizer."""
 
@@ -102,8 +141,12 @@ class ToolCalling:
     def family(self) -> str:
         return self.format.family
 
-    def prepare(self, inp: TurnInput) -> TurnInput:
-        """``inp`` checked, with the grammar of a required or named call set."""
+    def prepare(self, inp: TurnInput, *, continues: bool = False) -> TurnInput:
+        """``inp`` checked (its tools, tool_choice and the bookkeeping of its messages'
+        calls: ``check_tool_messages``, ``continues`` as there), with the grammar of a
+        required or named call set."""
+        if inp.messages:
+            check_tool_messages(inp.messages, inp.tools, continues=continues)
         if not inp.tools and inp.tool_choice is None:
             return inp
         choice = check_tools(inp)

@@ -1,10 +1,11 @@
-"""Tool schemas as SDKs send them (service/tools): a required call's grammar (llguidance
-lark, every family) over real pydantic models' ``model_json_schema()`` (nested models in
-``$defs``, a recursive root ``$ref``, Optional, enums, lists of models), draft-07
-``definitions`` and a ``$ref`` to the schema's root accepts exactly the calls whose
-arguments validate against the tool's own schema, never the grammar's wrapper inside the
-arguments; parameter schemas that are not objects are refused at the edge in OpenAI's
-words."""
+"""Tool schemas as SDKs send them, and the bookkeeping of a conversation's calls
+(service/tools): a required call's grammar (llguidance lark, every family) over real
+pydantic models' ``model_json_schema()`` (nested models in ``$defs``, a recursive root
+``$ref``, Optional, enums, lists of models), draft-07 ``definitions`` and a ``$ref`` to
+the schema's root accepts exactly the calls whose arguments validate against the tool's
+own schema, never the grammar's wrapper inside the arguments; parameter schemas that are
+not objects are refused at the edge in OpenAI's words; tool messages, call arguments and
+call names are checked as OpenAI checks them, naming the message and the field."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jsonschema
 import pydantic
 import pytest
 
-from kvserve.service.tools import check_tools
+from kvserve.service.tools import ToolCalling, check_tool_messages, check_tools
 from kvserve.service.tools.formats import ToolFormat, arguments_schema, root_type
 from kvserve.service.types import ChatMessage, InvalidRequest, ResponseFormat, ToolCall, ToolChoice, ToolSpec, TurnInput
 
@@ -168,3 +169,52 @@ def test_object_schemas_in_every_form_are_taken() -> None:
                    DRAFT7, LINKED, {"type": ["object"]}):  # fmt: skip
         assert root_type(schema) in (None, "object", ["object"])
         check_tools(TurnInput(messages=(ChatMessage("user", "hi"),), tools=(ToolSpec("f", "", json.dumps(schema)),)))
+
+
+ASK = ChatMessage("user", "weather?")
+CALL = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+TOOLS = (ToolSpec("get_weather", "", json.dumps({"type": "object", "properties": {"city": {"type": "string"}}})),)
+
+
+def _refused(messages, tools=TOOLS, continues=False) -> str:
+    with pytest.raises(InvalidRequest) as e:
+        check_tool_messages(messages, tools, continues=continues)
+    return str(e.value)
+
+
+def test_tool_bookkeeping_is_checked_naming_the_message_and_the_field() -> None:
+    ok = [ASK, ChatMessage("assistant", "", (CALL, ToolCall("call_2", "get_weather", "{}"))),
+          ChatMessage("tool", "sunny", (), "call_2"), ChatMessage("tool", "rainy", (), "call_1"), ChatMessage("user", "and?")]  # fmt: skip
+    check_tool_messages(ok, TOOLS)
+    check_tool_messages(ok, ())  # a request without tools may carry earlier calls
+    check_tool_messages([ASK, ChatMessage("assistant", "", (ToolCall("c", "get_weather", ""),)),
+                         ChatMessage("tool", "x", (), "c")], TOOLS)  # blank arguments: none  # fmt: skip
+    assert _refused([ASK, ChatMessage("assistant", "", (CALL,)), ChatMessage("tool", "x", (), "call_9")]).startswith(
+        "messages[2].tool_call_id: 'call_9' answers no call")
+    assert _refused([ASK, ChatMessage("tool", "x", (), "call_1")]).startswith("messages[1].tool_call_id")  # no call before
+    # a user message between the calls and the result: the result answers nothing
+    assert _refused([ASK, ChatMessage("assistant", "", (CALL,)), ChatMessage("user", "hm"),
+                     ChatMessage("tool", "x", (), "call_1")]).startswith("messages[3].tool_call_id")  # fmt: skip
+    bad_args = ToolCall("call_1", "get_weather", '{"city": "Par')
+    assert _refused([ASK, ChatMessage("assistant", "", (CALL, bad_args))]).startswith(
+        "messages[1].tool_calls[1].function.arguments: the arguments of call 'call_1' are not valid JSON")
+    undeclared = ToolCall("call_3", "launch", "{}")
+    assert _refused([ASK, ChatMessage("assistant", "", (undeclared,))]).startswith(
+        "messages[1].tool_calls[0].function.name: the function 'launch' is not in tools")
+
+
+def test_a_continuing_turns_leading_results_answer_the_previous_turn() -> None:
+    """A gRPC session turn sends only its new messages: the results that lead them answer
+    the previous turn's calls (in the transcript, not in the request)."""
+    check_tool_messages([ChatMessage("tool", "x", (), "call_from_before"), ChatMessage("user", "go on")], TOOLS,
+                        continues=True)  # fmt: skip
+    assert _refused([ChatMessage("user", "hm"), ChatMessage("tool", "x", (), "call_from_before")],
+                    continues=True).startswith("messages[1].tool_call_id")  # fmt: skip
+    assert _refused([ChatMessage("tool", "x", (), "call_from_before")], continues=False).startswith("messages[0]")
+
+
+def test_prepare_checks_messages_without_tools_too(default_tok) -> None:
+    calling = ToolCalling(default_tok)
+    inp = TurnInput(messages=(ASK, ChatMessage("assistant", "", (ToolCall("c", "f", "not json"),))))
+    with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
+        calling.prepare(inp)
