@@ -379,6 +379,11 @@ class Conversations:
         await self.forget(rec)
         return rec
 
+    async def reap_abandoned(self, owner: str, session_id: str) -> bool:
+        """Remove a first turn's placeholder whose turn can never complete (its replica
+        died): ``SessionManager.reap_abandoned``. It holds no tokens, so no KV to forget."""
+        return await self.sessions.reap_abandoned(owner, session_id)
+
     def _observe_start(self, ev: Started) -> None:
         self.metrics.prompt_tokens.inc(ev.prompt_tokens)
         for tier, n in ev.cached_by_tier.items():

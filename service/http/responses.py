@@ -12,9 +12,18 @@ following up an older response is a fork of the conversation there. ``store: fal
 runs the turn the same way and removes its session afterwards (a response nobody can
 follow up or retrieve). A turn refused, failed or cancelled leaves no response behind.
 
+A response not finished is not followed up: a follow-up naming one whose turn is still
+running (on any replica: its turn lock) is 409 ``response_in_progress`` (the SDKs retry a
+409), and one that will never finish (its replica died in its first turn: no completed
+turn, no lock, the lease lapsed) is removed on the next read, which answers 404
+(``SessionManager.reap_abandoned``), never a turn from an empty transcript.
+
 ``GET`` rebuilds the response from its session: the reply (the last turn's output
-decoded), status, ``previous_response_id`` (the session it was forked from); the request
-parameters and usage are not stored (``usage`` is null there). ``DELETE`` removes the
+decoded, its calls read back by the family's parser), status, ``previous_response_id``
+(the session it was forked from); the request parameters and usage are not stored
+(``usage`` is null there). A call's ``call_id`` is derived from the response's id and
+the call's index (``ToolFormat.stable_id``), so the response, a retrieve and the check of
+a follow-up's ``function_call_output`` agree on it. ``DELETE`` removes the
 session and forgets its KV blocks (``Conversations.remove``), except the prefix another
 stored response still shares (the one it followed, its follow-ups: a deleted parent
 leaves its children's history cached).
@@ -23,7 +32,10 @@ Function tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, flat as the
 Responses API writes them) run through the same machinery as chat's (``service/tools``,
 applied by ``Conversations.run_turn``): each call is a ``function_call`` output item, and a
 follow-up's ``function_call_output`` items are tool messages of the next turn, so the
-previous response's calls stay in the transcript as the model wrote them (cached).
+previous response's calls stay in the transcript as the model wrote them (cached). The
+items' bookkeeping is checked as OpenAI checks it, naming the item (an output answering
+no call, arguments that are not JSON, a call of a function not in ``tools``), before the
+turn starts.
 
 Parsing and rendering here are pure functions; ``ResponsesRoutes`` runs them over the
 HTTP front's admission, authentication and conversations (docs/api.md lists what of
@@ -46,7 +58,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import wire
 from . import openai as oa
-from ..sessions import SessionNotFound
+from ..sessions import SESSION_ID_RE, SessionNotFound
 from ..types import (
     ChatMessage,
     Delta,
@@ -102,22 +114,44 @@ class ResponseRequest:
     text_format: dict[str, Any]  # echoed as the response's text.format
     logprobs: bool  # include has message.output_text.logprobs
     echo: dict[str, Any]  # request fields the response object repeats
+    # the function_call_output items that lead the input, (index, call_id): they answer the
+    # previous response's calls (checked against them once it is read)
+    answers: tuple[tuple[int, str], ...] = ()
 
 
 def new_response_id() -> str:
     return RESPONSE_PREFIX + uuid.uuid4().hex
 
 
-def _input_messages(value: Any) -> list[ChatMessage]:
+def is_response_id(value: Any) -> bool:
+    """Whether ``value`` can name a response: ``resp_`` and a session id's characters."""
+    return isinstance(value, str) and value.startswith(RESPONSE_PREFIX) and SESSION_ID_RE.fullmatch(value) is not None
+
+
+def no_call_found(where: str, call_id: str) -> oa.HttpError:
+    """OpenAI's error for a function_call_output that answers no call (its words, the item's field as param)."""
+    return oa.HttpError(400, f"{where}: No tool call found for function call output with call_id {call_id[:80]!r}.",
+                        param=where)  # fmt: skip
+
+
+def _input_messages(value: Any, declared: frozenset[str]) -> tuple[list[ChatMessage], list[tuple[int, str]]]:
     """``input``: a string (one user message) or a list of items: messages,
     ``function_call`` items (an assistant's calls, consecutive ones one message) and
-    ``function_call_output`` items (a tool message with the call's result)."""
+    ``function_call_output`` items (a tool message with the call's result); and the
+    outputs that lead the input (they answer the previous response's calls).
+
+    The calls' bookkeeping is checked as OpenAI checks it, naming the item: a call of a
+    function not in ``declared`` (when the request has tools), arguments that are not
+    JSON, an output whose ``call_id`` is not a call of the ``function_call`` items just
+    before it (only outputs between)."""
     if isinstance(value, str):
-        return [ChatMessage("user", value)]
+        return [ChatMessage("user", value)], []
     if not isinstance(value, list) or not value:
         raise oa.HttpError(400, "input must be a string or a non-empty list of items", param="input")
     out: list[ChatMessage] = []
+    leading: list[tuple[int, str]] = []
     names: dict[str, str] = {}  # call_id -> function name, for the results that follow
+    answerable: set[str] | None = None  # None: the input's start (the previous response's calls)
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -127,16 +161,27 @@ def _input_messages(value: Any) -> list[ChatMessage]:
             _only(item, where, ("type", "id", "call_id", "name", "arguments", "status"))
             call = ToolCall(oa._string(item.get("call_id"), f"{where}.call_id"), oa._string(item.get("name"), f"{where}.name"),
                             oa._string(item.get("arguments", "{}"), f"{where}.arguments"))  # fmt: skip
+            if declared and call.name not in declared:
+                raise oa.HttpError(400, f"{where}.name: the function {call.name[:80]!r} is not in tools",
+                                   param=f"{where}.name")  # fmt: skip
+            _check_arguments(call.arguments, f"{where}.arguments")
             names[call.id] = call.name
             if out and out[-1].role == "assistant" and out[-1].tool_calls:
                 out[-1] = dataclasses.replace(out[-1], tool_calls=out[-1].tool_calls + (call,))
+                assert answerable is not None
+                answerable.add(call.id)
             else:
                 out.append(ChatMessage("assistant", "", (call,)))
+                answerable = {call.id}
             continue
         if kind == "function_call_output":
             _only(item, where, ("type", "id", "call_id", "output", "status"))
             call_id = oa._string(item.get("call_id"), f"{where}.call_id")
             output = oa._content(item.get("output"), f"{where}.output", _TEXT_PARTS)
+            if answerable is None:
+                leading.append((i, call_id))
+            elif call_id not in answerable:
+                raise no_call_found(f"{where}.call_id", call_id)
             out.append(ChatMessage("tool", output, (), call_id, names.get(call_id, "")))
             continue
         if kind != "message":
@@ -148,7 +193,17 @@ def _input_messages(value: Any) -> list[ChatMessage]:
         _only(item, where, ("type", "role", "content", "id", "status"))
         content = oa._content(item.get("content"), f"{where}.content", _TEXT_PARTS)
         out.append(ChatMessage(role, content))
-    return out
+        answerable = set()
+    return out, leading
+
+
+def _check_arguments(arguments: str, where: str) -> None:
+    try:
+        if arguments.strip():  # (blank: no arguments)
+            json.loads(arguments)
+    except (ValueError, RecursionError):
+        raise oa.HttpError(400, f"{where}: the call's arguments are not valid JSON: {arguments[:80]!r}",
+                           param=where) from None  # fmt: skip
 
 
 def _only(item: Mapping[str, Any], where: str, keys: tuple[str, ...]) -> None:
@@ -256,9 +311,11 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     if instructions is not None and not isinstance(instructions, str):
         raise oa.HttpError(400, "instructions must be a string", param="instructions")
     prev = body.get("previous_response_id")
-    if prev is not None and not (isinstance(prev, str) and prev.startswith(RESPONSE_PREFIX)):
-        raise oa.HttpError(400, f"previous_response_id must be a response id ({RESPONSE_PREFIX}...)",
-                           param="previous_response_id")  # fmt: skip
+    if prev is not None and not is_response_id(prev):
+        shown = f", got {prev[:140]!r}" if isinstance(prev, str) else ""
+        raise oa.HttpError(400, f"previous_response_id must be a response id ({RESPONSE_PREFIX} and up to 123 of "
+                           f"[A-Za-z0-9._:-]){shown}", param="previous_response_id",
+                           code="invalid_value")  # fmt: skip
     store = body.get("store")
     store = True if store is None else store
     stream = body.get("stream")
@@ -269,7 +326,10 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
         raise oa.HttpError(400, "stream_options takes include_obfuscation only", param="stream_options")
     top = oa._number(body, "top_logprobs", int)
     logprobs = bool(include) or bool(top)
-    messages = _input_messages(body.get("input"))
+    messages, leading = _input_messages(body.get("input"), frozenset(t.name for t in tools))
+    if leading and prev is None:  # nothing before this input made calls
+        i, call_id = leading[0]
+        raise no_call_found(f"input[{i}].call_id", call_id)
     if instructions:
         messages.insert(0, ChatMessage("system", instructions))
     sampling, max_tokens = oa._sampling(body, "max_output_tokens", default_max_new_tokens,
@@ -286,7 +346,7 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
         "tools": echo_tools, "tool_choice": body.get("tool_choice") or "auto", "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
     }  # fmt: skip
-    return ResponseRequest(model, inp, bool(stream), store, prev, instructions, echo_fmt, logprobs, echo)
+    return ResponseRequest(model, inp, bool(stream), store, prev, instructions, echo_fmt, logprobs, echo, tuple(leading))
 
 
 # ----------------------------------------------------------------------------- the response object
@@ -392,10 +452,22 @@ class ResponsesRoutes:
         status = "in_progress" if log is None else "incomplete" if log.finish_reason == "length" else "completed"
         created = int(log.started_at if log is not None else rec.created_at)
         prev = rec.forked_from if rec.forked_from.startswith(RESPONSE_PREFIX) else None
-        body = response_object(rid, self.front.model_id, created, status, reply if log is not None else None,
-                               previous=prev, incomplete="max_output_tokens" if status == "incomplete" else None)  # fmt: skip
+        text, calls = self.reply_calls(rid, reply) if log is not None else (None, [])
+        body = response_object(rid, self.front.model_id, created, status, text, previous=prev, calls=tuple(calls),
+                               incomplete="max_output_tokens" if status == "incomplete" else None)  # fmt: skip
         self.front._count("Responses", 200)
         return JSONResponse(body)
+
+    def reply_calls(self, rid: str, reply: str) -> tuple[str, list[ToolCall]]:
+        """A stored reply's text outside calls and its calls (read by the served family's
+        parser), each with the id it was given when the response was made (``call_id``)."""
+        content, calls = self.conversations.tools.format.parser().parse(reply)
+        return content, [dataclasses.replace(c, id=self.call_id(rid, k)) for k, c in enumerate(calls)]
+
+    def call_id(self, rid: str, k: int) -> str:
+        """The ``call_id`` of response ``rid``'s ``k``-th call: derived from both, so a
+        retrieve and a follow-up's ``function_call_output`` find the same id."""
+        return self.conversations.tools.format.stable_id(f"{rid}:{k}")
 
     async def delete(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
@@ -414,12 +486,48 @@ class ResponsesRoutes:
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def _read(self, owner: str, rid: str) -> Any:
-        if not rid.startswith(RESPONSE_PREFIX):
+        """The response's session record, busy flag and reply: 404 for an id that names
+        none, and for a response whose first turn was abandoned (``_unfinished``)."""
+        if not is_response_id(rid):
             raise _not_found(rid)
         try:
-            return await self.conversations.session(owner, rid)
+            found = await self.conversations.session(owner, rid)
         except SessionNotFound:
             raise _not_found(rid) from None
+        return await self._unfinished(owner, rid, found, lambda: _not_found(rid))
+
+    async def _unfinished(self, owner: str, rid: str, found: Any, gone: Any) -> Any:
+        """``found`` (a response's record, busy flag, reply), or, for a response with no
+        completed turn that no replica is running (the one that ran it died: its turn
+        lock's lease lapsed), ``gone()`` raised after its placeholder is removed: it will
+        never complete. A response that completed (or started) meanwhile is read again."""
+        rec, busy, _reply = found
+        if rec.turns or busy:
+            return found
+        if await self.conversations.reap_abandoned(owner, rid):
+            raise gone()
+        try:
+            found = await self.conversations.session(owner, rid)  # it committed (or started) meanwhile
+        except SessionNotFound:
+            raise gone() from None
+        if not found[0].turns and not found[1]:  # a session with no turn that no turn made: not a response
+            raise gone()
+        return found
+
+    async def _previous(self, owner: str, prev: str) -> list[ToolCall]:
+        """The calls of the response a follow-up names (``call_id``s as it gave them): 404
+        when it is not there (or was abandoned), 409 while it is still in progress."""
+        gone = lambda: _not_found(prev, param="previous_response_id")  # noqa: E731
+        try:
+            found = await self.conversations.session(owner, prev)
+        except SessionNotFound:
+            raise gone() from None
+        rec, _busy, reply = await self._unfinished(owner, prev, found, gone)
+        if not rec.turns:
+            raise oa.HttpError(409, f"Previous response with id {prev!r} is still in progress: follow it up once it "
+                               f"has completed (retry)", "conflict_error", param="previous_response_id",
+                               code="response_in_progress")  # fmt: skip
+        return self.reply_calls(prev, reply)[1]
 
     async def create(self, request: Request) -> Response:
         front = self.front
@@ -436,13 +544,10 @@ class ResponsesRoutes:
             req = response_request(await front._body(request), front.default_max_new_tokens)
             front._check_model(req.model)
             prev = req.previous_response_id
-            if prev is not None:  # a clear 404 naming the field
-                try:
-                    await self.conversations.session(owner, prev)
-                except SessionNotFound:
-                    raise _not_found(prev, param="previous_response_id") from None
-            ticket = front.admission.admit(owner, request_id)
             inp = dataclasses.replace(req.inp, session_id=rid)
+            if prev is not None:  # 404 / 409 naming the field; the outputs that answer its calls checked
+                inp = _answering(inp, req.answers, await self._previous(owner, prev))
+            ticket = front.admission.admit(owner, request_id)
             events = aclosing(self.conversations.run_turn(owner, inp, request_id, trace,
                                                           fork_from=req.previous_response_id or ""))  # fmt: skip
             gen = await events.__aenter__()
@@ -468,6 +573,20 @@ class ResponsesRoutes:
         from .app import whole_or_gone
 
         return await whole_or_gone(request, turn.whole(), headers)
+
+
+def _answering(inp: TurnInput, answers: tuple[tuple[int, str], ...], calls: list[ToolCall]) -> TurnInput:
+    """``inp`` whose leading tool messages (``answers``: their input index and call_id)
+    answer ``calls`` (the previous response's): each names one of them (else 400, as
+    OpenAI's), and gets that call's function name."""
+    names = {c.id: c.name for c in calls}
+    for i, call_id in answers:
+        if call_id not in names:
+            raise no_call_found(f"input[{i}].call_id", call_id)
+    assert inp.messages is not None
+    msgs = tuple(dataclasses.replace(m, name=m.name or names.get(m.tool_call_id, "")) if m.role == "tool" else m
+                 for m in inp.messages)  # fmt: skip
+    return dataclasses.replace(inp, messages=msgs)
 
 
 def _not_found(rid: str, param: str | None = None) -> oa.HttpError:
@@ -503,6 +622,16 @@ class _Turn:
             timings=oa.timings([fin]) if fin is not None else None,
         )  # fmt: skip
 
+    def _ided(self, ev: Any) -> Any:
+        """``ev`` with each call's id the response's own (``ResponsesRoutes.call_id``: what
+        a retrieve shows and a follow-up's ``function_call_output`` names)."""
+        if isinstance(ev, ToolCallDelta) and ev.id:
+            ev.id = self.routes.call_id(self.rid, ev.call_index)
+        elif isinstance(ev, Finished) and ev.tool_calls:
+            ev = dataclasses.replace(ev, tool_calls=tuple(dataclasses.replace(c, id=self.routes.call_id(self.rid, k))
+                                                          for k, c in enumerate(ev.tool_calls)))  # fmt: skip
+        return ev
+
     def _error(self, fin: Finished) -> oa.HttpError | None:
         status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
         return self.front.error_of(status, self.request_id, oa.RESPONSES_NAMES) if status is not None else None
@@ -523,6 +652,7 @@ class _Turn:
         lps: list[TokenLogprob] = []
         try:
             async for ev in self.gen:
+                ev = self._ided(ev)
                 if isinstance(ev, Delta) and self.pieces is not None:
                     lps.extend(ev.logprobs)
                 elif isinstance(ev, Finished):
@@ -584,6 +714,7 @@ class _Turn:
                 for b in open_message():
                     yield b
             async for ev in self.gen:
+                ev = self._ided(ev)
                 if isinstance(ev, Delta):
                     if ev.text or (self.pieces is not None and ev.logprobs):
                         if "message" not in order:

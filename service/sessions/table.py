@@ -30,6 +30,7 @@ from .stores import (
     CONFLICT,
     DELETED,
     HEALED,
+    KEPT_ETAG_PREFIX,
     LIMIT,
     REPLACED,
     RESTORED,
@@ -492,6 +493,28 @@ class SessionManager:
         if not await self.store.delete(owner, session_id) or rec is None:
             raise SessionNotFound(f"session {session_id!r} not found")
         return rec
+
+    async def reap_abandoned(self, owner: str, session_id: str) -> bool:
+        """Remove the session if it is an abandoned first turn's placeholder: no completed
+        turn, written by a turn (not a fork or a creation after a delete: its etag is not a
+        kept one), and no turn lock on any replica, so the turn that wrote it is gone (its
+        replica died and the lock's lease lapsed) and can never commit. The delete is
+        conditional on the version read. True when it removed it. (The Responses API
+        calls it on a response that is not finished and not running: that response will
+        never be, so it is not found, never followed up from an empty transcript.)"""
+        check_session_id(session_id)
+        if self.in_flight_here(owner, session_id):
+            return False
+        rec = await self.store.get(owner, session_id)
+        if rec is None or rec.turns or rec.token_ids or rec.etag.startswith(KEPT_ETAG_PREFIX):
+            return False
+        if await self.store.is_locked(owner, session_id):
+            return False
+        removed = await self.store.delete_if(owner, session_id, frozenset({rec.etag}))
+        if removed:
+            log.info("session %r: removed the placeholder of a first turn that never completed (its turn lock "
+                     "lapsed)", session_id)  # fmt: skip
+        return removed
 
     async def shared_prefix(self, rec: SessionRecord) -> int:
         """How many leading tokens of ``rec``'s transcript another live session of its

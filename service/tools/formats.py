@@ -11,6 +11,7 @@ in the chat template or the vocabulary -> ``mistral``; ``<tool_call>`` -> ``herm
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import string
@@ -149,6 +150,16 @@ def _mentions(node: Any, key: str) -> bool:
     return False
 
 
+def _alnum(digest: bytes, n: int) -> str:
+    """``n`` letters and digits from a digest (base 62)."""
+    x = int.from_bytes(digest, "big")
+    out = []
+    for _ in range(n):
+        x, r = divmod(x, len(_ALNUM))
+        out.append(_ALNUM[r])
+    return "".join(out)
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """One family's format for one tokenizer: ``markers`` are the ids of its markers
@@ -182,6 +193,14 @@ class ToolFormat:
             return "".join(secrets.choice(_ALNUM) for _ in range(9))
         return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
+    def stable_id(self, key: str) -> str:
+        """A call id derived from ``key`` (a response id and the call's index), in
+        ``new_id``'s shape: the same call gets the same id whenever it is read back (the
+        Responses API's retrieve, and the check of a follow-up's ``function_call_output``)."""
+        digest = hashlib.sha256(key.encode("utf-8")).digest()
+        if self.family == "mistral":
+            return _alnum(digest, 9)
+        return "call_" + _alnum(digest, 24)
 
     # ---- writing (fallback rendering of history; the model's own format)
 

@@ -159,3 +159,45 @@ def test_bad_tool_choice_is_400(oai, model):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=model, input=ASK, tools=TOOLS, tool_choice={"type": "function", "name": "nope"})
     assert "not in tools" in e.value.body["message"]
+
+
+def _sessions(server) -> int:
+    return len(server.call(server.running.sessions.store.list("", 1000, ""))[0])
+
+
+def test_outputs_answer_calls_as_openai_checks_them(oai, model, server):
+    """A ``function_call_output`` answers a ``function_call`` just before it in the input
+    or, leading a follow-up's input, a call of the previous response (its ``call_id`` as
+    the response and a retrieve show it): otherwise 400 in OpenAI's words naming the item,
+    and nothing is created; a call item's arguments must be JSON and its function one of
+    the tools."""
+    gen = dict(model=model, tools=TOOLS, tool_choice="required", temperature=0, max_output_tokens=300,
+               parallel_tool_calls=False)  # fmt: skip
+    _, r1 = _create(oai, input=ASK, **gen)
+    call = _calls(r1)[0]
+    got = oai.responses.retrieve(r1.id)  # the calls read back from the session, with the ids they were given
+    assert [(o.call_id, o.name, o.arguments) for o in got.output if o.type == "function_call"] == [
+        (call.call_id, call.name, call.arguments)]
+    assert not [o for o in got.output if o.type == "message"]  # (the reply is only the call)
+    before = _sessions(server)
+    out = {"type": "function_call_output", "output": "18 C"}
+    item = {"type": "function_call", "call_id": "call_x", "name": "get_time", "arguments": '{"tz": "UTC"}'}
+    cases = [
+        (dict(input=[{**out, "call_id": "call_nope"}], previous_response_id=r1.id), "input[0].call_id",
+         "No tool call found for function call output with call_id 'call_nope'"),
+        (dict(input=[{**out, "call_id": call.call_id}]), "input[0].call_id", "No tool call found"),  # no previous response
+        (dict(input=[{"role": "user", "content": "hm"}, {**out, "call_id": call.call_id}], previous_response_id=r1.id),
+         "input[1].call_id", "No tool call found"),  # not leading: it answers nothing
+        (dict(input=[item, {**out, "call_id": "call_y"}]), "input[1].call_id", "No tool call found"),
+        (dict(input=[{**item, "arguments": "{oops"}, {**out, "call_id": "call_x"}]), "input[0].arguments", "not valid JSON"),
+        (dict(input=[{**item, "name": "launch"}, {**out, "call_id": "call_x"}]), "input[0].name", "not in tools"),
+    ]  # fmt: skip
+    for kw, param, says in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.responses.create(**gen, **kw)
+        assert e.value.body["param"] == param and says in e.value.body["message"], (kw, e.value.body)
+    assert _sessions(server) == before
+    # the previous response's call answered (leading), then a call resent with its answer
+    _, r2 = _create(oai, input=[{**out, "call_id": call.call_id}, item, {**out, "call_id": "call_x"}],
+                    previous_response_id=r1.id, **gen)  # fmt: skip
+    assert r2.status == "completed" and _calls(r2)

@@ -218,3 +218,12 @@ def test_prepare_checks_messages_without_tools_too(default_tok) -> None:
     inp = TurnInput(messages=(ASK, ChatMessage("assistant", "", (ToolCall("c", "f", "not json"),))))
     with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
         calling.prepare(inp)
+
+
+def test_stable_call_ids_have_the_familys_shape() -> None:
+    hermes, mistral = ToolFormat("hermes"), ToolFormat("mistral")
+    a = hermes.stable_id("resp_1:0")
+    assert a == hermes.stable_id("resp_1:0") != hermes.stable_id("resp_1:1")
+    assert a.startswith("call_") and len(a) == 29 and a[5:].isalnum()
+    m = mistral.stable_id("resp_1:0")
+    assert len(m) == 9 and m.isalnum()
