@@ -497,17 +497,22 @@ class SessionManager:
     async def reap_abandoned(self, owner: str, session_id: str) -> bool:
         """Remove the session if it is an abandoned first turn's placeholder: no completed
         turn, written by a turn (not a fork or a creation after a delete: its etag is not a
-        kept one), and no turn lock on any replica, so the turn that wrote it is gone (its
-        replica died and the lock's lease lapsed) and can never commit. The delete is
-        conditional on the version read. True when it removed it. (The Responses API
-        calls it on a response that is not finished and not running: that response will
-        never be, so it is not found, never followed up from an empty transcript.)"""
+        kept one), older than a lock lease (in Redis), and no turn lock on any replica, so the turn
+        that wrote it is gone (its replica died and the lock's lease lapsed) and can never
+        commit. The delete is conditional on the version read. True when it removed it.
+        (The Responses API calls it on a response that is not finished and not running:
+        that response will never be, so it is not found, never followed up from an empty
+        transcript.) A live turn whose lock Redis lost (evicted, restarted) takes it back
+        within a renewal (``_renew``); the age bound keeps a young turn safe meanwhile. (A
+        store in this process holds its locks itself: unlocked there is not running.)"""
         check_session_id(session_id)
         if self.in_flight_here(owner, session_id):
             return False
         rec = await self.store.get(owner, session_id)
         if rec is None or rec.turns or rec.token_ids or rec.etag.startswith(KEPT_ETAG_PREFIX):
             return False
+        if _locks_in_redis(self.store) and self._clock() - rec.created_at < self._lock_ttl_s:
+            return False  # a lock in Redis: its lease cannot have lapsed yet
         if await self.store.is_locked(owner, session_id):
             return False
         removed = await self.store.delete_if(owner, session_id, frozenset({rec.etag}))
@@ -569,4 +574,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _takes_prune_at(store: SessionStore) -> bool:
+    return isinstance(store, (RedisSessionStore, FallbackSessionStore))
+
+
+def _locks_in_redis(store: SessionStore) -> bool:
+    """Whether the store's turn locks are Redis's (shared by replicas, lost with its data)."""
     return isinstance(store, (RedisSessionStore, FallbackSessionStore))

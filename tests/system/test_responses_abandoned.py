@@ -74,7 +74,7 @@ def _status(c: openai.OpenAI, rid: str) -> str:
 
 def test_a_response_abandoned_by_a_killed_replica_is_reaped_when_its_lock_lapses(long_model, redis_url):
     model = str(long_model)
-    cfg = tiny_config(long_model, redis_url=redis_url, host_cache_memory=0, spill_after=3600.0)
+    cfg = tiny_config(long_model, redis_url=redis_url, host_cache_memory=0, spill_after=3600.0, session_lock_ttl=LOCK_TTL)
     with ServerThread(cfg, http_port=0) as other, _client(other.running.http_port) as c:
         proc, port = _start(long_model, "--redis-url", redis_url, "--session-lock-ttl", f"{LOCK_TTL:g}")
         try:

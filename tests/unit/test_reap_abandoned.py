@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from kvserve.service.sessions import InMemorySessionStore, RedisSessionStore, SessionManager
 
@@ -67,5 +68,30 @@ def test_sessions_that_are_not_abandoned_placeholders_stay(stores):
             assert await sa.get("t", sid) is not None
         assert not await m.reap_abandoned("t", "nobody")
         await sa.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_live_turn_whose_lock_redis_lost_is_not_taken_for_abandoned(redis_url):
+    """Redis loses the lock of a running first turn (evicted, restarted): until the turn's
+    renewal takes it back, nobody holds it, yet the placeholder is younger than a lease,
+    so another replica leaves it alone and the turn commits."""
+
+    async def scenario() -> None:
+        sa = RedisSessionStore.from_url(redis_url, key_prefix="reap:")
+        sb = RedisSessionStore.from_url(redis_url, key_prefix="reap:")
+        a, b = SessionManager(sa, lock_ttl_s=5.0), SessionManager(sb, lock_ttl_s=5.0)
+        turn = await a.begin_turn("t", "resp_live")
+        assert await sb.is_locked("t", "resp_live")
+        r = aioredis.from_url(redis_url)
+        assert await r.delete("reap:sess-lock:t:resp_live") == 1
+        await r.aclose()
+        assert not await sb.is_locked("t", "resp_live")
+        assert not await b.reap_abandoned("t", "resp_live")
+        await a.commit_turn(turn, [1, 2], [3])
+        await a.end_turn(turn)
+        assert (await sb.get("t", "resp_live")).turns == 1
+        await sa.close()
+        await sb.close()
 
     asyncio.run(scenario())
