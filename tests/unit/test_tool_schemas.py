@@ -66,6 +66,17 @@ LINKED = {  # a "$ref" to the schema's root: a linked list
     "additionalProperties": False,
 }
 
+# Person as LangChain's bind_tools sends it (langchain_core's convert_to_openai_tool: $defs inlined, titles dropped)
+ADDR_INLINED = {"properties": {"street": {"maxLength": 10, "type": "string"}, "city": {"maxLength": 8, "type": "string"}},
+                "required": ["street", "city"], "type": "object"}  # fmt: skip
+PERSON_INLINED = {
+    "properties": {"name": {"maxLength": 8, "type": "string"}, "home": ADDR_INLINED,
+                   "past": {"items": ADDR_INLINED, "maxItems": 2, "type": "array"},
+                   "unit": {"enum": ["celsius", "fahrenheit"], "type": "string"},
+                   "nick": {"anyOf": [{"maxLength": 6, "type": "string"}, {"type": "null"}], "default": None}},
+    "required": ["name", "home", "unit"], "type": "object",
+}  # fmt: skip
+
 VALID = {
     "person": (Person.model_json_schema(), {"name": "Ann", "home": {"street": "Main 1", "city": "Oslo"},
                                             "past": [{"street": "Elm 2", "city": "Rome"}], "unit": "celsius",
@@ -136,9 +147,7 @@ def test_the_arguments_schema_is_an_object_closed_where_it_lists_properties() ->
     combined = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}], "properties": {"a": {}}}
     assert "additionalProperties" not in arguments_schema(ToolSpec("c", "", json.dumps(combined)))
     # LangChain's bind_tools sends pydantic models dereferenced: the nested objects inline, closed too
-    from langchain_core.utils.function_calling import convert_to_openai_tool
-
-    inline = arguments_schema(ToolSpec("p", "", json.dumps(convert_to_openai_tool(Person)["function"]["parameters"])))
+    inline = arguments_schema(ToolSpec("p", "", json.dumps(PERSON_INLINED)))
     assert inline["properties"]["home"]["additionalProperties"] is False
     assert inline["properties"]["past"]["items"]["additionalProperties"] is False
     # a property named "properties" is a property, not a keyword
