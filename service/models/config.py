@@ -43,7 +43,9 @@ _MODEL_TYPES: dict[str, str] = {
 _ARCH_MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPES.items()}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# "freq_factors": each rotary pair's frequency divided by its factor, as a GGUF file stores Llama 3's
+# scaling (its rope_freqs tensor, llama.cpp's freq_factors); not a config.json spelling
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors")
 _LLAMA_ACTS = ("silu", "swish")
 _GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 _GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu")
@@ -167,14 +169,14 @@ class ModelConfig:
                 f"{source}: partial_rotary_factor {self.partial_rotary_factor} gives {self.rotary_dim} rotary dims "
                 f"of head_dim {self.head_dim}; need an even number > 0"
             )
+        per_pair = {"longrope": ("short_factor", "long_factor"), "freq_factors": ("factors",)}
         for scaling in (self.rope_scaling, self.local_rope_scaling):
-            if scaling is not None and scaling["rope_type"] == "longrope":
-                for key in ("short_factor", "long_factor"):
-                    if len(scaling[key]) != self.rotary_dim // 2:
-                        raise ModelLoadError(
-                            f"{source}: rope_scaling {key} has {len(scaling[key])} entries; "
-                            f"need rotary dims / 2 = {self.rotary_dim // 2}"
-                        )
+            for key in per_pair.get(scaling["rope_type"], ()) if scaling is not None else ():
+                if len(scaling[key]) != self.rotary_dim // 2:
+                    raise ModelLoadError(
+                        f"{source}: rope_scaling {key} has {len(scaling[key])} entries; "
+                        f"need rotary dims / 2 = {self.rotary_dim // 2}"
+                    )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelLoadError(f"{source}: sliding_window must be > 0, got {self.sliding_window}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -228,7 +230,7 @@ def _rope(d: Mapping[str, Any], source: str, params: Mapping[str, Any] | None = 
         return theta, None
     if rope_type == "longrope":
         return theta, _longrope(d, source, scaling)
-    required = {"linear": ("factor",),
+    required = {"linear": ("factor",), "freq_factors": ("factors",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     for key in required[rope_type]:
         if key not in scaling:

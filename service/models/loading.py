@@ -1,7 +1,12 @@
-"""Load an HF-format model directory: config, weights, tokenizer, eos ids, fingerprint.
+"""Load a checkpoint: config, weights, tokenizer, eos ids, fingerprint.
 
     loaded = load_model("path/to/model", dtype="float32", device="auto", weight_format="int8")
+    loaded = load_model("model.Q4_K_M.gguf")   # a GGUF file (gguf.py): the same families
     loaded.model(layout, kv)          # layers.CausalLM: the forward contract
+
+A checkpoint is an HF-format directory (config.json, safetensors, tokenizer files) or a
+GGUF file; each gives the same four things (``Checkpoint``) and the model is built,
+loaded and served the same way after that.
 
 Weights are read memory-mapped (safetensors ``safe_open``) one tensor at a time and
 copied into a model whose parameters were allocated once, on the target device and in
@@ -24,12 +29,14 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from ..kv.cache import KVCacheSpec, KVPool
 from .config import ModelConfig, ModelLoadError
 from .gemma import GemmaForCausalLM
+from .gguf import GGUFCheckpoint, is_gguf
 from .gpt2 import GPT2LMHeadModel
 from .. import kernels
 from .layers import CausalLM, fuse_projections, pack_linears, use_kernels
@@ -39,7 +46,8 @@ from .quant import WEIGHT_FORMATS, format_fingerprint, quantize_model
 from .qwen3 import Qwen3ForCausalLM
 from .tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "resolve_device", "resolve_dtype"]
+__all__ = ["Checkpoint", "LoadedModel", "ModelLoadError", "load_model", "model_fingerprint", "open_checkpoint",
+           "resolve_device", "resolve_dtype"]
 
 # ModelConfig.architecture (the family) -> the class in its model file
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -59,11 +67,11 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM  # eval mode, requires_grad False; the forward and loader contract: layers.CausalLM
     tokenizer: Tokenizer
-    eos_token_ids: tuple[int, ...]  # config.json + generation_config.json (+ tokenizer if both empty)
-    fingerprint: str  # hex sha256 of the canonical config.json, every weight file's bytes and the weight format
+    eos_token_ids: tuple[int, ...]  # config.json + generation_config.json (+ tokenizer if both empty); GGUF: the tokenizer's
+    fingerprint: str  # hex sha256 of the canonical config, every weight's bytes as stored and the weight format
     dtype: torch.dtype
     device: torch.device
-    path: Path
+    path: Path  # the model directory or GGUF file
     weight_format: str = "exact"  # quant.WEIGHT_FORMATS
     native: str | None = None  # "on": decode products by the native kernels; else why not (None: not asked)
 
@@ -112,8 +120,8 @@ def load_model(
     pack_weights: bool = True,
     native_kernels: str = "auto",
 ) -> LoadedModel:
-    """Load the model directory at ``path``. ``progress`` None: bars over shards and
-    quantized matrices on a TTY. ``weight_format``: one of quant.WEIGHT_FORMATS.
+    """Load the model directory or GGUF file at ``path``. ``progress`` None: bars over
+    shards (GGUF: tensors and the fingerprint's bytes) and quantized matrices on a TTY. ``weight_format``: one of quant.WEIGHT_FORMATS.
     ``pack_weights``: keep oneDNN-packed copies of large float32 CPU weights for
     batched decode (``layers.Linear.pack``: faster 2..64-row products, twice the float32
     weights' memory); False serves every product from the one dense copy.
@@ -128,22 +136,8 @@ def load_model(
         raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if not path.is_dir():
-        what = "is a file, not a model directory" if path.exists() else "model directory does not exist"
-        raise ModelLoadError(f"{path}: {what}")
-    config_path = path / "config.json"
-    if not config_path.exists():
-        raise ModelLoadError(f"{path}: missing config.json")
-    raw_config = _read_json(config_path)
-    config = ModelConfig.from_hf(raw_config, source=str(config_path))
-    weight_files = _weight_files(path)
-    tokenizer = Tokenizer.from_dir(path)
-    if tokenizer.vocab_size > config.vocab_size:  # its ids would index past the embedding
-        raise ModelLoadError(
-            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
-            f"{config.vocab_size}"
-        )
-    eos = _eos_token_ids(path, config, tokenizer)
+    checkpoint = open_checkpoint(path)
+    config, tokenizer = checkpoint.config, checkpoint.tokenizer
 
     cls = MODEL_CLASSES[config.architecture]
     with torch.device("meta"), _skip_init():
@@ -156,7 +150,7 @@ def load_model(
     model.reset_buffers()
     if progress is None:
         progress = sys.stderr.isatty()
-    _load_weights(model, weight_files, path, progress)
+    checkpoint.load_weights(model, progress)
     model.eval().requires_grad_(False)
     fuse_projections(model)
     quantize_model(model, weight_format, progress)
@@ -179,14 +173,71 @@ def load_model(
         config=config,
         model=model,
         tokenizer=tokenizer,
-        eos_token_ids=eos,
-        fingerprint=format_fingerprint(model_fingerprint(raw_config, weight_files), weight_format),
+        eos_token_ids=checkpoint.eos_token_ids,
+        fingerprint=format_fingerprint(checkpoint.fingerprint(progress), weight_format),
         dtype=torch_dtype,
         device=torch_device,
         path=path,
         weight_format=weight_format,
         native=native_state,
     )
+
+
+class Checkpoint(Protocol):
+    """What a checkpoint gives the loader, whatever its format (``HFCheckpoint``, ``gguf.GGUFCheckpoint``)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+
+    def load_weights(self, model: CausalLM, progress: bool = False) -> None: ...
+    def fingerprint(self, progress: bool | None = None) -> str: ...
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """An HF-format directory: config.json, safetensors weights, tokenizer files."""
+
+    path: Path
+    raw_config: dict
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    weight_files: list[Path]
+
+    @classmethod
+    def open(cls, path: Path) -> "HFCheckpoint":
+        config_path = path / "config.json"
+        if not config_path.exists():
+            raise ModelLoadError(f"{path}: missing config.json")
+        raw_config = _read_json(config_path)
+        config = ModelConfig.from_hf(raw_config, source=str(config_path))
+        weight_files = _weight_files(path)
+        tokenizer = Tokenizer.from_dir(path)
+        if tokenizer.vocab_size > config.vocab_size:  # its ids would index past the embedding
+            raise ModelLoadError(
+                f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
+                f"{config.vocab_size}"
+            )
+        return cls(path, raw_config, config, tokenizer, _eos_token_ids(path, config, tokenizer), weight_files)
+
+    def load_weights(self, model: CausalLM, progress: bool = False) -> None:
+        _load_weights(model, self.weight_files, self.path, progress)
+
+    def fingerprint(self, progress: bool | None = None) -> str:
+        return model_fingerprint(self.raw_config, self.weight_files)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint at ``path`` (its config and tokenizer read, no weights yet): a GGUF
+    file or an HF-format directory; ModelLoadError otherwise."""
+    path = Path(path)
+    if path.is_file() and is_gguf(path):
+        return GGUFCheckpoint.open(path)
+    if not path.is_dir():
+        what = "is a file, not a model directory or a GGUF file" if path.exists() else "model directory or GGUF file does not exist"
+        raise ModelLoadError(f"{path}: {what}")
+    return HFCheckpoint.open(path)
 
 
 @contextlib.contextmanager

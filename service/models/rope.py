@@ -10,7 +10,8 @@ reference's ``x * cos + rotate_half(x) * sin`` ((-a) * b == a * (-b)). The nativ
 kernels' RoPE takes the same rows.
 
 ``scaling`` is the normalized ``ModelConfig.rope_scaling`` (None: plain RoPE):
-``linear`` and ``llama3`` rescale the frequencies; ``longrope`` (Phi-3's "su") has two
+``linear`` and ``llama3`` rescale the frequencies (``freq_factors``: divided by a factor per
+pair, as a GGUF file stores Llama 3's); ``longrope`` (Phi-3's "su") has two
 sets, short and long factors, and a cos/sin scale (``attention_factor``). Which set a
 sequence uses is a per-sequence choice made by the engine (see phi3.py), passed here as
 a (B,) bool tensor.
@@ -37,6 +38,8 @@ def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long: bool 
     freqs = 1.0 / (theta**steps)
     if scaling is None:
         return freqs
+    if scaling["rope_type"] == "freq_factors":  # a GGUF file's per-pair factors (llama.cpp's freq_factors)
+        return freqs / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return freqs / factor

@@ -82,12 +82,11 @@ def _raw_decode_ids(sp: Any) -> Callable[[list[int]], str]:
 
 
 class _SentencePieceBackend:
-    """sentencepiece ``tokenizer.model``; special token strings in text map to their ids."""
+    """sentencepiece (a ``tokenizer.model``'s bytes); special token strings in text map to their ids."""
 
-    def __init__(self, path: Path, special_tokens: Iterable[str]) -> None:
+    def __init__(self, proto: bytes, special_tokens: Iterable[str]) -> None:
         import sentencepiece as spm
 
-        proto = path.read_bytes()
         self.sp = spm.SentencePieceProcessor(model_proto=proto)
         # text that follows a special token gets no dummy "▁" prefix (HF's legacy=False)
         self.sp_cont = spm.SentencePieceProcessor(model_proto=_without_dummy_prefix(proto))
@@ -167,6 +166,134 @@ class _HFBackend:
         return bool(added is not None and added.special)
 
 
+# ---- a vocabulary as GGUF stores it (tokenizer.ggml.*; read by models/gguf.py) ------------
+
+# token types (llama.cpp's, which are sentencepiece's piece types)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Byte-level BPE splitting rules (``tokenizer.ggml.pre``) -> (Unicode normalization, the
+# regexes splitting the text in turn, BPE's ignore_merges): each one as the models that
+# carry its name split text in their tokenizer.json (llama.cpp's src/llama-vocab.cpp
+# lists the same regexes per name).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE = {
+    "gpt2": (None, (_GPT2_SPLIT,), False),  # GPT-2 (llama.cpp: "gpt-2")
+    "smollm": (None, (r"\p{N}", _GPT2_SPLIT), False),  # SmolLM, StarCoder: each digit alone
+    "llama3": (None, (_LLAMA3_SPLIT,), True),  # Llama 3
+    "qwen2": ("NFC", (_QWEN2_SPLIT,), False),  # Qwen2, Qwen2.5, Qwen3
+}
+BPE_PRE_TOKENIZERS: dict[str, tuple[str | None, tuple[str, ...], bool]] = {
+    "gpt-2": _PRE["gpt2"], "phi-2": _PRE["gpt2"],
+    "smollm": _PRE["smollm"], "starcoder": _PRE["smollm"], "refact": _PRE["smollm"],
+    "llama-bpe": _PRE["llama3"], "llama3": _PRE["llama3"], "llama-v3": _PRE["llama3"],
+    "qwen2": _PRE["qwen2"], "deepseek-r1-qwen": _PRE["qwen2"],
+}  # fmt: skip
+# tokens that end generation wherever a vocabulary has them (llama.cpp's end-of-generation list)
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                     "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A tokenizer as a GGUF file stores it (``tokenizer.ggml.*``): ``model`` "llama"
+    (sentencepiece: ``scores`` are the merge priorities) or "gpt2" (byte-level BPE:
+    ``merges``, split by the ``pre`` rules); one type per token (NORMAL ... BYTE)."""
+
+    model: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    pre: str = "default"
+    bos_id: int | None = None
+    eos_id: int | None = None
+    unk_id: int | None = None
+    pad_id: int | None = None
+    end_ids: tuple[int, ...] = ()  # besides eos: end-of-turn / end-of-message ids the file names
+    add_bos: bool | None = None  # None: the model's default (sentencepiece yes, BPE no)
+    add_space_prefix: bool = True  # sentencepiece: "▁" before the text (its dummy prefix)
+    chat_template: str | None = None
+
+    def end_of_generation(self) -> tuple[int, ...]:
+        """eos first, then the other ids that end generation: those the file names and
+        control or user-defined tokens spelled as one of ``END_OF_GENERATION``."""
+        named = [i for i in (self.eos_id, *self.end_ids) if i is not None]
+        spelled = [i for i, (t, k) in enumerate(zip(self.tokens, self.types))
+                   if k in (CONTROL, USER_DEFINED) and t in END_OF_GENERATION]  # fmt: skip
+        return tuple(dict.fromkeys(named + spelled))
+
+    def special_tokens(self) -> list[str]:
+        """Tokens that text spelling them encodes to (control, user-defined, unknown)."""
+        return [t for t, k in zip(self.tokens, self.types) if k in (CONTROL, USER_DEFINED, UNKNOWN)]
+
+
+def sentencepiece_proto(v: Vocabulary) -> bytes:
+    """A sentencepiece model (BPE: pieces merged by score, as llama.cpp's tokenizer does)
+    from a "llama" vocabulary: identity normalization, whitespace as "▁", the dummy
+    prefix when ``add_space_prefix``, byte fallback when the vocabulary has byte pieces."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    if v.scores is None or len(v.scores) != len(v.tokens):
+        raise ValueError("a sentencepiece vocabulary needs one score per token")
+    m = pb.ModelProto()
+    for piece, score, kind in zip(v.tokens, v.scores, v.types):
+        m.pieces.add(piece=piece, score=score, type=kind if kind in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE)
+                     else NORMAL)  # fmt: skip
+    spec = m.trainer_spec
+    spec.model_type = pb.TrainerSpec.BPE
+    spec.vocab_size = len(v.tokens)
+    spec.byte_fallback = BYTE in v.types
+    unknown = v.unk_id if v.unk_id is not None else next((i for i, k in enumerate(v.types) if k == UNKNOWN), None)
+    if unknown is None or not 0 <= unknown < len(v.tokens):
+        raise ValueError("a sentencepiece vocabulary needs an unknown token")
+    spec.unk_id = unknown
+    for field, i in (("bos_id", v.bos_id), ("eos_id", v.eos_id), ("pad_id", v.pad_id)):
+        setattr(spec, field, i if i is not None and 0 <= i < len(v.tokens) and i != unknown else -1)
+    norm = m.normalizer_spec
+    norm.name = "identity"
+    norm.add_dummy_prefix = v.add_space_prefix
+    norm.remove_extra_whitespaces = False
+    norm.escape_whitespaces = True
+    return m.SerializeToString()
+
+
+def byte_level_bpe(v: Vocabulary) -> Any:
+    """A ``tokenizers.Tokenizer`` for a "gpt2" vocabulary: its BPE merges, the named
+    pre-tokenizer (``BPE_PRE_TOKENIZERS``; ValueError for one not listed), control tokens
+    as special added tokens, user-defined ones as plain added tokens, bos by the
+    post-processor when ``add_bos``."""
+    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors
+
+    rule = BPE_PRE_TOKENIZERS.get(v.pre)
+    if rule is None:
+        raise ValueError(f"tokenizer.ggml.pre {v.pre!r} is not supported; supported: {', '.join(sorted(BPE_PRE_TOKENIZERS))}")
+    normalization, splits, ignore_merges = rule
+    vocab = {t: i for i, t in reversed(list(enumerate(v.tokens)))}  # a repeated string keeps its first id
+    merges = [tuple(m.split(" ", 1)) for m in v.merges or ()]
+    if any(len(m) != 2 for m in merges):
+        raise ValueError("a BPE merge is not two tokens separated by a space")
+    tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    if normalization:
+        tok.normalizer = getattr(normalizers, normalization)()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(v.tokens, v.types) if k == CONTROL])  # fmt: skip
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(v.tokens, v.types) if k == USER_DEFINED])
+    if v.add_bos and v.bos_id is not None:
+        bos = v.tokens[v.bos_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, v.bos_id)])
+    return tok
+
+
 def _token_str(value: Any) -> str | None:
     """tokenizer_config stores tokens as a string or as {"content": ...}."""
     if isinstance(value, dict):
@@ -196,8 +323,11 @@ class Tokenizer:
         self._backend = backend
         self.bos_token = bos_token
         self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
-        ids = (backend.token_to_id(t) for t in eos_tokens)
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
+        self._eos_text: dict[int, str] = {}  # id -> text of each end-of-sequence token, ``eos_token`` first
+        for t in eos_tokens:
+            if (i := backend.token_to_id(t)) is not None:
+                self._eos_text.setdefault(i, t)
+        self.eos_token_ids: tuple[int, ...] = tuple(self._eos_text)
         self.eos_token = eos_tokens[0] if eos_tokens else None
         # sentencepiece: we add bos; tokenizer.json: its post-processor adds it
         self._add_bos = add_bos and (self.bos_token_id is not None or isinstance(backend, _HFBackend))
@@ -230,7 +360,7 @@ class Tokenizer:
             # only vetoes
             add_bos = add_bos is not False
         elif (path / "tokenizer.model").exists():
-            backend = _SentencePieceBackend(path / "tokenizer.model", specials)
+            backend = _SentencePieceBackend((path / "tokenizer.model").read_bytes(), specials)
             sp = backend.sp
             bos = bos or (sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None)
             eos = eos or (sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None)
@@ -255,6 +385,31 @@ class Tokenizer:
                        chat_template=template)
         except Exception as e:  # a template that does not compile
             raise ModelLoadError(f"{cfg_path}: invalid chat_template ({e})") from None
+
+    @classmethod
+    def from_vocabulary(cls, v: Vocabulary, source: str = "GGUF") -> "Tokenizer":
+        """The tokenizer a GGUF file describes (``Vocabulary``); ``source`` names the file in
+        errors (ModelLoadError: an unknown tokenizer model or pre-tokenizer, a bad vocabulary,
+        a chat template that does not compile)."""
+        try:
+            if v.model == "llama":
+                backend: _Backend = _SentencePieceBackend(sentencepiece_proto(v), v.special_tokens())
+                add_bos = v.add_bos is not False
+            elif v.model == "gpt2":
+                backend = _HFBackend(byte_level_bpe(v))
+                add_bos = bool(v.add_bos)
+            else:
+                raise ValueError(f"tokenizer.ggml.model {v.model!r} is not supported; supported: llama (sentencepiece), "
+                                 "gpt2 (byte-level BPE)")
+        except ValueError as e:
+            raise ModelLoadError(f"{source}: {e}") from None
+        token = lambda i: v.tokens[i] if i is not None and 0 <= i < len(v.tokens) else None  # noqa: E731
+        eos = [t for i in v.end_of_generation() if (t := token(i)) is not None]
+        try:
+            return cls(backend, bos_token=token(v.bos_id), eos_tokens=eos, add_bos=add_bos,
+                       chat_template=v.chat_template)
+        except Exception as e:  # a template that does not compile
+            raise ModelLoadError(f"{source}: invalid tokenizer.chat_template ({e})") from None
 
     # ---- encode / decode ------------------------------------------------------------
 
@@ -402,9 +557,9 @@ class Tokenizer:
             raise ChatTemplateError("the chat template cannot render these messages as a continuation of the session")
         # what the template writes after an assistant message's content: its end-of-turn marker
         closing = base[base.rindex(_PLACEHOLDER_ASSISTANT) + len(_PLACEHOLDER_ASSISTANT) :]
-        eos = self.eos_token
-        if eos and self.eos_token_ids and transcript[-1] in self.eos_token_ids and closing.startswith(eos):
-            closing = closing[len(eos) :]  # the model already wrote the eos; keep what follows it
+        eos = self._eos_text.get(transcript[-1])  # the end-of-sequence token the model wrote last, if it did
+        if eos and closing.startswith(eos):
+            closing = closing[len(eos) :]  # the model already wrote it; keep what follows it
         # Special token strings (eos, bos, added tokens) in the text encode to their ids.
         return list(self.encode(closing + full[len(base) :], add_bos=False))
 

@@ -42,12 +42,12 @@ def model_copy(tiny_llama_dir: Path, tmp_path: Path) -> Path:
 
 def test_missing_model_directory(capsys, tmp_path: Path) -> None:
     line = _fails_with_one_line(capsys, "--model", str(tmp_path / "nope"))
-    assert "nope: model directory does not exist" in line and "--model" in line
+    assert "nope: model directory or GGUF file does not exist" in line and "--model" in line
 
 
 def test_model_path_is_a_file(capsys, model_copy: Path) -> None:
     line = _fails_with_one_line(capsys, "--model", str(model_copy / "config.json"))
-    assert "config.json: is a file, not a model directory" in line
+    assert "config.json: is a file, not a model directory or a GGUF file" in line
 
 
 def test_bad_config_json(capsys, model_copy: Path) -> None:
