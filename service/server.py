@@ -25,6 +25,7 @@ ways; sessions unused for ``--session-ttl`` are reaped here, transcript and KV b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
@@ -46,6 +47,7 @@ from .auth import Authenticator, AuthInterceptor, load_api_keys, tenant_map
 from .config import ConfigError, ServerConfig, mask_url_password
 from .admission import Admission
 from .metrics import ServiceMetrics
+from .models import catalog
 from .conversations import Conversations
 from .servicer import SERVICE_NAME, GenerationServicer, add_to_server
 from .sessions import (
@@ -411,12 +413,20 @@ async def _build_engine(config: ServerConfig) -> Any:
     from .engine.store import HostMemoryError
     from .models.config import ModelLoadError
 
+    engine_config = config.engine_config()
+    if config.model and config.model in catalog.MODELS and not Path(config.model).exists():  # a name, not a path
+        cache = Path(config.model_cache_dir) if config.model_cache_dir else catalog.default_cache_dir(os.environ)
+        try:
+            path = await asyncio.to_thread(catalog.fetch, config.model, cache)
+        except catalog.ModelFetchError as e:
+            raise StartupError(str(e)) from None
+        engine_config = dataclasses.replace(engine_config, model_path=str(path))
     if config.torch_threads:
         import torch
 
         torch.set_num_threads(config.torch_threads)
     try:
-        return await build_engine(config.engine_config())
+        return await build_engine(engine_config)
     except DiskCacheLocked as e:  # taken since disk_cache_problem looked
         raise StartupError(f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR): {e}; give each server its own directory") from None
     except HostMemoryError as e:
@@ -424,7 +434,8 @@ async def _build_engine(config: ServerConfig) -> Any:
     except ModelLoadError as e:
         raise StartupError(
             f"cannot load the model: {e}; --model (KVSERVE_MODEL) takes a Hugging Face model directory "
-            "(config.json, *.safetensors, tokenizer) of a supported family"
+            f"(config.json, *.safetensors, tokenizer) or a GGUF file of a supported family, or a model name "
+            f"({', '.join(sorted(catalog.MODELS))})"
         ) from e
 
 

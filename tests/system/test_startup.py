@@ -115,9 +115,9 @@ def test_a_real_process_prints_one_line_and_exits_non_zero(tmp_path: Path) -> No
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        f"kvserve serve: error: cannot load the model: {tmp_path / 'nope'}: model directory does not exist; "
-        "--model (KVSERVE_MODEL) takes a Hugging Face model directory (config.json, *.safetensors, tokenizer) "
-        "of a supported family"
+        f"kvserve serve: error: cannot load the model: {tmp_path / 'nope'}: model directory or GGUF file does not "
+        "exist; --model (KVSERVE_MODEL) takes a Hugging Face model directory (config.json, *.safetensors, tokenizer) "
+        "or a GGUF file of a supported family, or a model name (smollm2)"
     ]
 
 
