@@ -17,6 +17,33 @@ from .binding import header_binding
 
 MAX_ROWS = 64  # decode-sized products; more rows (prefill) are compute-bound: torch's GEMM
 _C = header_binding().constants
+# ggml's block types, stored as ggml stores them (a GGUF file's rows as they are): name ->
+# (values per block, bytes per block). A row of K values is K / values blocks, back to back.
+BLOCK_FORMATS = {
+    "q8_0": (32, 34),  # fp16 d, 32 int8: d * q
+    "q4_0": (32, 18),  # fp16 d, 16 bytes of nibbles: d * (q - 8)
+    "q4_1": (32, 20),  # fp16 d, fp16 m, 16 bytes of nibbles: d * q + m
+    "q5_0": (32, 22),  # fp16 d, 32 high bits, 16 bytes of nibbles: d * (q - 16)
+    "q4_k": (256, 144),  # fp16 d, fp16 dmin, 8 x 6-bit (scale, min), 128 bytes of nibbles
+    "q6_k": (256, 210),  # 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+}
+
+
+def block_row_bytes(fmt: str, K: int) -> int:
+    """Bytes of one row of K values in block format ``fmt``; ValueError when K is not a
+    whole number of its blocks."""
+    values, nbytes = BLOCK_FORMATS[fmt]
+    if K <= 0 or K % values:
+        raise ValueError(f"{fmt}: a row of {K} values is not a whole number of its {values}-value blocks")
+    return K // values * nbytes
+
+
+def block_row_values(fmt: str, row_bytes: int) -> int:
+    """Values (K) in one stored row of ``row_bytes`` bytes in block format ``fmt``."""
+    values, nbytes = BLOCK_FORMATS[fmt]
+    if row_bytes <= 0 or row_bytes % nbytes:
+        raise ValueError(f"{fmt}: a row of {row_bytes} bytes is not a whole number of its {nbytes}-byte blocks")
+    return row_bytes // nbytes * values
 # the KV pool dtypes attention reads in place -> kvkernels.h's kv_fmt
 KV_POOL_FORMATS = {torch.float32: _C["KV_F32"], torch.bfloat16: _C["KV_BF16"], torch.float16: _C["KV_F16"],
                    torch.int8: _C["KV_I8"]}  # int8: (N, L, 2, plane) planes of values and scales (kv/cache.py)

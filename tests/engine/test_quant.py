@@ -150,3 +150,93 @@ def test_prefill_products_widen_the_weight_to_bfloat16_only_where_the_cpu_has_a_
         assert 1e-6 < err < 2e-2  # bfloat16 activations and output: rounded, not float32-exact
     else:
         assert err < 1e-5
+
+
+# ---- ggml's block types (QuantLinear.from_blocks: a GGUF tensor's rows as stored) -------------------
+
+GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+
+
+def ggml_rows(fmt: str, N: int, K: int, seed: int = 0):
+    """(float rows, their blocks) in block type ``fmt``: the gguf package's own quantizer
+    where it has one; for the K-quants (it has none) random bytes with finite, small fp16
+    scales, every other bit pattern a valid block."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kvserve.service.kernels.ops import BLOCK_FORMATS
+
+    g = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[GGML[fmt]]
+    if fmt in ("q4_k", "q6_k"):
+        values, nbytes = BLOCK_FORMATS[fmt]
+        raw = g.integers(0, 256, (N, K // values, nbytes), dtype=np.uint8)
+        for at in ((0, 2) if fmt == "q4_k" else (208,)):  # d (and dmin): finite fp16
+            raw[..., at : at + 2] = (g.standard_normal((N, K // values, 1)) * 0.01).astype(np.float16).view(np.uint8)
+        return None, torch.from_numpy(raw.reshape(N, -1))
+    w = g.standard_normal((N, K)).astype(np.float32)
+    return torch.from_numpy(w), torch.from_numpy(quantize(w, qtype))
+
+
+@pytest.mark.parametrize("fmt", list(GGML))
+def test_block_dequantization_is_ggmls_bit_for_bit(fmt: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvserve.service.models.quant import dequantize_blocks
+
+    _, raw = ggml_rows(fmt, 9, 512, seed=1)
+    want = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[GGML[fmt]]))
+    got = dequantize_blocks(raw, fmt)
+    assert got.dtype == torch.float32 and got.shape == (9, 512)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", list(GGML))
+@pytest.mark.parametrize("rows", [1, 5, 100])
+def test_a_block_product_without_kernels_is_its_dequantized_weights(fmt: str, rows: int) -> None:
+    """from_blocks (the GGUF loader's constructor): the stored rows as they are, shape and
+    bias kept; without the native kernels the product is F.linear on ggml's dequantized
+    weight."""
+    from kvserve.service.models.quant import dequantize_blocks
+
+    _, raw = ggml_rows(fmt, 24, 256, seed=rows)
+    bias = torch.randn(24)
+    q = QuantLinear.from_blocks(fmt, raw, (24, 256), bias)
+    assert (q.in_features, q.out_features, q.fmt) == (256, 24, fmt) and q.weight.data_ptr() == raw.data_ptr()
+    x = torch.randn(rows, 256)
+    with torch.inference_mode():
+        got = q(x)
+    assert torch.equal(got, torch.nn.functional.linear(x, dequantize_blocks(raw, fmt), bias))
+
+
+def test_from_blocks_refuses_rows_that_are_not_the_shapes_blocks() -> None:
+    _, raw = ggml_rows("q4_0", 8, 64)
+    with pytest.raises(ValueError, match=r"q4_0 weight of shape \(8, 128\): expected \(8, 72\) uint8 blocks, got \(8, 36\) uint8"):
+        QuantLinear.from_blocks("q4_0", raw, (8, 128))
+    with pytest.raises(ValueError, match="expected .* got .* int8"):
+        QuantLinear.from_blocks("q4_0", raw.view(torch.int8), (8, 64))
+    with pytest.raises(ValueError, match="not a whole number of its 256-value blocks"):
+        QuantLinear.from_blocks("q4_k", raw, (8, 64))
+    with pytest.raises(ValueError, match="unknown block type 'q3_k'"):
+        QuantLinear.from_blocks("q3_k", raw, (8, 64))
+    with pytest.raises(ValueError, match="bias of shape"):
+        QuantLinear.from_blocks("q4_0", raw, (8, 64), torch.zeros(7))
+
+
+def test_block_products_side_by_side_are_their_parts_one_type_or_several() -> None:
+    """QuantLinear.cat: q/k (Q4_K) and v (Q6_K) as one product whose output is theirs side
+    by side; rows of one type joined into one stored weight."""
+    parts = [QuantLinear.from_blocks(f, ggml_rows(f, n, 256, seed=n)[1], (n, 256), torch.randn(n))
+             for f, n in (("q4_k", 16), ("q4_k", 8), ("q6_k", 8))]  # fmt: skip
+    fused = QuantLinear.cat(parts)
+    assert fused.fmt == "mixed" and [p.fmt for p in fused.parts] == ["q4_k", "q6_k"]
+    assert (fused.out_features, fused.in_features) == (32, 256) and fused.parts[0].weight.shape == (24, 144)
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        assert torch.equal(fused(x), torch.cat([p(x) for p in parts], -1))
+    same = QuantLinear.cat(parts[:2])
+    assert same.fmt == "q4_k" and same.weight.shape == (24, 144)
+    with pytest.raises(ValueError, match="in_features or bias"):
+        QuantLinear.cat([parts[0], QuantLinear.from_blocks("q4_k", parts[1].weight, (8, 256))])
