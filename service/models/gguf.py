@@ -2,14 +2,14 @@
 
     ck = GGUFCheckpoint.open("SmolLM2-135M-Instruct.Q4_1.gguf")  # metadata only: no tensor read
     ck.config, ck.tokenizer, ck.eos_token_ids                      # as loading.py gets them from a directory
-    ck.load_weights(model, progress)                               # every tensor into the model's parameters
+    ck.load_weights(model, progress, blocks)                       # every tensor into the model (``blocks``: kept as stored)
     ck.fingerprint(progress)                                       # sha256 of the tensors as stored
 
 The file is memory-mapped and its header parsed here (``GGUFFile``: the metadata and the
 tensor index; a tensor's bytes are read when it is copied or fingerprinted): gguf's own
-``GGUFReader`` makes a numpy array per string, 5-13 s for SmolLM2's 49k-token vocabulary
-on this project's 2-core host against 0.2 s here, and the tests check that both read the
-same. ggml's types, block sizes and dequantization are gguf's (``gguf.quants``). What
+``GGUFReader`` makes numpy arrays per string, 12-21 s for SmolLM2's 49k-token vocabulary
+and merges on this project's busy 2-core host against 0.3-0.5 s here in the same runs,
+and the tests check that both read the same. ggml's types, block sizes and dequantization are gguf's (``gguf.quants``). What
 llama.cpp's ``convert_hf_to_gguf.py`` wrote is undone here, family by family, so the
 families' model files take the file unchanged:
 
@@ -30,16 +30,20 @@ families' model files take the file unchanged:
   template).
 
 Tensor types: ``TENSOR_TYPES`` says how each ggml type loads; a type it lacks is refused
-naming the tensor. F32/F16/BF16 load as the model's dtype. Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
-are dequantized by ``gguf.quants.dequantize`` (ggml's own, bit-exact) into the model's
-dtype: the fallback until quant.py has native formats for the ggml blocks, which keep
-them as stored. The fingerprint is over the tensors as stored, so it names the file's
-weights whatever serves them; how the loader serves each type (``TENSOR_TYPES``' names)
-is mixed in, so KV computed one way is never restored for the other.
+naming the tensor. F32/F16/BF16 load as the model's dtype. Q8_0, Q4_0, Q4_1, Q5_0, Q4_K
+and Q6_K product weights stay in their stored blocks (``quant.QuantLinear.from_blocks``,
+the rows as the file has them; a q/k/v or gate/up group only when all its members do, a
+tied head from the embedding's blocks) where the native kernels read that block type
+(``kernel_block_types``, asked of ``QuantLinear.kernel_weights``); elsewhere, and for the
+embedding, they are dequantized by ``gguf.quants.dequantize`` (ggml's own, bit-exact) into
+the model's dtype. The fingerprint is over the tensors as stored, so it names the file's
+weights whatever serves them; how the loader serves each type is mixed in, so KV computed
+one way is never restored for the other.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -98,19 +102,40 @@ def _dequantized(f: "GGUFFile", t: "TensorInfo") -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(f.raw(t), GGMLQuantizationType[t.type]).reshape(t.shape))
 
 
-# ggml type -> how a tensor of that type loads: (name, the values the model's dtype receives).
-# The quantized rows are the fallback (dequantized into the model's dtype) that quant.py's
-# native block formats replace: weights then kept in their stored blocks.
-TENSOR_TYPES: dict[str, tuple[str, Callable[["GGUFFile", "TensorInfo"], torch.Tensor]]] = {
-    "F32": ("values", _dense),
-    "F16": ("values", _dense),
-    "BF16": ("values", _dense),
-    "Q8_0": ("dequantized", _dequantized),
-    "Q4_0": ("dequantized", _dequantized),
-    "Q4_1": ("dequantized", _dequantized),
-    "Q4_K": ("dequantized", _dequantized),
-    "Q6_K": ("dequantized", _dequantized),
+# ggml type -> (the values a float parameter receives, the block type quant.QuantLinear keeps
+# it in as stored (None: none)). A quantized product weight stays in its blocks where the
+# native kernels read that block type (``kernel_block_types``); otherwise (and for the
+# embedding and norms) it is dequantized by ggml's own code into the model's dtype.
+TENSOR_TYPES: dict[str, tuple[Callable[["GGUFFile", "TensorInfo"], torch.Tensor], str | None]] = {
+    "F32": (_dense, None),
+    "F16": (_dense, None),
+    "BF16": (_dense, None),
+    "Q8_0": (_dequantized, "q8_0"),
+    "Q4_0": (_dequantized, "q4_0"),
+    "Q4_1": (_dequantized, "q4_1"),
+    "Q5_0": (_dequantized, "q5_0"),  # llama-quantize's Q4_K on rows of no whole 256-value blocks
+    "Q4_K": (_dequantized, "q4_k"),
+    "Q6_K": (_dequantized, "q6_k"),
 }
+
+
+def kernel_block_types() -> frozenset[str]:
+    """The block types (quant.BLOCK_TYPES) whose products the native kernels read as stored
+    (``QuantLinear.kernel_weights``): GGUF weights of these types are served in their blocks."""
+    from ..kernels.ops import BLOCK_FORMATS
+    from .quant import BLOCK_TYPES, QuantLinear
+
+    readable = set()
+    for fmt in BLOCK_TYPES:
+        values, size = BLOCK_FORMATS[fmt]
+        probe = QuantLinear.from_blocks(fmt, torch.zeros(1, size, dtype=torch.uint8), (1, values))
+        if probe.kernel_weights() is not None:
+            readable.add(fmt)
+    return frozenset(readable)
+
+
+# products that fuse_projections joins into one: each group is kept in blocks only if all are
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def is_gguf(path: Path) -> bool:
@@ -490,22 +515,30 @@ class GGUFCheckpoint:
 
     # ---- weights ----------------------------------------------------------------------
 
-    def load_weights(self, model: nn.Module, progress: bool = False) -> None:
-        """Copy every tensor into ``model``'s parameter of the same meaning (``TENSOR_TYPES``
-        converts it; the llama Q/K rows unpermuted, Gemma's norms as w); ModelLoadError
-        for a tensor of a type not served, of no parameter, of the wrong shape, or a
-        parameter no tensor fills."""
+    def load_weights(self, model: nn.Module, progress: bool = False, blocks: frozenset[str] = frozenset()) -> None:
+        """Fill ``model`` from the file: every tensor into the parameter of the same meaning
+        (``TENSOR_TYPES``' values; the llama Q/K rows unpermuted, Gemma's norms as w), and a
+        product whose weight is stored in one of the ``blocks`` types replaced by a
+        ``QuantLinear`` over its stored rows (a tied head too, from the embedding's rows);
+        ModelLoadError for a tensor of a type not served, of no parameter, of the wrong
+        shape, or a parameter no tensor fills."""
         from tqdm import tqdm
+
+        from .layers import Linear
+        from .quant import QuantLinear
 
         params = dict(model.named_parameters())  # tied aliases appear once, under their source name
         aliases = model.tied_weights
-        cfg, path = self.config, self.path
+        linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
+        path, source = self.path, dict(self._tensor_of)
+        if "lm_head.weight" in aliases:  # a tied head is the embedding, whatever else the file holds
+            source["lm_head.weight"] = "token_embd.weight"
+        kept = self._kept_in_blocks(linears, blocks, source)
         found: set[str] = set()
         for name, t in tqdm(self.file.tensors.items(), desc="loading tensors", unit="tensor", disable=not progress):
             if name in CONFIG_TENSORS:
                 continue
-            load = TENSOR_TYPES.get(t.type)
-            if load is None:
+            if t.type not in TENSOR_TYPES:
                 raise ModelLoadError(f"{path}: tensor {name!r} is stored as {t.type}, which kvserve does not serve "
                                      f"(served: {', '.join(TENSOR_TYPES)})")  # fmt: skip
             ours = parameter_name(self.arch, name)
@@ -516,11 +549,12 @@ class GGUFCheckpoint:
             want = tuple(params[ours].shape)
             if t.shape != want:
                 raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(t.shape)}, expected {list(want)}")
-            values = load[1](self.file, t)
-            if self.arch == "llama" and ours.endswith(("q_proj.weight", "q_proj.bias")):
-                values = unpermute(values, cfg.num_heads)
-            elif self.arch == "llama" and ours.endswith(("k_proj.weight", "k_proj.bias")):
-                values = unpermute(values, cfg.num_kv_heads)
+            if ours in kept:  # the stored rows (the bias, if any, is another tensor, loaded as values)
+                rows = torch.from_numpy(self.file.raw(t).copy())
+                found.add(ours)
+                kept[ours] = self._unpermute(ours, rows)
+                continue
+            values = self._unpermute(ours, TENSOR_TYPES[t.type][0](self.file, t))
             if self.arch in ("gemma2", "gemma3") and ours.endswith("norm.weight"):
                 values = values.float() - 1.0  # the file's (1 + w); exact for stored values in [0.5, 2]
             params[ours].data.copy_(values)
@@ -529,22 +563,67 @@ class GGUFCheckpoint:
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"{path}: missing tensor(s) for {shown}")
+        if "lm_head.weight" in kept and "lm_head.weight" in aliases:  # a tied head reads the embedding's blocks
+            kept["lm_head.weight"] = torch.from_numpy(self.file.raw(self.file.tensors["token_embd.weight"]).copy())
+            model.tied = None  # no alias any more: the embedding keeps its values, the head the blocks
+        for weight, rows in kept.items():
+            module = weight.removesuffix(".weight")
+            old = model.get_submodule(module)
+            fmt = TENSOR_TYPES[self.file.tensors[source[weight]].type][1]
+            bias = None if old.bias is None else old.bias.detach().clone()
+            parent, _, attr = module.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    QuantLinear.from_blocks(fmt, rows, (old.out_features, old.in_features), bias))  # fmt: skip
 
-    def served_as(self) -> dict[str, str]:
-        """ggml type -> how this file's tensors of that type are served (``TENSOR_TYPES``)."""
-        types = sorted({t.type for t in self.file.tensors.values()})
-        return {name: TENSOR_TYPES[name][0] for name in types if name in TENSOR_TYPES}
+    def _unpermute(self, ours: str, values: torch.Tensor) -> torch.Tensor:
+        """The llama architecture's Q / K rows (weights, biases, stored blocks) in HF's order."""
+        if self.arch == "llama" and ours.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute(values, self.config.num_heads)
+        if self.arch == "llama" and ours.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute(values, self.config.num_kv_heads)
+        return values
 
-    def fingerprint(self, progress: bool | None = None) -> str:
-        """Hex sha256 over the config (``raw_config``), how each type is served, and every
-        tensor's name, type, shape and bytes as stored (streamed: ``progress`` shows them;
-        None: on a TTY). Any byte of any tensor changes it."""
+    @functools.cached_property
+    def _tensor_of(self) -> dict[str, str]:
+        """Parameter -> the GGUF tensor it is read from (a tied head: the embedding)."""
+        names = {ours: n for n in self.file.tensors if (ours := parameter_name(self.arch, n)) is not None}
+        if "output.weight" not in self.file.tensors and "token_embd.weight" in self.file.tensors:
+            names.setdefault("lm_head.weight", "token_embd.weight")
+        return names
+
+    def _kept_in_blocks(self, linears: set[str], blocks: frozenset[str], source: dict[str, str]) -> dict[str, Any]:
+        """The product weights to serve in their stored blocks (the values: filled by
+        load_weights): those stored (``source``: parameter -> tensor) in a ``blocks`` type
+        whose fused siblings are too; a tied head when the embedding is."""
+        def in_blocks(weight: str) -> bool:
+            name = source.get(weight)
+            return name is not None and TENSOR_TYPES.get(self.file.tensors[name].type, (None, None))[1] in blocks
+
+        kept = {w: None for w in linears if in_blocks(w)}
+        for w in list(kept):
+            parent, _, leaf = w.removesuffix(".weight").rpartition(".")
+            group = next((g for g in _FUSED if leaf in g), (leaf,))
+            if any(f"{parent}.{s}.weight" in linears and f"{parent}.{s}.weight" not in kept for s in group):
+                kept.pop(w)
+        return kept
+
+    def served_as(self, blocks: frozenset[str] = frozenset()) -> dict[str, str]:
+        """ggml type -> how this file's tensors of that type are served: "values" (as the
+        model's dtype) or "blocks" (product weights kept as stored, where ``blocks`` has the
+        type's block type)."""
+        types = sorted({t.type for t in self.file.tensors.values() if t.type in TENSOR_TYPES})
+        return {name: "blocks" if TENSOR_TYPES[name][1] in blocks else "values" for name in types}
+
+    def fingerprint(self, progress: bool | None = None, blocks: frozenset[str] = frozenset()) -> str:
+        """Hex sha256 over the config (``raw_config``), how each type is served
+        (``served_as(blocks)``), and every tensor's name, type, shape and bytes as stored
+        (streamed: ``progress`` shows them; None: on a TTY). Any byte of any tensor changes it."""
         from tqdm import tqdm
 
         if progress is None:
             progress = sys.stderr.isatty()
         h = hashlib.sha256(_FINGERPRINT_VERSION)
-        for part in (self.raw_config, self.served_as()):
+        for part in (self.raw_config, self.served_as(blocks)):
             canonical = json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
             h.update(len(canonical).to_bytes(8, "little") + canonical)
         tensors = self.file.tensors.values()

@@ -294,8 +294,11 @@ def fuse_linears(linears: list[Linear]) -> Linear:
 
     Used after loading (q/k/v, gate/up): one weight read and one kernel call instead of
     several per step. Every input must have the same in_features, dtype and device and
-    all or none a bias; the weights are copied, the inputs can be dropped."""
+    all or none a bias; the weights are copied, the inputs can be dropped. Products kept
+    in stored blocks (quant.QuantLinear, a GGUF file's) are joined by their class's ``cat``."""
     first = linears[0]
+    if not isinstance(first, Linear):
+        return type(first).cat(linears)
     has_bias = first.bias is not None
     if any(l.in_features != first.in_features or (l.bias is not None) != has_bias for l in linears):
         raise ValueError("fuse_linears: inputs differ in in_features or bias")

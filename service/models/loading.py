@@ -36,7 +36,7 @@ import torch
 from ..kv.cache import KVCacheSpec, KVPool
 from .config import ModelConfig, ModelLoadError
 from .gemma import GemmaForCausalLM
-from .gguf import GGUFCheckpoint, is_gguf
+from .gguf import GGUFCheckpoint, is_gguf, kernel_block_types
 from .gpt2 import GPT2LMHeadModel
 from .. import kernels
 from .layers import CausalLM, fuse_projections, pack_linears, use_kernels
@@ -119,6 +119,7 @@ def load_model(
     weight_format: str = "exact",
     pack_weights: bool = True,
     native_kernels: str = "auto",
+    keep_blocks: frozenset[str] | None = None,
 ) -> LoadedModel:
     """Load the model directory or GGUF file at ``path``. ``progress`` None: bars over
     shards (GGUF: tensors and the fingerprint's bytes) and quantized matrices on a TTY. ``weight_format``: one of quant.WEIGHT_FORMATS.
@@ -128,7 +129,9 @@ def load_model(
     ``native_kernels`` (kernels.MODES): auto uses the native decode kernels (built at
     install, service/kernels/) for a float32 model on a CPU they were built for (then
     nothing is packed: they read the dense copy as fast), on requires them
-    (``ModelLoadError`` otherwise), off keeps torch's kernels."""
+    (``ModelLoadError`` otherwise), off keeps torch's kernels. ``keep_blocks``: the ggml
+    block types (quant.BLOCK_TYPES) a GGUF file's product weights are served in as stored;
+    None: those the native kernels read, where they serve (else none: dequantized)."""
     path = Path(path)
     if native_kernels not in kernels.MODES:
         raise ValueError(f"native_kernels must be one of {', '.join(kernels.MODES)}, got {native_kernels!r}")
@@ -138,6 +141,10 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     checkpoint = open_checkpoint(path)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
+    if keep_blocks is None:  # where the native kernels will serve: the block types they read
+        native = native_kernels != "off" and torch_device.type == "cpu" and torch_dtype == torch.float32
+        keep_blocks = kernel_block_types() if native and kernels.available() else frozenset()
+    keep_blocks = frozenset(keep_blocks)
 
     cls = MODEL_CLASSES[config.architecture]
     with torch.device("meta"), _skip_init():
@@ -150,7 +157,7 @@ def load_model(
     model.reset_buffers()
     if progress is None:
         progress = sys.stderr.isatty()
-    checkpoint.load_weights(model, progress)
+    checkpoint.load_weights(model, progress, keep_blocks)
     model.eval().requires_grad_(False)
     fuse_projections(model)
     quantize_model(model, weight_format, progress)
@@ -174,7 +181,7 @@ def load_model(
         model=model,
         tokenizer=tokenizer,
         eos_token_ids=checkpoint.eos_token_ids,
-        fingerprint=format_fingerprint(checkpoint.fingerprint(progress), weight_format),
+        fingerprint=format_fingerprint(checkpoint.fingerprint(progress, keep_blocks), weight_format),
         dtype=torch_dtype,
         device=torch_device,
         path=path,
@@ -190,8 +197,8 @@ class Checkpoint(Protocol):
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
 
-    def load_weights(self, model: CausalLM, progress: bool = False) -> None: ...
-    def fingerprint(self, progress: bool | None = None) -> str: ...
+    def load_weights(self, model: CausalLM, progress: bool = False, blocks: frozenset[str] = frozenset()) -> None: ...
+    def fingerprint(self, progress: bool | None = None, blocks: frozenset[str] = frozenset()) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -221,10 +228,10 @@ class HFCheckpoint:
             )
         return cls(path, raw_config, config, tokenizer, _eos_token_ids(path, config, tokenizer), weight_files)
 
-    def load_weights(self, model: CausalLM, progress: bool = False) -> None:
-        _load_weights(model, self.weight_files, self.path, progress)
+    def load_weights(self, model: CausalLM, progress: bool = False, blocks: frozenset[str] = frozenset()) -> None:
+        _load_weights(model, self.weight_files, self.path, progress)  # safetensors hold no blocks
 
-    def fingerprint(self, progress: bool | None = None) -> str:
+    def fingerprint(self, progress: bool | None = None, blocks: frozenset[str] = frozenset()) -> str:
         return model_fingerprint(self.raw_config, self.weight_files)
 
 

@@ -27,7 +27,7 @@ from kvserve.service.models.config import ModelLoadError
 from kvserve.service.models.gguf import GGUFCheckpoint, GGUFFile
 from kvserve.service.models.layers import RMSNorm
 from kvserve.service.models.loading import load_model
-from kvserve.service.models.quant import QuantLinear
+from kvserve.service.models.quant import BLOCK_TYPES, QuantLinear
 from tests.fixtures import models as tiny
 from tests.fixtures.gguf_files import dequantized_state_dict, write_gguf
 
@@ -89,8 +89,9 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What each parameter holds, each product multiplies by and each norm scales by
     (Gemma's: 1 + w, which the file stores), float32."""
     out = {n: p.detach().float() for n, p in model.named_parameters()}
+    out |= {alias: out[source] for alias, source in model.tied_weights.items()}
     for n, m in model.named_modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, QuantLinear) and ".parts." not in n:  # a mixed product's parts: in its dequantized()
             out[f"{n}.weight"] = m.dequantized()
         elif isinstance(m, RMSNorm) and m.offset:
             out[f"{n}.weight"] = m.offset + m.weight.detach().float()
@@ -102,7 +103,9 @@ def _logits_against_transformers(loaded, ref_dir: Path, state: dict[str, torch.T
 
     ref = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
     if state is not None:
-        ref.load_state_dict(state)
+        missing, unexpected = ref.load_state_dict(state, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
+        ref.tie_weights()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, loaded.config.vocab_size, (2, 37), generator=g)
     with torch.inference_mode():
@@ -142,13 +145,21 @@ def test_llama3_rope_factors_are_read_from_the_rope_freqs_tensor(tiny_llama3_rop
     _logits_against_transformers(ours, tiny_llama3_rope_dir)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED)
-def test_quantized_file_serves_ggmls_dequantization(k_quant_llama: Path, qtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("served", ["dequantized", "blocks"])
+@pytest.mark.parametrize("qtype", [q if q in ("Q4_1", "Q4_K_M") else pytest.param(q, marks=pytest.mark.slow)
+                                   for q in QUANTIZED])  # fmt: skip
+def test_quantized_file_serves_ggmls_dequantization(k_quant_llama: Path, qtype: str, served: str, tmp_path: Path) -> None:
+    """Dequantized into float32 parameters, or kept in the stored blocks (QuantLinear.from_blocks:
+    where the native kernels read them; forced here), the weights are ggml's."""
     path = write_gguf(k_quant_llama, tmp_path / "model.gguf", "Q4_K" if qtype == "Q4_K_M" else qtype,
                       types=Q4_K_M if qtype == "Q4_K_M" else None)  # fmt: skip
     stored = {t.type for t in GGUFFile.open(path).tensors.values()}
     assert stored == ({"F32", "Q4_K", "Q6_K"} if qtype == "Q4_K_M" else {"F32", qtype})
-    ours = load_model(path, progress=False)
+    ours = load_model(path, progress=False, keep_blocks=BLOCK_TYPES if served == "blocks" else frozenset())
+    blocks = [m for n, m in ours.model.named_modules() if isinstance(m, QuantLinear) and ".parts." not in n]
+    assert len(blocks) == (9 if served == "blocks" else 0)  # 2 x (q/k/v, o, gate/up, down) and the head
+    if qtype == "Q4_K_M" and served == "blocks":  # q/k (Q4_K) and v (Q6_K) rows in one product
+        assert ours.model.model.layers[0].self_attn.qkv_proj.fmt == "mixed"
     state = dequantized_state_dict(k_quant_llama, path)  # gguf.quants.dequantize of each stored weight
     ref_dir = tmp_path / "dequantized"
     shutil.copytree(k_quant_llama, ref_dir)
@@ -163,6 +174,17 @@ def test_quantized_file_serves_ggmls_dequantization(k_quant_llama: Path, qtype: 
     original = load_model(k_quant_llama, progress=False)
     assert not torch.equal(_weights(original.model)["lm_head.weight"], got["lm_head.weight"])  # it was quantized
     _logits_against_transformers(ours, k_quant_llama, state)
+
+
+def test_a_tied_head_is_served_from_the_embeddings_blocks(tiny_llama_mqa_dir, tmp_path: Path) -> None:
+    """llama.cpp multiplies by the stored token_embd for a tied head; so does the head kept
+    in blocks, while the embedding's rows are its dequantized values."""
+    path = write_gguf(tiny_llama_mqa_dir, tmp_path / "m.gguf", "Q8_0")
+    ours = load_model(path, progress=False, keep_blocks=frozenset({"q8_0"}))
+    head, embedding = ours.model.lm_head, ours.model.model.embed_tokens.weight
+    assert isinstance(head, QuantLinear) and head.fmt == "q8_0" and ours.model.tied_weights == {}
+    assert torch.equal(head.dequantized(), embedding)
+    _logits_against_transformers(ours, tiny_llama_mqa_dir, dequantized_state_dict(tiny_llama_mqa_dir, path))
 
 
 # ---- the file -----------------------------------------------------------------------
@@ -198,7 +220,8 @@ def test_fingerprint_is_over_the_tensors_as_stored(tiny_llama_dir, tmp_path: Pat
     flipped[t.offset + t.n_bytes // 2] ^= 1
     (tmp_path / "c.gguf").write_bytes(flipped)
     assert GGUFCheckpoint.open(tmp_path / "c.gguf").fingerprint(False) != first
-    assert load_model(path, progress=False).fingerprint == first  # the exact weight format adds nothing
+    assert load_model(path, progress=False, keep_blocks=frozenset()).fingerprint == first  # exact adds nothing
+    assert load_model(path, progress=False, keep_blocks=BLOCK_TYPES).fingerprint != first  # served another way
     assert GGUFCheckpoint.open(write_gguf(tiny_llama_dir, tmp_path / "d.gguf", "F32")).fingerprint(False) != first
 
 
@@ -212,11 +235,11 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
 
 
 def test_an_unsupported_tensor_type_is_refused_naming_the_tensor(tiny_llama_dir, tmp_path: Path) -> None:
-    path = write_gguf(tiny_llama_dir, tmp_path / "m.gguf", "Q8_0", types={"blk.0.ffn_up.weight": "Q5_0"})
+    path = write_gguf(tiny_llama_dir, tmp_path / "m.gguf", "Q8_0", types={"blk.0.ffn_up.weight": "Q5_1"})
     with pytest.raises(ModelLoadError) as e:
         load_model(path, progress=False)
-    assert _one_line(e) == (f"{path}: tensor 'blk.0.ffn_up.weight' is stored as Q5_0, which kvserve does not serve "
-                            "(served: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)")  # fmt: skip
+    assert _one_line(e) == (f"{path}: tensor 'blk.0.ffn_up.weight' is stored as Q5_1, which kvserve does not serve "
+                            "(served: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)")  # fmt: skip
 
 
 def test_a_truncated_file_is_refused(tiny_llama_dir, tmp_path: Path) -> None:
