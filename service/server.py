@@ -414,7 +414,7 @@ async def _build_engine(config: ServerConfig) -> Any:
     from .models.config import ModelLoadError
 
     engine_config = config.engine_config()
-    if config.model and config.model in catalog.MODELS and not Path(config.model).exists():  # a name, not a path
+    if config.model in catalog.MODELS:  # a name (a folder or file of that name: ./NAME)
         cache = Path(config.model_cache_dir) if config.model_cache_dir else catalog.default_cache_dir(os.environ)
         try:
             path = await asyncio.to_thread(catalog.fetch, config.model, cache)

@@ -5,7 +5,7 @@ converter writes them) against the Hugging Face checkpoints they were written fr
   (the llama Q/K permutation undone; Gemma's norms scale by the (1 + w) the file stores),
   its config is the directory's, and its logits equal transformers' within 1e-4 (as
   test_models.py's).
-- Quantized files (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, and a Q4_K_M-like mix): every weight the
+- Quantized files (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, and a Q4_K_M-like mix): every weight the
   model multiplies by is gguf's own ``dequantize`` of the stored blocks, bit for bit, and
   the logits equal transformers' on the checkpoint with those dequantized weights.
 - The header parser reads what gguf's ``GGUFReader`` reads; the fingerprint is over the
@@ -47,7 +47,7 @@ MADE_HERE = {
 }  # fmt: skip
 FAMILIES = STORED_AS_IS + list(MADE_HERE)
 RENAMED = {"mistral": {"hf_architecture": "LlamaForCausalLM", "model_type": "llama"}}  # the converter writes Mistral as llama
-QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K_M"]
+QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q4_K_M"]
 # llama.cpp's Q4_K_M: Q4_K, with attn_v, ffn_down and the embedding in Q6_K
 Q4_K_M = {f"blk.{i}.{n}.weight": "Q6_K" for i in range(2) for n in ("attn_v", "ffn_down")} | {"token_embd.weight": "Q6_K"}
 
