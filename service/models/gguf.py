@@ -61,7 +61,8 @@ from torch import nn
 from .config import ModelConfig, ModelLoadError
 from .tokenizer import Tokenizer, Vocabulary
 
-__all__ = ["GGUFCheckpoint", "GGUFFile", "TENSOR_TYPES", "TensorInfo", "is_gguf", "read_tokenizer", "unpermute"]
+__all__ = ["GGUFCheckpoint", "GGUFFile", "TENSOR_TYPES", "TensorInfo", "is_gguf", "kernel_block_types", "read_tokenizer",
+           "unpermute"]
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
