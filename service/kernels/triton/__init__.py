@@ -58,10 +58,11 @@ Ops:
     rope_(x, positions, cos, sin, n_q_heads=0, q_norm=None, k_norm=None, eps=..., norm_offset=0.0)
     scatter_blocks(pool, staging, block_ids)
 
-On a CPU host the kernels run under Triton's interpreter: set ``TRITON_INTERPRET=1``
-before the first call (Triton 3.x reads it when a kernel is defined, which here is the
-first call's import of ``_kernels``); the tests do. Without it a CPU tensor is refused
-with one line (``TritonUnavailable``).
+On a CPU host the kernels run under Triton's interpreter (numpy, one program at a time:
+for tests): set ``TRITON_INTERPRET=1`` before triton is first imported in the process
+and leave it set (Triton 3.9 reads it as it imports, as a kernel is defined, here at
+the first call, and at launches); the tests do. Without it a CPU tensor is refused with
+one line (``TritonUnavailable``). Triton 3.4 or newer (what torch's CUDA builds ship).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def interpreted() -> bool:
     return mod is not None and mod.INTERPRETED
 
 
-def _kernels(*tensors: Tensor) -> ModuleType:
+def _launcher(*tensors: Tensor) -> ModuleType:
     mod, why = _load()
     if mod is None:
         raise TritonUnavailable(why)
@@ -160,11 +161,12 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     One program handles every row a block receives (the run of consecutive rows with the
     same block), so the rows of one block must be consecutive in ``slot_mapping``
     (``slot_mapping``'s contract above)."""
-    mod = _kernels(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    mod = _launcher(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     _check_rows(k, "k")
     _check_rows(v, "v")
     if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} disagree")
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+                         "disagree")
     _check_cache(k_cache, v_cache, k_scale, v_scale, k.shape[1], k.shape[2])
     mod.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
@@ -205,7 +207,7 @@ def decode_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     own token included; 0: padding, out zeros). A speculative step's verify rows are rows
     like any other (each its own context length over the sequence's table).
     ``workspace`` None: one split (no partials). Returns ``out``."""
-    mod = _kernels(out, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    mod = _launcher(out, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     _check_attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens.shape[0], context_lens)
     if workspace is not None:
         _check_workspace(workspace, q)
@@ -230,7 +232,7 @@ def extend_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     bounding every n_b (the grid's size: static per bucket). ``workspace`` (T rows) splits
     each query block's keys too (a short turn over a long history); None: one split.
     Rows past query_start[B] are not written. Returns ``out``."""
-    mod = _kernels(out, q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale)
+    mod = _launcher(out, q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale)
     B = seq_lens.shape[0]
     if query_start.shape != (B + 1,):
         raise ValueError(f"query_start {tuple(query_start.shape)}: expected ({B + 1},) for {B} sequences")
@@ -263,7 +265,7 @@ def rms_norm(out: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float =
     float32); every intermediate the reference rounds to the model dtype (the residual,
     the post-norm) is rounded alike. x, out, residual (R, D) (or (..., D) with contiguous
     rows), weights (D,). Returns ``out``."""
-    mod = _kernels(out, x, weight, residual, x_weight)
+    mod = _launcher(out, x, weight, residual, x_weight)
     for name, t in (("out", out), ("residual", residual)):
         if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype}: expected x's {tuple(x.shape)} {x.dtype}")
@@ -290,7 +292,7 @@ def rope_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, n_q_heads: int
     x's dtype: ``rope.Rotary``'s tables (sin signed: [-sin f, sin f]; LongRoPE's
     attention factor folded in), so a rotated element is x * cos + roll(x) * sin, rounded
     as the reference's ops round. Returns x."""
-    mod = _kernels(x, positions, cos, sin, q_norm, k_norm)
+    mod = _launcher(x, positions, cos, sin, q_norm, k_norm)
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"x: expected (T, H, hd) with a contiguous last dim, got {tuple(x.shape)} {x.stride()}")
     T, H, hd = x.shape
@@ -321,9 +323,10 @@ def scatter_blocks(pool: Tensor, staging: Tensor, block_ids: Tensor) -> None:
     kernel of 16-byte accesses whatever the dtype (torch's CPU ``index_copy_`` has no
     float8 kernel; its CUDA one indexes element by element) and padded ids, so a
     graph-captured restore needs no host count."""
-    mod = _kernels(pool, staging, block_ids)
+    mod = _launcher(pool, staging, block_ids)
     if staging.dim() != pool.dim() or staging.shape[1:] != pool.shape[1:] or staging.dtype != pool.dtype:
-        raise ValueError(f"staging {tuple(staging.shape)} {staging.dtype}: expected (n, {tuple(pool.shape[1:])}) {pool.dtype}")
+        raise ValueError(f"staging {tuple(staging.shape)} {staging.dtype}: expected (n, {tuple(pool.shape[1:])}) "
+                         f"{pool.dtype}")
     if block_ids.shape != (staging.shape[0],):
         raise ValueError(f"block_ids {tuple(block_ids.shape)}: expected ({staging.shape[0]},)")
     if not (pool.is_contiguous() and staging.is_contiguous()):
@@ -336,7 +339,8 @@ def scatter_blocks(pool: Tensor, staging: Tensor, block_ids: Tensor) -> None:
 
 def _check_rows(t: Tensor, name: str) -> None:
     if t.dim() != 3 or t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected (T, n_kv, hd) with a contiguous last dim, got {tuple(t.shape)} {t.stride()}")
+        raise ValueError(f"{name}: expected (T, n_kv, hd) with a contiguous last dim, got {tuple(t.shape)} "
+                         f"{t.stride()}")
     if t.dtype not in COMPUTE_DTYPES:
         raise ValueError(f"{name}: {t.dtype}; one of {COMPUTE_DTYPES}")
 
@@ -370,7 +374,8 @@ def _check_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, k
     if q.shape[1] % n_kv:
         raise ValueError(f"{q.shape[1]} q heads are not a multiple of {n_kv} kv heads")
     if block_tables.dim() != 2 or block_tables.shape[0] != B or lens.shape != (B,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and lengths {tuple(lens.shape)}: expected ({B}, nb), ({B},)")
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and lengths {tuple(lens.shape)}: "
+                         f"expected ({B}, nb), ({B},)")
     if k_cache.dtype not in SCALED and k_cache.dtype.itemsize > q.dtype.itemsize:
         raise ValueError(f"a {k_cache.dtype} pool is wider than q's {q.dtype}")
 
@@ -378,7 +383,8 @@ def _check_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, k
 def _check_workspace(workspace: tuple[Tensor, Tensor], q: Tensor) -> None:
     part, lse = workspace
     T, nh, hd = q.shape
-    if part.dim() != 4 or part.shape[0] < T or part.shape[1] != nh or part.shape[3] != hd or part.dtype != torch.float32:
+    if (part.dim() != 4 or part.shape[0] < T or part.shape[1] != nh or part.shape[3] != hd
+            or part.dtype != torch.float32):
         raise ValueError(f"workspace partials {tuple(part.shape)}: expected (>= {T}, {nh}, splits, {hd}) float32")
     if lse.shape != part.shape[:3] or lse.dtype != torch.float32:
         raise ValueError(f"workspace lse {tuple(lse.shape)}: expected {tuple(part.shape[:3])} float32")
