@@ -18,6 +18,11 @@ import pytest
 
 # Keep torch from oversubscribing the 2-core CI machine when several processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The Triton kernels (service/kernels/triton/) run under Triton's interpreter in tests: CI has
+# no GPU. Triton reads this when it is imported (transformers' model classes import it), so it
+# is set here, before any test module loads; TRITON_INTERPRET=0 in the environment keeps the
+# compiled kernels (a GPU host).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = [
     "tests.fixtures.models",  # random tiny HF checkpoints written with save_pretrained

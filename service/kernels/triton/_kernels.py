@@ -36,6 +36,9 @@ from triton import knobs  # noqa: E402
 # Triton reads TRITON_INTERPRET when it is imported and when a kernel is defined (here: as
 # this module is imported), and its launches check it again: set it before triton loads
 INTERPRETED = bool(knobs.runtime.interpret)
+if INTERPRETED and type(tl.max).__name__ != "InterpretedFunction":
+    raise ImportError("triton was imported before TRITON_INTERPRET=1 was set: its library functions (tl.max, "
+                      "tl.sum, ...) are compiled ones, which interpreted kernels cannot call")
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + _RNE) - _RNE rounds |y| < 2^22 to the nearest integer, ties to even
