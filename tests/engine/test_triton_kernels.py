@@ -152,6 +152,43 @@ def test_write_kv_writes_the_pools_bytes(fmt) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
+def test_write_kv_rounds_every_tie_as_torch(fmt) -> None:
+    """Values exactly between two stored ones (bf16: the lower 16 bits 0x8000, both
+    parities; int8: k + 0.5; e4m3: the midpoint of every pair of neighbours, subnormals and
+    the step into the normals included), at a scale of exactly 1 (each head's absmax is the
+    format's largest value): the kernel rounds each to the even neighbour, the same bytes as
+    ``KVPool.update`` (``Tensor.to``, ``round``)."""
+    bs, nkv, hd = 4, 2, 64
+    ref, kern = make_pools(fmt, n=2, blocks=3, layers=1, bs=bs, nkv=nkv, hd=hd)
+    n = bs * nkv * hd
+    g = torch.Generator().manual_seed(4)
+    if fmt == "bf16":
+        bits = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32) & ~0x8080
+        vals = ((bits << 16) | 0x8000 | ((torch.arange(n, dtype=torch.int32) % 2) << 16)).view(torch.float32)
+        vals = vals.masked_fill(~vals.isfinite(), 1.0)
+    else:
+        if fmt == "int8":
+            mids = torch.arange(-127, 127) + 0.5
+        else:
+            grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+            mids = (grid[:-1] + grid[1:]) / 2
+            mids = torch.cat([mids, -mids])
+        vals = mids[torch.randint(0, len(mids), (n,), generator=g)]
+        vals = vals.view(bs, nkv, hd)
+        vals[0, :, 0] = 127.0 if fmt == "int8" else 448.0  # each head's absmax: a scale of exactly 1
+        vals = vals.reshape(n)
+    k = vals.view(1, bs, nkv, hd)
+    v = -k
+    layout = BatchLayout.build([SeqSlice([2], 0, [1] * bs)], bs)
+    ref.update(0, layout, k, v)
+    kernel_write(kern, 0, layout, k, v)
+    if fmt != "bf16":
+        assert torch.equal(ref.k_scale(0)[2], torch.ones(nkv))
+    assert same_pools(ref, kern)
+
+
+@needs_triton
 def test_write_kv_handles_a_verify_steps_rows_in_one_block() -> None:
     """A speculative step's rows: 3 consecutive rows of one sequence, two in one block and
     one opening the next, and a lone decode row: int8 groups each block's run of rows."""
@@ -214,36 +251,75 @@ DECODE_CASES = [  # fmt, model dtype, nh, nkv, hd, window, softcap, splits
 ]
 
 
-@needs_triton
-@pytest.mark.parametrize("fmt,model,nh,nkv,hd,window,softcap,splits", DECODE_CASES)
-def test_decode_attention_matches_the_models_torch_path(fmt, model, nh, nkv, hd, window, softcap, splits) -> None:
-    """A decode step of three rows over contexts of 14, 9 and 2 positions (an open block, a
-    full one, one block), plus a padding row (context 0: zeros): write_kv then
-    decode_attention leave the pool as the model's torch path does and attend as it does."""
-    ref, kern = make_pools(fmt, nkv=nkv, hd=hd, model=model, seed=nh + hd)
-    g = torch.Generator().manual_seed(nh * hd)
-    tables, lens = [[7, 3, 22, 9], [20, 1, 15], [12]], [14, 9, 2]
+def tables_for(lens: list[int], bs: int, blocks: int, seed: int) -> list[list[int]]:
+    """A block table per context length, distinct blocks drawn from 1..blocks - 1 in no order."""
+    ids = (torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    out = []
+    for n in lens:
+        need = -(-n // bs)
+        out.append(ids[:need])
+        ids = ids[need:]
+    return out
+
+
+def check_decode(fmt: str, model: torch.dtype, nh: int, nkv: int, hd: int, window: int | None, softcap: float | None,
+                 splits: int, lens: list[int], bs: int = 4, tile: int | None = 16, blocks: int = 24) -> None:
+    """A decode step of a row per context length in ``lens`` (each row's own token
+    included) over contexts written by the pools' own prefill, plus a padding row (context
+    0: zeros): write_kv then decode_attention leave the pool as the model's torch path
+    does and attend as it does."""
+    ref, kern = make_pools(fmt, blocks=blocks, bs=bs, nkv=nkv, hd=hd, model=model, seed=nh + hd + bs)
+    g = torch.Generator().manual_seed(nh * hd + bs)
+    tables = tables_for(lens, bs, blocks, seed=hd)
+    B = len(lens)
     fill_contexts([ref, kern], 1, tables, [n - 1 for n in lens], g, model)
-    layout = BatchLayout.build([SeqSlice(t, n - 1, [5]) for t, n in zip(tables, lens)], 4)
-    q = torch.randn(3, 1, nh, hd, generator=g).to(model)
-    k, v = (2 * torch.randn(2, 3, 1, nkv, hd, generator=g)).to(model).unbind(0)
+    layout = BatchLayout.build([SeqSlice(t, n - 1, [5]) for t, n in zip(tables, lens)], bs)
+    q = torch.randn(B, 1, nh, hd, generator=g).to(model)
+    k, v = (2 * torch.randn(2, B, 1, nkv, hd, generator=g)).to(model).unbind(0)
     scale = hd**-0.5 if softcap is None else 0.7  # Gemma's query_pre_attn_scalar^-1/2 is no head_dim's
     expected = torch_attention(ref, 1, layout, q, k, v, scale, window, softcap)[:, 0]
 
     kernel_write(kern, 1, layout, k, v)
     assert same_pools(ref, kern)
-    rows = 4  # a padding row last
-    tables_t = torch.tensor([t + [0] * (4 - len(t)) for t in tables] + [[0] * 4], dtype=torch.int32)
+    width = max(len(t) for t in tables)
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width], dtype=torch.int32)
     lens_t = torch.tensor(lens + [0], dtype=torch.int32)
-    qp = torch.cat([q[:, 0], torch.randn(1, nh, hd, generator=g).to(model)])
-    out = torch.full((rows, nh, hd), float("nan"), dtype=model)
-    ws = tk.attention_workspace(rows, nh, hd, splits, "cpu") if splits > 1 else None
+    qp = torch.cat([q[:, 0], torch.randn(1, nh, hd, generator=g).to(model)])  # a padding row last
+    out = torch.full((B + 1, nh, hd), float("nan"), dtype=model)
+    ws = tk.attention_workspace(B + 1, nh, hd, splits, "cpu") if splits > 1 else None
     if ws is not None:
         ws[0].fill_(float("nan")), ws[1].fill_(float("nan"))  # every entry a split reads is written first
     tk.decode_attention(out, qp, kern.k(1), kern.v(1), tables_t, lens_t, ws, scale=scale, window=window,
-                        softcap=softcap, k_scale=scales(kern, 1)[0], v_scale=scales(kern, 1)[1], tile=16)
-    torch.testing.assert_close(out[:3].float(), expected.float(), **tolerance(model))
-    assert torch.equal(out[3], torch.zeros_like(out[3]))
+                        softcap=softcap, k_scale=scales(kern, 1)[0], v_scale=scales(kern, 1)[1], tile=tile)
+    torch.testing.assert_close(out[:B].float(), expected.float(), **tolerance(model))
+    assert torch.equal(out[B], torch.zeros_like(out[B]))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt,model,nh,nkv,hd,window,softcap,splits", DECODE_CASES)
+def test_decode_attention_matches_the_models_torch_path(fmt, model, nh, nkv, hd, window, softcap, splits) -> None:
+    """Rows over contexts of 14, 9 and 2 positions (an open block, a new token opening a
+    block, one block; blocks of 4, tiles of 16 keys) and a padding row."""
+    check_decode(fmt, model, nh, nkv, hd, window, softcap, splits, [14, 9, 2])
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt,bs,tile", [("exact", 3, 16), ("int8", 3, 16), ("fp8", 16, 32), ("bf16", 32, 16)])
+def test_decode_attention_over_any_block_size_and_tile(fmt, bs, tile) -> None:
+    """Blocks of an odd size (3: a tile spans five and a part), of a tile's size and of
+    twice it (a block spans two tiles)."""
+    check_decode(fmt, torch.float32, 4, 2, 16, None, None, 2, [3 * bs + 1, 2 * bs, bs - 1 or 1], bs, tile,
+                 blocks=12)
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("fmt,model", [("exact", torch.bfloat16), ("int8", torch.float32), ("fp8", torch.bfloat16),
+                                       ("fp16", torch.float32)])
+def test_decode_attention_at_a_models_size(fmt, model) -> None:
+    """head_dim 128, blocks of 16, the kernel's own tile, contexts of hundreds of positions
+    (300 over 19 blocks), 4 q heads a kv head, 8 splits, a window of 64."""
+    check_decode(fmt, model, 8, 2, 128, 64, None, 8, [300, 129, 17], 16, None, blocks=40)
 
 
 @needs_triton
@@ -270,31 +346,18 @@ def test_verify_rows_decode_as_the_extend_attends(fmt) -> None:
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-EXTEND_CASES = [  # fmt, model dtype, nh, nkv, hd, window, softcap, block_q, splits
-    ("exact", torch.float32, 4, 2, 16, None, None, 4, 1),
-    ("exact", torch.float32, 6, 2, 24, 5, None, 2, 1),  # G = 3: 2 tokens x 3 heads a block
-    ("exact", torch.float32, 4, 1, 16, 4, 5.0, 3, 2),  # MQA, window, soft-cap, split keys
-    ("bf16", torch.float32, 4, 4, 16, None, 5.0, 4, 1),
-    ("int8", torch.float32, 4, 2, 16, 6, None, 4, 1),
-    ("fp8", torch.float32, 6, 3, 16, None, 5.0, 2, 3),
-    ("exact", torch.bfloat16, 4, 2, 16, 5, None, 4, 1),
-]
-
-
-@needs_triton
-@pytest.mark.parametrize("fmt,model,nh,nkv,hd,window,softcap,block_q,splits", EXTEND_CASES)
-def test_extend_attention_matches_the_models_torch_path(fmt, model, nh, nkv, hd, window, softcap, block_q,
-                                                         splits) -> None:
-    """One packed step of a returning turn (5 new tokens over 6 cached), a fresh prefill of
-    9 (no context; odd, across blocks), a chunk of 3 over 13 cached, and a decode row:
-    write_kv then extend_attention leave the pool and attend as the model's torch path;
-    rows past the packed ones are not written."""
-    ref, kern = make_pools(fmt, blocks=32, nkv=nkv, hd=hd, model=model, seed=nh + hd + 1)
+def check_extend(fmt: str, model: torch.dtype, nh: int, nkv: int, hd: int, window: int | None, softcap: float | None,
+                 block_q: int | None, splits: int, cached: list[int], new: list[int], bs: int = 4,
+                 tile: int | None = 16, blocks: int = 32) -> None:
+    """One packed step of sequences with ``cached`` positions in the pool and ``new`` new
+    tokens each (0 cached: a fresh prefill), then two padding rows: write_kv then
+    extend_attention leave the pool and attend as the model's torch path; the padding rows
+    are not written."""
+    ref, kern = make_pools(fmt, blocks=blocks, bs=bs, nkv=nkv, hd=hd, model=model, seed=nh + hd + 1)
     g = torch.Generator().manual_seed(nh * hd + 1)
-    tables = [[7, 3, 22], [20, 1, 15], [12, 4, 5, 30, 29], [8, 10]]
-    cached, new = [6, 0, 13, 5], [5, 9, 3, 1]
+    tables = tables_for([c + m for c, m in zip(cached, new)], bs, blocks, seed=hd + 1)
     fill_contexts([ref, kern], 1, [t for t, c in zip(tables, cached) if c], [c for c in cached if c], g, model)
-    layout = BatchLayout.build([SeqSlice(t, c, [1] * m) for t, c, m in zip(tables, cached, new)], 4)
+    layout = BatchLayout.build([SeqSlice(t, c, [1] * m) for t, c, m in zip(tables, cached, new)], bs)
     B, T = layout.input_ids.shape
     q = torch.randn(B, T, nh, hd, generator=g).to(model)
     k, v = torch.randn(2, B, T, nkv, hd, generator=g).to(model).unbind(0)
@@ -307,15 +370,46 @@ def test_extend_attention_matches_the_models_torch_path(fmt, model, nh, nkv, hd,
     total = qp.shape[0]
     qp = torch.cat([qp, torch.randn(2, nh, hd, generator=g).to(model)])  # two rows of padding after
     out = torch.full_like(qp, float("nan"))
-    tables_t = torch.tensor([t + [0] * (5 - len(t)) for t in tables], dtype=torch.int32)
+    width = max(len(t) for t in tables)
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     starts = torch.tensor([0, *new], dtype=torch.int32).cumsum(0).to(torch.int32)
     lens_t = torch.tensor([c + m for c, m in zip(cached, new)], dtype=torch.int32)
     ws = tk.attention_workspace(qp.shape[0], nh, hd, splits, "cpu") if splits > 1 else None
     tk.extend_attention(out, qp, kern.k(1), kern.v(1), tables_t, starts, lens_t, max(new), ws, scale=scale,
                         window=window, softcap=softcap, k_scale=scales(kern, 1)[0], v_scale=scales(kern, 1)[1],
-                        tile=16, block_q=block_q)
+                        tile=tile, block_q=block_q)
     torch.testing.assert_close(out[:total].float(), expected.float(), **tolerance(model))
     assert out[total:].isnan().all()
+
+
+EXTEND_CASES = [  # fmt, model dtype, nh, nkv, hd, window, softcap, block_q, splits
+    ("exact", torch.float32, 4, 2, 16, None, None, 4, 1),
+    ("exact", torch.float32, 6, 2, 24, 5, None, 2, 1),  # G = 3: 2 tokens x 3 heads a block
+    ("exact", torch.float32, 4, 1, 16, 4, 5.0, 3, 2),  # MQA, window, soft-cap, split keys
+    ("bf16", torch.float32, 4, 4, 16, None, 5.0, 4, 1),
+    ("fp16", torch.float32, 4, 2, 16, 5, None, 3, 1),
+    ("int8", torch.float32, 4, 2, 16, 6, None, 4, 1),
+    ("fp8", torch.float32, 6, 3, 16, None, 5.0, 3, 2),
+    ("exact", torch.bfloat16, 4, 2, 16, 5, None, 4, 1),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt,model,nh,nkv,hd,window,softcap,block_q,splits", EXTEND_CASES)
+def test_extend_attention_matches_the_models_torch_path(fmt, model, nh, nkv, hd, window, softcap, block_q,
+                                                         splits) -> None:
+    """A returning turn (5 new tokens over 6 cached), a fresh prefill of 9 (odd, across
+    blocks), a chunk of 3 over 13 cached and a decode row, packed in one step."""
+    check_extend(fmt, model, nh, nkv, hd, window, softcap, block_q, splits, [6, 0, 13, 5], [5, 9, 3, 1])
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("fmt,model", [("exact", torch.bfloat16), ("int8", torch.float32), ("fp8", torch.bfloat16)])
+def test_extend_attention_at_a_models_size(fmt, model) -> None:
+    """head_dim 128, blocks of 16, the kernel's own tile and query blocks: a prefill of 70
+    and a chunk of 40 over 200 cached positions, a window of 64."""
+    check_extend(fmt, model, 8, 2, 128, 64, None, None, 1, [0, 200], [70, 40], 16, None, blocks=24)
 
 
 # ---- norms and RoPE ---------------------------------------------------------------------

@@ -206,9 +206,11 @@ def decode_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     pool (``write_kv`` first); block_tables (R, max_blocks); context_lens (R,) (the row's
     own token included; 0: padding, out zeros). A speculative step's verify rows are rows
     like any other (each its own context length over the sequence's table).
-    ``workspace`` None: one split (no partials). Returns ``out``."""
+    ``workspace`` None: one split (no partials). ``tile``: keys a step of a program's loop
+    (a power of two >= 16; None: the kernel's choice by dtype and head_dim). Returns ``out``."""
     mod = _launcher(out, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     _check_attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens.shape[0], context_lens)
+    _check_blocks(tile, None)
     if workspace is not None:
         _check_workspace(workspace, q)
     mod.attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, None, 1, workspace,
@@ -231,6 +233,7 @@ def extend_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     tokens, at positions seq_lens[b] - n_b .. seq_lens[b] - 1; max_query_len a host int
     bounding every n_b (the grid's size: static per bucket). ``workspace`` (T rows) splits
     each query block's keys too (a short turn over a long history); None: one split.
+    ``block_q``: new tokens a program (None: ~128 rows of tokens times the group's heads).
     Rows past query_start[B] are not written. Returns ``out``."""
     mod = _launcher(out, q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale)
     B = seq_lens.shape[0]
@@ -239,6 +242,7 @@ def extend_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     _check_attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, B, seq_lens)
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    _check_blocks(tile, block_q)
     if workspace is not None:
         _check_workspace(workspace, q)
     mod.attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start, max_query_len,
@@ -378,6 +382,13 @@ def _check_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, k
                          f"expected ({B}, nb), ({B},)")
     if k_cache.dtype not in SCALED and k_cache.dtype.itemsize > q.dtype.itemsize:
         raise ValueError(f"a {k_cache.dtype} pool is wider than q's {q.dtype}")
+
+
+def _check_blocks(tile: int | None, block_q: int | None) -> None:
+    if tile is not None and (tile < 16 or tile & (tile - 1)):
+        raise ValueError(f"tile must be a power of two >= 16 (a tensor-core product's side), got {tile}")
+    if block_q is not None and block_q < 1:
+        raise ValueError(f"block_q must be >= 1, got {block_q}")
 
 
 def _check_workspace(workspace: tuple[Tensor, Tensor], q: Tensor) -> None:

@@ -43,8 +43,6 @@ if INTERPRETED and type(tl.max).__name__ != "InterpretedFunction":
 _LOG2E = tl.constexpr(1.4426950408889634)
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + _RNE) - _RNE rounds |y| < 2^22 to the nearest integer, ties to even
 
-_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-
 
 def _device(fn):
     """``triton.jit`` for a device function. Under the interpreter, the interpreted
