@@ -554,6 +554,17 @@ def test_the_package_imports_nothing_of_the_models_and_no_triton_until_called() 
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_decode_splits_fill_the_multiprocessors_without_empty_tiles() -> None:
+    """One row over a long context takes many splits (its 4 kv heads alone would fill 4 of
+    132 multiprocessors); 32 rows of 8 kv heads already give each two programs; a short
+    context is never split finer than its tiles."""
+    assert tk.decode_splits(1, 4, 8192) == 64
+    assert tk.decode_splits(32, 8, 8192) == 2
+    assert tk.decode_splits(64, 8, 8192) == 1
+    assert tk.decode_splits(1, 4, 100) == 2  # two tiles of 64
+    assert tk.decode_splits(4, 2, 8192, sm_count=16) == 4
+
+
 @needs_triton
 def test_bad_arguments_are_refused_by_shape_and_dtype() -> None:
     pool = KVPool(4, 1, 4, 2, 8, torch.int8, compute_dtype=torch.float32)
@@ -567,6 +578,15 @@ def test_bad_arguments_are_refused_by_shape_and_dtype() -> None:
         tk.decode_attention(torch.empty_like(q), q, pool.k(0), pool.v(0), torch.zeros(2, 1, dtype=torch.int32),
                             torch.ones(2, dtype=torch.int32), scale=1.0, k_scale=pool.k_scale(0),
                             v_scale=pool.v_scale(0))
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="tile must be a power of two >= 16"):
+        tk.decode_attention(torch.empty_like(q), q, pool.k(0), pool.v(0), torch.zeros(2, 1, dtype=torch.int32),
+                            torch.ones(2, dtype=torch.int32), scale=1.0, k_scale=pool.k_scale(0),
+                            v_scale=pool.v_scale(0), tile=24)
+    with pytest.raises(ValueError, match="wider than q's"):
+        wide = KVPool(4, 1, 4, 2, 8, torch.float32)
+        tk.decode_attention(torch.empty_like(q).bfloat16(), q.bfloat16(), wide.k(0), wide.v(0),
+                            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), scale=1.0)
     with pytest.raises(ValueError, match="rot even and <= 8"):
         tk.rope_(torch.zeros(2, 3, 8), torch.zeros(2, dtype=torch.long), torch.zeros(4, 5), torch.zeros(4, 5))
     with pytest.raises(ValueError, match="rot even and <= 8"):
