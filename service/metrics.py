@@ -236,6 +236,11 @@ class SessionStoreCollector:
         )  # fmt: skip
         yield GaugeMetricFamily(f"{p}_session_turns_in_flight", "Session turns in flight on this replica.", value=m.turns_in_flight)
         store = m.store
+        yield CounterMetricFamily(
+            f"{p}_session_store_write_errors", "Writes of session record files (no Redis, --disk-cache-dir) or of the "
+            "session journal (Redis away) that failed: each failed its call (UNAVAILABLE) or is retried.",
+            value=getattr(store, "write_errors", 0),
+        )  # fmt: skip
         breaker = getattr(store, "breaker", None)
         if breaker is not None:
             yield CounterMetricFamily(
@@ -267,6 +272,10 @@ class SessionStoreCollector:
             yield GaugeMetricFamily(
                 f"{p}_session_records_unsynced", "Session records whose last write may not have reached Redis yet.",
                 value=store.unsynced,
+            )  # fmt: skip
+            yield GaugeMetricFamily(
+                f"{p}_session_records_journaled", "Sessions whose last change Redis may lack, kept in the session "
+                "journal (--disk-cache-dir): replayed at the next start. 0 without a journal.", value=store.journaled,
             )  # fmt: skip
 
 

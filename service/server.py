@@ -7,13 +7,17 @@ Two entries:
   (tests, benchmarks, embedding). ``running.port`` is the bound port (``port=0``
   picks a free one). Leaving the block drains and stops it.
 * ``run(config)`` is what ``kvserve serve`` calls: serve until SIGTERM or SIGINT,
-  then drain and return exit status 0 (a signal during startup: 128 + its number,
-  before anything is served).
+  then drain and return exit status 0 (3, ``EXIT_UNSAVED``, when the drain left
+  acknowledged session changes in no durable place; a signal during startup: 128 + its
+  number, before anything is served).
 
 Drain (``RunningServer.shutdown``): health turns NOT_SERVING for every service, new
 calls get UNAVAILABLE, in-flight streams get up to ``drain_timeout`` seconds to finish;
 streams still running then are stopped and end with UNAVAILABLE ("the server shut
-down before this stream finished"); then the engine stops and the port closes.
+down before this stream finished"); the session store saves what it holds only in
+memory (``SessionStore.flush``: Redis within the time left, what it did not take staying
+in the journal; the record files), then the sessions' KV blocks are written out; then the engine stops and the
+port closes.
 
 Security (docs/security.md): API keys (``--api-keys-file`` / ``--api-keys``) are
 checked by ``service.auth.AuthInterceptor`` before any handler runs, health and
@@ -68,6 +72,9 @@ log = logging.getLogger(__name__)
 
 # Handlers cancelled by server.stop() need a moment to send their final status.
 _STOP_GRACE_S = 2.0
+# The exit status of a drain that left acknowledged session changes in no durable place
+# (Redis did not take them and there is no journal; record files that could not be written).
+EXIT_UNSAVED = 3
 
 
 @dataclass
@@ -93,6 +100,7 @@ class RunningServer:
     http_task: asyncio.Task | None = field(default=None, repr=False)
     owns_engine: bool = True
     reaper: asyncio.Task | None = field(default=None, repr=False)
+    exit_status: int = 0  # after shutdown: EXIT_UNSAVED when session changes were left in no durable place
     _stopped: bool = field(default=False, repr=False)
 
     async def shutdown(self, drain_timeout_s: float | None = None) -> None:
@@ -120,6 +128,8 @@ class RunningServer:
             self.reaper.cancel()
             await asyncio.gather(self.reaper, return_exceptions=True)
         await self.spill.stop()
+        # Session records first (what clients were told is saved), then KV blocks (a cache).
+        await self._flush_sessions(max(grace - (time.monotonic() - t0), 1.0))
         # Write the blocks of sessions this replica served to Redis (or, with no Redis,
         # the disk tier), so another replica (or this one restarted) resumes them without
         # prefill; bounded by the time left.
@@ -143,6 +153,34 @@ class RunningServer:
         await self.sessions.store.close()
         log.info("stopped")
 
+
+    async def _flush_sessions(self, timeout_s: float) -> None:
+        """Save what the session store holds only in memory where it promises to (Redis,
+        the journal, the record files): ``FlushReport``. Changes left in no durable place
+        are one error line and ``exit_status`` EXIT_UNSAVED."""
+        report = await self.sessions.store.flush(timeout_s)
+        if report.lost:
+            self.exit_status = EXIT_UNSAVED
+            if report.where == "Redis":
+                log.error(
+                    "drain: %d session(s) with %d acknowledged turn(s) not in Redis after %.1f s (%s): they are lost "
+                    "with this process; set --disk-cache-dir to keep them in a journal across restarts",
+                    report.sessions, report.turns, report.waited_s, report.why,
+                )  # fmt: skip
+            else:
+                log.error(
+                    "drain: %d session record file(s) in %s could not be brought up to date (%s): a restart may find "
+                    "those sessions as they were before their last change (a deleted or expired one back)",
+                    report.sessions, report.where, report.why,
+                )  # fmt: skip
+        elif report.journaled:
+            log.warning(
+                "drain: %d session(s) with %d acknowledged turn(s) not yet in Redis (%s) stay in the session journal; "
+                "the next start on this --disk-cache-dir replays them and writes them to Redis",
+                report.journaled, report.journaled_turns, report.why,
+            )  # fmt: skip
+        elif report.written:
+            log.info("drain: %d session record(s) written back to Redis (%.1f s)", report.written, report.waited_s)
 
     def _tier_errors(self, tier: str | None) -> int:
         store = self.engine.cache_stats().store
@@ -264,9 +302,15 @@ def build_session_store(config: ServerConfig) -> SessionStore:
     if not config.redis_url and config.disk_cache_dir:  # sessions resume after a restart of this machine
         from .sessions.disk import DiskSessionStore
 
+        journal_left_behind(Path(config.disk_cache_dir))
         return DiskSessionStore(Path(config.disk_cache_dir) / "sessions", ttl_s=ttl, fsync=config.disk_cache_fsync)
     if not config.redis_url:
         return InMemorySessionStore(ttl_s=ttl)
+    journal = None
+    if config.disk_cache_dir:  # what Redis has not confirmed outlives the process
+        from .sessions.journal import SessionJournal
+
+        journal = SessionJournal(Path(config.disk_cache_dir) / "journal", fsync=config.disk_cache_fsync)
     return FallbackSessionStore(
         RedisSessionStore.from_url(
             config.redis_connection_url() or config.redis_url,
@@ -276,7 +320,23 @@ def build_session_store(config: ServerConfig) -> SessionStore:
         ),
         InMemorySessionStore(ttl_s=ttl),
         timeout_s=config.session_store_timeout,
+        journal=journal,
     )
+
+
+def journal_left_behind(disk_cache_dir: Path) -> None:
+    """A server without Redis does not replay a session journal a server with Redis left
+    in its directory (those records belong in that Redis): say so, once."""
+    from .sessions.journal import FILE
+
+    path = disk_cache_dir / "journal" / FILE
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return
+    if size:
+        log.warning("%s holds session changes a server with Redis could not write to it (%d bytes); they are "
+                    "replayed when this directory is served with that --redis-url again", path, size)  # fmt: skip
 
 
 async def _reap_sessions(conversations: Conversations, period_s: float) -> None:
@@ -653,7 +713,8 @@ async def serve(
 
 
 async def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT, drain for ``config.drain_timeout``, return 0.
+    """Serve until SIGTERM/SIGINT, drain for ``config.drain_timeout``, return 0 (or
+    ``EXIT_UNSAVED``: the drain left acknowledged session changes in no durable place).
 
     A signal during startup (the model loading) stops it there, before anything is
     served ("serving ..." is never logged): 128 + the signal's number (130 for Ctrl-C)."""
@@ -664,12 +725,15 @@ async def run(config: ServerConfig) -> int:
         loop.add_signal_handler(sig, _on_signal, sig, stop, got)
     started = asyncio.Event()
 
+    status: list[int] = []
+
     async def serving() -> None:
         async with serve(config) as running:
             started.set()
             await stop.wait()
             log.info("shutting down: draining for up to %.1f s", config.drain_timeout)
             await running.shutdown()
+            status.append(running.exit_status)
 
     main = asyncio.create_task(serving(), name="kvserve-serve")
     signalled = asyncio.create_task(stop.wait())
@@ -677,7 +741,7 @@ async def run(config: ServerConfig) -> int:
         await asyncio.wait({main, signalled}, return_when=asyncio.FIRST_COMPLETED)
         if main.done() or started.is_set():  # startup failed, or the signal came while serving: the drain ran
             await main
-            return 0
+            return status[0] if status else 0
         log.info("%s during startup: stopping before serving", got[0].name)
         main.cancel()
         try:

@@ -56,6 +56,7 @@ from .sessions import (
     SessionLimit,
     SessionNotFound,
     SessionRecord,
+    SessionStoreUnavailable,
     TurnsChanged,
     TurnUnavailable,
 )
@@ -136,6 +137,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (TurnsChanged, grpc.StatusCode.FAILED_PRECONDITION),
     (TurnUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (SessionLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SessionStoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStopped, grpc.StatusCode.UNAVAILABLE),

@@ -32,7 +32,9 @@ says how a chat turn renders as a continuation of the transcript) and appends th
 The package
 -----------
 ``records`` (``SessionRecord``, ids, errors, the binary codec), ``stores`` (where
-records live) and ``table`` (``SessionManager``: owners, locks, TTL, limits).
+records live), ``disk`` (record files, for a server with a disk directory and no Redis),
+``journal`` (what Redis has not confirmed, in a file replayed at the next start) and
+``table`` (``SessionManager``: owners, locks, TTL, limits).
 
 Storage
 -------
@@ -46,6 +48,15 @@ are conditional on it (``put_if``). ``FallbackSessionStore`` puts this process's
 behind Redis, with per-call timeouts and a circuit breaker, so a hung Redis stalls no
 turn. Sessions are keyed by ``(owner, session_id)``: another owner's session id is
 simply not found.
+
+Durable acknowledgement
+-----------------------
+A change is answered (a turn's final event, a delete's OK) only once it is where the
+deployment keeps sessions: in Redis, in the record files (``disk.DiskSessionStore``), or,
+while Redis does not confirm it, in the journal (``journal.SessionJournal``, with a disk
+directory). A store that cannot put it there raises ``SessionStoreUnavailable`` (the
+session as it was). ``SessionStore.flush`` (the drain) saves what only memory holds and
+reports what it could not (``FlushReport``: the server's one error line, exit status 3).
 
 Deletion
 --------
@@ -94,6 +105,7 @@ from .records import (
     SessionNotFound,
     SessionRecord,
     SessionRecordError,
+    SessionStoreUnavailable,
     TurnInfo,
     TurnUnavailable,
     TurnsChanged,
@@ -129,6 +141,7 @@ __all__ = [
     "SessionRecord",
     "SessionRecordError",
     "SessionStore",
+    "SessionStoreUnavailable",
     "Turn",
     "TurnInfo",
     "TurnUnavailable",

@@ -77,6 +77,12 @@ class TurnsChanged(SessionError):
     (``expected_turns``): another turn or operation changed it (FAILED_PRECONDITION)."""
 
 
+class SessionStoreUnavailable(SessionError):
+    """The session store could not save a change (the disk store's file, or, with Redis
+    away, the journal, failed to write): the call fails before it is acknowledged and the
+    session stays as it was (UNAVAILABLE; retry)."""
+
+
 class SessionRecordError(ValueError):
     """A stored session record failed to decode (bad magic, version, length or checksum)."""
 

@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 from urllib.parse import quote
 
 
@@ -31,9 +31,13 @@ from kvserve.common.breaker import CircuitBreaker
 from .records import (
     SessionRecord,
     SessionRecordError,
+    SessionStoreUnavailable,
     decode_record,
     encode_record,
 )
+
+if TYPE_CHECKING:
+    from .journal import SessionJournal
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,28 @@ class Expect:
     @staticmethod
     def of(rec: SessionRecord | None) -> Expect:
         return Expect(frozenset({rec.etag}), False) if rec is not None else Expect(frozenset(), True)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """What a store's ``flush`` (the drain) could not save where it promises to: sessions
+    whose last change is only in this process's memory (``sessions``, with ``turns``
+    acknowledged turns among them), and those kept in the journal instead of Redis
+    (``journaled``, ``journaled_turns``: replayed at the next start). ``why`` says what
+    failed, ``where`` where the changes were meant to go."""
+
+    sessions: int = 0
+    turns: int = 0
+    journaled: int = 0
+    journaled_turns: int = 0
+    written: int = 0  # changes the flush itself got through
+    waited_s: float = 0.0
+    where: str = ""
+    why: str = ""
+
+    @property
+    def lost(self) -> bool:
+        return self.sessions > 0
 
 
 def new_etag(*, kept: bool = False) -> str:
@@ -164,7 +190,11 @@ class SessionStore(Protocol):
     ``refresh_lock`` extends it (False if it was lost), ``unlock`` releases it if
     ``holder`` still has it. ``count`` is how many sessions the owner holds; ``expire``
     removes the sessions whose TTL has passed and returns them (a store whose backend
-    expires records by itself returns what it knows of, possibly nothing).
+    expires records by itself returns what it knows of, possibly nothing). ``flush``
+    (the drain, before ``close``) saves what the store holds only in memory where it
+    promises to keep it, within ``timeout_s``, and reports what it could not
+    (``FlushReport``). A store that cannot save a change raises ``SessionStoreUnavailable``
+    rather than answer it (the session as it was).
     """
 
     async def get(self, owner: str, session_id: str) -> SessionRecord | None: ...
@@ -187,6 +217,7 @@ class SessionStore(Protocol):
     async def is_locked(self, owner: str, session_id: str) -> bool: ...
     async def count(self, owner: str) -> int: ...
     async def expire(self) -> list[SessionRecord]: ...
+    async def flush(self, timeout_s: float) -> FlushReport: ...
     async def close(self) -> None: ...
 
 
@@ -227,6 +258,10 @@ class InMemorySessionStore:
 
     async def put(self, rec: SessionRecord) -> None:
         self._records[(rec.owner, rec.session_id)] = self._copy(rec)
+
+    def adopt(self, rec: SessionRecord) -> None:
+        """Hold ``rec`` as it is (a record recovered at startup: a file, the journal)."""
+        self._records[(rec.owner, rec.session_id)] = rec
 
     async def put_if(
         self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False,
@@ -315,6 +350,9 @@ class InMemorySessionStore:
         for k in [k for k, (_, exp) in self._locks.items() if exp <= time.monotonic()]:
             del self._locks[k]
         return out
+
+    async def flush(self, timeout_s: float) -> FlushReport:
+        return FlushReport()  # this process's memory is all it promises
 
     async def close(self) -> None:
         pass
@@ -702,6 +740,9 @@ class RedisSessionStore:
     async def expire(self) -> list[SessionRecord]:
         return []  # Redis expires records itself (PX); the index is pruned lazily
 
+    async def flush(self, timeout_s: float) -> FlushReport:
+        return FlushReport()  # every write was confirmed by Redis or failed
+
     async def close(self) -> None:
         if self._owns_client:
             await self._r.aclose()
@@ -737,6 +778,17 @@ class FallbackSessionStore:
     answers for the session from its own copy, which the delete removed). A session
     created on this replica while Redis was away is written back as a creation: it
     replaces a tombstone it finds (the id was free for a new session).
+
+    Durable acknowledgement: what Redis has not confirmed lives in this process's memory,
+    and with a ``journal`` (``journal.SessionJournal``, in the disk directory) also in a
+    file: a write or delete that misses Redis is appended there before it is answered (a
+    journal that cannot be written fails the call: ``SessionStoreUnavailable``, the
+    session as it was), is marked done when Redis has it, and is replayed at the next
+    start (into this replica's copy, then written back to Redis by the same conditional
+    write-back, so never over a newer version or a tombstone). ``flush`` (the drain)
+    writes back until Redis has everything or ``timeout_s`` has passed (a directory that
+    does not outlive the process, e.g. a Kubernetes emptyDir on a pod's replacement,
+    keeps nothing); what is left is in its report (sessions and acknowledged turns).
     """
 
     def __init__(
@@ -748,6 +800,7 @@ class FallbackSessionStore:
         breaker: CircuitBreaker | None = None,
         unlock_retry_s: float = 0.5,
         sync_every_s: float = 1.0,
+        journal: SessionJournal | None = None,
     ) -> None:
         self.primary = primary
         self.local = local or InMemorySessionStore()
@@ -767,6 +820,33 @@ class FallbackSessionStore:
         self._failing = False  # the last Redis call failed (log once per outage)
         self._closed = False
         self._writing: dict[tuple[str, str], list] = {}  # key -> [lock, users]: one write at a time
+        self._base_turns: dict[tuple[str, str], int] = {}  # unsynced session -> turns Redis was known to hold
+        self.journal = journal
+        if journal is not None:
+            self._replay(journal)
+
+    def _replay(self, journal: SessionJournal) -> None:
+        """Take back what the journal says Redis may lack (a previous run of this server),
+        to be written back when Redis answers."""
+        for key, p in journal.pending.items():
+            if p.delete:
+                self._deletes.add(key)
+            if p.record is not None:
+                self.local.adopt(p.record)
+                self._unsynced[key] = p.expect
+                self._base_turns[key] = p.base_turns
+                if p.create:
+                    self._creates.add(key)
+        if journal.pending:
+            log.warning("session store: %d session(s) from the journal %s that Redis may lack (%d acknowledged "
+                        "turn(s), %d delete(s)); written back to Redis when it answers",
+                        len(journal.pending), journal.path, sum(p.turns for p in journal.pending.values()),
+                        sum(p.delete for p in journal.pending.values()))  # fmt: skip
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop yet: the first write (or flush) starts the write-back
+                return
+            self._start_sync()
 
     @contextlib.asynccontextmanager
     async def _one_writer(self, key: tuple[str, str]):
@@ -794,11 +874,58 @@ class FallbackSessionStore:
         """Distinct unreadable records Redis answered with (treated as absent)."""
         return getattr(self.primary, "unreadable_records", 0)
 
-    async def _forget(self, key: tuple[str, str]) -> None:
-        """The session was deleted in Redis: this replica's copy must not come back."""
+    @property
+    def write_errors(self) -> int:
+        """Journal appends that failed (each failed the call it journaled)."""
+        return self.journal.write_errors if self.journal is not None else 0
+
+    @property
+    def journaled(self) -> int:
+        """Sessions whose last change Redis may lack, kept in the journal (0 without one)."""
+        return self.journal.sessions if self.journal is not None else 0
+
+    async def _unsaved_turns(self) -> int:
+        """Acknowledged turns Redis may lack (past the turns it was known to hold)."""
+        n = 0
+        for key in list(self._unsynced):
+            rec = await self.local.get(*key)
+            if rec is not None:
+                n += max(0, rec.turns - self._base_turns.get(key, rec.turns))
+        return n
+
+    async def _journal(self, key: tuple[str, str]) -> None:
+        """Tell the journal what Redis may lack of ``key`` now. Raises OSError."""
+        if self.journal is None:
+            return
+        from .journal import Pending
+
+        expect = self._unsynced.get(key)
+        rec = await self.local.get(*key) if expect is not None else None
+        pending = None
+        if rec is not None or key in self._deletes:
+            pending = Pending(rec, expect or Expect(), key in self._creates, self._base_turns.get(key, 0),
+                              key in self._deletes)  # fmt: skip
+        self.journal.put(key, pending)
+
+    async def _journal_quietly(self, key: tuple[str, str]) -> None:
+        """``_journal`` where a failure costs nothing: the journal may then replay a change
+        Redis already has, whose write-back the compare-and-set refuses or repeats."""
+        try:
+            await self._journal(key)
+        except OSError as e:
+            log.warning("session journal: could not note that Redis has session %r (%r)", key[1], e)
+
+    async def _settled(self, key: tuple[str, str]) -> None:
+        """Redis has the last write of ``key``, or it no longer matters."""
         self._unsynced.pop(key, None)
         self._creates.discard(key)
+        self._base_turns.pop(key, None)
+        await self._journal_quietly(key)
+
+    async def _forget(self, key: tuple[str, str]) -> None:
+        """The session was deleted in Redis: this replica's copy must not come back."""
         await self.local.delete(*key)
+        await self._settled(key)
 
     async def _flush_delete(self, key: tuple[str, str]) -> bool:
         """Retry a delete that missed Redis; True once Redis has it (or it was not pending)."""
@@ -807,6 +934,7 @@ class FallbackSessionStore:
         ok, _ = await self._try("delete", lambda: self.primary.delete(*key))
         if ok:
             self._deletes.discard(key)
+            await self._journal_quietly(key)
         return ok
 
     async def _try(self, what: str, call, timeout_s: float | None = None):
@@ -906,21 +1034,53 @@ class FallbackSessionStore:
         if not ok:
             if limit and self.local.would_exceed(key, limit):  # Redis away: this replica's sessions decide
                 return LIMIT
-            if create:
-                self._creates.add(key)
-            await self.local.put(rec)
-            self._unsynced[key] = expect.plus(rec.etag)
-            self._start_sync()
-            return UNKNOWN
-        self._unsynced.pop(key, None)
-        self._creates.discard(key)
+            return await self._keep_here(key, rec, expect, create)
         if outcome == DELETED:
             await self._forget(key)
         elif outcome == CONFLICT:
             await self.local.delete(*key)  # Redis has another replica's version: ours is stale
+            await self._settled(key)
         else:
             await self.local.put(rec)
+            await self._settled(key)
         return outcome
+
+    async def _keep_here(self, key: tuple[str, str], rec: SessionRecord, expect: Expect, create: bool) -> str:
+        """A write Redis did not confirm: this replica's copy (and the journal) hold it until
+        the write-back. If the journal cannot take it, the write fails and the copy stays
+        as it was (SessionStoreUnavailable); Redis may still apply it late (its etag stays
+        expected, so the write-back of the old copy goes over it)."""
+        before = await self.local.get(*key)
+        state = (self._unsynced.get(key), key in self._creates, self._base_turns.get(key))
+        if state[0] is None:  # Redis had everything of it until now
+            self._base_turns[key] = min(before.turns if before is not None else rec.turns, rec.turns)
+        if create:
+            self._creates.add(key)
+        await self.local.put(rec)
+        self._unsynced[key] = expect.plus(rec.etag)
+        try:
+            await self._journal(key)
+        except OSError as e:
+            log.error("session %r: Redis did not confirm its write and the journal could not take it (%r); the "
+                      "call fails, nothing of it is recorded", key[1], e)  # fmt: skip
+            if before is None:
+                await self.local.delete(*key)
+                self._unsynced.pop(key, None)
+                self._creates.discard(key)
+                self._base_turns.pop(key, None)
+            else:
+                await self.local.put(before)
+                self._unsynced[key] = (state[0] or Expect.of(before)).plus(rec.etag)
+                if not state[1]:
+                    self._creates.discard(key)
+                if state[2] is not None:
+                    self._base_turns[key] = state[2]
+            raise SessionStoreUnavailable(
+                f"session {key[1]!r}: the session store could not save this change (Redis did not answer and "
+                f"the server's journal failed to write); nothing was recorded: retry"
+            ) from None
+        self._start_sync()
+        return UNKNOWN
 
     def _start_sync(self) -> None:
         if self._sync_task is None or self._sync_task.done():
@@ -949,8 +1109,7 @@ class FallbackSessionStore:
                 expect = self._unsynced.get(key)
                 rec = await self.local.get(*key)
                 if expect is None or rec is None:
-                    self._unsynced.pop(key, None)
-                    self._creates.discard(key)
+                    await self._settled(key)
                     continue
                 create = key in self._creates
                 ok, outcome = await self._try(
@@ -958,17 +1117,18 @@ class FallbackSessionStore:
                 )
                 if not ok:
                     return done  # still away; the breaker paces the next try
-                self._unsynced.pop(key, None)
-                self._creates.discard(key)
                 if outcome == DELETED:
                     log.warning("session %r was deleted while Redis missed this replica's last write of it; "
                                 "not written back", key[1])  # fmt: skip
                     await self._forget(key)
                 elif outcome == CONFLICT:
                     log.warning("session %r: another replica wrote it while Redis missed this replica's version; "
-                                "keeping theirs", key[1])  # fmt: skip
+                                "keeping theirs (%d turn(s) acknowledged here are not in it)", key[1],
+                                max(0, rec.turns - self._base_turns.get(key, rec.turns)))  # fmt: skip
                     await self.local.delete(*key)
+                    await self._settled(key)
                 else:
+                    await self._settled(key)
                     done += 1
                     self.written_back += 1
                     if outcome == RESTORED:
@@ -978,23 +1138,46 @@ class FallbackSessionStore:
     async def delete(self, owner: str, session_id: str) -> bool:
         key = (owner, session_id)
         async with self._one_writer(key):
-            self._unsynced.pop(key, None)
+            before = await self.local.get(owner, session_id)
+            state = (self._unsynced.pop(key, None), key in self._creates, self._base_turns.pop(key, None))
             self._creates.discard(key)
             here = await self.local.delete(owner, session_id)
             ok, there = await self._try("delete", lambda: self.primary.delete(owner, session_id))
             if ok:
                 self._deletes.discard(key)
+                await self._journal_quietly(key)
             elif here and len(self._deletes) < 100_000:  # Redis keeps the record until it hears of the delete
                 self._deletes.add(key)
+                try:
+                    await self._journal(key)
+                except OSError as e:  # as it was: the delete is refused
+                    log.error("session %r: Redis did not confirm its delete and the journal could not take it "
+                              "(%r); the delete fails", session_id, e)  # fmt: skip
+                    self._deletes.discard(key)
+                    if before is not None:
+                        await self.local.put(before)
+                    if state[0] is not None:
+                        self._unsynced[key] = state[0]
+                    if state[1]:
+                        self._creates.add(key)
+                    if state[2] is not None:
+                        self._base_turns[key] = state[2]
+                    raise SessionStoreUnavailable(
+                        f"session {session_id!r}: the delete could not be saved (Redis did not answer and the "
+                        f"server's journal failed to write); the session is as it was: retry"
+                    ) from None
                 self._start_sync()
+            else:
+                await self._journal_quietly(key)
             return bool(there) or here
 
     async def delete_if(self, owner: str, session_id: str, etags: frozenset[str]) -> bool:
-        pending = self._unsynced.pop((owner, session_id), None)
-        self._creates.discard((owner, session_id))
+        key = (owner, session_id)
+        pending = self._unsynced.get(key)
         if pending is not None:
             etags = etags | pending.etags
         here = await self.local.delete_if(owner, session_id, etags)
+        await self._settled(key)
         ok, there = await self._try("delete", lambda: self.primary.delete_if(owner, session_id, etags))
         return bool(there) or here
 
@@ -1066,14 +1249,45 @@ class FallbackSessionStore:
         unreachable) or as old, not the ones another replica has used since."""
         out = []
         for rec in await self.local.expire():
-            self._unsynced.pop((rec.owner, rec.session_id), None)
-            self._creates.discard((rec.owner, rec.session_id))
+            await self._settled((rec.owner, rec.session_id))
             ok, there = await self._try("get", lambda r=rec: self.primary.get(r.owner, r.session_id))
             if ok and there is not None and there.last_used_at > rec.last_used_at:
                 continue  # still alive elsewhere
             out.append(rec)
         ok, more = await self._try("expire", self.primary.expire)
         return out + (list(more) if ok and more else [])
+
+    async def flush(self, timeout_s: float) -> FlushReport:
+        """Write back what Redis lacks (the drain), until Redis has everything or
+        ``timeout_s`` has passed. What is left is reported: kept in the journal (for the
+        next start on this directory), or, without one, lost with the process."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        before = self.unsynced
+        why = ""
+        while self.unsynced:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    await self.sync()
+            except TimeoutError:
+                why = f"Redis did not take them within {timeout_s:.1f} s"
+                break
+            if not self.unsynced:
+                break
+            if time.monotonic() >= deadline:
+                why = f"Redis did not take them within {timeout_s:.1f} s"
+                break
+            await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
+        left = set(self._unsynced) | self._deletes
+        turns = await self._unsaved_turns()
+        if left and not why:
+            why = "Redis did not answer" if self.breaker.state != "closed" else "Redis did not take them"
+        waited = time.monotonic() - t0
+        written = max(0, before - self.unsynced)
+        if self.journal is not None:  # every change Redis lacks is in the journal
+            return FlushReport(journaled=len(left), journaled_turns=turns, written=written, waited_s=waited,
+                               where="Redis", why=why)  # fmt: skip
+        return FlushReport(sessions=len(left), turns=turns, written=written, waited_s=waited, where="Redis", why=why)
 
     async def close(self) -> None:
         self._closed = True
@@ -1083,3 +1297,5 @@ class FallbackSessionStore:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.primary.close()
         await self.local.close()
+        if self.journal is not None:
+            self.journal.close()
