@@ -69,6 +69,7 @@ class DiskSessionStore(InMemorySessionStore):
         self.write_errors = 0  # record files that could not be written or removed (each failed its call or is dirty)
         self._dirty: set[tuple[str, str]] = set()  # files that may not say what memory says
         self._last_error = ""
+        self._failing = 0  # writes failed since the last one that went through (logged once per outage)
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = hold_dir_lock(self.root)
         self._tmp = self.root / "tmp"
@@ -141,14 +142,28 @@ class DiskSessionStore(InMemorySessionStore):
         except OSError as e:
             self._failed(key, e)
             return False
-        self._dirty.discard(key)
+        self._written(key)
         return True
 
-    def _failed(self, key: tuple[str, str], e: OSError) -> None:
+    def _written(self, key: tuple[str, str]) -> None:
+        self._dirty.discard(key)
+        if self._failing:
+            log.info("session records are written again in %s (%d write(s) failed meanwhile)", self.root,
+                     self._failing)  # fmt: skip
+            self._failing = 0
+
+    def _error(self, key: tuple[str, str], e: OSError, what: str) -> None:
+        """Count a failed write; log the first of an outage (the rest at debug level)."""
         self.write_errors += 1
-        self._dirty.add(key)
         self._last_error = f"{type(e).__name__}: {e}"
-        log.error("session record %s could not be written: %r", self.path(*key), e)
+        self._failing += 1
+        level = logging.ERROR if self._failing == 1 else logging.DEBUG
+        log.log(level, "session record %s could not be written (%r): %s; until they can, every change of a "
+                "session fails with UNAVAILABLE", self.path(*key), e, what)  # fmt: skip
+
+    def _failed(self, key: tuple[str, str], e: OSError) -> None:
+        self._dirty.add(key)
+        self._error(key, e, "retried")
 
     def _retry_dirty(self, limit: int = 64) -> None:
         """Try the dirty files again (at most ``limit``, stopping at the first failure)."""
@@ -158,7 +173,7 @@ class DiskSessionStore(InMemorySessionStore):
             except OSError as e:
                 self._last_error = f"{type(e).__name__}: {e}"
                 return
-            self._dirty.discard(key)
+            self._written(key)
 
     def _save_or_undo(self, key: tuple[str, str], before: SessionRecord | None, what: str) -> None:
         """Write ``key``'s file; if that fails, put memory back to ``before`` (the file is
@@ -174,14 +189,12 @@ class DiskSessionStore(InMemorySessionStore):
                 self._failed(key, e)
                 self._retry_dirty()
             else:  # the file is as it was
-                self.write_errors += 1
-                self._last_error = f"{type(e).__name__}: {e}"
-                log.error("session record %s could not be written (%r): the call fails", self.path(*key), e)
+                self._error(key, e, "the call fails")
             raise SessionStoreUnavailable(
                 f"session {key[1]!r}: the session store could not save {what} (a disk error on the server); "
                 f"nothing was recorded: retry"
             ) from None
-        self._dirty.discard(key)
+        self._written(key)
 
     @property
     def dirty(self) -> int:

@@ -821,6 +821,7 @@ class FallbackSessionStore:
         self._closed = False
         self._writing: dict[tuple[str, str], list] = {}  # key -> [lock, users]: one write at a time
         self._base_turns: dict[tuple[str, str], int] = {}  # unsynced session -> turns Redis was known to hold
+        self._journal_failing = 0  # journal appends failed since the last that went through
         self.journal = journal
         if journal is not None:
             self._replay(journal)
@@ -906,6 +907,14 @@ class FallbackSessionStore:
             pending = Pending(rec, expect or Expect(), key in self._creates, self._base_turns.get(key, 0),
                               key in self._deletes)  # fmt: skip
         self.journal.put(key, pending)
+
+    def _journal_failed(self, key: tuple[str, str], e: OSError, what: str) -> None:
+        """A journal append failed (its call fails): logged once per run of failures."""
+        self._journal_failing += 1
+        level = logging.ERROR if self._journal_failing == 1 else logging.DEBUG
+        log.log(level, "session %r: Redis did not confirm its %s and the session journal could not take it (%r); "
+                "the call fails, and so does every change Redis does not confirm until the journal writes again",
+                key[1], what, e)  # fmt: skip
 
     async def _journal_quietly(self, key: tuple[str, str]) -> None:
         """``_journal`` where a failure costs nothing: the journal may then replay a change
@@ -1061,8 +1070,7 @@ class FallbackSessionStore:
         try:
             await self._journal(key)
         except OSError as e:
-            log.error("session %r: Redis did not confirm its write and the journal could not take it (%r); the "
-                      "call fails, nothing of it is recorded", key[1], e)  # fmt: skip
+            self._journal_failed(key, e, "write")
             if before is None:
                 await self.local.delete(*key)
                 self._unsynced.pop(key, None)
@@ -1079,6 +1087,9 @@ class FallbackSessionStore:
                 f"session {key[1]!r}: the session store could not save this change (Redis did not answer and "
                 f"the server's journal failed to write); nothing was recorded: retry"
             ) from None
+        if self._journal_failing and self.journal is not None:
+            log.info("session journal: written again (%d append(s) failed meanwhile)", self._journal_failing)
+            self._journal_failing = 0
         self._start_sync()
         return UNKNOWN
 
@@ -1151,8 +1162,7 @@ class FallbackSessionStore:
                 try:
                     await self._journal(key)
                 except OSError as e:  # as it was: the delete is refused
-                    log.error("session %r: Redis did not confirm its delete and the journal could not take it "
-                              "(%r); the delete fails", session_id, e)  # fmt: skip
+                    self._journal_failed(key, e, "delete")
                     self._deletes.discard(key)
                     if before is not None:
                         await self.local.put(before)

@@ -15,6 +15,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 import redis
 
@@ -325,21 +326,26 @@ def test_without_a_journal_the_drain_waits_for_redis_to_answer(tiny_llama_dir, m
             assert decode_record(r.get(f"kvserve:sess::{sid}")).token_ids == acked[sid]
 
 
-def _disk_server(model_dir, disk, **kw) -> ServerThread:
-    return ServerThread(tiny_config(model_dir, disk_cache_dir=str(disk), disk_cache_size=64 << 20, **kw))
+def _disk_server(model_dir, disk, http_port: int | None = None, **kw) -> ServerThread:
+    return ServerThread(tiny_config(model_dir, disk_cache_dir=str(disk), disk_cache_size=64 << 20, **kw),
+                        http_port=http_port)
 
 
 def test_an_unwritable_records_directory_fails_turns_and_loses_none(tiny_llama_dir, tmp_path):
     """The issue's second attack: no Redis, the records directory unwritable (replaced by a
     file) while turns are asked for, repaired, a drain, a restart. Each turn asked while it
-    was unwritable (a first turn and a delete too) fails UNAVAILABLE, its session as before;
-    every acknowledged turn is there after the restart."""
+    was unwritable (a first turn, a delete, an HTTP turn too) fails UNAVAILABLE (HTTP 503),
+    its session as before; every acknowledged turn is there after the restart."""
     disk = tmp_path / "disk"
     acked: dict[str, list[int]] = {}
-    with _disk_server(tiny_llama_dir, disk) as srv:
+    with _disk_server(tiny_llama_dir, disk, http_port=0) as srv:
         _turns(srv.address, acked, ["hello there"])
         _break(disk / "sessions")
         try:
+            http = httpx.post(f"http://127.0.0.1:{srv.running.http_port}/v1/chat/completions", timeout=20,
+                              headers={"X-Session-Id": "s2"},
+                              json={"model": str(tiny_llama_dir), "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+            assert http.status_code == 503 and "nothing was recorded" in http.json()["error"]["message"], http.text
             with KVServeClient(srv.address, timeout=20) as c:
                 for text in ("one", "two", "three"):
                     with pytest.raises(KVServeError) as err:
@@ -352,11 +358,11 @@ def test_an_unwritable_records_directory_fails_turns_and_loses_none(tiny_llama_d
                     c.delete_session("s1")
                 assert err.value.code == grpc.StatusCode.UNAVAILABLE
                 assert c.get_session("s0", include_token_ids=True).token_ids == acked["s0"]
-                assert c.get_session("s1").turns == 1
+                assert c.get_session("s1").turns == 1 and c.get_session("s2").turns == 1
         finally:
             _repair(disk / "sessions")
         _turns(srv.address, acked, ["after the repair"])
-        assert srv.running.sessions.store.write_errors == 5
+        assert srv.running.sessions.store.write_errors == 6
     assert srv.running.exit_status == 0
     with _disk_server(tiny_llama_dir, disk) as srv, KVServeClient(srv.address, timeout=20) as c:
         for sid in SESSIONS:
