@@ -179,8 +179,9 @@ class RunningServer:
                 "the next start on this --disk-cache-dir replays them and writes them to Redis",
                 report.journaled, report.journaled_turns, report.why,
             )  # fmt: skip
-        elif report.written:
-            log.info("drain: %d session record(s) written back to Redis (%.1f s)", report.written, report.waited_s)
+        elif report.written or report.restored:
+            log.info("drain: %d session record(s) written back to Redis (%.1f s)", report.written + report.restored,
+                     report.waited_s)  # fmt: skip
 
     def _tier_errors(self, tier: str | None) -> int:
         store = self.engine.cache_stats().store

@@ -98,6 +98,7 @@ class FlushReport:
     journaled: int = 0
     journaled_turns: int = 0
     written: int = 0  # changes the flush itself got through
+    restored: int = 0  # records the primary store had lost since it confirmed them, written back
     waited_s: float = 0.0
     where: str = ""
     why: str = ""
@@ -258,6 +259,11 @@ class InMemorySessionStore:
 
     async def put(self, rec: SessionRecord) -> None:
         self._records[(rec.owner, rec.session_id)] = self._copy(rec)
+
+    def held(self) -> list[SessionRecord]:
+        """Every live record (copies), for a drain's check against the primary store."""
+        now = self._clock()
+        return [self._copy(r) for k, r in self._records.items() if not self._expired(k, r, now)]
 
     def adopt(self, rec: SessionRecord) -> None:
         """Hold ``rec`` as it is (a record recovered at startup: a file, the journal)."""
@@ -499,6 +505,8 @@ class RedisSessionStore:
         {prefix}sess-lock:{owner}:{session_id}  the turn lock (holder id), PX lease
         {prefix}sess-ids:{owner}                sorted set of the owner's ids (score 0,
                                                 so ZRANGEBYLEX pages them in id order)
+        {prefix}sess-mark                       "1", no TTL: gone means Redis lost its
+                                                data (``mark``)
 
     Conditional writes (``put_if``, ``delete_if``) are Lua scripts that read the stored
     record's etag and write or delete in one step. ``delete`` leaves a tombstone in the
@@ -743,6 +751,25 @@ class RedisSessionStore:
     async def flush(self, timeout_s: float) -> FlushReport:
         return FlushReport()  # every write was confirmed by Redis or failed
 
+    async def mark(self) -> bool:
+        """Set the store's mark (``{prefix}sess-mark``, no TTL) unless it is there; True if
+        it was not: Redis lost its data since the last mark (a restart without persistence,
+        FLUSHALL; or the mark alone was evicted), or this is the first."""
+        return bool(await self._r.set(f"{self._prefix}sess-mark", b"1", nx=True))
+
+    async def missing(self, keys: list[tuple[str, str]], batch: int = 1000) -> list[tuple[str, str]]:
+        """The sessions of ``keys`` whose record key Redis does not have at all (no record,
+        no tombstone, nothing unreadable): what it lost (a restart, FLUSHALL, eviction)."""
+        out = []
+        for i in range(0, len(keys), batch):
+            chunk = keys[i : i + batch]
+            pipe = self._r.pipeline(transaction=False)
+            for owner, session_id in chunk:  # one key per command (Redis Cluster)
+                pipe.exists(self._key("sess", owner, session_id))
+            found = await pipe.execute()
+            out += [key for key, n in zip(chunk, found) if not n]
+        return out
+
     async def close(self) -> None:
         if self._owns_client:
             await self._r.aclose()
@@ -785,7 +812,10 @@ class FallbackSessionStore:
     journal that cannot be written fails the call: ``SessionStoreUnavailable``, the
     session as it was), is marked done when Redis has it, and is replayed at the next
     start (into this replica's copy, then written back to Redis by the same conditional
-    write-back, so never over a newer version or a tombstone). ``flush`` (the drain)
+    write-back, so never over a newer version or a tombstone). Records Redis confirmed and
+    then lost (a restart without persistence, FLUSHALL: its mark is gone, checked every
+    ``sync_every_s``) are written back from this replica's copies at once (``restored``),
+    not at each session's next turn. ``flush`` (the drain)
     writes back until Redis has everything or ``timeout_s`` has passed (a directory that
     does not outlive the process, e.g. a Kubernetes emptyDir on a pod's replacement,
     keeps nothing); what is left is in its report (sessions and acknowledged turns).
@@ -822,6 +852,8 @@ class FallbackSessionStore:
         self._writing: dict[tuple[str, str], list] = {}  # key -> [lock, users]: one write at a time
         self._base_turns: dict[tuple[str, str], int] = {}  # unsynced session -> turns Redis was known to hold
         self._journal_failing = 0  # journal appends failed since the last that went through
+        self._watch_task: asyncio.Task | None = None
+        self.restored = 0  # records Redis lost after confirming them, written back from this replica's copies
         self.journal = journal
         if journal is not None:
             self._replay(journal)
@@ -1019,6 +1051,7 @@ class FallbackSessionStore:
         self, rec: SessionRecord, expect: Expect, *, replace_uncommitted: bool = False, create: bool = False,
         limit: int = 0,
     ) -> str:
+        self._start_watch()
         async with self._one_writer((rec.owner, rec.session_id)):
             return await self._put_if(rec, expect, replace_uncommitted, create, limit)
 
@@ -1096,6 +1129,27 @@ class FallbackSessionStore:
     def _start_sync(self) -> None:
         if self._sync_task is None or self._sync_task.done():
             self._sync_task = asyncio.create_task(self._sync_loop(), name="kvserve-session-sync")
+
+    def _start_watch(self) -> None:
+        if (self._watch_task is None or self._watch_task.done()) and not self._closed:
+            self._watch_task = asyncio.create_task(self._watch_loop(), name="kvserve-session-watch")
+
+    async def _watch_loop(self) -> None:
+        """Every ``sync_every_s``: has Redis lost its data (``RedisSessionStore.mark``)? Then
+        the records this replica holds that it no longer has are written back at once, not
+        at each session's next turn (a replica lost meanwhile would take them with it)."""
+        primary = self.primary
+        if not isinstance(primary, RedisSessionStore):
+            return
+        while not self._closed:
+            try:
+                if self.breaker.state == "closed":  # an open breaker's probes are the turns' and the sync's
+                    ok, lost = await self._try("mark", primary.mark)
+                    if ok and lost:
+                        await self._restore_lost(time.monotonic() + 30.0)
+            except Exception:  # noqa: BLE001 - tried again next round
+                log.warning("checking Redis for lost session records failed", exc_info=True)
+            await asyncio.sleep(self._sync_every_s)
 
     async def _sync_loop(self) -> None:
         while (self._unsynced or self._deletes) and not self._closed:
@@ -1292,16 +1346,50 @@ class FallbackSessionStore:
         turns = await self._unsaved_turns()
         if left and not why:
             why = "Redis did not answer" if self.breaker.state != "closed" else "Redis did not take them"
+        restored = 0 if left else await self._restore_lost(deadline)
         waited = time.monotonic() - t0
         written = max(0, before - self.unsynced)
         if self.journal is not None:  # every change Redis lacks is in the journal
-            return FlushReport(journaled=len(left), journaled_turns=turns, written=written, waited_s=waited,
-                               where="Redis", why=why)  # fmt: skip
-        return FlushReport(sessions=len(left), turns=turns, written=written, waited_s=waited, where="Redis", why=why)
+            return FlushReport(journaled=len(left), journaled_turns=turns, written=written, restored=restored,
+                               waited_s=waited, where="Redis", why=why)  # fmt: skip
+        return FlushReport(sessions=len(left), turns=turns, written=written, restored=restored, waited_s=waited,
+                           where="Redis", why=why)  # fmt: skip
+
+    async def _restore_lost(self, deadline: float) -> int:
+        """Write back the records this replica holds that Redis lost after confirming them
+        (a restart without persistence, FLUSHALL, eviction): they would otherwise live on
+        only in this process, until the session's next turn. Each is a conditional write
+        that finds nothing there (RESTORED), never over another version or a tombstone.
+        Best effort, within ``deadline``; returns how many were written back."""
+        primary = self.primary
+        if not isinstance(primary, RedisSessionStore):
+            return 0
+        held = {(r.owner, r.session_id): r for r in self.local.held()}
+        if not held:
+            return 0
+        budget = max(deadline - time.monotonic(), self.timeout_s)
+        ok, lost = await self._try("check", lambda: primary.missing(list(held)), timeout_s=budget)
+        n = 0
+        for key in lost if ok else []:
+            if time.monotonic() >= deadline:
+                break
+            rec = held[key]
+            async with self._one_writer(key):
+                ok, outcome = await self._try("write-back", lambda r=rec: primary.put_if(r, Expect.of(r)))
+            if not ok:
+                break
+            if outcome == RESTORED:
+                n += 1
+                self.written_back += 1
+                self.restored += 1
+        if n:
+            log.warning("session store: %d record(s) Redis had lost (restarted without persistence, flushed or "
+                        "evicted) written back from this replica's copies", n)  # fmt: skip
+        return n
 
     async def close(self) -> None:
         self._closed = True
-        tasks = [*self._retries, *([self._sync_task] if self._sync_task else [])]
+        tasks = [*self._retries, *(t for t in (self._sync_task, self._watch_task) if t is not None)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

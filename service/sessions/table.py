@@ -123,11 +123,18 @@ class SessionManager:
         self._clock = clock
         self.replica_id = uuid.uuid4().hex[:12]
         self._inflight: dict[tuple[str, str], str] = {}  # this replica's turns in flight -> holder
-        self.records_lost = 0  # records the store had lost mid-session, written back from here
+        self._records_lost = 0  # records the store had lost mid-session, written back by a turn
         self.conflicts = 0  # turns refused because another replica wrote the session meanwhile
         self.unconfirmed_writes = 0  # writes the store could not confirm (kept on this replica)
         self.deleted_turns = 0  # turns that ended because their session was deleted meanwhile
         self.records_healed = 0  # unreadable records (corrupt, wrong type) a write of this replica replaced
+
+    @property
+    def records_lost(self) -> int:
+        """Records the store had lost (Redis restarted, was flushed, evicted them) while this
+        replica held them, written back from here: by a turn, or by the store as soon as it
+        noticed (``FallbackSessionStore.restored``)."""
+        return self._records_lost + getattr(self.store, "restored", 0)
 
     @property
     def turns_in_flight(self) -> int:
@@ -199,7 +206,7 @@ class SessionManager:
             log.warning("session %r: its unreadable record in the session store was replaced %s (%d turns, %d tokens)",
                         rec.session_id, when, rec.turns, len(rec.token_ids))  # fmt: skip
         elif outcome in (RESTORED, REPLACED):
-            self.records_lost += 1
+            self._records_lost += 1
             log.warning(
                 "session %r: the session store had lost its record %s (%s); wrote back this replica's copy "
                 "(%d turns, %d tokens)",

@@ -46,10 +46,10 @@ def _next(rec: SessionRecord) -> SessionRecord:
     return copy_record(rec, token_ids=rec.token_ids + [7, 8, 9], turns=rec.turns + 1, etag=new_etag())
 
 
-def _store(url: str, journal_dir=None, **kw) -> FallbackSessionStore:
+def _store(url: str, journal_dir=None, sync_every_s: float = 3600.0) -> FallbackSessionStore:
     journal = SessionJournal(journal_dir) if journal_dir is not None else None
     return FallbackSessionStore(RedisSessionStore.from_url(url, key_prefix=PREFIX, ttl_s=600), InMemorySessionStore(),
-                                timeout_s=0.3, sync_every_s=3600.0, journal=journal, **kw)  # fmt: skip
+                                timeout_s=0.3, sync_every_s=sync_every_s, journal=journal)  # fmt: skip
 
 
 async def _commit(store: FallbackSessionStore, rec: SessionRecord) -> SessionRecord:
@@ -209,6 +209,72 @@ def test_flush_without_a_journal_waits_for_redis_and_reports_what_is_left(make_r
                 srv._proc.send_signal(signal.SIGCONT)
             assert not report.lost and report.written == 1 and report.sessions == 0
             assert await fb.primary.get("o", "a") == a2
+        finally:
+            await fb.close()
+
+    asyncio.run(run())
+
+
+def test_the_drain_writes_back_what_redis_lost_after_confirming_it(make_redis_server):
+    """Redis confirmed three sessions' records, then lost them (a restart without
+    persistence); meanwhile another replica wrote one again and deleted another. The
+    drain's flush writes back only the record nothing replaced: never over the other
+    replica's version, never over the tombstone."""
+    srv = make_redis_server()
+
+    async def run() -> None:
+        fb = _store(srv.url)
+        other = None
+        try:
+            recs = {sid: _rec(sid, turns=1) for sid in ("kept", "theirs", "deleted")}
+            for rec in recs.values():
+                assert await fb.put_if(rec, Expect(absent_ok=True), create=True) == WRITTEN
+            srv.stop()
+            srv.start()  # empty
+            other = RedisSessionStore.from_url(srv.url, key_prefix=PREFIX, ttl_s=600)
+            theirs = _rec("theirs", turns=2)
+            await other.put(theirs)
+            await other.put(_rec("deleted", turns=1))
+            assert await other.delete("o", "deleted")
+            report = None
+            for _ in range(50):  # the first calls after the restart may meet dead pooled connections
+                report = await fb.flush(5.0)
+                if report.restored:
+                    break
+                await asyncio.sleep(0.1)
+            assert report is not None and report.restored == 1 and not report.lost
+            assert await other.get("o", "kept") == recs["kept"]
+            assert await other.get("o", "theirs") == theirs
+            assert await other.get_state("o", "deleted") == (None, True)
+        finally:
+            await fb.close()
+            if other is not None:
+                await other.close()
+
+    asyncio.run(run())
+
+
+def test_records_redis_lost_are_written_back_without_waiting_for_a_turn(make_redis_server):
+    """FLUSHALL (as a Redis restart without persistence): the records this replica holds
+    are back in Redis within a moment, no turn needed, so a replica lost after that takes
+    none with it; a session whose tombstone is there (deleted through another replica) is
+    not brought back."""
+    srv = make_redis_server()
+
+    async def run() -> None:
+        fb = _store(srv.url, sync_every_s=0.2)
+        try:
+            recs = [_rec(f"s{i}", turns=2) for i in range(3)]
+            for rec in recs:
+                assert await fb.put_if(rec, Expect(absent_ok=True), create=True) == WRITTEN
+            with redis.Redis.from_url(srv.url) as r:  # one transaction: nothing runs in between
+                r.pipeline(transaction=True).flushall().set(f"{PREFIX}sess:o:s2", b"KVSDEL1:1").execute()
+
+            async def back() -> bool:
+                return all([await fb.primary.get("o", r.session_id) == r for r in recs[:2]])
+
+            assert await _until(back)
+            assert fb.restored == 2 and await fb.primary.get_state("o", "s2") == (None, True)
         finally:
             await fb.close()
 
