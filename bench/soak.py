@@ -3,29 +3,49 @@ small device and host budgets (idle sessions spill to Redis), optionally with fa
 
     python bench/soak.py                          # 32 clients, 300 s
     python bench/soak.py --ci                     # 32 clients, 60 s
-    python bench/soak.py --faults                 # + Redis restart, down, frozen, flushed; server SIGKILL
-    python bench/soak.py --duration 30 --clients 8 --faults --redis-down 3 --redis-freeze 3 --json out.json
+    python bench/soak.py --faults                 # + Redis restart, down, frozen, flushed; server SIGKILL; a deploy while Redis is frozen
+    python bench/soak.py --store disk --faults    # no Redis: records directory unwritable; a deploy; server SIGKILL
+    python bench/soak.py --store redis-no-disk --faults   # Redis without a disk directory (no journal): the comparison
+    python bench/soak.py --duration 45 --clients 8 --faults --redis-down 3 --redis-freeze 3 --json out.json
 
 The server (``python -m kvserve.service``) and Redis (a private ``redis-server``) are child
-processes, so both can be killed. Each client runs sessions of a few turns: random
-token-id input, greedy generation, a short think time; it keeps its own copy of the
+processes, so both can be killed. The server has a disk directory (``--disk-cache-dir``:
+the disk tier, and the session journal with Redis, or the session record files with
+``--store disk``, which runs it without Redis). Each client runs sessions of a few turns:
+random token-id input, greedy generation, a short think time; it keeps its own copy of the
 transcript (every prompt and output token it sent and received) and checks it against
 the server's at the end of each session and after a fault. Half of the sessions are
 deleted when done.
 
-Faults (``--faults``), at 15 %, 30 %, 45 %, 60 % and 75 % of the run (each after the
-previous one ended):
+Faults (``--faults``), each at its share of the run and after the previous one's window
+ended (a restarted server holds its sessions again once their clients came back).
+With Redis (``--store redis``, the default):
 
-* Redis restarted (its data is gone: no persistence);
-* Redis killed (SIGKILL) and kept down for ``--redis-down`` seconds;
+* Redis restarted (its data is gone: no persistence), at 8 %;
+* Redis killed (SIGKILL) and kept down for ``--redis-down`` seconds, at 18 %;
 * Redis frozen (SIGSTOP) for ``--redis-freeze`` seconds, then resumed (SIGCONT): a hang,
-  like a network partition, where calls time out instead of being refused;
+  like a network partition, where calls time out instead of being refused, at 30 %;
 * FLUSHALL: every session record, turn lock and block in Redis gone at once, with turns
-  in flight;
-* the server killed with SIGKILL and restarted on the same port: sessions resume
+  in flight, at 40 %;
+* the server killed with SIGKILL and restarted on the same port, at 48 %: sessions resume
   from their Redis transcripts; turns in flight at the kill fail at the client (UNAVAILABLE)
   and are counted as lost; a turn the server committed just before dying but whose end
-  the client never saw is counted apart ("committed, unacknowledged").
+  the client never saw is counted apart ("committed, unacknowledged");
+* a deploy while Redis is frozen, at 66 % (the issue's attack): Redis SIGSTOPped, turns
+  acknowledged for half of ``--redis-freeze`` (on the server's copy and its session
+  journal), the server stopped with SIGTERM (its drain waits for Redis, then leaves the
+  rest in the journal), Redis resumed (SIGCONT), the server started again (it replays the
+  journal and writes it to Redis).
+
+Without Redis (``--store disk``):
+
+* the session records directory unwritable (replaced by a file) for ``--unwritable``
+  seconds, at 15 %: every turn asked meanwhile fails (UNAVAILABLE, nothing recorded);
+* a deploy (SIGTERM, started again), at 40 %;
+* the server killed with SIGKILL and started again, at 65 %.
+
+Every acknowledged turn must be in the server's transcript afterwards: "acknowledged turns
+lost" counts those missing (a session gone counts all of its turns).
 
 Figures: requests served, errors by status (outside fault windows and inside them),
 tokens/s, p50/p99 time to first token (client side), cached prompt tokens by tier,
@@ -70,6 +90,7 @@ CHANNEL_OPTIONS = [  # reconnect quickly after the server restarts
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+STORE_WORDS = {"redis": "Redis + disk journal", "disk": "disk, no Redis", "redis-no-disk": "Redis, no disk directory"}
 CALL_TIMEOUT_S = 120.0  # a call this slow is reported as DEADLINE_EXCEEDED, not waited for
 
 
@@ -78,12 +99,17 @@ class SoakConfig:
     duration_s: float = 300.0
     clients: int = 32
     faults: bool = False
+    store: str = "redis"  # "redis": Redis + a disk directory (journal); "disk": no Redis, record files;
+    # "redis-no-disk": Redis alone (no journal; the comparison)
     redis_down_s: float = 10.0
     redis_freeze_s: float = 10.0
+    unwritable_s: float = 5.0  # --store disk: the records directory stays unwritable this long
+    drain_s: float = 5.0  # the server's --drain-timeout
     model: str | None = None
     block_size: int = 16
     device_tokens: int = 0  # device KV pool, in tokens (0: 96 per client, well below the transcripts)
     host_tokens: int = 0  # host tier, in tokens (0: 32 per client)
+    disk_tokens: int = 0  # disk tier, in tokens (0: 64 per client)
     turns: tuple[int, int] = (4, 8)  # turns per session (transcripts up to 8 * 40 tokens)
     input_tokens: tuple[int, int] = (8, 24)  # new tokens per turn
     output_tokens: tuple[int, int] = (8, 16)  # max_new_tokens per turn
@@ -108,7 +134,8 @@ class TurnRecord:
 
 @dataclass
 class Window:
-    kind: str  # "redis-restart" | "redis-down" | "redis-freeze" | "redis-flushall" | "server-kill"
+    kind: str  # "redis-restart" | "redis-down" | "redis-freeze" | "redis-flushall" | "server-kill" |
+    # "deploy-redis-frozen" | "records-unwritable" | "server-deploy"
     start: float
     end: float = float("inf")
 
@@ -133,6 +160,9 @@ class Figures:
     sessions_deleted: int = 0
     transcript_mismatches: int = 0
     sessions_lost: int = 0  # NOT_FOUND for a session that had completed turns
+    acked_turns_lost: int = 0  # acknowledged turns missing from the server's transcript
+    kept_checked: int = 0  # sessions that ended undeleted, read again at the end of the run
+    kept_mismatches: int = 0  # of those, not as they ended
     prompt_mismatches: int = 0  # start.prompt_tokens != client's count
     sample: list[TurnRecord] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)  # details of any mismatch (first 50)
@@ -158,20 +188,27 @@ class Soak:
         self.model_info: Any = None
         self.history: dict[str, list[str]] = {}  # per session: what happened, for anomaly reports
         self.server_logs: list[list[str]] = []  # stderr lines of each server incarnation
+        self.deploy_exit_codes: list[int] = []  # the status each deploy's SIGTERM ended with
+        self.kept: dict[str, tuple[list[int], list[int]]] = {}  # ended, undeleted: transcript, turn ends
+        self.disk_dir = workdir / "disk"
 
     # ---- processes ---------------------------------------------------------------------
 
     def server_args(self) -> list[str]:
         bpt = kv_bytes_per_token(self.model_dir)
         c = self.cfg
+        store = ["--redis-url", self.redis.url, "--spill-to", "host,redis"] if self.redis else ["--spill-to", "host,disk"]
+        if c.store != "redis-no-disk":
+            store += ["--disk-cache-dir", str(self.disk_dir),
+                      "--disk-cache-size", str((c.disk_tokens or 64 * c.clients) * bpt)]  # fmt: skip
         return [
             "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
             "--dtype", "float32", "--block-size", str(c.block_size),
             "--kv-cache-memory", str((c.device_tokens or 96 * c.clients) * bpt),
             "--host-cache-memory", str((c.host_tokens or 32 * c.clients) * bpt),
-            "--redis-url", self.redis.url, "--spill-after", "1s", "--spill-to", "host,redis",
+            *store, "--spill-after", "1s",
             "--max-num-seqs", str(max(c.clients, 1)), "--metrics-port", str(self.metrics_port),
-            "--session-lock-ttl", f"{c.session_lock_ttl_s}s", "--drain-timeout", "10s", "--log-level", "info",
+            "--session-lock-ttl", f"{c.session_lock_ttl_s}s", "--drain-timeout", f"{c.drain_s}s", "--log-level", "info",
             "--restore-policy", c.restore_policy,
         ]  # fmt: skip
 
@@ -187,13 +224,22 @@ class Soak:
         self.server.send_signal(signal.SIGKILL)
         self.server.wait()
 
+    def deploy_server(self) -> None:
+        """SIGTERM (the drain runs: in-flight turns finish, new calls are refused), then
+        the server started again on the same port and directory."""
+        self.server_up.clear()
+        assert self.server is not None
+        self.deploy_exit_codes.append(self._stop_server())
+        self.start_server()
+
     # ---- the run -------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
         # A private copy: the soak, the restarted server and the cold check all load the
         # same bytes even if the model directory is rewritten meanwhile.
         self.model_dir = Path(shutil.copytree(self.model_dir, self.workdir / "model"))
-        self.redis = start_redis_server(self.workdir / "redis", port=free_port())
+        if self.cfg.store != "disk":
+            self.redis = start_redis_server(self.workdir / "redis", port=free_port())
         try:
             await asyncio.to_thread(self.start_server)
             async with AsyncKVServeClient(self._address(), timeout=60) as c:
@@ -204,19 +250,22 @@ class Soak:
             deadline = self.t0 + self.cfg.duration_s
             tasks = [asyncio.create_task(self._rss_sampler(deadline))]
             if self.cfg.faults:
-                tasks.append(asyncio.create_task(self._faults()))
+                faults = self._redis_faults() if self.redis is not None else self._disk_faults()
+                tasks.append(asyncio.create_task(faults))
             await asyncio.gather(*(self._client(i, deadline) for i in range(self.cfg.clients)))
             wall = time.monotonic() - self.t0
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.server_up.wait()
+            await self._verify_kept()
             pool = await self._pool_at_end()
             exit_code = await asyncio.to_thread(self._stop_server)
         finally:
             if self.server is not None and self.server.poll() is None:
                 self.server.kill()
-            self.redis.stop()
+            if self.redis is not None:
+                self.redis.stop()
         cold = await self._cold_check()
         return self._report(wall, pool, exit_code, cold)
 
@@ -234,16 +283,17 @@ class Soak:
                 return w.kind
         return "none"
 
-    async def _faults(self) -> None:
+    async def _redis_faults(self) -> None:
         d, c = self.cfg.duration_s, self.cfg
-        await self._at(0.15 * d)
+        assert self.redis is not None
+        await self._at(0.08 * d)
         w = Window("redis-restart", time.monotonic())
         self.windows.append(w)
         await asyncio.to_thread(self.redis.stop)
         await asyncio.to_thread(self.redis.start)
         w.end = time.monotonic() + 2.0
 
-        await self._at(0.30 * d)
+        await self._at(0.18 * d)
         w = Window("redis-down", time.monotonic())
         self.windows.append(w)
         proc = self.redis._proc  # SIGKILL: no shutdown, no goodbye to clients
@@ -254,7 +304,7 @@ class Soak:
         await asyncio.to_thread(self.redis.start)
         w.end = time.monotonic() + 2.0
 
-        await self._at(0.45 * d)
+        await self._at(0.30 * d)
         w = Window("redis-freeze", time.monotonic())
         self.windows.append(w)
         proc = self.redis._proc
@@ -266,19 +316,63 @@ class Soak:
             proc.send_signal(signal.SIGCONT)
         w.end = time.monotonic() + 2.0
 
-        await self._at(0.60 * d)
+        await self._at(0.40 * d)
         w = Window("redis-flushall", time.monotonic())
         self.windows.append(w)
         await asyncio.to_thread(self._flushall)
         w.end = time.monotonic() + 2.0
 
-        await self._at(0.75 * d)
+        await self._at(0.48 * d)
+        await self._server_kill(c.session_lock_ttl_s + 2.0)  # its turn locks stay leased until their TTL
+
+        await self._at(0.66 * d)
+        w = Window("deploy-redis-frozen", time.monotonic())
+        self.windows.append(w)
+        proc = self.redis._proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(c.redis_freeze_s / 2)  # turns acknowledged on the server's copy and journal
+            self.server_up.clear()
+            code = await asyncio.to_thread(self._stop_server)  # the drain waits for Redis; the rest stays in the journal
+            self.deploy_exit_codes.append(code)
+        finally:
+            proc.send_signal(signal.SIGCONT)  # the issue's order: Redis resumed, then the server restarted
+        await asyncio.to_thread(self.start_server)  # replays the journal, writes it to Redis
+        # the old server's lock writes Redis applies late hold those sessions for their lease
+        w.end = time.monotonic() + c.session_lock_ttl_s + 2.0
+
+    async def _server_kill(self, after_s: float) -> None:
         w = Window("server-kill", time.monotonic())
         self.windows.append(w)
         self.kill_server()
         await asyncio.to_thread(self.start_server)
-        # a turn lock the dead server held stays leased until its TTL runs out
-        w.end = time.monotonic() + c.session_lock_ttl_s + 2.0
+        w.end = time.monotonic() + after_s
+
+    async def _disk_faults(self) -> None:
+        d, c = self.cfg.duration_s, self.cfg
+        records = self.disk_dir / "sessions"
+        await self._at(0.15 * d)
+        w = Window("records-unwritable", time.monotonic())
+        self.windows.append(w)
+        aside = records.with_name("sessions.aside")
+        records.rename(aside)  # replaced by a file: no write there succeeds, also for root
+        records.write_text("not a directory")
+        try:
+            await asyncio.sleep(c.unwritable_s)
+        finally:
+            records.unlink()
+            aside.rename(records)
+        w.end = time.monotonic() + 1.0
+
+        await self._at(0.40 * d)
+        w = Window("server-deploy", time.monotonic())
+        self.windows.append(w)
+        await asyncio.to_thread(self.deploy_server)
+        w.end = time.monotonic() + 2.0
+
+        await self._at(0.65 * d)
+        await self._server_kill(2.0)  # no Redis: its turn locks died with it
 
     def _flushall(self) -> None:
         assert self.redis is not None
@@ -286,7 +380,12 @@ class Soak:
             r.flushall()
 
     async def _at(self, offset_s: float) -> None:
-        await asyncio.sleep(max(0.0, self.t0 + offset_s - time.monotonic()))
+        """Wait until ``offset_s`` into the run, and until the previous fault's window has
+        ended (a restarted server holds the sessions again once their clients came back)."""
+        start = self.t0 + offset_s
+        if self.windows:
+            start = max(start, self.windows[-1].end)
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
 
     async def _rss_sampler(self, deadline: float) -> None:
         while True:
@@ -343,6 +442,7 @@ class Soak:
         c, fig = self.cfg, self.fig
         fig.sessions += 1
         mine: list[int] = []  # the client's copy of the transcript
+        marks: list[int] = []  # its length after each acknowledged turn
         turns = rng.randint(*c.turns)
         done = 0
         while done < turns and time.monotonic() < deadline:
@@ -350,31 +450,42 @@ class Soak:
             max_new = rng.randint(*c.output_tokens)
             result = await self._turn(client, sid, mine, new, max_new)
             status, output, prompt_ok = result
-            if status == "ok":
-                if prompt_ok and len(fig.sample) < 4 * c.check_turns and rng.random() < 0.5:
+            if status == "ok" and not prompt_ok:
+                # The server built this turn on another transcript than ours: earlier turns
+                # are gone. Count them once, then go on from the server's copy.
+                mine, marks = await self._after_loss(client, sid, mine, marks, new, output)
+            elif status == "ok":
+                if len(fig.sample) < 4 * c.check_turns and rng.random() < 0.5:
                     fig.sample.append(TurnRecord(mine + new, list(output), max_new))
                 mine = mine + new + output
+                marks.append(len(mine))
             else:
                 # The call failed: refused, or cut mid-stream, or even after the server
                 # committed the turn (its end never reached us). The server's copy says which.
-                mine = await self._resync(client, sid, mine, new, output)
+                mine, marks = await self._resync(client, sid, mine, marks, new, output)
             done += 1
             await asyncio.sleep(rng.expovariate(1.0 / c.think_s) if c.think_s else 0.0)
         if not done:
             return
         server_copy = await self._get_transcript(client, sid)
+        if server_copy is None and not marks:
+            return  # no turn of it was ever acknowledged (all refused): there is nothing to have
         if server_copy is None:
             fig.sessions_lost += 1
+            fig.acked_turns_lost += len(marks)
             self._anomaly("session lost at its end", sid, mine=len(mine))
         elif server_copy == mine:
             fig.sessions_verified += 1
         else:
             fig.transcript_mismatches += 1
+            fig.acked_turns_lost += _turns_missing(marks, mine, server_copy)
             self._anomaly("transcript at session end", sid, mine=len(mine), server=len(server_copy),
                           common=common_prefix(mine, server_copy))  # fmt: skip
         if rng.random() < 0.5:
             await self._call(lambda: client.delete_session(sid))
             fig.sessions_deleted += 1
+        elif server_copy is not None:
+            self.kept[sid] = (server_copy, marks if server_copy == mine else [len(server_copy)])
 
     async def _turn(
         self, client: AsyncKVServeClient, sid: str, mine: list[int], new: list[int], max_new: int
@@ -441,28 +552,71 @@ class Soak:
                 await asyncio.sleep(0.3)
 
     async def _resync(
-        self, client: AsyncKVServeClient, sid: str, mine: list[int], new: list[int], partial: list[int]
-    ) -> list[int]:
+        self, client: AsyncKVServeClient, sid: str, mine: list[int], marks: list[int], new: list[int],
+        partial: list[int],
+    ) -> tuple[list[int], list[int]]:
         """After a cut turn: the server either has the transcript as before the turn, or
-        committed it (then what the client saw must be a prefix of the output)."""
+        committed it (then what the client saw must be a prefix of the output). Returns the
+        transcript to go on from and its acknowledged-turn marks."""
         fig = self.fig
         server_copy = await self._get_transcript(client, sid)
         self._note(sid, f"resync mine={len(mine)} server={None if server_copy is None else len(server_copy)}")
         if server_copy is None:
             if mine:
                 fig.sessions_lost += 1
+                fig.acked_turns_lost += len(marks)
                 self._anomaly("session lost after a failed turn", sid, mine=len(mine))
-            return []
+            return [], []
         if server_copy == mine:
-            return mine
+            return mine, marks
         head = mine + new
         if server_copy[: len(head)] == head and server_copy[len(head) : len(head) + len(partial)] == partial:
             fig.committed_unacked += 1
-            return server_copy
+            return server_copy, [*marks, len(server_copy)]
         fig.transcript_mismatches += 1
+        fig.acked_turns_lost += _turns_missing(marks, mine, server_copy)
         self._anomaly("transcript after a failed turn", sid, mine=len(mine), new=len(new), partial=len(partial),
                       server=len(server_copy), common=common_prefix(head, server_copy))  # fmt: skip
-        return server_copy
+        return server_copy, [m for m in marks if m <= common_prefix(mine, server_copy)]
+
+    async def _verify_kept(self) -> None:
+        """At the end of the run, every session that ended undeleted is read again: the
+        faults after it ended (a Redis restart or FLUSHALL, a server crash, a deploy) must
+        not have taken any of its acknowledged turns."""
+        fig = self.fig
+        async with AsyncKVServeClient(self._address(), timeout=CALL_TIMEOUT_S, options=CHANNEL_OPTIONS) as client:
+            for sid, (mine, marks) in self.kept.items():
+                server_copy = await self._get_transcript(client, sid)
+                fig.kept_checked += 1
+                if server_copy == mine:
+                    continue
+                fig.kept_mismatches += 1
+                lost = len(marks) if server_copy is None else _turns_missing(marks, mine, server_copy)
+                fig.acked_turns_lost += lost
+                self._anomaly("ended session read again at the end of the run", sid, mine=len(mine),
+                              server=None if server_copy is None else len(server_copy), turns_lost=lost)  # fmt: skip
+
+    async def _after_loss(
+        self, client: AsyncKVServeClient, sid: str, mine: list[int], marks: list[int], new: list[int],
+        output: list[int],
+    ) -> tuple[list[int], list[int]]:
+        """A turn acknowledged on a transcript other than the client's: the acknowledged
+        turns the server's prompt lacks are lost (counted once); the client goes on from
+        the server's copy, this turn included."""
+        fig = self.fig
+        server_copy = await self._get_transcript(client, sid)
+        if server_copy is None:  # gone again since (deleted by no one: lost)
+            fig.sessions_lost += 1
+            fig.acked_turns_lost += len(marks) + 1
+            return [], []
+        base = server_copy[: max(0, len(server_copy) - len(new) - len(output))]  # what the turn extended
+        fig.transcript_mismatches += 1
+        lost = _turns_missing(marks, mine, base)
+        fig.acked_turns_lost += lost
+        self._anomaly("turn acknowledged on another transcript", sid, mine=len(mine), server=len(base),
+                      common=common_prefix(mine, base), turns_lost=lost)  # fmt: skip
+        common = common_prefix(mine, base)
+        return server_copy, [*(m for m in marks if m <= common), len(server_copy)]
 
     def _anomaly(self, kind: str, sid: str, **details: Any) -> None:
         if len(self.fig.anomalies) < 50:
@@ -559,6 +713,10 @@ class Soak:
             "sessions_verified": f.sessions_verified,
             "sessions_deleted": f.sessions_deleted,
             "sessions_lost": f.sessions_lost,
+            "acked_turns_lost": f.acked_turns_lost,
+            "kept_checked": f.kept_checked,
+            "kept_mismatches": f.kept_mismatches,
+            "deploy_exit_codes": self.deploy_exit_codes,
             "transcript_mismatches": f.transcript_mismatches,
             "prompt_mismatches": f.prompt_mismatches,
             "windows": [
@@ -588,6 +746,12 @@ class Soak:
 def _quantile(values: list[float], p: float) -> float:
     v = sorted(values)
     return v[min(len(v) - 1, int(p * len(v)))]
+
+
+def _turns_missing(marks: list[int], mine: list[int], server_copy: list[int]) -> int:
+    """Acknowledged turns (their ends at ``marks`` in ``mine``) not in ``server_copy``."""
+    common = common_prefix(mine, server_copy)
+    return sum(1 for m in marks if m > common)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -656,15 +820,17 @@ def table(r: dict[str, Any]) -> str:
     cached = r["cached_tokens_by_tier"]
     errs = "; ".join(f"{w}: " + ", ".join(f"{c} {n}" for c, n in codes.items()) for w, codes in r["errors"].items())
     rows = [
-        ("clients x duration", f"{cfg['clients']} x {cfg['duration_s']:.0f} s (wall {r['wall_s']} s)"),
+        ("clients x duration (sessions in)", f"{cfg['clients']} x {cfg['duration_s']:.0f} s (wall {r['wall_s']} s; "
+                                             f"{STORE_WORDS[cfg['store']]})"),
         ("faults", ", ".join(f"{w['kind']} at {w['start']} s" for w in r["windows"]) or "none"),
         ("turns served (calls)", f"{r['turns_ok']} ({r['calls']})"),
         ("generated tokens, tokens/s", f"{r['tokens']}, {r['tokens_per_s']}"),
         ("TTFT p50 / p99", f"{r['ttft_p50_ms']} ms / {r['ttft_p99_ms']} ms"),
         ("TTFT p50 / p99 / max by window (turns)", "; ".join(
             f"{w}: {t['p50']} / {t['p99']} / {t['max']} ms ({t['turns']})" for w, t in r["ttft_by_window_ms"].items())),
-        ("prompt tokens, cached: device / host / redis",
-         f"{r['prompt_tokens']}: {cached.get('device', 0)} / {cached.get('host', 0)} / {cached.get('redis', 0)}"),
+        ("prompt tokens, cached: device / host / disk / redis",
+         f"{r['prompt_tokens']}: {cached.get('device', 0)} / {cached.get('host', 0)} / {cached.get('disk', 0)} / "
+         f"{cached.get('redis', 0)}"),
         ("errors by window and status", errs or "none"),
         ("unexpected errors (outside faults, not overload)", str(r["unexpected_errors"])),
         ("client errors during Redis faults", str(r["redis_fault_errors"])),
@@ -672,6 +838,8 @@ def table(r: dict[str, Any]) -> str:
          f"{r['lost_in_flight']} / {r['refused_while_down']} / {r['committed_unacked']}"),
         ("sessions: run / verified / deleted / lost",
          f"{r['sessions']} / {r['sessions_verified']} / {r['sessions_deleted']} / {r['sessions_lost']}"),
+        ("acknowledged turns lost", str(r["acked_turns_lost"])),
+        ("ended sessions read again at the end / not as they ended", f"{r['kept_checked']} / {r['kept_mismatches']}"),
         ("transcript mismatches (end of session, after faults)", str(r["transcript_mismatches"])),
         ("prompt-count mismatches", str(r["prompt_mismatches"])),
         ("server anonymous RSS MiB: warm -> end (max), per run",
@@ -679,7 +847,8 @@ def table(r: dict[str, Any]) -> str:
         ("KV blocks free at end / total (in use when the last turn ended, settled in)",
          f"{r['blocks_free_at_end']:.0f} / {r['blocks_total']:.0f} ({r['blocks_used_when_quiet']:.0f}, {r['pool_settle_s']} s)"),
         ("greedy turns replayed cold / mismatches", f"{r['cold_checked']} / {r['cold_mismatches']}"),
-        ("server exit status on SIGTERM", str(r["server_exit_code"])),
+        ("server exit status on SIGTERM: deploys during the run, at the end",
+         f"{', '.join(map(str, r['deploy_exit_codes'])) or 'none'}; {r['server_exit_code']}"),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     lines = [f"| {'figure':<{width}} | value |", f"| {'-' * width} | --- |"]
@@ -693,7 +862,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ci", action="store_true", help="the CI length: 60 s")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--faults", action="store_true",
-                   help="Redis restart, Redis down, Redis frozen (SIGSTOP), FLUSHALL, server SIGKILL")
+                   help="Redis restart, Redis down, Redis frozen (SIGSTOP), FLUSHALL, server SIGKILL, a deploy while "
+                        "Redis is frozen; with --store disk: records directory unwritable, a deploy, server SIGKILL")
+    p.add_argument("--store", choices=("redis", "disk", "redis-no-disk"), default="redis",
+                   help="where sessions live: Redis with a disk directory (the session journal; default), the disk "
+                        "directory alone (record files, no Redis), or Redis alone (no journal: the comparison)")
+    p.add_argument("--unwritable", type=float, default=5.0,
+                   help="--store disk: seconds the records directory stays unwritable")
+    p.add_argument("--drain-timeout", type=float, default=5.0, help="the server's --drain-timeout, seconds")
+    p.add_argument("--disk-tokens", type=int, default=0, help="disk tier, in tokens (default 64 per client)")
     p.add_argument("--redis-down", type=float, default=10.0, help="seconds Redis stays killed")
     p.add_argument("--redis-freeze", type=float, default=10.0, help="seconds Redis stays frozen (SIGSTOP)")
     p.add_argument("--model", help="model directory (default: the packaged model, else a tiny random Llama)")
@@ -707,9 +884,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     duration = args.duration if args.duration is not None else (60.0 if args.ci else 300.0)
     cfg = SoakConfig(
-        duration_s=duration, clients=args.clients, faults=args.faults, redis_down_s=args.redis_down,
-        redis_freeze_s=args.redis_freeze, device_tokens=args.device_tokens, host_tokens=args.host_tokens, check_turns=args.check_turns, seed=args.seed,
-        restore_policy=args.restore_policy,
+        duration_s=duration, clients=args.clients, faults=args.faults, store=args.store, redis_down_s=args.redis_down,
+        redis_freeze_s=args.redis_freeze, unwritable_s=args.unwritable, drain_s=args.drain_timeout,
+        device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
+        check_turns=args.check_turns, seed=args.seed, restore_policy=args.restore_policy,
     )  # fmt: skip
     model = resolve_model(args.model)
     with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as work:
@@ -720,7 +898,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = (
         report["unexpected_errors"] == 0 and report["redis_fault_errors"] == 0 and report["transcript_mismatches"] == 0
         and report["sessions_lost"] == 0 and report["cold_mismatches"] == 0 and report["prompt_mismatches"] == 0
-        and report["blocks_used_at_end"] == 0 and report["server_exit_code"] == 0
+        and report["acked_turns_lost"] == 0 and report["kept_mismatches"] == 0 and report["blocks_used_at_end"] == 0 and report["server_exit_code"] == 0
+        and all(code == 0 for code in report["deploy_exit_codes"])
     )  # fmt: skip
     return 0 if ok else 1
 
