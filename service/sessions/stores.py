@@ -1364,8 +1364,8 @@ class FallbackSessionStore:
         primary = self.primary
         if not isinstance(primary, RedisSessionStore):
             return 0
-        held = {(r.owner, r.session_id): r for r in self.local.held()}
-        if not held:
+        held = {key: r for r in self.local.held() if (key := (r.owner, r.session_id)) not in self._unsynced}
+        if not held:  # (what Redis has not confirmed is the write-back's: ``sync``)
             return 0
         budget = max(deadline - time.monotonic(), self.timeout_s)
         ok, lost = await self._try("check", lambda: primary.missing(list(held)), timeout_s=budget)
