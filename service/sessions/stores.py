@@ -598,6 +598,10 @@ class RedisSessionStore:
             else:
                 self._unreadable(owner, session_id, fingerprint(key_type=key_type), f"the key is a Redis {key_type}")
                 return None, Expect(absent_ok=True, unreadable=fingerprint(key_type=key_type))
+        return self._decode(owner, session_id, data)
+
+    def _decode(self, owner: str, session_id: str, data: bytes | None) -> tuple[SessionRecord | None, Expect]:
+        """``read``'s answer for the value ``data`` of the session's record key."""
         if data is None:
             return None, Expect(absent_ok=True)
         if data.startswith(TOMBSTONE_PREFIX):
@@ -610,6 +614,24 @@ class RedisSessionStore:
             self._unreadable(owner, session_id, fingerprint(data), str(e))
             return None, Expect(absent_ok=True, unreadable=fingerprint(data))
         return rec, Expect.of(rec)
+
+    async def _get_many(self, owner: str, session_ids: list[str]) -> list[SessionRecord | None]:
+        """``get`` of each, in one pipeline (one round trip, one connection: a page of a
+        thousand is not a thousand connections at once); a key that answers with an error
+        (of another type) is read alone, as ``read`` does."""
+        pipe = self._r.pipeline(transaction=False)
+        for sid in session_ids:  # one key per command (Redis Cluster)
+            pipe.get(self._key("sess", owner, sid))
+        values = await pipe.execute(raise_on_error=False)
+        out = []
+        for sid, value in zip(session_ids, values):
+            if isinstance(value, Exception):
+                if not is_key_error(value):
+                    raise value
+                out.append(await self.get(owner, sid))
+            else:
+                out.append(self._decode(owner, sid, value)[0])
+        return out
 
     def _unreadable(self, owner: str, session_id: str, fp: str, why: str) -> None:
         """Count and log an unreadable value once (per session and value)."""
@@ -688,7 +710,7 @@ class RedisSessionStore:
             ids = [i.decode() for i in await self._r.zrangebylex(index, lo, "+", start=0, num=want)]
             if not ids:
                 return out, ""
-            recs = await asyncio.gather(*(self.get(owner, sid) for sid in ids))
+            recs = await self._get_many(owner, ids)
             gone = [sid for sid, rec in zip(ids, recs) if rec is None]
             if gone:
                 await self._unindex(owner, *gone)
@@ -853,6 +875,7 @@ class FallbackSessionStore:
         self._base_turns: dict[tuple[str, str], int] = {}  # unsynced session -> turns Redis was known to hold
         self._journal_failing = 0  # journal appends failed since the last that went through
         self._watch_task: asyncio.Task | None = None
+        self._lost_pending = False  # Redis lost its data and not every held record was checked since
         self.restored = 0  # records Redis lost after confirming them, written back from this replica's copies
         self.journal = journal
         if journal is not None:
@@ -1145,8 +1168,10 @@ class FallbackSessionStore:
             try:
                 if self.breaker.state == "closed":  # an open breaker's probes are the turns' and the sync's
                     ok, lost = await self._try("mark", primary.mark)
-                    if ok and lost:
-                        await self._restore_lost(time.monotonic() + 30.0)
+                    self._lost_pending |= bool(ok and lost)
+                    if self._lost_pending:  # until one pass got through them all
+                        _, complete = await self._restore_lost(time.monotonic() + 30.0)
+                        self._lost_pending = not complete
             except Exception:  # noqa: BLE001 - tried again next round
                 log.warning("checking Redis for lost session records failed", exc_info=True)
             await asyncio.sleep(self._sync_every_s)
@@ -1346,7 +1371,7 @@ class FallbackSessionStore:
         turns = await self._unsaved_turns()
         if left and not why:
             why = "Redis did not answer" if self.breaker.state != "closed" else "Redis did not take them"
-        restored = 0 if left else await self._restore_lost(deadline)
+        restored = 0 if left else (await self._restore_lost(deadline))[0]
         waited = time.monotonic() - t0
         written = max(0, before - self.unsynced)
         if self.journal is not None:  # every change Redis lacks is in the journal
@@ -1355,28 +1380,32 @@ class FallbackSessionStore:
         return FlushReport(sessions=len(left), turns=turns, written=written, restored=restored, waited_s=waited,
                            where="Redis", why=why)  # fmt: skip
 
-    async def _restore_lost(self, deadline: float) -> int:
+    async def _restore_lost(self, deadline: float) -> tuple[int, bool]:
         """Write back the records this replica holds that Redis lost after confirming them
         (a restart without persistence, FLUSHALL, eviction): they would otherwise live on
         only in this process, until the session's next turn. Each is a conditional write
         that finds nothing there (RESTORED), never over another version or a tombstone.
-        Best effort, within ``deadline``; returns how many were written back."""
+        Best effort, within ``deadline``; returns how many were written back and whether
+        every held record was dealt with (else the caller tries again)."""
         primary = self.primary
         if not isinstance(primary, RedisSessionStore):
-            return 0
+            return 0, True
         held = {key: r for r in self.local.held() if (key := (r.owner, r.session_id)) not in self._unsynced}
         if not held:  # (what Redis has not confirmed is the write-back's: ``sync``)
-            return 0
+            return 0, True
         budget = max(deadline - time.monotonic(), self.timeout_s)
         ok, lost = await self._try("check", lambda: primary.missing(list(held)), timeout_s=budget)
+        complete = ok
         n = 0
         for key in lost if ok else []:
-            if time.monotonic() >= deadline:
-                break
             rec = held[key]
+            if time.monotonic() >= deadline:
+                complete = False
+                break
             async with self._one_writer(key):
                 ok, outcome = await self._try("write-back", lambda r=rec: primary.put_if(r, Expect.of(r)))
             if not ok:
+                complete = False
                 break
             if outcome == RESTORED:
                 n += 1
@@ -1384,8 +1413,9 @@ class FallbackSessionStore:
                 self.restored += 1
         if n:
             log.warning("session store: %d record(s) Redis had lost (restarted without persistence, flushed or "
-                        "evicted) written back from this replica's copies", n)  # fmt: skip
-        return n
+                        "evicted) written back from this replica's copies%s", n,
+                        "" if complete else "; the rest on the next pass")  # fmt: skip
+        return n, complete
 
     async def close(self) -> None:
         self._closed = True

@@ -281,6 +281,26 @@ def test_records_redis_lost_are_written_back_without_waiting_for_a_turn(make_red
     asyncio.run(run())
 
 
+def test_a_tenant_with_hundreds_of_sessions_lists_them_in_one_round_trip(make_redis_server):
+    """A page of ``list`` (what a delete's shared-prefix check reads) is one pipeline: 250
+    sessions are no 250 connections at once (redis-py's pool holds 100: the gather it
+    replaced failed with MaxConnectionsError, which opened the session store's breaker)."""
+    srv = make_redis_server()
+
+    async def run() -> None:
+        fb = _store(srv.url)
+        try:
+            for i in range(250):
+                await fb.primary.put(_rec(f"s{i:03d}", turns=1))
+            page, token = await fb.list("o", 1000)
+            assert [r.session_id for r in page] == [f"s{i:03d}" for i in range(250)] and token == ""
+            assert fb.primary_errors == 0 and fb.breaker.state == "closed"
+        finally:
+            await fb.close()
+
+    asyncio.run(run())
+
+
 # ----------------------------------------------------------------------------- the disk store
 
 
