@@ -49,6 +49,15 @@ the engine uses to restore straight into device-pool blocks:
   decode where the block lands (on the GPU after the copy). ``storage_dtype`` names the
   form (None: the block's own bytes, where this is ``get_many_into``).
 
+Observers (``BlockTier.set_observer``): a tier tells a ``TierObserver`` (the KV events
+publisher, service/kv_events.py) of every change of what it holds, by block hash:
+``stored`` when it newly holds blocks (``set_observer`` first reports what it holds
+already), ``removed`` when it no longer does (evicted, deleted, failed verification,
+found missing). A tier with a lock calls it with that lock held, so the observer sees
+the changes in the order the tier made them; the observer must be quick, never raise
+and never call the tier back. Redis, which evicts and expires keys on its own, reports
+the writes it made and the keys it found missing (``contains_many``, a failed read).
+
 Thread safety: tiers are safe to call from several threads at once.
 """
 
@@ -59,7 +68,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Generic, NamedTuple, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, NamedTuple, Protocol, Sequence, TypeVar
 
 from kvserve.common.breaker import CLOSED
 from kvserve.common.tiers import Tier
@@ -186,6 +195,16 @@ class Storage(ABC, Generic[T]):
         return [self.delete(r) for r in refs]
 
 
+class TierObserver(Protocol):
+    """Told of every change of what a block tier holds (see the module docstring):
+    ``tier`` names the tier, ``hashes`` are the blocks' 32-byte hashes. Quick, never
+    raising, never calling the tier back (it may be called with the tier's lock held)."""
+
+    def tier_stored(self, tier: Tier, hashes: Sequence[bytes]) -> None: ...
+
+    def tier_removed(self, tier: Tier, hashes: Sequence[bytes]) -> None: ...
+
+
 class LayeredRead(ABC):
     """One layer-by-layer load (``BlockTier.layered_read``; the module docstring)."""
 
@@ -234,6 +253,8 @@ class BlockTier(Storage["torch.Tensor"]):
     - ``durable``: the tier outlives this process on this machine (disk; Redis, being
       shared, too): with no shared tier, the drain writes to the first durable one, so
       this server restarted resumes its sessions.
+    - ``set_observer(observer)``: tell ``observer`` of every change of what the tier
+      holds from now on, after reporting what it holds already (module docstring).
     - ``close()``: release connections (and locks).
     """
 
@@ -245,6 +266,7 @@ class BlockTier(Storage["torch.Tensor"]):
     shared: bool = False
     durable: bool = False
     storage_dtype: torch.dtype | None = None  # the stored form ``get_many_stored_into`` gives (None: exact)
+    _observer: TierObserver | None = None  # set_observer's (None: nobody watches)
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return False
@@ -268,6 +290,20 @@ class BlockTier(Storage["torch.Tensor"]):
 
     def set_on_evict(self, on_evict: Callable[[BlockRef, torch.Tensor], None] | None) -> None:
         pass
+
+    def set_observer(self, observer: TierObserver | None) -> None:
+        """Tell ``observer`` of every change of what the tier holds (module docstring). A
+        tier that can list what it holds reports that first, under the same lock as the
+        changes, so nothing falls between; this default (Redis) lists nothing."""
+        self._observer = observer
+
+    def _stored(self, hashes: Sequence[bytes]) -> None:
+        if self._observer is not None and hashes:
+            self._observer.tier_stored(self.name, hashes)
+
+    def _removed(self, hashes: Sequence[bytes]) -> None:
+        if self._observer is not None and hashes:
+            self._observer.tier_removed(self.name, hashes)
 
     @property
     def breaker_state(self) -> str:

@@ -66,7 +66,7 @@ from kvserve.common.dirlock import hold_dir_lock
 from kvserve.common.tiers import Tier
 
 from . import codec
-from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, LayeredRead, TierCounters, TierStats
+from .base import BACKEND_ERROR, NOT_FOUND, BlockRef, BlockTier, LayeredRead, TierCounters, TierObserver, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,13 @@ class DiskTier(BlockTier):
 
     def set_on_evict(self, on_evict: EvictCallback | None) -> None:
         self._on_evict = on_evict
+
+    def set_observer(self, observer: TierObserver | None) -> None:
+        """Report the blocks held now (the index rebuilt at start: what survived a restart)
+        to ``observer``, oldest first, then every change (``cachestore.base``)."""
+        with self._lock:
+            self._observer = observer
+            self._stored(list(self._lru))
 
     def __len__(self) -> int:
         with self._lock:
@@ -335,6 +342,7 @@ class DiskTier(BlockTier):
             size = self._lru.pop(digest, None)
             if size is not None:
                 self._bytes -= size
+                self._removed([digest])
 
     def contains(self, ref: BlockRef) -> bool:
         with self._lock:
@@ -392,6 +400,8 @@ class DiskTier(BlockTier):
                 victim, size = self._lru.popitem(last=False)
                 self._bytes -= size
                 victims.append(victim)
+            self._stored([digest])
+            self._removed(victims)
         self._counters.add(puts=1, bytes_in=self.file_nbytes)
         self._counters.add_seconds("write", time.perf_counter() - t0)
         for victim in victims:
@@ -456,6 +466,7 @@ class DiskTier(BlockTier):
             if size is None:
                 return False
             self._bytes -= size
+            self._removed([digest])
         _unlink(self.path(ref))
         return True
 
@@ -463,6 +474,7 @@ class DiskTier(BlockTier):
         """Remove every block file (no eviction callbacks)."""
         with self._lock:
             digests = list(self._lru)
+            self._removed(digests)
             self._lru.clear()
             self._bytes = 0
         for d in digests:

@@ -37,7 +37,7 @@ import torch
 
 from kvserve.common.tiers import Tier
 
-from .base import NOT_FOUND, BlockRef, BlockTier, HeldBlocks, LayeredRead, TierCounters, TierStats
+from .base import NOT_FOUND, BlockRef, BlockTier, HeldBlocks, LayeredRead, TierCounters, TierObserver, TierStats
 from .codec import byte_view, cpu_byte_view
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,12 @@ class HostTier(BlockTier):
     def set_on_evict(self, on_evict: EvictCallback | None) -> None:
         """Install the eviction callback (the tiered store installs its demotion)."""
         self._on_evict = on_evict
+
+    def set_observer(self, observer: TierObserver | None) -> None:
+        """Report the blocks held now to ``observer``, then every change (``cachestore.base``)."""
+        with self._lock:
+            self._observer = observer
+            self._stored([ref.block_hash for ref in self._lru])
 
     def __len__(self) -> int:
         with self._lock:
@@ -198,6 +204,8 @@ class HostTier(BlockTier):
             else:
                 return False
             self._gen[slot] += 1  # a layered read of the slot's previous block stops there
+            if victim is not None:
+                self._removed([victim.block_hash])
         # The slot is private now: not in the LRU, not in the free list.
         if victim is not None:
             self._counters.add(evictions=1)
@@ -218,6 +226,7 @@ class HostTier(BlockTier):
                 self._counters.add(put_skips=1)
                 return True
             self._lru[ref] = slot
+            self._stored([ref.block_hash])
         self._counters.add(puts=1, bytes_in=self.block_nbytes)
         self._counters.add_seconds("write", time.perf_counter() - t0)
         return True
@@ -228,11 +237,13 @@ class HostTier(BlockTier):
             if slot is None:
                 return False
             self._free.append(slot)
+            self._removed([ref.block_hash])
             return True
 
     def clear(self) -> None:
         """Drop every block (no eviction callbacks)."""
         with self._lock:
+            self._removed([ref.block_hash for ref in self._lru])
             self._lru.clear()
             self._free = list(range(self.capacity_blocks - 1, -1, -1))
 

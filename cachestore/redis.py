@@ -571,6 +571,7 @@ class RedisTier(BlockTier):
         of every restore on every replica stopping at it until the TTL runs out."""
         key = self.key(ref)
         if self._call(lambda c: c.delete(key), "delete") is not None:
+            self._removed([ref.block_hash])
             log.warning("redis block %s failed verification (%s): deleted; the next write stores it again", key, reason)
 
     def get_into(self, ref: BlockRef, out: torch.Tensor) -> bool:
@@ -593,7 +594,10 @@ class RedisTier(BlockTier):
         found = self._call(lambda c: self._pipeline(c, "exists", keys), "exists", read=True)
         if found is None:
             return [False] * len(refs)
-        return [f is True or (isinstance(f, int) and f > 0) for f in found]
+        held = [f is True or (isinstance(f, int) and f > 0) for f in found]
+        if self._observer is not None:  # expired, evicted by maxmemory, deleted by another replica
+            self._removed([r.block_hash for r, h in zip(refs, held) if not h])
+        return held
 
     def contains(self, ref: BlockRef) -> bool:
         return self.contains_many([ref])[0]
@@ -676,6 +680,8 @@ class RedisTier(BlockTier):
                     self._counters.fail(BACKEND_ERROR)
         self._counters.add(puts=n_put, put_skips=n_skip, bytes_in=nbytes)
         self._counters.add_seconds("write", time.perf_counter() - t0)
+        if self._observer is not None:  # written now, or there already (its TTL refreshed)
+            self._stored([r.block_hash for r, h in zip(refs, held) if h])
         return held
 
     def delete_many(self, refs: Sequence[BlockRef]) -> list[bool]:
@@ -685,6 +691,7 @@ class RedisTier(BlockTier):
         removed = self._call(lambda c: self._pipeline(c, "delete", keys), "delete")
         if removed is None:
             return [False] * len(refs)
+        self._removed([r.block_hash for r in refs])  # deleted now, or not there
         return [isinstance(r, int) and r > 0 for r in removed]
 
     def delete(self, ref: BlockRef) -> bool:

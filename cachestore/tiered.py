@@ -29,6 +29,8 @@ Guarantees:
   other (disk, Redis) the block is copied into one of ``demotion_buffers`` staging buffers (the
   source is reused right after: a memcpy on the evicting thread) and queued; the writer
   encodes it and the tier stores it only if it is not there yet.
+- Observable: ``observe`` hands every tier an observer told of every block it newly
+  holds or no longer holds (``cachestore.base``), whatever moved it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from kvserve.common.breaker import OPEN
 from kvserve.common.tiers import Tier
 
 from . import codec
-from .base import BlockRef, BlockTier, HeldBlocks, LayeredRead, TierStats
+from .base import BlockRef, BlockTier, HeldBlocks, LayeredRead, TierObserver, TierStats
 from .codec import copy_block
 from .keys import BlockHash, Namespace
 
@@ -330,6 +332,22 @@ class TieredStore:
     def tier(self, name: str) -> BlockTier | None:
         """The configured tier of that name (None: not configured)."""
         return self._tiers.get(name)
+
+    def observe(self, observer: TierObserver | None, recall: Mapping[str, Sequence[bytes]] | None = None) -> None:
+        """Tell ``observer`` what each tier holds now and every change from now on, tier by
+        tier (``BlockTier.set_observer``): the KV events publisher (service/kv_events.py)
+        watches the store so. A tier that cannot list what it holds (Redis) is asked about
+        the blocks ``recall`` names for it (by hash alone, as disk and Redis address
+        blocks; one pipelined round trip per batch), and those it holds are reported."""
+        for tier in self._order:
+            tier.set_observer(observer)
+            hashes = (recall or {}).get(tier.name)
+            if observer is None or not hashes:
+                continue
+            for start in range(0, len(hashes), tier.batch_blocks):
+                batch = hashes[start : start + tier.batch_blocks]
+                held = tier.contains_many([BlockRef(Namespace(bytes(32)), BlockHash(h)) for h in batch])
+                observer.tier_stored(tier.name, [h for h, ok in zip(batch, held) if ok])
 
     # ---- lookups and restores (blocking: call from a worker thread) ------------------
 
