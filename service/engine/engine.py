@@ -62,7 +62,7 @@ from .scheduler import Scheduler
 from .speculative import SpecConfig
 from .sequence import Emitted, Sequence, SeqStatus
 from .warm import Warmer, WarmJob
-from ..kv.block_manager import Block, BlockManager
+from ..kv.block_manager import Block, BlockEvents, BlockManager
 from ..kv.cache import KVPool
 from ..kv.keys import BlockKeys
 from ..kv.transfer import BlockTransfers
@@ -91,7 +91,9 @@ __all__ = ["Emitted", "LLMEngine", "SeqStatus", "Sequence"]
 
 class LLMEngine:
     """``transfers``: builds the pool's ``BlockTransfers`` (tests pass fake streams);
-    ``sampler``: the output room's sampler (``sampling.sample``; tests inject faults)."""
+    ``sampler``: the output room's sampler (``sampling.sample``; tests inject faults);
+    ``events``: told of every hash the device pool starts or stops holding (the KV events
+    publisher, service/kv_events.py; ``BlockManager``'s ``BlockEvents``)."""
 
     def __init__(
         self,
@@ -101,6 +103,7 @@ class LLMEngine:
         *,
         transfers: Callable[[KVPool], BlockTransfers] | None = None,
         sampler: Sampler = sample,
+        events: BlockEvents | None = None,
     ) -> None:
         self.cfg = cfg
         self.loaded = loaded
@@ -110,7 +113,7 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # the KV objects the rooms share
         self.pool = loaded.new_kv_pool(cfg.kv_cache_memory, cfg.block_size, cfg.kv_cache_format)
-        self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._demote)
+        self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._demote, events=events)
         # restores into / demotions out of the pool (CUDA: streams, events, pinned staging)
         self.transfers = (transfers or (lambda pool: BlockTransfers.for_pool(pool, cfg.staging_memory)))(self.pool)
         self.store = store
@@ -145,6 +148,7 @@ class LLMEngine:
         self.warmer = Warmer(
             self.blocks, max_blocks=int(cfg.warm_pool_fraction * usable),
             max_blocks_per_tenant=int(cfg.warm_tenant_fraction * usable), ttl_s=cfg.warm_ttl_s,
+            block_size=cfg.block_size,
         )  # fmt: skip
         self.scheduler = Scheduler(
             cfg, self.blocks, self.keys, has_tiers=store is not None,
@@ -300,7 +304,7 @@ class LLMEngine:
         free or evictable device blocks, within the warm-up caps, and hold those too for
         ``--warm-ttl``. ``done(result)`` is called once it is through, on this thread."""
         ns, hashes = self.keys.of(token_ids, scope)
-        job = self.warmer.begin(ns, hashes, tenant)
+        job = self.warmer.begin(ns, hashes, tenant, token_ids)
         if not job.rest or self.store is None:
             done(self.warmer.landed(job, []))
             return

@@ -250,8 +250,11 @@ class Restorer:
             seq.restore_s = end - seq.t_restore0
             start = seq.num_registered
             self.transfers.finish_restore(event)
+            B = self.block_size
             for i, tier_name in enumerate(loaded):
-                self.blocks.register(seq.blocks[start + i], seq.hashes[start + i], seq.namespace)
+                j = start + i
+                self.blocks.register(seq.blocks[j], seq.hashes[j], seq.namespace,
+                                     parent=seq.hashes[j - 1] if j else None, tokens=seq.token_ids[j * B : (j + 1) * B])
                 tier = Tier(tier_name)  # the store reports names
                 seq.cached_by_tier[tier] = seq.cached_by_tier.get(tier, 0) + self.block_size
             seq.num_registered = start + len(loaded)

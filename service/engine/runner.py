@@ -345,8 +345,10 @@ class Runner:
             return
         if len(seq.hashes) < full:
             seq.hashes = self.keys.chain(seq.namespace, seq.token_ids[: full * self.block_size], seq.hashes)
+        B = self.block_size
         for i in range(seq.num_registered, full):
-            self.blocks.register(seq.blocks[i], seq.hashes[i], seq.namespace)
+            self.blocks.register(seq.blocks[i], seq.hashes[i], seq.namespace,
+                                 parent=seq.hashes[i - 1] if i else None, tokens=seq.token_ids[i * B : (i + 1) * B])
         seq.num_registered = full
 
     def _release_outside_window(self, seq: Sequence) -> None:

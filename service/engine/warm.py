@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvserve.cachestore.keys import BlockHash
 from ..kv.block_manager import Block, BlockManager
@@ -55,6 +55,7 @@ class WarmJob:
     namespace: bytes
     hashes: list[BlockHash]  # every full block of the transcript
     tenant: str
+    token_ids: Sequence[int] = ()  # the transcript (the blocks' tokens, for the KV events)
     on_device: int = 0  # leading blocks that were on the device (held within the caps)
     located: int = 0  # leading blocks past those that a store tier holds
     blocks: list[Block] = field(default_factory=list)  # fresh blocks being loaded into
@@ -74,9 +75,11 @@ class Warmer:
         max_blocks: int,
         max_blocks_per_tenant: int,
         ttl_s: float,
+        block_size: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.blocks = blocks
+        self.block_size = block_size  # tokens per block: a landed block's tokens are the transcript's
         self.max_blocks = max_blocks
         self.max_blocks_per_tenant = max_blocks_per_tenant
         self.ttl_s = ttl_s
@@ -94,10 +97,10 @@ class Warmer:
 
     # ---- a warm-up -------------------------------------------------------------------
 
-    def begin(self, namespace: bytes, hashes: list[BlockHash], tenant: str) -> WarmJob:
+    def begin(self, namespace: bytes, hashes: list[BlockHash], tenant: str, token_ids: Sequence[int] = ()) -> WarmJob:
         """Hold the leading blocks already on the device (within the caps)."""
         self.num_requests += 1
-        job = WarmJob(namespace, hashes, tenant)
+        job = WarmJob(namespace, hashes, tenant, token_ids)
         hits = self.blocks.match_prefix(hashes)
         for block in hits:
             self._hold(block, tenant)  # past the caps a hit stays on the device, not held
@@ -134,7 +137,9 @@ class Warmer:
             if job.cancelled or i >= len(loaded):
                 self.blocks.free([block])
                 continue
-            kept = self.blocks.register(block, job.rest[i], job.namespace)
+            j, B = job.on_device + i, self.block_size
+            kept = self.blocks.register(block, job.hashes[j], job.namespace,
+                                        parent=job.hashes[j - 1] if j else None, tokens=job.token_ids[j * B : (j + 1) * B])
             if kept is block:
                 self._pins[block.block_id] = _Pin(block, job.tenant, self.clock() + self.ttl_s)
                 self._held[job.tenant] += 1

@@ -14,17 +14,31 @@ Popping a cached block evicts it: ``on_evict(block)`` is called first (the engin
 demotes its KV to the host tier there), then its hash is dropped.
 
 Block 0 is the null block: padding writes land there and it is never handed out.
+
+``events`` (a ``BlockEvents``: the KV events publisher, service/kv_events.py) is told of
+every hash the pool starts holding (``register``, with the block's parent hash and
+tokens) and stops holding (eviction, ``drop_hash``), in the order it happens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from kvserve.cachestore.keys import BlockHash
 
 NULL_BLOCK = 0  # never handed out: padding slots of a batch write their K/V here
+
+
+class BlockEvents(Protocol):
+    """Told of every hash the device pool starts or stops holding (engine thread; quick,
+    never raising): the block's hash, its parent's (None: the first block of its chain)
+    and its tokens."""
+
+    def block_stored(self, block_hash: BlockHash, parent: BlockHash | None, tokens: Sequence[int]) -> None: ...
+
+    def block_removed(self, block_hash: BlockHash) -> None: ...
 
 
 class NoFreeBlocks(RuntimeError):
@@ -44,6 +58,7 @@ class BlockManager:
         self,
         num_blocks: int,
         on_evict: Callable[[Block], None] | None = None,
+        events: BlockEvents | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 blocks (one is the null block), got {num_blocks}")
@@ -55,6 +70,7 @@ class BlockManager:
         )
         self._cached: dict[BlockHash, Block] = {}
         self._on_evict = on_evict
+        self._events = events
         self.num_evicted = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -123,8 +139,18 @@ class BlockManager:
                 else:
                     self._free[block.block_id] = block
 
-    def register(self, block: Block, block_hash: BlockHash, namespace: bytes) -> Block:
-        """Record that ``block`` holds the KV of ``block_hash``.
+    def register(
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        namespace: bytes,
+        *,
+        parent: BlockHash | None = None,
+        tokens: Sequence[int] = (),
+    ) -> Block:
+        """Record that ``block`` holds the KV of ``block_hash`` (``parent``: the hash of
+        the block before it in its chain, None for the first; ``tokens``: its tokens;
+        both only for ``events``).
 
         If another block already holds that hash, the existing one stays the cached
         copy and ``block`` remains unhashed (a duplicate that is freed normally).
@@ -138,12 +164,16 @@ class BlockManager:
         block.block_hash = block_hash
         block.namespace = namespace
         self._cached[block_hash] = block
+        if self._events is not None:
+            self._events.block_stored(block_hash, parent, tokens)
         return block
 
     def drop_hash(self, block: Block) -> None:
         """Forget a block's hash (e.g. its KV is known bad). It stays allocated."""
         if block.block_hash is not None:
             self._cached.pop(block.block_hash, None)
+            if self._events is not None:
+                self._events.block_removed(block.block_hash)
             block.block_hash = None
             block.namespace = None
 
@@ -155,6 +185,8 @@ class BlockManager:
         if self._on_evict is not None:
             self._on_evict(block)
         del self._cached[block.block_hash]
+        if self._events is not None:  # after on_evict: the demoted copy is announced first
+            self._events.block_removed(block.block_hash)
         block.block_hash = None
         block.namespace = None
         self.num_evicted += 1
