@@ -102,6 +102,15 @@ def parse_tiers(text: str) -> tuple[Tier, ...]:
     return tuple(Tier(t) for t in names)
 
 
+def parse_event_tiers(text: str) -> tuple[Tier, ...]:
+    """``"device,host"`` -> (Tier.DEVICE, Tier.HOST): the tiers whose changes KV events publish."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in tuple(Tier)]
+    if bad:
+        raise ValueError(f"unknown tier {bad[0]!r} (choose from {', '.join(Tier)})")
+    return tuple(Tier(t) for t in names)
+
+
 def parse_names(text: str) -> tuple[str, ...]:
     """``"a,b"`` -> ("a", "b"); surrounding spaces and empty items dropped."""
     return tuple(t.strip() for t in text.split(",") if t.strip())
@@ -196,6 +205,15 @@ class ServerConfig:
     warm_tenant_fraction: float = setting(0.125, "Share of the device KV pool's blocks that one tenant's session warm-ups may hold at once.", float, metavar="FRACTION")
     warm_ttl: float = setting(30.0, "How long blocks warmed for a session's next turn are held for it; unused by then they become ordinary evictable cache (kvserve_warm_wasted_blocks_total).", parse_duration, metavar="SECONDS")
     spill_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.DISK, Tier.REDIS), "Tiers idle sessions spill to: any of host, disk, redis, comma-separated (unconfigured tiers are skipped).", parse_tiers, fmt=",".join, metavar="TIERS")
+    # --- KV events for KV-aware routers (service/kv_events.py, docs/kv-events.md) ---
+    kv_events_endpoint: str | None = setting(None, "Publish KV events (which blocks each tier holds: BlockStored, BlockRemoved, AllBlocksCleared) over ZMQ in vLLM's wire format, for KV-aware routers (llm-d's precise prefix-cache scorer, NVIDIA Dynamo's KV router): tcp://*:5557 binds there (a wildcard, ipc:// and inproc:// bind), tcp://HOST:PORT connects to a subscriber that binds (llm-d's indexer in its centralized mode). Needs the events extra (pyzmq, msgpack). Empty = off.", parse_optional_str, metavar="ENDPOINT")
+    kv_events_replay_endpoint: str | None = setting(None, "ZMQ endpoint (bound) of the KV events replay socket: a subscriber that joined late or missed batches sends a sequence number and gets every batch from there still buffered (vLLM's replay protocol), or, from before the buffer, one batch with the whole state. Empty = none.", parse_optional_str, metavar="ENDPOINT")
+    kv_events_topic: str = setting("kv@{hostname}@{model}", "Topic (first frame) of every KV events batch; {hostname} becomes this machine's host name (the pod's on Kubernetes), {model} the served model's id: llm-d's indexer reads kv@<pod>@<model>.", str, metavar="TOPIC")
+    kv_events_token_ids: bool = setting(True, "Put each stored block's token ids in its BlockStored event, as vLLM does: the routers compute their own keys from them. They are the tokens of every tenant's prompts and replies, readable by whoever can subscribe; --no-kv-events-token-ids sends empty token_ids (hashes, parent links and tiers only; docs/kv-events.md, Tenancy).", parse_bool)
+    kv_events_tiers: tuple[Tier, ...] = setting(tuple(Tier), "Tiers whose changes KV events publish, comma-separated: device (medium GPU on CUDA, DEVICE otherwise), host (CPU), disk (DISK), redis (SHARED).", parse_event_tiers, fmt=",".join, metavar="TIERS")
+    kv_events_encoding: str = setting("map", "How each KV event is encoded: map (named fields, tagged by type: vLLM since its PR 42892, llm-d-kv-cache 0.9 and later, Dynamo) or array (positional: earlier vLLM, what older llm-d indexers parse).", choice("map", "array"))
+    kv_events_replay_buffer: int = setting(64 << 20, "Bytes of published KV events batches kept for the replay socket (the oldest dropped first).", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    kv_events_redis_blocks: int = setting(1 << 18, "Most blocks KV events report in Redis (medium SHARED) at once: those this replica wrote there most recently (Redis expires and evicts keys without telling; a block also leaves after --redis-ttl without a write, or when a lookup finds it gone).", int, metavar="N")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
     api_keys: str | None = setting(None, "API keys inline, in the --api-keys-file format (added to the file's).", parse_optional_str, fmt=format_secret_setting, metavar="KEYS")
@@ -238,6 +256,10 @@ class ServerConfig:
             ("host_cache_memory", self.host_cache_memory >= 0, "must be >= 0"),
             ("restore_stages", self.restore_stages >= 0, "must be >= 0"),
             ("redis_read_connections", self.redis_read_connections >= 1, "must be >= 1"),
+            ("kv_events_replay_endpoint", not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint),
+             "needs --kv-events-endpoint (the replay socket replays what it publishes)"),
+            ("kv_events_replay_buffer", self.kv_events_replay_buffer > 0, "must be > 0"),
+            ("kv_events_redis_blocks", self.kv_events_redis_blocks >= 0, "must be >= 0"),
             ("redis_kv_format", self.kv_cache_format == "exact" or self.redis_kv_format in ("exact", self.kv_cache_format),
              f"would re-encode the --kv-cache-format {self.kv_cache_format} blocks (use exact: they move as they are)"),
             ("disk_cache_size", self.disk_cache_size >= 0, "must be >= 0"),

@@ -11,17 +11,24 @@ issue 4) or by creating metrics with ``registry=metrics.registry``.
 
 Cached prompt tokens are reported per tier next to the prompt-token total (the
 denominator), so a hit rate is ``sum(cached_prompt_tokens) / prompt_tokens``.
+
+The scheduler's figures are exported twice from the same snapshot: as kvserve's own and
+under vLLM's names (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ...), the
+ones the inference gateways' endpoint pickers and routers scrape (``GatewayCollector``).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .types import CacheStats, EngineStats, Tier
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventsStats
 
 # seconds; TTFT spans sub-millisecond device hits to multi-second cold prefills
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -76,6 +83,83 @@ class EngineStatsCollector:
         )  # fmt: skip
         if s.step_tokens:
             yield step_tokens_histogram(f"{p}_spec_tokens_per_step", s.step_tokens)
+
+
+class GatewayCollector:
+    """The scheduler's figures under vLLM's names, labelled ``model_name`` and ``engine``
+    as vLLM's are, read from the same ``EngineStats`` snapshot: what the Gateway API
+    Inference Extension's endpoint picker (llm-d's included) and the vLLM routers scrape
+    to balance load (its model server protocol: queued and running requests, KV cache
+    utilization, the block size and pool size of ``vllm:cache_config_info``)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, block_size: int) -> None:
+        self._stats = stats
+        self._labels = (model_name, "0")
+        self._block_size = block_size
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        names = ["model_name", "engine"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            fam = GaugeMetricFamily(name, doc, labels=names)
+            fam.add_metric(self._labels, value)
+            return fam
+
+        yield gauge("vllm:num_requests_running", "Sequences in the running batch (kvserve_running_sequences).", s.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for admission (kvserve_waiting_sequences).", s.waiting)
+        used = (s.blocks_total - s.blocks_free) / s.blocks_total if s.blocks_total else 0.0
+        doc = "Fraction of the device KV pool's blocks held by running sequences, 0 to 1 (cached idle blocks are free)."
+        yield gauge("vllm:kv_cache_usage_perc", doc, used)
+        yield gauge("vllm:gpu_cache_usage_perc", doc + " The name before vLLM 0.10, which older endpoint pickers read.", used)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache's configuration in labels (value 1): block size in tokens and "
+            "blocks in the device pool, which the endpoint picker's prefix-cache scorer reads.",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )  # fmt: skip
+        info.add_metric([str(self._block_size), str(s.blocks_total), "True"], 1.0)
+        yield info
+
+
+class KVEventsCollector:
+    """The KV events publisher's figures (service/kv_events.py), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], KVEventsStats], prefix: str = "kvserve") -> None:
+        self._stats = stats
+        self._p = prefix
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        p, s = self._p, self._stats()
+        yield CounterMetricFamily(f"{p}_kv_events_batches", "KV events batches published (one ZMQ message each).", value=s.batches)
+        events = CounterMetricFamily(f"{p}_kv_events", "KV events published, by type.", labels=["type"])
+        for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            events.add_metric([kind], s.events.get(kind, 0))
+        yield events
+        resyncs = CounterMetricFamily(
+            f"{p}_kv_events_resyncs", "Resyncs published (AllBlocksCleared, then every block held), by reason: start "
+            "(the first batch: what the durable tiers still hold), overflow (more changes queued than the publisher "
+            "took: the queue was dropped).", labels=["reason"],
+        )  # fmt: skip
+        for reason, n in sorted(s.resyncs.items()):
+            resyncs.add_metric([reason], n)
+        yield resyncs
+        replays = CounterMetricFamily(
+            f"{p}_kv_events_replays", "Replay requests answered, by answer: buffered (the batches from the asked "
+            "sequence number), snapshot (asked from before the buffer: one batch with the whole state).", labels=["answer"],
+        )  # fmt: skip
+        for answer, n in sorted(s.replays.items()):
+            replays.add_metric([answer], n)
+        yield replays
+        blocks = GaugeMetricFamily(f"{p}_kv_events_blocks", "Blocks a subscriber holds now from the events, by medium.", labels=["medium"])
+        for medium, n in sorted(s.blocks.items()):
+            blocks.add_metric([medium], n)
+        yield blocks
 
 
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
@@ -348,9 +432,11 @@ class ServiceMetrics:
         """Add a collector (an object with ``collect()``) to this registry."""
         self.registry.register(collector)  # type: ignore[arg-type]
 
-    def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
-        """Export the engine's running/waiting/KV-block figures, read at scrape time."""
+    def watch_engine(self, stats: Callable[[], EngineStats], model_name: str = "kvserve-default", block_size: int = 16) -> None:
+        """Export the engine's running/waiting/KV-block figures, read at scrape time, as
+        kvserve's own and under vLLM's names (``GatewayCollector``)."""
         self.register(EngineStatsCollector(stats))
+        self.register(GatewayCollector(stats, model_name, block_size))
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (what /metrics returns)."""

@@ -101,6 +101,7 @@ class RunningServer:
     owns_engine: bool = True
     reaper: asyncio.Task | None = field(default=None, repr=False)
     exit_status: int = 0  # after shutdown: EXIT_UNSAVED when session changes were left in no durable place
+    events: Any = field(default=None, repr=False)  # the KV events publisher (service/kv_events.py; None: off)
     _stopped: bool = field(default=False, repr=False)
 
     async def shutdown(self, drain_timeout_s: float | None = None) -> None:
@@ -148,6 +149,8 @@ class RunningServer:
             )  # fmt: skip
         if self.owns_engine:
             await self.engine.shutdown(0.0)
+        if self.events is not None:  # after the engine and its store: their last changes go out
+            await asyncio.to_thread(self.events.close)
         await self.server.stop(_STOP_GRACE_S)
         self.metrics.stop_http()
         await self.sessions.store.close()
@@ -469,7 +472,39 @@ def disk_cache_problem(config: ServerConfig) -> str | None:
     return None
 
 
-async def _build_engine(config: ServerConfig) -> Any:
+def build_kv_events(config: ServerConfig) -> Any:
+    """The KV events publisher (``--kv-events-endpoint``; None: off), its sockets bound
+    (or connected) now: a missing pyzmq or a port in use is one line, before the model loads."""
+    if not config.kv_events_endpoint:
+        return None
+    from .kv_events import KVEvents, KVEventsUnavailable
+
+    topic = config.kv_events_topic.replace("{hostname}", socket.gethostname()).replace("{model}", config.model or "kvserve-default")
+    try:
+        return KVEvents(
+            config.kv_events_endpoint,
+            block_size=config.block_size,
+            topic=topic,
+            replay_endpoint=config.kv_events_replay_endpoint,
+            token_ids=config.kv_events_token_ids,
+            tiers=config.kv_events_tiers,
+            encoding=config.kv_events_encoding,
+            replay_buffer_bytes=config.kv_events_replay_buffer,
+            redis_ttl_s=config.redis_ttl if config.redis_url else 0.0,
+            redis_max_blocks=config.kv_events_redis_blocks,
+            journal_dir=config.disk_cache_dir,
+        )
+    except KVEventsUnavailable as e:
+        raise StartupError(f"--kv-events-endpoint (KVSERVE_KV_EVENTS_ENDPOINT) needs pyzmq and msgpack ({e}): "
+                           "pip install 'kvserve[events]', or leave it empty") from None  # fmt: skip
+    except Exception as e:  # zmq.ZMQError: address in use, not an address of this machine, a bad endpoint
+        raise StartupError(f"KV events on {config.kv_events_endpoint}"
+                           + (f" / replay {config.kv_events_replay_endpoint}" if config.kv_events_replay_endpoint else "")
+                           + f": {e}; fix --kv-events-endpoint / --kv-events-replay-endpoint "
+                           "(KVSERVE_KV_EVENTS_ENDPOINT / KVSERVE_KV_EVENTS_REPLAY_ENDPOINT)") from None
+
+
+async def _build_engine(config: ServerConfig, events: Any = None) -> Any:
     from .engine import build_engine
     from .engine.store import HostMemoryError
     from .models.config import ModelLoadError
@@ -487,7 +522,7 @@ async def _build_engine(config: ServerConfig) -> Any:
 
         torch.set_num_threads(config.torch_threads)
     try:
-        return await build_engine(engine_config)
+        return await build_engine(engine_config, events=events)
     except DiskCacheLocked as e:  # taken since disk_cache_problem looked
         raise StartupError(f"--disk-cache-dir (KVSERVE_DISK_CACHE_DIR): {e}; give each server its own directory") from None
     except HostMemoryError as e:
@@ -560,7 +595,9 @@ async def serve(
     running: RunningServer | None = None
     reaper: asyncio.Task | None = None
     metrics_port: int | None = None
+    events: Any = None
     try:
+        events = build_kv_events(config) if owns_engine else None  # an engine passed in was built without it
         if config.metrics_port:  # served from now on (kvserve_ready is 0 until the model is loaded)
             try:
                 metrics_port = metrics.serve_http(config.host, config.metrics_port)
@@ -569,8 +606,12 @@ async def serve(
                                    "another --metrics-port (KVSERVE_METRICS_PORT)") from None  # fmt: skip
         await check_redis(config)
         if engine is None:
-            engine = await _build_engine(config)
-        metrics.watch_engine(engine.stats)
+            engine = await _build_engine(config, events)
+        metrics.watch_engine(engine.stats, model_name=config.model or "kvserve-default", block_size=engine.model_info.block_size)
+        if events is not None:
+            from .metrics import KVEventsCollector
+
+            metrics.register(KVEventsCollector(events.stats))
         if len(engine.model_info.tiers) > 1:  # a host or Redis tier besides the device
             from .metrics import CacheStoreCollector
 
@@ -679,6 +720,7 @@ async def serve(
             http_task=http_task,
             owns_engine=owns_engine,
             reaper=reaper,
+            events=events,
         )
         reaper = None  # owned by running now
         log.info(
@@ -705,6 +747,8 @@ async def serve(
                 reaper.cancel()
             if owns_engine and engine is not None:
                 await engine.shutdown(0.0)
+            if events is not None:
+                await asyncio.to_thread(events.close)
             await server.stop(None)  # releases the port
             metrics.stop_http()
         if http_socket is not None:

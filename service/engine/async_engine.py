@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from .config import EngineConfig
 from .engine import Emitted, LLMEngine
@@ -43,6 +43,9 @@ from ..types import (
     Tier,
     WarmResult,
 )
+
+if TYPE_CHECKING:
+    from ..kv_events import KVEvents
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +346,11 @@ def _merge_deltas(first: Event, q: asyncio.Queue[Event]) -> list[Event]:
     return [*merged.values(), *tail]
 
 
-async def build_engine(cfg: EngineConfig) -> AsyncEngine:
-    """Load the model (off the event loop), build the engine and start its thread."""
+async def build_engine(cfg: EngineConfig, events: KVEvents | None = None) -> AsyncEngine:
+    """Load the model (off the event loop), build the engine and start its thread.
+    ``events``: the KV events publisher (service/kv_events.py), attached to the store
+    (what its durable tiers hold is announced first) and told of the device pool's
+    changes."""
     from ..models.loading import load_model
 
     loaded = await asyncio.to_thread(
@@ -369,7 +375,9 @@ async def build_engine(cfg: EngineConfig) -> AsyncEngine:
                     "token, has less error, and the native kernels read it (1.2x to 27x faster decode: "
                     "docs/benchmarks.md, KV cache formats)")
     store = build_store(cfg, loaded)
-    engine = LLMEngine(loaded, cfg, store=store)
+    if events is not None:
+        await asyncio.to_thread(events.attach, device=loaded.device.type, store=store)
+    engine = LLMEngine(loaded, cfg, store=store, events=events)
     aengine = AsyncEngine(engine, stream_interval_s=cfg.stream_interval_s)
     aengine.start()
     return aengine
