@@ -57,6 +57,7 @@ EXTERNAL_FLAGS = {
         "--schema",
         "--header",
     },
+    "python -m dynamo.indexer": {"--port", "--workers", "--block-size"},  # docs/deploy.md: Dynamo's KV indexer
     "docker / docker compose": {
         "--build",
         "--build-arg",
@@ -234,6 +235,7 @@ def test_every_documented_metric_is_exported_and_every_family_documented(
         host_cache_memory=1 << 20,
         metrics_port=free_port(),
         spill_after=0.05,
+        kv_events_endpoint="tcp://127.0.0.1:*",
     )
     with ServerThread(cfg) as srv, KVServeClient(srv.address, timeout=60) as client:
         client.chat("docs", "hello there", max_new_tokens=6)
