@@ -101,7 +101,7 @@ def test_a_chain_stored_at_once_is_one_event_and_the_gpu_medium_on_cuda():
 def make_store(root, host_blocks=2, disk_blocks=3) -> tuple[TieredStore, HostTier, DiskTier]:
     host = HostTier(host_blocks * block(0).numel() * 4, SHAPE, torch.float32)
     disk = DiskTier(root, disk_blocks * codec.encoded_size(SHAPE, torch.float32), SHAPE, torch.float32)
-    return TieredStore([host, disk], demotion_buffers=8), host, disk
+    return TieredStore([host, disk], demotion_buffers=64), host, disk
 
 
 def listing(bm: BlockManager, host: HostTier, disk: DiskTier) -> dict[str, set[int]]:
@@ -284,7 +284,7 @@ def test_a_restart_announces_what_redis_still_holds_of_the_journals_blocks(tmp_p
     def store_at(root):
         disk = DiskTier(root, 2 * codec.encoded_size(SHAPE, torch.float32), SHAPE, torch.float32)
         rt = RedisTier(redis_url, block_shape=SHAPE, dtype=torch.float32, key_prefix="kvev-journal:")
-        return TieredStore([disk, rt], demotion_buffers=8), disk, rt
+        return TieredStore([disk, rt], demotion_buffers=64), disk, rt
 
     store, disk, rt = store_at(tmp_path / "disk")
     ev = publisher(tmp_path / "disk")
