@@ -82,6 +82,13 @@ def test_port_in_use_is_found_before_the_model_loads(capsys, tmp_path: Path) -> 
         check_port("192.0.2.1", 50051)  # TEST-NET-1: never local
 
 
+def test_kv_events_without_pyzmq_is_one_line_before_the_model_loads(capsys, monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # pyzmq not installed (the events extra)
+    # The model directory does not exist: the events error wins, so it was checked first.
+    line = _fails_with_one_line(capsys, "--model", str(tmp_path / "nope"), "--kv-events-endpoint", "tcp://127.0.0.1:*")
+    assert "--kv-events-endpoint" in line and "pyzmq" in line and "kvserve[events]" in line
+
+
 def test_redis_required_refuses_to_start(capsys, model_copy: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
