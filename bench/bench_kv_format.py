@@ -11,8 +11,8 @@ KV cache format (exact, bf16, fp16, int8, fp8):
   what matters);
 - decoded loss: the same windows, the first half of each one prefill and the second half
   teacher-forced decode steps (all windows one batch), scored on the second half: the
-  serving path's KV writes (int8, fp8: each open block's scale growing as its tokens
-  arrive, its rows requantized) read by the decode attention (the native one where it
+  serving path's KV writes (int8, fp8: each row quantized at its own scale as its token
+  arrives) read by the decode attention (the native one where it
   loaded; fp8: torch's block-wise one, the native kernels decline it);
 - greedy agreement: ``--prompts`` prompts of ``--prompt-len`` tokens (from the text /
   random), ``--greedy-tokens`` greedy tokens each through the paged decode path (the

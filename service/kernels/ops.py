@@ -199,14 +199,14 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, pool: Tensor, layer: int, 
     (N, L, 2, bs, n_kv, hd) tensor: float32, bfloat16 or float16, ``KV_POOL_FORMATS``;
     the new K/V rounded to it to nearest even, as ``Tensor.to``; int8: the pool's
     (N, L, 2, plane) planes of ``block_size`` tokens, the new K/V quantized at their
-    block's grown scale, as ``KVPool.update``) at (slot_blocks, slot_offsets) (B,), then
+    rows' own scales, as ``KVPool.update``) at (slot_blocks, slot_offsets) (B,), then
     attend q (B, 1, nh, hd) over each sequence's ``lens[b]`` positions in the blocks
     ``tables`` (B, nb), the last ``window`` only when given: (B, 1, nh * hd)."""
     B, T, nh, hd = q.shape
     if pool.dtype == torch.int8:
         N, L, two, plane = pool.shape
         nkv, hd2, bs = k.shape[2], hd, block_size or 0
-        if bs < 1 or plane != -(-bs * nkv * hd // 4) * 4 + 4 * nkv:
+        if bs < 1 or plane != -(-bs * nkv * hd // 4) * 4 + 4 * bs * nkv:
             raise ValueError("decode_attention: an int8 pool's planes must hold block_size tokens of k's heads")
     else:
         N, L, two, bs, nkv, hd2 = pool.shape

@@ -3,7 +3,7 @@
 ``KVPool`` holds every block of every layer in ONE tensor::
 
     data: (num_blocks, num_layers, 2, block_size, n_kv, head_dim)    # 2 = (K, V)
-    data: (num_blocks, num_layers, 2, plane_bytes) int8 | e4m3        # int8 / fp8 KV: values, then scales
+    data: (num_blocks, num_layers, 2, plane_bytes) int8 | e4m3        # int8 / fp8 KV: values, then each row's scales
 
 Block-major, so one block (all layers, K and V) is one contiguous span: exporting or
 importing a block is a single memcpy, the unit the cache store moves between tiers.
@@ -55,21 +55,27 @@ class KVCacheSpec:
     namespace field says both, so KV rounded to one format is never read as another's,
     nor as exact.
 
-    Int8 KV: symmetric absmax scales per (block, layer, K|V, kv head). Each (layer, K|V)
-    plane of a block is ``plane_bytes`` int8: the ``block_size * n_kv * hd`` quantized
-    values (bs, n_kv, hd), zero padding to a multiple of 4, then the ``n_kv`` float32
-    scales (little-endian, as the host stores them). A block is still one contiguous span
-    ``(L, 2, plane_bytes)`` of int8, so every tier and the codec move it, scales included,
-    as they move any block: the same bytes, never re-encoded. x ~= q * s, with
-    q = round(x / s) (to nearest even, clamped to +-127) and s = absmax / 127 of the rows
-    written so far: a block's scale covers every token it holds (``KVPool.update``).
+    Int8 KV: symmetric absmax scales per (block, layer, K|V, row, kv head): one float32
+    per ``head_dim`` values, as llama.cpp's Q8_0 has one per 32. Each (layer, K|V) plane
+    of a block is ``plane_bytes`` int8: the ``block_size * n_kv * hd`` quantized values
+    (bs, n_kv, hd), zero padding to a multiple of 4, then the ``block_size * n_kv``
+    float32 scales (bs, n_kv) (little-endian, as the host stores them). A block is still
+    one contiguous span ``(L, 2, plane_bytes)`` of int8, so every tier and the codec move
+    it, scales included, as they move any block: the same bytes, never re-encoded.
+    x ~= q * s, with q = round(x / s) (to nearest even, clamped to +-127) and
+    s = absmax / 127 of the row's kv head alone. A row's bytes depend on that row and
+    nothing else: not on the rows written beside it in the same forward (a verify step's
+    rejected drafts), nor on how its block was filled (token by token, or by one prefill),
+    so speculative decoding, chunked prefill and a cache hit all read what plain decoding
+    wrote (a scale per block would have to grow with the rows after it and requantize the
+    rows before).
 
-    Fp8 KV (e4m3): the same planes, scales and growth, the values float8_e4m3fn (one
+    Fp8 KV (e4m3): the same planes and scales, the values float8_e4m3fn (one
     byte each; the scales' bytes are elements of the plane too, read as float32):
     q = e4m3(x / s) (the cast rounds to nearest even) with s = absmax / 448. Scaled, not
     plain e4m3: a head's values fill the format's range whatever their magnitude (plain
     e4m3 keeps 3 mantissa bits only above 2^-6 and flushes below 2^-9, where small V
-    heads live, and clips past 448), for 4 bytes per head and plane."""
+    heads live, and clips past 448), for 4 bytes per row, head and plane."""
 
     num_layers: int
     num_kv_heads: int
@@ -114,8 +120,8 @@ class KVCacheSpec:
 
     @property
     def plane_bytes(self) -> int:
-        """Int8 / fp8 KV: bytes of one (layer, K|V) plane: the values, padding, n_kv float32 scales."""
-        return self.scale_offset + 4 * self.num_kv_heads
+        """Int8 / fp8 KV: bytes of one (layer, K|V) plane: the values, padding, block_size * n_kv float32 scales."""
+        return self.scale_offset + 4 * self.block_size * self.num_kv_heads
 
     @property
     def format(self) -> str:
@@ -133,10 +139,13 @@ class KVCacheSpec:
     def namespace_field(self) -> str:
         """The KV dtype field of the block key namespace: the dtype for exact KV
         ("float32"), the model's dtype and the format for narrower KV ("float32/kv=bf16":
-        float32-computed KV rounded to bf16, which no exact namespace equals)."""
+        float32-computed KV rounded to bf16, which no exact namespace equals); int8 and fp8
+        name their scales' layout too ("float32/kv=int8/rows": a scale per row, so blocks
+        of the earlier layout, a scale per block, are never addressed)."""
         if self.format == "exact":
             return self.dtype_name
-        return f"{str(self.compute_dtype).removeprefix('torch.')}/kv={self.format}"
+        rows = "/rows" if self.quantized else ""
+        return f"{str(self.compute_dtype).removeprefix('torch.')}/kv={self.format}{rows}"
 
     @property
     def bytes_per_token(self) -> int:
@@ -193,9 +202,10 @@ class KVPool:
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
             self._k = [self.data[:, layer, 0, :n_val].view(shape) for layer in range(num_layers)]  # (N, bs, n_kv, hd) int8 | e4m3
             self._v = [self.data[:, layer, 1, :n_val].view(shape) for layer in range(num_layers)]
-            # (N, n_kv) float32 views of the scales' bytes (a little-endian host)
-            self._k_scale = [self.data[:, layer, 0, at:].view(torch.float32) for layer in range(num_layers)]
-            self._v_scale = [self.data[:, layer, 1, at:].view(torch.float32) for layer in range(num_layers)]
+            # (N, bs, n_kv) float32 views of the scales' bytes (a little-endian host): one per row and kv head
+            scales = (num_blocks, block_size, num_kv_heads)
+            self._k_scale = [self.data[:, layer, 0, at:].view(torch.float32).view(scales) for layer in range(num_layers)]
+            self._v_scale = [self.data[:, layer, 1, at:].view(torch.float32).view(scales) for layer in range(num_layers)]
             self._kv = []
         else:
             self._k = [self.data[:, layer, 0] for layer in range(num_layers)]  # (N, bs, n_kv, hd) views
@@ -248,11 +258,11 @@ class KVPool:
         return self._v[layer]  # (N, bs, n_kv, hd)
 
     def k_scale(self, layer: int) -> Tensor:
-        """Int8 / fp8 KV: the K scales of ``layer``, (N, n_kv) float32 (a view into the blocks)."""
+        """Int8 / fp8 KV: the K scales of ``layer``, (N, bs, n_kv) float32 (a view into the blocks)."""
         return self._k_scale[layer]
 
     def v_scale(self, layer: int) -> Tensor:
-        return self._v_scale[layer]  # (N, n_kv) float32
+        return self._v_scale[layer]  # (N, bs, n_kv) float32
 
     # ---- the model's per-layer call -------------------------------------------------
 
@@ -307,9 +317,8 @@ class KVPool:
         (``_write_int8``) and return nothing: the attention reads the context from the
         pool a chunk of blocks at a time (``dequantized``; models/layers.py
         ``paged_int8_attention``), never as one widened copy."""
-        groups = layout.quant_groups()
-        self._write_int8(self._k[layer], self._k_scale[layer], layout, groups, k)
-        self._write_int8(self._v[layer], self._v_scale[layer], layout, groups, v)
+        self._write_int8(self._k[layer], self._k_scale[layer], layout, k)
+        self._write_int8(self._v[layer], self._v_scale[layer], layout, v)
 
     def dequantized(self, layer: int, block_ids: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """Int8 / fp8 KV: the K and V of ``layer`` in ``block_ids`` (n,), dequantized:
@@ -318,14 +327,12 @@ class KVPool:
                 dequantize(_select(self._v[layer], block_ids), self._v_scale[layer].index_select(0, block_ids), dtype))
 
     def _update_int8(self, layer: int, layout: "BatchLayout", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """``update`` for int8 / fp8 KV: each plane's new rows quantized at their block's scale,
-        the scale first grown to cover them; the KV to attend over dequantized (in k's
-        dtype). The open block: see ``_write_int8``. The model's layers call it for a
-        fresh prefill only (the new K/V as stored); with a cached context they call
-        ``write_int8`` and attend block by block."""
-        groups = layout.quant_groups()
-        kq = self._write_int8(self._k[layer], self._k_scale[layer], layout, groups, k)
-        vq = self._write_int8(self._v[layer], self._v_scale[layer], layout, groups, v)
+        """``update`` for int8 / fp8 KV: each plane's new rows quantized at their own scales
+        (``_write_int8``); the KV to attend over dequantized (in k's dtype). The model's
+        layers call it for a fresh prefill only (the new K/V as stored); with a cached
+        context they call ``write_int8`` and attend block by block."""
+        kq = self._write_int8(self._k[layer], self._k_scale[layer], layout, k)
+        vq = self._write_int8(self._v[layer], self._v_scale[layer], layout, v)
         if layout.fresh:  # the KV as stored (quantized), so a cache hit and a recompute agree
             return kq.to(k.dtype).view(k.shape), vq.to(k.dtype).view(v.shape)
         B = layout.ctx_blocks.shape[0]
@@ -333,35 +340,22 @@ class KVPool:
         shape = (B, -1, self.num_kv_heads, self.head_dim)  # (B*nb, bs, n_kv, hd) -> (B, C, n_kv, hd)
         return k_ctx.view(shape)[:, : layout.ctx_len], v_ctx.view(shape)[:, : layout.ctx_len]
 
-    def _write_int8(self, q_cache: Tensor, s_cache: Tensor, layout: "BatchLayout",
-                    groups: tuple[Tensor, Tensor, Tensor], x: Tensor) -> Tensor:
+    def _write_int8(self, q_cache: Tensor, s_cache: Tensor, layout: "BatchLayout", x: Tensor) -> Tensor:
         """Write the new rows ``x`` (B, T, n_kv, hd) into one int8 / fp8 plane of the pool:
-        q_cache (N, bs, n_kv, hd) int8 | e4m3, s_cache (N, n_kv) float32; return the stored
-        rows dequantized, (B*T, n_kv, hd) float32.
+        q_cache (N, bs, n_kv, hd) int8 | e4m3, s_cache (N, bs, n_kv) float32; return the
+        stored rows dequantized, (B*T, n_kv, hd) float32.
 
-        The open (partly filled) block: its scale per kv head is absmax / qmax (127; e4m3: 448) of every row
-        it holds, so it must grow when a new row's absmax exceeds it. A block written from
-        offset 0 starts afresh (its old scale is a previous owner's); one written further on
-        keeps its rows, requantized to the grown scale (round(q * s_old / s_new): at most
-        half a step of error more, once per growth; fp8: e4m3(q * s_old / s_new); a full block never changes again). So
-        a block filled token by token may hold other values than one written by a single
-        prefill (both within a step of the float KV); each is served as stored."""
-        blocks, inverse, from_zero = groups  # (U,) touched blocks, (B*T,) each row's, (U,) written from offset 0
+        Each row's scale per kv head is its own absmax / qmax (127; e4m3: 448), written
+        beside its values at its slot: nothing else in the block is read or changes (the
+        native kernels write a row alike, ``write_row_i8``: the same bits)."""
         rows = x.reshape(-1, self.num_kv_heads, self.head_dim).float()  # (B*T, n_kv, hd)
-        amax = rows.abs().amax(-1)  # (B*T, n_kv)
-        grown = torch.zeros(len(blocks), self.num_kv_heads, dtype=torch.float32, device=rows.device)
-        grown.scatter_reduce_(0, inverse[:, None].expand_as(amax), amax, "amax")  # (U, n_kv): the new rows' absmax
-        s_old = s_cache.index_select(0, blocks).masked_fill_(from_zero[:, None], 0.0)  # (U, n_kv)
-        s_new = torch.maximum(s_old, grown / QUANT_MAX[self.dtype])
-        inv_new = torch.where(s_new > 0, 1.0 / s_new, 0.0)  # a block of zeros: scale 0, values 0
-        if rows.device.type != "cpu" or not torch.equal(s_new, s_old):  # requantize what the blocks hold
-            held = dequantize(_select(q_cache, blocks), s_old)  # (U, bs, n_kv, hd)
-            requant = quantize(held, inv_new[:, None], self.dtype)
-            _rows_of(q_cache).index_copy_(0, blocks, _rows_of(requant))
-        s_cache.index_copy_(0, blocks, s_new)
-        q = quantize(rows, inv_new.index_select(0, inverse), self.dtype)  # (B*T, n_kv, hd) int8 | e4m3
-        _rows_of(q_cache).index_put_((layout.slot_blocks, layout.slot_offsets), _rows_of(q))
-        return dequantize(q, s_new.index_select(0, inverse))
+        scale = rows.abs().amax(-1) / QUANT_MAX[self.dtype]  # (B*T, n_kv)
+        inv = torch.where(scale > 0, 1.0 / scale, 0.0)  # a row of zeros: scale 0, values 0
+        q = quantize(rows, inv, self.dtype)  # (B*T, n_kv, hd) int8 | e4m3
+        slots = (layout.slot_blocks, layout.slot_offsets)
+        _rows_of(q_cache).index_put_(slots, _rows_of(q))
+        s_cache.index_put_(slots, scale)
+        return dequantize(q, scale)
 
     # ---- export / import (the cache store's unit) -----------------------------------
 
@@ -455,10 +449,9 @@ def _select(t: Tensor, index: Tensor) -> Tensor:
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Int8 / fp8 KV: q (..., n_kv, hd) int8 | e4m3 with scale (n, n_kv) per block (q's first dim):
-    q * scale, in ``dtype``."""
-    s = scale.view(scale.shape[0], *([1] * (q.dim() - 3)), scale.shape[1], 1)  # (n, 1.., n_kv, 1)
-    return (q.to(torch.float32) * s).to(dtype)
+    """Int8 / fp8 KV: q (..., n_kv, hd) int8 | e4m3 with scale (..., n_kv), one per row and
+    kv head: q * scale, in ``dtype``."""
+    return (q.to(torch.float32) * scale[..., None]).to(dtype)
 
 
 def _side_by_side(k: Tensor, v: Tensor) -> Tensor | None:
@@ -594,17 +587,6 @@ class BatchLayout:
             kv = torch.arange(2, device=self.slot_blocks.device)[None, :]  # (1, 2)
             self._bias["kv_slots"] = (self.slot_blocks[:, None], kv, self.slot_offsets[:, None])
         return self._bias["kv_slots"]
-
-    def quant_groups(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Int8 KV: the blocks this forward writes (U,) (sorted, unique), each new row's
-        index among them (B*T,), and which of them it writes from offset 0 (U,) bool (a
-        block starting afresh); built once per layout, shared by every layer."""
-        if "quant_groups" not in self._bias:
-            blocks, inverse = torch.unique(self.slot_blocks, return_inverse=True)
-            first = torch.full((len(blocks),), self.block_size, dtype=torch.long, device=blocks.device)
-            first.scatter_reduce_(0, inverse, self.slot_offsets, "amin")
-            self._bias["quant_groups"] = (blocks, inverse, first == 0)
-        return self._bias["quant_groups"]
 
     def mask_for(self, dtype: torch.dtype, window: int | None) -> tuple[Tensor | None, bool]:
         """(additive mask or None, is_causal) for a layer whose queries see only the last

@@ -207,7 +207,7 @@ def last_tokens(x: Tensor, layout: BatchLayout) -> Tensor:
 def paged_int8_attention(q: Tensor, kv: KVPool, layer: int, layout: BatchLayout, mask: Tensor | None, scale: float,
                          softcap: float | None = None, chunk_blocks: int = 32) -> Tensor:
     """softmax(cap(q k^T * scale) + mask) v over each sequence's cached context in an int8
-    or fp8 pool (``--kv-cache-format int8 | fp8``: values and per-block scales), its
+    or fp8 pool (``--kv-cache-format int8 | fp8``: values and per-row scales), its
     blocks (``layout.ctx_blocks``) dequantized ``chunk_blocks`` at a time inside the
     attention, the chunks joined by an online softmax (running max and sum): no widened
     copy of the whole context is ever made.

@@ -474,10 +474,10 @@ def _ref_attention(q, k_ctx, v_ctx, lens, window, scale, softcap):
 
 
 def _pool_kv(pool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K and V of ``layer`` as float32 (int8: times their block scales)."""
+    """The pool's K and V of ``layer`` as float32 (int8: times their rows' scales)."""
     if pool.data.dtype == torch.int8:
-        return (pool.k(layer).float() * pool.k_scale(layer)[..., None, :, None],
-                pool.v(layer).float() * pool.v_scale(layer)[..., None, :, None])  # fmt: skip
+        return (pool.k(layer).float() * pool.k_scale(layer)[..., None],
+                pool.v(layer).float() * pool.v_scale(layer)[..., None])  # fmt: skip
     return pool.k(layer).float(), pool.v(layer).float()
 
 

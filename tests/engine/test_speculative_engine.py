@@ -94,6 +94,26 @@ def loaded(tiny_llama_dir):
     return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
 
 
+@pytest.mark.parametrize("fmt", ["exact", "bf16", "fp16", "int8", "fp8"])
+def test_greedy_speculative_is_plain_greedy_and_deterministic_on_every_kv_format(loaded, fmt):
+    """Every --kv-cache-format: greedy tokens with drafts are plain decoding's, and two
+    identical speculative runs agree, whatever drafts each made and rejected (they are
+    sized from timed steps, so the runs draft differently). A verify step writes its
+    rejected drafts' KV into the open block beside the accepted rows: an int8 / fp8 row's
+    scale must depend on that row alone, or a rejected draft's larger values would
+    requantize accepted rows and change what later steps read."""
+    v = loaded.config.vocab_size
+    reqs = [req(f"r{i}", p, n=40) for i, p in enumerate(repeating_prompts(v) + prompts(v, [20, 31, 13], seed=3))]
+    plain, _, _ = outputs(loaded, reqs, speculative="off", kv_cache_format=fmt)
+    runs = []
+    for _ in range(2):
+        spec, _, engine = outputs(loaded, reqs, speculative="ngram", kv_cache_format=fmt)
+        assert engine.runner.num_draft_tokens > engine.runner.num_accepted_tokens > 0  # some drafts rejected
+        runs.append({rid: f.output_token_ids for rid, f in spec.items()})
+    want = {rid: f.output_token_ids for rid, f in plain.items()}
+    assert runs[0] == want and runs[1] == want
+
+
 def test_penalties_and_min_new_tokens_match_plain(loaded):
     ps = repeating_prompts(loaded.config.vocab_size)
     _, base, _ = outputs(loaded, [req("a", ps[0], n=30)], speculative="off")

@@ -1,6 +1,6 @@
 """The CUDA step's Triton kernels (service/kernels/triton/) on the CPU, under Triton's
 interpreter, against the project's own torch paths: the pool's writes (``KVPool.update``,
-``write_int8``: the same bytes, int8 / fp8 scale growth and requantization included), the
+``write_int8``: the same bytes, int8 / fp8 values and per-row scales included), the
 model's attention over the pool (``KVPool.update`` + ``BatchLayout.mask_for`` +
 ``layers.sdpa`` / Gemma's ``softcapped_attention``; int8 / fp8: ``paged_int8_attention``),
 ``RMSNorm`` with the families' residual adds, ``apply_rope_`` over ``Rotary``'s tables
@@ -70,7 +70,7 @@ def make_pools(fmt: str, n: int = 2, blocks: int = 24, layers: int = 2, bs: int 
         for p in pools:
             raw(p.data).copy_(raw(junk))
         for layer in range(layers):  # plausible old scales (the new rows' absmax / qmax is ~0.01-0.1)
-            ks, vs = torch.rand(2, blocks, nkv, generator=g) * 0.05
+            ks, vs = torch.rand(2, blocks, bs, nkv, generator=g) * 0.05
             for p in pools:
                 p.k_scale(layer).copy_(ks)
                 p.v_scale(layer).copy_(vs)
@@ -125,10 +125,10 @@ def same_pools(a: KVPool, b: KVPool) -> bool:
 @needs_triton
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_write_kv_writes_the_pools_bytes(fmt) -> None:
-    """A prefill crossing blocks, decode steps whose rows grow (int8 / fp8: the open block's
-    scale grows and its rows are requantized), a chunk across a block boundary, and a block
-    reused from offset 0 by a sequence of small values (int8 / fp8: a fresh scale, not the
-    old owner's): ``write_kv`` leaves the pool byte for byte as ``KVPool.update`` does,
+    """A prefill crossing blocks, decode steps whose rows grow (int8 / fp8: each at its own
+    scale, the rows before it untouched), a chunk across a block boundary, and a block
+    reused from offset 0 by a sequence of small values (int8 / fp8: their own scales, not
+    the old owner's): ``write_kv`` leaves the pool byte for byte as ``KVPool.update`` does,
     padding rows (slot -1) writing nothing."""
     ref, kern = make_pools(fmt, nkv=2, hd=12)
     g = torch.Generator().manual_seed(1)
@@ -148,7 +148,7 @@ def test_write_kv_writes_the_pools_bytes(fmt) -> None:
     step([SeqSlice(tables[0], 10, [1] * 4)], magnitude=3.0)  # a chunk over positions 10..13: blocks 2 and 3
     step([SeqSlice([7], 0, [1] * 3)], magnitude=0.01)  # block 7 reused from offset 0 by a new owner
     if ref.spec.quantized:
-        assert ref.k_scale(1)[7].max() < 0.01  # its scale is the new rows', not the old owner's
+        assert ref.k_scale(1)[7, :3].max() < 0.01  # its rows' scales are theirs, not the old owner's
 
 
 @needs_triton
@@ -156,8 +156,8 @@ def test_write_kv_writes_the_pools_bytes(fmt) -> None:
 def test_write_kv_rounds_every_tie_as_torch(fmt) -> None:
     """Values exactly between two stored ones (bf16: the lower 16 bits 0x8000, both
     parities; int8: k + 0.5; e4m3: the midpoint of every pair of neighbours, subnormals and
-    the step into the normals included), at a scale of exactly 1 (each head's absmax is the
-    format's largest value): the kernel rounds each to the even neighbour, the same bytes as
+    the step into the normals included), at a scale of exactly 1 (each row's head's absmax is
+    the format's largest value): the kernel rounds each to the even neighbour, the same bytes as
     ``KVPool.update`` (``Tensor.to``, ``round``)."""
     bs, nkv, hd = 4, 2, 64
     ref, kern = make_pools(fmt, n=2, blocks=3, layers=1, bs=bs, nkv=nkv, hd=hd)
@@ -176,7 +176,7 @@ def test_write_kv_rounds_every_tie_as_torch(fmt) -> None:
             mids = torch.cat([mids, -mids])
         vals = mids[torch.randint(0, len(mids), (n,), generator=g)]
         vals = vals.view(bs, nkv, hd)
-        vals[0, :, 0] = 127.0 if fmt == "int8" else 448.0  # each head's absmax: a scale of exactly 1
+        vals[:, :, 0] = 127.0 if fmt == "int8" else 448.0  # each row's head's absmax: a scale of exactly 1
         vals = vals.reshape(n)
     k = vals.view(1, bs, nkv, hd)
     v = -k
@@ -184,14 +184,15 @@ def test_write_kv_rounds_every_tie_as_torch(fmt) -> None:
     ref.update(0, layout, k, v)
     kernel_write(kern, 0, layout, k, v)
     if fmt != "bf16":
-        assert torch.equal(ref.k_scale(0)[2], torch.ones(nkv))
+        assert torch.equal(ref.k_scale(0)[2], torch.ones(bs, nkv))
     assert same_pools(ref, kern)
 
 
 @needs_triton
 def test_write_kv_handles_a_verify_steps_rows_in_one_block() -> None:
     """A speculative step's rows: 3 consecutive rows of one sequence, two in one block and
-    one opening the next, and a lone decode row: int8 groups each block's run of rows."""
+    one opening the next, and a lone decode row, 5x the rows before them: each quantized
+    alone, the rows already in their blocks untouched."""
     ref, kern = make_pools("int8", nkv=1, hd=8)
     g = torch.Generator().manual_seed(2)
     seqs = [SeqSlice([4, 8, 12], 0, [1] * 6), SeqSlice([5, 10], 0, [1] * 3)]

@@ -5,7 +5,7 @@
 // file is built with -ffp-contract=off: a * b + c is two roundings, as in torch).
 //
 // Pool layout (kv/cache.py): (num_blocks, L, 2, block_size, n_kv, hd), K then V (int8 KV:
-// (num_blocks, L, 2, plane) with each plane's scales after its values: decode_attention_i8).
+// (num_blocks, L, 2, plane) with each plane's per-row scales after its values: decode_attention_i8).
 
 #include <immintrin.h>
 #include <math.h>
@@ -231,8 +231,8 @@ namespace {
 // thread work when the batch is small) has its spans' partial (max, sum, accumulator)
 // merged after.
 
-// The int8 pool's element (KV_I8): widened exactly; a block's per-kv-head K scale multiplies
-// its scores, its V scale the softmax weights (the float pools' Kv types have scaled = false).
+// The int8 pool's element (KV_I8): widened exactly; each row's per-kv-head K scale multiplies
+// its score, its V scale its softmax weight (the float pools' Kv types have scaled = false).
 struct I8Kv {
   using T = int8_t;
   static constexpr bool scaled = true;
@@ -328,24 +328,25 @@ inline void accumulate_v(const typename E::T* v, int64_t stride, int m, const fl
 }
 
 // One online-softmax step of one query head over its scores sg[0..m) of a tile: scaled by
-// kscale (the softmax scale, times the block's K scale for int8) and capped when
-// softcap > 0, the running max *mrun and sum *lrun updated; sg becomes the weights
-// exp(score - max) (times vscale: the block's V scale for int8). Returns the factor
+// kscale (the softmax scale; int8: each row's own, ks[j], the softmax scale times the row's K
+// scale) and capped when softcap > 0, the running max *mrun and sum *lrun updated; sg becomes
+// the weights exp(score - max) (int8: times vs[j], the row's V scale). Returns the factor
 // exp(old max - new max) the head's accumulator is rescaled by (0 at its first tile).
 template <class E>
-inline float softmax_step(float* sg, int m, float kscale, float vscale, float softcap, float* mrun, float* lrun) {
+inline float softmax_step(float* sg, int m, float kscale, const float* ks, const float* vs, float softcap,
+                          float* mrun, float* lrun) {
   float mx = -INFINITY;
   int j = 0;
   if (softcap > 0.0f) {
     for (; j < m; j++) {
-      sg[j] = softcap * tanhf(sg[j] * kscale / softcap);
+      sg[j] = softcap * tanhf(sg[j] * (E::scaled ? ks[j] : kscale) / softcap);
       mx = sg[j] > mx ? sg[j] : mx;
     }
   } else {
     const __m256 kv = _mm256_set1_ps(kscale);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     for (; j + 8 <= m; j += 8) {
-      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sg + j), kv);
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sg + j), E::scaled ? _mm256_loadu_ps(ks + j) : kv);
       _mm256_storeu_ps(sg + j, x);
       mv = _mm256_max_ps(mv, x);
     }
@@ -353,7 +354,7 @@ inline float softmax_step(float* sg, int m, float kscale, float vscale, float so
     _mm256_storeu_ps(r, mv);
     for (int i = 0; i < 8; i++) mx = r[i] > mx ? r[i] : mx;
     for (; j < m; j++) {
-      sg[j] *= kscale;
+      sg[j] *= E::scaled ? ks[j] : kscale;
       mx = sg[j] > mx ? sg[j] : mx;
     }
   }
@@ -366,13 +367,13 @@ inline float softmax_step(float* sg, int m, float kscale, float vscale, float so
   for (; j + 8 <= m; j += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
     sv = _mm256_add_ps(sv, e);
-    _mm256_storeu_ps(sg + j, E::scaled ? _mm256_mul_ps(e, _mm256_set1_ps(vscale)) : e);
+    _mm256_storeu_ps(sg + j, E::scaled ? _mm256_mul_ps(e, _mm256_loadu_ps(vs + j)) : e);
   }
   float sum = hsum(sv);
   for (; j < m; j++) {
     const float e = expf(sg[j] - mnew);
     sum += e;
-    sg[j] = E::scaled ? e * vscale : e;
+    sg[j] = E::scaled ? e * vs[j] : e;
   }
   *lrun = *lrun * alpha + sum;
   return alpha;
@@ -417,18 +418,19 @@ inline void head_groups(int64_t h0, int64_t G, const F& f) {
 }
 
 // Where one layer's planes of a block are: K at k(id), V vplane elements on, rows of
-// tok = nkv * hd elements (kv head h's hd at h * hd); int8: each plane's nkv float32 scales
-// soff bytes into it.
+// tok = nkv * hd elements (kv head h's hd at h * hd); int8: each plane's float32 scales
+// soff bytes into it, srow (nkv) per row, row p's kv head h's at p * srow + h.
 template <class E>
 struct PoolView {
   using T = typename E::T;
   const T* base;
-  int64_t blk, layer_off, vplane, tok, soff;
+  int64_t blk, layer_off, vplane, tok, soff, srow;
   const T* k(int64_t id) const { return base + id * blk + layer_off; }
   // the view of kv heads [h, ...) alone: their rows start h * hd elements in (the row
-  // stride tok unchanged), their int8 scales 4 h bytes after the plane's first
+  // stride tok unchanged), their int8 scales 4 h bytes after the plane's first (at the
+  // same stride srow)
   PoolView heads_from(int64_t h, int64_t hd) const {
-    return {base, blk, layer_off + h * hd, vplane, tok, soff + 4 * h - h * hd * (int64_t)sizeof(T)};
+    return {base, blk, layer_off + h * hd, vplane, tok, soff + 4 * h - h * hd * (int64_t)sizeof(T), srow};
   }
 };
 
@@ -446,6 +448,7 @@ void attend_span(const PoolView<E>& pv, const int64_t* table, int64_t bs, int64_
   thread_local std::vector<float> s_, alpha_, ones_;
   s_.resize(nh * kTile), alpha_.resize(nh), ones_.assign(nh, 1.0f);
   float *s = s_.data(), *alpha = alpha_.data();
+  float ks[kTile], vs[kTile];  // int8: a tile's rows' K scales (times the softmax scale) and V scales, of one kv head
   const float* ones = ones_.data();
   for (int64_t h = 0; h < nh; h++) mrun[h] = -INFINITY, lrun[h] = 0.0f;
   memset(acc, 0, nh * hd * sizeof(float));
@@ -472,13 +475,13 @@ void attend_span(const PoolView<E>& pv, const int64_t* table, int64_t bs, int64_
         }
       }
       for (int64_t kvh = 0; kvh < nkv; kvh++) {
-        float ks = scale, vs = 1.0f;
         if constexpr (E::scaled) {
-          ks = ((const float*)((const char*)kp + pv.soff))[kvh] * scale;
-          vs = ((const float*)((const char*)vp + pv.soff))[kvh];
+          const float* kr = (const float*)((const char*)kp + pv.soff) + t0 * pv.srow + kvh;
+          const float* vr = (const float*)((const char*)vp + pv.soff) + t0 * pv.srow + kvh;
+          for (int j = 0; j < m; j++) ks[j] = kr[j * pv.srow] * scale, vs[j] = vr[j * pv.srow];
         }
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-          alpha[h] = softmax_step<E>(s + h * kTile, m, ks, vs, softcap, mrun + h, lrun + h);
+          alpha[h] = softmax_step<E>(s + h * kTile, m, scale, ks, vs, softcap, mrun + h, lrun + h);
       }
       for (int j = 0; j < m; j += kScoreRows) {
         const int r = m - j < kScoreRows ? m - j : kScoreRows;
@@ -667,19 +670,23 @@ void decode_attention(const float* q, int64_t sq, const float* k, const float* v
       for (int64_t i = 0; i < tok; i++) dst[half_blk + i] = E::store1(v[b * skv + i]);
     }
   }
-  const PoolView<E> pv{pool, blk, layer * 2 * half_blk, half_blk, tok, 0};
+  const PoolView<E> pv{pool, blk, layer * 2 * half_blk, half_blk, tok, 0, 0};
   attend_batch<E>(pv, q, sq, B, nh, nkv, hd, bs, tables, nb, lens, window, scale, softcap, out, nthreads);
 }
 
 
 // ---- int8 KV (KV_I8) ------------------------------------------------------------------
 // Each (layer, K|V) plane of a block is kv_i8_plane(bs, nkv, hd) bytes: the bs * nkv * hd
-// int8 values (bs, nkv, hd), zero padding to a multiple of 4, then nkv float32 scales, one
-// per kv head (kv/cache.py's KVCacheSpec). x ~= q * s; q = round(x * (1 / s)) to nearest
-// even, clamped to +-127; s = absmax / 127 of every row the block holds.
+// int8 values (bs, nkv, hd), zero padding to a multiple of 4, then bs * nkv float32 scales
+// (bs, nkv), one per row and kv head (kv/cache.py's KVCacheSpec). x ~= q * s; q = round(x *
+// (1 / s)) to nearest even, clamped to +-127; s = absmax / 127 of the row's kv head alone,
+// so a row's bytes depend on nothing else (a rejected draft's row beside it, how the
+// block was filled).
 
 inline int64_t kv_i8_scale_offset(int64_t bs, int64_t nkv, int64_t hd) { return (bs * nkv * hd + 3) / 4 * 4; }
-inline int64_t kv_i8_plane(int64_t bs, int64_t nkv, int64_t hd) { return kv_i8_scale_offset(bs, nkv, hd) + 4 * nkv; }
+inline int64_t kv_i8_plane(int64_t bs, int64_t nkv, int64_t hd) {
+  return kv_i8_scale_offset(bs, nkv, hd) + 4 * bs * nkv;
+}
 
 inline int8_t quantize_i8(float x, float inv) {
   float r = nearbyintf(x * inv);  // the default rounding mode: to nearest even, as torch.round
@@ -687,35 +694,26 @@ inline int8_t quantize_i8(float x, float inv) {
   return (int8_t)r;
 }
 
-// Write one new row x (nkv, hd) at offset `off` of a block's plane: per kv head the scale
-// grows to cover it (a plane written from offset 0 starts afresh: its old scale is a
-// previous owner's), the rows already there requantized to the grown scale as torch's
-// path does (KVPool._write_int8: round((q * s_old) * (1 / s_new))).
+// Write one new row x (nkv, hd) at offset `off` of a block's plane: per kv head its own
+// scale absmax / 127 and its values at it, as torch's path does (KVPool._write_int8:
+// round(x * (1 / s))). Nothing else in the plane changes.
 inline void write_row_i8(int8_t* plane, int64_t soff, int64_t off, const float* x, int64_t nkv, int64_t hd) {
-  float* sc = (float*)(plane + soff);
-  const int64_t tok = nkv * hd;
+  float* sc = (float*)(plane + soff) + off * nkv;
+  int8_t* dst = plane + off * nkv * hd;
   for (int64_t h = 0; h < nkv; h++) {
     const float* xh = x + h * hd;
     float amax = 0.0f;
     for (int64_t i = 0; i < hd; i++) amax = fabsf(xh[i]) > amax ? fabsf(xh[i]) : amax;
-    const float s_old = off == 0 ? 0.0f : sc[h];
-    const float grown = amax / 127.0f;
-    const float s_new = grown > s_old ? grown : s_old;
-    const float inv = s_new > 0.0f ? 1.0f / s_new : 0.0f;
-    if (s_new != s_old)
-      for (int64_t p = 0; p < off; p++) {
-        int8_t* row = plane + p * tok + h * hd;
-        for (int64_t i = 0; i < hd; i++) row[i] = quantize_i8((float)row[i] * s_old, inv);
-      }
-    sc[h] = s_new;
-    int8_t* dst = plane + off * tok + h * hd;
-    for (int64_t i = 0; i < hd; i++) dst[i] = quantize_i8(xh[i], inv);
+    const float s = amax / 127.0f;
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;  // a row of zeros: scale 0, values 0
+    sc[h] = s;
+    for (int64_t i = 0; i < hd; i++) dst[h * hd + i] = quantize_i8(xh[i], inv);
   }
 }
 
 // kv_decode_attention over an int8 pool: the new rows quantized into their blocks, then the
 // same spans and tiles as decode_attention, the rows widened in registers as read, each
-// tile's scores times its block's K scale and its softmax weights times its block's V scale.
+// row's score times its K scale and its softmax weight times its V scale.
 void decode_attention_i8(const float* q, int64_t sq, const float* k, const float* v, int64_t skv, int64_t B,
                          int64_t nh, int64_t nkv, int64_t hd, int8_t* pool, int64_t layer, int64_t L, int64_t bs,
                          const int64_t* slot_block, const int64_t* slot_off, const int64_t* tables, int64_t nb,
@@ -728,7 +726,7 @@ void decode_attention_i8(const float* q, int64_t sq, const float* k, const float
     write_row_i8(kp, soff, slot_off[b], k + b * skv, nkv, hd);
     write_row_i8(kp + plane, soff, slot_off[b], v + b * skv, nkv, hd);
   }
-  const PoolView<I8Kv> pv{pool, blk, layer * 2 * plane, plane, tok, soff};
+  const PoolView<I8Kv> pv{pool, blk, layer * 2 * plane, plane, tok, soff, nkv};
   attend_batch<I8Kv>(pv, q, sq, B, nh, nkv, hd, bs, tables, nb, lens, window, scale, softcap, out, nthreads);
 }
 
@@ -752,7 +750,7 @@ void kv_decode_attention(const float* q, int64_t sq, const float* k, const float
                          const int64_t* lens, int64_t window, float scale, float softcap, float* out,
                          int nthreads) {
   switch (kv_fmt) {
-    case KV_I8:  // int8 with per-(block, layer, K|V, kv head) scales: decode_attention_i8
+    case KV_I8:  // int8 with per-(block, layer, K|V, row, kv head) scales: decode_attention_i8
       decode_attention_i8(q, sq, k, v, skv, B, nh, nkv, hd, (int8_t*)pool, layer, L, bs, slot_block, slot_off, tables,
                           nb, lens, window, scale, softcap, out, nthreads);
       break;

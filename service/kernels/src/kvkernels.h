@@ -15,7 +15,7 @@
 #define KV_I8 2
 #define KV_Q8 3
 // KvStep.kv_fmt and kv_decode_attention's kv_fmt: the KV pool's element type (KV_F32, KV_BF16 or KV_F16;
-// KV_I8: int8 with per-(block, layer, K|V, kv head) float32 scales in each block, decode.cpp)
+// KV_I8: int8 with per-(block, layer, K|V, row, kv head) float32 scales in each block, decode.cpp)
 #define KV_F16 4
 // kv_act_mul's act and KvLayer.act: the gate's activation
 #define KV_SILU 0

@@ -18,8 +18,8 @@ The KV pool is ``kv.cache.KVPool``'s; the ops take its per-layer views as they a
     k_cache, v_cache   (N, bs, n_kv, hd) ``pool.k(layer)`` / ``pool.v(layer)``: the model's
                        dtype (exact), bfloat16 / float16 (narrower than the model's), or
                        int8 / float8_e4m3fn (``--kv-cache-format int8 | fp8``)
-    k_scale, v_scale   int8 / fp8 only: (N, n_kv) float32 ``pool.k_scale(layer)`` /
-                       ``pool.v_scale(layer)``, the per-(block, layer, K|V, kv head)
+    k_scale, v_scale   int8 / fp8 only: (N, bs, n_kv) float32 ``pool.k_scale(layer)`` /
+                       ``pool.v_scale(layer)``, the per-(block, layer, K|V, row, kv head)
                        absmax scales stored inside each block's plane
 
 Metadata (device tensors, int32 or int64):
@@ -27,7 +27,7 @@ Metadata (device tensors, int32 or int64):
     slot_mapping   (T,)  where each new row's K/V goes: block * bs + offset; -1: skip
                          (padding). The rows of one sequence are consecutive and in
                          position order, and no two sequences write one block (the
-                         runner's packing; int8 / fp8 writes rely on it: below)
+                         runner's packing)
     block_tables   (B, max_blocks) each sequence's (decode: each row's) blocks, padded
                    with any valid id (the null block 0) past its context
     context_lens   (B,)  decode: each row's context length, its own new token included
@@ -93,7 +93,7 @@ __all__ = [
 ]
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
-SCALED = (torch.int8, torch.float8_e4m3fn)  # values with per-(block, kv head) scales
+SCALED = (torch.int8, torch.float8_e4m3fn)  # values with per-(block, row, kv head) scales
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -153,14 +153,9 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
     Exact / bf16 / fp16 pools: each row stored as ``Tensor.to`` rounds it (to nearest
     even), the same bits as ``KVPool.update``. Int8 / fp8 pools (k_scale, v_scale given):
-    ``KVPool._write_int8``'s semantics, byte for byte: per (block, K|V, kv head) the scale
-    grows to the new rows' absmax / qmax (127; e4m3: 448) when that exceeds it, the rows the
-    block already held are requantized to the grown scale (round(q * s_old / s_new); fp8:
-    e4m3 of it), and a block written from offset 0 starts afresh (its old scale and rows
-    were a previous owner's: scale from the new rows alone, the rest of the block zeros).
-    One program handles every row a block receives (the run of consecutive rows with the
-    same block), so the rows of one block must be consecutive in ``slot_mapping``
-    (``slot_mapping``'s contract above)."""
+    ``KVPool._write_int8``'s semantics, byte for byte: each row's kv head quantized at its
+    own scale, absmax / qmax (127; e4m3: 448; round to nearest even, clamped; fp8: e4m3 of
+    it), stored beside it; nothing else in the block changes."""
     mod = _launcher(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     _check_rows(k, "k")
     _check_rows(v, "v")
@@ -363,8 +358,8 @@ def _check_cache(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_sca
         raise ValueError(f"a {k_cache.dtype} pool {'needs' if scaled else 'takes no'} k_scale and v_scale")
     if scaled:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s.shape != (k_cache.shape[0], n_kv) or s.dtype != torch.float32:
-                raise ValueError(f"{name} {tuple(s.shape)} {s.dtype}: expected ({k_cache.shape[0]}, {n_kv}) float32")
+            if s.shape != k_cache.shape[:3] or s.dtype != torch.float32:
+                raise ValueError(f"{name} {tuple(s.shape)} {s.dtype}: expected {tuple(k_cache.shape[:3])} float32")
 
 
 def _check_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None,

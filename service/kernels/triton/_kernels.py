@@ -167,62 +167,38 @@ def _write_rows_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
 
 
 @_device
-def _quant_plane(x_ptr, s_xt, s_xh, c_ptr, s_cb, s_co, s_ch, sc_ptr, s_sb, s_sh,
-                 r, h, blk, off0, cnt, from_zero,
-                 HD: tl.constexpr, HD_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr, FP8: tl.constexpr):
-    """One (block, kv head) of one plane (K or V): the ``cnt`` new rows r.. at offsets
-    off0.. quantized at the grown scale, the held rows requantized when it grew (or the
-    block starts afresh), the scale stored (``KVPool._write_int8``)."""
-    o = tl.arange(0, BS_P)[:, None]  # offsets in the block
-    d = tl.arange(0, HD_P)[None, :]
+def _quant_row(x_ptr, s_xt, s_xh, c_ptr, s_cb, s_co, s_ch, sc_ptr, s_sb, s_so, s_sh, r, h, blk, off,
+               HD: tl.constexpr, HD_P: tl.constexpr, FP8: tl.constexpr):
+    """Kv head h of row r in one plane (K or V): quantized at its own scale, absmax / qmax,
+    stored with the scale at (blk, off) (``KVPool._write_int8``)."""
+    d = tl.arange(0, HD_P)
     dm = d < HD
-    new = (o >= off0) & (o < off0 + cnt)
-    src = r.to(tl.int64) + (o - off0)
-    x = tl.load(x_ptr + src * s_xt + h * s_xh + d, mask=new & dm, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r.to(tl.int64) * s_xt + h * s_xh + d, mask=dm, other=0.0).to(tl.float32)
     QMAX: tl.constexpr = 448.0 if FP8 else 127.0
-    grown = tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), QMAX)
-    sc = sc_ptr + blk * s_sb + h * s_sh
-    s_old = tl.where(from_zero, 0.0, tl.load(sc))
-    s_new = tl.maximum(s_old, grown)
-    inv = tl.where(s_new > 0, tl.math.div_rn(1.0, tl.where(s_new > 0, s_new, 1.0)), 0.0)
-    q_new = _quantize(x * inv, FP8)
-    cell = c_ptr + blk * s_cb + o * s_co + h * s_ch + d
-    if (s_new != s_old) | from_zero:  # requantize what the block holds: round(q * s_old / s_new)
-        held = (o < BS) & dm & (~new)
-        q_old = tl.load(cell, mask=held, other=0)
-        q_req = _quantize((_widen(q_old, FP8) * s_old) * inv, FP8)
-        tl.store(cell, tl.where(new, q_new, q_req), mask=(o < BS) & dm)
-    else:
-        tl.store(cell, q_new, mask=new & dm)
-    tl.store(sc, s_new)
+    s = tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX)
+    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s, 1.0)), 0.0)  # a row of zeros: scale 0, values 0
+    tl.store(c_ptr + blk * s_cb + off * s_co + h * s_ch + d, _quantize(x * inv, FP8), mask=dm)
+    tl.store(sc_ptr + blk * s_sb + off * s_so + h * s_sh, s)
 
 
 @triton.jit
-def _write_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, T,
+def _write_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
                         s_kt, s_kh, s_vt, s_vh,
                         s_cb, s_co, s_ch, s_vb, s_vo, s_vch,
-                        s_ksb, s_ksh, s_vsb, s_vsh,
-                        HD: tl.constexpr, HD_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr,
-                        FP8: tl.constexpr):
-    """Int8 / fp8 pool: program (r, h) writes kv head h of every row its block receives,
-    when row r is the first of that block's run in ``slot_mapping`` (else it does nothing)."""
+                        s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh,
+                        HD: tl.constexpr, HD_P: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
+    """Int8 / fp8 pool: program (r, h) writes kv head h of row r, K and V, each at its own
+    scale: a row's bytes depend on it alone, whatever else its block holds or receives."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + r).to(tl.int64)
-    prev = tl.load(slot_ptr + r - 1, mask=r > 0, other=-1).to(tl.int64)
-    blk = slot // BS
-    first = (slot >= 0) & ((prev < 0) | (prev // BS != blk))
-    if first:
-        off0 = slot % BS
-        j = tl.arange(0, BS_P)
-        nxt = tl.load(slot_ptr + r + j, mask=(j < BS) & (r + j < T), other=-1).to(tl.int64)
-        same = (nxt >= 0) & (nxt // BS == blk)
-        cnt = tl.min(tl.where(same, BS_P, j), axis=0)  # the leading run of this block's rows
-        from_zero = off0 == 0
-        _quant_plane(k_ptr, s_kt, s_kh, kc_ptr, s_cb, s_co, s_ch, ks_ptr, s_ksb, s_ksh, r, h, blk, off0, cnt,
-                     from_zero, HD, HD_P, BS, BS_P, FP8)
-        _quant_plane(v_ptr, s_vt, s_vh, vc_ptr, s_vb, s_vo, s_vch, vs_ptr, s_vsb, s_vsh, r, h, blk, off0, cnt,
-                     from_zero, HD, HD_P, BS, BS_P, FP8)
+    if slot >= 0:
+        blk = slot // BS
+        off = slot % BS
+        _quant_row(k_ptr, s_kt, s_kh, kc_ptr, s_cb, s_co, s_ch, ks_ptr, s_ksb, s_kso, s_ksh, r, h, blk, off,
+                   HD, HD_P, FP8)
+        _quant_row(v_ptr, s_vt, s_vh, vc_ptr, s_vb, s_vo, s_vch, vs_ptr, s_vsb, s_vso, s_vsh, r, h, blk, off,
+                   HD, HD_P, FP8)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -242,10 +218,10 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
             NKV=nkv, HD=hd, NKV_P=_pow2(nkv), HD_P=_pow2(hd), BS=bs, num_warps=4, enable_fp_fusion=False)
         return
     _write_quant_kernel[(T, nkv)](
-        k, v, _bytes(k_cache), _bytes(v_cache), k_scale, v_scale, slot_mapping, T,
+        k, v, _bytes(k_cache), _bytes(v_cache), k_scale, v_scale, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *k_scale.stride(), *v_scale.stride(),
-        HD=hd, HD_P=_pow2(hd), BS=bs, BS_P=_pow2(bs), FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+        HD=hd, HD_P=_pow2(hd), BS=bs, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
         enable_fp_fusion=False)
 
 
@@ -258,7 +234,7 @@ def _attention_kernel(out_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, 
                       scale, softcap, window,
                       s_qt, s_qh, s_ot, s_oh,
                       s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
-                      s_ksb, s_ksh, s_vsb, s_vsh, s_tb,
+                      s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh, s_tb,
                       s_pt, s_ph, s_ps, s_lt, s_lh,
                       G: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr, BS: tl.constexpr,
                       TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
@@ -332,8 +308,8 @@ def _attention_kernel(out_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, 
             k = k.to(DOT)
             v = v.to(DOT)
         s = tl.dot(q, k, input_precision=PREC)  # (BLOCK_M, TILE) float32
-        if SCALED:  # the block's K scale per key
-            s = s * tl.load(ks_ptr + blk * s_ksb + kvh * s_ksh, mask=cm, other=0.0)[None, :]
+        if SCALED:  # each key's own K scale
+            s = s * tl.load(ks_ptr + blk * s_ksb + off * s_kso + kvh * s_ksh, mask=cm, other=0.0)[None, :]
         s = s * scale
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -346,8 +322,8 @@ def _attention_kernel(out_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, 
         p = tl.exp2((s - m_safe[:, None]) * _LOG2E)
         alpha = tl.exp2((m_i - m_safe) * _LOG2E)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if SCALED:  # the block's V scale per key, on the weights
-            p = p * tl.load(vs_ptr + blk * s_vsb + kvh * s_vsh, mask=cm, other=0.0)[None, :]
+        if SCALED:  # each key's own V scale, on the weights
+            p = p * tl.load(vs_ptr + blk * s_vsb + off * s_vso + kvh * s_vsh, mask=cm, other=0.0)[None, :]
         if BF16_IN_F32:
             p = _rounded(p, tl.bfloat16)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PREC)
@@ -423,7 +399,7 @@ def attention(out, q, k_cache, v_cache, k_scale, v_scale, tables, lens, query_st
         float(scale), float(softcap or 1.0), int(window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *(k_scale.stride() if scaled else (0, 0)), *(v_scale.stride() if scaled else (0, 0)), tables.stride(0),
+        *(k_scale.stride() if scaled else (0, 0, 0)), *(v_scale.stride() if scaled else (0, 0, 0)), tables.stride(0),
         *(part.stride()[:3] if splits > 1 else (0, 0, 0)), *(lse.stride()[:2] if splits > 1 else (0, 0)),
         G=G, HD=hd, HD_P=_pow2(hd, 16), BS=bs, TILE=tile, BLOCK_Q=bq, BLOCK_M=block_m, SPLITS=splits,
         DECODE=decode, SCALED=scaled, FP8=k_cache.dtype == torch.float8_e4m3fn, HAS_SOFTCAP=softcap is not None,
