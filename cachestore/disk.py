@@ -32,9 +32,13 @@ at the cost of a device flush per block.
 
 Bounded by ``capacity_bytes`` (``--disk-cache-size``): an LRU index in memory (hits
 refresh a file's mtime, so the order survives a restart: at start the index is rebuilt
-from the files' mtimes, oldest first, and trimmed to the capacity). A block the tier
-evicts is read back, verified, and handed to ``on_evict`` (the tiered store demotes it
-to the next tier, Redis) before its file is removed.
+from the files' mtimes, oldest first, and trimmed to the capacity). The bound holds at
+every moment, not only between writes: a write first reserves its file's bytes (the
+indexed files plus the writes in flight never exceed the capacity; a write that finds the
+capacity all reserved by writes in flight is refused), evicts the least recently used
+files the reservation displaces, and only then writes its temporary and renames it into
+place. A block the tier evicts is read back, verified, and handed to ``on_evict`` (the
+tiered store demotes it to the next tier, Redis) before its file is removed.
 
 One process per directory: the tier holds an exclusive ``flock`` on ``LOCK`` for its
 life (released by the kernel when the process dies, however it dies); a second tier on
@@ -116,7 +120,8 @@ class DiskTier(BlockTier):
         self._counters = TierCounters(self.name)
         self._lock = threading.Lock()
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, oldest first
-        self._bytes = 0
+        self._bytes = 0  # of the files in the index
+        self._reserved = 0  # of the writes in flight (their temporaries, then their files)
         self._seq = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = hold_dir_lock(self.root)
@@ -356,21 +361,33 @@ class DiskTier(BlockTier):
 
     def put(self, ref: BlockRef, value: torch.Tensor) -> bool:
         """Write the block's file (write a temporary, rename into place). Idempotent: a
-        block already held is only refreshed in the LRU. Evicts the least recently used
-        files beyond the capacity (demoting each through ``on_evict`` first). False when
-        the tier has no capacity or the write failed."""
+        block already held is only refreshed in the LRU. The file's bytes are reserved
+        first and the least recently used files beyond the capacity evicted (each demoted
+        through ``on_evict``) before it is written, so the directory never holds more than
+        the capacity. False when the tier has no capacity, the capacity is all reserved
+        by writes in flight, or the write failed."""
         if tuple(value.shape) != self.block_shape or value.dtype != self.dtype:
             raise ValueError(f"value must be {self.block_shape} {self.dtype}, got {tuple(value.shape)} {value.dtype}")
         digest = bytes(ref.block_hash)
+        n = self.file_nbytes
+        victims: list[bytes] = []
         with self._lock:
             if digest in self._lru:
                 self._lru.move_to_end(digest)
                 self._counters.add(put_skips=1)
                 return True
-            if self.capacity_blocks == 0:
+            if self._reserved + n > self.capacity_bytes:  # no capacity, or all of it being written
                 return False
+            self._reserved += n
+            while self._bytes + self._reserved > self.capacity_bytes and self._lru:
+                victim, size = self._lru.popitem(last=False)
+                self._bytes -= size
+                victims.append(victim)
+            self._removed(victims)
             self._seq += 1
             seq = self._seq
+        for victim in victims:  # their files gone before this one is written
+            self._evict(BlockRef(ref.namespace, victim))  # type: ignore[arg-type]
         t0 = time.perf_counter()
         path = self.path(ref)
         tmp = self._tmp_dir / f"{digest.hex()}.{os.getpid()}.{seq}.tmp"
@@ -385,27 +402,22 @@ class DiskTier(BlockTier):
                 _fsync_dir(path.parent)
         except OSError as e:
             _unlink(tmp)
+            with self._lock:
+                self._reserved -= n
             self._counters.add(errors=1)
             self._counters.fail(BACKEND_ERROR)
             log.warning("disk tier: writing %s failed: %r", path, e)
             return False
-        victims: list[bytes] = []
         with self._lock:
-            if digest in self._lru:  # another thread stored it meanwhile (same bytes)
+            self._reserved -= n
+            if digest in self._lru:  # another thread stored it meanwhile (same bytes, the same file)
                 self._counters.add(put_skips=1)
                 return True
-            self._lru[digest] = self.file_nbytes
-            self._bytes += self.file_nbytes
-            while self._bytes > self.capacity_bytes and len(self._lru) > 1:
-                victim, size = self._lru.popitem(last=False)
-                self._bytes -= size
-                victims.append(victim)
+            self._lru[digest] = n
+            self._bytes += n
             self._stored([digest])
-            self._removed(victims)
-        self._counters.add(puts=1, bytes_in=self.file_nbytes)
+        self._counters.add(puts=1, bytes_in=n)
         self._counters.add_seconds("write", time.perf_counter() - t0)
-        for victim in victims:
-            self._evict(BlockRef(ref.namespace, victim))  # type: ignore[arg-type]
         return True
 
     def _write_file(self, tmp: Path, ref: BlockRef, value: torch.Tensor) -> None:

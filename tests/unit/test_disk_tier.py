@@ -200,6 +200,63 @@ def test_lru_by_size_and_the_order_survives_a_restart(tmp_path: Path) -> None:
     t2.close()
 
 
+def _dir_bytes(root: Path) -> int:
+    """Bytes of the block files and temporaries under a tier's directory, as they are now."""
+    total = 0
+    for sub in ("blocks", "tmp"):
+        for dirpath, _dirs, files in os.walk(root / sub):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:  # removed while walking
+                    pass
+    return total
+
+
+def test_the_size_bound_holds_before_a_write_lands(tmp_path: Path) -> None:
+    """--disk-cache-size is never exceeded, not even for a moment: a write evicts what it
+    displaces before its file is written (measured in the directory at every eviction,
+    when the displaced file is still there), and with four writers at once and a watcher
+    sampling the directory throughout, the bytes there never pass the capacity; writes
+    that find the capacity all taken by writes in flight are refused, not overrun."""
+    import threading
+
+    t = make_tier(tmp_path, blocks=3)
+    seen: list[int] = []
+    t.set_on_evict(lambda ref, block: seen.append(_dir_bytes(tmp_path)))
+    for i in range(6):
+        assert t.put(REFS[i], value(i))
+        seen.append(_dir_bytes(tmp_path))
+    assert t.stats().evictions == 3 and max(seen) <= t.capacity_bytes == 3 * FILE, seen
+
+    done = threading.Event()
+    peak = [0]
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _dir_bytes(tmp_path))
+
+    results: list[bool] = []
+
+    def write(k: int) -> None:
+        results.extend(t.put(REFS[i], value(i)) for i in range(6 + k, 38, 4))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    writers = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    done.set()
+    watcher.join()
+    s = t.stats()
+    assert len(results) == 32 and sum(results) >= 8 and s.blocks_held <= 3 and s.bytes_held <= t.capacity_bytes
+    assert max(seen) <= t.capacity_bytes and 0 < peak[0] <= t.capacity_bytes, (seen, peak)
+    assert _dir_bytes(tmp_path) == s.bytes_held
+    t.close()
+
+
 def test_eviction_hands_a_verified_copy_on(tmp_path: Path) -> None:
     t = make_tier(tmp_path, blocks=2)
     got: list[tuple[BlockRef, torch.Tensor]] = []
