@@ -20,8 +20,11 @@ the rest ``over_cap``. A held block is let go (an ordinary evictable cached bloc
 again) when a turn uses it (``claim``: the turn took its own reference; a *hit*), when
 ``ttl_s`` passes without one (``expire``: *waste*), when a sequence needs a block and none
 is free (``reclaim``, oldest first, before anything waits or is preempted: waste), or
-when its session is deleted (``forget``: waste). Warming twice is harmless: a held block
-is held once and its deadline renewed.
+when its session is deleted (``forget``: waste). A warm-up is in flight from ``begin``
+until ``landed``, whichever hop it is at (a lookup on the restore thread, loads into its
+blocks): a session deleted meanwhile cancels it, so it allocates nothing more, and what it
+loaded is freed instead of held. Warming twice is harmless: a held block is held once and
+its deadline renewed.
 
 Pure bookkeeping over the ``BlockManager`` (no tensors, no store): engine thread only,
 but ``stats`` (a snapshot any thread may take).
@@ -59,7 +62,7 @@ class WarmJob:
     on_device: int = 0  # leading blocks that were on the device (held within the caps)
     located: int = 0  # leading blocks past those that a store tier holds
     blocks: list[Block] = field(default_factory=list)  # fresh blocks being loaded into
-    cancelled: bool = False  # its session was forgotten meanwhile: register nothing
+    cancelled: bool = False  # its session was forgotten meanwhile: allocate, register and hold nothing
 
     @property
     def rest(self) -> list[BlockHash]:
@@ -87,7 +90,7 @@ class Warmer:
         self._pins: OrderedDict[int, _Pin] = OrderedDict()  # block id -> pin, earliest deadline first
         self._held: Counter[str] = Counter()  # tenant -> blocks held + in flight
         self._in_flight = 0
-        self._jobs: list[WarmJob] = []
+        self._jobs: list[WarmJob] = []  # warm-ups in flight: from begin to landed
         self.num_requests = 0
         self.num_hits = 0
         self.num_claimed = 0
@@ -98,13 +101,15 @@ class Warmer:
     # ---- a warm-up -------------------------------------------------------------------
 
     def begin(self, namespace: bytes, hashes: list[BlockHash], tenant: str, token_ids: Sequence[int] = ()) -> WarmJob:
-        """Hold the leading blocks already on the device (within the caps)."""
+        """Hold the leading blocks already on the device (within the caps); the warm-up is
+        in flight until ``landed``."""
         self.num_requests += 1
         job = WarmJob(namespace, hashes, tenant, token_ids)
         hits = self.blocks.match_prefix(hashes)
         for block in hits:
             self._hold(block, tenant)  # past the caps a hit stays on the device, not held
         job.on_device = len(hits)
+        self._jobs.append(job)
         return job
 
     def allocate(self, job: WarmJob, located: int) -> list[Block]:
@@ -112,12 +117,11 @@ class Warmer:
         as many as the caps and the free or evictable device blocks allow."""
         job.located = located
         n = min(located, self.room(job.tenant), self.blocks.num_free)
-        if n <= 0:
+        if n <= 0 or job.cancelled:
             return []
         job.blocks = self.blocks.allocate(n)  # free first, then the least recently used cached
         self._in_flight += n
         self._held[job.tenant] += n
-        self._jobs.append(job)
         return job.blocks
 
     def loading(self) -> bool:
@@ -130,8 +134,9 @@ class Warmer:
         tiers): register and hold them, free the rest; what the warm-up did."""
         if job in self._jobs:
             self._jobs.remove(job)
-            self._in_flight -= len(job.blocks)
-            self._held[job.tenant] -= len(job.blocks)
+            if job.blocks:
+                self._in_flight -= len(job.blocks)
+                self._held[job.tenant] -= len(job.blocks)
         by_tier: Counter[Tier] = Counter()
         for i, block in enumerate(job.blocks):
             if job.cancelled or i >= len(loaded):
@@ -149,7 +154,7 @@ class Warmer:
             by_tier[Tier(loaded[i])] += 1
         restored = sum(by_tier.values())
         self.restored.update(by_tier)
-        over_cap = job.located - len(job.blocks)
+        over_cap = 0 if job.cancelled else job.located - len(job.blocks)  # cancelled: the rest is gone, missing
         return WarmResult(
             blocks=len(job.hashes),
             on_device=job.on_device,
@@ -233,7 +238,8 @@ class Warmer:
 
     def forget(self, hashes: set[BlockHash], blocks: list[Block]) -> None:
         """A transcript's blocks are being forgotten (its session was deleted): let go of
-        those held, and a warm-up in flight over them registers nothing."""
+        those held, and a warm-up in flight over them, at whichever hop, allocates,
+        registers and holds nothing more."""
         for job in self._jobs:
             if not hashes.isdisjoint(job.rest):
                 job.cancelled = True

@@ -168,3 +168,64 @@ def test_warming_an_unknown_session_is_not_found(tiny_llama_dir):
         n = len(transcript(c, "here")) // BLOCK_SIZE
         assert (w.blocks, w.on_device, w.restored, w.missing) == (n, n, 0, 0)
         assert warm_stats(srv).requests == 1  # the unknown one never reached the engine
+
+
+@pytest.mark.parametrize("hop", ["locate_warm", "fetch_warm"])
+def test_a_session_deleted_during_its_warm_up_from_redis_leaves_nothing_held(tiny_llama_dir, redis_url, hop):
+    """WarmSession of a session spilled to Redis, and DeleteSession while the warm-up is
+    on the restore thread: its answer (which blocks the store holds; the loaded blocks)
+    waits there until the delete has dropped the session's device blocks, and the delete's
+    removal from Redis waits for the warm-up to be through, so the warm-up could still
+    load every block. It lands holding nothing, and every device block is free again."""
+    import threading
+
+    cfg = tiny_config(tiny_llama_dir, kv_cache_memory=POOL_40, redis_url=redis_url, host_cache_memory=0,
+                      spill_after=0.05, spill_to=("redis",), restore_policy="always", warm_pool_fraction=0.5,
+                      warm_tenant_fraction=0.5)  # fmt: skip
+    sid = f"gone-{hop}"
+    with ServerThread(cfg) as srv, KVServeClient(srv.address, timeout=60) as c:
+        c.complete(token_ids=SESSION, session_id=sid, max_new_tokens=6)
+        n = spill_and_push_off(srv, c, sid, "redis")
+        engine = srv.engine.engine
+        reached, dropped, warm_done = threading.Event(), threading.Event(), threading.Event()
+        hop_call, forget_device, forget_stored = getattr(engine.restorer, hop), engine.forget_device, engine.forget_stored
+
+        def held_until_dropped(*args):  # the hop's answer waits on the restore thread
+            *head, then = args
+
+            def answer(*result):
+                reached.set()
+                dropped.wait(30)
+                then(*result)
+
+            hop_call(*head, answer)
+
+        def drop_device(*args, **kw):
+            try:
+                return forget_device(*args, **kw)
+            finally:
+                dropped.set()
+
+        def drop_stored(*args, **kw):
+            warm_done.wait(30)
+            return forget_stored(*args, **kw)
+
+        setattr(engine.restorer, hop, held_until_dropped)
+        engine.forget_device, engine.forget_stored = drop_device, drop_stored
+        warmed: list[object] = []
+
+        def warm() -> None:
+            try:
+                warmed.append(c.warm_session(sid))
+            finally:
+                warm_done.set()
+
+        warming = threading.Thread(target=warm)
+        warming.start()
+        assert reached.wait(30)
+        c.delete_session(sid)
+        warming.join(30)
+        assert warmed and (warmed[0].blocks, warmed[0].restored, warmed[0].over_cap, warmed[0].missing) == (n, 0, 0, n)
+        stats = warm_stats(srv)
+        assert stats.pinned_blocks == 0 and stats.blocks_restored == {}
+        assert srv.engine.stats().blocks_free == srv.engine.stats().blocks_total

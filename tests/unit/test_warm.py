@@ -103,6 +103,25 @@ def test_forgetting_lets_go_and_cancels_a_warm_up_in_flight():
     assert bm.lookup(chain[1]) is None and w.stats().pinned_blocks == 0
 
 
+def test_forgetting_while_a_warm_up_looks_its_blocks_up_cancels_it_too():
+    """The session deleted between ``begin`` (device hits held) and ``allocate`` (the
+    store's answer, from the restore thread): the hits are let go, the warm-up allocates
+    nothing, and it lands holding nothing, whatever the store said it had."""
+    bm, clock = BlockManager(9), Clock()
+    hs, blocks = cached(bm, list(range(8)))
+    w = warmer(bm, clock)
+    chain = block_hashes(NS, list(range(20)), 4)  # 2 blocks on the device, 3 in a store tier
+    job = w.begin(NS, chain, "t")
+    assert job.on_device == 2 and w.stats().pinned_blocks == 2
+    w.forget(set(chain), blocks)
+    assert w.allocate(job, 3) == [] and not w.loading()
+    result = w.landed(job, [])
+    assert (result.restored, result.over_cap, result.missing) == (0, 0, 3)  # the session is gone: missing
+    assert (w.stats().pinned_blocks, w.stats().wasted_blocks["forgotten"]) == (0, 2)
+    assert bm.num_free == bm.num_usable and all(b.ref_count == 0 for b in blocks)
+    assert w.room("t") == 8  # nothing counted against the tenant
+
+
 def test_a_warm_up_takes_only_free_or_evictable_blocks_never_a_running_sequences():
     bm, clock = BlockManager(9), Clock()
     running = bm.allocate(5)  # a running sequence's blocks (a reference each)
