@@ -156,6 +156,10 @@ def test_readme_starts_with_the_two_commands():
     ]
     ci = (REPO / ".ci" / "run").read_text()
     assert "pip install -q -e '.[test]'" in ci and "pytest" in ci.splitlines()[-1]
+    # in a fresh virtualenv (the test extra alone, not this image's packages), torch first
+    venv, torch, extra = (ci.index(s) for s in ('python3 -m venv "$venv"', "pip install -q torch==2.13.0",
+                                                  "pip install -q -e '.[test]'"))  # fmt: skip
+    assert venv < ci.index('. "$venv/bin/activate"') < torch < extra
     assert 'kvserve = "kvserve.service.cli:main"' in (REPO / "pyproject.toml").read_text()
 
 
