@@ -94,7 +94,8 @@ def loaded(tiny_llama_dir):
     return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("fmt", ["exact", "bf16", "fp16", "int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["exact", "bf16", "fp16", "int8",
+                                 pytest.param("fp8", marks=pytest.mark.slow)])  # fp8: torch's attention, ~10x the time
 def test_greedy_speculative_is_plain_greedy_and_deterministic_on_every_kv_format(loaded, fmt):
     """Every --kv-cache-format: greedy tokens with drafts are plain decoding's, and two
     identical speculative runs agree, whatever drafts each made and rejected (they are
