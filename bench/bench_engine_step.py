@@ -67,8 +67,28 @@ def main() -> None:
     model = loaded.model
     in_model = [0.0]  # seconds inside the model's forward, this step
 
-    class Timed:  # the model, its forward and native step timed (the engine calls model(layout, pool, ...) or
-        # model.native_step(pool)(rows...)); the rest passed through
+    def timed_call(call):
+        def timed(*a):
+            t = now()
+            try:
+                return call(*a)
+            finally:
+                in_model[0] += now() - t
+
+        return timed
+
+    class TimedStep:  # the runner's decode step backend (models/step.py), timed as the model's forward
+        def __init__(self, step):
+            self.step, self.call = step, timed_call(step)
+
+        def __call__(self, *a):
+            return self.call(*a)
+
+        def __getattr__(self, name):
+            return getattr(self.step, name)
+
+    class Timed:  # the model, its forward timed (the engine calls model(layout, pool, ...); a checkout
+        # before models/step.py also model.native_step(pool)(rows...)); the rest passed through
         def __call__(self, layout, pool, **kw):
             t = now()
             try:
@@ -102,6 +122,8 @@ def main() -> None:
                            kv_cache_memory=(batch + 1) * (args.prompt + args.tokens + 32) * per_token,
                            max_num_batched_tokens=max(512, args.prompt * batch))
         eng = LLMEngine(loaded, cfg)
+        if hasattr(eng.runner, "step"):  # the decode step's backend (its reference calls the timed forward)
+            eng.runner.step = TimedStep(eng.runner.step) if eng.runner.step is not eng.runner.reference else eng.runner.step
         g = torch.Generator().manual_seed(0)
         rates, steps, outside = [], [], []
         for rep in range(args.repeats + 1):

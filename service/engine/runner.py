@@ -1,11 +1,13 @@
-"""The runner room: block tables, the batch layout and the model's forward (a decode step,
-where the model has one, as its native step's one call over the rows packed as arrays).
+"""The runner room: block tables, the batch layout, the model's forward and its decode step
+(models/step.py's ``DecodeStep``: the native CPU step, the CUDA step or the torch
+reference, chosen once by the engine; the rows packed as ``DecodeRows``).
 
-``run(plan)`` computes a step plan (service/engine/scheduler.py): one batched decode
-forward over the decode rows and the prefill chunks over a cached context that fit one
-native decode step with them (a returning turn's new tokens, a row per token: the native
-layer reads the context in place, once per sequence, where the padded forward gathers it,
-and the weights are read once for the decodes and the returning turns), then the other
+``run(plan)`` computes a step plan (service/engine/scheduler.py): one decode step over
+the decode rows, the verify rows and the prefill chunks over a cached context that fit
+the step's backend with them (``chunk_rows``: a returning turn's new tokens, a row per
+token: the native layer reads the context in place, once per sequence, where the padded
+forward gathers it, and the weights are read once for the decodes and the returning
+turns), then the other
 prefill chunks, batched into as few forwards as
 padding allows (``prefill_groups``: chunks of similar length and context share one
 forward, one read of the weights and larger products; a long cold chunk beside a returning
@@ -28,10 +30,10 @@ import torch
 
 from .sequence import Sequence, StepPlan
 from ..kv.block_manager import NULL_BLOCK, BlockManager
-from ..kernels.layer import STACK_ROWS
 from ..kv.cache import BatchLayout, DecodeRows, KVPool, SeqSlice
 from ..kv.keys import BlockKeys
 from ..kv.transfer import BlockTransfers
+from ..models.step import DecodeStep, TorchStep
 
 Row = tuple[Sequence, torch.Tensor]  # a sequence to sample and its (V,) logits
 
@@ -74,7 +76,10 @@ class Runner:
         *,
         device: torch.device,
         release_window: int | None,
+        step: DecodeStep | None = None,
     ) -> None:
+        """``step``: the decode step's backend (models/step.py ``build_step``); None: the
+        torch reference over ``model``."""
         self.model = model
         self.pool = pool
         self.blocks = blocks
@@ -85,6 +90,9 @@ class Runner:
         self.longrope = keys.longrope_threshold is not None  # the model reads each row's regime
         # blocks outside every layer's window can be given back (when every layer has one)
         self.release_window = release_window
+        # a decode step's backend, and the reference for steps of more rows than it takes
+        self.reference = TorchStep(model, pool, device)
+        self.step = step or self.reference
         self.num_prefill_tokens = 0
         self.num_prefill_forwards = 0  # prefill forwards run (several chunks may share one)
         self.num_decode_tokens = 0
@@ -157,11 +165,21 @@ class Runner:
         KV is worth, and nothing of it is registered."""
         chunks = chunks or []
         n_rows = len(decode) + sum(1 + len(seq.drafts) for seq in verify)
-        native = self.model.native_step(self.pool)  # None where the family's RoPE is no table (LongRoPE)
-        if native is not None and n_rows + sum(n for _, n in chunks) <= STACK_ROWS:
-            logits = self._native_rows(native, decode, verify, chunks)
-        else:
-            logits = self._layout_rows(decode, verify, chunks)
+        rows = DecodeRows(self.block_size)
+        for seq in decode:
+            rows.add(self._block_table(seq), seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1],
+                     self._regime(seq))  # fmt: skip
+        for seq in verify:
+            rows.add(self._block_table(seq), seq.num_computed, [seq.token_ids[-1], *seq.drafts], self._regime(seq))
+        which = None
+        if chunks:  # the head on each chunk's last token alone
+            which = array.array("q", range(len(rows)))
+            for seq, n in chunks:
+                rows.add(self._block_table(seq), seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + n],
+                         self._regime(seq))  # fmt: skip
+                which.append(len(rows) - 1)
+        step = self.step if len(rows) <= self.step.max_rows else self.reference
+        logits = step(rows, which)
         for seq in decode:
             self._advance(seq, 1)
         for seq, n in chunks:
@@ -171,51 +189,9 @@ class Runner:
         self.num_draft_tokens += n_rows - len(decode) - len(verify)
         return logits
 
-    def _native_rows(self, native: Any, decode: list[Sequence], verify: list[Sequence],
-                     chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """``decode_step``'s forward as the native step's one call (``DecodeRows``)."""
-        rows = DecodeRows(self.block_size)
-        for seq in decode:
-            rows.add(self._block_table(seq), seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1])
-        for seq in verify:
-            rows.add(self._block_table(seq), seq.num_computed, [seq.token_ids[-1], *seq.drafts])
-        which = None
-        if chunks:
-            which = array.array("q", range(len(rows)))
-            for seq, n in chunks:
-                rows.add(self._block_table(seq), seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + n])
-                which.append(len(rows) - 1)
-        return native(*rows.pack(), which)
-
-    def _layout_rows(self, decode: list[Sequence], verify: list[Sequence], chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """``decode_step``'s forward through a ``BatchLayout`` and the model's ``forward``
-        (where the native step does not apply)."""
-        slices = []
-        for seq in decode:
-            slices.append(self._slice(seq, seq.num_computed, seq.token_ids[seq.num_computed : seq.num_computed + 1]))
-        for seq in verify:
-            slices.extend(self._rows(seq, [seq.token_ids[-1], *seq.drafts]))
-        head = list(range(len(slices)))
-        for seq, n in chunks:
-            slices.extend(self._rows(seq, seq.token_ids[seq.num_computed : seq.num_computed + n]))
-            head.append(len(slices) - 1)
-        layout = BatchLayout.build(slices, self.block_size, self.device)
-        rows = torch.tensor(head, dtype=torch.long, device=self.device) if chunks else None
-        return self.model(layout, self.pool, rows=rows)
-
-    def _slice(self, seq: Sequence, start: int, tokens: list[int], table: array.array | None = None) -> SeqSlice:
-        return SeqSlice(
-            block_table=self._block_table(seq) if table is None else table,
-            start_pos=start,
-            token_ids=tokens,
-            long_rope=seq.long_rope if self.longrope else None,
-        )
-
-    def _rows(self, seq: Sequence, tokens: list[int]) -> list[SeqSlice]:
-        """One decode row per token of ``tokens``, at consecutive positions from the
-        sequence's ``num_computed``, over its block table."""
-        table = self._block_table(seq)
-        return [self._slice(seq, seq.num_computed + i, [tok], table) for i, tok in enumerate(tokens)]
+    def _regime(self, seq: Sequence) -> bool | None:
+        """The sequence's LongRoPE factor set, for a model that reads it (else None)."""
+        return seq.long_rope if self.longrope else None
 
     def _advance(self, seq: Sequence, n: int) -> None:
         """``n`` more of the sequence's tokens are computed KV: the blocks they complete
@@ -257,8 +233,13 @@ class Runner:
             and len(s.token_ids) - s.num_computed == 1
             and len(s.blocks) * self.block_size >= len(s.token_ids)
         ]
-        if work:
-            self.forward(work)
+        if work:  # one decode step of those rows (their logits unused)
+            rows = DecodeRows(self.block_size)
+            for seq, _ in work:
+                rows.add(self._block_table(seq), seq.num_computed, seq.token_ids[-1:], self._regime(seq))
+            (self.step if len(rows) <= self.step.max_rows else self.reference)(rows)
+            for seq, _ in work:
+                self._advance(seq, 1)
             self.num_seal_tokens += len(work)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -291,7 +272,7 @@ class Runner:
                 block_table=self._block_table(seq),
                 start_pos=seq.num_computed,
                 token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
-                long_rope=seq.long_rope if self.longrope else None,
+                long_rope=self._regime(seq),
             )
             for seq, n in work
         ]
@@ -302,15 +283,15 @@ class Runner:
         return logits
 
     def _chunks_as_rows(self, chunks: list[tuple[Sequence, int]], taken: int = 0) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
-        """The step's prefill chunks split into those that run in the step's decode forward
+        """The step's prefill chunks split into those that run in the step's decode step
         as a row per token (``decode_step``: chunks over a cached context, together with
-        the ``taken`` decode rows at most ``native_rows`` rows: returning turns' new
-        tokens) and the rest, for ``prefill_groups``' padded forwards. More rows than one
-        native step takes go padded too: there one forward of many rows runs compute-bound
-        products (~110M, 256 tokens over 320 positions: 394-419 ms padded against 459-493
-        ms as rows; 80 tokens: 159-188 against 133-146 ms; 16 tokens over 2000: 65 against
-        45 ms)."""
-        cap = self.model.native_rows(self.pool) - taken
+        the ``taken`` decode rows at most the backend's ``chunk_rows``: returning turns' new
+        tokens; the native step's) and the rest, for ``prefill_groups``' padded forwards.
+        More rows than one native step takes go padded too: there one forward of many rows
+        runs compute-bound products (~110M, 256 tokens over 320 positions: 394-419 ms
+        padded against 459-493 ms as rows; 80 tokens: 159-188 against 133-146 ms; 16 tokens
+        over 2000: 65 against 45 ms)."""
+        cap = self.step.chunk_rows - taken
         cached = [(seq, n) for seq, n in chunks if seq.num_computed > 0]
         if not cached or sum(n for _, n in cached) > cap:
             return [], chunks
@@ -326,7 +307,7 @@ class Runner:
             block_table=self._block_table(seq),
             start_pos=start,
             token_ids=seq.token_ids[start:],
-            long_rope=seq.long_rope if self.longrope else None,
+            long_rope=self._regime(seq),
         )
         layout = BatchLayout.build([seq_slice], self.block_size, self.device, landed=landed)
         return self.model(layout, self.pool)

@@ -1,12 +1,10 @@
-"""What the model code hands the kernels: typed views of its weights, and the decoder
-stack that runs a whole decode step natively.
+"""What the model code hands the kernels: typed views of its weights, and the CPU
+backend of the engine's decode step (``models/step.py``'s ``DecodeStep``), one native call.
 
     ProductWeights   one product's weight in its stored format  -> product(w, x)
     NormWeights      an RMSNorm's weight, eps and offset         -> norm(n, x)
     LayerWeights     one decoder layer: its norms, products and attention geometry
-    DecoderStack     every layer of a model: run(x, ropes, step), one call per layer
-    StackEnds        the step's ends: the embedding rows in, the final norm and head out
-    DecodeStep       one decode step's batch over the block pool (arrays only)
+    StepEnds         the step's ends: the embedding rows in, the final norm and head out
     NativeStep       a model's whole decode step over one pool as one native call: the
                      embedding, every layer, the head (the engine's rows, as int64 arrays)
 
@@ -20,7 +18,7 @@ from __future__ import annotations
 import array
 import ctypes
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -30,12 +28,12 @@ from . import ops
 from .binding import header_binding
 
 MAX_ROWS = ops.MAX_ROWS  # decode-sized work; more rows (prefill) are compute-bound: torch's GEMM
-# rows one whole-layer step (DecoderStack) takes: the decode rows, and a returning turn's
-# new tokens over its cached context as rows (engine/runner.py decode_step), which
-# measured ahead of the padded forward up to about this many (~110M, a 320-position
-# context, one chunk: 80 rows 133-146 against 159-188 ms, 128 rows 234-291 against
-# 237-268, 256 rows 459-493 against 394-419)
-STACK_ROWS = 2 * MAX_ROWS
+# rows one native step takes: the decode rows, and a returning turn's new tokens over its
+# cached context as rows (engine/runner.py decode_step), which measured ahead of the
+# padded forward up to about this many (~110M, a 320-position context, one chunk: 80 rows
+# 133-146 against 159-188 ms, 128 rows 234-291 against 237-268, 256 rows 459-493 against
+# 394-419)
+STEP_ROWS = 2 * MAX_ROWS
 _H = header_binding()
 _C = _H.constants
 KvLinear, KvLayer, KvStep, KvModel = (_H.structs[n] for n in ("KvLinear", "KvLayer", "KvStep", "KvModel"))
@@ -162,44 +160,11 @@ class LayerWeights:
                        ACTS[self.act])  # fmt: skip
 
 
-@dataclass
-class DecodeStep:
-    """One decode step's batch, as arrays: the pool (num_blocks, L, 2, bs, n_kv, hd)
-    float32, bfloat16 or float16, or int8 planes (``ops.KV_POOL_FORMATS``), where each sequence's new token goes (slot_blocks, slot_offsets (B,)), its
-    block table (tables (B, nb)) and context length with the new token (lens (B,)), all
-    int64 contiguous. The arrays are kept referenced while the C struct points at them."""
-
-    pool: Tensor
-    slot_blocks: Tensor
-    slot_offsets: Tensor
-    tables: Tensor
-    lens: Tensor
-    block_size: int = 0  # 0: the pool's dim 3 (an int8 pool's (N, L, 2, plane) needs it given)
-
-    def __post_init__(self) -> None:
-        B, nb = self.tables.shape
-        N, L, two = self.pool.shape[:3]
-        bs = self.block_size or self.pool.shape[3]
-        self.struct = KvStep(B, 0, self.pool.data_ptr(), ops.KV_POOL_FORMATS[self.pool.dtype], L, bs, self.slot_blocks.data_ptr(),
-                             self.slot_offsets.data_ptr(), self.tables.data_ptr(), nb, self.lens.data_ptr(),
-                             torch.get_num_threads())  # fmt: skip
-
-
-def _rope_rows(cos: Tensor, sin: Tensor, B: int) -> tuple[Tensor, Tensor]:
-    """cos and signed sin (B, 1, 1, rot) as the (B, rot) float32 contiguous rows the layer reads."""
-    c = cos.reshape(cos.shape[0], -1)  # (B, rot): one token per sequence
-    s = sin.reshape(sin.shape[0], -1)
-    if c.dtype != torch.float32 or not c.is_contiguous() or not s.is_contiguous() or c.shape[0] != B:
-        c, s = c.float().contiguous(), s.float().contiguous()
-    return c, s
-
-
 @dataclass(frozen=True)
-class StackEnds:
+class StepEnds:
     """What a decode step runs around the layers, natively: the embedding's rows in
     (``x = embedding[ids] * scale``) and the logits out (``head(norm(x))``, then
-    ``tanh(l / softcap) * softcap`` by torch where the family caps them). The same kernels
-    and order as the per-op path (torch's gather; ``norm``, ``product``), so the same bits."""
+    ``tanh(l / softcap) * softcap`` by torch where the family caps them)."""
 
     embedding: Tensor  # (V, D) float32
     scale: float  # 1.0: none (Gemma's sqrt(D), rounded to float32 as its reference does)
@@ -209,7 +174,7 @@ class StackEnds:
 
     @classmethod
     def of(cls, embedding: Tensor, scale: float, norm: NormWeights | None, head: ProductWeights | None,
-           softcap: float | None = None) -> StackEnds | None:
+           softcap: float | None = None) -> StepEnds | None:
         """The ends, or None where the kernels cannot run them (no native norm or head, an
         embedding not float32 contiguous on the CPU, or of another width)."""
         if norm is None or head is None or not _usable(embedding) or embedding.dim() != 2:
@@ -219,121 +184,62 @@ class StackEnds:
         return cls(embedding, float(scale), norm, head, softcap)
 
 
-class DecoderStack:
-    """Every decoder layer of a model on a decode step (one new token per sequence), in
-    order, one native call each (``kv_decode_layer``); what the step needs (its
-    ``DecodeStep``, the cos/sin rows, the library's function) is looked up once.
-
-    ``groups[i]``: which of the step's (cos, sin) pairs layer i rotates with (Gemma 3's
-    sliding layers have their own RoPE base: pair 1); pair 0 for every layer by default."""
-
-    def __init__(self, layers: list[LayerWeights], groups: list[int] | None = None, ends: StackEnds | None = None) -> None:
-        groups = [0] * len(layers) if groups is None else list(groups)
-        if not layers or len(groups) != len(layers) or min(groups) < 0:
-            raise ValueError("a decoder stack needs one layer and one rope group per layer")
-        hidden = {layer.norm_in.weight.numel() for layer in layers}
-        if len(hidden) != 1:
-            raise ValueError("the layers of a decoder stack differ in hidden size")
-        self.hidden = hidden.pop()
-        self.layers = list(layers)  # the views keep the weights referenced
-        self._structs = [layer.struct() for layer in layers]
-        self.num_groups = max(groups) + 1
-        self.groups = groups
-        self._calls = [(ctypes.byref(s), g) for s, g in zip(self._structs, groups)]
-        if ends is not None and ends.embedding.shape[1] != self.hidden:
-            raise ValueError("the stack's ends differ from its layers in hidden size")
-        self.ends = ends  # None: the family's own embedding and head run around the layers
-        self._head_struct = ends.head.struct() if ends is not None else None  # kept referenced, as _structs
-        self._head = ctypes.byref(self._head_struct) if ends is not None else None
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    @staticmethod
-    def applies(x: Tensor) -> bool:
-        """Whether x (B, T, D) is a decode step the stack runs: one float32 token per
-        row, B <= STACK_ROWS."""
-        return x.shape[1] == 1 and x.shape[0] <= STACK_ROWS and x.dtype == torch.float32 and x.is_contiguous()
-
-    @staticmethod
-    def takes(input_ids: Tensor) -> bool:
-        """Whether input_ids (B, T) is a decode step the stack runs whole, ends included."""
-        return input_ids.shape[1] == 1 and input_ids.shape[0] <= STACK_ROWS and input_ids.device.type == "cpu"
-
-    def embed(self, input_ids: Tensor) -> Tensor:
-        """(B, 1) ids -> x (B, 1, D) float32, the ends' embedding rows (``ends`` set;
-        IndexError for an id outside the vocabulary, as torch's embedding raises)."""
-        e = self.ends
-        ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else input_ids.long().contiguous()
-        x = torch.empty(*ids.shape, self.hidden, dtype=torch.float32)
-        V = e.embedding.shape[0]
-        if kernels.load().lib.kv_embed(ids.data_ptr(), ids.numel(), e.embedding.data_ptr(), V, self.hidden, e.scale, x.data_ptr()):
-            raise IndexError(f"a token id is outside the vocabulary (0..{V - 1})")
-        return x
-
-    def head(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
-        """x (B, 1, D) after the layers -> float32 logits (B, V), or of ``rows`` (R,) of
-        the B alone (R, V): the ends' norm and head in one call (``ends`` set)."""
-        e = self.ends
-        B = x.shape[0]
-        which = None
-        if rows is not None:
-            which = rows if rows.dtype == torch.int64 and rows.is_contiguous() else rows.long().contiguous()
-        n = B if which is None else which.numel()
-        logits = torch.empty(n, e.head.shape[0], dtype=torch.float32)
-        kernels.load().lib.kv_decode_head(x.data_ptr(), self.hidden, None if which is None else which.data_ptr(), n,
-                                          e.norm.weight.data_ptr(), e.norm.eps, e.norm.offset, self._head,
-                                          logits.data_ptr(), torch.get_num_threads())  # fmt: skip
-        if e.softcap is not None:
-            logits = torch.tanh(logits / e.softcap) * e.softcap
-        return logits
-
-    def run(self, x: Tensor, ropes: tuple[tuple[Tensor, Tensor], ...], step: DecodeStep) -> Tensor:
-        """x (B, 1, D) through every layer, in place (the caller checked ``applies``);
-        ``ropes``: the step's (cos, sin) pairs, (B, 1, 1, rot) each. Returns x."""
-        s = step.struct
-        s.D = self.hidden
-        B = x.shape[0]
-        rows = [_rope_rows(*ropes[g], B) for g in range(self.num_groups)]  # kept referenced through the calls
-        ptrs = [(c.data_ptr(), sn.data_ptr(), c.shape[1]) for c, sn in rows]
-        fn, xp, sp = kernels.load().lib.kv_decode_layer, x.data_ptr(), ctypes.byref(s)  # the library served now
-        for ref, g in self._calls:
-            cp, snp, rot = ptrs[g]
-            fn(ref, xp, sp, cp, snp, rot)
-        return x
-
-
 RopeTables = Callable[[int], tuple[tuple[Tensor, Tensor], ...]]  # length -> per group (cos, sin) (n >= length, rot)
+
+
+class PackedRows(Protocol):
+    """A step's rows as ``NativeStep`` reads them (kv.cache.DecodeRows)."""
+
+    long_rope: Sequence[bool | None]
+
+    def pack(self) -> tuple[array.array, int, int, int]:
+        """(the int64 array, rows B, blocks per table nb, the longest context)."""
 
 
 class NativeStep:
     """A decode step whole in one native call (``kv_decode_forward``): the embedding rows,
-    every layer, the final norm and head, for a model whose stack has its ends
-    (``StackEnds``) over one pool the kernels read. The same kernels in the same order as
-    ``DecoderStack``'s embed, run and head (the RoPE rows copied from the same tables the
-    family's ``ropes`` slices), so the same bits; what it saves is the Python between them:
-    no layout tensors, no per-step structs, one call where there were six or more.
+    every layer (norms, the fused q/k/v product, per-head q/k norms, RoPE, the K/V write
+    and attention read in place from the pool, o with the residual add, the gate and
+    down), the final norm and head, over one pool the kernels read (float32, bfloat16,
+    float16, int8: ``ops.KV_POOL_FORMATS``). Every row's K/V is written before any row
+    attends, a sequence's rows (a verify step's drafts, a returning turn's new tokens)
+    read their common context once, and each row's result is the same bits whatever
+    else is in the step.
 
-    ``tables(length)``: the family's RoPE tables, one (cos, signed sin) (n, rot) float32
-    pair per rope group (at most two; () without RoPE), n >= length rows by position.
+    ``layers`` in order, layer i rotating with the RoPE pair ``groups[i]`` (0 or 1: Gemma
+    3's sliding layers have their own base); ``tables(length)``: the family's RoPE
+    tables, one (cos, signed sin) (n, rot) float32 pair per group (at most two; () without
+    RoPE), n >= length rows by position. ``long_threshold`` (LongRoPE): the tables hold
+    the short factors' n rows, then the long factors' n rows, and a row in the long regime
+    (its ``long_rope``, or, where None, a context longer than the threshold) reads its
+    position's row of the second half.
 
-    A call takes the step's rows as one int64 array (``pack``): ids, positions, the slot
-    block and offset of each row's new K/V, context lengths (the new token included) and
-    the block tables (B, nb)."""
+    A call takes the step's rows (``kv.cache.DecodeRows``: ``pack()`` gives ids,
+    positions, the slot block and offset of each row's new K/V, context lengths (the new
+    token included) and the block tables (B, nb), one int64 array)."""
 
-    def __init__(self, stack: DecoderStack, pool: Tensor, block_size: int, tables: RopeTables) -> None:
-        if stack.ends is None:
-            raise ValueError("a native step needs the stack's ends")
-        e = stack.ends
-        self.stack, self.pool, self.tables = stack, pool, tables
-        self.V, self.softcap = e.embedding.shape[0], e.softcap
-        self._layers = (KvLayer * len(stack))(*stack._structs)  # copies of the structs (they point at the weights)
-        self._groups = array.array("q", stack.groups)
-        self._model = KvModel(ctypes.addressof(self._layers), self._groups.buffer_info()[0], len(stack),
-                              e.embedding.data_ptr(), self.V, stack.hidden, e.scale, e.norm.eps, e.norm.offset,
-                              e.norm.weight.data_ptr(), ctypes.addressof(stack._head_struct))  # fmt: skip
+    name = "native"
+    max_rows = STEP_ROWS  # rows one call takes
+    chunk_rows = STEP_ROWS  # of them, a returning turn's new tokens beside the decode rows
+
+    def __init__(self, layers: list[LayerWeights], groups: list[int], ends: StepEnds, pool: Tensor, block_size: int,
+                 tables: RopeTables, long_threshold: int | None = None) -> None:
+        if not layers or len(groups) != len(layers) or min(groups) < 0 or max(groups) > 1:
+            raise ValueError("a native step needs one layer and one rope group (0 or 1) per layer")
+        D = ends.embedding.shape[1]
+        if {layer.norm_in.weight.numel() for layer in layers} != {D}:
+            raise ValueError("the layers and ends of a native step differ in hidden size")
+        self.layers, self.ends, self.pool, self.tables = list(layers), ends, pool, tables  # the views keep the weights
+        self.long_threshold = long_threshold
+        self.V, self.softcap = ends.embedding.shape[0], ends.softcap
+        self._structs = (KvLayer * len(layers))(*(layer.struct() for layer in layers))  # pointers into the weights
+        self._head = ends.head.struct()
+        self._groups = array.array("q", groups)
+        self._model = KvModel(ctypes.addressof(self._structs), self._groups.buffer_info()[0], len(layers),
+                              ends.embedding.data_ptr(), self.V, D, ends.scale, ends.norm.eps, ends.norm.offset,
+                              ends.norm.weight.data_ptr(), ctypes.addressof(self._head))  # fmt: skip
         # the pool's part of each step's KvStep (kv_decode_forward fills in the rows'): (N, L, 2, ...)
-        self._pool = KvStep(0, stack.hidden, pool.data_ptr(), ops.KV_POOL_FORMATS[pool.dtype], pool.shape[1], block_size)
+        self._pool = KvStep(0, D, pool.data_ptr(), ops.KV_POOL_FORMATS[pool.dtype], pool.shape[1], block_size)
         self._rope: tuple[tuple[Tensor, Tensor], ...] = ()  # the tables the struct points at (kept referenced)
         self._rope_len = -1  # positions they cover
 
@@ -354,14 +260,20 @@ class NativeStep:
             m.table_len, m.rot = c0.shape
         else:
             m.rot, m.table_len = 0, 0
-        self._rope, self._rope_len = got, m.table_len if got else 1 << 62
+        self._rope = got
+        self._rope_len = (m.table_len // 2 if self.long_threshold is not None else m.table_len) if got else 1 << 62
 
-    def __call__(self, batch: array.array, B: int, nb: int, longest: int, which: array.array | None = None) -> Tensor:
-        """Logits (B, V), or of rows ``which`` alone (R, V), for the step packed in ``batch``
-        (``pack``'s layout: B rows, tables of nb blocks; ``longest``: the largest context
-        length). IndexError for an id outside the vocabulary, before anything is computed."""
+    def __call__(self, rows: PackedRows, which: array.array | None = None) -> Tensor:
+        """Logits (B, V) of the step's B rows, or of rows ``which`` alone (R, V).
+        IndexError for an id outside the vocabulary, before anything is computed."""
+        batch, B, nb, longest = rows.pack()
         if longest > self._rope_len:
             self._cover(longest)
+        if self.long_threshold is not None:  # the long regime's rows read the tables' second half
+            half, pos = self._rope_len, B
+            for b, long in enumerate(rows.long_rope):
+                if long or (long is None and batch[pos + b] + 1 > self.long_threshold):
+                    batch[pos + b] += half
         n = B if which is None else len(which)
         logits = torch.empty(n, self.V, dtype=torch.float32)
         got = kernels.load().lib.kv_decode_forward(ctypes.byref(self._model), ctypes.byref(self._pool), batch.buffer_info()[0], B, nb,

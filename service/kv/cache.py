@@ -483,26 +483,28 @@ class SeqSlice:
 
 
 class DecodeRows:
-    """A decode step's rows for the native step (kernels/layer.py ``NativeStep``): one new
-    token per row at its position over a block table (a sequence's pending token and
-    drafts are rows at consecutive positions over one table), packed as one int64 array
-    in the order the kernel reads: ids, positions, the block and offset where each row's
-    K/V goes, context lengths (the row's token included), then the tables cut or padded
-    with the null block to the step's longest context. The layout ``BatchLayout.build``
-    makes of the same rows, without its tensors."""
+    """A decode step's rows, what every decode step backend takes (models/step.py
+    ``DecodeStep``): one new token per row at its position over a block table (a
+    sequence's pending token and drafts are rows at consecutive positions over one
+    table), and its LongRoPE regime (None: none given). ``pack`` lays them out as one
+    int64 array in the order the native kernel reads: ids, positions, the block and
+    offset where each row's K/V goes, context lengths (the row's token included), then
+    the tables cut or padded with the null block to the step's longest context. The
+    layout ``BatchLayout.build`` makes of the same rows, without its tensors."""
 
-    __slots__ = ("block_size", "ids", "positions", "tables")
+    __slots__ = ("block_size", "ids", "positions", "tables", "long_rope")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.ids: list[int] = []
         self.positions: list[int] = []
         self.tables: list[Sequence[int]] = []
+        self.long_rope: list[bool | None] = []
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def add(self, table: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+    def add(self, table: Sequence[int], start: int, tokens: Sequence[int], long_rope: bool | None = None) -> None:
         """``tokens`` as rows at positions start, start + 1, ... over ``table`` (ValueError
         when the table does not cover them)."""
         if start < 0 or len(table) * self.block_size < start + len(tokens):
@@ -510,6 +512,7 @@ class DecodeRows:
         self.ids.extend(tokens)
         self.positions.extend(range(start, start + len(tokens)))
         self.tables.extend([table] * len(tokens))
+        self.long_rope.extend([long_rope] * len(tokens))
 
     def pack(self) -> tuple[array.array, int, int, int]:
         """(the int64 array, rows B, blocks per table nb, the longest context)."""

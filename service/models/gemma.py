@@ -22,10 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..kernels.layer import LayerWeights, StackEnds
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
-from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights, rope_span
+from .layers import CausalLM, DecoderEnds, DecoderLayer, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, rope_span
 from .rope import Rotary
 
 
@@ -77,10 +76,10 @@ class Block(nn.Module):
         self.mlp = GatedMLP(d, config.intermediate_size, False, act)
         self.post_feedforward_layernorm = RMSNorm(d, eps, offset=1.0)
 
-    def kernel_layer(self) -> LayerWeights | None:
-        """This block for the native decoder stack: sandwich norms around attention and MLP."""
-        return layer_weights(self.self_attn, self.input_layernorm, self.pre_feedforward_layernorm, self.mlp,
-                             self.post_attention_layernorm, self.post_feedforward_layernorm)  # fmt: skip
+    def decoder_layer(self) -> DecoderLayer:
+        """This block for the decode step backends: sandwich norms around attention and MLP."""
+        return DecoderLayer(self.self_attn, self.input_layernorm, self.pre_feedforward_layernorm, self.mlp,
+                            self.post_attention_layernorm, self.post_feedforward_layernorm, self.rope_group)  # fmt: skip
 
     def forward(self, x: Tensor, rope: Rope, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         h = self.self_attn(self.input_layernorm(x), rope, layout, kv)
@@ -136,12 +135,11 @@ class GemmaForCausalLM(CausalLM):
         local = self.model.rotary_emb_local
         return cos_sin, local(positions, dtype, span=n) if local is not None else cos_sin
 
-    def rope_tables(self, length: int) -> tuple[tuple[Tensor, Tensor], ...] | None:
+    def rope_tables(self, length: int, dtype: torch.dtype = torch.float32,
+                    device: torch.device = torch.device("cpu")) -> tuple[Rope, ...]:
         local = self.model.rotary_emb_local
         rotaries = (self.model.rotary_emb,) if local is None else (self.model.rotary_emb, local)
-        if any(r.longrope for r in rotaries):
-            return None
-        return tuple(r.table(length) for r in rotaries)
+        return tuple(r.table(length, dtype, device) for r in rotaries)
 
     def head(self, x: Tensor) -> Tensor:
         logits = self.lm_head(self.model.norm(x)).float()
@@ -149,6 +147,5 @@ class GemmaForCausalLM(CausalLM):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def decode_ends(self) -> StackEnds | None:
-        return StackEnds.of(self.model.embed_tokens.weight, self.embed_scale, self.model.norm.kernel, self.lm_head.kernel,
-                            self.final_softcap)  # fmt: skip
+    def decoder_ends(self) -> DecoderEnds:
+        return DecoderEnds(self.model.embed_tokens.weight, self.embed_scale, self.model.norm, self.lm_head, self.final_softcap)

@@ -3,12 +3,15 @@ norm (``RMSNorm``, with Gemma's (1 + w) offset), the gated MLP, paged attention,
 ``CausalLM``, the loader's contract and the forward every family runs:
 
     x = embed(ids, positions)
-    for block in blocks:  x = block(x, rope, layout, kv)   # or, on a decode step, the kernels' stack
+    for block in blocks:  x = block(x, rope, layout, kv)
     logits = head(x at each sequence's last token)
 
 A family file defines its blocks and whatever differs (its embedding, its RoPE, its
-head) and nothing else. Where the native kernels serve (``use_kernels``) each layer's
-kernel call is part of its own forward.
+head) and nothing else. The forward is the prefill path and the reference of the
+engine's decode step, whose backends (models/step.py: the native CPU step, the CUDA
+step) read the same modules through ``CausalLM.decoder``. Where the native kernels
+serve (``use_kernels``) a module's CPU work (its products, norms, gates, RoPE, a
+prefill's causal attention) is their call inside its own forward.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ from __future__ import annotations
 import contextlib
 import torch
 import torch.nn.functional as F
-from typing import TYPE_CHECKING, ContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import ops as kernel_ops
-from ..kernels.layer import (MAX_ROWS, STACK_ROWS, DecoderStack, DecodeStep, LayerWeights, NativeStep, NormWeights, StackEnds,
-                             ProductWeights, norm, product)
+from ..kernels.layer import MAX_ROWS, NormWeights, ProductWeights, norm, product
 from .config import ModelConfig
 from .rope import Rotary, apply_rope_
 
@@ -49,12 +52,6 @@ PACK_MIN_ELEMENTS = 1 << 18
 # host (AVX-512, 2 threads), a ~110M model's products: 2.2-3.3x MKL's rate at 72-576 rows
 # (docs/benchmarks.md "Many users at once").
 ONEDNN_MIN_ROWS = 65
-# With the native kernels, a prefill's rows too (not only decode's) run the kernels' norm,
-# RoPE and gate: one pass over the rows each, where torch's path runs 3-7 ops with a
-# parallel region each (~110M bf16, 512 and 2048 tokens, 2 threads: +11-12% on the whole
-# prefill; exact: +5%; docs/benchmarks.md "Causal prefill attention"). False: decode-sized
-# rows only (what ran before; benchmarks compare the two).
-NATIVE_ROWWISE = True
 # The native causal attention (``attend_natively``) from this many query rows per kv head
 # (T * nh / n_kv): it packs each kv head's K and V once per call, which fewer rows do not
 # repay. Measured against torch's SDPA over a gathered context (2 threads, hd 64, 256-2048
@@ -65,10 +62,14 @@ ONEDNN_F32 = torch.backends.mkldnn.is_available()
 
 
 class UsesKernels:
-    """A module with a native implementation of its decode-sized work: ``use_kernels()``
-    (called once at load by ``use_kernels(model)``, only where the kernels loaded and the
-    model computes in float32 on the CPU) takes the typed view of its weights that the
-    kernels read; its forward then runs them for 1..``MAX_ROWS`` rows."""
+    """A module with a native implementation of its CPU work: ``use_kernels()`` (called
+    once at load by ``use_kernels(model)``, only where the kernels loaded and the model
+    computes in float32 on the CPU) takes the typed view of its weights that the kernels
+    read; its forward then runs them (a product's 1..``MAX_ROWS`` rows; a norm's, a
+    gate's and RoPE's rows, however many: one pass over the rows, where torch's path runs
+    3-7 ops with a parallel region each: ~110M bf16, 512 and 2048 tokens, 2 threads, +11-12%
+    on the whole prefill, docs/benchmarks.md "Causal prefill attention"), and the native
+    decode step (models/step.py) reads the same views."""
 
     def use_kernels(self) -> None:
         raise NotImplementedError
@@ -77,9 +78,10 @@ class UsesKernels:
 class Linear(nn.Linear, UsesKernels):
     """``nn.Linear`` (same parameters, same result) with CPU fast paths for a few rows.
 
-    Decode (1..64 rows) is bound by reading the weights. With the native kernels
-    (``use_kernels``) their product reads the float32 weight in place, one dot product
-    per output, the same sum whatever the other rows. Without them (torch's path):
+    A few rows (1..64: a short prompt's, the reference decode step's) are bound by
+    reading the weights. With the native kernels (``use_kernels``) their product reads
+    the float32 weight in place, one dot product per output, the same sum whatever the
+    other rows. Without them (torch's path):
 
     - ``pack()`` (called by the loader, ``pack_linears``) keeps a second copy of the
       weight in oneDNN's blocked layout; 2..64 rows run oneDNN's GEMM on it
@@ -151,32 +153,14 @@ def pack_linears(model: nn.Module) -> int:
     return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
 
 
-def use_kernels(model: CausalLM) -> int:
-    """Route the decode-sized work and the attention of ``model`` to the native kernels (the caller checked
+def use_kernels(model: nn.Module) -> int:
+    """Route the CPU work of ``model``'s modules to the native kernels (the caller checked
     that they loaded and that the model computes in float32 on the CPU): every
-    ``UsesKernels`` module takes its weights' view, then the model builds its decoder
-    stack (None when a block cannot run natively). Returns how many modules were switched."""
+    ``UsesKernels`` module takes its weights' view. Returns how many modules were switched."""
     users = [m for m in model.modules() if isinstance(m, UsesKernels)]
     for m in users:
         m.use_kernels()
-    model.stack = model.decoder_stack()
     return len(users)
-
-
-def decode_step(layout: BatchLayout | None, kv: KVPool | None) -> DecodeStep | None:
-    """The kernels' view of a decode step over ``kv`` (made once per layout), or None
-    when ``layout`` is no decode step over a cached context in a pool the kernels read
-    (float32, bfloat16, float16, int8: ``--kv-cache-format``; fp8 is torch's alone)."""
-    if layout is None or layout.ctx_blocks is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
-        return None
-    if layout.landed is not None:  # a context still landing: each layer waits in ``KVPool.update``
-        return None
-    key = ("kernels_step", id(kv))
-    step = layout._bias.get(key)
-    if step is None:
-        step = layout._bias[key] = DecodeStep(kv.data, layout.slot_blocks, layout.slot_offsets, layout.ctx_blocks,
-                                              layout.lens_tensor(), kv.block_size)  # fmt: skip
-    return step
 
 
 def rope_span(positions: Tensor, layout: BatchLayout | None) -> tuple[int, int | None]:
@@ -328,9 +312,9 @@ class RMSNorm(nn.Module, UsesKernels):
     sum, fill, div, add, rsqrt, two muls and two copies wrapping the Python scalars 1/D
     and eps), bit for bit the same result, in eight: the scalars are 0-dim tensors made
     once per device and weight version (with (1 + w)), and the divide, add and rsqrt run
-    in place. With the kernels, the rows are one native call (more than 64: ``NATIVE_ROWWISE``)."""
+    in place. With the kernels, the rows are one native call."""
 
-    kernel: NormWeights | None = None  # the rows by one native call (``use_kernels``; prefill's: NATIVE_ROWWISE)
+    kernel: NormWeights | None = None  # the rows by one native call (``use_kernels``)
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -358,7 +342,7 @@ class RMSNorm(nn.Module, UsesKernels):
         return xf.pow(2).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_(), scale
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel is not None and (NATIVE_ROWWISE or x.numel() <= MAX_ROWS * x.shape[-1]):
+        if self.kernel is not None:
             return norm(self.kernel, x)
         if self.offset or x.dtype == torch.float32 == self.weight.dtype:
             xf = x.float()
@@ -388,7 +372,7 @@ class GatedMLP(nn.Module, UsesKernels):
     gate and up run as one product, ``gate_up_proj``: fused in the checkpoint (Phi-3), or
     after loading (``fuse``: the checkpoint's ``gate_proj`` and ``up_proj``)."""
 
-    kernel: bool = False  # act(gate) * up in one native call (``use_kernels``; prefill's rows: NATIVE_ROWWISE)
+    kernel: bool = False  # act(gate) * up in one native call (``use_kernels``)
 
     def __init__(self, d: int, hidden: int, bias: bool, act: str, fused: bool = False) -> None:
         super().__init__()
@@ -412,11 +396,17 @@ class GatedMLP(nn.Module, UsesKernels):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # (B, T, 2h)
-        if self.kernel and (NATIVE_ROWWISE or x.numel() <= MAX_ROWS * x.shape[-1]):
+        if self.kernel:
             return self.down_proj(kernel_ops.act_mul(gate_up, self.act))
-        gate, up = gate_up.chunk(2, dim=-1)  # (B, T, h) each
-        # in place: no extra (B, T, h) temporaries (each a page-faulting allocation when large)
-        return self.down_proj(_GATES[self.act](gate).mul_(up))
+        return self.down_proj(gated(gate_up, self.act))
+
+
+def gated(gate_up: Tensor, act: str) -> Tensor:
+    """act(gate) * up of a gate|up product's output (..., 2h) -> (..., h), torch's ops (the
+    CUDA step's too); in place in the gate's half: no extra (.., h) temporaries (each a
+    page-faulting allocation when large)."""
+    gate, up = gate_up.chunk(2, dim=-1)  # (..., h) each
+    return _GATES[act](gate).mul_(up)
 
 
 def attend_natively(q: Tensor, k: Tensor, v: Tensor, layout: BatchLayout | None, window: int | None, scale: float,
@@ -451,8 +441,7 @@ class PagedAttention(nn.Module, UsesKernels):
     ``scale`` defaults to head_dim^-1/2; ``window`` is the config's for this layer. A
     family changes the scores by overriding ``sdpa`` (Gemma 2's soft-cap). With the native
     kernels (``use_kernels``) the attention of float32 rows runs ``attend_natively``
-    instead of ``sdpa`` (soft-cap and window included), and RoPE one native call
-    (``NATIVE_ROWWISE``)."""
+    instead of ``sdpa`` (soft-cap and window included), and RoPE one native call."""
 
     softcap: float | None = None  # attention logit soft-cap (Gemma 2)
     native_attention: bool = False  # attention by the native kernel (``use_kernels``)
@@ -496,7 +485,7 @@ class PagedAttention(nn.Module, UsesKernels):
         if self.qk_norm:
             self.q_norm.forward_(q)
             self.k_norm.forward_(k)
-        if NATIVE_ROWWISE and self.native_attention and qkv.dtype == torch.float32:
+        if self.native_attention and qkv.dtype == torch.float32:
             kernel_ops.rope_(qkv[:, :, : self.n_heads + self.n_kv], *rope)
         else:
             apply_rope_(qkv[:, :, : self.n_heads + self.n_kv], *rope)
@@ -529,19 +518,54 @@ class PagedAttention(nn.Module, UsesKernels):
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))  # y (B, T, nh, hd)
 
 
-def layer_weights(attn: PagedAttention, norm_in: RMSNorm, norm_mlp: RMSNorm, mlp: GatedMLP,
-                  norm_post_attn: RMSNorm | None = None, norm_post_mlp: RMSNorm | None = None) -> LayerWeights | None:
-    """A pre-norm block's ``LayerWeights`` for the decoder stack, from its modules' kernel
-    views (after ``fuse`` and ``use_kernels``); None when a part has none (the block
-    keeps its per-op path)."""
-    norms = {"norm_in": norm_in, "norm_mlp": norm_mlp, "norm_post_attn": norm_post_attn, "norm_post_mlp": norm_post_mlp,
-             "q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None)}  # fmt: skip
-    products = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-    views = {name: None if m is None else m.kernel for name, m in (norms | products).items()}
-    if any(views[name] is None for name in products) or any(views[n] is None for n, m in norms.items() if m is not None):
-        return None
-    return LayerWeights(**views, act=mlp.act, n_heads=attn.n_heads, n_kv=attn.n_kv, head_dim=attn.head_dim,
-                        scale=attn.scale, layer=attn.layer_idx, window=attn.window, softcap=attn.softcap)  # fmt: skip
+RopeTables = Callable[[int, torch.dtype, torch.device], tuple[Rope, ...]]
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One pre-norm decoder block as a decode step backend reads it: its own modules (the
+    backend takes their weights, or their kernel views, from them):
+
+        x += norm_post_attn(attn(norm_in(x)))      # the norm_post_* only where the family has them (Gemma)
+        x += norm_post_mlp(mlp(norm_mlp(x)))"""
+
+    attn: PagedAttention
+    norm_in: RMSNorm
+    norm_mlp: RMSNorm
+    mlp: GatedMLP
+    norm_post_attn: RMSNorm | None = None
+    norm_post_mlp: RMSNorm | None = None
+    rope_group: int = 0  # which of the family's RoPE tables it rotates with (Gemma 3's sliding layers: 1)
+
+
+@dataclass(frozen=True)
+class DecoderEnds:
+    """What a decode step runs around the layers: x = embedding[ids] * scale, and logits
+    = head(norm(x)), then cap * tanh(logits / cap) where the family caps them."""
+
+    embedding: Tensor  # (V, D)
+    scale: float  # 1.0: none (Gemma: sqrt(D), rounded to the model dtype as its reference does)
+    norm: RMSNorm
+    head: nn.Module  # Linear or quant.py's QuantLinear: (..., D) -> (..., V)
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A model as the decode step backends read it (``CausalLM.decoder``): its layers, its
+    ends and its RoPE. ``rope_tables(length, dtype, device)``: one (cos, signed sin)
+    (n, rot) table pair per rope group (n >= length rows by position; () without RoPE);
+    LongRoPE (``long_threshold`` set): the short factors' n rows then the long factors'
+    n rows, a row of the long regime reading its position's row of the second half."""
+
+    layers: tuple[DecoderLayer, ...]
+    ends: DecoderEnds
+    rope_tables: RopeTables
+    long_threshold: int | None = None
+
+    @property
+    def groups(self) -> list[int]:
+        return [layer.rope_group for layer in self.layers]
 
 
 class CausalLM(nn.Module):
@@ -554,21 +578,22 @@ class CausalLM(nn.Module):
         checkpoint_name   our parameter name for a checkpoint tensor name (None: skip it)
         tie_weights()     share the tied weights (again after ``to_empty``)
         reset_buffers()   recompute the non-persistent buffers (RoPE's) after meta init
-        decoder_stack()   the blocks as the kernels' DecoderStack (``use_kernels``)
 
-    The forward contract (the engine's):
+    The forward contract (the engine's; the reference decode step's too, models/step.py):
 
         model(layout, kv, all_logits=False) -> logits (B, V) at each sequence's last new
                                                token ((B, T, V) when all_logits), float32
         model.forward_nocache(input_ids (B, T)) -> logits (B, T, V): plain causal attention
+        model.decoder()   the model as the native and CUDA decode steps read it (None: the
+                          family has no such step; its decode steps run ``forward``)
 
     A family defines ``blocks`` (its decoder blocks, each ``block(x, rope, layout, kv)``
-    with ``rope_group``: which of ``ropes``' pairs it rotates with), ``embed``, ``ropes``
-    and ``head``."""
+    with ``rope_group``: which of ``ropes``' pairs it rotates with, and
+    ``decoder_layer()``: the block as a ``DecoderLayer``), ``embed``, ``ropes``,
+    ``rope_tables``, ``head`` and ``decoder_ends``."""
 
     transposed: tuple[str, ...] = ()
     tied: tuple[str, str] | None = None
-    stack: DecoderStack | None = None  # every block of a decode step natively (``use_kernels``)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -593,16 +618,19 @@ class CausalLM(nn.Module):
             if isinstance(m, Rotary):
                 m.reset_buffers()
 
-    def decoder_stack(self) -> DecoderStack | None:
-        layers = [getattr(block, "kernel_layer", lambda: None)() for block in self.blocks]
-        if any(layer is None for layer in layers):
+    def decoder(self) -> Decoder | None:
+        """The model as its decode step backends read it; None where a block is no
+        ``DecoderLayer`` (GPT-2) or the family has no plain ends."""
+        layers = [getattr(block, "decoder_layer", lambda: None)() for block in self.blocks]
+        ends = self.decoder_ends()
+        if ends is None or any(layer is None for layer in layers):
             return None
-        return DecoderStack(layers, [block.rope_group for block in self.blocks], self.decode_ends())
+        return Decoder(tuple(layers), ends, self.rope_tables, self.config.longrope_threshold)
 
-    def decode_ends(self) -> StackEnds | None:
-        """The decode step's embedding and head as the stack runs them natively
-        (``StackEnds``), when the family's ``embed`` and ``head`` are a plain row gather
-        (times a scale) and a norm and product (and a softcap); None: the family's own."""
+    def decoder_ends(self) -> DecoderEnds | None:
+        """The embedding and head as a decode step runs them (``DecoderEnds``), when the
+        family's ``embed`` and ``head`` are a plain row gather (times a scale) and a norm
+        and product (and a softcap); None: no decode step backend but the reference."""
         return None
 
     # ---- what a family defines
@@ -618,11 +646,12 @@ class CausalLM(nn.Module):
         """The step's (cos, sin) pairs in ``dtype`` for positions (B, T); () without RoPE."""
         return ()
 
-    def rope_tables(self, length: int) -> tuple[tuple[Tensor, Tensor], ...] | None:
-        """``ropes``' pairs as float32 tables by position ((n, rot) cos and sin each, n >=
-        length; () without RoPE), for the native decode step (``native_step``); None where
-        the family's rows are not a table's (LongRoPE's per-sequence factors)."""
-        return None
+    def rope_tables(self, length: int, dtype: torch.dtype = torch.float32,
+                    device: torch.device = torch.device("cpu")) -> tuple[Rope, ...]:
+        """``ropes``' pairs as tables by position, (n, rot) cos and sin each (n >= length;
+        LongRoPE: ``Decoder``'s two halves), in ``dtype`` on ``device``, for the decode step
+        backends (``Decoder.rope_tables``); () without RoPE."""
+        return ()
 
     def head(self, x: Tensor) -> Tensor:
         """(..., D) -> float32 logits (..., V)."""
@@ -630,48 +659,14 @@ class CausalLM(nn.Module):
 
     # ---- the forward
     def run_blocks(self, x: Tensor, ropes: tuple[Rope, ...], layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
-        stack = self.stack
-        if stack is not None and stack.applies(x) and (step := decode_step(layout, kv)) is not None:
-            return stack.run(x, ropes, step)  # a decode step: decided once, not per block
         with attention_backends(x.device):
             for block in self.blocks:
                 x = block(x, ropes[block.rope_group] if ropes else None, layout, kv)
         return x
 
-    def native_step(self, kv: KVPool) -> NativeStep | None:
-        """The decode step over ``kv`` as one native call (kernels/layer.py ``NativeStep``:
-        the embedding, the layers and the head, no layout), made once per pool; None where
-        the stack has no ends, the pool's format is not the kernels', or the family's RoPE
-        is not a table (``rope_tables``): the engine then runs ``forward`` on a layout."""
-        cached = self.__dict__.get("_native_step")
-        if cached is not None and cached[0] is kv:
-            return cached[1]
-        step = None
-        stack = self.stack
-        if (stack is not None and stack.ends is not None and kv.data.device.type == "cpu"
-                and kv.data.dtype in kernel_ops.KV_POOL_FORMATS and self.rope_tables(1) is not None):  # fmt: skip
-            step = NativeStep(stack, kv.data, kv.block_size, self.rope_tables)
-        self.__dict__["_native_step"] = (kv, step)
-        return step
-
-    def native_rows(self, kv: KVPool) -> int:
-        """How many decode rows one native decode step over ``kv`` takes (0: none: no
-        native stack, or a pool format the kernels do not read)."""
-        if self.stack is None or kv.data.dtype not in kernel_ops.KV_POOL_FORMATS:
-            return 0
-        return STACK_ROWS
-
     def forward(self, layout: BatchLayout, kv: KVPool, all_logits: bool = False, rows: Tensor | None = None) -> Tensor:
         """Logits of each sequence's last new token (B, V); ``all_logits``: of every new
-        token (B, T, V); ``rows`` (R,): of those rows of the B alone (R, V). A decode step
-        the stack takes whole (its ends: ``decode_ends``) is three native calls and the
-        layers': the embedding rows, the layers, the norm and head."""
-        stack = self.stack
-        if (stack is not None and stack.ends is not None and stack.takes(layout.input_ids)
-                and (step := decode_step(layout, kv)) is not None):  # fmt: skip
-            x = stack.embed(layout.input_ids)  # (B, 1, D)
-            stack.run(x, self.ropes(layout.positions, x.dtype, layout), step)
-            return stack.head(x)[:, None] if all_logits else stack.head(x, rows)  # (B, 1, V); (B, V) or (R, V)
+        token (B, T, V); ``rows`` (R,): of those rows of the B alone (R, V)."""
         x = self.embed(layout.input_ids, layout.positions)  # (B, T, D)
         x = self.run_blocks(x, self.ropes(layout.positions, x.dtype, layout), layout, kv)
         if not all_logits:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..kernels.layer import LayerWeights, StackEnds
 from ..kv.cache import BatchLayout, KVPool
 from .config import ModelConfig
-from .layers import CausalLM, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, layer_weights, rope_span
+from .layers import CausalLM, DecoderEnds, DecoderLayer, GatedMLP, Linear, PagedAttention, Rope, RMSNorm, rope_span
 from .rope import Rotary
 
 
@@ -37,9 +36,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, config.norm_eps)
         self.mlp = GatedMLP(d, config.intermediate_size, config.mlp_bias, "silu", fused=fused)
 
-    def kernel_layer(self) -> LayerWeights | None:
-        """This block for the native decoder stack (Qwen3's per-head norms included)."""
-        return layer_weights(self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp)
+    def decoder_layer(self) -> DecoderLayer:
+        """This block for the decode step backends (Qwen3's per-head norms are its attention's)."""
+        return DecoderLayer(self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp)
 
     def forward(self, x: Tensor, rope: Rope, layout: BatchLayout | None, kv: KVPool | None) -> Tensor:
         # in place: x is the model's own running tensor (the embedding's output, never shared)
@@ -78,12 +77,12 @@ class LlamaForCausalLM(CausalLM):
     def ropes(self, positions: Tensor, dtype: torch.dtype, layout: BatchLayout | None) -> tuple[Rope, ...]:
         return (self.model.rotary_emb(positions, dtype, span=rope_span(positions, layout)),)  # (cos, sin) (B, T, 1, rot)
 
-    def rope_tables(self, length: int) -> tuple[tuple[Tensor, Tensor], ...] | None:
-        rotary = self.model.rotary_emb
-        return None if rotary.longrope else (rotary.table(length),)
+    def rope_tables(self, length: int, dtype: torch.dtype = torch.float32,
+                    device: torch.device = torch.device("cpu")) -> tuple[Rope, ...]:
+        return (self.model.rotary_emb.table(length, dtype, device),)  # LongRoPE (Phi-3): short rows, then long
 
     def head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.model.norm(x)).float()
 
-    def decode_ends(self) -> StackEnds | None:
-        return StackEnds.of(self.model.embed_tokens.weight, 1.0, self.model.norm.kernel, self.lm_head.kernel)
+    def decoder_ends(self) -> DecoderEnds:
+        return DecoderEnds(self.model.embed_tokens.weight, 1.0, self.model.norm, self.lm_head)

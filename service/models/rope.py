@@ -104,6 +104,7 @@ class Rotary(nn.Module):
 
     _rows: tuple[Tensor, ...] | None = None  # (inv_freq, long_inv_freq, their ``doubled`` rows): remade when they change
     _table: tuple[Tensor, Tensor, Tensor] | None = None  # (inv_freq it was made from, cos (n, dim), sin (n, dim))
+    _long_table: tuple[Tensor, Tensor, Tensor] | None = None  # LongRoPE: (the short table's cos, cos, sin (2n, dim))
 
     def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -136,11 +137,22 @@ class Rotary(nn.Module):
         flat = positions.reshape(-1)
         return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
-    def table(self, length: int) -> tuple[Tensor, Tensor]:
-        """The float32 CPU (cos, sin) (n, dim) table, n >= length: what ``forward`` slices
-        its rows from (the native decode step reads it directly). Not for LongRoPE's long
-        factors."""
-        return self._rows_upto(length, torch.float32, torch.device("cpu"))
+    def table(self, length: int, dtype: torch.dtype = torch.float32,
+              device: torch.device = torch.device("cpu")) -> tuple[Tensor, Tensor]:
+        """The (cos, sin) (n, dim) table in ``dtype`` on ``device``, n >= length: what
+        ``forward`` slices its rows from (the decode step backends read it directly).
+        LongRoPE: (2n, dim), the short factors' n rows (``forward``'s table), then the
+        long factors' n rows."""
+        cos, sin = self._rows_upto(length, dtype, device)
+        if not self.longrope:
+            return cos, sin
+        n, t = cos.shape[0], self._long_table
+        if t is None or t[0] is not cos:
+            with torch.inference_mode(False):
+                lc, ls = self._compute(torch.arange(n, device=device)[None, :], dtype,
+                                       torch.ones(1, dtype=torch.bool, device=device), serial=True)
+                t = self._long_table = (cos, torch.cat((cos, lc.reshape(n, -1))), torch.cat((sin, ls.reshape(n, -1))))
+        return t[1], t[2]
 
     def _rows_upto(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         """The table's (cos, sin) (n, dim) in ``dtype`` on ``device``, n >= length."""

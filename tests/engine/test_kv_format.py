@@ -495,12 +495,15 @@ def test_fp8_kv_output_stays_within_fp8_tolerance_of_transformers(loaded, tiny_l
     assert agree >= 0.85 * len(kl), (agree, len(kl))
 
 
-def test_the_native_kernels_decline_an_fp8_pool_and_torch_reads_it() -> None:
-    """Fp8 is read by torch's path alone: the kernels' decode step refuses the pool
-    (``decode_step`` None: the decoder stack is not used), so a model with the native
-    kernels on runs the same attention over it as one with them off."""
-    from kvserve.service.models.layers import decode_step
+def test_the_native_kernels_decline_an_fp8_pool_and_torch_reads_it(tiny_llama_dir) -> None:
+    """Fp8 is read by torch's path alone: the native decode step refuses the pool, so the
+    engine's decode steps over it run the reference (the model's forward), whose
+    attention is the same with the kernels on or off."""
+    from kvserve.service.models.step import build_step, native_step
 
-    pool = KVPool(8, 1, BS, 2, 16, torch.float8_e4m3fn, compute_dtype=torch.float32)
-    layout = BatchLayout.build([SeqSlice([1, 2], 5, [3])], BS)
-    assert pool.data.dtype not in ops.KV_POOL_FORMATS and decode_step(layout, pool) is None
+    loaded = load_model(tiny_llama_dir, dtype="float32", device="cpu", progress=False)
+    cfg = loaded.config
+    pool = KVPool(8, cfg.num_layers, BS, cfg.num_kv_heads, cfg.head_dim, torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert pool.data.dtype not in ops.KV_POOL_FORMATS and native_step(loaded.model.decoder(), pool) is None
+    assert build_step(loaded.model, pool, torch.device("cpu"), max_context=64).name == "torch"
+

@@ -365,7 +365,7 @@ def test_a_returning_turns_chunk_runs_as_decode_rows_as_the_padded_prefill(llama
     cold, warm = S(0), S(40)
     rows, padded = r._chunks_as_rows([(cold, 30), (warm, 10)])
     assert rows == [(warm, 10)] and padded == [(cold, 30)]
-    cap = r.model.native_rows(r.pool)
+    cap = r.step.chunk_rows
     rows, padded = r._chunks_as_rows([(warm, cap), (S(8), 1)])
     assert rows == [] and [n for _, n in padded] == [cap, 1]
     # the step's decode rows count against the cap
@@ -390,8 +390,8 @@ def test_decode_rows_and_a_returning_turns_rows_share_one_forward(llama_dir) -> 
             events.setdefault(rid, []).append(ev)
     calls = []  # the model's forwards and its native steps (the decode step's one call)
     hook = loaded.model.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)))
-    native = loaded.model.native_step(eng.runner.pool)
-    assert native is not None
+    native = eng.runner.step
+    assert native.name == "native"
     real = native.__class__.__call__
     native.__class__.__call__ = lambda self, *a: calls.append(tuple((out := real(self, *a)).shape)) or out
     try:
@@ -420,7 +420,7 @@ from kvserve.service.models.loading import load_model
 assert not kernels.available()
 print("REASON", kernels.reason())
 m = load_model({str(llama_dir)!r}, dtype="float32", device="cpu", progress=False)
-print("AUTO", m.native, m.model.stack is None and all(getattr(x, "kernel", None) in (None, False) for x in m.model.modules()))
+print("AUTO", m.native, all(getattr(x, "kernel", None) in (None, False) for x in m.model.modules()))
 try:
     load_model({str(llama_dir)!r}, dtype="float32", device="cpu", progress=False, native_kernels="on")
 except ModelLoadError as e:
@@ -436,8 +436,14 @@ except ModelLoadError as e:
 
 
 def test_a_bfloat16_model_says_the_kernels_compute_in_float32(tiny_llama_dir) -> None:
+    from kvserve.service.kv.cache import KVPool
+    from kvserve.service.models.step import native_step
+
     m = load_model(tiny_llama_dir, dtype="bfloat16", device="cpu", progress=False)
-    assert m.native == "the native kernels compute in float32, the model in bfloat16" and m.model.stack is None
+    cfg = m.config
+    pool = KVPool(8, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    assert m.native == "the native kernels compute in float32, the model in bfloat16"
+    assert native_step(m.model.decoder(), pool) is None
     with pytest.raises(ModelLoadError, match="^native_kernels=on: the native kernels compute in float32"):
         load_model(tiny_llama_dir, dtype="bfloat16", device="cpu", progress=False, native_kernels="on")
 
@@ -599,38 +605,54 @@ FAMILIES = ["tiny_llama_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_g
             "tiny_phi3_dir", "tiny_phi4_mini_dir", "tiny_mistral_dir", "tiny_gpt2_dir"]  # fmt: skip
 
 
+def _step_rows(bs, tables, seqs, verify=None):
+    """DecodeRows of each sequence's last token (a decode row), then ``verify`` (table
+    index, start, tokens): a verify sequence's pending token and drafts."""
+    from kvserve.service.kv.cache import DecodeRows
+
+    rows = DecodeRows(bs)
+    for t, s in zip(tables, seqs):
+        rows.add(t, len(s) - 1, [s[-1]])
+    if verify is not None:
+        i, start, tokens = verify
+        rows.add(tables[i], start, tokens)
+    return rows
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_steps_with_native_kernels_match_torch_per_family(isa, family, request, monkeypatch) -> None:
+def test_decode_steps_of_every_backend_on_the_cpu_match_torch_per_family(isa, family, request, monkeypatch) -> None:
     """Prefill two sequences of different lengths, then decode 6 tokens each, three ways:
-    the decoder stack (the default: one native call per layer), the kernels op by op
-    (products, norms and gates native, attention torch's: the stack switched off), torch's
-    kernels. Every step's logits agree with torch's (float32 tolerance), and each path
-    really ran: one native layer call per decoder layer per step on the stack, none
-    with it off (GPT-2 has no stack: native products only)."""
+    the engine's decode step backend with the kernels (the native step: one native call a
+    step; GPT-2, which has none: the reference over the modules' kernels), the reference
+    (``TorchStep``: the model's forward) over the same kernels-on model, and the reference
+    over torch's kernels. Every step's logits agree with torch's (float32 tolerance) and
+    the native step's K/V are torch's; each path really ran."""
     from kvserve.service.kernels import layer as kernel_layer
     from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
+    from kvserve.service.models.step import TorchStep, build_step
 
     path = request.getfixturevalue(family)
-    whole = load_model(path, dtype="float32", device="cpu", progress=False)
+    fast = load_model(path, dtype="float32", device="cpu", progress=False)
     per_op = load_model(path, dtype="float32", device="cpu", progress=False)
     off = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")
-    per_op.model.stack = None
-    calls = {"layer": 0, "product": 0}
-    real_run, real_product = kernel_layer.DecoderStack.run, ops.gemv
+    calls = {"step": 0, "product": 0}
+    real_call, real_product = kernel_layer.NativeStep.__call__, ops.gemv
 
-    def spy_run(stack, *a, **kw):
-        calls["layer"] += len(stack)
-        return real_run(stack, *a, **kw)
+    def spy_call(step, *a, **kw):
+        calls["step"] += 1
+        return real_call(step, *a, **kw)
 
     def spy_product(*a, **kw):
         calls["product"] += 1
         return real_product(*a, **kw)
 
-    monkeypatch.setattr(kernel_layer.DecoderStack, "run", spy_run)
+    monkeypatch.setattr(kernel_layer.NativeStep, "__call__", spy_call)
     monkeypatch.setattr(ops, "gemv", spy_product)
-    cfg, bs = whole.config, 4
-    runs = (whole, per_op, off)
+    cfg, bs = fast.config, 4
+    runs = (fast, per_op, off)
     pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in runs]
+    steps = [build_step(fast.model, pools[0], torch.device("cpu"), max_context=64),
+             TorchStep(per_op.model, pools[1], torch.device("cpu")), TorchStep(off.model, pools[2], torch.device("cpu"))]
     tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
     prompts_ = prompts(cfg.vocab_size, [11, 6], seed=5)
     seqs = [list(p) for p in prompts_]
@@ -638,112 +660,81 @@ def test_decode_steps_with_native_kernels_match_torch_per_family(isa, family, re
         for m, pool in zip(runs, pools):
             m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
         for _ in range(6):
-            layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
-            a, b, c = (m.model(layout, pool) for m, pool in zip(runs, pools))
+            a, b, c = (step(_step_rows(bs, tables, seqs)) for step in steps)
             torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(b, c, atol=1e-4, rtol=1e-4)
             for s, tok in zip(seqs, c.argmax(-1).tolist()):
                 s.append(tok)
+    torch.testing.assert_close(pools[0].data[1:], pools[2].data[1:], atol=1e-4, rtol=1e-4)  # block 0: the prefill's padding
     if family == "tiny_gpt2_dir":
-        assert getattr(whole.model, "stack", None) is None and calls["layer"] == 0
+        assert fast.model.decoder() is None and steps[0].name == "torch" and calls["step"] == 0
     else:
-        assert len(whole.model.stack) == cfg.num_layers
-        assert calls["layer"] == 6 * cfg.num_layers
-    assert calls["product"] > 0  # the per-op path ran the native products
-
-
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tiny_gpt2_dir"])
-@pytest.mark.parametrize("fmt", ["exact", "w8a8"])
-def test_decode_step_ends_run_natively_with_the_same_bits(isa, family, fmt, request, monkeypatch) -> None:
-    """A decode step the stack takes whole runs its embedding rows and its final norm and
-    head natively (``StackEnds``: Gemma's embedding scale and logit softcap included) and
-    gives exactly the logits of the family's own embed and head around the same stack: for
-    every row, for some rows (a returning turn's last token), with all_logits; the family's
-    embed and head do not run. A token id outside the vocabulary is an IndexError, as
-    torch's embedding raises, not a read past the table."""
-    from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
-
-    path = request.getfixturevalue(family)
-    native = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
-    family_ends = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
-    stack = native.model.stack
-    assert stack is not None and stack.ends is not None
-    family_ends.model.stack.ends = None
-    cfg, bs = native.config, 4
-    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
-    tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
-    prompts_ = prompts(cfg.vocab_size, [11, 6], seed=7)
-    seqs = [list(p) for p in prompts_]
-    ran = {"embed": 0, "head": 0}
-    for name in ran:
-        real = getattr(native.model, name)
-        monkeypatch.setattr(native.model, name, lambda *a, _r=real, _n=name: ran.__setitem__(_n, ran[_n] + 1) or _r(*a))
-    with torch.inference_mode():
-        for m, pool in zip((native, family_ends), pools):
-            m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
-        ran.update(embed=0, head=0)  # the prompts' prefill ran the family's (T > 1)
-        for _ in range(4):
-            layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
-            a, b = (m.model(layout, pool) for m, pool in zip((native, family_ends), pools))
-            assert a.shape == (2, cfg.vocab_size) and torch.equal(a, b)
-            for s, tok in zip(seqs, a.argmax(-1).tolist()):
-                s.append(tok)
-        assert ran == {"embed": 0, "head": 0}
-        layout = BatchLayout.build([SeqSlice(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)], bs)
-        rows = torch.tensor([1])
-        a, b = (m.model(layout, pool, rows=rows) for m, pool in zip((native, family_ends), pools))
-        assert a.shape == (1, cfg.vocab_size) and torch.equal(a, b)
-        a, b = (m.model(layout, pool, all_logits=True) for m, pool in zip((native, family_ends), pools))
-        assert a.shape == (2, 1, cfg.vocab_size) and torch.equal(a, b)
-        bad = BatchLayout.build([SeqSlice(tables[0], len(seqs[0]) - 1, [cfg.vocab_size + 3])], bs)
-        with pytest.raises(IndexError, match="outside the vocabulary"):
-            native.model(bad, pools[0])
+        assert steps[0].name == "native" and calls["step"] == 6
+    assert calls["product"] > 0  # the reference over the kernels-on model ran the native products
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tiny_gpt2_dir"])
 @pytest.mark.parametrize("fmt", ["exact", "int8"])
-def test_the_native_step_is_the_layout_forward_bit_for_bit(isa, family, fmt, request) -> None:
-    """The engine's decode step as one native call (``NativeStep`` over ``DecodeRows``) gives
-    the logits of the layout forward over the same rows, bit for bit, and writes the same
-    K/V into the pool: a decode row, a verify sequence's pending token and drafts (rows at
-    consecutive positions over one table), the head on every row or on some; Gemma 3's two
-    RoPE tables, Gemma's softcap and windows included. A token id outside the vocabulary is
-    an IndexError before anything is written. Families whose RoPE is not a table
-    (LongRoPE: Phi-4-mini) and GPT-2 (no stack) have no native step."""
+def test_the_native_step_is_the_reference_and_each_rows_bits_are_its_own(isa, family, fmt, request) -> None:
+    """The engine's decode step as one native call (``NativeStep`` over ``DecodeRows``):
+    a decode row and a verify sequence's pending token and drafts (rows at consecutive
+    positions over one table), the head on every row or on some, give the reference's
+    logits (``TorchStep`` over torch's kernels; int8 weights: over the modules' native
+    products of the same int8 weights; float32 tolerance) and K/V; and bit for bit the same logits and K/V when the rows run in
+    separate steps, in any order of sequences (a row's result is its own, whatever else
+    is in the step). Gemma 3's two RoPE tables, Gemma's softcaps and windows, Qwen3's q/k
+    norms, LongRoPE's two factor sets (Phi-4-mini: the rows of a sequence past the switch
+    length read the long factors) included. A token id outside the vocabulary is an
+    IndexError before anything is written."""
     from kvserve.service.kv.cache import BatchLayout, DecodeRows, KVPool, SeqSlice
+    from kvserve.service.models.step import TorchStep, native_step
 
     path = request.getfixturevalue(family)
     native = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
-    layout_run = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt)
+    # the reference: torch's kernels (int8: the modules' own native products, which read the int8 weight
+    # with float32 activations as the native step does, where torch's kernel rounds them to bfloat16)
+    ref = load_model(path, dtype="float32", device="cpu", progress=False, weight_format=fmt,
+                     native_kernels="off" if fmt == "exact" else "auto")  # fmt: skip
     cfg, bs = native.config, 4
-    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
-    step = native.model.native_step(pools[0])
-    if family == "tiny_phi4_mini_dir":
-        assert step is None  # LongRoPE: the layout path
-        return
-    assert step is not None and native.model.native_step(pools[0]) is step  # made once per pool
+    pools = [KVPool(32, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(3)]
+    step = native_step(native.model.decoder(), pools[0])
+    apart = native_step(native.model.decoder(), pools[2])  # the same rows, one sequence a step
+    assert step is not None and apart is not None
+    reference = TorchStep(ref.model, pools[1], torch.device("cpu"))
+    long = cfg.longrope_threshold is not None
     tables = [[3, 9, 4, 12, 5, 20], [7, 2, 17, 8, 11]]
-    prompts_ = prompts(cfg.vocab_size, [11, 6], seed=9)
+    lens = [11, 6] if not long else [cfg.longrope_threshold + 3, 6]  # Phi-4-mini: sequence 0 in the long regime
+    prompts_ = prompts(cfg.vocab_size, lens, seed=9)
+    regimes = [lens[0] > (cfg.longrope_threshold or 1 << 30), False]
     with torch.inference_mode():
-        for m, pool in zip((native, layout_run), pools):
-            m.model(BatchLayout.build([SeqSlice(t, 0, p) for t, p in zip(tables, prompts_)], bs), pool)
+        for m, pool in ((native, pools[0]), (ref, pools[1]), (native, pools[2])):
+            for t, p, r in zip(tables, prompts_, regimes):
+                m.model(BatchLayout.build([SeqSlice(t, 0, p, r if long else None)], bs), pool)
         decode_tok = 5
         verify = [7, 1, 30, 2]  # the pending token and three drafts
         for which in (None, [0, 4]):
             rows = DecodeRows(bs)
-            rows.add(tables[0], 11, [decode_tok])
-            rows.add(tables[1], 6, verify)
-            got = step(*rows.pack(), None if which is None else array.array("q", which))
-            slices = [SeqSlice(tables[0], 11, [decode_tok])] + [SeqSlice(tables[1], 6 + i, [tok]) for i, tok in enumerate(verify)]
-            want = layout_run.model(BatchLayout.build(slices, bs), pools[1],
-                                    rows=None if which is None else torch.tensor(which))  # fmt: skip
-            assert got.shape == (5 if which is None else 2, cfg.vocab_size) and torch.equal(got, want)
-            assert torch.equal(pools[0].data, pools[1].data)  # the same K/V written where the rows go
+            rows.add(tables[0], lens[0], [decode_tok], regimes[0] if long else None)
+            rows.add(tables[1], lens[1], verify, regimes[1] if long else None)
+            w = None if which is None else array.array("q", which)
+            got, want = step(rows, w), reference(rows, w)
+            assert got.shape == (5 if which is None else 2, cfg.vocab_size)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(pools[0].data, pools[1].data, atol=1e-4, rtol=1e-4)
+            parts = []
+            for i in (1, 0):  # the verify sequence first, then the decode row, each its own step
+                one = DecodeRows(bs)
+                one.add(*((tables[0], lens[0], [decode_tok]) if i == 0 else (tables[1], lens[1], verify)),
+                        regimes[i] if long else None)  # fmt: skip
+                parts.append(apart(one))
+            whole = torch.cat([parts[1], parts[0]])
+            assert torch.equal(got, whole if which is None else whole[which])
+            assert torch.equal(pools[0].data, pools[2].data)
         before = pools[0].data.clone()
         bad = DecodeRows(bs)
-        bad.add(tables[0], 12, [cfg.vocab_size + 3])
+        bad.add(tables[0], lens[0] + 1, [cfg.vocab_size + 3])
         with pytest.raises(IndexError, match="outside the vocabulary"):
-            step(*bad.pack())
+            step(bad)
         assert torch.equal(pools[0].data, before)
         with pytest.raises(ValueError, match="does not cover"):
             DecodeRows(bs).add(tables[1], 19, [1, 2])  # 5 blocks of 4 cover positions up to 20
@@ -751,10 +742,13 @@ def test_the_native_step_is_the_layout_forward_bit_for_bit(isa, family, fmt, req
 
 def test_a_gpt2_model_has_no_native_step(tiny_gpt2_dir) -> None:
     from kvserve.service.kv.cache import KVPool
+    from kvserve.service.models.step import build_step
 
     loaded = load_model(tiny_gpt2_dir, dtype="float32", device="cpu", progress=False)
     cfg = loaded.config
-    assert loaded.model.native_step(KVPool(8, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)) is None
+    pool = KVPool(8, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)
+    assert loaded.model.decoder() is None
+    assert build_step(loaded.model, pool, torch.device("cpu"), max_context=32).name == "torch"
 
 
 def test_concurrent_callers_from_several_threads_get_their_own_results(isa) -> None:
@@ -895,9 +889,7 @@ def test_prefill_forwards_with_native_attention_and_row_ops_match_torchs_kernels
     RoPE and gates run natively for all rows), and every real row's logits are those of
     the same model on torch's kernels (float32 tolerance)."""
     from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice
-    from kvserve.service.models import layers
 
-    assert layers.NATIVE_ROWWISE
     path = request.getfixturevalue(family)
     native = load_model(path, dtype="float32", device="cpu", progress=False)
     off = load_model(path, dtype="float32", device="cpu", progress=False, native_kernels="off")

@@ -384,13 +384,7 @@ def _logged_engine(loaded: Any, store: Any) -> tuple[Any, FakeOps]:
     class Logged(torch.nn.Module):
         def forward(self, layout: Any, kv: Any, **kw: Any) -> torch.Tensor:
             ops.forward()
-            return model(layout, kv, **kw)
-
-        def native_rows(self, kv: Any) -> int:
-            return model.native_rows(kv)
-
-        def native_step(self, kv: Any) -> None:
-            return None  # as on CUDA: every forward through ``forward``, where the ops are logged
+            return model(layout, kv, **kw)  # no ``decoder``: every decode step the reference's forward, logged
 
     eng = make_engine(dataclasses.replace(loaded, model=Logged()), store=store, restore_policy="always",
                       engine_kw=dict(transfers=lambda pool: BlockTransfers(pool, ops, staging_blocks=4)))
