@@ -18,6 +18,11 @@ class EngineConfig:
     weight_format: str = "exact"  # exact | bf16 | int8 | w8a8 (service/models/quant.py)
     pack_weights: bool = True  # oneDNN-packed float32 copies for batched decode on CPU (models/layers.py)
     native_kernels: str = "auto"  # auto | on | off: native CPU decode kernels (service/kernels/)
+    # the CUDA decode step's graphs (models/cuda_step.py): captured at start for row counts
+    # up to cuda_graph_max_rows, within cuda_graph_memory bytes of device memory
+    cuda_graphs: bool = True
+    cuda_graph_max_rows: int = 64
+    cuda_graph_memory: int = 512 << 20
     kv_cache_memory: int = 1 << 30  # bytes for the device block pool
     kv_cache_format: str = "exact"  # kv.cache.KV_CACHE_FORMATS: exact | bf16 | fp16 | int8 | fp8 (the pool and every tier)
     block_size: int = 16

@@ -66,7 +66,7 @@ from ..kv.block_manager import Block, BlockEvents, BlockManager
 from ..kv.cache import KVPool
 from ..kv.keys import BlockKeys
 from ..kv.transfer import BlockTransfers
-from ..models.step import build_step
+from ..models.step import GraphConfig, build_step
 from ..types import (
     CacheScope,
     CacheStats,
@@ -164,7 +164,8 @@ class LLMEngine:
             wake=self.scheduler.work_ready.set, call_soon=self.scheduler.call_soon, stages=cfg.restore_stages,
         )  # fmt: skip
         windows = [mcfg.layer_window(i) for i in range(mcfg.num_layers)]
-        step = build_step(loaded.model, self.pool, loaded.device, max_context=self.max_model_len)
+        step = build_step(loaded.model, self.pool, loaded.device, max_context=self.max_model_len,
+                          graphs=GraphConfig(cfg.cuda_graphs, cfg.cuda_graph_max_rows, cfg.cuda_graph_memory))  # fmt: skip
         self.runner = Runner(
             loaded.model, self.pool, self.blocks, self.keys, self.transfers, device=loaded.device,
             release_window=max(windows) if all(w is not None for w in windows) else None,  # type: ignore[type-var]

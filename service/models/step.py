@@ -1,4 +1,4 @@
-"""The engine's decode step: one interface, its backends.
+"""The engine's decode step: one interface, three backends.
 
 A decode step computes rows, each one new token at its position over its sequence's block
 table (a decode row; a verify sequence's pending token and drafts, rows at consecutive
@@ -11,14 +11,20 @@ rows (``kv.cache.DecodeRows``) and calls one ``DecodeStep``:
     NativeStep    CPU, float32     kernels/layer.py: the whole step in one native call
                                    (the modules' kernel views: products in their stored
                                    format, attention read in place from the pool)
+    CudaStep      CUDA             models/cuda_step.py: the Triton kernels of kernels/triton
+                                   over the pool in place, the products the modules' own
+                                   (cuBLAS); replayed from CUDA graphs by row count
+                                   (``CudaGraphStep``)
     TorchStep     anywhere         the model's forward over a ``BatchLayout`` of the rows:
-                                   its torch modules, the reference the native step is
-                                   tested against (tests/engine/test_native.py)
+                                   its torch modules, the reference the other two are
+                                   tested against (tests/engine/test_native.py,
+                                   tests/engine/test_step.py)
 
 ``build_step`` picks the backend once, at the engine's start: the native step where the
-kernels serve the model (``use_kernels``) and read the pool, else the reference. A
-family without a ``Decoder`` (GPT-2), a pool the native kernels do not read (fp8) and
-steps of more rows than the backend takes (``max_rows``) run the reference.
+kernels serve the model (``use_kernels``) and read the pool, the CUDA step where the
+device is CUDA and triton imports, else the reference. A family without a ``Decoder``
+(GPT-2), a pool the native kernels do not read (fp8 on the CPU) and steps of more rows
+than the backend takes (``max_rows``) run the reference.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import array
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -102,9 +109,23 @@ def native_step(decoder: Decoder, pool: KVPool) -> NativeStep | None:
                       lambda n: decoder.rope_tables(n, torch.float32, cpu), decoder.long_threshold)  # fmt: skip
 
 
-def build_step(model: nn.Module, pool: KVPool, device: torch.device, *, max_context: int) -> DecodeStep:
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs of the CUDA step (``CudaGraphStep``): on or off, the largest row count
+    captured (steps of more rows run eagerly) and the device memory the captures may take
+    (static buffers and the graphs' shared pool; a bucket that would pass it is not
+    captured)."""
+
+    enabled: bool = True
+    max_rows: int = 64
+    memory: int = 512 << 20
+
+
+def build_step(model: nn.Module, pool: KVPool, device: torch.device, *, max_context: int,
+               graphs: GraphConfig = GraphConfig()) -> DecodeStep:
     """The decode step backend for ``model`` over ``pool`` (module docstring): chosen once,
-    logged once. ``max_context``: the longest context a row may have."""
+    logged once. ``max_context``: the longest context a row may have (the CUDA step's
+    static tables); ``graphs``: the CUDA step's graphs."""
     make = getattr(model, "decoder", None)
     decoder = make() if callable(make) else None
     step: DecodeStep | None = None
@@ -112,8 +133,10 @@ def build_step(model: nn.Module, pool: KVPool, device: torch.device, *, max_cont
     if decoder is not None and pool.data.device.type == "cpu":
         step = native_step(decoder, pool)
         why = "" if step is not None else "the native kernels do not serve this model or pool"
-    elif decoder is not None:
-        why = f"no decode step backend on {pool.data.device.type} yet"
+    elif decoder is not None and pool.data.device.type == "cuda":
+        from . import cuda_step
+
+        step, why = cuda_step.build(decoder, pool, max_context=max_context, graphs=graphs)
     if step is None:
         step = TorchStep(model, pool, device)
         log.info("decode step: torch (%s)", why)
