@@ -33,7 +33,7 @@ import array
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import os
 
-import pytest
-import torch
+# Triton reads TRITON_INTERPRET when it is imported, when a kernel is defined and at a
+# launch: set before anything imports it, and left set (as tests/engine/test_triton_kernels.py)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvserve.service.kv.cache import BatchLayout, DecodeRows, KVPool, SeqSlice
-from kvserve.service.models import cuda_step as cs
-from kvserve.service.models.loading import load_model
-from kvserve.service.models.step import TorchStep, build_step
-from tests.fixtures import step_ops
-from tests.fixtures.engine import finished, greedy_reference, make_engine, prompts, req, run
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvserve.service.kv.cache import BatchLayout, DecodeRows, KVPool, SeqSlice  # noqa: E402
+from kvserve.service.models import cuda_step as cs  # noqa: E402
+from kvserve.service.models.loading import load_model  # noqa: E402
+from kvserve.service.models.step import TorchStep, build_step  # noqa: E402
+from tests.fixtures import step_ops  # noqa: E402
+from tests.fixtures.engine import finished, greedy_reference, make_engine, prompts, req, run  # noqa: E402
 
 BS = 4
 FAMILIES = ["tiny_llama_dir", "tiny_qwen2_window_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
@@ -212,10 +217,9 @@ def test_build_step_picks_the_backend(tiny_llama_dir) -> None:
 
 
 @pytest.fixture
-def triton_ops(monkeypatch):
+def triton_ops():
     """``kernels.triton`` under Triton's interpreter (skipped where triton does not import,
     or where this checkout has not the kernels yet)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     try:
         from kvserve.service.kernels import triton as ops
     except ImportError:
