@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# The GPU check: every figure issue 15 asks of an H200 and issue 46 its restore figures, in one run (~6.5 min, up to 2.5 more with the speculative step), into one file.
+# The device check: every figure of issue 46 beside its physical limit, measured in the same run, in one
+# report (bench/gpu_check.py holds the steps, one function each; this runs each in its own process with
+# its own time limit). Sized for a 15-minute device lease: about 6-7 minutes of steps expected (their
+# limits add up to 8), 8-9 with the machine's start.
 #
 #   bench/gpu_prepare.sh            # once, on a machine with network: fills bench/gpu_deps/
 #   bench/gpu_check.sh              # on the GPU machine (no network, no Redis needed)
-#   bench/gpu_check.sh --cpu        # the same steps at CPU sizes (shows the script works)
-#   STEPS=environment,speculative bench/gpu_check.sh   # only the steps named
+#   bench/gpu_check.sh --cpu        # every step at tiny sizes on the CPU (the dry run: the script works)
+#   STEPS=limits,decode,summary bench/gpu_check.sh   # only the steps named (environment always runs); their
+#                                                    # figures join the last run's in $OUT (summary: all of them)
 #
-# Writes $OUT/gpu_check.txt (OUT defaults to bench/out): environment (GPU, driver, torch,
-# CUDA), CUDA parity vs transformers (fp32 and bf16, Llama GQA and GPT-2), 3-turn sessions
-# restored from the host tier and from Redis vs cold, the engine bench (prefill
-# 512/2048/8192, decode batch 1/8/32 vs transformers, bf16), cold turns of new and repeated
-# lengths through the engine (what a new shape costs), the restore bench (cold vs device
-# vs host vs Redis TTFT at 8k history, without and with --restore-stages), the restore
-# figures against their limits measured in the same run (host-tier restore vs pinned H2D,
-# the 8k returning turn from the host tier vs cold, Redis restore on 1 and 4 connections
-# vs raw GET and 3 GB/s, int8/fp8 Redis formats decoded on the device vs exact), and
-# speculative decoding from the conversation against plain decoding
-# (the default model and the 1.1B shape, bf16: tok/s, tokens a step, the step's fixed and
-# per-row cost, greedy tokens identical). Each step has its own time limit; a failed step is recorded and the
-# rest still run. Exit status: the number of failed steps.
+# Steps: limits (D2D copy, pinned H2D, bf16 matmul peak), parity (vs transformers, fp32 and bf16, decode
+# through the engine's decode step), graphs (CUDA graph replay = eager, per bucket and family), sessions
+# (restored = cold), decode (1.1B bf16: one stream and batch 32 vs the weight / weights+KV read limits),
+# prefill (512/2048/8192 vs transformers, 8192 vs its FLOP limit), restore (host tier vs pinned H2D,
+# Redis on 1 and 4 readers vs raw GET and 3 GB/s, int8/fp8 decoded on the device vs exact, the 8k
+# returning turn vs cold), speculative (the chat-editing workloads vs plain decoding, greedy identical),
+# summary (one table of every figure).
+#
+# Writes $OUT/gpu_check.txt (OUT defaults to bench/out), $OUT/figures.jsonl and $OUT/limits.json.
+# A failed step is recorded and the rest still run. Exit status: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -55,31 +56,20 @@ if ! command -v redis-server >/dev/null && [ -x "$DEPS/redis/bin/redis-server" ]
     export PATH="$PWD/$DEPS/redis/bin:$PATH"
 fi
 
-if [ "$MODE" = gpu ]; then  # sized for a 15-minute device lease (its start included): ~6.5-9 minutes
-    DEV=(--device cuda)
-    ENGINE=(--device cuda --dtype bfloat16 --shapes 1.1b --prompt-lens 512,2048,8192 --batches 1,8,32
-            --decode-tokens 32 --repeats 2)
-    SHAPES=(--device cuda --shape 1.1b --prompts 8192,8192,8000,2048,2048,2000 --decode 32)
-    RESTORE=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 8192 --reps 2
-             --kv-formats exact --paths host,redis)
-    RESTOREFIG=(--device cuda --tokens 8192 --reps 5 --models "$OUTDIR/models")  # the checkpoint restore-bench built
-    FORMATS=(--device cuda --dtype bfloat16 --shapes tinyllama --histories 8192 --reps 1
-             --formats exact,int8,fp8 --formats-only --sessions 8)
-    SPEC=(--device cuda --dtype bfloat16 --clock wall --shapes default,1.1b --tokens 96 --repeats 3)
+if [ "$MODE" = gpu ]; then
+    ARGS=(--device cuda)
+    SCALE=1
 else
-    DEV=(--device cpu)
-    ENGINE=(--quick --dtype bfloat16)
-    SHAPES=(--shape tiny --prompts 256,256,200,64 --decode 8)
-    RESTORE=(--quick --kv-formats exact --paths host,disk,redis)
-    RESTOREFIG=(--device cpu --tokens 512 --reps 2 --models "$OUTDIR/models")
-    FORMATS=(--quick --formats exact,bf16,int8,fp8 --formats-only --sessions 4)
-    SPEC=(--device cpu --clock wall --shapes default --tokens 32 --repeats 1)
+    ARGS=(--device cpu --quick)
+    SCALE=3  # the CPU's tiny sizes run slower per step than the GPU's (and share the machine)
 fi
+ARGS+=(--out "$OUTDIR" --work "${WORK:-${TMPDIR:-/tmp}/kvserve-gpu-check}")
+[ -z "${STEPS:-}" ] && rm -f "$OUTDIR/figures.jsonl" "$OUTDIR/limits.json"  # a whole run starts afresh; pieces add to it
 
 FAILED=0
 step() {  # step NAME LIMIT_S CMD...
-    local name=$1 limit=$2; shift 2
-    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return 0; fi
+    local name=$1 limit=$(( $2 * SCALE )); shift 2
+    if [ -n "${STEPS:-}" ] && [ "$name" != environment ] && [[ ",$STEPS," != *",$name,"* ]]; then return 0; fi
     log ""
     log "=== $name ($*)"
     local t0=$SECONDS
@@ -89,8 +79,8 @@ step() {  # step NAME LIMIT_S CMD...
     [ "$rc" = 0 ] || FAILED=$((FAILED + 1))
 }
 
-log "kvserve GPU check ($MODE mode), $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-step environment 60 python3 - <<'PY'
+log "kvserve device check ($MODE mode), $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+step environment 20 python3 - <<'PY'
 import platform, shutil, subprocess, torch
 print("python:", platform.python_version())
 print("torch:", torch.__version__, "cuda:", torch.version.cuda, "cudnn:", torch.backends.cudnn.version())
@@ -100,17 +90,17 @@ if torch.cuda.is_available():
 if shutil.which("nvidia-smi"):
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,power.limit",
                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
+try:
+    import triton; print("triton:", triton.__version__)
+except ImportError as e:
+    print("triton: not importable:", e)
 import transformers; print("transformers:", transformers.__version__)
 print("redis-server:", shutil.which("redis-server"))
 PY
-step parity 100 python3 bench/gpu_check.py parity "${DEV[@]}"
-step sessions 120 python3 bench/gpu_check.py sessions "${DEV[@]}"
-step engine-bench 150 python3 bench/bench_engine.py "${ENGINE[@]}"
-step new-shapes 120 python3 bench/profile_engine.py "${SHAPES[@]}"
-step restore-bench 150 python3 bench/bench_restore.py "${RESTORE[@]}" --out "$OUTDIR"
-step restore 150 python3 bench/gpu_check.py restore "${RESTOREFIG[@]}"
-step restore-formats 90 python3 bench/bench_restore.py "${FORMATS[@]}" --out "$OUTDIR"
-step speculative 150 python3 bench/bench_speculative.py "${SPEC[@]}"
+# each step's limit (seconds, x3 on the CPU): what it takes on an H100/H200 with room to spare
+for s in limits:20 parity:45 graphs:60 sessions:45 decode:75 prefill:45 restore:120 speculative:45 summary:10; do
+    step "${s%%:*}" "${s##*:}" python3 bench/gpu_check.py "${s%%:*}" "${ARGS[@]}"
+done
 log ""
 log "=== $FAILED step(s) failed; report: $REPORT"
 exit "$FAILED"
