@@ -13,8 +13,10 @@ save_pretrained, loaded by kvserve's loader, and both run greedy decoding in flo
 - batched decode: aggregate tokens/s of B sequences decoding together (B = 1/4/8/16,
   each after its own 128-token prompt).
 
-Ours drives ``model(layout, kv)`` with ``KVPool`` + ``BatchLayout`` directly (trivial
-block tables), the layout build included in every step's time.
+Ours drives ``model(layout, kv)`` with ``KVPool`` + ``BatchLayout`` directly for prefill
+(trivial block tables), and the engine's decode step (models/step.py: the native step on
+the CPU, the CUDA step and its graphs on a GPU, built once per pool) over ``DecodeRows``
+for decode, the rows' packing included in every step's time.
 
     python bench/bench_engine.py --quick            # tiny shape, seconds
     python bench/bench_engine.py                     # tiny, ~110M, TinyLlama-1.1B (10+ min on 2 cores)
@@ -63,7 +65,8 @@ ENV_AT_START = dict(os.environ)  # llama-bench runs with this: its own OpenMP th
 kernels.passive_openmp()  # as the server does, before torch loads: torch's idle threads sleep instead of spinning
 import torch  # noqa: E402
 
-from kvserve.service.kv.cache import BatchLayout, KVPool, SeqSlice  # noqa: E402
+from kvserve.service.kv.cache import BatchLayout, DecodeRows, KVPool, SeqSlice  # noqa: E402
+from kvserve.service.models.step import GraphConfig, TorchStep, build_step  # noqa: E402
 from kvserve.service.models.loading import load_model  # noqa: E402
 from tests.fixtures import models as fixtures  # noqa: E402
 from tests.fixtures.models import make_tiny_llama  # noqa: E402
@@ -161,19 +164,22 @@ def timed_pair(ours, ref, device: torch.device, repeats: int, now=time.perf_coun
 class Ours:
     """Greedy decoding with our model, a KVPool and trivially allocated block tables."""
 
-    def __init__(self, loaded, max_tokens: int) -> None:
+    def __init__(self, loaded, max_tokens: int, max_rows: int = 64) -> None:
         self.model, self.device = loaded.model, loaded.device
         cfg = loaded.config
         self.blocks_per_seq = math.ceil(max_tokens / BLOCK_SIZE)
-        self.cfg, self.dtype = cfg, loaded.dtype
+        self.cfg, self.dtype, self.max_rows = cfg, loaded.dtype, max_rows
         self.pool: KVPool | None = None
 
     def _pool(self, batch: int) -> KVPool:
         need = 1 + batch * self.blocks_per_seq
         if self.pool is None or self.pool.num_blocks < need:
-            self.pool = None
+            self.pool = self.step = None
             self.pool = KVPool(need, self.cfg.num_layers, BLOCK_SIZE, self.cfg.num_kv_heads, self.cfg.head_dim,
                                self.dtype, self.device)
+            self.step = build_step(self.model, self.pool, self.device, max_context=self.blocks_per_seq * BLOCK_SIZE,
+                                   graphs=GraphConfig(max_rows=self.max_rows))  # fmt: skip
+            self.reference = TorchStep(self.model, self.pool, self.device)
         return self.pool
 
     def tables(self, batch: int) -> list[list[int]]:
@@ -188,12 +194,16 @@ class Ours:
 
     @torch.inference_mode()
     def decode(self, prompts: list[list[int]], first: torch.Tensor, steps: int) -> list[list[int]]:
-        pool, tables = self._pool(len(prompts)), self.tables(len(prompts))
+        self._pool(len(prompts))
+        tables = self.tables(len(prompts))
         nxt = first.argmax(-1).tolist()
         out = [[t] for t in nxt]
         for step in range(steps):
-            seqs = [SeqSlice(tb, len(p) + step, [t]) for tb, p, t in zip(tables, prompts, nxt)]
-            nxt = self.model(BatchLayout.build(seqs, BLOCK_SIZE, self.device, self.dtype), pool).argmax(-1).tolist()
+            rows = DecodeRows(BLOCK_SIZE)
+            for tb, p, t in zip(tables, prompts, nxt):
+                rows.add(tb, len(p) + step, [t])
+            run = self.step if len(rows) <= self.step.max_rows else self.reference
+            nxt = run(rows).argmax(-1).tolist()
             for o, t in zip(out, nxt):
                 o.append(t)
         return out
@@ -244,7 +254,7 @@ def bench_format(name: str, fmt: str, path: Path, args, device: torch.device) ->
     loaded = load_model(path, dtype=args.dtype, device=device, progress=False, weight_format=fmt)
     vocab = loaded.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ours = Ours(loaded, max(max(args.prompt_lens), args.decode_prompt + args.decode_tokens + 1))
+    ours = Ours(loaded, max(max(args.prompt_lens), args.decode_prompt + args.decode_tokens + 1), max(args.batches))
     repeats = args.repeats if args.repeats else (1 if name == "1.1b" else 5)
     now = CLOCKS[args.clock]
     warm = torch.randint(3, vocab, (1, 32), generator=g).tolist()
@@ -291,7 +301,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[Ro
     def prompts(batch: int, n: int) -> list[list[int]]:
         return torch.randint(3, vocab, (batch, n), generator=g).tolist()
 
-    ours = Ours(loaded, max(max(prompt_lens), args.decode_prompt + args.decode_tokens + 1))
+    ours = Ours(loaded, max(max(prompt_lens), args.decode_prompt + args.decode_tokens + 1), max(args.batches))
     ref = Reference(ref_model, device)
     repeats = args.repeats if args.repeats else (1 if name == "1.1b" else 5)
     now = CLOCKS[args.clock]
