@@ -339,20 +339,19 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _step_ops(ctx: Ctx) -> Any:
-    """The CUDA step's kernels: kernels/triton on CUDA; on the CPU, under Triton's
-    interpreter where it runs, else the tests' torch versions (the dry run)."""
-    try:
-        from kvserve.service.kernels import triton as ops
-    except ImportError:
-        ops = None
-    if ctx.device.type == "cuda":
-        if ops is None or not ops.available():
-            print("graphs: the Triton kernels cannot run here:", "no kernels/triton" if ops is None else ops.reason())
-            return None
-        return ops
-    from tests.fixtures import step_ops
+    """The CUDA step's kernels: kernels/triton on CUDA; on the CPU (the dry run) the tests'
+    torch versions of them (the kernels themselves run under Triton's interpreter in
+    tests/engine/test_step.py)."""
+    if ctx.device.type != "cuda":
+        from tests.fixtures import step_ops
 
-    return step_ops
+        return step_ops
+    from kvserve.service.kernels import triton as ops
+
+    if not ops.available():
+        print("graphs: the Triton kernels cannot run here:", ops.reason())
+        return None
+    return ops
 
 
 # ---- sessions --------------------------------------------------------------------------------
