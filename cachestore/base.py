@@ -58,6 +58,22 @@ the changes in the order the tier made them; the observer must be quick, never r
 and never call the tier back. Redis, which evicts and expires keys on its own, reports
 the writes it made and the keys it found missing (``contains_many``, a failed read).
 
+Retention (``cachestore/retention.py``; tiers with ``retains``): a block a client asked
+to keep is *pinned* until a unix time:
+
+- ``retain(refs, until, owner) -> list[bool]``: pin the blocks the tier holds until at
+  least ``until`` (a pin's time only moves later); True for each block held and pinned,
+  False for one the tier does not hold (nothing is stored here: the caller writes it
+  first). ``owner`` is an opaque label a durable tier keeps with the pin, so that the
+  store's ``RetentionBook`` can be rebuilt after a restart.
+- A pinned block is never evicted to make room (the host and disk LRUs skip it; a tier
+  full of pinned blocks refuses new ones) and survives whatever the tier survives.
+- ``expire_retained(now) -> int``: release the pins whose time is ``now`` or earlier
+  (the block stays, an ordinary cached block again); how many. The tier never reads a
+  clock for this: the store says the time.
+- ``retained_entries() -> list[(hash, until, owner)]``: the pins a durable tier kept
+  across a restart (a tier that keeps none: ``[]``).
+
 Thread safety: tiers are safe to call from several threads at once.
 """
 
@@ -115,6 +131,9 @@ class TierStats:
     bytes_held: int | None = None
     breaker_state: str = CLOSED
     breaker_opens: int = 0
+    blocks_retained: int | None = None  # pinned now by retentions (None: the tier cannot pin, or count)
+    bytes_retained: int | None = None  # their bytes in the tier
+    retention_expired: int = 0  # pins released because their time passed (cumulative)
 
 
 class TierCounters:
@@ -255,6 +274,8 @@ class BlockTier(Storage["torch.Tensor"]):
       this server restarted resumes its sessions.
     - ``set_observer(observer)``: tell ``observer`` of every change of what the tier
       holds from now on, after reporting what it holds already (module docstring).
+    - ``retains``: the tier can pin blocks for a retention (``retain``,
+      ``expire_retained``, ``retained_entries``: the module docstring).
     - ``close()``: release connections (and locks).
     """
 
@@ -267,6 +288,7 @@ class BlockTier(Storage["torch.Tensor"]):
     durable: bool = False
     storage_dtype: torch.dtype | None = None  # the stored form ``get_many_stored_into`` gives (None: exact)
     _observer: TierObserver | None = None  # set_observer's (None: nobody watches)
+    retains: bool = False  # can pin blocks for retentions (module docstring)
 
     def copy_out(self, ref: BlockRef, out: torch.Tensor) -> bool:
         return False
@@ -304,6 +326,19 @@ class BlockTier(Storage["torch.Tensor"]):
     def _removed(self, hashes: Sequence[bytes]) -> None:
         if self._observer is not None and hashes:
             self._observer.tier_removed(self.name, hashes)
+
+    def retain(self, refs: Sequence[BlockRef], until: float, owner: str) -> list[bool]:
+        """Pin the held blocks of ``refs`` until ``until`` (module docstring); a tier that
+        cannot pin holds none of them so."""
+        return [False] * len(refs)
+
+    def expire_retained(self, now: float) -> int:
+        """Release the pins whose time is ``now`` or earlier; how many."""
+        return 0
+
+    def retained_entries(self) -> list[tuple[bytes, float, str]]:
+        """(hash, until, owner) of the pins kept across a restart."""
+        return []
 
     @property
     def breaker_state(self) -> str:

@@ -3,6 +3,7 @@
 Layout under ``root`` (``--disk-cache-dir``)::
 
     LOCK                          held with an exclusive flock while a tier uses the dir
+    retained.log                  the retention journal: one record per pin (below)
     blocks/<h[:2]>/<h>.kvb        one file per block: exactly ``codec.encode`` of the block
                                   (header, safetensors payload, xxh3_128 checksum), the
                                   same verified bytes the Redis tier stores
@@ -40,6 +41,16 @@ files the reservation displaces, and only then writes its temporary and renames 
 place. A block the tier evicts is read back, verified, and handed to ``on_evict`` (the
 tiered store demotes it to the next tier, Redis) before its file is removed.
 
+Retention (``cachestore.base``): a pinned file is never evicted (the LRU skips it; a
+write that only pinned files' room could take is refused) and its pin outlives the
+process: every pin is appended to ``retained.log`` as one record, ``crc32 (4 bytes) ||
+block hash (32) || until (float64, unix seconds) || owner length (uint16) || owner
+(UTF-8)``, little-endian, written with the block files' ``fsync`` setting. At start the
+journal is read up to its first torn or corrupt record, its pins are honoured before the
+index is trimmed to the capacity, pins of files that are gone are dropped, and it is
+rewritten compacted (as it is again whenever it holds more than twice the live records);
+``retained_entries`` gives the store the pins and their owners to rebuild its book.
+
 One process per directory: the tier holds an exclusive ``flock`` on ``LOCK`` for its
 life (released by the kernel when the process dies, however it dies); a second tier on
 the same directory, in this process or another, raises ``DiskCacheLocked`` naming the
@@ -56,7 +67,9 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
+import zlib
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +95,8 @@ _HASH_AT = 4 + 2 + 2 + 32  # offset of the block hash in the codec header (magic
 # than this: one syscall fewer per block for blocks restored again soon.
 _TOUCH_AFTER_S = 60.0
 _HEX_LEN = 64
+JOURNAL = "retained.log"
+_RECORD = struct.Struct("<32sdH")  # hash, until, owner length (after a crc32 of it and the owner)
 
 
 class DiskTier(BlockTier):
@@ -90,6 +105,7 @@ class DiskTier(BlockTier):
     name = Tier.DISK
     durable = True  # outlives the process (this machine only: not ``shared``)
     batch_blocks = 64
+    retains = True
 
     def __init__(
         self,
@@ -123,15 +139,25 @@ class DiskTier(BlockTier):
         self._bytes = 0  # of the files in the index
         self._reserved = 0  # of the writes in flight (their temporaries, then their files)
         self._seq = 0
+        self._pins: dict[bytes, float] = {}  # retained block hash (all held) -> latest until
+        self._entries: dict[tuple[bytes, str], float] = {}  # (hash, owner) -> until: the journal's live records
+        self._journal_records = 0  # records in the journal file (live or not)
+        self._journal_lock = threading.Lock()  # appends and rewrites of the journal, in order
+        self._expired = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = hold_dir_lock(self.root)
         self._blocks_dir = self.root / "blocks"
         self._blocks_str = str(self._blocks_dir)
         self._prefixes: dict[bytes, tuple[bytes, bytes]] = {}
         self._tmp_dir = self.root / "tmp"
+        self._journal = self.root / JOURNAL
         self._blocks_dir.mkdir(exist_ok=True)
         self._tmp_dir.mkdir(exist_ok=True)
+        self._load_journal()
         self._rebuild_index()
+        for digest in [d for d in self._pins if d not in self._lru]:  # pinned files that are gone
+            self._unpin(digest)
+        self._rewrite_journal()
 
     # ---- plumbing ------------------------------------------------------------------
 
@@ -192,10 +218,18 @@ class DiskTier(BlockTier):
                     continue
                 found.append((st.st_mtime, digest, st.st_size))
         found.sort()
+        # over the capacity: the oldest unpinned files go (a pinned one is kept, as it
+        # would be while serving)
         drop = max(0, len(found) - self.capacity_blocks)
-        for _, digest, _size in found[:drop]:
-            _unlink(self._path_of(digest))
-        for _, digest, size in found[drop:]:
+        kept = []
+        for entry in found:
+            if drop and entry[1] not in self._pins:
+                _unlink(self._path_of(entry[1]))
+                drop -= 1
+            else:
+                kept.append(entry)
+        drop = len(found) - len(kept)
+        for _, digest, size in kept:
             self._lru[digest] = size
             self._bytes += size
         if found:
@@ -348,6 +382,7 @@ class DiskTier(BlockTier):
             if size is not None:
                 self._bytes -= size
                 self._removed([digest])
+                self._unpin(digest)
 
     def contains(self, ref: BlockRef) -> bool:
         with self._lock:
@@ -364,8 +399,9 @@ class DiskTier(BlockTier):
         block already held is only refreshed in the LRU. The file's bytes are reserved
         first and the least recently used files beyond the capacity evicted (each demoted
         through ``on_evict``) before it is written, so the directory never holds more than
-        the capacity. False when the tier has no capacity, the capacity is all reserved
-        by writes in flight, or the write failed."""
+        the capacity; a pinned file is never one of them. False when the tier has no
+        capacity, the capacity is all reserved by writes in flight or pinned, or the
+        write failed."""
         if tuple(value.shape) != self.block_shape or value.dtype != self.dtype:
             raise ValueError(f"value must be {self.block_shape} {self.dtype}, got {tuple(value.shape)} {value.dtype}")
         digest = bytes(ref.block_hash)
@@ -376,11 +412,11 @@ class DiskTier(BlockTier):
                 self._lru.move_to_end(digest)
                 self._counters.add(put_skips=1)
                 return True
-            if self._reserved + n > self.capacity_bytes:  # no capacity, or all of it being written
+            if self._reserved + n + len(self._pins) * n > self.capacity_bytes:  # no room: all of it written or pinned
                 return False
             self._reserved += n
-            while self._bytes + self._reserved > self.capacity_bytes and self._lru:
-                victim, size = self._lru.popitem(last=False)
+            while self._bytes + self._reserved > self.capacity_bytes and (lru := self._victim()) is not None:
+                victim, size = lru
                 self._bytes -= size
                 victims.append(victim)
             self._removed(victims)
@@ -471,7 +507,20 @@ class DiskTier(BlockTier):
                 self._counters.fail("evict_callback")
         _unlink(path)
 
+    def _victim(self) -> tuple[bytes, int] | None:
+        """Under the lock: the least recently used file no retention pins, out of the LRU
+        (pinned ones met on the way go to its back); None when there is none."""
+        if len(self._pins) >= len(self._lru):
+            return None
+        while True:  # an unpinned one is met before the pinned ones come round again
+            digest, size = self._lru.popitem(last=False)
+            if digest not in self._pins:
+                return digest, size
+            self._lru[digest] = size
+
     def delete(self, ref: BlockRef) -> bool:
+        """Remove the block's file, pinned or not (the tiered store does not delete
+        retained blocks)."""
         digest = bytes(ref.block_hash)
         with self._lock:
             size = self._lru.pop(digest, None)
@@ -479,25 +528,144 @@ class DiskTier(BlockTier):
                 return False
             self._bytes -= size
             self._removed([digest])
+            self._unpin(digest)
         _unlink(self.path(ref))
         return True
 
     def clear(self) -> None:
-        """Remove every block file (no eviction callbacks)."""
+        """Remove every block file, pins included (no eviction callbacks)."""
         with self._lock:
             digests = list(self._lru)
             self._removed(digests)
             self._lru.clear()
             self._bytes = 0
+            self._pins.clear()
+            self._entries.clear()
         for d in digests:
             _unlink(self._path_of(d))
+        self._rewrite_journal()
+
+    # ---- retention -----------------------------------------------------------------
+
+    def retain(self, refs: Sequence[BlockRef], until: float, owner: str) -> list[bool]:
+        """Pin the held files of ``refs`` until at least ``until``, each pin appended to
+        the journal (fsynced with ``fsync``) before this returns."""
+        out, records = [], []
+        owner_bytes = owner.encode("utf-8", "surrogatepass")[:0xFFFF]
+        with self._lock:
+            for ref in refs:
+                digest = bytes(ref.block_hash)
+                held = digest in self._lru
+                out.append(held)
+                if not held or until <= self._entries.get((digest, owner), 0.0):
+                    continue
+                self._entries[(digest, owner)] = until
+                self._pins[digest] = max(until, self._pins.get(digest, 0.0))
+                body = _RECORD.pack(digest, until, len(owner_bytes)) + owner_bytes
+                records.append(struct.pack("<I", zlib.crc32(body)) + body)
+        if records:
+            self._append_journal(records)
+        return out
+
+    def expire_retained(self, now: float) -> int:
+        with self._lock:
+            for key in [k for k, until in self._entries.items() if until <= now]:
+                del self._entries[key]
+            due = [d for d, until in self._pins.items() if until <= now]
+            for digest in due:
+                del self._pins[digest]
+            self._expired += len(due)
+            live = len(self._entries)
+        if self._journal_records > 2 * live + 256:
+            self._rewrite_journal()
+        return len(due)
+
+    def retained_entries(self) -> list[tuple[bytes, float, str]]:
+        with self._lock:
+            return [(h, until, owner) for (h, owner), until in self._entries.items()]
+
+    def _unpin(self, digest: bytes) -> None:
+        """Under the lock: the block is gone, its pins with it."""
+        if self._pins.pop(digest, None) is not None:
+            for key in [k for k in self._entries if k[0] == digest]:
+                del self._entries[key]
+
+    def _load_journal(self) -> None:
+        """The journal's records up to the first torn or corrupt one."""
+        try:
+            data = self._journal.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("disk tier: cannot read the retention journal %s: %r; its pins are lost", self._journal, e)
+            return
+        at = n = 0
+        head = 4 + _RECORD.size
+        while at + head <= len(data):
+            crc, = struct.unpack_from("<I", data, at)
+            digest, until, olen = _RECORD.unpack_from(data, at + 4)
+            end = at + head + olen
+            if end > len(data) or zlib.crc32(data[at + 4 : end]) != crc:
+                break
+            owner = data[at + head : end].decode("utf-8", "surrogatepass")
+            if until > self._entries.get((digest, owner), 0.0):
+                self._entries[(digest, owner)] = until
+                self._pins[digest] = max(until, self._pins.get(digest, 0.0))
+            at, n = end, n + 1
+        if at < len(data):
+            log.warning("disk tier: the retention journal %s ends in %d bytes that are not a whole record "
+                        "(a write torn by a crash): ignored", self._journal, len(data) - at)
+        if n:
+            log.info("disk tier %s: %d retained block(s) in the journal", self.root, len(self._pins))
+
+    def _append_journal(self, records: list[bytes]) -> None:
+        with self._journal_lock:
+            try:
+                fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                try:
+                    _write_all(fd, b"".join(records))
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._journal_records += len(records)
+            except OSError as e:  # the pins hold while this process runs; a restart would lose them
+                self._counters.add(errors=1)
+                log.warning("disk tier: appending to the retention journal %s failed: %r", self._journal, e)
+
+    def _rewrite_journal(self) -> None:
+        """The live records alone, written to a temporary and renamed into place."""
+        with self._journal_lock:
+            entries = self.retained_entries()
+            records = []
+            for digest, until, owner in entries:
+                ob = owner.encode("utf-8", "surrogatepass")[:0xFFFF]
+                body = _RECORD.pack(digest, until, len(ob)) + ob
+                records.append(struct.pack("<I", zlib.crc32(body)) + body)
+            tmp = self._tmp_dir / f"{JOURNAL}.{os.getpid()}.tmp"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    _write_all(fd, b"".join(records))
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self._journal)
+                if self.fsync:
+                    _fsync_dir(self.root)
+                self._journal_records = len(records)
+            except OSError as e:
+                _unlink(tmp)
+                log.warning("disk tier: rewriting the retention journal %s failed: %r", self._journal, e)
 
     # ---- stats and life ------------------------------------------------------------
 
     def stats(self) -> TierStats:
         with self._lock:
-            n, b = len(self._lru), self._bytes
-        return self._counters.snapshot(blocks_held=n, bytes_held=b)
+            n, b, pinned, expired = len(self._lru), self._bytes, len(self._pins), self._expired
+        return self._counters.snapshot(blocks_held=n, bytes_held=b, blocks_retained=pinned,
+                                       bytes_retained=pinned * self.file_nbytes, retention_expired=expired)
 
     def close(self) -> None:
         """Release the directory's lock (the files stay: a later tier finds them)."""
@@ -636,6 +804,12 @@ def _pread_all(fd: int, size: int) -> bytes:
     while len(out) <= size and (chunk := os.pread(fd, max(size - len(out), 65536), len(out))):
         out += chunk
     return bytes(out)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _fsync_dir(path: Path) -> None:

@@ -17,6 +17,11 @@ meanwhile: each keeps the generation it had when held, and ``release`` (after th
 completed) counts only the leading blocks whose slots no put took in between, so a slot
 reused while it was being copied ends the restore there instead of landing torn.
 
+Retention (``cachestore.base``): a pinned block keeps its slot until its time passes;
+eviction takes the least recently used block no retention pins (pinned blocks it meets
+on the way are moved to the back of the LRU), and a slab whose every slot is pinned
+refuses new blocks (``put`` returns False: the store demotes them past this tier).
+
 Eviction calls ``on_evict(ref, block)`` with a view of the slot *before* it is reused;
 the view is valid only during the call, so the callback copies or encodes it (the
 tiered store encodes it for Redis). The callback runs without the tier's lock held and
@@ -50,6 +55,7 @@ class HostTier(BlockTier):
 
     name = Tier.HOST
     writes_inline = True  # a put is a memcpy into the slab
+    retains = True
 
     def __init__(
         self,
@@ -87,6 +93,8 @@ class HostTier(BlockTier):
         self._free: list[int] = list(range(self.capacity_blocks - 1, -1, -1))
         self._lru: OrderedDict[BlockRef, int] = OrderedDict()  # oldest first
         self._gen = [0] * self.capacity_blocks  # per slot: bumped each time a put takes it
+        self._pins: dict[BlockRef, float] = {}  # retained blocks (all held) -> unix time they are pinned until
+        self._expired = 0
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self._counters = TierCounters(self.name)
@@ -199,9 +207,9 @@ class HostTier(BlockTier):
                 return True
             if self._free:
                 slot, victim = self._free.pop(), None
-            elif self._lru:
-                victim, slot = self._lru.popitem(last=False)
-            else:
+            elif (lru := self._victim()) is not None:
+                victim, slot = lru
+            else:  # no capacity, or every slot pinned
                 return False
             self._gen[slot] += 1  # a layered read of the slot's previous block stops there
             if victim is not None:
@@ -231,27 +239,68 @@ class HostTier(BlockTier):
         self._counters.add_seconds("write", time.perf_counter() - t0)
         return True
 
+    def _victim(self) -> tuple[BlockRef, int] | None:
+        """Under the lock: the least recently used block no retention pins, out of the
+        LRU (the pinned ones met on the way go to its back); None when every block held
+        is pinned."""
+        if len(self._pins) >= len(self._lru):
+            return None
+        while True:
+            ref, slot = self._lru.popitem(last=False)
+            if ref not in self._pins:
+                return ref, slot
+            self._lru[ref] = slot
+
     def delete(self, ref: BlockRef) -> bool:
+        """Drop the block, pinned or not (the tiered store does not delete retained blocks)."""
         with self._lock:
             slot = self._lru.pop(ref, None)
             if slot is None:
                 return False
+            self._pins.pop(ref, None)
             self._free.append(slot)
             self._removed([ref.block_hash])
             return True
 
     def clear(self) -> None:
-        """Drop every block (no eviction callbacks)."""
+        """Drop every block, pins included (no eviction callbacks)."""
         with self._lock:
             self._removed([ref.block_hash for ref in self._lru])
             self._lru.clear()
+            self._pins.clear()
             self._free = list(range(self.capacity_blocks - 1, -1, -1))
+
+    # ---- retention -----------------------------------------------------------------
+
+    def retain(self, refs: Sequence[BlockRef], until: float, owner: str) -> list[bool]:
+        """Pin the held blocks of ``refs`` until at least ``until`` (in memory: lost with
+        the process, as the blocks are)."""
+        with self._lock:
+            out = []
+            for ref in refs:
+                held = ref in self._lru
+                if held and until > self._pins.get(ref, 0.0):
+                    self._pins[ref] = until
+                out.append(held)
+            return out
+
+    def expire_retained(self, now: float) -> int:
+        with self._lock:
+            due = [ref for ref, until in self._pins.items() if until <= now]
+            for ref in due:
+                del self._pins[ref]
+            self._expired += len(due)
+        return len(due)
 
     # ---- stats ---------------------------------------------------------------------
 
     def stats(self) -> TierStats:
-        n = len(self)
-        return self._counters.snapshot(blocks_held=n, bytes_held=n * self.block_nbytes)
+        with self._lock:
+            n, pinned, expired = len(self._lru), len(self._pins), self._expired
+        return self._counters.snapshot(
+            blocks_held=n, bytes_held=n * self.block_nbytes, blocks_retained=pinned,
+            bytes_retained=pinned * self.block_nbytes, retention_expired=expired,
+        )
 
     def _check_block(self, t: torch.Tensor, what: str) -> None:
         if t.shape != self._torch_shape or t.dtype != self.dtype:

@@ -32,6 +32,22 @@ counts toward ``maxmemory``; under a tight ``maxmemory`` with ``allkeys-lru`` a 
 makes Redis evict other blocks while it answers (clean misses, but misses). Keep
 ``max_batch_bytes`` well under the server's memory headroom.
 
+Retention (``cachestore.base``): on a standalone server a retained block's key is kept
+*without* a TTL (``PERSIST``) and listed in the sorted set ``{key_prefix}retained``
+(member: the key, score: the unix time in ms it is retained until, only ever raised:
+``ZADD GT``); ``expire_retained`` (any replica: the set is shared) gives the keys whose
+time passed their ``--redis-ttl`` again and takes them out of the set, atomically in one
+Lua script, as ``retain`` pins atomically in another, so a retention extended by one
+replica while another releases it is never lost. A Redis under a ``volatile-*``
+``maxmemory-policy`` (or ``noeviction``, or without ``maxmemory``) then never evicts a
+retained block, while the others stay evictable (they have a TTL); under ``allkeys-*``
+it may (``eviction_policy`` tells, the server logs it at start). Deleting a session's
+blocks leaves those retained past now. A later write of a block refreshes its TTL only
+upward (``PEXPIRE ... GT``), so it never takes a pin's persistence or a longer TTL away.
+In cluster mode (no script may touch keys of several slots) a retention only extends
+the key's TTL to its time (``PEXPIREAT ... GT``): it is kept that long unless Redis
+evicts it for memory.
+
 A value that fails verification is deleted when it is read, so the next write of that
 block stores a good one.
 
@@ -90,6 +106,50 @@ from .keys import redis_key
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+# Retention scripts (standalone). KEYS[1]: the retained set; the block keys after it.
+_RETAIN_LUA = """
+local out = {}
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('PERSIST', KEYS[i])
+    redis.call('ZADD', KEYS[1], 'GT', ARGV[1], KEYS[i])
+    out[i - 1] = 1
+  else
+    out[i - 1] = 0
+  end
+end
+return out
+"""
+# ARGV: now (ms), the TTL (ms; 0: none) the keys get back, most keys per call. The keys
+# come from the set itself (standalone only: they are not declared).
+_RELEASE_LUA = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local ttl = tonumber(ARGV[2])
+for _, k in ipairs(due) do
+  redis.call('ZREM', KEYS[1], k)
+  if ttl > 0 then redis.call('PEXPIRE', k, ttl) end
+end
+return #due
+"""
+# ARGV[1]: now (ms). A key retained past now is left (-1); any other is deleted (1, or 0:
+# it was not there).
+_DELETE_LUA = """
+local out = {}
+for i = 2, #KEYS do
+  local until_ms = redis.call('ZSCORE', KEYS[1], KEYS[i])
+  if until_ms and tonumber(until_ms) > tonumber(ARGV[1]) then
+    out[i - 1] = -1
+  else
+    if until_ms then redis.call('ZREM', KEYS[1], KEYS[i]) end
+    out[i - 1] = redis.call('DEL', KEYS[i])
+  end
+end
+return out
+"""
+_RELEASE_BATCH = 1000
+# maxmemory policies under which Redis never evicts a key without a TTL
+RETENTION_SAFE_POLICIES = ("noeviction", "volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl")
 
 _BACKEND_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
@@ -152,6 +212,7 @@ class RedisTier(BlockTier):
     name = Tier.REDIS
     shared = True  # outlives the process, read by every replica
     durable = True
+    retains = True
 
     def __init__(
         self,
@@ -178,12 +239,14 @@ class RedisTier(BlockTier):
         read_connections: int = 4,
         min_blocks_per_reader: int = 8,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """``ttl_s`` None means no expiry (rely on ``maxmemory``); ``compression`` and
         ``storage_dtype`` are the codec options (see ``cachestore.codec``: the latter is
         lossy, names its own keys, and only values stored so are read). The client connects lazily: a Redis that is down at startup is a miss,
         not an error. ``read_connections``: connections (and reader threads) one restore
-        reads on at once, each taking at least ``min_blocks_per_reader`` blocks."""
+        reads on at once, each taking at least ``min_blocks_per_reader`` blocks.
+        ``wall_clock``: unix time, for what a delete treats as retained (the store's)."""
         self._init_block(block_shape, dtype)
         self._torch_shape = torch.Size(self.block_shape)
         self.url = url
@@ -235,6 +298,10 @@ class RedisTier(BlockTier):
         self._client_lock = threading.Lock()
         self._breaker = CircuitBreaker(breaker_failures, breaker_reset_s, clock=clock)
         self._counters = TierCounters(self.name)
+        self._wall = wall_clock
+        self.retained_key = f"{key_prefix}retained"  # the sorted set of retained keys (standalone)
+        self._retained_count: int | None = None if cluster else 0  # ZCARD at the last expire_retained
+        self._expired = 0
 
     # ---- plumbing ------------------------------------------------------------------
 
@@ -648,10 +715,8 @@ class RedisTier(BlockTier):
             if if_missing:
                 # a small round trip: on the read connections (short timeout), so a hung
                 # Redis holds the writer (and the device blocks a spill pins) 0.5 s, not 2 s
-                if self.ttl_ms is not None:  # refreshes the TTL of the blocks that are there
-                    present = self._call(
-                        lambda c, ks=keys: self._pipeline(c, "pexpire", ks, self.ttl_ms), "pexpire", read=True
-                    )
+                if self.ttl_ms is not None:  # refreshes the TTL of the blocks that are there, upward only
+                    present = self._call(lambda c, ks=keys: self._exists_refresh(c, ks), "pexpire", read=True)
                 else:
                     present = self._call(lambda c, ks=keys: self._pipeline(c, "exists", ks), "exists", read=True)
                 if present is None:
@@ -684,10 +749,29 @@ class RedisTier(BlockTier):
             self._stored([r.block_hash for r, h in zip(refs, held) if h])
         return held
 
+    def _exists_refresh(self, client: Any, keys: Sequence[str]) -> list[Any]:
+        """Per key: whether it exists, its TTL raised to ``ttl_ms`` if lower (``GT``: a
+        key without a TTL, a retained one, keeps none; one with a longer TTL keeps it)."""
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k)
+            pipe.pexpire(k, self.ttl_ms, gt=True)
+        return pipe.execute(raise_on_error=False)[0::2]
+
     def delete_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        """Delete the blocks; on a standalone server, not those retained past now."""
         if not refs:
             return []
         keys = [self.key(r) for r in refs]
+        if not self.cluster:
+            now_ms = int(self._wall() * 1000)
+            removed = self._call(
+                lambda c: c.register_script(_DELETE_LUA)(keys=[self.retained_key, *keys], args=[now_ms]), "delete"
+            )
+            if removed is None:
+                return [False] * len(refs)
+            self._removed([r.block_hash for r, gone in zip(refs, removed) if gone != -1])  # deleted now, or not there
+            return [isinstance(r, int) and r > 0 for r in removed]
         removed = self._call(lambda c: self._pipeline(c, "delete", keys), "delete")
         if removed is None:
             return [False] * len(refs)
@@ -696,6 +780,94 @@ class RedisTier(BlockTier):
 
     def delete(self, ref: BlockRef) -> bool:
         return self.delete_many([ref])[0]
+
+    # ---- retention -----------------------------------------------------------------
+
+    def retain(self, refs: Sequence[BlockRef], until: float, owner: str) -> list[bool]:
+        """Pin the blocks Redis holds until at least ``until`` (module docstring): kept
+        without a TTL and listed in the retained set (standalone), or their TTL extended
+        to it (cluster). ``owner`` is the store's concern: Redis keeps none."""
+        held = [False] * len(refs)
+        until_ms = int(until * 1000)
+        for start in self._batches(len(refs)):
+            keys = [self.key(r) for r in refs[start : start + self.batch_blocks]]
+            if self.cluster:
+                got = self._call(lambda c, ks=keys: self._extend(c, ks, until_ms), "retain")
+            else:
+                got = self._call(
+                    lambda c, ks=keys: c.register_script(_RETAIN_LUA)(keys=[self.retained_key, *ks], args=[until_ms]),
+                    "retain",
+                )
+            if got is None:
+                break
+            for i, g in enumerate(got):
+                held[start + i] = bool(g)
+        return held
+
+    def _extend(self, client: Any, keys: Sequence[str], until_ms: int) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k)
+            pipe.pexpireat(k, until_ms, gt=True)
+        return pipe.execute(raise_on_error=False)[0::2]
+
+    def expire_retained(self, now: float) -> int:
+        """Give the keys whose retention passed ``now`` their TTL back (standalone; any
+        replica may: the set is shared); how many this call released."""
+        if self.cluster:
+            return 0
+        n = 0
+        now_ms, ttl = int(now * 1000), self.ttl_ms or 0
+        while True:
+            got = self._call(
+                lambda c: c.register_script(_RELEASE_LUA)(keys=[self.retained_key], args=[now_ms, ttl, _RELEASE_BATCH]),
+                "release",
+            )
+            if not isinstance(got, int):
+                break
+            n += got
+            if got < _RELEASE_BATCH:
+                break
+        count = self._call(lambda c: c.zcard(self.retained_key), "zcard", read=True)
+        if isinstance(count, int):
+            self._retained_count = count
+        self._expired += n
+        return n
+
+    def retained_until(self, ref: BlockRef) -> float | None:
+        """The unix time the retained set holds ``ref`` until (None: not in it; for
+        tools and tests)."""
+        score = self._call(lambda c: c.zscore(self.retained_key, self.key(ref)), "zscore", read=True)
+        return None if score is None else float(score) / 1000
+
+    def eviction_policy(self) -> tuple[str, int] | None:
+        """Redis' ``maxmemory-policy`` and ``maxmemory`` (bytes; 0: no limit), or None
+        when it does not say (CONFIG disabled, as on some managed services; down)."""
+
+        def ask(c: Any) -> tuple[str, int] | None:
+            try:
+                policy = c.config_get("maxmemory-policy").get("maxmemory-policy")
+                limit = c.config_get("maxmemory").get("maxmemory")
+            except redis.exceptions.ResponseError:  # CONFIG renamed or refused: Redis answers, not saying
+                return None
+            if policy is None:
+                return None
+            return str(policy.decode() if isinstance(policy, bytes) else policy), int(limit or 0)
+
+        return self._call(ask, "config")
+
+    def keeps_retentions(self) -> bool | None:
+        """Whether Redis' own eviction leaves retained blocks alone: True without
+        ``maxmemory``, or under ``noeviction`` or a ``volatile-*`` policy (standalone:
+        retained keys have no TTL); in cluster mode (their TTL is extended instead) only
+        without ``maxmemory`` or under ``noeviction``. None: Redis does not say."""
+        got = self.eviction_policy()
+        if got is None:
+            return None
+        policy, limit = got
+        if limit == 0:
+            return True
+        return policy == "noeviction" if self.cluster else policy in RETENTION_SAFE_POLICIES
 
     # ---- health and stats ----------------------------------------------------------
 
@@ -709,7 +881,9 @@ class RedisTier(BlockTier):
 
     def stats(self) -> TierStats:
         return self._counters.snapshot(
-            breaker_state=self._breaker.state, breaker_opens=self._breaker.opens
+            breaker_state=self._breaker.state, breaker_opens=self._breaker.opens,
+            blocks_retained=self._retained_count, retention_expired=self._expired,
+            bytes_retained=None if self._retained_count is None else self._retained_count * self.value_nbytes,
         )
 
     def close(self) -> None:

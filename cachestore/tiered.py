@@ -28,9 +28,17 @@ Guarantees:
   (``BlockTier.writes_inline``: the host) is written on the evicting thread; into any
   other (disk, Redis) the block is copied into one of ``demotion_buffers`` staging buffers (the
   source is reused right after: a memcpy on the evicting thread) and queued; the writer
-  encodes it and the tier stores it only if it is not there yet.
+  encodes it and the tier stores it only if it is not there yet. A tier that cannot
+  take the block (a host tier whose every slot is pinned) passes it to the next one.
 - Observable: ``observe`` hands every tier an observer told of every block it newly
   holds or no longer holds (``cachestore.base``), whatever moved it.
+- Retention (``cachestore/retention.py``): ``reserve_retention`` holds room in an
+  owner's bound, ``submit_retain`` (ahead of every other write) stores the blocks in each
+  tier of ``retain_to`` that does not hold them yet and pins them there until their
+  times, then records them in the ``RetentionBook``; the writer thread releases what
+  expired every ``retention_tick_s`` (``expire_retentions``: the book and every tier, at
+  ``wall_clock``'s time), and ``delete_many`` leaves retained blocks alone. At start the
+  book is rebuilt from the pins a durable tier kept (disk's journal).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Self, Sequence
 
 import torch
@@ -52,6 +60,7 @@ from . import codec
 from .base import BlockRef, BlockTier, HeldBlocks, LayeredRead, TierObserver, TierStats
 from .codec import copy_block
 from .keys import BlockHash, Namespace
+from .retention import Reservation, RetentionBook, RetentionStats
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +101,21 @@ class SpillResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RetainResult:
+    """What one ``submit_retain`` did: per block, the tiers that pin it now (empty: held
+    nowhere by the retention), and the unix time it is pinned until."""
+
+    tiers: list[tuple[str, ...]]
+    untils: list[float]
+
+    @property
+    def leading(self) -> int:
+        """How many leading blocks some tier pins (a restore reads a prefix: the
+        retention holds this many)."""
+        return next((i for i, t in enumerate(self.tiers) if not t), len(self.tiers))
+
+
+@dataclass(frozen=True, slots=True)
 class WriterStats:
     queued_blocks: int  # waiting or being written now
     submitted_blocks: int  # accepted by submit_spill
@@ -109,6 +133,11 @@ class TieredStats:
     writer: WriterStats
     # blocks by (tier, decision, reason): see RESTORED / RECOMPUTED and the REASON_* names
     decisions: dict[tuple[str, str, str], int]
+    retention: RetentionStats | None = None  # the retention book
+    retain_to: tuple[str, ...] = ()  # the tiers retentions pin in
+    # per retain tier whose own eviction may drop what it holds (Redis): whether it keeps
+    # retentions (check_retention_safety; None: it does not say)
+    retention_safe: dict[str, bool | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +154,22 @@ class RestorePlan:
 
 
 @dataclass(slots=True)
+class _Pinning:
+    """A retain job's own part: each block's time, the room it holds, its callback."""
+
+    untils: list[float]
+    reservation: Reservation
+    on_done: Callable[[RetainResult], None]
+
+
+@dataclass(slots=True)
 class _Job:
     refs: list[BlockRef]
     tiers: tuple[str, ...]
     blocks: list[torch.Tensor | None]  # read by the writer; None: wherever the store holds it
     on_done: Callable[[SpillResult], None] | None = None
     staging: list[torch.Tensor] | None = None  # a demotion's buffers, freed when written
+    pinning: _Pinning | None = None  # a retention: pin what was written (``submit_retain``)
 
 
 class TierRead:
@@ -250,6 +289,10 @@ class TieredStore:
         warmup_samples: int = 1,
         probe_after_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        retain_to: Sequence[str] | None = None,
+        max_retained_blocks_per_owner: int = 0,
+        wall_clock: Callable[[], float] = time.time,
+        retention_tick_s: float = 5.0,
     ) -> None:
         """``tiers``: fastest first, each a different ``Tier``, all holding blocks of one
         shape and dtype (the KV cache spec's); the store's geometry is theirs.
@@ -267,7 +310,13 @@ class TieredStore:
         ``initial_restore_rates`` says otherwise. The first ``warmup_samples`` samples
         of each tier are not counted (connection set-up). A tier that ``plan_restore``
         skips as slower is probed again (a few blocks restored) once its last sample is
-        ``probe_after_s`` old, so a rate measured on a bad moment does not stick."""
+        ``probe_after_s`` old, so a rate measured on a bad moment does not stick.
+
+        Retention: ``retain_to`` names the tiers a retention pins in (None: every
+        configured tier that can); each owner retains at most
+        ``max_retained_blocks_per_owner`` distinct blocks (0: none); ``wall_clock`` is
+        the unix time retentions run to, ``retention_tick_s`` how often the writer
+        releases what expired."""
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         names = [t.name for t in tiers]
@@ -293,6 +342,19 @@ class TieredStore:
         self._rates_lock = threading.Lock()
         self._rates = {name: _Ewma(priors[name], rate_alpha, warmup_samples) for name in self._tiers}
         self._decisions: Counter[tuple[str, str, str]] = Counter()
+
+        # Retention: the tiers it pins in, the book of who retains what, rebuilt from
+        # what the durable tiers kept.
+        wanted = self._check_tiers(retain_to) if retain_to is not None else tuple(self._tiers)
+        self.retain_to: tuple[str, ...] = tuple(t for t in wanted if t in self._tiers and self._tiers[t].retains)
+        self.retentions = RetentionBook(max_retained_blocks_per_owner)
+        self._wall = wall_clock
+        self.retention_tick_s = retention_tick_s
+        self.retention_safe: dict[str, bool | None] = {}
+        for name in self.retain_to:
+            for h, until, owner in self._tiers[name].retained_entries():
+                self.retentions.load(owner, h, until)
+        self._next_tick = 0.0  # monotonic time of the writer's next expiry pass (the first: at once)
 
         # The writer: a bounded deque of jobs, counted in blocks.
         self.min_rate_blocks = min_rate_blocks
@@ -467,11 +529,13 @@ class TieredStore:
         return {name: sum(t.contains_many(refs)) for name, t in self._tiers.items()}
 
     def delete_many(self, namespace: Namespace, hashes: Sequence[BlockHash], timeout: float = 10.0) -> dict[str, int]:
-        """Stop these blocks from being found in any tier; how many each tier dropped.
+        """Stop these blocks from being found in any tier, but those a retention holds
+        (they go when it expires); how many each tier dropped.
         Queued writes are flushed first (so none lands afterwards), then each tier
         deletes, fastest first, with the writes its deletions queued (demotions to the
         next tier) flushed before the next tier deletes."""
-        refs = [BlockRef(namespace, h) for h in hashes]
+        kept = self.retentions.retained(hashes, self._wall())
+        refs = [BlockRef(namespace, h) for h, k in zip(hashes, kept) if not k]  # a retention outlives a delete
         dropped: dict[str, int] = {}
         self.flush(timeout)
         for tier in self._order:
@@ -636,6 +700,121 @@ class TieredStore:
         self._bump(dropped=len(job.refs))
         return False
 
+    # ---- retention ----------------------------------------------------------------------
+
+    def now(self) -> float:
+        """The unix time retentions run to (``wall_clock``)."""
+        return self._wall()
+
+    def reserve_retention(self, owner: str, hashes: Sequence[BlockHash]) -> Reservation:
+        """Hold room in ``owner``'s bound for these blocks (``RetentionBook.reserve``:
+        raises ``RetentionBudget``); ``submit_retain`` uses it, ``cancel_retention``
+        gives it back."""
+        return self.retentions.reserve(owner, hashes)
+
+    def cancel_retention(self, reservation: Reservation) -> None:
+        self.retentions.cancel(reservation)
+
+    def submit_retain(
+        self,
+        items: Sequence[tuple[Namespace, BlockHash, torch.Tensor | None]],
+        untils: Sequence[float],
+        reservation: Reservation,
+        on_done: Callable[[RetainResult], None],
+    ) -> None:
+        """Retain ``items`` (``submit_spill``'s, a ``block`` of None found in the host
+        tier or wherever a tier holds it) until ``untils`` (unix times, per block): the
+        writer, before any other queued write, stores each block in every ``retain_to``
+        tier that lacks it, pins it in each that holds it, records the pinned ones in the
+        book under ``reservation`` and calls ``on_done(RetainResult)`` on its thread. The
+        caller keeps the given tensors unchanged until then. Never blocks; a full queue
+        or a closed store calls ``on_done`` at once with nothing pinned (and gives the
+        reservation back)."""
+        if len(untils) != len(items):
+            raise ValueError(f"{len(items)} blocks but {len(untils)} times")
+        job = _Job(
+            refs=[BlockRef(ns, h) for ns, h, _ in items],
+            tiers=self.retain_to,
+            blocks=[b for _, _, b in items],
+            pinning=_Pinning(list(untils), reservation, on_done),
+        )
+        if not self.retain_to or not self._enqueue(job, front=True):
+            self._finish_pinning(job, {})
+
+    def expire_retentions(self) -> int:
+        """Release every retention whose time passed (the book, then each tier's pins:
+        Redis' shared set only while this store retains, else another replica's
+        business); how many tier pins were released. The writer calls it every
+        ``retention_tick_s``."""
+        now = self._wall()
+        self.retentions.expire(now)
+        n = 0
+        for tier in self._order:
+            if not tier.retains or (tier.shared and not self.retaining):
+                continue
+            try:
+                n += tier.expire_retained(now)
+            except Exception:  # noqa: BLE001 - a tier's failure must not stop the others' expiry
+                log.exception("releasing expired retentions in the %s tier failed", tier.name)
+        return n
+
+    @property
+    def retaining(self) -> bool:
+        """Retentions may be made here: a retain tier, and a bound above 0."""
+        return bool(self.retain_to) and self.retentions.max_blocks_per_owner > 0
+
+    def check_retention_safety(self) -> dict[str, bool | None]:
+        """Ask each retain tier that evicts on its own (Redis: ``keeps_retentions``)
+        whether its eviction leaves retained blocks alone, and say so in one line where
+        it may not; kept for ``stats``. The writer asks at its first pass, off the
+        start's path (a Redis that is down costs it a timeout, not the start)."""
+        out: dict[str, bool | None] = {}
+        for name in self.retain_to:
+            ask = getattr(self._tiers[name], "keeps_retentions", None)
+            if ask is None:
+                continue
+            out[name] = safe = ask()
+            if safe is False:
+                log.warning("retention: %s may evict retained blocks under memory pressure (its maxmemory-policy); "
+                            "use a volatile-* policy or noeviction there for the retention guarantee "
+                            "(docs/api.md, Retention)", name)
+            elif safe is None:
+                log.warning("retention: %s does not say its maxmemory-policy (CONFIG refused, or not answering): "
+                            "retained blocks stay there unless its own eviction drops them (docs/api.md, Retention)",
+                            name)
+        self.retention_safe = out
+        return out
+
+    def _pin(self, job: _Job, held: dict[str, list[bool]]) -> dict[str, list[bool]]:
+        """A retain job's blocks are written: pin them where they are, until their times;
+        per tier, which it pins."""
+        assert job.pinning is not None
+        p = job.pinning
+        n = len(job.refs)
+        pinned: dict[str, list[bool]] = {}
+        for name in job.tiers:
+            tier, there = self._tiers[name], held.get(name, [False] * n)
+            flags = [False] * n
+            for until in sorted(set(p.untils)):  # one call per time (a retention has at most a few)
+                idx = [i for i in range(n) if p.untils[i] == until and there[i]]
+                if idx:
+                    for i, ok in zip(idx, tier.retain([job.refs[i] for i in idx], until, p.reservation.owner)):
+                        flags[i] = ok
+            pinned[name] = flags
+        return pinned
+
+    def _finish_pinning(self, job: _Job, pinned: dict[str, list[bool]]) -> None:
+        assert job.pinning is not None
+        p = job.pinning
+        tiers = [tuple(t for t in job.tiers if pinned.get(t, [False] * len(job.refs))[i]) for i in range(len(job.refs))]
+        self.retentions.commit(
+            p.reservation, {bytes(job.refs[i].block_hash): p.untils[i] for i, t in enumerate(tiers) if t}
+        )
+        try:
+            p.on_done(RetainResult(tiers, list(p.untils)))
+        except Exception:  # noqa: BLE001
+            log.exception("retain callback failed")
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; False if ``timeout`` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -673,6 +852,9 @@ class TieredStore:
             rates = {name: r.value for name, r in self._rates.items()}
             decisions = dict(self._decisions)
         return TieredStats(
+            retention=self.retentions.stats(),
+            retain_to=self.retain_to,
+            retention_safe=dict(self.retention_safe),
             decisions=decisions,
             tiers={name: t.stats() for name, t in self._tiers.items()},
             restore_rates=rates,
@@ -764,7 +946,8 @@ class TieredStore:
         no staging buffer free or a full queue drops it (counted)."""
         tier = self._order[i]
         if tier.writes_inline:
-            tier.put(ref, block)
+            if not tier.put(ref, block) and i + 1 < len(self._order):  # full of pinned blocks
+                self._demote_into(i + 1, ref, block)
             return
         if tier.breaker_state == OPEN:
             self._bump(demotions_dropped=1)
@@ -782,11 +965,14 @@ class TieredStore:
                 self._staging_free.append(staging)
             self._bump(demotions_dropped=1)
 
-    def _enqueue(self, job: _Job) -> bool:
+    def _enqueue(self, job: _Job, front: bool = False) -> bool:
         with self._cv:
             if self._closed or self._pending_blocks + len(job.refs) > self.max_pending_blocks:
                 return False
-            self._jobs.append(job)
+            if front:
+                self._jobs.appendleft(job)
+            else:
+                self._jobs.append(job)
             self._pending_blocks += len(job.refs)
             self._cv.notify_all()
         return True
@@ -796,38 +982,46 @@ class TieredStore:
             for k, v in counts.items():
                 self._w[k] += v
 
-    def _next_job(self) -> _Job | None:
-        """The next job, with consecutive demotions merged into one pipeline. None when
+    def _next_job(self) -> _Job | bool | None:
+        """The next job, with consecutive demotions merged into one pipeline; False when
+        retentions are due to expire first (every ``retention_tick_s``); None when
         closed and empty."""
+        dropped_pinnings: list[_Job] = []
         with self._cv:
-            while not self._jobs and not self._closed:
-                self._cv.wait()
+            while not self._jobs and not self._closed and time.monotonic() < self._next_tick:
+                self._cv.wait(self._next_tick - time.monotonic())
             if self._closed:  # close() already waited for the drain: drop the rest
                 dropped = sum(len(j.refs) for j in self._jobs)
                 for j in self._jobs:
                     self._staging_free.extend(j.staging or ())
+                dropped_pinnings = [j for j in self._jobs if j.pinning is not None]
                 self._jobs.clear()
                 self._pending_blocks -= dropped
                 self._w["dropped"] += dropped
                 self._cv.notify_all()
-                return None
-            job = self._jobs.popleft()
-            if job.staging is not None:  # batch consecutive demotions into one tier
-                limit = self._tiers[job.tiers[0]].batch_blocks
-                while (
-                    self._jobs
-                    and self._jobs[0].staging is not None
-                    and self._jobs[0].tiers == job.tiers
-                    and len(job.refs) < limit
-                ):
-                    nxt = self._jobs.popleft()
-                    job = _Job(
-                        refs=job.refs + nxt.refs,
-                        tiers=job.tiers,
-                        blocks=job.blocks + nxt.blocks,
-                        staging=job.staging + (nxt.staging or []),
-                    )
-            return job
+                job = None
+            elif time.monotonic() >= self._next_tick:
+                return False
+            else:
+                job = self._jobs.popleft()
+                if job.staging is not None:  # batch consecutive demotions into one tier
+                    limit = self._tiers[job.tiers[0]].batch_blocks
+                    while (
+                        self._jobs
+                        and self._jobs[0].staging is not None
+                        and self._jobs[0].tiers == job.tiers
+                        and len(job.refs) < limit
+                    ):
+                        nxt = self._jobs.popleft()
+                        job = _Job(
+                            refs=job.refs + nxt.refs,
+                            tiers=job.tiers,
+                            blocks=job.blocks + nxt.blocks,
+                            staging=job.staging + (nxt.staging or []),
+                        )
+        for j in dropped_pinnings:  # their callers wait for an answer: nothing was pinned
+            self._finish_pinning(j, {})
+        return job
 
     def _writer_loop(self) -> None:
         with torch.inference_mode():  # the tiers' buffers may be inference tensors (a store built under it)
@@ -835,14 +1029,28 @@ class TieredStore:
 
     def _write_jobs(self) -> None:
         while (job := self._next_job()) is not None:
+            if job is False:  # retentions' tick
+                first, self._next_tick = self._next_tick == 0.0, time.monotonic() + self.retention_tick_s
+                try:
+                    if first and self.retaining:
+                        self.check_retention_safety()
+                    self.expire_retentions()
+                except Exception:  # noqa: BLE001 - the writer must outlive any one tick
+                    log.exception("releasing expired retentions failed")
+                continue
+            pinned: dict[str, list[bool]] = {}
             try:
                 held = self._write_job(job)
+                if job.pinning is not None:
+                    pinned = self._pin(job, held)
                 if job.on_done is not None:
                     job.on_done(SpillResult(len(job.refs), {t: sum(h) for t, h in held.items()}))
             except Exception:  # noqa: BLE001 - the writer must outlive any one job
                 log.exception("cachestore writer job failed")
                 self._bump(errors=1)
             finally:
+                if job.pinning is not None:  # its caller waits for the answer, whatever happened
+                    self._finish_pinning(job, pinned)
                 with self._cv:
                     self._staging_free.extend(job.staging or ())
                     self._pending_blocks -= len(job.refs)
