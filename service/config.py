@@ -217,6 +217,10 @@ class ServerConfig:
     kv_events_encoding: str = setting("map", "How each KV event is encoded: map (named fields, tagged by type: vLLM since its PR 42892, llm-d-kv-cache 0.9 and later, Dynamo) or array (positional: earlier vLLM, what older llm-d indexers parse).", choice("map", "array"))
     kv_events_replay_buffer: int = setting(64 << 20, "Bytes of published KV events batches kept for the replay socket (the oldest dropped first).", parse_bytes, fmt=format_bytes, metavar="BYTES")
     kv_events_redis_blocks: int = setting(1 << 18, "Most blocks KV events report in Redis (medium SHARED) at once: those this replica wrote there most recently (Redis expires and evicts keys without telling; a block also leaves after --redis-ttl without a write, or when a lookup finds it gone).", int, metavar="N")
+    # --- retention (docs/api.md, Retention) ---
+    retain_to: tuple[Tier, ...] = setting((Tier.HOST, Tier.DISK, Tier.REDIS), "Tiers a retention (a request's retain, a session's pin) keeps its blocks in, pinned until it expires: any of host, disk, redis, comma-separated (unconfigured tiers are skipped). A pinned block is never evicted by the host or disk LRU; on disk its pin survives a restart (the journal beside the blocks); in Redis it is kept without a TTL, which Redis' own eviction leaves alone under a volatile-* maxmemory-policy or noeviction (docs/api.md, Retention).", parse_tiers, fmt=",".join, metavar="TIERS")
+    retention_tenant_memory: int = setting(1 << 30, "Most KV one tenant may retain at once, in bytes of device blocks (each block counted once, whatever retains it; a shared cache salt has a bound of its own); a request that would pass it is refused (INVALID_ARGUMENT, HTTP 400) before it runs. 0 = retentions refused.", parse_bytes, fmt=format_bytes, metavar="BYTES")
+    retention_max_ttl: float = setting(24 * 3600.0, "Longest retention a request may ask for; a longer one is refused (INVALID_ARGUMENT naming the limit).", parse_duration, metavar="SECONDS")
     # --- tenants, auth and TLS (docs/security.md) ---
     api_keys_file: str | None = setting(None, "File of API keys, stored hashed: lines tenant:sha256hex, or a JSON/TOML map tenant -> hash (or list of hashes); make lines with kvserve hash-key. With keys configured every call but health and reflection needs authorization: Bearer <key>.", parse_optional_str, metavar="FILE")
     api_keys: str | None = setting(None, "API keys inline, in the --api-keys-file format (added to the file's).", parse_optional_str, fmt=format_secret_setting, metavar="KEYS")
@@ -273,6 +277,8 @@ class ServerConfig:
             ("warm_pool_fraction", 0 <= self.warm_pool_fraction <= 1, "must be between 0 and 1"),
             ("warm_tenant_fraction", 0 <= self.warm_tenant_fraction <= 1, "must be between 0 and 1"),
             ("warm_ttl", math.isfinite(self.warm_ttl) and self.warm_ttl > 0, "must be > 0"),
+            ("retention_tenant_memory", self.retention_tenant_memory >= 0, "must be >= 0"),
+            ("retention_max_ttl", math.isfinite(self.retention_max_ttl) and self.retention_max_ttl > 0, "must be > 0"),
             ("stream_interval", math.isfinite(self.stream_interval) and 0 <= self.stream_interval <= 10, "must be between 0 and 10 seconds"),
             ("redis_url", self.redis_url is None or self.redis_url.split("://")[0] in ("redis", "rediss", "unix"),
              "must start with redis://, rediss:// or unix://"),
@@ -389,6 +395,9 @@ class ServerConfig:
             warm_pool_fraction=self.warm_pool_fraction,
             warm_tenant_fraction=self.warm_tenant_fraction,
             warm_ttl_s=self.warm_ttl,
+            retain_to=self.retain_to,
+            retention_tenant_memory=self.retention_tenant_memory,
+            retention_max_ttl_s=self.retention_max_ttl,
         )
 
     def redis_connection_url(self) -> str | None:

@@ -65,6 +65,7 @@ from .types import (
     FinishReason,
     GenerationRequest,
     InvalidRequest,
+    RetainedPrefix,
     SamplingParams,
     Started,
     Tier,
@@ -245,7 +246,7 @@ class Conversations:
             scope = self.cache_scope(owner, inp.cache_salt)
             req = GenerationRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling, scope=scope,
-                session_id=session_id or None,
+                session_id=session_id or None, retain=inp.retain,
             )  # fmt: skip
             last_token_at: float | None = None
             async with aclosing(self.engine.generate(req)) as events:
@@ -447,6 +448,13 @@ class Conversations:
         SessionNotFound), a turn in flight or not; counted against ``owner``'s warm-up share."""
         rec, _busy = await self.sessions.get(owner, session_id)
         return await self.engine.warm(rec.token_ids, self.cache_scope(owner, rec.cache_salt), owner)
+
+    async def retain(self, owner: str, session_id: str, ttl_s: float) -> RetainedPrefix:
+        """Pin the session's transcript for ``ttl_s`` seconds (``AsyncEngine.retain``):
+        the caller's own session (else SessionNotFound), counted against ``owner``'s
+        bound (``RetentionRefused`` past it); what was kept."""
+        rec, _busy = await self.sessions.get(owner, session_id)
+        return await self.engine.retain(rec.token_ids, self.cache_scope(owner, rec.cache_salt), ttl_s)
 
     async def block_locations(self, owner: str, rec: SessionRecord) -> dict[Tier, int]:
         """How many of the session's full blocks each tier holds now."""

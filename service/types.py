@@ -34,6 +34,13 @@ class EngineStopped(EngineError):
     """The engine is draining or stopped (UNAVAILABLE)."""
 
 
+class RetentionRefused(InvalidRequest):
+    """A ``retain`` this server will not keep: past the tenant's bound of retained KV
+    (``--retention-tenant-memory``), or with no cache tier to keep it in. Nothing of the
+    request ran. An InvalidRequest (INVALID_ARGUMENT, HTTP 400) through the status table
+    until a front maps it on its own."""
+
+
 # Bounds of the sampling controls (OpenAI's ranges for the penalties and biases).
 MAX_PRESENCE_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
@@ -49,6 +56,7 @@ INTERNAL_FORMAT_KINDS = ("lark",)
 MAX_TOOL_GRAMMAR_CHARS = 1 << 20  # a tool-call grammar (every tool's schema in it)
 MAX_TOOLS = 128  # tool definitions in one request
 MAX_TOOL_CALLS = 64  # tool calls in one assistant message
+MAX_RETAIN = 4  # retention breakpoints in one request (Anthropic's cache_control limit)
 
 # Sampling values beyond these overflow float32 logits (x / 1e-45 = inf -> NaN probabilities).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
@@ -224,6 +232,37 @@ class CacheScope:
         return self.tenant is None
 
 
+@dataclass(frozen=True, slots=True)
+class Retain:
+    """A retention the request asks for (docs/api.md, Retention): keep the KV of the
+    prompt's first ``prefix_tokens`` tokens (the session's transcript included; None:
+    the whole prompt) restorable for at least ``ttl_s`` seconds from the end of the
+    turn, in the cache tiers of ``--retain-to``. Whole blocks only: the tokens of a
+    partial last block are not kept. Asking again for a prefix that is retained extends
+    its time (a refresh)."""
+
+    ttl_s: float
+    prefix_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RetainedPrefix:
+    """What a turn's retention kept (``Finished.retained``, one per ``Retain`` asked,
+    shortest prefix first): of the ``prefix_tokens`` asked for, the leading
+    ``retained_tokens`` (whole blocks) are pinned in ``tiers`` until ``expires_at`` (unix
+    seconds; 0 when nothing was kept); ``created_tokens`` of them are this prefix's own
+    share (past the shorter prefixes before it) that the turn computed rather than read
+    from a cache: written to the cache by this turn (Anthropic's cache creation, per
+    ``ttl_s``)."""
+
+    prefix_tokens: int
+    retained_tokens: int
+    created_tokens: int
+    ttl_s: float
+    expires_at: float
+    tiers: tuple[Tier, ...] = ()
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One generation: a full prompt (the session transcript plus the new turn)."""
@@ -233,6 +272,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     scope: CacheScope = CacheScope()  # tenant + request salt: the block-hash namespace
     session_id: str | None = None
+    retain: tuple[Retain, ...] = ()  # retentions of prefixes of the prompt (``Retain``)
 
 
 @dataclass(slots=True)
@@ -264,6 +304,9 @@ class Started:
     # set by the conversation for a resent history (Conversations.run_turn(resent_history=True)):
     history_diverged_at: int | None = None  # the first message the session's transcript did not match
     history_rewound_turns: int | None = None  # the completed turns the divergence dropped
+    # with ``retain``: the prompt's tokens the turn will retain (whole blocks of its longest
+    # prefix); what was kept and written is in ``Finished.retained``
+    retain_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -301,7 +344,21 @@ class Finished:
     rejected: bool = False  # with ERROR: the request's own fault (INVALID_ARGUMENT with ``error``), not the server's
     index: int = 0  # which of the request's n sequences (a request ends after n of these)
     tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls parsed from the output (text: the rest)
+    # with ``retain``: per prefix asked for, what was kept (empty when the turn did not
+    # complete: nothing is retained then)
+    retained: tuple[RetainedPrefix, ...] = ()
 
+    @property
+    def cache_read_tokens(self) -> int:
+        """Prompt tokens read from a cache tier instead of computed (OpenAI's
+        ``cached_tokens``, Anthropic's ``cache_read_input_tokens``)."""
+        return self.cached_tokens
+
+    @property
+    def cache_creation_tokens(self) -> int:
+        """Prompt tokens this turn computed and retained (Anthropic's
+        ``cache_creation_input_tokens``; per ``ttl_s`` in ``retained``)."""
+        return sum(r.created_tokens for r in self.retained)
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +451,7 @@ class TurnInput:
     tools: tuple[ToolSpec, ...] = ()  # chat: functions the model may call (service/tools)
     tool_choice: ToolChoice | None = None  # None: auto with tools, none without
     parallel_tool_calls: bool = True  # False: at most one call per reply
+    retain: tuple[Retain, ...] = ()  # retentions of prefixes of the prompt (``Retain``; docs/api.md)
 
     @property
     def kind(self) -> str | None:
@@ -439,6 +497,22 @@ class CacheStats:
     sync_demotions: int  # device demotions copied synchronously, no staging buffer free (CUDA; cumulative)
     store: TieredStats | None = None  # per tier (TierStats), restore rates, writer; None: no store
     warm: WarmStats | None = None  # session warm-ups (service/engine/warm.py)
+    retention: RetentionCounts | None = None  # retentions asked of the engine (service/engine/retention.py)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionCounts:
+    """Retentions so far (cumulative): refused by reason (``tenant_bound``: past the
+    tenant's bound; ``unavailable``: no tier to keep them), and of those run, the
+    prompt tokens kept (``retained_tokens``, refreshes included), the tokens written by
+    the turns that kept them (``created_tokens``), and the blocks asked for that no
+    tier could pin (``failed_blocks``)."""
+
+    requests: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+    retained_tokens: int = 0
+    created_tokens: int = 0
+    failed_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

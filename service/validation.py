@@ -25,11 +25,21 @@ torch and no gRPC.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .types import ContextOverflow, GenerationRequest, InvalidRequest, SamplingParams, TurnInput, TurnMode
+from .types import (
+    MAX_RETAIN,
+    ContextOverflow,
+    GenerationRequest,
+    InvalidRequest,
+    Retain,
+    SamplingParams,
+    TurnInput,
+    TurnMode,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,3 +314,26 @@ def check_generation(
     check_sampling(req.sampling, vocab_size=vocab_size, max_new_tokens_limit=max_new_tokens_limit)
     check_context(0, n, context_length)
     check_kv_capacity(n, req.sampling.max_new_tokens, context_length, block_size, kv_blocks, req.sampling.n)
+
+
+def check_retain(retain: Sequence[Retain], prompt_tokens: int, n: int, max_ttl_s: float) -> None:
+    """A request's retentions (docs/api.md, Retention): at most ``MAX_RETAIN``, each a
+    prefix of the prompt (1 token to all of it) kept for more than 0 seconds and at most
+    ``max_ttl_s`` (``--retention-max-ttl``), and one sequence to keep it for."""
+    if not retain:
+        return
+    if len(retain) > MAX_RETAIN:
+        raise InvalidRequest(f"retain has {len(retain)} entries; the limit is {MAX_RETAIN}")
+    if n > 1:
+        raise InvalidRequest(f"retain cannot be combined with n = {n} (retain the prompt with n = 1)")
+    for i, r in enumerate(retain):
+        if not (r.ttl_s > 0 and math.isfinite(r.ttl_s)):  # also rejects NaN
+            raise InvalidRequest(f"retain[{i}].ttl must be > 0 seconds, got {r.ttl_s}")
+        if r.ttl_s > max_ttl_s:
+            raise InvalidRequest(
+                f"retain[{i}].ttl {r.ttl_s:g} s exceeds the longest retention this server keeps, {max_ttl_s:g} s"
+            )
+        if r.prefix_tokens is not None and not 1 <= r.prefix_tokens <= prompt_tokens:
+            raise InvalidRequest(
+                f"retain[{i}].prefix_tokens must be in [1, {prompt_tokens}] (the prompt's tokens), got {r.prefix_tokens}"
+            )

@@ -40,6 +40,7 @@ from ..types import (
     GenerationRequest,
     ModelInfo,
     ResponseFormat,
+    RetainedPrefix,
     Tier,
     WarmResult,
 )
@@ -55,7 +56,7 @@ STREAM_INTERVAL_S = 0.020  # a stream's deltas are at least this far apart (see 
 class AsyncEngine:
     """The front's one typed seam to the engine: ``generate``, ``validate``, ``abort``, ``check_format``,
     ``stats``, ``cache_stats`` (a ``CacheStats`` snapshot), ``model_info``, ``tokenizer``,
-    ``spill``, ``flush_store``, ``forget``, ``block_locations`` and ``warm``. The front (servicer,
+    ``spill``, ``flush_store``, ``forget``, ``block_locations``, ``warm`` and ``retain``. The front (servicer,
     conversations, spill, metrics) uses nothing else; ``engine`` (the ``LLMEngine`` on its
     thread) is for this package and the engine's tests.
 
@@ -311,6 +312,31 @@ class AsyncEngine:
             except BaseException as exc:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
                 raise
+
+        self.engine.call_soon(run)
+        return await asyncio.wait_for(fut, timeout_s)
+
+    async def retain(
+        self, token_ids: list[int], scope: CacheScope, ttl_s: float, timeout_s: float = 30.0
+    ) -> RetainedPrefix:
+        """Retain a transcript's full blocks for ``ttl_s`` seconds (``LLMEngine.retain``:
+        a session's pin; its tenant's bound, ``RetentionRefused`` past it) and wait until
+        the store answered: what it kept."""
+        if self._stop.is_set() or not self.engine.is_accepting():
+            raise EngineStopped("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[RetainedPrefix] = loop.create_future()
+
+        def done(kept: RetainedPrefix) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(kept))
+
+        def run() -> None:  # on the engine thread
+            try:
+                self.engine.retain(token_ids, scope, ttl_s, done)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                if not isinstance(exc, Exception):
+                    raise
 
         self.engine.call_soon(run)
         return await asyncio.wait_for(fut, timeout_s)

@@ -67,6 +67,11 @@ class EngineConfig:
     warm_pool_fraction: float = 0.25
     warm_tenant_fraction: float = 0.125
     warm_ttl_s: float = 30.0
+    # retentions (engine/retention.py, docs/api.md): the tiers they pin in, each tenant's
+    # bound of retained KV (bytes of device blocks; 0: retentions refused), the longest ttl
+    retain_to: tuple[Tier, ...] = (Tier.HOST, Tier.DISK, Tier.REDIS)
+    retention_tenant_memory: int = 1 << 30
+    retention_max_ttl_s: float = 24 * 3600.0
 
     def resolved_model_path(self) -> Path:
         return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR

@@ -14,6 +14,11 @@ processing, over the KV objects they share (``KVPool``, ``BlockManager``,
   streaming, stops and the start/finish events; a failure in one request's sampling or
   output fails that request alone.
 
+A request with ``retain`` (retention.py) reserves room in its tenant's bound when it
+arrives (refused past it, before anything runs); when it completes, its prompt's
+retained prefix is pinned in the store's tiers (``Restorer.retain``) and its
+``Finished`` waits for the store's answer, so what it reports was kept.
+
 Beside them ``Warmer`` (warm.py) keeps the blocks that session warm-ups (``warm``) hold
 for a coming turn: the restore room loads them, the scheduler asks it to let go of some
 when a sequence needs blocks, an admitted sequence's device hits claim them.
@@ -51,7 +56,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvserve.cachestore.tiered import TieredStore
+from kvserve.cachestore.keys import BlockHash
+from kvserve.cachestore.retention import Reservation, RetentionBudget
+from kvserve.cachestore.tiered import RetainResult, TieredStore
+from . import retention
 from .config import EngineConfig
 from .grammar import GrammarCompiler
 from .output import Output, Sampler
@@ -73,13 +81,17 @@ from ..types import (
     EngineStats,
     EngineStopped,
     FinishReason,
+    Finished,
     GenerationRequest,
     ModelInfo,
     ResponseFormat,
+    Retain,
+    RetainedPrefix,
+    RetentionRefused,
     Tier,
     WarmResult,
 )
-from ..validation import check_generation
+from ..validation import check_generation, check_retain
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
@@ -175,6 +187,9 @@ class LLMEngine:
             self.tokenizer, self.grammars, eos_ids=frozenset(loaded.eos_token_ids), model_vocab=mcfg.vocab_size,
             max_model_len=self.max_model_len, device=loaded.device, tiers=self.model_info.tiers, sampler=sampler,
         )  # fmt: skip
+        self.retention = retention.RetentionCounters()
+        self._late: Emitted = []  # events a retention held until the store answered (emitted by the next step)
+        self._late_sent = 0  # of those, put in the current step's events
 
     # ---- the typed API (AsyncEngine calls these and nothing else) --------------------
     # Any thread unless marked: "engine thread" (through call_soon) or "blocking".
@@ -196,6 +211,7 @@ class LLMEngine:
             block_size=self.block_size,
             kv_blocks=self.blocks.num_usable,
         )
+        check_retain(req.retain, len(req.prompt_token_ids), req.sampling.n, self.cfg.retention_max_ttl_s)
         if req.sampling.response_format is not None:
             self.grammars.compile(req.sampling.response_format)  # cached: the conversation compiled it
 
@@ -210,7 +226,50 @@ class LLMEngine:
             raise EngineStopped("the server is shutting down")
         n = len(req.prompt_token_ids)
         seq = self.output.new_sequence(req, self.keys.namespace(req.scope, n), self.keys.is_long(n))
-        self.scheduler.submit(seq)  # QueueFull past --max-queue
+        if req.retain:
+            seq.retention = self._reserve(req, seq)  # RetentionRefused past the tenant's bound
+        try:
+            self.scheduler.submit(seq)  # QueueFull past --max-queue
+        except BaseException:
+            if seq.retention is not None:
+                self.restorer.cancel_retention(seq.retention.reservation)
+            raise
+
+    def _reserve(self, req: GenerationRequest, seq: Sequence) -> retention.RetentionPlan:
+        """A request's retentions resolved, and room held for them in its tenant's
+        bound (the prefix's hashes kept for admission)."""
+        self.retention.asked()
+        owner = retention.owner_of(req.scope)
+        plan = retention.RetentionPlan(retention.plan(req.retain, len(req.prompt_token_ids), self.block_size), owner,
+                                       self.block_size)  # fmt: skip
+        self._check_retainable()
+        seq.hashes = self.keys.chain(seq.namespace, req.prompt_token_ids[: plan.tokens])
+        plan.reservation = self._reserve_blocks(owner, seq.hashes)
+        return plan
+
+    def _check_retainable(self) -> None:
+        if not self.restorer.can_retain:
+            self.retention.refused(retention.UNAVAILABLE)
+            raise RetentionRefused(
+                "retain: this server has no cache tier to keep a retention in (--host-cache-memory, "
+                "--disk-cache-dir or --redis-url, named by --retain-to)"
+            )
+        if self.cfg.retention_tenant_memory <= 0:
+            self.retention.refused(retention.UNAVAILABLE)
+            raise RetentionRefused("retain: retentions are off on this server (--retention-tenant-memory 0)")
+
+    def _reserve_blocks(self, owner: str, hashes: list[BlockHash]) -> Reservation:
+        try:
+            return self.restorer.reserve_retention(owner, hashes)
+        except RetentionBudget as e:
+            self.retention.refused(retention.TENANT_BOUND)
+            per_block = self.pool.bytes_per_block
+            raise RetentionRefused(
+                f"retain: {retention.describe_owner(owner)} retains {e.retained} blocks of KV "
+                f"({e.retained * per_block} bytes); this request would make {e.wanted} ({e.wanted * per_block} bytes), "
+                f"over its bound of {e.limit} ({e.limit * per_block} bytes, --retention-tenant-memory); retain a "
+                "shorter prefix, or retry when its retentions expire"
+            ) from None
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -263,6 +322,7 @@ class LLMEngine:
             sync_demotions=self.transfers.num_sync_demotions,
             store=self.store.stats() if self.store is not None else None,
             warm=self.warmer.stats(),
+            retention=self.retention.snapshot(),
         )
 
     def has_store(self) -> bool:
@@ -331,6 +391,33 @@ class LLMEngine:
         self.transfers.finish_restore(event)
         done(self.warmer.landed(job, loaded))
 
+    def retain(
+        self, token_ids: list[int], scope: CacheScope, ttl_s: float, done: Callable[[RetainedPrefix], None]
+    ) -> None:
+        """Engine thread: retain a transcript's full blocks for ``ttl_s`` seconds (a
+        session's pin): reserve room in its tenant's bound (``RetentionRefused`` past it,
+        or with no tier to keep it), pin the blocks in the store's retain tiers, writing
+        there first those only on the device; ``done(kept)`` once the store answered, on
+        this thread (``created_tokens`` is 0: the call computes nothing)."""
+        check_retain((Retain(ttl_s),), len(token_ids), 1, self.cfg.retention_max_ttl_s)
+        self.retention.asked()
+        self._check_retainable()
+        ns, hashes = self.keys.of(token_ids, scope)
+        bps = [retention.Breakpoint(len(token_ids), len(hashes), ttl_s)]
+        reservation = self._reserve_blocks(retention.owner_of(scope), hashes)
+        untils = retention.block_untils(bps, self.restorer.now())
+        n = len(hashes) * self.block_size
+
+        def kept(result: RetainResult) -> None:  # the writer's thread
+            def on_engine() -> None:
+                prefixes = retention.figures(bps, result.tiers, result.untils, n, self.block_size)
+                self.retention.kept(prefixes, len(hashes), result.leading)
+                done(prefixes[0])
+
+            self.call_soon(on_engine)
+
+        self.restorer.retain(ns, hashes, untils, reservation, kept)
+
     def forget_stored(
         self, token_ids: list[int], scope: CacheScope, *, keep_blocks: int = 0, timeout_s: float = 10.0
     ) -> dict[Tier, int]:
@@ -350,7 +437,8 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> Emitted:
         """Finish every running and waiting sequence with an error (the engine loop hit a bug)."""
-        out: Emitted = []
+        out: Emitted = self._late  # turns whose retention the store answered: their ends stand
+        self._late, self._late_sent = [], 0
         for seq in self.scheduler.take_all():
             self._finish(seq, FinishReason.ERROR, out, error=error)
         return out
@@ -363,6 +451,13 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> Emitted:
         out: Emitted = []
+        self._step(out)
+        del self._late[: self._late_sent]  # emitted: only now, so a step that raised leaves them for the next
+        self._late_sent = 0
+        return out
+
+    def _step(self, out: Emitted) -> None:
+        self._late_sent = 0
         self.transfers.poll()
         self.runner.poll_prefill_rate()
         calls, cancelled = self.scheduler.drain_inbox()
@@ -373,6 +468,9 @@ class LLMEngine:
                 log.exception("engine call failed")
         for seq in cancelled:
             self._finish(seq, FinishReason.CANCELLED, out)
+        if self._late:  # finished turns whose retention the store answered
+            out.extend(self._late)
+            self._late_sent = len(self._late)
         if self.warmer.due():
             self.warmer.expire()
         for seq in self.restorer.collect(self.scheduler.restoring):
@@ -397,12 +495,12 @@ class LLMEngine:
             seq = self.restorer.overlappable(self.scheduler.restoring, self.cfg.max_num_batched_tokens)
             if seq is not None:
                 self._overlap(seq, out)
-                return out
+                return
         if not self.scheduler.running and self.scheduler.restoring and not out:
             # Nothing to compute until a restore lands: sleep until one does (or new
             # work arrives) instead of spinning; the restore thread needs the GIL.
             self.scheduler.wait_for_work(0.01)
-            return out
+            return
         if self.scheduler.running:
             t0 = time.perf_counter()
             plan = self.scheduler.plan()
@@ -414,7 +512,6 @@ class LLMEngine:
                 self._sample_and_emit(rows, out, logits)
             if decode_rows and not plan.prefill:  # a decode step alone: what its rows cost, for the drafts
                 self.scheduler.step_cost.add(decode_rows, time.perf_counter() - t0)
-        return out
 
     def _overlap(self, seq: Sequence, out: Emitted) -> None:
         """Nothing else to compute while ``seq``'s restore lands: run its new tokens over
@@ -483,8 +580,43 @@ class LLMEngine:
     def _finish(
         self, seq: Sequence, reason: FinishReason, out: Emitted, error: str = "", rejected: bool = False
     ) -> None:
+        plan: retention.RetentionPlan | None = seq.retention
+        seq.retention = None
+        if plan is not None and reason in (FinishReason.STOP, FinishReason.LENGTH) and plan.blocks:
+            events = self.output.finished(seq, reason, error, rejected)
+            self._retain(seq, plan, events)  # before retire: the sequence still holds the blocks
+            self.scheduler.retire(seq)
+            return
         self.scheduler.retire(seq)
-        out.extend(self.output.finished(seq, reason, error, rejected))
+        events = self.output.finished(seq, reason, error, rejected)
+        if plan is not None:  # nothing to pin: the turn did not complete, or its prefixes hold no whole block
+            self.restorer.cancel_retention(plan.reservation)
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self._set_retained(events, retention.figures(plan.breakpoints, [], [], seq.cached_tokens, self.block_size))
+        out.extend(events)
+
+    def _retain(self, seq: Sequence, plan: retention.RetentionPlan, events: Emitted) -> None:
+        """Pin the completed turn's retained prefix; its end (``events``) waits for the
+        store's answer and leaves with what was kept (``_late``: the next step emits it)."""
+
+        def kept(result: RetainResult) -> None:  # the writer's thread
+            def on_engine() -> None:
+                prefixes = retention.figures(plan.breakpoints, result.tiers, result.untils, seq.cached_tokens,
+                                             self.block_size)  # fmt: skip
+                self.retention.kept(prefixes, plan.blocks, result.leading)
+                self._set_retained(events, prefixes)
+                self._late.extend(events)
+
+            self.call_soon(on_engine)
+
+        untils = retention.block_untils(plan.breakpoints, self.restorer.now())
+        self.restorer.retain(seq.namespace, seq.hashes[: plan.blocks], untils, plan.reservation, kept)
+
+    @staticmethod
+    def _set_retained(events: Emitted, kept: tuple[RetainedPrefix, ...]) -> None:
+        for _, ev in events:
+            if isinstance(ev, Finished):
+                ev.retained = kept
 
     def _demote(self, block: Block) -> None:
         self.restorer.demote(block)  # the block manager is built before the restorer

@@ -463,6 +463,7 @@ class Output:
                 cached_tokens=seq.cached_tokens,
                 cached_tier=slowest,
                 cached_by_tier=dict(seq.cached_by_tier),
+                retain_tokens=seq.retention.tokens if seq.retention is not None else 0,
             ),
         )
 

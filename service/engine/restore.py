@@ -25,8 +25,9 @@ host-to-device copies, one scatter into the pool per round, lossy formats decode
 device) and is not overlapped.
 
 Besides: device evictions demote down the tiers, spills write
-a transcript's blocks out, and a transcript's stored blocks are located or forgotten,
-each keyed by ``BlockKeys`` (service/kv/keys.py).
+a transcript's blocks out, retentions reserve room in a tenant's bound and pin a
+prefix's blocks in the tiers (service/engine/retention.py), and a transcript's stored
+blocks are located or forgotten, each keyed by ``BlockKeys`` (service/kv/keys.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from typing import Any, Callable
 import torch
 
 from kvserve.cachestore.keys import BlockHash
-from kvserve.cachestore.tiered import TieredStore
+from kvserve.cachestore.retention import Reservation
+from kvserve.cachestore.tiered import RetainResult, TieredStore
 from .sequence import Sequence
 from ..kv.block_manager import Block, BlockManager
 from ..kv.cache import KVPool
@@ -352,6 +354,54 @@ class Restorer:
         if not self.store.submit_spill(items, tiers, on_done=written):
             self.blocks.free(pinned)
             done(len(hashes), {})
+
+    # ---- retentions (service/engine/retention.py) ----------------------------------
+
+    @property
+    def can_retain(self) -> bool:
+        """A configured tier can pin blocks for a retention (``--retain-to``)."""
+        return self.store is not None and bool(self.store.retain_to)
+
+    def now(self) -> float:
+        """The unix time retentions run to (the store's clock)."""
+        assert self.store is not None
+        return self.store.now()
+
+    def reserve_retention(self, owner: str, hashes: list[BlockHash]) -> Reservation:
+        """Hold room in ``owner``'s bound for these blocks (raises
+        ``cachestore.retention.RetentionBudget`` past it); any thread."""
+        assert self.store is not None
+        return self.store.reserve_retention(owner, hashes)
+
+    def cancel_retention(self, reservation: Reservation) -> None:
+        assert self.store is not None
+        self.store.cancel_retention(reservation)
+
+    def retain(
+        self,
+        namespace: bytes,
+        hashes: list[BlockHash],
+        untils: list[float],
+        reservation: Reservation,
+        done: Callable[[RetainResult], None],
+    ) -> None:
+        """Engine thread: pin these blocks until ``untils`` in the store's retain tiers
+        (``TieredStore.submit_retain``), writing there first those they lack: device
+        blocks from the pool, held (a reference each) until the writer copied them, the
+        others from wherever the store holds them. ``done(result)`` on the writer's
+        thread."""
+        assert self.store is not None
+        on_device = [self.blocks.lookup(h) for h in hashes]
+        pinned = [b for b in on_device if b is not None]
+        self.blocks.touch(pinned)
+        items = [(namespace, h, self.pool.block_view(b.block_id) if b is not None else None)
+                 for h, b in zip(hashes, on_device)]  # fmt: skip
+
+        def written(result: RetainResult) -> None:
+            self._call_soon(lambda: self.blocks.free(pinned))
+            done(result)
+
+        self.store.submit_retain(items, untils, reservation, written)
 
     def locations(self, token_ids: list[int], scope: CacheScope) -> dict[Tier, int]:
         """Blocking: how many of the transcript's full blocks each store tier holds."""

@@ -61,6 +61,7 @@ class Sequence:
     started_step: int = 0  # the scheduler's step count when it began running
     prefill_waits: int = 0  # steps its pending prompt was passed over by later ones (scheduler.PREFILL_MAX_WAITS)
     restore: Future | None = None
+    retention: Any = None  # retention.RetentionPlan of a request with ``retain`` (engine)
     landing: Any = None  # restore.Landing of an overlapped restore (restore room -> engine)
     table: tuple[list[Block], int, array.array] | None = None  # (blocks, num_released, block table): Runner
     t_admit: float = 0.0

@@ -54,4 +54,10 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
                 read_connections=cfg.redis_read_connections,
             )
         )
-    return TieredStore(tiers, device=loaded.device.type) if tiers else None
+    if not tiers:
+        return None
+    store = TieredStore(
+        tiers, device=loaded.device.type, retain_to=cfg.retain_to,
+        max_retained_blocks_per_owner=cfg.retention_tenant_memory // spec.bytes_per_block,
+    )  # fmt: skip
+    return store
