@@ -282,6 +282,55 @@ class CacheStoreCollector:
             for reason, n in sorted(warm.wasted_blocks.items()):
                 wasted.add_metric([reason], n)
             yield wasted
+        yield from self._retention(snap)
+
+    def _retention(self, snap: CacheStats) -> Iterable[Metric]:
+        """Retentions (docs/api.md, Retention): what each tier pins, what expired, what
+        the engine was asked, refused and kept."""
+        p, st = self._p, snap.store
+        tiers = st.tiers if st is not None else {}
+        blocks = GaugeMetricFamily(f"{p}_cache_retained_blocks", "KV blocks a retention pins in a tier now (Redis: "
+                                   "every replica's, in its retained set).", labels=["tier"])  # fmt: skip
+        nbytes = GaugeMetricFamily(f"{p}_cache_retained_bytes", "Bytes of the KV blocks a retention pins in a tier now.",
+                                   labels=["tier"])  # fmt: skip
+        expired = CounterMetricFamily(f"{p}_retention_expired_blocks", "Pins a tier released because their "
+                                      "retention's time passed (Redis: those this replica released).", labels=["tier"])  # fmt: skip
+        safe = GaugeMetricFamily(f"{p}_retention_eviction_safe", "1 when a tier's own eviction leaves retained "
+                                 "blocks alone (Redis: its maxmemory-policy), 0 when it may evict them; absent "
+                                 "when it does not say.", labels=["tier"])  # fmt: skip
+        for name, t in tiers.items():
+            if t.blocks_retained is not None:
+                blocks.add_metric([name], t.blocks_retained)
+            if t.bytes_retained is not None:
+                nbytes.add_metric([name], t.bytes_retained)
+            if name in (st.retain_to if st is not None else ()):
+                expired.add_metric([name], t.retention_expired)
+        for name, ok in (st.retention_safe if st is not None else {}).items():
+            if ok is not None:
+                safe.add_metric([name], 1.0 if ok else 0.0)
+        yield from (blocks, nbytes, expired, safe)
+        book = st.retention if st is not None else None
+        if book is not None:
+            yield GaugeMetricFamily(f"{p}_retention_tenants", "Tenants retaining KV blocks now.", value=book.owners)
+            yield GaugeMetricFamily(f"{p}_retention_reserved_blocks", "Blocks held in tenants' bounds for "
+                                    "retentions being written.", value=book.reserved_blocks)  # fmt: skip
+        counts = snap.retention
+        if counts is None:
+            return
+        yield CounterMetricFamily(f"{p}_retention_requests", "Requests and session pins that asked for a retention.",
+                                  value=counts.requests)  # fmt: skip
+        refusals = CounterMetricFamily(f"{p}_retention_refusals", "Retentions refused before anything ran, by reason: "
+                                       "tenant_bound (past --retention-tenant-memory), unavailable (no tier to keep "
+                                       "them, or retentions off).", labels=["reason"])  # fmt: skip
+        for reason, n in sorted(counts.refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
+        yield CounterMetricFamily(f"{p}_retention_retained_tokens", "Prompt tokens retentions kept (refreshes included).",
+                                  value=counts.retained_tokens)  # fmt: skip
+        yield CounterMetricFamily(f"{p}_retention_created_tokens", "Prompt tokens turns computed and retained "
+                                  "(cache creation).", value=counts.created_tokens)  # fmt: skip
+        yield CounterMetricFamily(f"{p}_retention_failed_blocks", "Blocks a retention asked for that no tier kept "
+                                  "(a tier down or full of pinned blocks).", value=counts.failed_blocks)  # fmt: skip
 
 
 class SessionStoreCollector:
