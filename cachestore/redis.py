@@ -856,18 +856,26 @@ class RedisTier(BlockTier):
 
         return self._call(ask, "config")
 
-    def keeps_retentions(self) -> bool | None:
-        """Whether Redis' own eviction leaves retained blocks alone: True without
-        ``maxmemory``, or under ``noeviction`` or a ``volatile-*`` policy (standalone:
-        retained keys have no TTL); in cluster mode (their TTL is extended instead) only
-        without ``maxmemory`` or under ``noeviction``. None: Redis does not say."""
+    def keeps_retentions(self) -> tuple[bool | None, str | None]:
+        """Whether Redis' own eviction leaves retained blocks alone, and a line to log
+        when it may not (or when it says nothing): True without ``maxmemory``, or under
+        ``noeviction`` or a ``volatile-*`` policy (standalone: retained keys have no TTL);
+        in cluster mode (their TTL is extended instead) only without ``maxmemory`` or
+        under ``noeviction``. None: Redis does not say (CONFIG refused, down)."""
         got = self.eviction_policy()
         if got is None:
-            return None
+            return None, ("does not say its maxmemory-policy (CONFIG refused, or not answering): retained blocks "
+                          "stay there unless its own eviction drops them")
         policy, limit = got
-        if limit == 0:
-            return True
-        return policy == "noeviction" if self.cluster else policy in RETENTION_SAFE_POLICIES
+        if limit and policy.startswith("volatile-") and self.ttl_ms is None:
+            return True, (f"evicts only keys with a TTL ({policy}) and --redis-ttl is 0, so no block has one: "
+                          "a full Redis refuses new blocks instead of evicting old ones")
+        if limit == 0 or (policy == "noeviction" if self.cluster else policy in RETENTION_SAFE_POLICIES):
+            return True, None
+        how = "extends retained blocks' TTL (cluster mode)" if self.cluster else "keeps retained blocks without a TTL"
+        return False, (f"may evict retained blocks under memory pressure (maxmemory-policy {policy}; kvserve {how}): "
+                       f"use {'noeviction' if self.cluster else 'a volatile-* policy or noeviction'} there for the "
+                       "retention guarantee")
 
     # ---- health and stats ----------------------------------------------------------
 

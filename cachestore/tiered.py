@@ -765,23 +765,17 @@ class TieredStore:
 
     def check_retention_safety(self) -> dict[str, bool | None]:
         """Ask each retain tier that evicts on its own (Redis: ``keeps_retentions``)
-        whether its eviction leaves retained blocks alone, and say so in one line where
-        it may not; kept for ``stats``. The writer asks at its first pass, off the
-        start's path (a Redis that is down costs it a timeout, not the start)."""
+        whether its eviction leaves retained blocks alone, and say in one line where it
+        may not; kept for ``stats``. The writer asks at its first pass, off the start's
+        path (a Redis that is down costs it a timeout, not the start)."""
         out: dict[str, bool | None] = {}
         for name in self.retain_to:
             ask = getattr(self._tiers[name], "keeps_retentions", None)
             if ask is None:
                 continue
-            out[name] = safe = ask()
-            if safe is False:
-                log.warning("retention: %s may evict retained blocks under memory pressure (its maxmemory-policy); "
-                            "use a volatile-* policy or noeviction there for the retention guarantee "
-                            "(docs/api.md, Retention)", name)
-            elif safe is None:
-                log.warning("retention: %s does not say its maxmemory-policy (CONFIG refused, or not answering): "
-                            "retained blocks stay there unless its own eviction drops them (docs/api.md, Retention)",
-                            name)
+            out[name], warning = ask()
+            if warning:
+                log.warning("retention: the %s tier %s (docs/api.md, Retention)", name, warning)
         self.retention_safe = out
         return out
 

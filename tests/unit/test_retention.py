@@ -182,8 +182,29 @@ def test_redis_says_whether_its_eviction_keeps_retentions(
     make_redis_server: Callable[..., Any], policy: str, keeps: bool
 ) -> None:
     server = make_redis_server(maxmemory="64mb", maxmemory_policy=policy)
-    assert make_redis(server.url).keeps_retentions() is keeps
+    assert make_redis(server.url).keeps_retentions()[0] is keeps
     assert make_redis(server.url).eviction_policy() == (policy, 64 << 20)
+
+
+@pytest.mark.parametrize("policy, ttl_s, safe, says", [
+    ("allkeys-lru", 600, False, "may evict retained blocks under memory pressure (maxmemory-policy allkeys-lru"),
+    ("volatile-lru", None, True, "--redis-ttl is 0, so no block has one"),
+    ("volatile-lru", 600, True, None),
+])  # fmt: skip
+def test_the_store_says_where_redis_may_drop_retentions(
+    make_redis_server: Callable[..., Any], caplog: pytest.LogCaptureFixture, policy: str, ttl_s: Any, safe: bool,
+    says: str | None,
+) -> None:
+    server = make_redis_server(maxmemory="64mb", maxmemory_policy=policy)
+    store = TieredStore([make_redis(server.url, ttl_s=ttl_s)], max_retained_blocks_per_owner=8)
+    try:
+        with caplog.at_level("WARNING", logger="kvserve.cachestore.tiered"):
+            assert store.check_retention_safety() == {Tier.REDIS: safe}
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvserve.cachestore.tiered"]
+        assert (says in lines[0]) if says else not lines
+        assert store.stats().retention_safe == {Tier.REDIS: safe}
+    finally:
+        store.close()
 
 
 def test_redis_volatile_eviction_leaves_retained_blocks(make_redis_server: Callable[..., Any]) -> None:
