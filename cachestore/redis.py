@@ -301,6 +301,7 @@ class RedisTier(BlockTier):
         self._wall = wall_clock
         self.retained_key = f"{key_prefix}retained"  # the sorted set of retained keys (standalone)
         self._retained_count: int | None = None if cluster else 0  # ZCARD at the last expire_retained
+        self._pexpire_gt = True  # False: this Redis (older than 7.0) refuses PEXPIRE ... GT
         self._expired = 0
 
     # ---- plumbing ------------------------------------------------------------------
@@ -751,12 +752,22 @@ class RedisTier(BlockTier):
 
     def _exists_refresh(self, client: Any, keys: Sequence[str]) -> list[Any]:
         """Per key: whether it exists, its TTL raised to ``ttl_ms`` if lower (``GT``: a
-        key without a TTL, a retained one, keeps none; one with a longer TTL keeps it)."""
+        key without a TTL, a retained one, keeps none; one with a longer TTL keeps it).
+        A Redis older than 7.0 refuses ``GT``: its TTLs are set as they were before
+        retentions (plain ``PEXPIRE``), and retentions are not kept there
+        (``keeps_retentions`` says so)."""
         pipe = client.pipeline(transaction=False)
         for k in keys:
             pipe.exists(k)
-            pipe.pexpire(k, self.ttl_ms, gt=True)
-        return pipe.execute(raise_on_error=False)[0::2]
+            if self._pexpire_gt:
+                pipe.pexpire(k, self.ttl_ms, gt=True)
+            else:
+                pipe.pexpire(k, self.ttl_ms)
+        got = pipe.execute(raise_on_error=False)
+        if self._pexpire_gt and any(isinstance(r, redis.exceptions.ResponseError) for r in got[1::2]):
+            self._pexpire_gt = False
+            return self._exists_refresh(client, keys)
+        return got[0::2]
 
     def delete_many(self, refs: Sequence[BlockRef]) -> list[bool]:
         """Delete the blocks; on a standalone server, not those retained past now."""
@@ -862,6 +873,10 @@ class RedisTier(BlockTier):
         ``noeviction`` or a ``volatile-*`` policy (standalone: retained keys have no TTL);
         in cluster mode (their TTL is extended instead) only without ``maxmemory`` or
         under ``noeviction``. None: Redis does not say (CONFIG refused, down)."""
+        version = self._call(lambda c: str(c.info("server").get("redis_version", "")), "info")
+        if version and tuple(int(x) for x in version.split(".")[:1] if x.isdigit()) < (7,):
+            return False, (f"is Redis {version}: retentions need 7.0 or later (PEXPIRE ... GT, so that a write never "
+                           "takes a retained key's persistence away)")
         got = self.eviction_policy()
         if got is None:
             return None, ("does not say its maxmemory-policy (CONFIG refused, or not answering): retained blocks "

@@ -111,12 +111,19 @@ def test_a_retained_prefix_survives_pressure_and_is_read_back(loaded, tmp_path: 
     assert where(engine, p[:PREFIX]) == {Tier.DEVICE: 0, Tier.HOST: 6, Tier.DISK: 6}
 
     follow = p + [7, 8, 9, 10, 11]
+    clock.t = T0 + 100
     evs = run(engine, [turn("r2", follow, n=5, retain=[Retain(HOUR, PREFIX)])])["r2"]
     assert evs[0].cached_tokens == PREFIX and evs[0].cached_by_tier == {Tier.HOST: PREFIX}
     fin = finished(evs)
     assert fin.output_token_ids == greedy_reference(loaded.model, follow, 5)
     (kept,) = fin.retained
     assert (kept.retained_tokens, kept.created_tokens) == (PREFIX, 0)  # a refresh: read, not written
+    assert kept.expires_at == T0 + 100 + HOUR  # ... and kept an hour from now
+    _, hashes = engine.keys.of(p[:PREFIX], CacheScope("acme"))
+    assert all(engine.store.retentions.until(h) == T0 + 100 + HOUR for h in hashes)
+    clock.t = T0 + HOUR + 50
+    engine.store.expire_retentions()  # the first retention's time passed, not the refresh's
+    assert engine.store.stats().tiers[Tier.DISK].blocks_retained == 6
     assert fin.cache_read_tokens == PREFIX and fin.cache_creation_tokens == 0
     stats = engine.cache_stats()
     assert stats.retention.created_tokens == PREFIX and stats.retention.retained_tokens == 2 * PREFIX
