@@ -69,8 +69,8 @@ import logging
 import os
 import struct
 import threading
-import zlib
 import time
+import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -157,7 +157,8 @@ class DiskTier(BlockTier):
         self._rebuild_index()
         for digest in [d for d in self._pins if d not in self._lru]:  # pinned files that are gone
             self._unpin(digest)
-        self._rewrite_journal()
+        if self._journal.exists():
+            self._rewrite_journal()
 
     # ---- plumbing ------------------------------------------------------------------
 

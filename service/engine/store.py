@@ -23,7 +23,8 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
     """The tiers below the device, fastest first: host memory (``--host-cache-memory``),
     files (``--disk-cache-dir``), then Redis (``--redis-url``), each holding blocks of the model's KV cache
     spec (the pool's geometry and KV format, from one place: every tier moves the pool's bytes as
-    they are). None when neither is configured. A narrower pool (``--kv-cache-format``)
+    they are); retentions pin in those of ``--retain-to``, ``--retention-tenant-memory`` of
+    device blocks per tenant at most. None when neither is configured. A narrower pool (``--kv-cache-format``)
     keeps Redis in that format: ``--redis-kv-format`` exact or the same format (the
     settings refuse any other), never re-encoded between tiers."""
     spec = loaded.kv_spec(cfg.block_size, cfg.kv_cache_format)
@@ -56,8 +57,7 @@ def build_store(cfg: EngineConfig, loaded: LoadedModel) -> TieredStore | None:
         )
     if not tiers:
         return None
-    store = TieredStore(
+    return TieredStore(
         tiers, device=loaded.device.type, retain_to=cfg.retain_to,
         max_retained_blocks_per_owner=cfg.retention_tenant_memory // spec.bytes_per_block,
     )  # fmt: skip
-    return store
