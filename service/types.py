@@ -236,8 +236,8 @@ class CacheScope:
 class Retain:
     """A retention the request asks for (docs/api.md, Retention): keep the KV of the
     prompt's first ``prefix_tokens`` tokens (the session's transcript included; None:
-    the whole prompt) restorable for at least ``ttl_s`` seconds from the end of the
-    turn, in the cache tiers of ``--retain-to``. Whole blocks only: the tokens of a
+    the whole prompt) restorable for at least ``ttl_s`` seconds from the turn's first
+    token (its prompt computed), in the cache tiers of ``--retain-to``. Whole blocks only: the tokens of a
     partial last block are not kept. Asking again for a prefix that is retained extends
     its time (a refresh)."""
 

@@ -15,9 +15,9 @@ processing, over the KV objects they share (``KVPool``, ``BlockManager``,
   output fails that request alone.
 
 A request with ``retain`` (retention.py) reserves room in its tenant's bound when it
-arrives (refused past it, before anything runs); when it completes, its prompt's
-retained prefix is pinned in the store's tiers (``Restorer.retain``) and its
-``Finished`` waits for the store's answer, so what it reports was kept.
+arrives (refused past it, before anything runs); at its first token (its prompt
+computed) its retained prefix goes to the store to be pinned (``Restorer.retain``),
+and its ``Finished`` leaves once the store answered, so what it reports was kept.
 
 Beside them ``Warmer`` (warm.py) keeps the blocks that session warm-ups (``warm``) hold
 for a coming turn: the restore room loads them, the scheduler asks it to let go of some
@@ -563,6 +563,10 @@ class LLMEngine:
             logits = None
         emitted = self.output.emit(rows, logits)
         out.extend(emitted.events)
+        for seq, _ in rows:  # a first token: the prompt is computed, its retained prefix can go to the store
+            plan = seq.retention
+            if plan is not None and not plan.started and plan.blocks and seq.num_output:
+                self._start_retention(seq, plan)
         if emitted.finished:
             self.runner.seal([s for s, _ in emitted.finished])
             for seq, reason in emitted.finished:
@@ -582,30 +586,37 @@ class LLMEngine:
     ) -> None:
         plan: retention.RetentionPlan | None = seq.retention
         seq.retention = None
-        if plan is not None and reason in (FinishReason.STOP, FinishReason.LENGTH) and plan.blocks:
-            events = self.output.finished(seq, reason, error, rejected)
-            self._retain(seq, plan, events)  # before retire: the sequence still holds the blocks
-            self.scheduler.retire(seq)
-            return
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if plan is not None and completed and plan.blocks and not plan.started:
+            self._start_retention(seq, plan)  # before retire: the sequence still holds the blocks
         self.scheduler.retire(seq)
         events = self.output.finished(seq, reason, error, rejected)
-        if plan is not None:  # nothing to pin: the turn did not complete, or its prefixes hold no whole block
+        if plan is not None and plan.started:
+            if completed and plan.kept is None:  # the store has not answered: the end waits (_late)
+                plan.events = events
+                return
+            if completed:
+                self._set_retained(events, plan.kept)
+            # a turn that did not complete reports nothing: what the store pins expires with its time
+        elif plan is not None:  # nothing to pin: the turn did not complete, or its prefixes hold no whole block
             self.restorer.cancel_retention(plan.reservation)
-            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            if completed:
                 self._set_retained(events, retention.figures(plan.breakpoints, [], [], seq.cached_tokens, self.block_size))
         out.extend(events)
 
-    def _retain(self, seq: Sequence, plan: retention.RetentionPlan, events: Emitted) -> None:
-        """Pin the completed turn's retained prefix; its end (``events``) waits for the
-        store's answer and leaves with what was kept (``_late``: the next step emits it)."""
+    def _start_retention(self, seq: Sequence, plan: retention.RetentionPlan) -> None:
+        """Hand the turn's retained prefix to the store to pin (its prompt is computed);
+        the answer lands on this thread, and releases the turn's end if it waits."""
+        plan.started = True
 
         def kept(result: RetainResult) -> None:  # the writer's thread
             def on_engine() -> None:
-                prefixes = retention.figures(plan.breakpoints, result.tiers, result.untils, seq.cached_tokens,
-                                             self.block_size)  # fmt: skip
-                self.retention.kept(prefixes, plan.blocks, result.leading)
-                self._set_retained(events, prefixes)
-                self._late.extend(events)
+                plan.kept = retention.figures(plan.breakpoints, result.tiers, result.untils, seq.cached_tokens,
+                                              self.block_size)  # fmt: skip
+                self.retention.kept(plan.kept, plan.blocks, result.leading)
+                if plan.events is not None:
+                    self._set_retained(plan.events, plan.kept)
+                    self._late.extend(plan.events)
 
             self.call_soon(on_engine)
 

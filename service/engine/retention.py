@@ -4,10 +4,12 @@ A ``GenerationRequest.retain`` names prefixes of the prompt and how long each mu
 restorable (``types.Retain``; docs/api.md, Retention). The engine resolves them when the
 request arrives (``plan``: whole blocks of each prefix, shortest first), reserves room in
 the tenant's bound through the restore room (``Restorer.reserve_retention``: refused
-past it, before anything runs), and when the turn completes pins the longest prefix's
-blocks, each until the end of the turn plus the longest ttl of the prefixes that hold
-it (``block_untils``), through the store (``Restorer.retain``); ``figures`` turns what
-the store pinned into the turn's ``RetainedPrefix`` list. Pure functions and plain data:
+past it, before anything runs), and once the prompt is computed (the turn's first
+token) hands the longest prefix's blocks to the store to pin (``Restorer.retain``),
+each until then plus the longest ttl of the prefixes that hold it (``block_untils``),
+so the writes overlap the decode; the turn's end waits for the store's answer only if
+it comes first. ``figures`` turns what the store pinned into the turn's
+``RetainedPrefix`` list. Pure functions and plain data:
 no tensors, no store.
 """
 
@@ -42,6 +44,9 @@ class RetentionPlan:
     owner: str
     block_size: int
     reservation: Any = None  # cachestore.retention.Reservation, until committed or cancelled
+    started: bool = False  # the blocks were handed to the store (at the turn's first token)
+    kept: tuple[RetainedPrefix, ...] | None = None  # the store's answer, once it came
+    events: Any = None  # the turn's end, held until that answer (engine.Emitted)
 
     @property
     def blocks(self) -> int:

@@ -9,6 +9,7 @@ sleep."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from kvserve.cachestore.redis import RedisTier
 from kvserve.cachestore.tiered import TieredStore
 from kvserve.service.models.loading import load_model
 from kvserve.service.types import (
+    Finished,
     CacheScope,
     GenerationRequest,
     InvalidRequest,
@@ -262,4 +264,59 @@ def test_a_retention_in_redis_holds_after_a_restart(loaded, make_redis_server: C
     engine.store.expire_retentions()
     assert all(590 < c.ttl(k) <= 600 for k in keys) and c.zcard("rt:retained") == 0
     c.close()
+    engine.close()
+
+
+class GatedHost(HostTier):
+    """A real host tier whose pins wait for ``gate``: the store's answer comes when the
+    test says."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def retain(self, refs, until, owner):  # type: ignore[no-untyped-def]
+        assert self.gate.wait(30)
+        return super().retain(refs, until, owner)
+
+
+def test_the_pins_start_at_the_first_token_and_the_end_waits_for_them(loaded) -> None:
+    """The retained prefix goes to the store as soon as the prompt is computed, while the
+    turn decodes; a turn that ends before the store answered leaves only with the answer;
+    one cancelled after its first token reports nothing, and what was pinned stays until
+    its time."""
+    clock = Clock()
+    spec = loaded.kv_spec(BS)
+    host = GatedHost(32 * spec.bytes_per_block, spec.block_shape, spec.dtype)
+    engine = engine_for(loaded, TieredStore([host], max_retained_blocks_per_owner=64, wall_clock=clock))
+    (p, q) = prompts(loaded.config.vocab_size, [PREFIX + 3, PREFIX + 3], seed=8)
+    engine.add_request(turn("r1", p, n=3, retain=[Retain(HOUR, PREFIX)]))
+    seen: list[Any] = []
+    for _ in range(200):  # every token generated, the end held: the store has not answered
+        seen += [ev for _, ev in engine.step()]
+        if sum(len(getattr(ev, "token_ids", ())) for ev in seen) == 3 and not engine.has_work():
+            break
+    assert not any(isinstance(ev, Finished) for ev in seen)
+    assert engine.store.retentions.stats().reserved_blocks == 6  # in flight
+    host.gate.set()
+    for _ in range(300):
+        engine.wait_for_work(0.1)  # the store's answer wakes the engine
+        seen += [ev for _, ev in engine.step()]
+        if isinstance(seen[-1], Finished):
+            break
+    fin = seen[-1]
+    assert isinstance(fin, Finished) and fin.retained[0].retained_tokens == PREFIX
+    assert fin.retained[0].tiers == (Tier.HOST,)
+
+    engine.add_request(turn("r2", q, n=30, retain=[Retain(HOUR, PREFIX)]))
+    events: list[Any] = []
+    while not any(getattr(ev, "token_ids", None) for ev in events):
+        events += [ev for _, ev in engine.step()]
+    engine.abort("r2")
+    while not any(isinstance(ev, Finished) for ev in events):
+        events += [ev for _, ev in engine.step()]
+    assert events[-1].finish_reason.value == "cancelled" and events[-1].retained == ()
+    assert engine.store.flush(30)
+    _, hashes = engine.keys.of(q[:PREFIX], CacheScope("acme"))
+    assert engine.store.retentions.retained(hashes, clock.t) == [True] * 6
     engine.close()
