@@ -17,6 +17,11 @@ restore of N blocks (default 128 = a 2048-token history), it measures:
 - readers (``--parts readers``): a Redis restore read on 1, 2 and 4 connections at once
   (``--redis-read-connections``; exact into pool blocks, and int8's stored form as a GPU
   restore loads it), against raw redis-py GETs on as many threads;
+- retention (``--parts retention``): what pinning costs on top of the writes it needs, N
+  new blocks into host + disk + Redis by ``submit_retain`` against ``submit_spill`` of as
+  many (the same writes, no pins), a refresh of blocks every tier holds already, and
+  host-tier puts once 0, 50 and 90% of its slots are pinned (eviction skips pinned
+  slots: the LRU moves them to its back);
 - staging (``--parts staging``): a restore's moves on the CPU, as the CUDA path shapes them:
   a copy per block from the host tier's slots into the pool, against a copy per span of
   consecutive slots into staging and one ``index_copy_`` scatter into the pool (the CPU
@@ -49,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.cachestore import codec  # noqa: E402
 from kvserve.cachestore.base import BlockRef  # noqa: E402
+from kvserve.cachestore.disk import DiskTier  # noqa: E402
 from kvserve.common.tiers import Tier  # noqa: E402
 from kvserve.cachestore.host import HostTier  # noqa: E402
 from kvserve.cachestore.keys import block_hashes, make_namespace  # noqa: E402
@@ -357,6 +363,82 @@ def bench_staging(name: str, dims: tuple[int, int, int], n: int, reps: int) -> l
     return rows
 
 
+def bench_retention(name: str, dims: tuple[int, int, int], n: int, reps: int, url: str) -> list[tuple[str, float, str]]:
+    import tempfile
+
+    layers, n_kv, hd = dims
+    shape = (layers, 2, BLOCK_SIZE, n_kv, hd)
+    block_bytes = torch.Size(shape).numel() * 4
+    src = list(torch.randn(n, *shape).unbind(0))
+    rows: list[tuple[str, float, str]] = []
+
+    def row(what: str, value: float, note: str = "") -> None:
+        rows.append((what, value, note))
+        print(f"  {name:>15} | {what:<44} | {value:8.2f} | {note}", flush=True)
+
+    redis.Redis.from_url(url).flushall()
+    with tempfile.TemporaryDirectory() as tmp:
+        tiers = [HostTier(4 * (reps + 2) * n * block_bytes, shape, torch.float32),
+                 DiskTier(Path(tmp) / "kv", 8 * (reps + 2) * n * (block_bytes + 4096), shape, torch.float32),
+                 RedisTier(url, block_shape=shape, dtype=torch.float32, key_prefix=f"bench-ret:{name}:")]
+        store = TieredStore(tiers, max_retained_blocks_per_owner=1 << 30)
+        rounds = iter(range(10**6))
+
+        def items() -> list[tuple[bytes, bytes, torch.Tensor]]:  # n blocks no tier holds yet
+            ns = make_namespace(f"bench-ret-{name}", "float32", BLOCK_SIZE, f"r{next(rounds)}")
+            return [(ns, h, b) for h, b in zip(block_hashes(ns, list(range(n * BLOCK_SIZE)), BLOCK_SIZE), src)]
+
+        def spill(its: list) -> None:
+            done = threading.Event()
+            assert store.submit_spill(its, (Tier.HOST, Tier.DISK, Tier.REDIS), lambda _r: done.set())
+            done.wait()
+
+        def retain(its: list) -> None:
+            done = threading.Event()
+            res = store.reserve_retention("bench", [h for _, h, _ in its])
+            store.submit_retain(its, [1e12] * len(its), res, lambda _r: done.set())
+            done.wait()
+
+        t = {"spill": float("inf"), "retain": float("inf"), "refresh": float("inf")}
+        for _ in range(reps):  # interleaved, each on blocks of its own
+            for what, fn in (("spill", spill), ("retain", retain)):
+                its = items()
+                t0 = time.perf_counter()
+                fn(its)
+                t[what] = min(t[what], time.perf_counter() - t0)
+                if what == "retain":
+                    t0 = time.perf_counter()
+                    retain(its)  # the same blocks again: every tier holds them
+                    t["refresh"] = min(t["refresh"], time.perf_counter() - t0)
+        store.close()
+    total = n * block_bytes
+    row("spill host+disk+redis (GB/s)", gbps(total, t["spill"]), f"{t['spill'] * 1e3:.0f} ms")
+    row("retain host+disk+redis (GB/s)", gbps(total, t["retain"]),
+        f"{t['retain'] * 1e3:.0f} ms; {t['retain'] / t['spill']:.2f}x the spill")
+    row("retain again, a refresh (ms)", t["refresh"] * 1e3, f"{t['refresh'] / t['retain']:.2f}x the first")
+
+    slots = 4096
+    small = (2, 2, BLOCK_SIZE, 2, 64)  # the host tier's bookkeeping, not its memcpy, is what pins cost
+    block = torch.randn(small)
+    ns = make_namespace("bench-pins", "float32", BLOCK_SIZE)
+    refs = [BlockRef(ns, h) for h in block_hashes(ns, list(range((slots + 4 * slots) * BLOCK_SIZE)), BLOCK_SIZE)]
+    fracs = (0.0, 0.5, 0.9)
+    best = {f: 0.0 for f in fracs}
+    for _ in range(reps):  # interleaved, best of reps
+        for frac in fracs:
+            host = HostTier(slots * block.numel() * 4, small, torch.float32)
+            for r in refs[:slots]:
+                host.put(r, block)
+            host.retain([r for i, r in enumerate(refs[:slots]) if i % 10 < round(frac * 10)], 1e12, "bench")
+            t0 = time.perf_counter()
+            for r in refs[slots:]:
+                host.put(r, block)
+            best[frac] = max(best[frac], 4 * slots / (time.perf_counter() - t0))
+    for frac in fracs:
+        row(f"host puts, {frac:.0%} of slots pinned (k/s)", best[frac] / 1e3, f"{best[frac] / best[0.0]:.2f}x unpinned")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=128, help="blocks per restore (128 = 2048 tokens)")
@@ -365,7 +447,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--parts", default="primitives,readers,staging",
                     help="primitives (the tiers against memcpy and raw GET), readers (Redis on 1/2/4 connections), "
-                         "staging (a restore's moves per block vs by span + scatter)")
+                         "staging (a restore's moves per block vs by span + scatter), retention (pins against the "
+                         "writes they need)")
     args = ap.parse_args()
     n, reps = (16, 3) if args.quick else (args.blocks, args.reps)
     parts = set(args.parts.split(","))
@@ -384,6 +467,8 @@ def main() -> None:
                 results[name] += bench_readers(name, SHAPES[name], n, reps, server.url)
             if "staging" in parts:
                 results[name] += bench_staging(name, SHAPES[name], n, reps)
+            if "retention" in parts:
+                results[name] += bench_retention(name, SHAPES[name], n, reps, server.url)
     finally:
         server.stop()
 
