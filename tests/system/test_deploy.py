@@ -245,7 +245,7 @@ def test_compose_redis_is_the_official_image_with_lru_config_and_a_ping_healthch
     assert redis_svc["command"][0] == "redis-server" and conf_in_container in mounts
     assert (REPO / mounts[conf_in_container]).resolve() == REDIS_CONF.resolve()
     conf = redis_conf_directives(REDIS_CONF.read_text())
-    assert conf["maxmemory-policy"] == "allkeys-lru" and parse_bytes(conf["maxmemory"]) > 0
+    assert conf["maxmemory-policy"] == "volatile-lru" and parse_bytes(conf["maxmemory"]) > 0
     assert conf["save"] == '""' and conf["appendonly"] == "no"
 
 
@@ -356,7 +356,7 @@ def test_redis_config_loads_in_a_real_redis_server(source, tmp_path):
 
         assert wait_until(up, timeout=20)
         cfg = client.config_get("*")
-        assert cfg["maxmemory-policy"] == "allkeys-lru"
+        assert cfg["maxmemory-policy"] == "volatile-lru"
         assert int(cfg["maxmemory"]) > 0
         assert cfg["save"] == "" and cfg["appendonly"] == "no"
         assert cfg["lazyfree-lazy-eviction"] == "yes"
@@ -475,7 +475,7 @@ def test_k8s_redis_statefulset_is_behind_the_headless_service_the_configmap_name
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     assert container["image"].split(":")[0] == "redis"
     conf = redis_conf_directives(k8s_resource("ConfigMap", "kvserve-redis-config")["data"]["redis.conf"])
-    assert conf["maxmemory-policy"] == "allkeys-lru"
+    assert conf["maxmemory-policy"] == "volatile-lru"
     assert parse_bytes(conf["maxmemory"]) < parse_bytes(container["resources"]["limits"]["memory"] + "B")
 
 
