@@ -21,6 +21,7 @@ import re
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -145,6 +146,17 @@ class SessionRecord:
         if not self.untracked_turns <= turns <= self.turns:
             raise ValueError(f"turn {turns} is outside the tracked turns {self.untracked_turns}..{self.turns}")
         return self.untracked_tokens + sum(t.tokens for t in self.turn_log[: turns - self.untracked_turns])
+
+
+def copy_record(rec: SessionRecord, **changes: Any) -> SessionRecord:
+    """A deep enough copy of ``rec`` (its own token and turn lists), with ``changes`` set on it."""
+    out = SessionRecord(
+        rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns,
+        rec.cache_salt, rec.etag, list(rec.turn_log), rec.forked_from,
+    )  # fmt: skip
+    for name, value in changes.items():
+        setattr(out, name, value)
+    return out
 
 
 # ----------------------------------------------------------------------------- record codec

@@ -25,6 +25,7 @@ from .records import (
     TurnsChanged,
     TurnUnavailable,
     check_session_id,
+    copy_record,
 )
 from .stores import (
     CONFLICT,
@@ -39,7 +40,6 @@ from .stores import (
     FallbackSessionStore,
     RedisSessionStore,
     SessionStore,
-    copy_record,
     new_etag,
 )
 

@@ -110,7 +110,7 @@ def test_what_service_and_cachestore_share_lives_in_common():
     for path, names in users.items():
         bad = [m for m in names if m.startswith("kvserve.cachestore") and not m.startswith("kvserve.cachestore.tiered.")]
         assert not bad, f"{path} imports the cache store's modules: {bad}"
-    assert "kvserve.common.breaker.CircuitBreaker" in _imports(REPO / "service" / "sessions" / "stores.py")
+    assert "kvserve.common.breaker.CircuitBreaker" in _imports(REPO / "service" / "sessions" / "stores" / "fallback.py")
     assert "kvserve.common.breaker.CircuitBreaker" in _imports(REPO / "cachestore" / "redis.py")
     assert "kvserve.common.tiers.Tier" in _imports(REPO / "service" / "types.py")
     assert not (REPO / "cachestore" / "breaker.py").exists()
