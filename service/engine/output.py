@@ -1,9 +1,6 @@
-"""The output room: what becomes of a step's logits (``Output``), and per-sequence text.
-
-``TextStream`` is incremental detokenization plus stop strings: text that could still
-turn out to be the start of a stop string is held back until it can be decided, so a
-client never receives text that is later retracted. ``Output`` samples, streams, stops,
-forks n > 1 requests' output state and builds the start and finish events (below).
+"""The output room: what becomes of a step's logits (``Output``). It samples, streams
+(each sequence's ``TextStream``, in ``sequence.py``), stops, forks n > 1 requests' output
+state and builds the start and finish events.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -28,7 +25,7 @@ from .sampling import (
     token_logprobs,
 )
 from .speculative import accept
-from .sequence import Emitted, Sequence
+from .sequence import Emitted, Sequence, TextStream
 from ..types import (
     Delta,
     Event,
@@ -45,85 +42,6 @@ from ..types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class TextStream:
-    def __init__(self, detokenizer, stop: Iterable[str] = ()) -> None:
-        self._detok = detokenizer
-        self._stop = tuple(stop)
-        self._max_hold = max((len(s) for s in self._stop), default=1) - 1
-        self._pending = ""  # decoded, not yet emitted
-        self._held: list[int] = []  # tokens taken by ``defer``, not yet decoded
-        self.text = ""  # emitted so far (the final text once finished)
-        self.stopped = False
-
-    @property
-    def can_defer(self) -> bool:
-        """Whether ``defer`` may be used: no stop strings (their check needs each token's text)."""
-        return not self._stop
-
-    def defer(self, token_ids: list[int]) -> None:
-        """Take tokens whose text the next ``release``, ``push`` or ``finish`` returns:
-        a verification's several tokens decoded once, not once each. The same text in the
-        end however the tokens are grouped (a group that ends mid-character holds its
-        text, as one token that does, until the character is whole)."""
-        if self._stop:
-            raise ValueError("a stream with stop strings checks each token's text: push, not defer")
-        self._held.extend(token_ids)
-
-    def release(self) -> str:
-        """The text the deferred tokens completed ("" when none are held)."""
-        return self.push([]) if self._held else ""
-
-    def push(self, token_ids: list[int]) -> str:
-        """Feed new tokens; return the text that became final. Sets ``stopped`` when a
-        stop string appears (the stop string and everything after it are dropped)."""
-        if self._held:
-            token_ids, self._held = self._held + token_ids, []
-        if self.stopped:
-            return ""
-        return self._emit(self._pending + self._detok.push(token_ids), final=False)
-
-    def finish(self) -> str:
-        """End of generation: emit whatever is left (deferred tokens included)."""
-        text = self.release()
-        if self.stopped:
-            return text
-        return text + self._emit(self._pending + self._detok.flush(), final=True)
-
-    def _emit(self, candidate: str, final: bool) -> str:
-        if self._stop:
-            # search from where a stop string could start (it may straddle the boundary)
-            start = max(0, len(self.text) - self._max_hold)
-            window = self.text[start:] + candidate
-            cut = min(
-                (i for i in (window.find(s) for s in self._stop) if i >= 0), default=-1
-            )
-            if cut >= 0:
-                keep = start + cut - len(self.text)  # chars of candidate before the stop
-                out = candidate[: max(keep, 0)]
-                self.text += out
-                self._pending = ""
-                self.stopped = True
-                return out
-            if not final:
-                hold = self._held_suffix(candidate)
-                self._pending = candidate[len(candidate) - hold :] if hold else ""
-                candidate = candidate[: len(candidate) - hold]
-        else:
-            self._pending = ""
-        self.text += candidate
-        return candidate
-
-    def _held_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
 
 
 # ---- the output room -------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""One sequence's state, shared by the engine's rooms (scheduler, restore, runner, output).
+"""One sequence's state, shared by the engine's rooms (scheduler, restore, runner, output),
+and its text stream (``TextStream``).
 
 A ``Sequence`` is plain data: each room reads and writes the fields of its own concern
 (the scheduler its status, blocks and queue place; the runner ``num_computed`` and the
@@ -12,7 +13,7 @@ import array
 import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterable
 
 import torch
 
@@ -20,8 +21,88 @@ from kvserve.cachestore.keys import BlockHash
 from ..kv.block_manager import Block
 from ..types import Event, GenerationRequest, Tier
 
-if TYPE_CHECKING:
-    from .output import TextStream
+
+class TextStream:
+    """Incremental detokenization plus stop strings (a sequence's ``stream``): text that
+    could still turn out to be the start of a stop string is held back until it can be
+    decided, so a client never receives text that is later retracted."""
+
+    def __init__(self, detokenizer, stop: Iterable[str] = ()) -> None:
+        self._detok = detokenizer
+        self._stop = tuple(stop)
+        self._max_hold = max((len(s) for s in self._stop), default=1) - 1
+        self._pending = ""  # decoded, not yet emitted
+        self._held: list[int] = []  # tokens taken by ``defer``, not yet decoded
+        self.text = ""  # emitted so far (the final text once finished)
+        self.stopped = False
+
+    @property
+    def can_defer(self) -> bool:
+        """Whether ``defer`` may be used: no stop strings (their check needs each token's text)."""
+        return not self._stop
+
+    def defer(self, token_ids: list[int]) -> None:
+        """Take tokens whose text the next ``release``, ``push`` or ``finish`` returns:
+        a verification's several tokens decoded once, not once each. The same text in the
+        end however the tokens are grouped (a group that ends mid-character holds its
+        text, as one token that does, until the character is whole)."""
+        if self._stop:
+            raise ValueError("a stream with stop strings checks each token's text: push, not defer")
+        self._held.extend(token_ids)
+
+    def release(self) -> str:
+        """The text the deferred tokens completed ("" when none are held)."""
+        return self.push([]) if self._held else ""
+
+    def push(self, token_ids: list[int]) -> str:
+        """Feed new tokens; return the text that became final. Sets ``stopped`` when a
+        stop string appears (the stop string and everything after it are dropped)."""
+        if self._held:
+            token_ids, self._held = self._held + token_ids, []
+        if self.stopped:
+            return ""
+        return self._emit(self._pending + self._detok.push(token_ids), final=False)
+
+    def finish(self) -> str:
+        """End of generation: emit whatever is left (deferred tokens included)."""
+        text = self.release()
+        if self.stopped:
+            return text
+        return text + self._emit(self._pending + self._detok.flush(), final=True)
+
+    def _emit(self, candidate: str, final: bool) -> str:
+        if self._stop:
+            # search from where a stop string could start (it may straddle the boundary)
+            start = max(0, len(self.text) - self._max_hold)
+            window = self.text[start:] + candidate
+            cut = min(
+                (i for i in (window.find(s) for s in self._stop) if i >= 0), default=-1
+            )
+            if cut >= 0:
+                keep = start + cut - len(self.text)  # chars of candidate before the stop
+                out = candidate[: max(keep, 0)]
+                self.text += out
+                self._pending = ""
+                self.stopped = True
+                return out
+            if not final:
+                hold = self._held_suffix(candidate)
+                self._pending = candidate[len(candidate) - hold :] if hold else ""
+                candidate = candidate[: len(candidate) - hold]
+        else:
+            self._pending = ""
+        self.text += candidate
+        return candidate
+
+    def _held_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
 
 
 class SeqStatus(enum.Enum):

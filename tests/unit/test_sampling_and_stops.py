@@ -2,7 +2,7 @@
 
 import torch
 
-from kvserve.service.engine.output import TextStream
+from kvserve.service.engine.sequence import TextStream
 from kvserve.service.engine.sampling import (
     apply_repetition_penalty,
     filter_top_k_top_p,

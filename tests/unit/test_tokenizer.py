@@ -266,7 +266,7 @@ def test_deferred_tokens_stream_the_text_of_tokens_pushed_one_by_one(sp_tok: Tok
     whole, spaces before it included), at the end all of it, multi-byte characters split
     across tokens included; ``finish`` releases what is held. A stream with stop strings
     refuses to defer (their check is per token's text)."""
-    from kvserve.service.engine.output import TextStream
+    from kvserve.service.engine.sequence import TextStream
 
     ids = sp_tok.encode(text, add_bos=False)
     one, grouped = TextStream(sp_tok.detokenizer()), TextStream(sp_tok.detokenizer())
