@@ -535,6 +535,40 @@ async def _build_engine(config: ServerConfig, events: Any = None) -> Any:
         ) from e
 
 
+@dataclass
+class _Startup:
+    """What ``serve`` has set up so far (``_preflight``, then ``_build``): what its exit
+    undoes when the start fails before a ``RunningServer`` owns it."""
+
+    config: ServerConfig
+    authenticator: Authenticator
+    credentials: grpc.ServerCredentials | None
+    metrics: ServiceMetrics
+    tracing: Tracing
+    owns_tracing: bool
+    owns_engine: bool
+    engine: Any  # given, or built by ``_build`` (None until then)
+    server: grpc.aio.Server  # its port bound (held while the model loads), not started
+    port: int
+    http_socket: socket.socket | None = None
+    http_ssl: dict[str, Any] = field(default_factory=dict)
+    events: Any = None  # the KV events publisher (None: off)
+    metrics_port: int | None = None
+    reaper: asyncio.Task | None = None
+
+
+@dataclass
+class _Service:
+    """What ``_build`` makes of the engine: the session table and everything over it."""
+
+    sessions: SessionManager
+    spill: SpillScheduler
+    conversations: Conversations
+    admission: Admission
+    servicer: GenerationServicer
+    default_max_new_tokens: int
+
+
 @asynccontextmanager
 async def serve(
     config: ServerConfig,
@@ -555,10 +589,34 @@ async def serve(
     ``tracing``: OpenTelemetry spans of Generate calls (default: as the standard OTEL_*
     environment variables say, off when none is set; service/tracing.py).
 
-    Everything that can be checked cheaply is checked before the model loads (keys,
-    TLS files, device, the port, Redis); a problem raises ``StartupError`` (or
-    ``ConfigError`` / ``ApiKeysError``) with a one-line message.
+    Three steps: ``_preflight`` checks everything that can be checked cheaply before the
+    model loads (keys, TLS files, device, the ports, the disk directory, tracing) and
+    binds the ports; ``_build`` loads the engine and builds the service over it;
+    ``_start`` starts the fronts. A problem raises ``StartupError`` (or ``ConfigError`` /
+    ``ApiKeysError``) with a one-line message, and what was set up is undone.
     """
+    start = _preflight(config, engine=engine, metrics=metrics, tracing=tracing, http_port=http_port)
+    running: RunningServer | None = None
+    try:
+        service = await _build(start, session_store)
+        running = await _start(start, service)
+        yield running
+    finally:
+        if running is not None:
+            await running.shutdown()
+        else:
+            await _undo(start)
+        if start.http_socket is not None:
+            start.http_socket.close()
+        if start.owns_tracing:
+            await asyncio.to_thread(start.tracing.shutdown)  # flush buffered spans
+
+
+def _preflight(
+    config: ServerConfig, *, engine: Any, metrics: ServiceMetrics | None, tracing: Tracing | None, http_port: int | None
+) -> _Startup:
+    """The checks before the model loads (one-line errors), and the ports bound: gRPC's
+    held by a server not yet started, HTTP's by a socket."""
     authenticator = Authenticator(load_api_keys(config.api_keys_file, config.api_keys))
     credentials = server_credentials(config)  # read before the model loads: fail fast
     owns_engine = engine is None
@@ -592,169 +650,178 @@ async def serve(
         port = 0
     if port == 0:
         raise StartupError(f"cannot listen on {bind}; choose another --port (KVSERVE_PORT) or --host (KVSERVE_HOST)")
-    running: RunningServer | None = None
-    reaper: asyncio.Task | None = None
-    metrics_port: int | None = None
-    events: Any = None
-    try:
-        events = build_kv_events(config) if owns_engine else None  # an engine passed in was built without it
-        if config.metrics_port:  # served from now on (kvserve_ready is 0 until the model is loaded)
-            try:
-                metrics_port = metrics.serve_http(config.host, config.metrics_port)
-            except OSError as e:
-                raise StartupError(f"metrics port {config.metrics_port} on {config.host}: {e.strerror or e}; choose "
-                                   "another --metrics-port (KVSERVE_METRICS_PORT)") from None  # fmt: skip
-        await check_redis(config)
-        if engine is None:
-            engine = await _build_engine(config, events)
-        metrics.watch_engine(engine.stats, model_name=config.model or "kvserve-default", block_size=engine.model_info.block_size)
-        if events is not None:
-            from .metrics import KVEventsCollector
+    return _Startup(
+        config=config, authenticator=authenticator, credentials=credentials, metrics=metrics, tracing=tracing,
+        owns_tracing=owns_tracing, owns_engine=owns_engine, engine=engine, server=server, port=port,
+        http_socket=http_socket, http_ssl=http_ssl,
+    )  # fmt: skip
 
-            metrics.register(KVEventsCollector(events.stats))
-        if len(engine.model_info.tiers) > 1:  # a host or Redis tier besides the device
-            from .metrics import CacheStoreCollector
 
-            metrics.register(CacheStoreCollector(engine.cache_stats))
-        sessions = SessionManager(
-            session_store or build_session_store(config),
-            lock_ttl_s=config.session_lock_ttl,
-            max_sessions_per_owner=config.max_sessions_per_tenant,
-        )
-        from .metrics import SessionStoreCollector, SpillCollector
+async def _build(start: _Startup, session_store: SessionStore | None) -> _Service:
+    """The KV events publisher, the metrics endpoint, the Redis check, the engine (unless
+    one was given), then the session table, spill, conversations, admission, the servicer
+    and the reaper over it; each kept in ``start`` as it is made, for ``_undo``."""
+    config, metrics = start.config, start.metrics
+    start.events = build_kv_events(config) if start.owns_engine else None  # an engine passed in was built without it
+    if config.metrics_port:  # served from now on (kvserve_ready is 0 until the model is loaded)
+        try:
+            start.metrics_port = metrics.serve_http(config.host, config.metrics_port)
+        except OSError as e:
+            raise StartupError(f"metrics port {config.metrics_port} on {config.host}: {e.strerror or e}; choose "
+                               "another --metrics-port (KVSERVE_METRICS_PORT)") from None  # fmt: skip
+    await check_redis(config)
+    if start.engine is None:
+        start.engine = await _build_engine(config, start.events)
+    engine = start.engine
+    metrics.watch_engine(engine.stats, model_name=config.model or "kvserve-default", block_size=engine.model_info.block_size)
+    from .metrics import CacheStoreCollector, KVEventsCollector, SessionStoreCollector, SpillCollector
 
-        metrics.register(SessionStoreCollector(sessions))
-        spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
-        metrics.register(SpillCollector(spill))
-        spill.start()
-        limits = Limits(
-            max_prompt_tokens=config.max_prompt_tokens,
-            max_chat_messages=config.max_chat_messages,
+    if start.events is not None:
+        metrics.register(KVEventsCollector(start.events.stats))
+    if len(engine.model_info.tiers) > 1:  # a host or Redis tier besides the device
+        metrics.register(CacheStoreCollector(engine.cache_stats))
+    sessions = SessionManager(
+        session_store or build_session_store(config),
+        lock_ttl_s=config.session_lock_ttl,
+        max_sessions_per_owner=config.max_sessions_per_tenant,
+    )
+    metrics.register(SessionStoreCollector(sessions))
+    spill = SpillScheduler(engine, spill_after_s=config.spill_after, tiers=config.spill_to)
+    metrics.register(SpillCollector(spill))
+    spill.start()
+    limits = Limits(
+        max_prompt_tokens=config.max_prompt_tokens,
+        max_chat_messages=config.max_chat_messages,
+    )
+    conversations = Conversations(
+        engine,
+        sessions,
+        metrics,
+        max_new_tokens_limit=config.max_new_tokens_limit,
+        spill=spill,
+        limits=limits,
+        shared_cache_salts=config.shared_cache_salts,
+        tool_call_parser=config.tool_call_parser,
+    )
+    admission = Admission(  # one count and one drain for the gRPC and the HTTP front
+        max_streams=config.max_streams,
+        max_streams_per_tenant=config.max_streams_per_tenant,
+        gauge=metrics.active_streams,
+    )
+    default_max_new_tokens = min(config.default_max_new_tokens, config.max_new_tokens_limit)
+    servicer = GenerationServicer(
+        conversations,
+        metrics,
+        default_max_new_tokens=default_max_new_tokens,
+        tenant_of=start.authenticator.tenant_of,
+        admission=admission,
+        tracing=start.tracing,
+    )
+    if config.session_ttl:
+        start.reaper = asyncio.create_task(
+            _reap_sessions(conversations, min(max(config.session_ttl / 4, 0.05), 30.0)), name="kvserve-session-reaper"
         )
-        conversations = Conversations(
-            engine,
-            sessions,
-            metrics,
-            max_new_tokens_limit=config.max_new_tokens_limit,
-            spill=spill,
-            limits=limits,
-            shared_cache_salts=config.shared_cache_salts,
-            tool_call_parser=config.tool_call_parser,
-        )
-        admission = Admission(  # one count and one drain for the gRPC and the HTTP front
-            max_streams=config.max_streams,
-            max_streams_per_tenant=config.max_streams_per_tenant,
-            gauge=metrics.active_streams,
-        )
-        default_max_new_tokens = min(config.default_max_new_tokens, config.max_new_tokens_limit)
-        servicer = GenerationServicer(
-            conversations,
-            metrics,
-            default_max_new_tokens=default_max_new_tokens,
-            tenant_of=authenticator.tenant_of,
-            admission=admission,
-            tracing=tracing,
-        )
-        reaper = (
-            asyncio.create_task(
-                _reap_sessions(conversations, min(max(config.session_ttl / 4, 0.05), 30.0)),
-                name="kvserve-session-reaper",
-            )
-            if config.session_ttl
-            else None
-        )
-        add_to_server(servicer, server)  # unparsable requests: INVALID_ARGUMENT
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        await server.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        metrics.ready.set(1)
-        http_server = http_task = None
-        bound_http: int | None = None
-        if http_socket is not None:
-            from .http.app import HttpFront, make_uvicorn_server
+    return _Service(sessions, spill, conversations, admission, servicer, default_max_new_tokens)
 
-            http_limits = http_limits_of(config, engine.model_info.context_length)
-            front = HttpFront(
-                conversations,
-                admission,
-                authenticator,
-                metrics,
-                model_id=config.model or "kvserve-default",
-                max_body_bytes=config.max_message_size,
-                default_max_new_tokens=default_max_new_tokens,
-                tracing=tracing,
-                limits=http_limits,
-            )
-            http_server = make_uvicorn_server(
-                front.app, ssl=http_ssl, log_level=config.log_level, limits=http_limits, metrics=metrics
-            )
-            bound_http = http_socket.getsockname()[1]
-            http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="kvserve-http")
-            while not http_server.started and not http_task.done():
-                await asyncio.sleep(0.01)
-            if http_task.done():
-                http_task.result()  # raises what stopped it
-                raise StartupError(f"the HTTP front on port {bound_http} stopped at startup")
-        running = RunningServer(
-            config=config,
-            port=port,
-            address=_client_address(config.host, port),
-            engine=engine,
-            servicer=servicer,
-            admission=admission,
-            conversations=conversations,
-            sessions=sessions,
-            metrics=metrics,
-            spill=spill,
-            health=health_servicer,
-            server=server,
-            authenticator=authenticator,
-            metrics_port=metrics_port,
-            http_port=bound_http,
-            http_server=http_server,
-            http_task=http_task,
-            owns_engine=owns_engine,
-            reaper=reaper,
-            events=events,
-        )
-        reaper = None  # owned by running now
-        log.info(
-            "serving %s on %s (model %s, %s, %s)%s",
-            SERVICE_NAME, _bind_address(config.host, port), engine.model_info.architecture,
-            engine.model_info.device, engine.model_info.dtype,
-            (f"; metrics on :{metrics_port}/metrics" if metrics_port else "")
-            + (f"; OpenAI-compatible HTTP on :{bound_http}" if bound_http else ""),
-        )  # fmt: skip
-        log.info(
-            "security: %s; %s; shared cache salts: %s",
-            "TLS" + (" with client certificates (mutual TLS)" if config.tls_client_ca else "") if credentials
-            else "plaintext (no TLS)",
-            f"API keys for {len(tenant_map(authenticator.keys))} tenant(s)" if authenticator.enabled
-            else "no API keys (every caller is one tenant)",
-            ", ".join(config.shared_cache_salts) or "none",
-        )  # fmt: skip
-        yield running
-    finally:
-        if running is not None:
-            await running.shutdown()
-        else:
-            if reaper is not None:
-                reaper.cancel()
-            if owns_engine and engine is not None:
-                await engine.shutdown(0.0)
-            if events is not None:
-                await asyncio.to_thread(events.close)
-            await server.stop(None)  # releases the port
-            metrics.stop_http()
-        if http_socket is not None:
-            http_socket.close()
-        if owns_tracing:
-            await asyncio.to_thread(tracing.shutdown)  # flush buffered spans
+
+async def _start(start: _Startup, service: _Service) -> RunningServer:
+    """The gRPC server (the servicer, health, reflection) started and SERVING, then the HTTP
+    front; the ``RunningServer`` that owns them (and the reaper) from then on."""
+    config, server, engine = start.config, start.server, start.engine
+    add_to_server(service.servicer, server)  # unparsable requests: INVALID_ARGUMENT
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    start.metrics.ready.set(1)
+    http_server, http_task, bound_http = await _start_http(start, service)
+    running = RunningServer(
+        config=config,
+        port=start.port,
+        address=_client_address(config.host, start.port),
+        engine=engine,
+        servicer=service.servicer,
+        admission=service.admission,
+        conversations=service.conversations,
+        sessions=service.sessions,
+        metrics=start.metrics,
+        spill=service.spill,
+        health=health_servicer,
+        server=server,
+        authenticator=start.authenticator,
+        metrics_port=start.metrics_port,
+        http_port=bound_http,
+        http_server=http_server,
+        http_task=http_task,
+        owns_engine=start.owns_engine,
+        reaper=start.reaper,
+        events=start.events,
+    )
+    start.reaper = None  # owned by running now
+    log.info(
+        "serving %s on %s (model %s, %s, %s)%s",
+        SERVICE_NAME, _bind_address(config.host, start.port), engine.model_info.architecture,
+        engine.model_info.device, engine.model_info.dtype,
+        (f"; metrics on :{start.metrics_port}/metrics" if start.metrics_port else "")
+        + (f"; OpenAI-compatible HTTP on :{bound_http}" if bound_http else ""),
+    )  # fmt: skip
+    log.info(
+        "security: %s; %s; shared cache salts: %s",
+        "TLS" + (" with client certificates (mutual TLS)" if config.tls_client_ca else "") if start.credentials
+        else "plaintext (no TLS)",
+        f"API keys for {len(tenant_map(start.authenticator.keys))} tenant(s)" if start.authenticator.enabled
+        else "no API keys (every caller is one tenant)",
+        ", ".join(config.shared_cache_salts) or "none",
+    )  # fmt: skip
+    return running
+
+
+async def _start_http(start: _Startup, service: _Service) -> tuple[Any, asyncio.Task | None, int | None]:
+    """The OpenAI-compatible HTTP front on the socket ``_preflight`` bound, once uvicorn
+    has started: (its server, its task, its port); (None, None, None) when it is off."""
+    if start.http_socket is None:
+        return None, None, None
+    from .http.app import HttpFront, make_uvicorn_server
+
+    config = start.config
+    http_limits = http_limits_of(config, start.engine.model_info.context_length)
+    front = HttpFront(
+        service.conversations,
+        service.admission,
+        start.authenticator,
+        start.metrics,
+        model_id=config.model or "kvserve-default",
+        max_body_bytes=config.max_message_size,
+        default_max_new_tokens=service.default_max_new_tokens,
+        tracing=start.tracing,
+        limits=http_limits,
+    )
+    http_server = make_uvicorn_server(
+        front.app, ssl=start.http_ssl, log_level=config.log_level, limits=http_limits, metrics=start.metrics
+    )
+    bound_http = start.http_socket.getsockname()[1]
+    http_task = asyncio.create_task(http_server.serve(sockets=[start.http_socket]), name="kvserve-http")
+    while not http_server.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        http_task.result()  # raises what stopped it
+        raise StartupError(f"the HTTP front on port {bound_http} stopped at startup")
+    return http_server, http_task, bound_http
+
+
+async def _undo(start: _Startup) -> None:
+    """A start that failed (or was cancelled) before a ``RunningServer`` owned it: stop what
+    ``start`` holds (the reaper, an engine it built, the KV events, the port, metrics)."""
+    if start.reaper is not None:
+        start.reaper.cancel()
+    if start.owns_engine and start.engine is not None:
+        await start.engine.shutdown(0.0)
+    if start.events is not None:
+        await asyncio.to_thread(start.events.close)
+    await start.server.stop(None)  # releases the port
+    start.metrics.stop_http()
 
 
 async def run(config: ServerConfig) -> int:
