@@ -34,6 +34,7 @@ conversation to the replica that holds its KV (deploy/haproxy/haproxy.cfg). For 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
@@ -299,44 +300,56 @@ class _Gather:
 # ----------------------------------------------------------------------------- conversions
 
 
-def build_request(
-    *,
-    text: str | None = None,
-    messages: Sequence[dict[str, str] | tuple[str, str]] | None = None,
-    token_ids: Sequence[int] | None = None,
-    session_id: str | None = None,
-    cache_salt: str = "",
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    min_p: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: dict[int, float] | None = None,
-    min_new_tokens: int = 0,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    require_existing_session: bool = False,
-    turn_mode: str = "append",
-    expected_turns: int | None = None,
-    n: int | None = None,
-    json_schema: dict[str, Any] | bool | str | None = None,
-    json_object: bool = False,
-    regex: str | None = None,
-    tools: Sequence[dict[str, Any]] | None = None,
-    tool_choice: str | dict[str, Any] | None = None,
-    parallel_tool_calls: bool | None = None,
-    speculative: bool | None = None,
-    speculative_max_draft: int | None = None,
-) -> pb.GenerateRequest:
-    """A ``GenerateRequest`` from keyword arguments; exactly one input must be given,
-    none with ``turn_mode="regenerate"``.
+@dataclass(frozen=True, kw_only=True)
+class RequestOptions:
+    """One ``GenerateRequest``'s options, as ``build_request`` takes them (every field a
+    keyword of it; the same defaults). Build one once and vary it with
+    ``dataclasses.replace``, or pass it to ``build_request`` with keywords on top."""
+
+    text: str | None = None
+    messages: Sequence[dict[str, str] | tuple[str, str]] | None = None
+    token_ids: Sequence[int] | None = None
+    session_id: str | None = None
+    cache_salt: str = ""
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_new_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    require_existing_session: bool = False
+    turn_mode: str = "append"
+    expected_turns: int | None = None
+    n: int | None = None
+    json_schema: dict[str, Any] | bool | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    tools: Sequence[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    speculative: bool | None = None
+    speculative_max_draft: int | None = None
+
+
+# The sampling fields set only when given (None: the server's default).
+_OPTIONAL_SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "min_p",
+                      "presence_penalty", "frequency_penalty", "speculative", "speculative_max_draft")  # fmt: skip
+
+
+def build_request(options: RequestOptions | None = None, /, **fields: Any) -> pb.GenerateRequest:
+    """A ``GenerateRequest`` from ``options`` (a ``RequestOptions``) and keyword arguments
+    (``RequestOptions``' fields, over ``options``' values); exactly one input must be
+    given, none with ``turn_mode="regenerate"``. An unknown keyword is a TypeError.
 
     Unset sampling fields (None) take the server's defaults (greedy). ``n``: sequences
     sampled from the prompt. At most one of ``json_schema`` (a dict, or the schema as
@@ -355,62 +368,65 @@ def build_request(
     (or the name alone); messages may carry ``tool_calls`` (OpenAI's shape) and
     ``tool_call_id`` / ``name`` (role "tool").
     """
-    if turn_mode not in _TURN_MODES:
-        raise ValueError(f"turn_mode must be one of {', '.join(_TURN_MODES)}, got {turn_mode!r}")
-    given = [name for name, v in (("text", text), ("messages", messages), ("token_ids", token_ids)) if v is not None]
-    if turn_mode == "regenerate":
+    o = dataclasses.replace(options, **fields) if options is not None else RequestOptions(**fields)
+    if o.turn_mode not in _TURN_MODES:
+        raise ValueError(f"turn_mode must be one of {', '.join(_TURN_MODES)}, got {o.turn_mode!r}")
+    given = [name for name in ("text", "messages", "token_ids") if getattr(o, name) is not None]
+    if o.turn_mode == "regenerate":
         if given:
             raise ValueError(f"turn_mode='regenerate' takes no input (got {', '.join(given)})")
     elif len(given) != 1:
         raise ValueError(f"give exactly one of text, messages, token_ids (got {', '.join(given) or 'none'})")
     req = pb.GenerateRequest(
-        session_id=session_id or "", cache_salt=cache_salt, require_existing_session=require_existing_session,
-        turn_mode=_TURN_MODES[turn_mode],
+        session_id=o.session_id or "", cache_salt=o.cache_salt, require_existing_session=o.require_existing_session,
+        turn_mode=_TURN_MODES[o.turn_mode],
     )  # fmt: skip
-    if expected_turns is not None:
-        req.expected_turns = expected_turns
-    if turn_mode == "regenerate":
+    if o.expected_turns is not None:
+        req.expected_turns = o.expected_turns
+    _set_input(req, o)
+    _set_sampling(req.sampling, o)
+    req.sampling.SetInParent()
+    _add_tools(req, o.tools, o.tool_choice, o.parallel_tool_calls)
+    return req
+
+
+def _set_input(req: pb.GenerateRequest, o: RequestOptions) -> None:
+    if o.turn_mode == "regenerate":
         pass
-    elif text is not None:
-        req.text = text
-    elif messages is not None:
-        chat = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+    elif o.text is not None:
+        req.text = o.text
+    elif o.messages is not None:
+        chat = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in o.messages]
         req.chat.messages.extend(_chat_message(m) for m in chat)
         req.chat.SetInParent()  # an empty list is still "chat" (the server rejects it precisely)
     else:
-        req.tokens.ids.extend(token_ids or ())
+        req.tokens.ids.extend(o.token_ids or ())
         req.tokens.SetInParent()
-    s = req.sampling
-    for name, value in (
-        ("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
-        ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
-        ("min_p", min_p), ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-        ("speculative", speculative), ("speculative_max_draft", speculative_max_draft),
-    ):  # fmt: skip
-        if value is not None:
+
+
+def _set_sampling(s: pb.SamplingParams, o: RequestOptions) -> None:
+    for name in _OPTIONAL_SAMPLING:
+        if (value := getattr(o, name)) is not None:
             setattr(s, name, value)
-    s.stop.extend(stop)
-    s.stop_token_ids.extend(stop_token_ids)
-    s.ignore_eos = ignore_eos
-    s.logit_bias.update(logit_bias or {})
-    s.min_new_tokens = min_new_tokens
-    s.logprobs = logprobs
-    s.top_logprobs = top_logprobs
-    if n is not None:
-        s.n = n
-    formats = [k for k, v in (("json_schema", json_schema), ("json_object", json_object or None), ("regex", regex))
-               if v is not None]  # fmt: skip
+    s.stop.extend(o.stop)
+    s.stop_token_ids.extend(o.stop_token_ids)
+    s.ignore_eos = o.ignore_eos
+    s.logit_bias.update(o.logit_bias or {})
+    s.min_new_tokens = o.min_new_tokens
+    s.logprobs = o.logprobs
+    s.top_logprobs = o.top_logprobs
+    if o.n is not None:
+        s.n = o.n
+    formats = [k for k, v in (("json_schema", o.json_schema), ("json_object", o.json_object or None),
+                              ("regex", o.regex)) if v is not None]  # fmt: skip
     if len(formats) > 1:
         raise ValueError(f"give at most one of json_schema, json_object, regex (got {', '.join(formats)})")
-    if json_schema is not None:
-        s.response_format.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
-    elif json_object:
+    if o.json_schema is not None:
+        s.response_format.json_schema = o.json_schema if isinstance(o.json_schema, str) else json.dumps(o.json_schema)
+    elif o.json_object:
         s.response_format.json_object.SetInParent()
-    elif regex is not None:
-        s.response_format.regex = regex
-    req.sampling.SetInParent()
-    _add_tools(req, tools, tool_choice, parallel_tool_calls)
-    return req
+    elif o.regex is not None:
+        s.response_format.regex = o.regex
 
 
 def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
@@ -623,16 +639,19 @@ class KVServeClient:
         except grpc.RpcError as e:
             raise KVServeError.from_rpc_error(e) from None
 
-    def generate(self, *, timeout: float | None = None, **request: Any) -> GenerateStream:
-        """Start a stream; keyword arguments as in ``build_request``."""
-        metadata = _with_session(self._metadata, request.get("session_id"))
-        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=metadata)
+    def generate(self, options: RequestOptions | None = None, /, *, timeout: float | None = None,
+                 **request: Any) -> GenerateStream:  # fmt: skip
+        """Start a stream; ``options`` and keyword arguments as in ``build_request``."""
+        req = build_request(options, **request)
+        metadata = _with_session(self._metadata, req.session_id)
+        call = self._stub.Generate(req, timeout=self._t(timeout), metadata=metadata)
         return GenerateStream(call)
 
-    def complete(self, *, timeout: float | None = None, **request: Any) -> Completion:
+    def complete(self, options: RequestOptions | None = None, /, *, timeout: float | None = None,
+                 **request: Any) -> Completion:  # fmt: skip
         """Run a stream to its end and return the gathered result."""
         gather = _Gather()
-        for event in self.generate(timeout=timeout, **request):
+        for event in self.generate(options, timeout=timeout, **request):
             gather.add(event)
         return gather.result()
 
@@ -787,15 +806,18 @@ class AsyncKVServeClient:
         except grpc.RpcError as e:
             raise KVServeError.from_rpc_error(e) from None
 
-    def generate(self, *, timeout: float | None = None, **request: Any) -> AsyncGenerateStream:
-        """Start a stream; keyword arguments as in ``build_request``."""
-        metadata = _with_session(self._metadata, request.get("session_id"))
-        call = self._stub.Generate(build_request(**request), timeout=self._t(timeout), metadata=metadata)
+    def generate(self, options: RequestOptions | None = None, /, *, timeout: float | None = None,
+                 **request: Any) -> AsyncGenerateStream:  # fmt: skip
+        """Start a stream; ``options`` and keyword arguments as in ``build_request``."""
+        req = build_request(options, **request)
+        metadata = _with_session(self._metadata, req.session_id)
+        call = self._stub.Generate(req, timeout=self._t(timeout), metadata=metadata)
         return AsyncGenerateStream(call)
 
-    async def complete(self, *, timeout: float | None = None, **request: Any) -> Completion:
+    async def complete(self, options: RequestOptions | None = None, /, *, timeout: float | None = None,
+                       **request: Any) -> Completion:  # fmt: skip
         gather = _Gather()
-        async for event in self.generate(timeout=timeout, **request):
+        async for event in self.generate(options, timeout=timeout, **request):
             gather.add(event)
         return gather.result()
 
