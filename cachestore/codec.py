@@ -161,10 +161,6 @@ def _fail(reason: str) -> DecodeResult:
     return DecodeResult(False, reason)
 
 
-def supported_dtypes() -> tuple[torch.dtype, ...]:
-    return tuple(_DTYPES)
-
-
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-1], 1)
 

@@ -60,12 +60,6 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def hash_line(tenant: str, key: str) -> str:
-    """The keys-file line for ``key`` belonging to ``tenant``."""
-    check_tenant(tenant)
-    return f"{tenant}:{hash_key(key)}"
-
-
 def generate_key() -> str:
     """A new random API key (256 bits, URL-safe)."""
     return "kvs_" + secrets.token_urlsafe(32)

@@ -227,10 +227,6 @@ class CacheScope:
     def shared(cls, salt: str) -> CacheScope:
         return cls(None, salt)
 
-    @property
-    def is_shared(self) -> bool:
-        return self.tenant is None
-
 
 @dataclass(frozen=True, slots=True)
 class Retain:

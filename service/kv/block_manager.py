@@ -177,9 +177,6 @@ class BlockManager:
             block.block_hash = None
             block.namespace = None
 
-    def idle_cached_blocks(self) -> list[Block]:
-        return [b for b in self._free.values() if b.block_hash is not None]
-
     def _evict(self, block: Block) -> None:
         assert block.block_hash is not None
         if self._on_evict is not None:

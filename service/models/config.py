@@ -90,10 +90,6 @@ class ModelConfig:
     # ---- derived (one place) --------------------------------------------------------
 
     @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
