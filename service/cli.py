@@ -140,9 +140,9 @@ def main(
         config.model or "(packaged default)", config.device, config.port, mask_url_password(config.redis_url),
     )  # fmt: skip
     log.debug("settings:\n%s", config.describe())
-    from .models import native  # torch-free: before torch loads
+    from . import kernels  # torch-free: before torch loads
 
-    native.passive_openmp()
+    kernels.passive_openmp()
     try:
         code = asyncio.run(_serve(config, exit_now))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are in place

@@ -389,9 +389,9 @@ async def build_engine(cfg: EngineConfig, events: KVEvents | None = None) -> Asy
         native_kernels=cfg.native_kernels,
     )
     if loaded.native == "on":
-        from ..models import native
+        from .. import kernels
 
-        log.info("decode products by the native CPU kernels (%s)", native.isa())
+        log.info("decode products by the native CPU kernels (%s)", kernels.isa())
     elif loaded.native is not None:
         log.info("native CPU kernels unavailable (%s): torch's kernels serve decode", loaded.native)
     if loaded.weight_format != "exact":

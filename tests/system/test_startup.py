@@ -131,10 +131,10 @@ def test_a_real_process_prints_one_line_and_exits_non_zero(tmp_path: Path) -> No
 _OPENMP_PROBE = """
 import os, sys
 from kvserve.service import cli
-from kvserve.service.models import native
+from kvserve.service import kernels
 seen = []
-passive = native.passive_openmp
-native.passive_openmp = lambda environ=os.environ: (seen.append("torch" in sys.modules), passive(environ))
+passive = kernels.passive_openmp
+kernels.passive_openmp = lambda environ=os.environ: (seen.append("torch" in sys.modules), passive(environ))
 status = cli.main(["serve", "--model", sys.argv[1], "--port", "0", "--log-level", "warning"])
 print(status, os.environ.get("OMP_WAIT_POLICY"), seen)
 """
