@@ -77,7 +77,9 @@ class RowState:
         return len(self.token_ids) - self.num_prompt
 
 
-def _needs_penalties(p: SamplingParams) -> bool:
+def needs_penalties(p: SamplingParams) -> bool:
+    """Whether ``sample`` changes this row's logits in place before drawing (penalties,
+    logit_bias, min_new_tokens' mask), so a caller that may sample them again keeps a copy."""
     return (
         p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
@@ -85,12 +87,6 @@ def _needs_penalties(p: SamplingParams) -> bool:
         or bool(p.logit_bias)
         or p.min_new_tokens > 0
     )
-
-
-def needs_penalties(p: SamplingParams) -> bool:
-    """Whether ``sample`` changes this row's logits in place before drawing (penalties,
-    logit_bias, min_new_tokens' mask), so a caller that may sample them again keeps a copy."""
-    return _needs_penalties(p)
 
 
 def _rows_ids(rows: list[int], ids: list[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,20 +199,6 @@ def filter_logits(
     return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """One row (V,): CTRL-style penalty on the ids in ``seen`` (the rule apply_penalties batches)."""
-    scores = logits.gather(-1, seen)
-    scores = torch.where(scores > 0, scores / penalty, scores * penalty)
-    return logits.scatter(-1, seen, scores)
-
-
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """One row (V,) through filter_logits."""
-    return filter_logits(
-        logits.unsqueeze(0), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([0.0])
-    )[0]
-
-
 def token_logprobs(
     processed: torch.Tensor,  # (B, V) processed logits
     tokens: list[int],
@@ -270,7 +252,7 @@ def sample(
     """One token id per row, plus its logprobs where the row asked for them."""
     B = logits.shape[0]
     dev = logits.device
-    if any(_needs_penalties(p) for p in params):
+    if any(needs_penalties(p) for p in params):
         apply_penalties(logits, params, states)
     if masks is not None:
         apply_grammar_masks(logits, *masks)

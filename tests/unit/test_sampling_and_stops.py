@@ -4,14 +4,27 @@ import torch
 
 from kvserve.service.engine.sequence import TextStream
 from kvserve.service.engine.sampling import (
-    apply_repetition_penalty,
-    filter_top_k_top_p,
+    apply_penalties,
+    filter_logits,
     greedy,
     RowState,
     make_generator,
     sample as _sample,
 )
 from kvserve.service.types import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The oracle: one row (V,), transformers' CTRL-style rule on the ids in ``seen``
+    (what ``apply_penalties`` batches)."""
+    scores = logits.gather(-1, seen)
+    scores = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return logits.scatter(-1, seen, scores)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row (V,) through the engine's ``filter_logits``."""
+    return filter_logits(logits.unsqueeze(0), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([0.0]))[0]
 
 
 def sample(logits, params, gens, seen):
@@ -135,6 +148,9 @@ def test_repetition_penalty_matches_transformers_rule():
     logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
     out = apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0, 0.5]
+    batched = logits.unsqueeze(0).clone()  # the engine's batched rule: each distinct seen id once
+    apply_penalties(batched, [SamplingParams(repetition_penalty=2.0)], [RowState([0, 1, 0], 3)])
+    assert batched[0].tolist() == out.tolist()
     # greedy with a penalty steers away from a seen token
     p = SamplingParams(repetition_penalty=10.0)
     assert sample(torch.tensor([[3.0, 2.9]]), [p], [None], [[0]]) == [1]
