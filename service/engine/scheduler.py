@@ -98,6 +98,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.spec = spec or SpecConfig(enabled=False)  # enabled: the default of a request that does not say
         self.step_cost = StepCost()  # what a step and a draft row cost, from the engine's timed decode steps
+        self.max_step_rows = MAX_STEP_ROWS  # decode rows + drafts of one step at most (drafts never pass it)
         self.match_stats = MatchStats()  # how often drafts continued, per match length: every sequence's drafter's
         # the measured prefill tokens/s (the runner's), for how many prefills share a step
         self.prefill_rate = prefill_rate or (lambda: None)
@@ -272,8 +273,8 @@ class Scheduler:
         prefill: list[tuple[Sequence, int]] = []
         verify: list[Sequence] = []
         # drafts are extra rows of the decode forward: no more rows than the native decode
-        # layer takes in one call (past it the whole step would run on torch's kernels)
-        spare_rows = MAX_STEP_ROWS - len(self.running)
+        # step takes in one call (past it the whole step would run on torch's kernels)
+        spare_rows = self.max_step_rows - len(self.running)
         row_cost = self.step_cost.share(len(self.running))  # a draft row's share of this step's cost
         batch: set[int] | None = None  # the prefills this step computes (first_batch), once the decode rows are planned
         for seq in order:

@@ -80,12 +80,16 @@ from typing import Iterable, Sequence
 import torch
 
 from .sampling import draw, filter_logits, greedy
+from ..kernels.layer import STEP_ROWS
 from ..types import SamplingParams
 
 PRIOR = 0.5  # the rate of a match class no sequence has been scored in yet
 DECAY = 0.9  # a sequence's counts per class: each scored token weighs 1, the ones before DECAY as much
 DEFAULT_ROW_COST = 0.05  # a draft row's cost (of a plain step) before StepCost has measured one
-MAX_STEP_ROWS = 64  # decode-forward rows (sequences + drafts) a step's drafts may fill: kernels/ops.py's MAX_ROWS
+# Decode-forward rows (sequences + drafts) a step's drafts may fill: the rows the native
+# decode step takes in one call (kernels/layer.py STEP_ROWS; a step of more rows runs the
+# torch reference, engine/runner.py). The scheduler's ``max_step_rows`` starts at it.
+MAX_STEP_ROWS = STEP_ROWS
 MATCH_CAP = 64  # longest match measured (tokens before the candidate agreeing with the history's end)
 MATCH_CLASSES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # the match-length classes' lower ends (bisect)
 # How a draft's context (its last max_ngram tokens) went on where it came before in the history:

@@ -14,6 +14,7 @@ import json
 import pytest
 
 from kvserve.service.engine.config import DEFAULT_MODEL_DIR
+from kvserve.service.kernels.layer import NativeStep
 from kvserve.service.models.loading import load_model
 from kvserve.service.types import Delta, Finished, FinishReason, ResponseFormat
 from tests.fixtures.engine import BS, bytes_per_token, finished, make_engine, prompts, req, run
@@ -92,6 +93,30 @@ def test_default_model_continuing_text_it_has_seen(tmp_path):
 @pytest.fixture(scope="module")
 def loaded(tiny_llama_dir):
     return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+
+
+def test_drafts_never_take_a_step_past_its_row_limit(loaded):
+    """A step's decode rows and drafts together stay within the scheduler's
+    ``max_step_rows`` (by default the rows the native decode step takes in one call,
+    kernels/layer.py STEP_ROWS: past them the whole step runs the torch reference); set
+    to 5 here, so that three repeating sequences reach it. The tokens are plain decoding's."""
+    assert make_engine(loaded).scheduler.max_step_rows == NativeStep.max_rows
+    reqs = [req(f"r{i}", p, n=30) for i, p in enumerate(repeating_prompts(loaded.config.vocab_size))]
+    plain, _, _ = outputs(loaded, reqs, speculative="off")
+    engine = make_engine(loaded, speculative="ngram")
+    engine.scheduler.max_step_rows = 5
+    rows: list[int] = []
+    plan = engine.scheduler.plan
+
+    def planned():  # the scheduler's own plan, its decode-forward rows counted
+        p = plan()
+        rows.append(len(p.decode) + sum(1 + len(s.drafts) for s in p.verify))
+        return p
+
+    engine.scheduler.plan = planned
+    spec = {rid: finished(e) for rid, e in run(engine, reqs).items()}
+    assert {rid: f.output_token_ids for rid, f in spec.items()} == {rid: f.output_token_ids for rid, f in plain.items()}
+    assert engine.runner.num_draft_tokens > 0 and max(rows) == 5
 
 
 @pytest.mark.parametrize("fmt", ["exact", "bf16", "fp16", "int8",
