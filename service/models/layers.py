@@ -61,6 +61,24 @@ NATIVE_ATTENTION_MIN_ROWS = 8
 ONEDNN_F32 = torch.backends.mkldnn.is_available()
 
 
+# torch's oneDNN linear has no public entry: its two ops below are the ones torch's own
+# inductor (mkldnn fusion) calls. Named here once; a torch without them: ``pack`` refuses.
+def onednn_pack(w: Tensor) -> Tensor:
+    """``w`` (out, in) float32 in oneDNN's packed layout for ~8-row products (opaque)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, 8)
+
+
+def onednn_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ w.T + bias`` by oneDNN's GEMM, ``w`` dense or ``onednn_pack``'s."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def weight_version(w: Tensor) -> int | None:
+    """``w``'s version counter (torch bumps it on every in-place change; a cache keyed by it
+    sees the change), None for an inference tensor, which has none and cannot change."""
+    return None if w.is_inference() else w._version
+
+
 class UsesKernels:
     """A module with a native implementation of its CPU work: ``use_kernels()`` (called
     once at load by ``use_kernels(model)``, only where the kernels loaded and the model
@@ -116,9 +134,8 @@ class Linear(nn.Linear, UsesKernels):
         if w.numel() < PACK_MIN_ELEMENTS:
             return False
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)  # packed for ~8 rows
-            x = torch.zeros(1, self.in_features)
-            torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            packed = onednn_pack(w.detach())
+            onednn_linear(torch.zeros(1, self.in_features), packed, self.bias)
         except (RuntimeError, AttributeError):
             return False
         self._packed = packed
@@ -132,12 +149,12 @@ class Linear(nn.Linear, UsesKernels):
         if packed is not None and x.dtype == torch.float32 and (
             rows in PACKED_ROWS or (rows == 1 and torch.get_num_threads() > 1)
         ):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            return onednn_linear(x, packed, self.bias)
         if x.device.type != "cpu" or rows not in SMALL_ROWS:
             w = self.weight
             if (rows >= ONEDNN_MIN_ROWS and ONEDNN_F32 and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
                     and w.numel() >= PACK_MIN_ELEMENTS and w.is_contiguous()):  # fmt: skip
-                return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
+                return onednn_linear(x, w, self.bias)
             return F.linear(x, w, self.bias)
         xt = x.reshape(rows, x.shape[-1]).t()  # (in, rows)
         if self.bias is None:
@@ -328,9 +345,7 @@ class RMSNorm(nn.Module, UsesKernels):
     def _inv(self, xf: Tensor) -> tuple[Tensor, Tensor]:
         """(rsqrt(mean(xf^2) + eps) (..., 1), the scale (D,)) for float32 xf."""
         w = self.weight
-        # an inference tensor (a model loaded under torch.inference_mode) has no version
-        # counter; it cannot change outside inference mode either
-        key = (w.device, w.data_ptr(), None if w.is_inference() else w._version)
+        key = (w.device, w.data_ptr(), weight_version(w))  # a model loaded under inference_mode: None
         if key not in self._cache:
             with torch.inference_mode(False):  # plain tensors: usable with autograd too
                 self._cache = {key: (
