@@ -113,6 +113,10 @@ def test_what_service_and_cachestore_share_lives_in_common():
     assert "kvserve.common.breaker.CircuitBreaker" in _imports(REPO / "service" / "sessions" / "stores" / "fallback.py")
     assert "kvserve.common.breaker.CircuitBreaker" in _imports(REPO / "cachestore" / "redis.py")
     assert "kvserve.common.tiers.Tier" in _imports(REPO / "service" / "types.py")
+    # what docs/architecture.md says: types.py names the store's stats for type checkers only
+    assert [m for m in _imports(REPO / "service" / "types.py") if m.startswith("kvserve.cachestore")] == [
+        "kvserve.cachestore.tiered.TieredStats"]
+    assert not [m for m in _module_imports(REPO / "service" / "types.py") if m.startswith("kvserve.cachestore")]
     assert not (REPO / "cachestore" / "breaker.py").exists()
     out = _runs_without_torch("import kvserve.common.breaker, kvserve.common.tiers, kvserve.common.dirlock\n"
                               "import kvserve.service.sessions\n"
