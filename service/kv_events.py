@@ -140,7 +140,9 @@ class KVEventsUnavailable(RuntimeError):
 class KVEvents:
     """The KV events sink and publisher (module docstring). Built by server.py; the
     device pool (``BlockManager``) and the store's tiers call its hooks, ``attach`` starts
-    it once the store exists, ``close`` ends it after them."""
+    it once the store exists, ``close`` ends it after them.
+
+    Long: the hooks, the index they keep, the publisher thread and the journal share one lock and one state; split apart, each would reach into the others' members."""
 
     def __init__(
         self,
@@ -201,6 +203,18 @@ class KVEvents:
         self._batches = 0
 
         # the publisher thread's own: the sockets, the sequence, the replay buffer
+        self._open_sockets(endpoint, replay_endpoint)
+        self._seq = 0
+        self._buffer: list[tuple[int, bytes]] = []
+        self._buffer_start = 0  # index of the oldest kept entry of _buffer
+        self._buffer_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _open_sockets(self, endpoint: str, replay_endpoint: str | None) -> None:
+        """The PUB socket bound (a wildcard or local endpoint) or connected, and the replay
+        ROUTER bound; both closed again when either fails (``zmq.ZMQError``)."""
+        zmq = self._zmq
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
@@ -221,12 +235,6 @@ class KVEvents:
             raise
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode() or endpoint
         self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode() if self._replay is not None else None
-        self._seq = 0
-        self._buffer: list[tuple[int, bytes]] = []
-        self._buffer_start = 0  # index of the oldest kept entry of _buffer
-        self._buffer_bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # ---- hooks (any thread; quick; never raising) ------------------------------------
 

@@ -193,9 +193,15 @@ class CacheStoreCollector:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        p = self._p
         snap = self._cache_stats()
-        st = snap.store
+        yield from self._tiers(snap)
+        yield from self._store(snap)
+        yield from self._warm(snap)
+        yield from self._retention(snap)
+
+    def _tiers(self, snap: CacheStats) -> Iterable[Metric]:
+        """Per tier: lookups, restores, writes, evictions, errors, failures, what it holds."""
+        p, st = self._p, snap.store
         tiers = st.tiers if st is not None else {}
 
         def family(kind, name, doc, extra_labels=()):
@@ -237,6 +243,10 @@ class CacheStoreCollector:
                 rate.add_metric([name], st.restore_rates[name])
         yield from (hits, misses, read_b, read_s, write_b, puts, evict, errors, fails, held_b, held_n, rate)
 
+    def _store(self, snap: CacheStats) -> Iterable[Metric]:
+        """The store's writer, Redis' breaker, the restore decisions, demotions, skips."""
+        p, st = self._p, snap.store
+        tiers = st.tiers if st is not None else {}
         if st is not None:
             w = st.writer
             yield GaugeMetricFamily(f"{p}_cache_writer_queued_blocks", "Blocks waiting for the background writer.", value=w.queued_blocks)
@@ -268,8 +278,11 @@ class CacheStoreCollector:
             f"{p}_cache_restores_skipped", "Restores cut because recomputing was estimated faster.",
             value=snap.restores_skipped,
         )
-        warm = snap.warm
-        if warm is not None:  # session warm-ups (WarmSession; service/engine/warm.py)
+
+    def _warm(self, snap: CacheStats) -> Iterable[Metric]:
+        """Session warm-ups (WarmSession; service/engine/warm.py), when the engine has them."""
+        p, warm = self._p, snap.warm
+        if warm is not None:
             yield CounterMetricFamily(f"{p}_warm_requests", "Session warm-ups asked for (WarmSession, POST /v1/sessions/{id}/warm).", value=warm.requests)
             restored = CounterMetricFamily(f"{p}_warm_restored_blocks", "Blocks session warm-ups restored into the device pool, by the tier they came from.", labels=["tier"])
             for tier in (Tier.HOST, Tier.DISK, Tier.REDIS):
@@ -282,7 +295,6 @@ class CacheStoreCollector:
             for reason, n in sorted(warm.wasted_blocks.items()):
                 wasted.add_metric([reason], n)
             yield wasted
-        yield from self._retention(snap)
 
     def _retention(self, snap: CacheStats) -> Iterable[Metric]:
         """Retentions (docs/api.md, Retention): what each tier pins, what expired, what

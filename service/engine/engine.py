@@ -102,11 +102,36 @@ log = logging.getLogger(__name__)
 __all__ = ["Emitted", "LLMEngine", "SeqStatus", "Sequence"]
 
 
+def _model_info(loaded: LoadedModel, max_model_len: int, block_size: int, bytes_per_token: int,
+                store: TieredStore | None) -> ModelInfo:  # fmt: skip
+    """What the engine serves, as ``AsyncEngine.model_info`` reports it."""
+    mcfg = loaded.config
+    return ModelInfo(
+        architecture=mcfg.hf_architecture,
+        model_type=mcfg.model_type,
+        model_fingerprint=loaded.fingerprint,
+        context_length=max_model_len,
+        vocab_size=mcfg.vocab_size,
+        block_size=block_size,
+        dtype=str(loaded.dtype).removeprefix("torch."),  # compute; the KV's format: bytes_per_token
+        device=str(loaded.device),
+        num_layers=mcfg.num_layers,
+        num_kv_heads=mcfg.num_kv_heads,
+        head_dim=mcfg.head_dim,
+        bytes_per_token=bytes_per_token,
+        eos_token_ids=tuple(loaded.eos_token_ids),
+        tiers=(Tier.DEVICE,) + (tuple(store.tiers) if store is not None else ()),
+        shared_tier=store.shared_tier if store is not None else None,
+    )
+
+
 class LLMEngine:
     """``transfers``: builds the pool's ``BlockTransfers`` (tests pass fake streams);
     ``sampler``: the output room's sampler (``sampling.sample``; tests inject faults);
     ``events``: told of every hash the device pool starts or stops holding (the KV events
-    publisher, service/kv_events.py; ``BlockManager``'s ``BlockEvents``)."""
+    publisher, service/kv_events.py; ``BlockManager``'s ``BlockEvents``).
+
+    Long: the typed API every caller goes through (each method a few lines over a room) and the step calling the rooms in order; the work is in the rooms."""
 
     def __init__(
         self,
@@ -134,23 +159,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, loaded.eos_token_ids)
         self.accepting = True
 
-        self.model_info = ModelInfo(
-            architecture=mcfg.hf_architecture,
-            model_type=mcfg.model_type,
-            model_fingerprint=loaded.fingerprint,
-            context_length=self.max_model_len,
-            vocab_size=mcfg.vocab_size,
-            block_size=self.block_size,
-            dtype=str(loaded.dtype).removeprefix("torch."),  # compute; the KV's format: bytes_per_token
-            device=str(loaded.device),
-            num_layers=mcfg.num_layers,
-            num_kv_heads=mcfg.num_kv_heads,
-            head_dim=mcfg.head_dim,
-            bytes_per_token=self.pool.bytes_per_token,
-            eos_token_ids=tuple(loaded.eos_token_ids),
-            tiers=(Tier.DEVICE,) + (tuple(store.tiers) if store is not None else ()),
-            shared_tier=store.shared_tier if store is not None else None,
-        )
+        self.model_info = _model_info(loaded, self.max_model_len, self.block_size, self.pool.bytes_per_token, store)
 
         # the rooms
         if cfg.speculative not in ("ngram", "off"):

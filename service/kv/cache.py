@@ -532,6 +532,23 @@ class DecodeRows:
         return buf, len(pos), nb, longest
 
 
+def _check_slices(seqs: Sequence[SeqSlice], block_size: int) -> tuple[list[int], list[int], list[int]]:
+    """(new tokens, start positions, ends) of ``seqs``; ValueError for a slice with no new
+    token, a negative start or a block table too short for its end."""
+    lens = [len(s.token_ids) for s in seqs]
+    starts = [int(s.start_pos) for s in seqs]
+    totals = [s + n for s, n in zip(starts, lens)]
+    for i, s in enumerate(seqs):
+        if lens[i] < 1 or starts[i] < 0:
+            raise ValueError(f"sequence {i}: needs >= 1 new token and start_pos >= 0")
+        if len(s.block_table) * block_size < totals[i]:
+            raise ValueError(
+                f"sequence {i}: block table of {len(s.block_table)} blocks covers "
+                f"{len(s.block_table) * block_size} positions, needs {totals[i]}"
+            )
+    return lens, starts, totals
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class BatchLayout:
     """Attention metadata of one forward pass over B sequences of up to T new tokens.
@@ -646,17 +663,7 @@ class BatchLayout:
         if not seqs:
             raise ValueError("BatchLayout.build needs at least one sequence")
         device = torch.device(device)
-        lens = [len(s.token_ids) for s in seqs]
-        starts = [int(s.start_pos) for s in seqs]
-        totals = [s + n for s, n in zip(starts, lens)]
-        for i, s in enumerate(seqs):
-            if lens[i] < 1 or starts[i] < 0:
-                raise ValueError(f"sequence {i}: needs >= 1 new token and start_pos >= 0")
-            if len(s.block_table) * block_size < totals[i]:
-                raise ValueError(
-                    f"sequence {i}: block table of {len(s.block_table)} blocks covers "
-                    f"{len(s.block_table) * block_size} positions, needs {totals[i]}"
-                )
+        lens, starts, totals = _check_slices(seqs, block_size)
         B, T = len(seqs), max(lens)
         num_blocks = max(math.ceil(t / block_size) for t in totals)
         if T == 1 and any(starts):
