@@ -310,7 +310,7 @@ class AsyncEngine:
             try:
                 self.engine.warm(token_ids, scope, tenant, done)
             except BaseException as exc:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                loop.call_soon_threadsafe(lambda e=exc: fut.done() or fut.set_exception(e))  # exc: gone after except
                 raise
 
         self.engine.call_soon(run)
@@ -334,7 +334,7 @@ class AsyncEngine:
             try:
                 self.engine.retain(token_ids, scope, ttl_s, done)
             except BaseException as exc:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                loop.call_soon_threadsafe(lambda e=exc: fut.done() or fut.set_exception(e))  # exc: gone after except
                 if not isinstance(exc, Exception):
                     raise
 

@@ -256,3 +256,25 @@ def test_a_lagging_consumer_gets_the_queued_tokens_in_one_delta(loaded):
     assert deltas[0].token_ids == done.output_token_ids and len(done.output_token_ids) == 12
     assert deltas[0].text == done.text
     assert [lp.token_id for lp in deltas[0].logprobs] == done.output_token_ids  # merged alongside
+
+
+def test_a_refused_retain_reaches_its_caller_at_once(loaded):
+    """AsyncEngine.retain runs LLMEngine.retain on the engine thread: what that raises
+    (here RetentionRefused: an engine with no tier below the device keeps no retention) is
+    the caller's error, not the call's timeout."""
+    import asyncio
+
+    from kvserve.service.engine.async_engine import AsyncEngine
+    from kvserve.service.types import CacheScope, RetentionRefused
+
+    async def main():
+        aeng = AsyncEngine(make_engine(loaded))
+        aeng.start()
+        try:
+            (p,) = prompts(loaded.config.vocab_size, [3 * BS])
+            with pytest.raises(RetentionRefused, match="no cache tier"):
+                await aeng.retain(p, CacheScope(), 60.0, timeout_s=20.0)
+        finally:
+            await aeng.shutdown()
+
+    asyncio.run(main())
