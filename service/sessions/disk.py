@@ -40,7 +40,8 @@ from typing import Any, Callable
 from kvserve.common.dirlock import hold_dir_lock
 
 from .records import SessionRecord, SessionRecordError, SessionStoreUnavailable, decode_record, encode_record
-from .stores import CONFLICT, LIMIT, FlushReport, InMemorySessionStore
+from .stores.memory import InMemorySessionStore
+from .stores.protocol import CONFLICT, LIMIT, FlushReport
 
 log = logging.getLogger(__name__)
 

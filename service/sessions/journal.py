@@ -44,7 +44,7 @@ from pathlib import Path
 from kvserve.common.dirlock import hold_dir_lock
 
 from .records import SessionRecord, SessionRecordError, decode_record, encode_record
-from .stores import Expect
+from .stores.protocol import Expect  # not the package: its fallback store names the journal
 
 log = logging.getLogger(__name__)
 
