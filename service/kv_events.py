@@ -142,7 +142,7 @@ class KVEvents:
     device pool (``BlockManager``) and the store's tiers call its hooks, ``attach`` starts
     it once the store exists, ``close`` ends it after them.
 
-    Long: the hooks, the index they keep, the publisher thread and the journal share one lock and one state; split apart, each would reach into the others' members."""
+    Over 400 lines: the hooks, the index they keep, the publisher thread and the journal share one lock and one state; split apart, each would reach into the others' members."""
 
     def __init__(
         self,

@@ -131,7 +131,7 @@ class LLMEngine:
     ``events``: told of every hash the device pool starts or stops holding (the KV events
     publisher, service/kv_events.py; ``BlockManager``'s ``BlockEvents``).
 
-    Long: the typed API every caller goes through (each method a few lines over a room) and the step calling the rooms in order; the work is in the rooms."""
+    Over 400 lines: the typed API every caller goes through (each method a few lines over a room) and the step calling the rooms in order; the work is in the rooms."""
 
     def __init__(
         self,

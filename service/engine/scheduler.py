@@ -83,7 +83,7 @@ class Scheduler:
     """The scheduling room (module docstring): the inbox, waiting / restoring / running,
     admission, each step's plan (decodes, drafts, prefill batches), preemption.
 
-    Long: one owner of the sequences' queues and blocks; admission, the plan, the drafts and preemption change the same lists together."""
+    Over 400 lines: one owner of the sequences' queues and blocks; admission, the plan, the drafts and preemption change the same lists together."""
 
     def __init__(
         self,

@@ -106,7 +106,7 @@ class SessionManager:
     another type) is no record: ``get`` raises SessionNotFound and a turn starts the
     session over, and that turn's first write replaces the value (``records_healed``).
 
-    Long: every session operation (a turn's begin, commit and end, fork, rewind, delete, list, reap) holds the same turn lock, in-flight table and limits.
+    Over 400 lines: every session operation (a turn's begin, commit and end, fork, rewind, delete, list, reap) holds the same turn lock, in-flight table and limits.
     """
 
     def __init__(

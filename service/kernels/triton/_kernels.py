@@ -247,7 +247,7 @@ def _attention_kernel(out_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, 
     the partials (every split writes its entry, an empty one too), ``_reduce_kernel``
     joins them.
 
-    Long: a Triton kernel is one jitted program; its variants (decode or extend, scaled, fp8, softcap, window) are branches the compiler specializes away."""
+    Over 80 lines: a Triton kernel is one jitted program; its variants (decode or extend, scaled, fp8, softcap, window) are branches the compiler specializes away."""
     seq = tl.program_id(0)
     qblk = tl.program_id(1)
     kvh = tl.program_id(2) // SPLITS

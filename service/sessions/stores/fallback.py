@@ -66,7 +66,7 @@ class FallbackSessionStore:
     does not outlive the process, e.g. a Kubernetes emptyDir on a pod's replacement,
     keeps nothing); what is left is in its report (sessions and acknowledged turns).
 
-    Long: one state (this replica's copies, what Redis may lack, deletes and creations in flight) that every method and the write-back loop read and change together.
+    Over 400 lines: one state (this replica's copies, what Redis may lack, deletes and creations in flight) that every method and the write-back loop read and change together.
     """
 
     def __init__(
