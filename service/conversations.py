@@ -65,6 +65,7 @@ from .types import (
     FinishReason,
     GenerationRequest,
     InvalidRequest,
+    ModelInfo,
     RetainedPrefix,
     SamplingParams,
     Started,
@@ -138,6 +139,11 @@ class Conversations:
         self.tool_call_parser = tool_call_parser
         self._tools: ToolCalling | None = None
         self._piece_bytes: list[bytes] | None = None  # token_pieces: sentencepiece's bytes per id, once
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model's facts (``AsyncEngine.model_info``), for the fronts."""
+        return self.engine.model_info
 
     @property
     def tools(self) -> ToolCalling:

@@ -8,21 +8,22 @@ names the limit and its value). What stays here is what is gRPC's: the caller's 
 (``tenant_of``), per-method request counters, and request bytes that do not parse
 (``wire.safe_deserializer``: INVALID_ARGUMENT, not grpc's UNKNOWN), and the call's trace
 (``service/tracing.py``: its parent comes from the call's metadata; the conversation
-marks the start and the end of generation on it). Stream admission and the drain are
-``service.admission.Admission``'s, shared with the HTTP front: every call asks it
-``check_serving`` and every Generate stream holds a ``Ticket`` until it ends.
+marks the start and the end of generation on it). A Generate runs its turn through the
+fronts' one prologue (``service.turns.Turns``, as every HTTP protocol does): stream
+admission and the drain are ``service.admission.Admission``'s, shared with the HTTP
+front: every call asks ``check_serving`` and every Generate stream holds a ``Ticket``
+until it ends.
 
-Cancellation: ``Generate`` is an async generator that iterates the conversation's event
-stream inside ``aclosing``. When the client cancels, disconnects or passes its
-deadline, grpc.aio cancels the handler task; the CancelledError unwinds through
-``aclosing``, which closes the conversation and the engine iterator, and the engine
-aborts the request on its next step (its blocks are released and stay cached).
+Cancellation: ``Generate`` is an async generator that iterates the running turn's
+events. When the client cancels, disconnects or passes its deadline, grpc.aio cancels
+the handler task; the CancelledError unwinds through ``RunningTurn.close``, which closes
+the conversation and the engine iterator, and the engine aborts the request on its next
+step (its blocks are released and stay cached).
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
@@ -30,12 +31,13 @@ import grpc
 from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from . import wire
-from .admission import Admission, Ticket
+from .admission import Admission
 from .conversations import Conversations
 from .metrics import ServiceMetrics
 from .sessions import InvalidSessionId, SessionRecord
 from .tracing import Tracing
-from .types import Delta, Finished, Started, ToolCallDelta
+from .turns import RunningTurn, Turns
+from .types import Delta, Finished, ToolCallDelta
 from .wire import SERVICE_NAME, InvalidMessage, RpcStatus
 
 if TYPE_CHECKING:
@@ -87,6 +89,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.default_max_new_tokens = default_max_new_tokens
         self._tenant_of = tenant_of
         self.admission = admission  # shared with the HTTP front: one count, one drain
+        self.turns = Turns(conversations, admission, metrics, self.tracing)  # the fronts' one turn prologue
 
     @property
     def engine(self) -> AsyncEngine:
@@ -104,28 +107,27 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         request_id = wire.new_request_id()
         code = grpc.StatusCode.OK
         failure: RpcStatus | None = None
-        ticket: Ticket | None = None  # set once the stream is admitted (counted)
+        turn: RunningTurn | None = None  # set once the stream is admitted and started
         session_id = "" if isinstance(request, InvalidMessage) else request.session_id
-        trace = self.tracing.generate(context.invocation_metadata(), request_id, session_id)
+        call = self.turns.call("Generate", context.invocation_metadata(), request_id, session_id)
         try:
             if isinstance(request, InvalidMessage):
                 raise request.status()
-            self.admission.check_serving()
-            ticket = self.admission.admit(self._tenant_of(context), request_id)
+            self.turns.check_serving()
+            owner = self._tenant_of(context)
             inp = wire.turn_input(request, self.default_max_new_tokens)
-            async with aclosing(self.conversations.run_turn(ticket.owner, inp, request_id, trace)) as events:
-                async for event in events:
-                    if isinstance(event, Started):
-                        yield pb.GenerateResponse(start=wire.start_event(event, inp.session_id))
-                    elif isinstance(event, Delta):
-                        yield pb.GenerateResponse(delta=wire.delta_event(event))
-                    elif isinstance(event, ToolCallDelta):
-                        yield pb.GenerateResponse(delta=wire.tool_call_event(event))
-                    elif isinstance(event, Finished):
-                        status = wire.finish_status(event, request_id, self.admission.draining)
-                        if status is not None:
-                            raise status
-                        yield pb.GenerateResponse(final=wire.final_event(event))
+            turn = await self.turns.start(owner, inp, request_id, call)
+            yield pb.GenerateResponse(start=wire.start_event(turn.start, inp.session_id))
+            async for event in turn:
+                if isinstance(event, Delta):
+                    yield pb.GenerateResponse(delta=wire.delta_event(event))
+                elif isinstance(event, ToolCallDelta):
+                    yield pb.GenerateResponse(delta=wire.tool_call_event(event))
+                elif isinstance(event, Finished):
+                    status = wire.finish_status(event, request_id, self.admission.draining)
+                    if status is not None:
+                        raise status
+                    yield pb.GenerateResponse(final=wire.final_event(event))
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
             raise
@@ -133,10 +135,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             failure = wire.failure(exc, "Generate", request_id)
             code = failure.code
         finally:
-            if ticket is not None:
-                ticket.release()
-            self.metrics.requests.labels("Generate", code.name).inc()
-            trace.end(code.name, failure.details if failure is not None else "")
+            try:
+                if turn is not None:
+                    await turn.close()
+            finally:
+                call.end(code.name, code.name, failure.details if failure is not None else "")
         if failure is not None:
             await context.abort(failure.code, failure.details)
 

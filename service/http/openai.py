@@ -258,7 +258,7 @@ class ParsedRequest:
     names: Mapping[str, str] = dataclasses.field(default_factory=chat_names)  # domain -> OpenAI field names
 
 
-def _number(body: Mapping[str, Any], name: str, kind: type = float) -> Any:
+def number_field(body: Mapping[str, Any], name: str, kind: type = float) -> Any:
     value = body.get(name)
     if value is None:
         return None
@@ -278,7 +278,7 @@ def _check_common(body: Mapping[str, Any], allowed: set[str], where: str) -> Non
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise HttpError(400, "model must be a string", param="model")
-    _number(body, "n", int)  # its range: SamplingParams.validate
+    number_field(body, "n", int)  # its range: SamplingParams.validate
     check_bookkeeping(body)
 
 
@@ -308,7 +308,7 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
         on = body.get("logprobs")
         if on is not None and not isinstance(on, bool):
             raise HttpError(400, "logprobs must be a boolean", param="logprobs", code="invalid_type")
-        top = _number(body, "top_logprobs", int)
+        top = number_field(body, "top_logprobs", int)
         if top and not on:
             raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         return (top or 0) if on else None
@@ -320,12 +320,12 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     return value
 
 
-def _sampling(
+def sampling_fields(
     body: Mapping[str, Any], max_tokens_field: str, default_max_new_tokens: int, logprobs: int | None = None
 ) -> tuple[SamplingParams, int | None]:
-    max_tokens = _number(body, max_tokens_field, int)
+    max_tokens = number_field(body, max_tokens_field, int)
     if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens = _number(body, "max_tokens", int)
+        max_tokens = number_field(body, "max_tokens", int)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -341,14 +341,14 @@ def _sampling(
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise HttpError(400, "ignore_eos must be a boolean", param="ignore_eos")
-    temperature = _number(body, "temperature")
-    top_p = _number(body, "top_p")
-    top_k = _number(body, "top_k", int)
-    rep = _number(body, "repetition_penalty")
-    seed = _number(body, "seed", int)
-    n = _number(body, "n", int)
-    presence, frequency = _number(body, "presence_penalty"), _number(body, "frequency_penalty")
-    min_p, min_tokens = _number(body, "min_p"), _number(body, "min_tokens", int)
+    temperature = number_field(body, "temperature")
+    top_p = number_field(body, "top_p")
+    top_k = number_field(body, "top_k", int)
+    rep = number_field(body, "repetition_penalty")
+    seed = number_field(body, "seed", int)
+    n = number_field(body, "n", int)
+    presence, frequency = number_field(body, "presence_penalty"), number_field(body, "frequency_penalty")
+    min_p, min_tokens = number_field(body, "min_p"), number_field(body, "min_tokens", int)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else default_max_new_tokens,
         temperature=1.0 if temperature is None else float(temperature),  # OpenAI's default is 1
@@ -378,7 +378,7 @@ def speculation(body: Mapping[str, Any]) -> dict[str, Any]:
     on = body.get("speculative")
     if on is not None and not isinstance(on, bool):
         raise HttpError(400, "speculative must be a boolean", param="speculative", code="invalid_type")
-    n_max = _number(body, "speculative.n_max", int)
+    n_max = number_field(body, "speculative.n_max", int)
     if n_max is None:
         return {"speculative": on}
     if n_max < 0 or (on is not None and on != (n_max > 0)):
@@ -425,14 +425,14 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(opts.get("include_usage", False))
 
 
-def _salt(body: Mapping[str, Any]) -> str:
+def cache_salt_field(body: Mapping[str, Any]) -> str:
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str):
         raise HttpError(400, "cache_salt must be a string", param="cache_salt")
     return salt
 
 
-def _content(value: Any, where: str, text_types: tuple[str, ...] = ("text", "refusal")) -> str:
+def content_field(value: Any, where: str, text_types: tuple[str, ...] = ("text", "refusal")) -> str:
     """A message's content: a string, or a list of text parts (joined; an assistant's
     ``refusal`` part is its text)."""
     if isinstance(value, str):
@@ -457,7 +457,7 @@ def _is_empty(value: Any) -> bool:
     return value is None or value == [] or value == ""
 
 
-def _string(value: Any, where: str) -> str:
+def string_field(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise HttpError(400, f"{where} must be a string", param=where)
     return value
@@ -479,8 +479,8 @@ def _tool_calls(value: Any, i: int) -> tuple[ToolCall, ...]:
         args = fn.get("arguments", "{}")
         if isinstance(args, (dict, list)):  # some clients send the object itself
             args = json.dumps(args, ensure_ascii=False)
-        out.append(ToolCall(_string(c.get("id", ""), f"{w}.id"), _string(fn.get("name"), f"{w}.function.name"),
-                            _string(args, f"{w}.function.arguments")))  # fmt: skip
+        out.append(ToolCall(string_field(c.get("id", ""), f"{w}.id"), string_field(fn.get("name"), f"{w}.function.name"),
+                            string_field(args, f"{w}.function.arguments")))  # fmt: skip
     return tuple(out)
 
 
@@ -511,7 +511,7 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if role == "tool" and not isinstance(m.get("tool_call_id"), str):
             raise HttpError(400, f"messages[{i}]: a tool message needs tool_call_id (a string)",
                             param=f"messages[{i}].tool_call_id")  # fmt: skip
-        content = _content(m.get("content"), f"messages[{i}].content")
+        content = content_field(m.get("content"), f"messages[{i}].content")
         if not content and isinstance(m.get("refusal"), str):
             content = m["refusal"]
         out.append(ChatMessage(role, content, calls, m.get("tool_call_id") or "",
@@ -542,8 +542,8 @@ def chat_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoic
         strict = fn.get("strict") or False
         if not isinstance(strict, bool):
             raise HttpError(400, f"{w}.function.strict must be a boolean", param=f"{w}.function.strict")
-        tools.append(ToolSpec(_string(fn.get("name"), f"{w}.function.name"),
-                              _string(fn.get("description") or "", f"{w}.function.description"),
+        tools.append(ToolSpec(string_field(fn.get("name"), f"{w}.function.name"),
+                              string_field(fn.get("description") or "", f"{w}.function.description"),
                               json.dumps(params) if params is not None else "{}", strict))  # fmt: skip
     choice = body.get("tool_choice")
     tc: ToolChoice | None
@@ -553,7 +553,7 @@ def chat_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoic
         tc = ToolChoice(choice)
     elif isinstance(choice, dict) and choice.get("type") == "function":
         fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice  # Responses: {"type", "name"}
-        tc = ToolChoice("function", _string(fn.get("name"), "tool_choice.function.name"))
+        tc = ToolChoice("function", string_field(fn.get("name"), "tool_choice.function.name"))
     else:
         raise HttpError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                         '{"name": ...}}', param="tool_choice")  # fmt: skip
@@ -604,11 +604,11 @@ def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     if body.get("modalities") not in (None, ["text"]):
         raise unsupported("modalities", "only [\"text\"] is supported")
     stream, include_usage = _stream(body)
-    sampling, max_tokens = _sampling(body, "max_completion_tokens", default_max_new_tokens, _logprobs(body, True))
+    sampling, max_tokens = sampling_fields(body, "max_completion_tokens", default_max_new_tokens, _logprobs(body, True))
     fmt = response_format(body.get("response_format"))
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
-    inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body),
+    inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=cache_salt_field(body),
                     tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)  # fmt: skip
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None or \
         body.get("max_tokens") is None else "max_tokens"  # fmt: skip
@@ -622,7 +622,7 @@ def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
         raise unsupported("echo")
     if body.get("suffix") is not None:
         raise unsupported("suffix")
-    if _number(body, "best_of", int) not in (None, 1):
+    if number_field(body, "best_of", int) not in (None, 1):
         raise unsupported("best_of", "only 1 is supported")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -638,8 +638,8 @@ def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     else:
         raise HttpError(400, "prompt must be a string or a list of token ids", param="prompt")
     stream, include_usage = _stream(body)
-    sampling, max_tokens = _sampling(body, "max_tokens", default_max_new_tokens, _logprobs(body, False))
-    inp = TurnInput(text=text, token_ids=ids, sampling=sampling, max_new_tokens=max_tokens, cache_salt=_salt(body))
+    sampling, max_tokens = sampling_fields(body, "max_tokens", default_max_new_tokens, _logprobs(body, False))
+    inp = TurnInput(text=text, token_ids=ids, sampling=sampling, max_new_tokens=max_tokens, cache_salt=cache_salt_field(body))
     return ParsedRequest(body.get("model"), inp, stream, include_usage, COMPLETION_NAMES)
 
 

@@ -49,15 +49,15 @@ import dataclasses
 import json
 import time
 import uuid
-from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import wire
 from . import openai as oa
+from .plumbing import HttpTurn, Plumbing, TurnRequest, whole_or_gone
 from ..sessions import SESSION_ID_RE, SessionNotFound
 from ..types import (
     ChatMessage,
@@ -74,8 +74,6 @@ from ..types import (
     TurnInput,
 )
 
-if TYPE_CHECKING:
-    from .app import HttpFront
 
 RESPONSE_PREFIX = "resp_"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -159,8 +157,8 @@ def _input_messages(value: Any, declared: frozenset[str]) -> tuple[list[ChatMess
         kind = item.get("type", "message")
         if kind == "function_call":
             _only(item, where, ("type", "id", "call_id", "name", "arguments", "status"))
-            call = ToolCall(oa._string(item.get("call_id"), f"{where}.call_id"), oa._string(item.get("name"), f"{where}.name"),
-                            oa._string(item.get("arguments", "{}"), f"{where}.arguments"))  # fmt: skip
+            call = ToolCall(oa.string_field(item.get("call_id"), f"{where}.call_id"), oa.string_field(item.get("name"), f"{where}.name"),
+                            oa.string_field(item.get("arguments", "{}"), f"{where}.arguments"))  # fmt: skip
             if declared and call.name not in declared:
                 raise oa.HttpError(400, f"{where}.name: the function {call.name[:80]!r} is not in tools",
                                    param=f"{where}.name")  # fmt: skip
@@ -176,8 +174,8 @@ def _input_messages(value: Any, declared: frozenset[str]) -> tuple[list[ChatMess
             continue
         if kind == "function_call_output":
             _only(item, where, ("type", "id", "call_id", "output", "status"))
-            call_id = oa._string(item.get("call_id"), f"{where}.call_id")
-            output = oa._content(item.get("output"), f"{where}.output", _TEXT_PARTS)
+            call_id = oa.string_field(item.get("call_id"), f"{where}.call_id")
+            output = oa.content_field(item.get("output"), f"{where}.output", _TEXT_PARTS)
             if answerable is None:
                 leading.append((i, call_id))
             elif call_id not in answerable:
@@ -191,7 +189,7 @@ def _input_messages(value: Any, declared: frozenset[str]) -> tuple[list[ChatMess
             raise oa.HttpError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}"[:200],
                                param=f"{where}.role", code="invalid_value")  # fmt: skip
         _only(item, where, ("type", "role", "content", "id", "status"))
-        content = oa._content(item.get("content"), f"{where}.content", _TEXT_PARTS)
+        content = oa.content_field(item.get("content"), f"{where}.content", _TEXT_PARTS)
         out.append(ChatMessage(role, content))
         answerable = set()
     return out, leading
@@ -236,8 +234,8 @@ def response_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolC
         strict = t.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise oa.HttpError(400, f"{w}.strict must be a boolean", param=f"{w}.strict")
-        name = oa._string(t.get("name"), f"{w}.name")
-        desc = oa._string(t.get("description") or "", f"{w}.description")
+        name = oa.string_field(t.get("name"), f"{w}.name")
+        desc = oa.string_field(t.get("description") or "", f"{w}.description")
         strict = True if strict is None else strict  # OpenAI's default on /v1/responses
         tools.append(ToolSpec(name, desc, json.dumps(params) if params is not None else "{}", strict))
         echo.append({"type": "function", "name": name, "description": desc or None, "parameters": params,
@@ -249,7 +247,7 @@ def response_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolC
     elif choice in ("none", "auto", "required"):
         tc = ToolChoice(choice)
     elif isinstance(choice, dict) and choice.get("type") == "function" and set(choice) <= {"type", "name"}:
-        tc = ToolChoice("function", oa._string(choice.get("name"), "tool_choice.name"))
+        tc = ToolChoice("function", oa.string_field(choice.get("name"), "tool_choice.name"))
     else:
         raise oa.unsupported("tool_choice", 'accepted: "none", "auto", "required" or {"type": "function", "name": ...}')
     parallel = body.get("parallel_tool_calls")
@@ -324,7 +322,7 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_obfuscation"}):
         raise oa.HttpError(400, "stream_options takes include_obfuscation only", param="stream_options")
-    top = oa._number(body, "top_logprobs", int)
+    top = oa.number_field(body, "top_logprobs", int)
     logprobs = bool(include) or bool(top)
     messages, leading = _input_messages(body.get("input"), frozenset(t.name for t in tools))
     if leading and prev is None:  # nothing before this input made calls
@@ -332,12 +330,12 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
         raise no_call_found(f"input[{i}].call_id", call_id)
     if instructions:
         messages.insert(0, ChatMessage("system", instructions))
-    sampling, max_tokens = oa._sampling(body, "max_output_tokens", default_max_new_tokens,
+    sampling, max_tokens = oa.sampling_fields(body, "max_output_tokens", default_max_new_tokens,
                                         (top or 0) if logprobs else None)  # fmt: skip
     fmt, echo_fmt = text_format(body.get("text"))
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
-    inp = TurnInput(messages=tuple(messages), sampling=sampling, max_new_tokens=max_tokens, cache_salt=oa._salt(body),
+    inp = TurnInput(messages=tuple(messages), sampling=sampling, max_new_tokens=max_tokens, cache_salt=oa.cache_salt_field(body),
                     tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)  # fmt: skip
     echo = {
         "temperature": body.get("temperature"), "top_p": body.get("top_p"), "max_output_tokens": max_tokens,
@@ -426,25 +424,22 @@ def response_usage(start: Started, fin: Finished, block_size: int) -> dict[str, 
 
 
 class ResponsesRoutes:
-    """The three routes, over the HTTP front's plumbing."""
+    """The three routes, over the HTTP front's plumbing (``service.http.plumbing``)."""
 
-    def __init__(self, front: HttpFront) -> None:
-        self.front = front
-
-    @property
-    def conversations(self) -> Any:
-        return self.front.conversations
+    def __init__(self, plumbing: Plumbing) -> None:
+        self.front = plumbing
+        self.conversations = plumbing.conversations
 
     def _fail(self, exc: BaseException, request_id: str, method: str, names: Any = None) -> Response:
         err = self.front.error_of(exc, request_id, names)
-        self.front._count(method, err)
-        return self.front._error(err)
+        self.front.count(method, err)
+        return self.front.error_response(err)
 
     async def retrieve(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
         try:
             self.front.admission.check_serving()
-            owner = self.front._tenant(request)
+            owner = self.front.tenant(request)
             rec, busy, reply = await self._read(owner, rid)
         except Exception as exc:  # noqa: BLE001
             return self._fail(exc, wire.new_request_id(), "Responses")
@@ -455,7 +450,7 @@ class ResponsesRoutes:
         text, calls = self.reply_calls(rid, reply) if log is not None else (None, [])
         body = response_object(rid, self.front.model_id, created, status, text, previous=prev, calls=tuple(calls),
                                incomplete="max_output_tokens" if status == "incomplete" else None)  # fmt: skip
-        self.front._count("Responses", 200)
+        self.front.count("Responses", 200)
         return JSONResponse(body)
 
     def reply_calls(self, rid: str, reply: str) -> tuple[str, list[ToolCall]]:
@@ -473,7 +468,7 @@ class ResponsesRoutes:
         rid = request.path_params["response_id"]
         try:
             self.front.admission.check_serving()
-            owner = self.front._tenant(request)
+            owner = self.front.tenant(request)
             if not rid.startswith(RESPONSE_PREFIX):
                 raise _not_found(rid)
             try:
@@ -482,7 +477,7 @@ class ResponsesRoutes:
                 raise _not_found(rid) from None
         except Exception as exc:  # noqa: BLE001
             return self._fail(exc, wire.new_request_id(), "Responses")
-        self.front._count("Responses", 200)
+        self.front.count("Responses", 200)
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def _read(self, owner: str, rid: str) -> Any:
@@ -531,48 +526,34 @@ class ResponsesRoutes:
 
     async def create(self, request: Request) -> Response:
         front = self.front
-        request_id = wire.new_request_id()
         rid = new_response_id()
-        ticket: Any = None
-        events: Any = None
-        names = oa.RESPONSES_NAMES
-        prev: str | None = None
-        trace = front.tracing.generate(request.headers.items(), request_id, rid, http_route="/v1/responses")
-        try:
-            front.admission.check_serving()
-            owner = front._tenant(request)
-            req = response_request(await front._body(request), front.default_max_new_tokens)
-            front._check_model(req.model)
-            prev = req.previous_response_id
+        req: ResponseRequest | None = None
+
+        async def parse(owner: str, body: Any) -> TurnRequest:
+            nonlocal req
+            req = response_request(body, front.default_max_new_tokens)
+            front.check_model(req.model)
             inp = dataclasses.replace(req.inp, session_id=rid)
-            if prev is not None:  # 404 / 409 naming the field; the outputs that answer its calls checked
-                inp = _answering(inp, req.answers, await self._previous(owner, prev))
-            ticket = front.admission.admit(owner, request_id)
-            events = aclosing(self.conversations.run_turn(owner, inp, request_id, trace,
-                                                          fork_from=req.previous_response_id or ""))  # fmt: skip
-            gen = await events.__aenter__()
-            start = await anext(gen)
-            if not isinstance(start, Started):
-                raise RuntimeError("the conversation did not start with a Started event")
-        except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
-            if events is not None:
-                await events.__aexit__(None, None, None)
-            if ticket is not None:
-                ticket.release()
-            err = front.error_of(exc, request_id, names)
+            if req.previous_response_id is not None:  # 404 / 409 naming the field; the outputs that answer its calls checked
+                inp = _answering(inp, req.answers, await self._previous(owner, req.previous_response_id))
+            return TurnRequest(inp, oa.RESPONSES_NAMES, fork_from=req.previous_response_id or "")
+
+        def on_error(exc: BaseException, err: oa.HttpError) -> oa.HttpError:
+            prev = req.previous_response_id if req is not None else None
             if isinstance(exc, SessionNotFound) and prev is not None:  # removed since it was read
-                err = _not_found(prev, param="previous_response_id")
-            front._count("Responses", err)
-            trace.end(err.status, err.message)
-            return front._error(err)
-        turn = _Turn(self, owner, rid, req, request_id, start, events, gen, ticket, trace)
-        headers = {"X-Request-Id": request_id}
+                return _not_found(prev, param="previous_response_id")
+            return err
+
+        turn = await front.start_turn(request, "Responses", "/v1/responses", rid, parse, on_error)
+        if isinstance(turn, oa.HttpError):
+            return front.error_response(turn)
+        assert req is not None
+        answer = _Turn(self, rid, req, turn)
+        headers = {"X-Request-Id": turn.request_id}
         if req.stream:
             headers["Cache-Control"] = "no-cache"
-            return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=headers)
-        from .app import whole_or_gone
-
-        return await whole_or_gone(request, turn.whole(), headers)
+            return StreamingResponse(answer.sse(), media_type="text/event-stream", headers=headers)
+        return await whole_or_gone(request, answer.whole(), headers)
 
 
 def _answering(inp: TurnInput, answers: tuple[tuple[int, str], ...], calls: list[ToolCall]) -> TurnInput:
@@ -598,16 +579,15 @@ def _not_found(rid: str, param: str | None = None) -> oa.HttpError:
 class _Turn:
     """One admitted response: the rest of the events as a response object or SSE events."""
 
-    def __init__(self, routes: ResponsesRoutes, owner: str, rid: str, req: ResponseRequest, request_id: str,
-                 start: Started, events: Any, gen: AsyncIterator[Any], ticket: Any, trace: Any) -> None:  # fmt: skip
-        self.routes, self.front = routes, routes.front
-        self.owner, self.rid, self.req, self.request_id = owner, rid, req, request_id
-        self.start, self.events, self.gen, self.ticket, self.trace = start, events, gen, ticket, trace
+    def __init__(self, routes: ResponsesRoutes, rid: str, req: ResponseRequest, turn: HttpTurn) -> None:
+        self.routes, self.front, self.turn = routes, routes.front, turn  # turn.end: closed, counted, traced
+        self.owner, self.rid, self.req, self.request_id = turn.owner, rid, req, turn.request_id
+        self.start = start = turn.start
         self.created = int(time.time())
         self.model = req.model or self.front.model_id
-        self.block_size = self.front.conversations.engine.model_info.block_size
-        self.pieces = self.front.conversations.token_pieces if req.logprobs else None
-        self.ext = {"request_id": request_id,
+        self.block_size = routes.conversations.model_info.block_size
+        self.pieces = routes.conversations.token_pieces if req.logprobs else None
+        self.ext = {"request_id": turn.request_id,
                     "cached_tier": start.cached_tier.value if start.cached_tier is not None and start.cached_tokens
                     else None}  # fmt: skip
 
@@ -632,51 +612,43 @@ class _Turn:
                                                           for k, c in enumerate(ev.tool_calls)))  # fmt: skip
         return ev
 
-    def _error(self, fin: Finished) -> oa.HttpError | None:
-        status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
-        return self.front.error_of(status, self.request_id, oa.RESPONSES_NAMES) if status is not None else None
+    async def _end(self, ok: bool, outcome: int | oa.HttpError, message: str = "") -> None:
+        """End the turn (``HttpTurn.end``); a response not stored loses its session once
+        the turn is closed: nobody can follow it up."""
 
-    async def _close(self, ok: bool) -> None:
-        try:
-            await self.events.__aexit__(None, None, None)
-            if ok and not self.req.store:  # nobody can follow it up: its session goes
+        async def drop() -> None:
+            if ok and not self.req.store:
                 try:
-                    await self.front.conversations.remove(self.owner, self.rid)
+                    await self.routes.conversations.remove(self.owner, self.rid)
                 except Exception:  # noqa: BLE001 - best effort; the TTL reaps it otherwise
                     pass
-        finally:
-            self.ticket.release()
+
+        await self.turn.end(outcome, message, then=drop)
 
     async def whole(self) -> tuple[dict[str, Any], int]:
-        status, message, ok = 499, "the client went away", False
+        outcome: int | oa.HttpError = 499
+        message, ok = "the client went away", False
         lps: list[TokenLogprob] = []
         try:
-            async for ev in self.gen:
+            async for ev in self.turn:
                 ev = self._ided(ev)
                 if isinstance(ev, Delta) and self.pieces is not None:
                     lps.extend(ev.logprobs)
                 elif isinstance(ev, Finished):
-                    err = self._error(ev)
+                    err = self.turn.finish_error(ev)
                     if err is not None:
-                        status, message = err.status, err.message
-                        self.front._count("Responses", err)
+                        outcome, message = err, err.message
                         return err.body(), err.status
-                    status, message, ok = 200, "", True
-                    self.front._count("Responses", 200)
+                    outcome, message, ok = 200, "", True
                     done = "incomplete" if ev.finish_reason == FinishReason.LENGTH else "completed"
                     return self._object(done, ev.text, ev, lps), 200
             raise RuntimeError("the conversation ended without a Finished event")
-        except asyncio.CancelledError:
-            self.front._count("Responses", 499)
-            raise
-        except Exception as exc:  # noqa: BLE001
-            err = self.front.error_of(exc, self.request_id, oa.RESPONSES_NAMES)
-            status, message = err.status, err.message
-            self.front._count("Responses", err)
+        except Exception as exc:  # noqa: BLE001 - (CancelledError: the client went away, 499)
+            err = self.turn.error_of(exc)
+            outcome, message = err, err.message
             return err.body(), err.status
         finally:
-            await self._close(ok)
-            self.trace.end(status, message)
+            await self._end(ok, outcome, message)
 
     async def sse(self) -> AsyncIterator[bytes]:
         seq = 0
@@ -691,7 +663,7 @@ class _Turn:
         item_id = "msg_" + self.rid[len(RESPONSE_PREFIX):]
         # with tools the items open as their output comes (the message on its first text,
         # a function_call on its call's first piece); without, the message opens at once
-        tooled = self.front.conversations.tools.parsing(self.req.inp)
+        tooled = self.routes.conversations.tools.parsing(self.req.inp)
         order: list[Any] = []  # "message" or a call's index, as their items opened (output_index)
         args: dict[int, list[str]] = {}
         text: list[str] = []
@@ -713,7 +685,7 @@ class _Turn:
             if not tooled:
                 for b in open_message():
                     yield b
-            async for ev in self.gen:
+            async for ev in self.turn:
                 ev = self._ided(ev)
                 if isinstance(ev, Delta):
                     if ev.text or (self.pieces is not None and ev.logprobs):
@@ -736,7 +708,7 @@ class _Turn:
                         yield event("response.function_call_arguments.delta", item_id=call_item_id(self.rid, k),
                                     output_index=order.index(k), delta=ev.arguments)  # fmt: skip
                 elif isinstance(ev, Finished):
-                    err = self._error(ev)
+                    err = self.turn.finish_error(ev)
                     if err is not None:
                         status, failed = err.status, err
                         e = err.body()["error"]
@@ -775,11 +747,9 @@ class _Turn:
             status = 499
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            err = self.front.error_of(exc, self.request_id, oa.RESPONSES_NAMES)
+            err = self.turn.error_of(exc)
             status, failed = err.status, err
             e = err.body()["error"]
             yield event("error", code=e["code"], message=e["message"], param=e["param"])
         finally:
-            await self._close(ok)
-            self.front._count("Responses", failed or status)
-            self.trace.end(status)
+            await self._end(ok, failed or status)
