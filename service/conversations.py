@@ -53,7 +53,7 @@ from .history import HistoryAction, HistoryPlan, plan_history
 from .metrics import ServiceMetrics
 from .models.tokenizer import ChatTemplateError
 from .sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
-from .sessions.stores import copy_record
+from .sessions.records import copy_record
 from .spill import SpillScheduler
 from .tools import ToolCalling, uses_tools
 from .types import (
@@ -368,6 +368,19 @@ class Conversations:
         if self.spill is not None and rec.token_ids:
             self.spill.touch(owner, new_session_id, rec.token_ids, self.cache_scope(owner, rec.cache_salt))
         return rec
+
+    async def get(self, owner: str, session_id: str) -> tuple[SessionRecord, bool]:
+        """A session's record and whether a turn is in flight (``SessionManager.get``).
+        Raises SessionNotFound."""
+        return await self.sessions.get(owner, session_id)
+
+    async def list_sessions(
+        self, owner: str, page_size: int, page_token: str
+    ) -> tuple[list[tuple[SessionRecord, bool]], str]:
+        """One page of ``owner``'s sessions with their busy flags, and the next page's
+        token (``SessionManager.list``). Raises InvalidSessionId for a token this server
+        did not issue, ValueError for a page size out of range."""
+        return await self.sessions.list(owner, page_size, page_token)
 
     async def session(self, owner: str, session_id: str) -> tuple[SessionRecord, bool, str]:
         """A session's record, whether a turn is in flight, and its last completed turn's

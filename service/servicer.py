@@ -24,7 +24,7 @@ step (its blocks are released and stay cached).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -34,14 +34,11 @@ from . import wire
 from .admission import Admission
 from .conversations import Conversations
 from .metrics import ServiceMetrics
-from .sessions import InvalidSessionId, SessionRecord
+from .errors import InvalidSessionId
 from .tracing import Tracing
 from .turns import RunningTurn, Turns
-from .types import Delta, Finished, ToolCallDelta
+from .types import Delta, Finished, SessionView, ToolCallDelta
 from .wire import SERVICE_NAME, InvalidMessage, RpcStatus
-
-if TYPE_CHECKING:
-    from .engine import AsyncEngine
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "RpcStatus", "add_to_server"]
 
@@ -84,20 +81,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> None:
         self.conversations = conversations
         self.tracing = tracing or Tracing.off()
-        self.sessions = conversations.sessions
         self.metrics = metrics
         self.default_max_new_tokens = default_max_new_tokens
         self._tenant_of = tenant_of
         self.admission = admission  # shared with the HTTP front: one count, one drain
         self.turns = Turns(conversations, admission, metrics, self.tracing)  # the fronts' one turn prologue
-
-    @property
-    def engine(self) -> AsyncEngine:
-        return self.conversations.engine
-
-    @engine.setter
-    def engine(self, engine: AsyncEngine) -> None:  # tests wrap the engine
-        self.conversations.engine = engine
 
     # ------------------------------------------------------------------ Generate
 
@@ -146,16 +134,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     # ------------------------------------------------------------------ sessions
 
     async def _session(
-        self, owner: str, rec: SessionRecord, busy: bool = False, token_ids: bool = False, turns: bool = True
+        self, owner: str, rec: SessionView, busy: bool = False, token_ids: bool = False, turns: bool = True
     ) -> pb.Session:
         """A session's message with where its blocks are (GetSession, RewindSession, ForkSession)."""
         where = await self.conversations.block_locations(owner, rec)
-        return wire.session(rec, busy, self.engine.model_info.block_size, token_ids, where, turns)
+        return wire.session(rec, busy, self.conversations.model_info.block_size, token_ids, where, turns)
 
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.GetSessionResponse:
         async def handle() -> pb.GetSessionResponse:
             owner = self._tenant_of(context)
-            rec, busy = await self.sessions.get(owner, request.session_id)
+            rec, busy = await self.conversations.get(owner, request.session_id)
             return pb.GetSessionResponse(
                 session=await self._session(owner, rec, busy, request.include_token_ids, request.include_turns)
             )
@@ -166,8 +154,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSessionResponse:
         async def handle() -> pb.DeleteSessionResponse:
-            rec = await self.sessions.delete(self._tenant_of(context), request.session_id)
-            await self.conversations.forget(rec)
+            await self.conversations.remove(self._tenant_of(context), request.session_id)
             return pb.DeleteSessionResponse()
 
         return await self._unary("DeleteSession", request, context, handle)
@@ -177,14 +164,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> pb.ListSessionsResponse:
         async def handle() -> pb.ListSessionsResponse:
             try:
-                page, next_token = await self.sessions.list(
+                page, next_token = await self.conversations.list_sessions(
                     self._tenant_of(context), request.page_size, request.page_token
                 )
             except InvalidSessionId:
                 raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
             except ValueError as e:
                 raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            block_size = self.engine.model_info.block_size
+            block_size = self.conversations.model_info.block_size
             return pb.ListSessionsResponse(
                 sessions=[wire.session(rec, busy, block_size) for rec, busy in page], next_page_token=next_token
             )
@@ -228,7 +215,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> pb.GetModelInfoResponse:
         async def handle() -> pb.GetModelInfoResponse:
             limit = self.conversations.max_new_tokens_limit
-            return pb.GetModelInfoResponse(model=wire.model_info(self.engine.model_info, limit))
+            return pb.GetModelInfoResponse(model=wire.model_info(self.conversations.model_info, limit))
 
         return await self._unary("GetModelInfo", request, context, handle)
 

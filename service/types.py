@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from kvserve.common.tiers import Tier  # the tier names (device, host, disk, redis); no torch
 
@@ -559,3 +559,44 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     tiers: tuple[Tier, ...]  # configured cache tiers, fastest first, e.g. (DEVICE, HOST, REDIS)
     shared_tier: Tier | None = None  # the one every replica reads (REDIS), where the drain writes
+
+
+class SessionTurnView(Protocol):
+    """What the fronts read of one completed turn of a session (``sessions.TurnInfo``)."""
+
+    @property
+    def input_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def ended_at(self) -> float: ...
+    @property
+    def tokens(self) -> int: ...
+
+
+class SessionView(Protocol):
+    """What the fronts read of a session's record (``sessions.SessionRecord`` is one), so
+    they name it without importing the session table."""
+
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def created_at(self) -> float: ...
+    @property
+    def last_used_at(self) -> float: ...
+    @property
+    def turns(self) -> int: ...
+    @property
+    def forked_from(self) -> str: ...
+    @property
+    def turn_log(self) -> Sequence[SessionTurnView]: ...
+    @property
+    def untracked_turns(self) -> int: ...
+    @property
+    def untracked_tokens(self) -> int: ...

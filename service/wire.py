@@ -47,7 +47,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from .admission import Draining, TooManyStreams
 from .auth import Unauthenticated
-from .sessions import (
+from .errors import (
     BadTurnCount,
     InvalidSessionId,
     SessionBusy,
@@ -55,7 +55,6 @@ from .sessions import (
     SessionExists,
     SessionLimit,
     SessionNotFound,
-    SessionRecord,
     SessionStoreUnavailable,
     TurnsChanged,
     TurnUnavailable,
@@ -72,6 +71,7 @@ from .types import (
     QueueFull,
     ResponseFormat,
     SamplingParams,
+    SessionView,
     Started,
     Tier,
     ToolCall,
@@ -399,7 +399,7 @@ def final_event(ev: Finished) -> pb.FinalEvent:
     )
 
 
-def turn_log(rec: SessionRecord) -> list[pb.SessionTurn]:
+def turn_log(rec: SessionView) -> list[pb.SessionTurn]:
     out = []
     index, start = rec.untracked_turns, rec.untracked_tokens
     for t in rec.turn_log:
@@ -413,7 +413,7 @@ def turn_log(rec: SessionRecord) -> list[pb.SessionTurn]:
 
 
 def session(
-    rec: SessionRecord,
+    rec: SessionView,
     busy: bool,
     block_size: int,
     include_tokens: bool = False,

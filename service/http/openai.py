@@ -63,7 +63,7 @@ import grpc
 
 from .. import wire
 from ..auth import MISSING_CREDENTIALS, Unauthenticated
-from ..sessions import SessionBusy, SessionConflict, SessionExists, SessionNotFound, TurnsChanged, TurnUnavailable
+from ..errors import SessionBusy, SessionConflict, SessionExists, SessionNotFound, TurnsChanged, TurnUnavailable
 from ..types import (
     MAX_LOGIT_BIAS,
     ChatMessage,

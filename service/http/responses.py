@@ -58,7 +58,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .. import wire
 from . import openai as oa
 from .plumbing import HttpTurn, Plumbing, TurnRequest, whole_or_gone
-from ..sessions import SESSION_ID_RE, SessionNotFound
+from ..errors import SESSION_ID_RE, SessionNotFound
 from ..types import (
     ChatMessage,
     Delta,

@@ -1,4 +1,4 @@
-"""Session records: the ids, the errors, ``SessionRecord`` (with its turn boundaries,
+"""Session records: the ids, the errors (defined in ``service/errors.py``), ``SessionRecord`` (with its turn boundaries,
 ``TurnInfo``) and its compact binary codec (``encode_record``: magic, version, JSON
 metadata, token ids as little-endian uint32, the turn boundaries, CRC-32), which the
 Redis store writes and the fuzz tests hammer.
@@ -17,71 +17,29 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import (  # noqa: F401 - the session errors are the domain's (service/errors.py), named here too
+    SESSION_ID_RE,
+    BadTurnCount,
+    InvalidSessionId,
+    SessionBusy,
+    SessionConflict,
+    SessionDeleted,
+    SessionError,
+    SessionExists,
+    SessionLimit,
+    SessionNotFound,
+    SessionStoreUnavailable,
+    TurnUnavailable,
+    TurnsChanged,
+)
 
-SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
-
-
-class SessionError(Exception):
-    """Base of the session table's errors; the servicer maps each to a status."""
-
-
-class SessionNotFound(SessionError):
-    """No such session for this owner (NOT_FOUND)."""
-
-
-class SessionDeleted(SessionNotFound):
-    """The session was deleted (DeleteSession) while this turn held it: the turn ends
-    and nothing of it is recorded (NOT_FOUND)."""
-
-
-class SessionBusy(SessionError):
-    """The session has a turn in flight (FAILED_PRECONDITION)."""
-
-
-class InvalidSessionId(SessionError):
-    """The id is not 1-128 characters of [A-Za-z0-9._:-] (INVALID_ARGUMENT)."""
-
-
-class SessionConflict(SessionError):
-    """Another replica wrote the session while this turn ran; the turn is not recorded
-    (FAILED_PRECONDITION)."""
-
-
-class SessionLimit(SessionError):
-    """The owner already holds ``max_sessions_per_owner`` sessions (RESOURCE_EXHAUSTED)."""
-
-
-class SessionExists(SessionError):
-    """A session with that id already exists for this owner (ALREADY_EXISTS)."""
-
-
-class BadTurnCount(SessionError):
-    """A turn count or turn index outside the session's turns (INVALID_ARGUMENT)."""
-
-
-class TurnUnavailable(SessionError):
-    """The turn an operation needs is not there: the session has no completed turn to
-    replace, or the turn was written before turn boundaries were recorded
-    (FAILED_PRECONDITION)."""
-
-
-class TurnsChanged(SessionError):
-    """The session does not have the number of completed turns the request expected
-    (``expected_turns``): another turn or operation changed it (FAILED_PRECONDITION)."""
-
-
-class SessionStoreUnavailable(SessionError):
-    """The session store could not save a change (the disk store's file, or, with Redis
-    away, the journal, failed to write): the call fails before it is acknowledged and the
-    session stays as it was (UNAVAILABLE; retry)."""
 
 
 class SessionRecordError(ValueError):

@@ -174,14 +174,14 @@ class _Exploding:
 
 
 def test_unexpected_error_is_internal_with_a_logged_request_id(server, client, caplog):
-    servicer = server.running.servicer
-    real = servicer.engine
-    servicer.engine = _Exploding(real)
+    conversations = server.running.conversations
+    real = conversations.engine
+    conversations.engine = _Exploding(real)
     try:
         with caplog.at_level(logging.ERROR, logger="kvserve.service.servicer"):
             err = _status(lambda: client.complete(text="boom", max_new_tokens=2))
     finally:
-        servicer.engine = real
+        conversations.engine = real
     assert err.code == grpc.StatusCode.INTERNAL
     m = re.fullmatch(r"internal error \(request id ([0-9a-f]+)\)", err.details)
     assert m, err.details
