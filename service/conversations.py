@@ -4,14 +4,19 @@ that are not gRPC.
     async for event in conversations.run_turn(owner, turn_input, request_id):
         ...  # Started, then Delta..., then Finished (domain events)
 
-``run_turn`` checks the input once, with the one set of messages of ``service.validation``
-(sampling, cache salt, stop lists, input size, vocabulary, prompt limit, context), begins the session's turn
-(``SessionManager.begin_turn``: the lock, the transcript), builds the prompt
-(transcript + the new input as tokens), fits ``max_new_tokens`` to the context left,
-composes the request's ``CacheScope`` (tenant + request salt, or shared), streams the
-engine's events, commits the turn before the last event leaves (so the client's next
-turn never finds the session busy) and tells the spill scheduler the session went idle.
-A turn that fails or is cancelled leaves the transcript as it was.
+A turn is two steps. ``prepare`` runs every check and builds what the turn runs, a
+frozen ``PreparedTurn``: the request's checks before the session is touched (one call,
+``validation.check_request``: sampling, cache salt, stop lists, input text and size
+limits, the session options, the roles), then the session's turn
+(``SessionManager.begin_turn``: the lock, the transcript) and the record it extends
+(a fork's source, a regenerate's or an edit's earlier transcript, a resent history's
+plan), the input tokenized (text that cannot fit refused first) and the prompt's checks
+(one call, ``validation.check_prompt``: vocabulary, prompt limit, context, which fits
+``max_new_tokens`` to the context left), and the request's ``CacheScope`` (tenant +
+request salt, or shared). ``stream`` runs it: the engine's events, counted and
+observed, the commit before the last event leaves (so the client's next turn never
+finds the session busy), the spill scheduler told the session went idle. A turn
+refused, failed or cancelled leaves the transcript as it was.
 
 A session turn appends (``TurnMode.APPEND``) or replaces the last completed turn:
 ``REGENERATE`` generates again from that turn's input (the request has no input),
@@ -47,6 +52,7 @@ import dataclasses
 import logging
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
 from .history import HistoryAction, HistoryPlan, plan_history
@@ -74,18 +80,7 @@ from .types import (
     TurnMode,
     WarmResult,
 )
-from .validation import (
-    Limits,
-    check_context,
-    check_input_size,
-    check_prompt_limit,
-    check_salt,
-    check_sampling,
-    check_stop_lists,
-    check_message_count,
-    check_turn_options,
-    check_vocabulary,
-)
+from .validation import Limits, check_input_size, check_prompt, check_request
 
 if TYPE_CHECKING:
     from .engine import AsyncEngine
@@ -111,6 +106,29 @@ class _NoObserver:
 
 
 NO_OBSERVER: TurnObserver = _NoObserver()
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    """A turn every check has passed (``Conversations.prepare``), ready to ``stream``."""
+
+    owner: str
+    request_id: str
+    inp: TurnInput  # as the turn runs it (template roles; a resent history's new messages only)
+    session: Turn | None  # the session's turn in flight, its lock held (None: no session)
+    base: SessionRecord | None  # what the commit extends when not the stored record (forked, rewound, reset)
+    history: HistoryPlan | None  # a resent history's plan
+    prompt: list[int]  # the transcript the turn extends + its new input
+    sampling: SamplingParams  # max_new_tokens fitted to the context
+    scope: CacheScope
+    tooled: bool  # the input uses tools (its events leave through ToolCalling.events)
+    arrival: float  # perf_counter at prepare (time to first token)
+
+    def request(self) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt, sampling=self.sampling, scope=self.scope,
+            session_id=self.inp.session_id or None, retain=self.inp.retain,
+        )  # fmt: skip
 
 
 class Conversations:
@@ -158,10 +176,11 @@ class Conversations:
         self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER, *,
         resent_history: bool = False, fork_from: str = "",
     ) -> AsyncIterator[Event]:  # fmt: skip
-        """Serve one Generate call of ``owner``: see the module docstring. ``observer``
-        (the call's trace) hears of the start event and of the finish, before the commit.
-        With tools, the events leave with the calls parsed out (``ToolCalling.events``),
-        after the commit: the transcript keeps the tokens as the model wrote them.
+        """Serve one Generate call of ``owner``: ``prepare`` the turn, then ``stream`` it
+        (see the module docstring). ``observer`` (the call's trace) hears of the start
+        event and of the finish, before the commit. With tools, the events leave with the
+        calls parsed out (``ToolCalling.events``), after the commit: the transcript keeps
+        the tokens as the model wrote them.
 
         ``resent_history`` (a session turn of chat messages): the messages are the whole
         history, as OpenAI clients send it; under the turn lock it is matched against the
@@ -176,104 +195,121 @@ class Conversations:
 
         Both change the session only through the turn's commit: a turn refused, failed or
         cancelled after them leaves every session exactly as it was."""
+        prepared = await self.prepare(owner, inp, request_id, resent_history=resent_history, fork_from=fork_from)
+        try:
+            async with aclosing(self.stream(prepared, observer)) as events:
+                async for event in self.tools.events(prepared.inp, events) if prepared.tooled else events:
+                    yield event
+        finally:
+            await self.release(prepared)  # a turn closed before its stream began
+
+    async def prepare(
+        self, owner: str, inp: TurnInput, request_id: str, *, resent_history: bool = False, fork_from: str = ""
+    ) -> PreparedTurn:
+        """Every check of the turn, and what it runs: the request's checks before the
+        session's lock (``validation.check_request``; with tools, ``ToolCalling.prepare``
+        first), the session's turn begun (the lock), the record it extends (a fork's
+        source, a regenerate's or an edit's earlier transcript, a resent history's plan),
+        the input tokenised and the prompt's checks after (``validation.check_prompt``).
+        A refused turn ends the session's turn it began: the session stays as it was."""
         tooled = uses_tools(inp)
         if tooled:  # tools and the messages' calls checked; tool_choice required / named: its grammar
             inp = self.tools.prepare(inp, continues=bool(inp.session_id) and not resent_history)
-        turn = self._turn(owner, inp, request_id, observer, resent_history, fork_from)
-        async with aclosing(turn) as events:
-            async for event in self.tools.events(inp, events) if tooled else events:
-                yield event
-
-    async def _turn(
-        self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver, resent_history: bool, fork_from: str
-    ) -> AsyncIterator[Event]:
         arrival = time.perf_counter()
-        check_message_count(inp, self.limits)
-        self.check_sampling(inp.sampling)
-        check_salt(inp.cache_salt, self.limits)
+        info = self.engine.model_info
+        check_request(inp, self.limits, vocab_size=info.vocab_size, max_new_tokens_limit=self.max_new_tokens_limit,
+                      roles=self.engine.tokenizer.known_roles, resent_history=resent_history,
+                      fork_from=fork_from)  # fmt: skip
         inp = self._with_template_roles(inp)
-        session_id = inp.session_id
-        mode = inp.mode
-        check_turn_options(inp)
-        if (resent_history or fork_from) and (mode is not TurnMode.APPEND or not session_id):
-            raise InvalidRequest("a resent history or a fork source needs an appending session turn")
-        if resent_history and inp.messages is None:
-            raise InvalidRequest("a resent history needs chat messages")
-        if inp.messages is not None:  # every message, before a history is matched (indexes as sent)
-            self._check_roles(inp.messages)
         source: SessionRecord | None = None
         if fork_from:
             source, _busy = await self.sessions.get(owner, fork_from)  # its last committed version
         if inp.sampling.response_format is not None:  # compiled (or refused) before any other work
             await self.engine.check_format(inp.sampling.response_format)
-        remaining = inp.sampling.n  # the turn ends with the n-th Finished
         turn: Turn | None = None
-        if session_id and mode is TurnMode.APPEND:
-            turn = await self.sessions.begin_turn(owner, session_id, require_existing=inp.require_existing_session)
-        elif session_id:
-            turn = await self.sessions.begin_op(owner, session_id)
-        finished = False
-        base: SessionRecord | None = None  # the record the turn extends, when it is not the stored one
-        history: HistoryPlan | None = None
+        if inp.session_id and inp.mode is TurnMode.APPEND:
+            turn = await self.sessions.begin_turn(owner, inp.session_id, require_existing=inp.require_existing_session)
+        elif inp.session_id:
+            turn = await self.sessions.begin_op(owner, inp.session_id)
         try:
-            transcript = turn.record.token_ids if turn else []
-            if turn is not None:
-                self.sessions.check_expected_turns(turn.record, inp.expected_turns)
-                if mode is not TurnMode.APPEND:  # the transcript as it was before the last turn
-                    transcript = transcript[: self.sessions.last_turn_start(turn.record, mode.value)]
-            if turn is not None and source is not None:
-                if not turn.created:
-                    raise SessionExists(f"session {session_id!r} already exists; a fork needs a new session id")
-                base = copy_record(turn.record, token_ids=list(source.token_ids), turns=source.turns,
-                                   turn_log=list(source.turn_log), cache_salt=source.cache_salt,
-                                   forked_from=source.session_id)  # fmt: skip
-                if base.untracked_turns:
-                    raise TurnUnavailable(f"session {fork_from!r} was recorded before turn boundaries were kept")
-                transcript = base.token_ids
-            if turn is not None and resent_history:
-                assert inp.messages is not None
-                tok = self.tools.turn_encoder(inp.tools) if uses_tools(inp) else self.engine.tokenizer  # tool messages
-                history = await asyncio.to_thread(plan_history, tok, turn.record, inp.messages)  # as _input_tokens renders
-                inp, base = self._apply_history(inp, turn.record, history)
-                if base is not None:
-                    transcript = base.token_ids
-            await self._check_input_size(inp, transcript)
-            if mode is TurnMode.REGENERATE:  # the last turn's own input tokens
-                assert turn is not None
-                rec = turn.record
-                new_tokens = rec.token_ids[len(transcript) : len(transcript) + rec.turn_log[-1].input_tokens]
-            elif inp.kind == "tokens":
-                new_tokens = self._input_tokens(inp, transcript)
-            else:  # tokenizing a long text takes a while: never on the event loop
-                new_tokens = await asyncio.to_thread(self._input_tokens, inp, transcript)
-            prompt = transcript + new_tokens
-            check_prompt_limit(len(transcript), len(new_tokens), self.limits.max_prompt_tokens, session_id)
-            sampling = self._fit_to_context(inp, transcript, new_tokens)
-            scope = self.cache_scope(owner, inp.cache_salt)
-            req = GenerationRequest(
-                request_id=request_id, prompt_token_ids=prompt, sampling=sampling, scope=scope,
-                session_id=session_id or None, retain=inp.retain,
-            )  # fmt: skip
-            last_token_at: float | None = None
-            async with aclosing(self.engine.generate(req)) as events:
+            inp, transcript, base, history = await self._base(turn, inp, source, resent_history)
+            new_tokens = await self._new_tokens(turn, inp, transcript)
+            sampling = check_prompt(inp, len(transcript), new_tokens, self.limits, vocab_size=info.vocab_size,
+                                    context_length=info.context_length)  # fmt: skip
+        except BaseException:
+            if turn is not None:  # refused: the transcript stays as before the turn
+                await asyncio.shield(self.sessions.end_turn(turn))
+            raise
+        return PreparedTurn(owner, request_id, inp, turn, base, history, transcript + new_tokens, sampling,
+                            self.cache_scope(owner, inp.cache_salt), tooled, arrival)  # fmt: skip
+
+    async def _base(
+        self, turn: Turn | None, inp: TurnInput, source: SessionRecord | None, resent_history: bool
+    ) -> tuple[TurnInput, list[int], SessionRecord | None, HistoryPlan | None]:
+        """Under the turn's lock: the input as the turn runs it, the transcript its prompt
+        extends, the record its commit extends when not the stored one (``base``: a fork's
+        copy of ``source``, a rewound or reset copy), and a resent history's plan."""
+        if turn is None:
+            return inp, [], None, None
+        self.sessions.check_expected_turns(turn.record, inp.expected_turns)
+        transcript = turn.record.token_ids
+        if inp.mode is not TurnMode.APPEND:  # the transcript as it was before the last turn
+            transcript = transcript[: self.sessions.last_turn_start(turn.record, inp.mode.value)]
+        base: SessionRecord | None = None
+        if source is not None:
+            if not turn.created:
+                raise SessionExists(f"session {inp.session_id!r} already exists; a fork needs a new session id")
+            base = copy_record(turn.record, token_ids=list(source.token_ids), turns=source.turns,
+                               turn_log=list(source.turn_log), cache_salt=source.cache_salt,
+                               forked_from=source.session_id)  # fmt: skip
+            if base.untracked_turns:
+                raise TurnUnavailable(f"session {source.session_id!r} was recorded before turn boundaries were kept")
+            transcript = base.token_ids
+        history: HistoryPlan | None = None
+        if resent_history:
+            assert inp.messages is not None
+            tok = self.tools.turn_encoder(inp.tools) if uses_tools(inp) else self.engine.tokenizer  # tool messages
+            history = await asyncio.to_thread(plan_history, tok, turn.record, inp.messages)  # as _input_tokens renders
+            inp, rebased = self._apply_history(inp, turn.record, history)
+            if rebased is not None:
+                base, transcript = rebased, rebased.token_ids
+        return inp, transcript, base, history
+
+    async def _new_tokens(self, turn: Turn | None, inp: TurnInput, transcript: list[int]) -> list[int]:
+        """The turn's new input as tokens: a regenerate's the last turn's own; text and chat
+        refused before tokenising when they cannot fit, then tokenised off the event loop."""
+        await self._check_input_size(inp, transcript)
+        if inp.mode is TurnMode.REGENERATE:  # the last turn's own input tokens
+            assert turn is not None
+            rec = turn.record
+            return rec.token_ids[len(transcript) : len(transcript) + rec.turn_log[-1].input_tokens]
+        if inp.kind == "tokens":
+            return self._input_tokens(inp, transcript)
+        return await asyncio.to_thread(self._input_tokens, inp, transcript)  # a long text takes a while
+
+    async def stream(self, p: PreparedTurn, observer: TurnObserver = NO_OBSERVER) -> AsyncIterator[Event]:
+        """Run a prepared turn: the engine's events, counted and observed (``observer``
+        hears of the start and the finish); at the last ``Finished`` a completed turn
+        (stop, length) commits, is recorded (spill, metrics) and ends before that event
+        leaves, so the client's next turn never finds the session busy. However it stops
+        it ends the session's turn; one that failed or was cancelled leaves the session
+        exactly as it was."""
+        turn = p.session
+        remaining = p.sampling.n  # the turn ends with the n-th Finished
+        finished = False  # the last Finished came
+        last_token_at: float | None = None
+        try:
+            async with aclosing(self.engine.generate(p.request())) as events:
                 async for event in events:
                     if isinstance(event, Started):
-                        self._observe_start(event)
-                        info = self.engine.model_info
-                        observer.started(event, info.block_size, info.bytes_per_token)
-                        event.session_created = turn is not None and (
-                            turn.created or (history is not None and history.action is HistoryAction.RESET)
-                        )
-                        if history is not None:
-                            event.history_diverged_at = history.diverged_at
-                            event.history_rewound_turns = history.rewound_turns
+                        self._started(p, event, observer)
                         yield event
                     elif isinstance(event, Delta):
                         if turn is not None and turn.deleted:  # deleted on another replica meanwhile
                             raise self.sessions.deleted_error(turn)
                         if not event.token_ids and not event.text:
                             continue
-                        last_token_at = self._observe_delta(event, arrival, last_token_at)
+                        last_token_at = self._observe_delta(event, p.arrival, last_token_at)
                         yield event
                     elif isinstance(event, Finished):
                         self.metrics.finished.labels(event.finish_reason.value).inc()
@@ -284,16 +320,8 @@ class Conversations:
                         finished = True
                         observer.finished(event)
                         if turn is not None:
-                            if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                                rec = await self._commit(turn, base, prompt, event, inp.cache_salt, mode)
-                                if history is not None and history.action is HistoryAction.REWIND:
-                                    self.metrics.session_operations.labels("rewind").inc()
-                                if self.spill is not None:
-                                    self.spill.touch(owner, session_id, rec.token_ids, scope)
-                                if mode is not TurnMode.APPEND:
-                                    self.metrics.session_operations.labels(mode.value).inc()
-                            await self.sessions.end_turn(turn)
-                            turn = None
+                            await self._record(p, turn, event)
+                            turn = None  # ended
                         yield event
                         return
         except (asyncio.CancelledError, GeneratorExit):
@@ -303,6 +331,39 @@ class Conversations:
         finally:
             if turn is not None:  # cancelled or failed: the transcript stays as before the turn
                 await asyncio.shield(self.sessions.end_turn(turn))
+
+    async def release(self, p: PreparedTurn) -> None:
+        """End a prepared turn's session turn if nothing ended it yet (a turn closed before
+        or while it streamed): the lock released, the transcript as before the turn."""
+        if p.session is not None and not p.session.ended:
+            await asyncio.shield(self.sessions.end_turn(p.session))
+
+    def _started(self, p: PreparedTurn, event: Started, observer: TurnObserver) -> None:
+        """Count and observe the start event, and complete it with the session's side."""
+        self._observe_start(event)
+        info = self.engine.model_info
+        observer.started(event, info.block_size, info.bytes_per_token)
+        history = p.history
+        event.session_created = p.session is not None and (
+            p.session.created or (history is not None and history.action is HistoryAction.RESET)
+        )
+        if history is not None:
+            event.history_diverged_at = history.diverged_at
+            event.history_rewound_turns = history.rewound_turns
+
+    async def _record(self, p: PreparedTurn, turn: Turn, event: Finished) -> None:
+        """The last Finished of a session turn: a completed one (stop, length) commits and
+        is told to the spill scheduler and the metrics; the turn ends either way."""
+        if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            mode = p.inp.mode
+            rec = await self._commit(turn, p.base, p.prompt, event, p.inp.cache_salt, mode)
+            if p.history is not None and p.history.action is HistoryAction.REWIND:
+                self.metrics.session_operations.labels("rewind").inc()
+            if self.spill is not None:
+                self.spill.touch(p.owner, p.inp.session_id, rec.token_ids, p.scope)
+            if mode is not TurnMode.APPEND:
+                self.metrics.session_operations.labels(mode.value).inc()
+        await self.sessions.end_turn(turn)
 
     async def _commit(
         self, turn: Turn, base: SessionRecord | None, prompt: list[int], fin: Finished, salt: str, mode: TurnMode
@@ -481,12 +542,6 @@ class Conversations:
 
     # ------------------------------------------------------------------ checks (once, here)
 
-    def check_sampling(self, params: SamplingParams) -> None:
-        """Every sampling field, the stop lists' size limits, the token ids it names."""
-        info = self.engine.model_info
-        check_sampling(params, vocab_size=info.vocab_size, max_new_tokens_limit=self.max_new_tokens_limit)
-        check_stop_lists(params, self.limits)
-
     def token_pieces(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
         """Each token's text and bytes as it appears in decoded text (logprobs): a
         sentencepiece piece's own bytes (its leading space, a byte piece's one byte),
@@ -533,7 +588,7 @@ class Conversations:
         check_input_size(inp.kind or "", n_bytes, len(transcript), bpt, limit, which, inp.session_id)
 
     def _input_tokens(self, inp: TurnInput, transcript: list[int]) -> list[int]:
-        """The new input as token ids (appended to ``transcript``), checked."""
+        """The new input as token ids (appended to ``transcript``); an empty one refused."""
         tok = self.engine.tokenizer
         if inp.text is not None:
             if not inp.text:
@@ -555,21 +610,4 @@ class Conversations:
         ids = list(inp.token_ids)
         if not ids:
             raise InvalidRequest("empty input: tokens.ids is empty")
-        check_vocabulary(ids, self.engine.model_info.vocab_size, "tokens.ids")
-        return ids
-
-    def _check_roles(self, messages: tuple[ChatMessage, ...]) -> None:
-        """Every role is the template's, or ``tool`` (service/tools renders a tool result as
-        the template takes it: a ``user`` message where it knows no tool role)."""
-        roles = self.engine.tokenizer.known_roles
-        for i, m in enumerate(messages):
-            if m.role not in roles and m.role != "tool":
-                raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is unknown; use one of {', '.join(roles)}")
-
-    def _fit_to_context(self, inp: TurnInput, transcript: list[int], new_tokens: list[int]) -> SamplingParams:
-        """Check the prompt against the context; an unset max_new_tokens fills what is left."""
-        explicit = inp.max_new_tokens is not None
-        want = inp.sampling.max_new_tokens
-        ctx = self.engine.model_info.context_length
-        room = check_context(len(transcript), len(new_tokens), ctx, want if explicit else None, inp.session_id)
-        return dataclasses.replace(inp.sampling, max_new_tokens=want if explicit else min(want, room))
+        return ids  # checked against the vocabulary with the prompt (check_prompt)

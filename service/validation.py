@@ -2,15 +2,19 @@
 
 Two callers, one set of messages:
 
-- the front (``Conversations.run_turn``) checks a turn's input before the turn starts:
-  ``check_sampling`` (every sampling field, the integers that reach a tensor or the
+- the conversation (``Conversations.prepare``) checks a turn through two entry points:
+  ``check_request`` before the session's lock, everything the request alone decides
+  (``check_message_count`` first, so a huge list is refused before any of it is read;
+  ``check_sampling``: every sampling field, the integers that reach a tensor or the
   seeded generator range-checked here, so no request can fail the engine step that
-  serves every stream) and ``check_stop_lists``, ``check_salt``, ``check_turn_options``
-  (the input's text is valid Unicode, ``check_input_text``; the session options:
-  require_existing_session, turn_mode, expected_turns), ``check_input_size``
-  (text that cannot fit, before it is tokenized), ``check_vocabulary`` on input token
-  ids, ``check_prompt_limit`` and ``check_context`` (which also fits an unset
-  ``max_new_tokens`` to the context left);
+  serves every stream; ``check_stop_lists``, ``check_salt``, ``check_turn_options``: the
+  input's text valid Unicode, ``check_input_text``, and the session options:
+  require_existing_session, turn_mode, expected_turns; a resent history's and a fork's
+  conditions; ``check_roles``), and ``check_prompt`` after tokenising (input token ids
+  against the vocabulary, ``check_prompt_limit``, ``check_context``, which also fits an
+  unset ``max_new_tokens`` to the context left). Between the two, under the lock, text
+  or chat input that cannot fit is refused before it is tokenised (``check_input_size``:
+  it needs the transcript's length);
 - the engine (``LLMEngine.validate``) guards its own input with ``check_generation``:
   the same vocabulary, sampling and context checks by the same functions, and
   ``check_kv_capacity`` (whether the KV pool could ever hold the request), which only
@@ -24,6 +28,7 @@ torch and no gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -32,6 +37,7 @@ from typing import Any, Sequence
 
 from .types import (
     MAX_RETAIN,
+    ChatMessage,
     ContextOverflow,
     GenerationRequest,
     InvalidRequest,
@@ -214,6 +220,53 @@ def check_turn_options(inp: TurnInput) -> None:
             f"turn_mode REGENERATE takes no input (it reuses the last turn's), got {inp.kind}; "
             f"use TURN_MODE_EDIT to replace the input"
         )
+
+
+def check_roles(messages: Sequence[ChatMessage], roles: Sequence[str]) -> None:
+    """Every role is one of the chat template's ``roles``, or ``tool`` (service/tools
+    renders a tool result as the template takes it); ``developer`` counts as ``system``
+    where the template has no such role (the conversation renames it so)."""
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" and "developer" not in roles else m.role
+        if role not in roles and role != "tool":
+            raise InvalidRequest(f"chat.messages[{i}].role {role!r} is unknown; use one of {', '.join(roles)}")
+
+
+def check_request(
+    inp: TurnInput, limits: Limits, *, vocab_size: int, max_new_tokens_limit: int, roles: Sequence[str],
+    resent_history: bool = False, fork_from: str = "",
+) -> None:  # fmt: skip
+    """Every check of a turn's request that needs no session, in this order: the message
+    count, the sampling fields and the stop lists, the cache salt, the input's text and
+    the session options, a resent history's and a fork source's conditions, the roles."""
+    check_message_count(inp, limits)
+    check_sampling(inp.sampling, vocab_size=vocab_size, max_new_tokens_limit=max_new_tokens_limit)
+    check_stop_lists(inp.sampling, limits)
+    check_salt(inp.cache_salt, limits)
+    check_turn_options(inp)
+    if (resent_history or fork_from) and (inp.mode is not TurnMode.APPEND or not inp.session_id):
+        raise InvalidRequest("a resent history or a fork source needs an appending session turn")
+    if resent_history and inp.messages is None:
+        raise InvalidRequest("a resent history needs chat messages")
+    if inp.messages is not None:  # every message, before a history is matched (indexes as sent)
+        check_roles(inp.messages, roles)
+
+
+def check_prompt(
+    inp: TurnInput, n_transcript: int, new_tokens: Sequence[int], limits: Limits, *, vocab_size: int,
+    context_length: int,
+) -> SamplingParams:  # fmt: skip
+    """Every check of the prompt a turn built (``n_transcript`` tokens + ``new_tokens``),
+    after tokenising: the request's own token ids against the vocabulary, the prompt
+    limit, the context. Returns the turn's sampling, an unset ``max_new_tokens`` (the
+    input's is None) fitted to the context left."""
+    if inp.kind == "tokens":
+        check_vocabulary(new_tokens, vocab_size, "tokens.ids")
+    check_prompt_limit(n_transcript, len(new_tokens), limits.max_prompt_tokens, inp.session_id)
+    explicit = inp.max_new_tokens is not None
+    want = inp.sampling.max_new_tokens
+    room = check_context(n_transcript, len(new_tokens), context_length, want if explicit else None, inp.session_id)
+    return dataclasses.replace(inp.sampling, max_new_tokens=want if explicit else min(want, room))
 
 
 def check_input_size(
