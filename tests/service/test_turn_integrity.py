@@ -15,7 +15,7 @@ import pytest
 from kvserve.clients import KVServeClient, KVServeError
 from kvserve.service.history import HistoryAction, plan_history
 from kvserve.service.sessions.stores import copy_record
-from kvserve.service.types import ChatMessage
+from kvserve.service.types import ChatMessage, SamplingParams, TurnInput
 from tests.fixtures.serving import ServerThread, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
@@ -199,3 +199,26 @@ def test_a_refused_response_leaves_the_previous_one_as_it_was_and_no_new_one(oai
         assert _record(server, r1.id) == before, extra
         assert len(server.call(server.running.sessions.store.list("", 100, ""))[0]) == count, extra
     oai.responses.delete(r1.id)
+
+
+def test_a_prepared_turn_released_before_it_streams_leaves_the_session_as_it_was(oai, model, server):
+    """``Conversations.prepare`` holds the session's turn (busy) and ``release`` ends it
+    when the turn never streams (``run_turn`` does so for a call closed before its first
+    event): the session is idle again and as it was; a second release does nothing."""
+    _three_turns(oai, model, "prepared")
+    before = _record(server, "prepared")
+    conv = server.running.conversations
+
+    async def prepare_then_release() -> tuple[bool, bool, int]:
+        inp = TurnInput(text="one more thing", session_id="prepared", max_new_tokens=4,
+                        sampling=SamplingParams(max_new_tokens=4))  # fmt: skip
+        prepared = await conv.prepare("", inp, "prepared-1")
+        held = (await conv.get("", "prepared"))[1]
+        await conv.release(prepared)
+        await conv.release(prepared)
+        return held, (await conv.get("", "prepared"))[1], len(prepared.prompt)
+
+    held, after, prompt = server.call(prepare_then_release())
+    assert held and not after
+    assert prompt > len(before[0])  # the transcript and the new input, tokenized
+    assert _record(server, "prepared") == before
