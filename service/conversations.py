@@ -132,7 +132,9 @@ class PreparedTurn:
 
 
 class Conversations:
-    """Turns of sessions (and one-off generations) over an engine and a session table."""
+    """Turns of sessions (and one-off generations) over an engine and a session table.
+    (Over 400 lines: the turn's two steps and the session operations share one engine,
+    table and scope rule; the sessions' side is a candidate room of its own.)"""
 
     def __init__(
         self,

@@ -106,7 +106,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             inp = wire.turn_input(request, self.default_max_new_tokens)
             turn = await self.turns.start(owner, inp, request_id, call)
             yield pb.GenerateResponse(start=wire.start_event(turn.start, inp.session_id))
-            async for event in turn:
+            async for event in turn.events:
                 if isinstance(event, Delta):
                     yield pb.GenerateResponse(delta=wire.delta_event(event))
                 elif isinstance(event, ToolCallDelta):

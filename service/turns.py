@@ -8,8 +8,8 @@ completions and Responses, any new one) runs a turn.
         turn = await turns.start(owner, inp, request_id, call)  # admitted, running, Started arrived
     except Exception as exc:
         ...  # the protocol's error; call.end(label, status, message)
-    turn.start                     # the Started event
-    async for event in turn: ...   # Delta / ToolCallDelta / Finished (domain events)
+    turn.start                            # the Started event
+    async for event in turn.events: ...   # Delta / ToolCallDelta / Finished (domain events)
     await turn.close()             # the turn's events closed, its stream slot released
     call.end(label, status, message)
 
@@ -59,16 +59,13 @@ class TurnCall:
 
 class RunningTurn:
     """An admitted turn whose ``Started`` event has arrived: ``start``, then the rest of
-    its events (``async for``); ``close`` ends it (once)."""
+    its events (``async for event in turn.events``); ``close`` ends it (once)."""
 
     def __init__(self, start: Started, events: AsyncIterator[Event], ticket: Ticket) -> None:
         self.start = start
-        self._events = events
+        self.events = events
         self._ticket = ticket
         self._closed = False
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._events
 
     async def close(self, then: Callable[[], Awaitable[None]] | None = None) -> None:
         """Close the turn's events (an unfinished turn is cancelled: the engine aborts it,
@@ -78,7 +75,7 @@ class RunningTurn:
             return
         self._closed = True
         try:
-            await self._events.aclose()  # type: ignore[attr-defined]
+            await self.events.aclose()  # type: ignore[attr-defined]
             if then is not None:
                 await then()
         finally:

@@ -105,7 +105,7 @@ class _Completion:
         ends: dict[int, Finished] = {}
         lps: dict[int, list[Any]] = {}  # choice -> its tokens' TokenLogprob
         try:
-            async for ev in self.turn:
+            async for ev in self.turn.events:
                 if isinstance(ev, Delta) and self.logprobs:
                     lps.setdefault(ev.index, []).extend(ev.logprobs)
                 if isinstance(ev, Finished):
@@ -172,7 +172,7 @@ class _Completion:
             if self.chat:
                 for i in range(self.n):
                     yield data(self._chunk({"role": "assistant", "content": ""}, None, i))
-            async for ev in self.turn:
+            async for ev in self.turn.events:
                 if isinstance(ev, Delta):
                     if ev.text or (self.logprobs and ev.logprobs):
                         lp = self._logprobs(ev.logprobs)

@@ -49,20 +49,16 @@ class TurnRequest:
 
 
 class HttpTurn:
-    """One admitted HTTP generation: its ``Started`` event, the rest of its events
-    (``async for``), and ``end``, which closes the turn and counts and traces the call."""
+    """One admitted HTTP generation: its ``Started`` event (``start``), the rest of its
+    events (``async for event in turn.events``), and ``end``, which closes the turn and
+    counts and traces the call."""
 
     def __init__(self, plumbing: Plumbing, call: TurnCall, turn: RunningTurn, request_id: str, owner: str,
                  req: TurnRequest) -> None:  # fmt: skip
         self.plumbing, self.call, self.turn = plumbing, call, turn
         self.request_id, self.owner, self.req = request_id, owner, req
-
-    @property
-    def start(self) -> Started:
-        return self.turn.start
-
-    def __aiter__(self) -> Any:
-        return self.turn.__aiter__()
+        self.start: Started = turn.start
+        self.events = turn.events
 
     def error_of(self, exc: BaseException) -> oa.HttpError:
         """An error of the running turn in the request's words."""

@@ -630,7 +630,7 @@ class _Turn:
         message, ok = "the client went away", False
         lps: list[TokenLogprob] = []
         try:
-            async for ev in self.turn:
+            async for ev in self.turn.events:
                 ev = self._ided(ev)
                 if isinstance(ev, Delta) and self.pieces is not None:
                     lps.extend(ev.logprobs)
@@ -685,7 +685,7 @@ class _Turn:
             if not tooled:
                 for b in open_message():
                     yield b
-            async for ev in self.turn:
+            async for ev in self.turn.events:
                 ev = self._ided(ev)
                 if isinstance(ev, Delta):
                     if ev.text or (self.pieces is not None and ev.logprobs):
