@@ -122,7 +122,7 @@ class RunningServer:
         t0 = time.monotonic()
         if not await admission.wait_idle(grace):
             log.warning("drain timeout: stopping %d stream(s) still in flight", admission.inflight)
-            admission.abort_inflight(self.servicer.engine.abort)
+            admission.abort_inflight(self.conversations.engine.abort)
             await admission.wait_idle(_STOP_GRACE_S)
         await self._stop_http()
         if self.reaper is not None:

@@ -9,6 +9,12 @@ the ``HttpTurn``'s events as its JSON body or SSE stream; ``HttpTurn.end`` close
 and counts and traces the call once. ``whole_or_gone`` answers a non-streamed call, or
 499 when its client goes away first.
 
+A new protocol is one module: its routes class over ``Plumbing``, a ``parse(owner,
+body) -> TurnRequest`` of its own (a chat turn: ``TurnInput(messages=...)``),
+``start_turn`` to run the turn and get its events (an ``HttpTurn``, or the ``HttpError``
+that refused it, to render in its own error shape), ``HttpTurn.end`` once it is
+answered; and one ``Route`` line per endpoint in ``app.py``.
+
 Imports no protocol module but ``openai`` (the errors' vocabulary), so the protocols
 import this and never each other.
 """
