@@ -651,97 +651,44 @@ class _Turn:
             await self._end(ok, outcome, message)
 
     async def sse(self) -> AsyncIterator[bytes]:
-        seq = 0
-
-        def event(kind: str, **fields: Any) -> bytes:
-            nonlocal seq
-            obj = {"type": kind, "sequence_number": seq, **fields}
-            seq += 1
-            return f"event: {kind}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
         status, ok, failed = 200, False, None
-        item_id = "msg_" + self.rid[len(RESPONSE_PREFIX):]
-        # with tools the items open as their output comes (the message on its first text,
-        # a function_call on its call's first piece); without, the message opens at once
-        tooled = self.routes.conversations.tools.parsing(self.req.inp)
-        order: list[Any] = []  # "message" or a call's index, as their items opened (output_index)
-        args: dict[int, list[str]] = {}
+        out = _Items(self.rid)
         text: list[str] = []
         lps: list[TokenLogprob] = []
-
-        def where() -> dict[str, Any]:
-            return {"item_id": item_id, "output_index": order.index("message"), "content_index": 0}
-
-        def open_message() -> list[bytes]:
-            order.append("message")
-            item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
-            return [event("response.output_item.added", output_index=len(order) - 1, item=item),
-                    event("response.content_part.added", **where(),
-                          part={"type": "output_text", "text": "", "annotations": []})]  # fmt: skip
-
         try:
-            yield event("response.created", response=self._object("in_progress", None))
-            yield event("response.in_progress", response=self._object("in_progress", None))
-            if not tooled:
-                for b in open_message():
+            yield out.event("response.created", response=self._object("in_progress", None))
+            yield out.event("response.in_progress", response=self._object("in_progress", None))
+            # with tools the items open as their output comes (the message on its first text,
+            # a function_call on its call's first piece); without, the message opens at once
+            if not self.routes.conversations.tools.parsing(self.req.inp):
+                for b in out.open_message():
                     yield b
             async for ev in self.turn.events:
                 ev = self._ided(ev)
                 if isinstance(ev, Delta):
                     if ev.text or (self.pieces is not None and ev.logprobs):
-                        if "message" not in order:
-                            for b in open_message():
+                        if "message" not in out.order:
+                            for b in out.open_message():
                                 yield b
                         text.append(ev.text)
                         lps.extend(ev.logprobs)
                         lp = output_logprobs(ev.logprobs, self.pieces) if self.pieces is not None else []
-                        yield event("response.output_text.delta", **where(), delta=ev.text, logprobs=lp)
+                        yield out.event("response.output_text.delta", **out.where(), delta=ev.text, logprobs=lp)
                 elif isinstance(ev, ToolCallDelta):
-                    k = ev.call_index
-                    if k not in args:
-                        order.append(k)
-                        args[k] = []
-                        item = function_call_item(self.rid, k, ToolCall(ev.id, ev.name, ""), "in_progress")
-                        yield event("response.output_item.added", output_index=len(order) - 1, item=item)
-                    if ev.arguments:
-                        args[k].append(ev.arguments)
-                        yield event("response.function_call_arguments.delta", item_id=call_item_id(self.rid, k),
-                                    output_index=order.index(k), delta=ev.arguments)  # fmt: skip
+                    for b in out.call_piece(ev):
+                        yield b
                 elif isinstance(ev, Finished):
                     err = self.turn.finish_error(ev)
                     if err is not None:
                         status, failed = err.status, err
-                        e = err.body()["error"]
-                        yield event("error", code=e["code"], message=e["message"], param=e["param"])
+                        yield out.error(err)
                         break
                     done = "incomplete" if ev.finish_reason == FinishReason.LENGTH else "completed"
                     whole = self._object(done, ev.text, ev, lps)
-                    items = {("message" if it["type"] == "message" else int(it["id"].rsplit("_", 1)[1])): it
-                             for it in whole["output"]}  # fmt: skip
-                    if "message" in items and "message" not in order:  # no text, no call: an empty message
-                        for b in open_message():
-                            yield b
-                    for k in items:
-                        if k not in order:  # a call the stream did not carry (never: the parser streams each)
-                            order.append(k)
-                            yield event("response.output_item.added", output_index=len(order) - 1,
-                                        item={**items[k], "arguments": "", "status": "in_progress"})  # fmt: skip
-                    whole["output"] = [items[k] for k in order if k in items]
-                    for at, k in enumerate(order):
-                        if k not in items:
-                            continue
-                        it = items[k]
-                        if k == "message":
-                            part = it["content"][0]
-                            yield event("response.output_text.done", **where(), text=ev.text,
-                                        logprobs=part.get("logprobs", []))  # fmt: skip
-                            yield event("response.content_part.done", **where(), part=part)
-                        else:
-                            yield event("response.function_call_arguments.done", item_id=it["id"], output_index=at,
-                                        arguments=it["arguments"])  # fmt: skip
-                        yield event("response.output_item.done", output_index=at, item=it)
+                    for b in out.finish(whole, ev.text):
+                        yield b
                     ok = True
-                    yield event(f"response.{done}", response=whole)
+                    yield out.event(f"response.{done}", response=whole)
                     break
         except (asyncio.CancelledError, GeneratorExit):
             status = 499
@@ -749,7 +696,80 @@ class _Turn:
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
             err = self.turn.error_of(exc)
             status, failed = err.status, err
-            e = err.body()["error"]
-            yield event("error", code=e["code"], message=e["message"], param=e["param"])
+            yield out.error(err)
         finally:
             await self._end(ok, failed or status)
+
+
+class _Items:
+    """A streamed response's SSE events: their sequence numbers, and its output items in the
+    order they opened (``order``: "message" or a call's index, the output_index)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.seq = 0
+        self.item_id = "msg_" + rid[len(RESPONSE_PREFIX):]
+        self.order: list[Any] = []
+        self.args: dict[int, list[str]] = {}
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def error(self, err: oa.HttpError) -> bytes:
+        e = err.body()["error"]
+        return self.event("error", code=e["code"], message=e["message"], param=e["param"])
+
+    def where(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": self.order.index("message"), "content_index": 0}
+
+    def open_message(self) -> list[bytes]:
+        self.order.append("message")
+        item = {"type": "message", "id": self.item_id, "status": "in_progress", "role": "assistant", "content": []}
+        return [self.event("response.output_item.added", output_index=len(self.order) - 1, item=item),
+                self.event("response.content_part.added", **self.where(),
+                           part={"type": "output_text", "text": "", "annotations": []})]  # fmt: skip
+
+    def call_piece(self, ev: ToolCallDelta) -> list[bytes]:
+        """A piece of call ``ev.call_index``: its item opened on its first piece, then its arguments' delta."""
+        out, k = [], ev.call_index
+        if k not in self.args:
+            self.order.append(k)
+            self.args[k] = []
+            item = function_call_item(self.rid, k, ToolCall(ev.id, ev.name, ""), "in_progress")
+            out.append(self.event("response.output_item.added", output_index=len(self.order) - 1, item=item))
+        if ev.arguments:
+            self.args[k].append(ev.arguments)
+            out.append(self.event("response.function_call_arguments.delta", item_id=call_item_id(self.rid, k),
+                                  output_index=self.order.index(k), delta=ev.arguments))  # fmt: skip
+        return out
+
+    def finish(self, whole: dict[str, Any], text: str) -> list[bytes]:
+        """The finished response's items closed, in the order they opened (``whole``'s
+        output put in that order): an item the stream never opened is opened first."""
+        out = []
+        items = {("message" if it["type"] == "message" else int(it["id"].rsplit("_", 1)[1])): it
+                 for it in whole["output"]}  # fmt: skip
+        if "message" in items and "message" not in self.order:  # no text, no call: an empty message
+            out.extend(self.open_message())
+        for k in items:
+            if k not in self.order:  # a call the stream did not carry (never: the parser streams each)
+                self.order.append(k)
+                out.append(self.event("response.output_item.added", output_index=len(self.order) - 1,
+                                      item={**items[k], "arguments": "", "status": "in_progress"}))  # fmt: skip
+        whole["output"] = [items[k] for k in self.order if k in items]
+        for at, k in enumerate(self.order):
+            if k not in items:
+                continue
+            it = items[k]
+            if k == "message":
+                part = it["content"][0]
+                out.append(self.event("response.output_text.done", **self.where(), text=text,
+                                      logprobs=part.get("logprobs", [])))  # fmt: skip
+                out.append(self.event("response.content_part.done", **self.where(), part=part))
+            else:
+                out.append(self.event("response.function_call_arguments.done", item_id=it["id"], output_index=at,
+                                      arguments=it["arguments"]))  # fmt: skip
+            out.append(self.event("response.output_item.done", output_index=at, item=it))
+        return out
