@@ -154,11 +154,13 @@ class Plumbing:
         self, request: Request, method: str, route: str, session_id: str,
         parse: Callable[[str, Any], Awaitable[TurnRequest]],
         on_error: Callable[[BaseException, oa.HttpError], oa.HttpError] | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> HttpTurn | oa.HttpError:  # fmt: skip
         """Run one generation of ``route``: the drain's check, the tenant, the body,
         ``parse(tenant, body)`` (the protocol's translation), then ``Turns.start``. Returns
-        the running ``HttpTurn``, or the error that refused it (in OpenAI's words, or
-        ``on_error``'s), already counted and traced, for the protocol to render."""
+        the running ``HttpTurn``, or the error that refused it (in OpenAI's words with
+        ``names``, the parsed request's once there is one, or ``on_error``'s), already
+        counted and traced, for the protocol to render."""
         request_id = wire.new_request_id()
         call = self.turns.call(f"http:{method}", request.headers.items(), request_id, session_id, http_route=route)
         req: TurnRequest | None = None
@@ -169,7 +171,7 @@ class Plumbing:
             turn = await self.turns.start(owner, req.inp, request_id, call, resent_history=req.resent_history,
                                           fork_from=req.fork_from)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
-            err = self.error_of(exc, request_id, req.names if req is not None else None)
+            err = self.error_of(exc, request_id, req.names if req is not None else names)
             if on_error is not None:
                 err = on_error(exc, err)
             call.end(self.label(err), err.status, err.message)

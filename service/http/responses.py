@@ -544,7 +544,7 @@ class ResponsesRoutes:
                 return _not_found(prev, param="previous_response_id")
             return err
 
-        turn = await front.start_turn(request, "Responses", "/v1/responses", rid, parse, on_error)
+        turn = await front.start_turn(request, "Responses", "/v1/responses", rid, parse, on_error, oa.RESPONSES_NAMES)
         if isinstance(turn, oa.HttpError):
             return front.error_response(turn)
         assert req is not None
