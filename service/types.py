@@ -37,8 +37,8 @@ class EngineStopped(EngineError):
 class RetentionRefused(InvalidRequest):
     """A ``retain`` this server will not keep: past the tenant's bound of retained KV
     (``--retention-tenant-memory``), or with no cache tier to keep it in. Nothing of the
-    request ran. An InvalidRequest (INVALID_ARGUMENT, HTTP 400) through the status table
-    until a front maps it on its own."""
+    request ran. RESOURCE_EXHAUSTED (HTTP 429) in the status table, ahead of its base
+    InvalidRequest."""
 
 
 # Bounds of the sampling controls (OpenAI's ranges for the penalties and biases).

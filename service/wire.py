@@ -70,6 +70,7 @@ from .types import (
     ModelInfo,
     QueueFull,
     ResponseFormat,
+    RetentionRefused,
     SamplingParams,
     SessionView,
     Started,
@@ -127,6 +128,7 @@ class RpcStatus(Exception):
 
 
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (RetentionRefused, grpc.StatusCode.RESOURCE_EXHAUSTED),  # before InvalidRequest (its base): HTTP 429
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidSessionId, grpc.StatusCode.INVALID_ARGUMENT),
     (BadTurnCount, grpc.StatusCode.INVALID_ARGUMENT),

@@ -3,9 +3,10 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
 ``POST /v1/sessions/{id}/warm`` (WarmSession),
 ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` (``service.http.responses``),
+``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (Anthropic's: ``service.http.anthropic``),
 ``GET /v1/models``, ``GET /health``. Each protocol is one module of routes over the
 shared ``service.http.plumbing`` (``completions.py``: chat and text completions;
-``responses.py``: the Responses API); this module composes them into one Starlette app
+``responses.py``: the Responses API; ``anthropic.py``: Anthropic's Messages API); this module composes them into one Starlette app
 and serves the routes that run no turn. A turn runs through the same prologue as gRPC's
 Generate (``service.turns``): stream admission, the drain and per-tenant limits are the
 same ``Admission`` object as gRPC's (``service.admission``: one count for both fronts);
@@ -29,6 +30,7 @@ from starlette.routing import Route
 
 from .. import wire
 from . import openai as oa
+from .anthropic import MessagesRoutes
 from .completions import CompletionRoutes
 from .limits import HttpLimits, front_protocol
 from .plumbing import Plumbing
@@ -67,6 +69,7 @@ class HttpFront:
         self.created = int(time.time())
         self.completions = CompletionRoutes(self.plumbing)  # /v1/chat/completions, /v1/completions
         self.responses = ResponsesRoutes(self.plumbing)  # /v1/responses (service.http.responses)
+        self.messages = MessagesRoutes(self.plumbing)  # Anthropic's /v1/messages (service.http.anthropic)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.completions.chat, methods=["POST"]),
@@ -74,6 +77,8 @@ class HttpFront:
                 Route("/v1/responses", self.responses.create, methods=["POST"]),
                 Route("/v1/responses/{response_id}", self.responses.retrieve, methods=["GET"]),
                 Route("/v1/responses/{response_id}", self.responses.delete, methods=["DELETE"]),
+                Route("/v1/messages", self.messages.create, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.messages.count_tokens, methods=["POST"]),
                 Route("/v1/sessions/{session_id}/warm", self.warm_session, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),

@@ -71,6 +71,7 @@ from ..types import (
     Finished,
     FinishReason,
     ResponseFormat,
+    Retain,
     SamplingParams,
     Started,
     Tier,
@@ -109,7 +110,7 @@ _COMMON_FIELDS = {
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
     "response_format", "parallel_tool_calls", "reasoning_effort", "modalities", "verbosity", "prediction", "audio",
-    "web_search_options",
+    "web_search_options", "prompt_cache_retention",
 }  # fmt: skip
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # accepted; one tier here
 # Fields that change a reply only on models or features kvserve lacks: null (what SDKs send back) is accepted.
@@ -299,6 +300,22 @@ def check_bookkeeping(body: Mapping[str, Any]) -> None:
     if tier is not None and tier not in SERVICE_TIERS:
         raise HttpError(400, f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}"[:200],
                         param="service_tier", code="invalid_value")  # fmt: skip
+
+
+# prompt_cache_retention -> seconds the whole prompt is retained (docs/api.md, Retention):
+# "in_memory" the 5 minutes OpenAI names as its in-memory lifetime's least, "24h" a day
+PROMPT_CACHE_RETENTION: Mapping[str, float] = {"in_memory": 300.0, "24h": 24 * 3600.0}
+
+
+def retention(body: Mapping[str, Any]) -> tuple[Retain, ...]:
+    """``prompt_cache_retention`` as a retention of the whole prompt (none when absent)."""
+    value = body.get("prompt_cache_retention")
+    if value is None:
+        return ()
+    if value not in PROMPT_CACHE_RETENTION:
+        raise HttpError(400, f"prompt_cache_retention must be \"in_memory\" or \"24h\", got {json.dumps(value)[:40]}",
+                        param="prompt_cache_retention", code="invalid_value")  # fmt: skip
+    return (Retain(PROMPT_CACHE_RETENTION[value]),)
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
@@ -609,7 +626,7 @@ def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
     inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=cache_salt_field(body),
-                    tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)  # fmt: skip
+                    tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, retain=retention(body))  # fmt: skip
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None or \
         body.get("max_tokens") is None else "max_tokens"  # fmt: skip
     return ParsedRequest(body.get("model"), inp, stream, include_usage, chat_names(max_name))

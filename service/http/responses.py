@@ -82,7 +82,7 @@ _FIELDS = {
     "model", "input", "instructions", "previous_response_id", "store", "stream", "stream_options",
     "max_output_tokens", "temperature", "top_p", "top_logprobs", "text", "tools", "tool_choice",
     "parallel_tool_calls", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
-    "truncation", "reasoning", "include", "background", "conversation", "prompt", "max_tool_calls",
+    "prompt_cache_retention", "truncation", "reasoning", "include", "background", "conversation", "prompt", "max_tool_calls",
     # kvserve's extensions, as on chat
     "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "cache_salt", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "speculative", "speculative.n_max",
@@ -336,7 +336,8 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
     inp = TurnInput(messages=tuple(messages), sampling=sampling, max_new_tokens=max_tokens, cache_salt=oa.cache_salt_field(body),
-                    tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)  # fmt: skip
+                    tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel,
+                    retain=oa.retention(body))  # fmt: skip
     echo = {
         "temperature": body.get("temperature"), "top_p": body.get("top_p"), "max_output_tokens": max_tokens,
         "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
