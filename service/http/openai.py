@@ -39,6 +39,8 @@ messages: tool_calls, role tool            assistant tool_calls, tool results
                                            (tool_call_id, name)
 functions, function_call, echo, suffix,    refused (400 unsupported_parameter) unless
 reasoning_effort, verbosity, audio, ...    null / empty
+prompt_cache_retention                     retain: the whole prompt for 5 min
+                                           ("in_memory") or 24 h ("24h")
 user, metadata, store, service_tier,       accepted; they change nothing
 prompt_cache_key, safety_identifier,
 stream_options
@@ -736,7 +738,7 @@ def usage(start: Started | None, fin: Finished, completion_tokens: int | None = 
         "completion_tokens": completion,
         "total_tokens": fin.prompt_tokens + completion,
         "prompt_tokens_details": {
-            "cached_tokens": fin.cached_tokens,
+            "cached_tokens": fin.cache_read_tokens,
             "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
         },
     }
