@@ -193,7 +193,7 @@ def _message(m: Any, i: int, names: dict[str, str], limit: int | None = None) ->
         if kind == "text":
             texts.append(_text(b, w))
         elif kind == "tool_use" and role == "assistant":
-            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not isinstance(b.get("input"), dict):
+            if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict)):
                 raise bad(f"{w}: a tool_use block needs id, name (strings) and input (an object)")
             names[b["id"]] = b["name"]
             calls.append(ToolCall(b["id"], b["name"], json.dumps(b["input"], ensure_ascii=False)))
@@ -232,6 +232,10 @@ def chat_messages(system: Sequence[str], messages: Sequence[Any], upto: tuple[in
     return tuple(out)
 
 
+_TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control"}
+_CHOICE_KEYS = {"type", "name", "disable_parallel_tool_use"}
+
+
 def _tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice | None, bool]:
     raw = body.get("tools") or []
     if not isinstance(raw, list):
@@ -241,8 +245,8 @@ def _tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice | 
         w = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type", "custom") != "custom":
             raise oa.unsupported(w, "only custom tools (name, description, input_schema) are supported")
-        if set(t) - {"type", "name", "description", "input_schema", "cache_control"}:
-            raise oa.unsupported(f"{w}.{sorted(set(t) - {'type', 'name', 'description', 'input_schema', 'cache_control'})[0]}")
+        if extra := sorted(set(t) - _TOOL_KEYS):
+            raise oa.unsupported(f"{w}.{extra[0]}")
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
             raise bad(f"{w} needs name (a string) and input_schema (a JSON schema object)")
         if not isinstance(t.get("description", ""), str):
@@ -253,7 +257,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice | 
     if choice is None:
         return tuple(tools), None, True
     kinds = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
-    if not isinstance(choice, dict) or choice.get("type") not in kinds or set(choice) - {"type", "name", "disable_parallel_tool_use"}:
+    if not isinstance(choice, dict) or choice.get("type") not in kinds or set(choice) - _CHOICE_KEYS:
         raise bad('tool_choice must be {"type": "auto" | "any" | "tool" | "none"} (with "name" for tool)')
     if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
         raise bad("tool_choice.name must be a string (the tool to call)")
@@ -391,7 +395,8 @@ def retain_of(front: HttpFront, req: MessagesRequest) -> tuple[Retain, ...]:
         if upto is not None:
             prefix = chat_messages(req.system, req.messages, upto)
         else:
-            system = req.system[: bp.block + 1] if bp.part == "system" else ()
+            # a tool breakpoint keeps the system text too: templates render it beside the tools
+            system = req.system[: bp.block + 1] if bp.part == "system" else req.system
             prefix = chat_messages(system, [{"role": "user", "content": ""}])
         part = prompt_ids(front, req.inp, prefix)
     except ChatTemplateError:
@@ -692,8 +697,8 @@ class _Blocks:
     def call(self, d: ToolCallDelta) -> list[bytes]:
         out = self._start({"type": "tool_use", "id": d.id, "name": d.name, "input": {}}) if d.name else []
         if d.arguments:
-            out.append(sse_event("content_block_delta", {"index": self.index,
-                                                         "delta": {"type": "input_json_delta", "partial_json": d.arguments}}))  # fmt: skip
+            delta = {"type": "input_json_delta", "partial_json": d.arguments}
+            out.append(sse_event("content_block_delta", {"index": self.index, "delta": delta}))
         return out
 
     def end(self) -> list[bytes]:

@@ -265,3 +265,25 @@ def test_litellm_anthropic_route(server, model, monkeypatch):
     r = litellm.completion(model="anthropic/" + model, api_base=base_url(server), api_key=KEY, max_tokens=6,
                            messages=[{"role": "user", "content": "Hello there"}], temperature=0)  # fmt: skip
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
+
+
+def test_a_retained_prefix_survives_an_eviction_storm(tiny_llama_dir):
+    """Device and host hold 64 blocks each; after a 1h breakpoint's prefix and an
+    unretained one, other prompts fill both several times over: the retained prefix is
+    read back (from the host, where it is pinned), the unretained one is gone."""
+    cfg = tiny_config(tiny_llama_dir, kv_cache_memory=64 * PER_BLOCK, host_cache_memory=64 * PER_BLOCK)
+    with ServerThread(cfg, http_port=0) as s, anthropic.Anthropic(base_url=base_url(s), api_key="-", max_retries=0) as c:
+        def ask(system: str, question: str, ttl: str | None = None) -> anthropic.types.Usage:
+            block = {"type": "text", "text": system, **({"cache_control": {"type": "ephemeral", "ttl": ttl}} if ttl else {})}
+            return c.messages.create(model=str(tiny_llama_dir), system=[block], max_tokens=2,
+                                     messages=[{"role": "user", "content": question}]).usage  # fmt: skip
+
+        kept, lost = unique("harbour " * 60), unique("meadow " * 60)
+        first = ask(kept, "Why?", "1h")
+        assert first.cache_creation_input_tokens >= 10 * BLOCK_SIZE
+        ask(lost, "Why?")
+        for _ in range(8):  # ~40 blocks each: 320 blocks through a 64-block device and a 64-block host
+            ask(unique("storm " * 70), "Go.")
+        again = ask(kept, "How?", "1h")
+        assert again.cache_read_input_tokens >= first.cache_creation_input_tokens
+        assert ask(lost, "How?").cache_read_input_tokens <= BLOCK_SIZE  # its blocks were evicted
