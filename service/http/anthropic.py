@@ -187,8 +187,8 @@ def _message(m: Any, i: int, names: dict[str, str], limit: int | None = None) ->
         kind = b.get("type")
         if kind not in _BLOCK_KEYS:
             _refuse_block(b, w)
-        if set(b) - _BLOCK_KEYS[kind]:
-            raise oa.unsupported(f"{w}.{sorted(set(b) - _BLOCK_KEYS[kind])[0]}", "kvserve does not support it")
+        if extra := sorted(k for k in set(b) - _BLOCK_KEYS[kind] if b[k] is not None):  # null: what SDKs dump
+            raise oa.unsupported(f"{w}.{extra[0]}", "kvserve does not support it")
         _cache_control(b.get("cache_control"), w)
         if kind == "text":
             texts.append(_text(b, w))

@@ -145,27 +145,30 @@ def test_forced_tool_calls_validate(claude, model, choice):
 
 
 def test_tool_loop_with_results(claude, model):
-    """Three steps: a forced call, its result (an error), another forced call, its result,
-    then an answer; each step finds the previous step's full blocks cached."""
+    """Three steps in a session: a forced call, its result (an error), another forced
+    call, its result, then an answer; the reply's blocks go back as the SDK returned
+    them, and each step finds the previous step's full blocks cached."""
     messages: list = [{"role": "user", "content": unique("What is the weather in Rome and in Oslo?")}]
+    SESSION = {"X-Session-Id": f"loop-{uuid.uuid4().hex[:8]}"}
     cached, prompts = [], []
     for step, is_error in enumerate((True, False)):
         r = claude.messages.create(model=model, messages=messages, tools=TOOLS, max_tokens=120, extra_body=GREEDY,
-                                   tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+                                   tool_choice={"type": "tool", "name": "get_weather"}, extra_headers=SESSION)  # fmt: skip
         (call,) = [b for b in r.content if b.type == "tool_use"][:1]
         cached.append(r.usage.cache_read_input_tokens)
-        prompts.append(r.usage.input_tokens + r.usage.cache_read_input_tokens)
-        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
+        prompts.append(r.usage.input_tokens + r.usage.cache_read_input_tokens + r.usage.output_tokens)
+        messages.append({"role": "assistant", "content": r.content})
         messages.append({"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": call.id, "content": "timeout" if is_error else "sunny, 21 C",
              "is_error": is_error}, {"type": "text", "text": "Go on."}]})  # fmt: skip
-    last = claude.messages.create(model=model, messages=messages, tools=TOOLS, max_tokens=8, extra_body=GREEDY)
+    last = claude.messages.create(model=model, messages=messages, tools=TOOLS, max_tokens=8, extra_body=GREEDY,
+                                  extra_headers=SESSION)  # fmt: skip
     cached.append(last.usage.cache_read_input_tokens)
     assert last.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    # each step reads the previous step's prompt back, every full block of it but the last
-    # (the reply's own rendering may differ from what the model wrote, past its prompt)
+    # the session keeps the tokens as the model wrote them: each step reads back every full
+    # block of the previous step's prompt and reply
     for k in (1, 2):
-        assert cached[k] >= prompts[k - 1] // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, (cached, prompts)
+        assert cached[k] >= prompts[k - 1] // BLOCK_SIZE * BLOCK_SIZE, (cached, prompts)
     # a result naming no call of the assistant before it is refused
     bad = messages[:1] + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]
     with pytest.raises(anthropic.BadRequestError):
