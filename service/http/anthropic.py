@@ -492,9 +492,12 @@ class MessagesRoutes:
             label = status_label(outcome, oa.HTTP_OF_CODE)
         self.front.metrics.requests.labels(f"http:{method}", label).inc()
 
-    def error(self, method: str, exc: BaseException, request_id: str) -> Response:
+    def error(self, method: str, exc: BaseException, request_id: str, trace: Any = None) -> Response:
+        """The error response of ``exc`` (counted, and ending ``trace`` when given)."""
         err = self.front.error_of(exc, request_id, NAMES)
         self.count(method, err)
+        if trace is not None:
+            trace.end(err.status, err.message)
         headers = {"request-id": request_id}
         if err.status in oa.RETRY_AFTER_S:
             headers["Retry-After"] = str(oa.RETRY_AFTER_S[err.status])
@@ -563,9 +566,7 @@ class MessagesRoutes:
                 await events.__aexit__(None, None, None)
             if ticket is not None:
                 ticket.release()
-            response = self.error("Messages", exc, request_id)
-            trace.end(response.status_code, json.loads(bytes(response.body))["error"]["message"])
-            return response
+            return self.error("Messages", exc, request_id, trace)
         ext = oa.extension(request_id, session_id, start, start.history_diverged_at, start.history_rewound_turns)
         turn = _Turn(self, req, request_id, start, ext, events, gen, ticket, trace)
         headers = {"request-id": request_id, "X-Request-Id": request_id}
