@@ -85,6 +85,7 @@ ERROR_TYPES: Mapping[int, str] = {
 NAMES: Mapping[str, str] = {
     **oa.chat_names("max_tokens"), "sampling.stop": "stop_sequences", "stop strings": "stop_sequences",
     "stop": "stop_sequences", ".function.name": ".name", ".function.parameters": ".input_schema",
+    ".tool_call_id": ".tool_use_id",
 }  # fmt: skip
 MISSING_KEY = "missing API key: send the header 'x-api-key: <api key>' (or 'Authorization: Bearer <api key>')"
 
@@ -117,6 +118,7 @@ class MessagesRequest:
     system: tuple[str, ...]  # the system blocks' texts
     messages: tuple[Any, ...]  # as sent (a prefix is rendered from them)
     breakpoint: Breakpoint | None
+    names: Mapping[str, str] = dataclasses.field(default_factory=lambda: NAMES)  # domain -> the request's fields
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -172,9 +174,11 @@ def _refuse_block(block: Mapping[str, Any], where: str) -> str:
                          "tool_result)")  # fmt: skip
 
 
-def _message(m: Any, i: int, names: dict[str, str], limit: int | None = None) -> list[ChatMessage]:
+def _message(m: Any, i: int, names: dict[str, str], limit: int | None = None,
+             origins: list[str] | None = None) -> list[ChatMessage]:  # fmt: skip
     """One Messages message as chat messages (its first ``limit`` blocks only, when set);
-    ``names``: tool_use id -> tool name, filled by assistant messages, read by results."""
+    ``names``: tool_use id -> tool name, filled by assistant messages, read by results;
+    ``origins`` gets where each chat message came from (``messages[i]``, a result's block)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or set(m) - {"role", "content"}:
         raise bad(f'{where} must be {{"role": "user" | "assistant", "content": ...}}')
@@ -204,10 +208,14 @@ def _message(m: Any, i: int, names: dict[str, str], limit: int | None = None) ->
                 raise bad(f"{w}.tool_use_id must be a string")
             out.append(ChatMessage("tool", _result_text(b, w), tool_call_id=b["tool_use_id"],
                                    name=names.get(b["tool_use_id"], "")))  # fmt: skip
+            if origins is not None:
+                origins.append(w)
         else:
             raise bad(f"{w}: a {kind} block belongs in {'an assistant' if kind == 'tool_use' else 'a user'} message")
     if texts or calls or not out:
         out.append(ChatMessage(role, "".join(texts), tuple(calls)))
+        if origins is not None:
+            origins.append(where)
     return out
 
 
@@ -222,14 +230,26 @@ def _system(value: Any) -> tuple[str, ...]:
     return tuple(_text(b, f"system[{j}]") for j, b in enumerate(blocks))
 
 
-def chat_messages(system: Sequence[str], messages: Sequence[Any], upto: tuple[int, int] | None = None
-                  ) -> tuple[ChatMessage, ...]:  # fmt: skip
-    """The chat messages of a request; ``upto`` (message, block): only that far."""
+def chat_messages(system: Sequence[str], messages: Sequence[Any], upto: tuple[int, int] | None = None,
+                  origins: list[str] | None = None) -> tuple[ChatMessage, ...]:  # fmt: skip
+    """The chat messages of a request; ``upto`` (message, block): only that far;
+    ``origins`` gets where each came from in the request."""
     out = [ChatMessage("system", "".join(system))] if system else []
+    if system and origins is not None:
+        origins.append("system")
     names: dict[str, str] = {}
     for i, m in enumerate(messages if upto is None else messages[: upto[0] + 1]):
-        out.extend(_message(m, i, names, upto[1] + 1 if upto is not None and i == upto[0] else None))
+        out.extend(_message(m, i, names, upto[1] + 1 if upto is not None and i == upto[0] else None, origins))
     return tuple(out)
+
+
+def field_names(origins: Sequence[str]) -> dict[str, str]:
+    """``NAMES`` with each chat message's index (as the domain's errors name it) renamed to
+    where it came from in the request (a result's block, the system)."""
+    out = dict(NAMES)
+    for k, where in enumerate(origins):
+        out[f"messages[{k}]"] = out[f"chat.messages[{k}]"] = where
+    return out
 
 
 _TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control"}
@@ -356,12 +376,13 @@ def parse(body: Any, *, count: bool = False) -> MessagesRequest:
         raise bad("stream must be a boolean")
     system = _system(body.get("system"))
     tools, choice, parallel = _tools(body)
-    msgs = chat_messages(system, messages)
+    origins: list[str] = []
+    msgs = chat_messages(system, messages, origins=origins)
     sampling = dataclasses.replace(_sampling(body, max_tokens or 1), response_format=_output_format(body))
     inp = TurnInput(messages=msgs, sampling=sampling, max_new_tokens=max_tokens, tools=tools, tool_choice=choice,
                     parallel_tool_calls=parallel)  # fmt: skip
     return MessagesRequest(body["model"], inp, stream, system, tuple(messages),
-                           _breakpoint(body, body.get("system"), messages))  # fmt: skip
+                           _breakpoint(body, body.get("system"), messages), field_names(origins))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -492,9 +513,10 @@ class MessagesRoutes:
             label = status_label(outcome, oa.HTTP_OF_CODE)
         self.front.metrics.requests.labels(f"http:{method}", label).inc()
 
-    def error(self, method: str, exc: BaseException, request_id: str, trace: Any = None) -> Response:
+    def error(self, method: str, exc: BaseException, request_id: str, trace: Any = None,
+              names: Mapping[str, str] = NAMES) -> Response:  # fmt: skip
         """The error response of ``exc`` (counted, and ending ``trace`` when given)."""
-        err = self.front.error_of(exc, request_id, NAMES)
+        err = self.front.error_of(exc, request_id, names)
         self.count(method, err)
         if trace is not None:
             trace.end(err.status, err.message)
@@ -530,15 +552,17 @@ class MessagesRoutes:
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens as the turn would render them (its tools checked)."""
         request_id = wire.new_request_id()
+        names = NAMES
         try:
             _tenant, req = await self.parsed(request, count=True)
+            names = req.names
             conv = self.front.conversations
             inp = await asyncio.to_thread(conv.tools.prepare, req.inp) if uses_tools(req.inp) else req.inp
             ids = await asyncio.to_thread(prompt_ids, self.front, inp)
         except ChatTemplateError as e:
-            return self.error("CountTokens", InvalidRequest(str(e)), request_id)
+            return self.error("CountTokens", InvalidRequest(str(e)), request_id, names=names)
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
-            return self.error("CountTokens", exc, request_id)
+            return self.error("CountTokens", exc, request_id, names=names)
         self.count("CountTokens", 200)
         return JSONResponse({"input_tokens": len(ids)}, headers={"request-id": request_id})
 
@@ -548,9 +572,11 @@ class MessagesRoutes:
         session_id = request.headers.get("x-session-id", "")
         ticket: Any = None
         events: Any = None
+        names = NAMES
         trace = front.tracing.generate(request.headers.items(), request_id, session_id, http_route="/v1/messages")
         try:
             tenant, req = await self.parsed(request, count=False)
+            names = req.names
             inp = dataclasses.replace(req.inp, session_id=session_id)
             if req.breakpoint is not None:
                 inp = dataclasses.replace(inp, retain=await asyncio.to_thread(retain_of, front, req))
@@ -566,7 +592,7 @@ class MessagesRoutes:
                 await events.__aexit__(None, None, None)
             if ticket is not None:
                 ticket.release()
-            return self.error("Messages", exc, request_id, trace)
+            return self.error("Messages", exc, request_id, trace, names)
         ext = oa.extension(request_id, session_id, start, start.history_diverged_at, start.history_rewound_turns)
         turn = _Turn(self, req, request_id, start, ext, events, gen, ticket, trace)
         headers = {"request-id": request_id, "X-Request-Id": request_id}
@@ -593,7 +619,7 @@ class _Turn:
 
     def _failed(self, fin: Finished) -> oa.HttpError | None:
         status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
-        return self.front.error_of(status, self.request_id, NAMES) if status is not None else None
+        return self.front.error_of(status, self.request_id, self.req.names) if status is not None else None
 
     async def _close(self) -> None:
         try:
@@ -619,7 +645,7 @@ class _Turn:
             self.routes.count("Messages", 499)
             raise
         except Exception as exc:  # noqa: BLE001
-            err = self.front.error_of(exc, self.request_id, NAMES)
+            err = self.front.error_of(exc, self.request_id, self.req.names)
             status, message = err.status, err.message
             self.routes.count("Messages", err)
             return error_body(err), err.status
@@ -662,7 +688,7 @@ class _Turn:
             status = 499
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            err = self.front.error_of(exc, self.request_id, NAMES)
+            err = self.front.error_of(exc, self.request_id, self.req.names)
             status, failed = err.status, err
             yield sse_event("error", {"error": error_body(err)["error"]})
         finally:

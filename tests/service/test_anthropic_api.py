@@ -171,7 +171,7 @@ def test_tool_loop_with_results(claude, model):
         assert cached[k] >= prompts[k - 1] // BLOCK_SIZE * BLOCK_SIZE, (cached, prompts)
     # a result naming no call of the assistant before it is refused
     bad = messages[:1] + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]
-    with pytest.raises(anthropic.BadRequestError):
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.content\[0\]\.tool_use_id: 'nope' answers no call"):
         claude.messages.create(model=model, messages=bad, tools=TOOLS, max_tokens=4)
 
 
