@@ -1,5 +1,7 @@
 """Anthropic's Messages API: ``POST /v1/messages`` (SSE events when ``stream``) and
-``POST /v1/messages/count_tokens``, translated onto the chat path.
+``POST /v1/messages/count_tokens``, translated onto the chat path, over the HTTP front's
+plumbing (``service.http.plumbing``: ``start_turn`` runs the turn; count_tokens is
+``Conversations.prepare``, every check a turn runs, released unrun).
 
 A Messages request becomes the ``TurnInput`` a chat completion would (``parse``: pure):
 ``system`` (a string or text blocks) is a system message, a user message's
@@ -22,7 +24,7 @@ prompt.
 
 Errors are Anthropic's shape ``{"type": "error", "error": {"type", "message"}}`` with the
 OpenAI front's statuses (``ERROR_TYPES``); the key comes from ``x-api-key`` or
-``Authorization: Bearer`` (the same ``--api-keys``); ``anthropic-version`` and
+``Authorization: Bearer`` (the same ``--api-keys``, ``Plumbing.tenant``); ``anthropic-version`` and
 ``anthropic-beta`` are accepted whatever they say. Usage is kvserve's own blocks':
 ``cache_read_input_tokens`` (``Finished.cache_read_tokens``), ``cache_creation_input_tokens``
 (``Finished.cache_creation_tokens``, per ttl in ``cache_creation``) and ``input_tokens``
@@ -35,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 
@@ -44,15 +45,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import wire
 from . import openai as oa
+from .plumbing import HttpTurn, Plumbing, TurnRequest, whole_or_gone
 from ..auth import MISSING_CREDENTIALS, Unauthenticated
-from ..models.tokenizer import ChatTemplateError
 from ..tools import uses_tools
 from ..types import (
     ChatMessage,
     Delta,
     Finished,
     FinishReason,
-    InvalidRequest,
     ResponseFormat,
     Retain,
     SamplingParams,
@@ -65,7 +65,7 @@ from ..types import (
 )
 
 if TYPE_CHECKING:
-    from .app import HttpFront
+    from ..conversations import Conversations
 
 FIELDS = {
     "model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
@@ -388,17 +388,16 @@ def parse(body: Any, *, count: bool = False) -> MessagesRequest:
 # ----------------------------------------------------------------------------- tokens
 
 
-def prompt_ids(front: HttpFront, inp: TurnInput, messages: Sequence[ChatMessage] | None = None) -> list[int]:
+def prompt_ids(conv: Conversations, inp: TurnInput, messages: Sequence[ChatMessage] | None = None) -> list[int]:
     """The tokens of ``messages`` (default: the request's) as a first turn's prompt, with
     the request's tools (blocking: run it off the event loop)."""
-    conv = front.conversations
     msgs = list(messages if messages is not None else inp.messages or ())
     if uses_tools(inp):
         return conv.tools.encode_turn([], msgs, inp.tools)
-    return conv.engine.tokenizer.encode_chat_turn([], [{"role": m.role, "content": m.content} for m in msgs])
+    return conv.tools.tokenizer.encode_chat_turn([], [{"role": m.role, "content": m.content} for m in msgs])
 
 
-def retain_of(front: HttpFront, req: MessagesRequest) -> tuple[Retain, ...]:
+def retain_of(conv: Conversations, req: MessagesRequest) -> tuple[Retain, ...]:
     """The request's retention (blocking): the prefix up to its last breakpoint, for the
     longest ttl asked; the tokens where that prefix's rendering leaves the whole prompt's.
     A template that cannot render the prefix alone retains the whole prompt."""
@@ -412,15 +411,15 @@ def retain_of(front: HttpFront, req: MessagesRequest) -> tuple[Retain, ...]:
     else:  # tools or system: render the system (up to the block) and an empty user turn
         upto = None
     try:
-        full = prompt_ids(front, req.inp)
+        full = prompt_ids(conv, req.inp)
         if upto is not None:
             prefix = chat_messages(req.system, req.messages, upto)
         else:
             # a tool breakpoint keeps the system text too: templates render it beside the tools
             system = req.system[: bp.block + 1] if bp.part == "system" else req.system
             prefix = chat_messages(system, [{"role": "user", "content": ""}])
-        part = prompt_ids(front, req.inp, prefix)
-    except ChatTemplateError:
+        part = prompt_ids(conv, req.inp, prefix)
+    except ValueError:  # the tokenizer's ChatTemplateError: the template refused the prefix alone
         return (Retain(bp.ttl_s),)
     same = next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
     return (Retain(bp.ttl_s, same),) if same else ()
@@ -496,175 +495,122 @@ def sse_event(kind: str, obj: dict[str, Any]) -> bytes:
 
 
 class MessagesRoutes:
-    """``/v1/messages`` and ``/v1/messages/count_tokens`` over the HTTP front's admission,
-    keys, body limits and conversations."""
+    """``/v1/messages`` (a turn through ``Plumbing.start_turn``) and
+    ``/v1/messages/count_tokens`` over the HTTP front's plumbing."""
 
-    def __init__(self, front: HttpFront) -> None:
-        self.front = front
+    def __init__(self, plumbing: Plumbing) -> None:
+        self.plumbing = plumbing
 
-    def count(self, method: str, outcome: int | oa.HttpError) -> None:
-        """One answer in ``kvserve_requests_total`` (labelled as the OpenAI routes are)."""
-        from .limits import status_label
-
-        if isinstance(outcome, oa.HttpError):
-            code = outcome.grpc_code
-            label = code.name if code is not None else status_label(outcome.status, oa.HTTP_OF_CODE)
-        else:
-            label = status_label(outcome, oa.HTTP_OF_CODE)
-        self.front.metrics.requests.labels(f"http:{method}", label).inc()
-
-    def error(self, method: str, exc: BaseException, request_id: str, trace: Any = None,
-              names: Mapping[str, str] = NAMES) -> Response:  # fmt: skip
-        """The error response of ``exc`` (counted, and ending ``trace`` when given)."""
-        err = self.front.error_of(exc, request_id, names)
-        self.count(method, err)
-        if trace is not None:
-            trace.end(err.status, err.message)
-        headers = {"request-id": request_id}
+    @staticmethod
+    def error_response(err: oa.HttpError, request_id: str = "") -> Response:
+        """Anthropic's error object; 429 and 503 say when to retry (``Retry-After``)."""
+        headers = {"request-id": request_id} if request_id else {}
         if err.status in oa.RETRY_AFTER_S:
             headers["Retry-After"] = str(oa.RETRY_AFTER_S[err.status])
         return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
-    def tenant(self, request: Request) -> str:
-        """The caller's tenant from ``x-api-key`` or ``Authorization: Bearer``."""
-        auth = request.headers.get("authorization", "")
-        key = request.headers.get("x-api-key")
-        if key and not auth:
-            auth = f"Bearer {key}"
-        try:
-            return self.front.authenticator.authenticate([("authorization", auth)])
-        except Unauthenticated as e:
-            if str(e) == MISSING_CREDENTIALS:
-                raise Unauthenticated(MISSING_KEY) from None
-            raise
+    @staticmethod
+    def _anthropic_words(exc: BaseException, err: oa.HttpError) -> oa.HttpError:
+        """A missing key is asked for as Anthropic's clients send it."""
+        if isinstance(exc, Unauthenticated) and str(exc) == MISSING_CREDENTIALS:
+            err.message = MISSING_KEY
+        return err
 
-    async def parsed(self, request: Request, *, count: bool) -> tuple[str, MessagesRequest]:
-        front = self.front
-        front.admission.check_serving()
-        tenant = self.tenant(request)
-        bodies = front.bodies
-        req = parse(await bodies.parse(await bodies.read(request)), count=count)
-        if req.model != front.model_id:
-            raise oa.HttpError(404, f"model: {req.model!r} does not exist; this server serves {front.model_id!r}",
-                               "not_found_error")  # fmt: skip
-        return tenant, req
+    def _parse(self, body: Any, count: bool) -> MessagesRequest:
+        req = parse(body, count=count)
+        if req.model != self.plumbing.model_id:
+            raise oa.HttpError(404, f"model: {req.model!r} does not exist; this server serves "
+                               f"{self.plumbing.model_id!r}", "not_found_error")  # fmt: skip
+        return req
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens as the turn would render them (its tools checked)."""
-        request_id = wire.new_request_id()
-        names = NAMES
+        front, request_id, names = self.plumbing, wire.new_request_id(), NAMES
         try:
-            _tenant, req = await self.parsed(request, count=True)
+            front.turns.check_serving()
+            owner = front.tenant(request)
+            req = self._parse(await front.body(request), count=True)
             names = req.names
-            conv = self.front.conversations
-            inp = await asyncio.to_thread(conv.tools.prepare, req.inp) if uses_tools(req.inp) else req.inp
-            ids = await asyncio.to_thread(prompt_ids, self.front, inp)
-        except ChatTemplateError as e:
-            return self.error("CountTokens", InvalidRequest(str(e)), request_id, names=names)
+            prepared = await front.conversations.prepare(owner, req.inp, request_id)  # every check the turn runs
+            await front.conversations.release(prepared)
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
-            return self.error("CountTokens", exc, request_id, names=names)
-        self.count("CountTokens", 200)
-        return JSONResponse({"input_tokens": len(ids)}, headers={"request-id": request_id})
+            err = self._anthropic_words(exc, front.error_of(exc, request_id, names))
+            front.count("CountTokens", err)
+            return self.error_response(err, request_id)
+        front.count("CountTokens", 200)
+        return JSONResponse({"input_tokens": len(prepared.prompt)}, headers={"request-id": request_id})
 
     async def create(self, request: Request) -> Response:
-        front = self.front
-        request_id = wire.new_request_id()
+        front = self.plumbing
         session_id = request.headers.get("x-session-id", "")
-        ticket: Any = None
-        events: Any = None
-        names = NAMES
-        trace = front.tracing.generate(request.headers.items(), request_id, session_id, http_route="/v1/messages")
-        try:
-            tenant, req = await self.parsed(request, count=False)
-            names = req.names
+        parsed: MessagesRequest | None = None
+
+        async def translate(owner: str, body: Any) -> TurnRequest:
+            nonlocal parsed
+            parsed = req = self._parse(body, count=False)
             inp = dataclasses.replace(req.inp, session_id=session_id)
             if req.breakpoint is not None:
-                inp = dataclasses.replace(inp, retain=await asyncio.to_thread(retain_of, front, req))
-            ticket = front.admission.admit(tenant, request_id)
-            events = aclosing(front.conversations.run_turn(tenant, inp, request_id, trace,
-                                                           resent_history=bool(session_id)))  # fmt: skip
-            gen = await events.__aenter__()
-            start = await anext(gen)
-            if not isinstance(start, Started):
-                raise RuntimeError("the conversation did not start with a Started event")
-        except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
-            if events is not None:
-                await events.__aexit__(None, None, None)
-            if ticket is not None:
-                ticket.release()
-            return self.error("Messages", exc, request_id, trace, names)
-        ext = oa.extension(request_id, session_id, start, start.history_diverged_at, start.history_rewound_turns)
-        turn = _Turn(self, req, request_id, start, ext, events, gen, ticket, trace)
-        headers = {"request-id": request_id, "X-Request-Id": request_id}
+                inp = dataclasses.replace(inp, retain=await asyncio.to_thread(retain_of, front.conversations, req))
+            return TurnRequest(inp, req.names, resent_history=bool(session_id))
+
+        turn = await front.start_turn(request, "Messages", "/v1/messages", session_id, translate,
+                                      on_error=self._anthropic_words, names=NAMES)  # fmt: skip
+        if isinstance(turn, oa.HttpError):
+            return self.error_response(turn)
+        assert parsed is not None
+        start = turn.start
+        ext = oa.extension(turn.request_id, session_id, start, start.history_diverged_at, start.history_rewound_turns)
+        message = _Message(turn, parsed, ext, front.conversations.tools.tokenizer.decode)
+        headers = {"request-id": turn.request_id, "X-Request-Id": turn.request_id}
         if session_id:
             headers["X-Session-Id"] = session_id
-        if req.stream:
+        if parsed.stream:
             headers["Cache-Control"] = "no-cache"
-            return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=headers)
-        from .app import whole_or_gone
-
-        return await whole_or_gone(request, turn.whole(), headers)
+            return StreamingResponse(message.sse(), media_type="text/event-stream", headers=headers)
+        return await whole_or_gone(request, message.whole(), headers)
 
 
-class _Turn:
-    """One admitted message: the rest of the events as a message object or SSE events."""
+class _Message:
+    """One admitted message: the rest of the turn's events as a message object or SSE."""
 
-    def __init__(self, routes: MessagesRoutes, req: MessagesRequest, request_id: str, start: Started,
-                 ext: dict[str, Any], events: Any, gen: AsyncIterator[Any], ticket: Any, trace: Any) -> None:  # fmt: skip
-        self.routes, self.front, self.req, self.request_id = routes, routes.front, req, request_id
-        self.start, self.ext, self.events, self.gen, self.ticket, self.trace = start, ext, events, gen, ticket, trace
-        self.id = "msg_" + request_id
-        self.model = req.model or self.front.model_id
-        self.decode = self.front.conversations.engine.tokenizer.decode
-
-    def _failed(self, fin: Finished) -> oa.HttpError | None:
-        status = wire.finish_status(fin, self.request_id, self.front.admission.draining)
-        return self.front.error_of(status, self.request_id, self.req.names) if status is not None else None
-
-    async def _close(self) -> None:
-        try:
-            await self.events.__aexit__(None, None, None)
-        finally:
-            self.ticket.release()
+    def __init__(self, turn: HttpTurn, req: MessagesRequest, ext: dict[str, Any], decode: Any) -> None:
+        self.turn, self.req, self.ext, self.decode = turn, req, ext, decode  # turn.end closes, counts, traces
+        self.id = "msg_" + turn.request_id
+        self.model = req.model or turn.plumbing.model_id
+        self.stops = req.inp.sampling.stop
 
     async def whole(self) -> tuple[dict[str, Any], int]:
-        status, message = 499, "the client went away"
+        outcome: int | oa.HttpError = 499  # unless the call gets further
+        message = "the client went away"
         try:
-            async for ev in self.gen:
+            async for ev in self.turn.events:
                 if isinstance(ev, Finished):
-                    err = self._failed(ev)
+                    err = self.turn.finish_error(ev)
                     if err is not None:
-                        status, message = err.status, err.message
-                        self.routes.count("Messages", err)
+                        outcome, message = err, err.message
                         return error_body(err), err.status
-                    status, message = 200, ""
-                    self.routes.count("Messages", 200)
-                    return message_body(self.id, self.model, ev, self.req.inp.sampling.stop, self.decode, self.ext), 200
+                    outcome, message = 200, ""
+                    return message_body(self.id, self.model, ev, self.stops, self.decode, self.ext), 200
             raise RuntimeError("the conversation ended without a Finished event")
-        except asyncio.CancelledError:
-            self.routes.count("Messages", 499)
-            raise
-        except Exception as exc:  # noqa: BLE001
-            err = self.front.error_of(exc, self.request_id, self.req.names)
-            status, message = err.status, err.message
-            self.routes.count("Messages", err)
+        except Exception as exc:  # noqa: BLE001 - (CancelledError: the client went away, 499)
+            err = self.turn.error_of(exc)
+            outcome, message = err, err.message
             return error_body(err), err.status
         finally:
-            await self._close()
-            self.trace.end(status, message)
+            await self.turn.end(outcome, message)
 
     async def sse(self) -> AsyncIterator[bytes]:
         """message_start, ping, per block content_block_start / _delta / _stop (text
         blocks as text comes, a tool_use block per call), message_delta (stop_reason, the
         final usage), message_stop; an ``error`` event when the turn fails."""
-        status, failed = 200, None
+        outcome: int | oa.HttpError = 200
         blocks = _Blocks()
         try:
             message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                       "stop_reason": None, "stop_sequence": None, "usage": start_usage(self.start)}  # fmt: skip
+                       "stop_reason": None, "stop_sequence": None, "usage": start_usage(self.turn.start)}  # fmt: skip
             yield sse_event("message_start", {"message": message})
             yield sse_event("ping", {})
-            async for ev in self.gen:
+            async for ev in self.turn.events:
                 if isinstance(ev, Delta) and ev.text:
                     for out in blocks.text(ev.text):
                         yield out
@@ -672,29 +618,27 @@ class _Turn:
                     for out in blocks.call(ev):
                         yield out
                 elif isinstance(ev, Finished):
-                    err = self._failed(ev)
+                    err = self.turn.finish_error(ev)
                     if err is not None:
-                        status, failed = err.status, err
+                        outcome = err
                         yield sse_event("error", {"error": error_body(err)["error"]})
                         break
                     for out in blocks.end():
                         yield out
-                    reason, seq = stop_of(ev, self.req.inp.sampling.stop, self.decode)
+                    reason, seq = stop_of(ev, self.stops, self.decode)
                     yield sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                                       "usage": final_usage(ev)})  # fmt: skip
                     yield sse_event("message_stop", {})
                     break
         except (asyncio.CancelledError, GeneratorExit):
-            status = 499
+            outcome = 499  # the client went away
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            err = self.front.error_of(exc, self.request_id, self.req.names)
-            status, failed = err.status, err
+            err = self.turn.error_of(exc)
+            outcome = err
             yield sse_event("error", {"error": error_body(err)["error"]})
         finally:
-            await self._close()
-            self.routes.count("Messages", failed or status)
-            self.trace.end(status)
+            await self.turn.end(outcome)
 
 
 class _Blocks:

@@ -113,8 +113,12 @@ class Plumbing:
         self.bodies = BodyReader(dataclasses.replace(limits or HttpLimits(), max_body_bytes=max_body_bytes))
 
     def tenant(self, request: Request) -> str:
-        """The caller's tenant, from ``Authorization: Bearer`` (raises ``Unauthenticated``)."""
-        return self.authenticator.authenticate([("authorization", request.headers.get("authorization", ""))])
+        """The caller's tenant, from ``Authorization: Bearer`` or, without that header,
+        ``x-api-key`` (Anthropic's clients send it) (raises ``Unauthenticated``)."""
+        auth = request.headers.get("authorization", "")
+        if not auth and request.headers.get("x-api-key"):
+            auth = f"Bearer {request.headers['x-api-key']}"
+        return self.authenticator.authenticate([("authorization", auth)])
 
     async def body(self, request: Request) -> Any:
         """The request's JSON, read and parsed within the front's limits (service.http.limits)."""
