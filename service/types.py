@@ -235,10 +235,17 @@ class Retain:
     the whole prompt) restorable for at least ``ttl_s`` seconds from the turn's first
     token (its prompt computed), in the cache tiers of ``--retain-to``. Whole blocks only: the tokens of a
     partial last block are not kept. Asking again for a prefix that is retained extends
-    its time (a refresh)."""
+    its time (a refresh).
+
+    ``hint``: a protocol's cache hint (Anthropic's ``cache_control``, OpenAI's
+    ``prompt_cache_retention``), which those APIs never refuse a request for: where this
+    server cannot keep it (no tier, retentions off, past the tenant's bound) the turn runs
+    without it and reports nothing retained. A retention asked for outright (gRPC
+    ``retain``) is refused instead (``RetentionRefused``)."""
 
     ttl_s: float
     prefix_tokens: int | None = None
+    hint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,7 +236,12 @@ class LLMEngine:
         n = len(req.prompt_token_ids)
         seq = self.output.new_sequence(req, self.keys.namespace(req.scope, n), self.keys.is_long(n))
         if req.retain:
-            seq.retention = self._reserve(req, seq)  # RetentionRefused past the tenant's bound
+            try:
+                seq.retention = self._reserve(req, seq)  # RetentionRefused past the tenant's bound
+            except RetentionRefused:
+                if not all(r.hint for r in req.retain):
+                    raise
+                # Only protocols' cache hints: the turn runs as if none was asked (counted refused).
         try:
             self.scheduler.submit(seq)  # QueueFull past --max-queue
         except BaseException:

@@ -405,7 +405,7 @@ def retain_of(conv: Conversations, req: MessagesRequest) -> tuple[Retain, ...]:
     if bp is None:
         return ()
     if bp.last:
-        return (Retain(bp.ttl_s),)
+        return (Retain(bp.ttl_s, hint=True),)
     if bp.part == "messages":
         upto: tuple[int, int] | None = (bp.index, bp.block)
     else:  # tools or system: render the system (up to the block) and an empty user turn
@@ -420,9 +420,9 @@ def retain_of(conv: Conversations, req: MessagesRequest) -> tuple[Retain, ...]:
             prefix = chat_messages(system, [{"role": "user", "content": ""}])
         part = prompt_ids(conv, req.inp, prefix)
     except ValueError:  # the tokenizer's ChatTemplateError: the template refused the prefix alone
-        return (Retain(bp.ttl_s),)
+        return (Retain(bp.ttl_s, hint=True),)
     same = next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
-    return (Retain(bp.ttl_s, same),) if same else ()
+    return (Retain(bp.ttl_s, same, hint=True),) if same else ()
 
 
 # ----------------------------------------------------------------------------- responses

@@ -317,7 +317,7 @@ def retention(body: Mapping[str, Any]) -> tuple[Retain, ...]:
     if value not in PROMPT_CACHE_RETENTION:
         raise HttpError(400, f"prompt_cache_retention must be \"in_memory\" or \"24h\", got {json.dumps(value)[:40]}",
                         param="prompt_cache_retention", code="invalid_value")  # fmt: skip
-    return (Retain(PROMPT_CACHE_RETENTION[value]),)
+    return (Retain(PROMPT_CACHE_RETENTION[value], hint=True),)
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
