@@ -53,7 +53,7 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Sequence
 
 from .history import HistoryAction, HistoryPlan, plan_history
 from .metrics import ServiceMetrics
@@ -107,6 +107,9 @@ class _NoObserver:
 
 NO_OBSERVER: TurnObserver = _NoObserver()
 
+# (the stored attachment, the turn's raw Finished) -> the attachment its commit writes
+Attach = Callable[[str, Finished], str]
+
 
 @dataclass(frozen=True)
 class PreparedTurn:
@@ -123,6 +126,7 @@ class PreparedTurn:
     scope: CacheScope
     tooled: bool  # the input uses tools (its events leave through ToolCalling.events)
     arrival: float  # perf_counter at prepare (time to first token)
+    attach: Attach | None = None  # the session's new attachment, written by the commit (run_turn)
 
     def request(self) -> GenerationRequest:
         return GenerationRequest(
@@ -176,7 +180,7 @@ class Conversations:
 
     async def run_turn(
         self, owner: str, inp: TurnInput, request_id: str, observer: TurnObserver = NO_OBSERVER, *,
-        resent_history: bool = False, fork_from: str = "",
+        resent_history: bool = False, fork_from: str = "", attach: Attach | None = None,
     ) -> AsyncIterator[Event]:  # fmt: skip
         """Serve one Generate call of ``owner``: ``prepare`` the turn, then ``stream`` it
         (see the module docstring). ``observer`` (the call's trace) hears of the start
@@ -195,9 +199,14 @@ class Conversations:
         starts with that session's whole transcript, as ``fork`` would make it, and this
         turn is its next one (the Responses API's ``previous_response_id``).
 
-        Both change the session only through the turn's commit: a turn refused, failed or
+        ``attach`` (a session turn): the session's new ``attachment`` (a front's state: the
+        Conversations API's items), from the stored one and the turn's raw Finished event
+        (its text before tool calls are parsed out), written by the turn's commit.
+
+        All change the session only through the turn's commit: a turn refused, failed or
         cancelled after them leaves every session exactly as it was."""
-        prepared = await self.prepare(owner, inp, request_id, resent_history=resent_history, fork_from=fork_from)
+        prepared = await self.prepare(owner, inp, request_id, resent_history=resent_history, fork_from=fork_from,
+                                      attach=attach)  # fmt: skip
         try:
             async with aclosing(self.stream(prepared, observer)) as events:
                 async for event in self.tools.events(prepared.inp, events) if prepared.tooled else events:
@@ -206,8 +215,9 @@ class Conversations:
             await self.release(prepared)  # a turn closed before its stream began
 
     async def prepare(
-        self, owner: str, inp: TurnInput, request_id: str, *, resent_history: bool = False, fork_from: str = ""
-    ) -> PreparedTurn:
+        self, owner: str, inp: TurnInput, request_id: str, *, resent_history: bool = False, fork_from: str = "",
+        attach: Attach | None = None,
+    ) -> PreparedTurn:  # fmt: skip
         """Every check of the turn, and what it runs: the request's checks before the
         session's lock (``validation.check_request``; with tools, ``ToolCalling.prepare``
         first), the session's turn begun (the lock), the record it extends (a fork's
@@ -243,7 +253,7 @@ class Conversations:
                 await asyncio.shield(self.sessions.end_turn(turn))
             raise
         return PreparedTurn(owner, request_id, inp, turn, base, history, transcript + new_tokens, sampling,
-                            self.cache_scope(owner, inp.cache_salt), tooled, arrival)  # fmt: skip
+                            self.cache_scope(owner, inp.cache_salt), tooled, arrival, attach)  # fmt: skip
 
     async def _base(
         self, turn: Turn | None, inp: TurnInput, source: SessionRecord | None, resent_history: bool
@@ -358,7 +368,7 @@ class Conversations:
         is told to the spill scheduler and the metrics; the turn ends either way."""
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             mode = p.inp.mode
-            rec = await self._commit(turn, p.base, p.prompt, event, p.inp.cache_salt, mode)
+            rec = await self._commit(turn, p.base, p.prompt, event, p.inp.cache_salt, mode, p.attach)
             if p.history is not None and p.history.action is HistoryAction.REWIND:
                 self.metrics.session_operations.labels("rewind").inc()
             if self.spill is not None:
@@ -368,18 +378,20 @@ class Conversations:
         await self.sessions.end_turn(turn)
 
     async def _commit(
-        self, turn: Turn, base: SessionRecord | None, prompt: list[int], fin: Finished, salt: str, mode: TurnMode
-    ) -> SessionRecord:
+        self, turn: Turn, base: SessionRecord | None, prompt: list[int], fin: Finished, salt: str, mode: TurnMode,
+        attach: Attach | None = None,
+    ) -> SessionRecord:  # fmt: skip
         """Commit the turn; with ``base`` (a rewound, reset or forked copy of the record)
         the turn extends that instead of the stored version, in the same one write
         (conditional on the version the turn started from)."""
         stored = turn.record
+        attachment = attach(stored.attachment, fin) if attach is not None else None
         if base is not None:
             turn.record = base
         try:
             return await self.sessions.commit_turn(
                 turn, prompt, fin.output_token_ids, cache_salt=salt, finish_reason=fin.finish_reason.value,
-                replace_last=mode is not TurnMode.APPEND,
+                replace_last=mode is not TurnMode.APPEND, attachment=attachment,
             )  # fmt: skip
         except BaseException:
             if not turn.committed:
@@ -461,6 +473,14 @@ class Conversations:
         rec = await self.sessions.delete(owner, session_id)
         await self.forget(rec)
         return rec
+
+    async def attach(
+        self, owner: str, session_id: str, change: Callable[[SessionRecord], str], *, create: bool = False
+    ) -> SessionRecord:
+        """Write ``change(record)`` as the session's ``attachment`` (a front's state: the
+        Conversations API's items and metadata) under its turn lock, the transcript as it
+        is (``SessionManager.attach``); ``create``: a new session. The new record."""
+        return await self.sessions.attach(owner, session_id, change, create=create)
 
     async def reap_abandoned(self, owner: str, session_id: str) -> bool:
         """Remove a first turn's placeholder whose turn can never complete (its replica

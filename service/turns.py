@@ -32,7 +32,7 @@ from .types import Event, Started, TurnInput
 
 if TYPE_CHECKING:
     from .admission import Admission, Ticket
-    from .conversations import Conversations
+    from .conversations import Attach, Conversations
     from .metrics import ServiceMetrics
     from .tracing import Tracing
 
@@ -104,16 +104,16 @@ class Turns:
 
     async def start(
         self, owner: str, inp: TurnInput, request_id: str, call: TurnCall, *, resent_history: bool = False,
-        fork_from: str = "",
+        fork_from: str = "", attach: Attach | None = None,
     ) -> RunningTurn:  # fmt: skip
         """Admit ``owner``'s stream, run the turn (``Conversations.run_turn``: its checks,
-        ``resent_history`` and ``fork_from`` as there) and await its ``Started`` event.
+        ``resent_history``, ``fork_from`` and ``attach`` as there) and await its ``Started`` event.
         Raises what refused or failed it, having closed what it opened."""
         ticket = self.admission.admit(owner, request_id)
         events: Any = None
         try:
             events = self.conversations.run_turn(owner, inp, request_id, call.trace, resent_history=resent_history,
-                                                 fork_from=fork_from)  # fmt: skip
+                                                 fork_from=fork_from, attach=attach)  # fmt: skip
             start = await anext(events)
             if not isinstance(start, Started):
                 raise RuntimeError("the conversation did not start with a Started event")

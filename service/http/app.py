@@ -4,6 +4,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stre
 ``POST /v1/sessions/{id}/warm`` (WarmSession),
 ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` (``service.http.responses``),
 ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (Anthropic's: ``service.http.anthropic``),
+``/v1/conversations`` and its items (``service.http.conversations_api``),
 ``GET /v1/models``, ``GET /health``. Each protocol is one module of routes over the
 shared ``service.http.plumbing`` (``completions.py``: chat and text completions;
 ``responses.py``: the Responses API; ``anthropic.py``: Anthropic's Messages API); this module composes them into one Starlette app
@@ -32,6 +33,7 @@ from .. import wire
 from . import openai as oa
 from .anthropic import MessagesRoutes
 from .completions import CompletionRoutes
+from .conversations_api import ConversationRoutes
 from .limits import HttpLimits, front_protocol
 from .plumbing import Plumbing
 from .responses import ResponsesRoutes
@@ -68,7 +70,8 @@ class HttpFront:
         self.model_id = model_id
         self.created = int(time.time())
         self.completions = CompletionRoutes(self.plumbing)  # /v1/chat/completions, /v1/completions
-        self.responses = ResponsesRoutes(self.plumbing)  # /v1/responses (service.http.responses)
+        self.conversation_routes = ConversationRoutes(self.plumbing)  # /v1/conversations (service.http.conversations_api)
+        self.responses = ResponsesRoutes(self.plumbing, self.conversation_routes.turn)  # /v1/responses (service.http.responses)
         self.messages = MessagesRoutes(self.plumbing)  # Anthropic's /v1/messages (service.http.anthropic)
         self.app = Starlette(
             routes=[
@@ -79,6 +82,7 @@ class HttpFront:
                 Route("/v1/responses/{response_id}", self.responses.delete, methods=["DELETE"]),
                 Route("/v1/messages", self.messages.create, methods=["POST"]),
                 Route("/v1/messages/count_tokens", self.messages.count_tokens, methods=["POST"]),
+                *self.conversation_routes.routes(),
                 Route("/v1/sessions/{session_id}/warm", self.warm_session, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),

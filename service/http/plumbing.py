@@ -39,7 +39,7 @@ from ..types import Started, TurnInput
 if TYPE_CHECKING:
     from ..admission import Admission
     from ..auth import Authenticator
-    from ..conversations import Conversations
+    from ..conversations import Attach, Conversations
     from ..metrics import ServiceMetrics
 
 
@@ -52,6 +52,7 @@ class TurnRequest:
     names: Mapping[str, str] | None = None
     resent_history: bool = False
     fork_from: str = ""
+    attach: Attach | None = None  # the session's new attachment, written by the turn's commit (conversations)
 
 
 class HttpTurn:
@@ -173,7 +174,7 @@ class Plumbing:
             owner = self.tenant(request)
             req = await parse(owner, await self.body(request))
             turn = await self.turns.start(owner, req.inp, request_id, call, resent_history=req.resent_history,
-                                          fork_from=req.fork_from)  # fmt: skip
+                                          fork_from=req.fork_from, attach=req.attach)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
             err = self.error_of(exc, request_id, req.names if req is not None else names)
             if on_error is not None:

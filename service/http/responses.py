@@ -50,7 +50,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -76,6 +76,8 @@ from ..types import (
 
 
 RESPONSE_PREFIX = "resp_"
+# (owner, the request, its raw input, the response id, call_id) -> the turn's input and attach
+InConversation = Callable[[str, "ResponseRequest", Any, str, Callable[[str, int], str]], Awaitable[tuple[TurnInput, Any]]]
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 _FIELDS = {
@@ -90,7 +92,6 @@ _FIELDS = {
 # OpenAI fields kvserve does not implement: accepted at these values (what SDKs send by default)
 _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
     "background": (None, False),
-    "conversation": (None,),
     "prompt": (None,),
     "truncation": (None, "disabled"),
     "max_tool_calls": (None,),
@@ -115,6 +116,7 @@ class ResponseRequest:
     # the function_call_output items that lead the input, (index, call_id): they answer the
     # previous response's calls (checked against them once it is read)
     answers: tuple[tuple[int, str], ...] = ()
+    conversation: str | None = None  # the conversation the turn joins (service.http.conversations_api)
 
 
 def new_response_id() -> str:
@@ -283,6 +285,24 @@ def text_format(text: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
                        '{"type": "json_schema", "name": ..., "schema": {...}}', param="text.format")  # fmt: skip
 
 
+def conversation_param(body: Mapping[str, Any]) -> str | None:
+    """``conversation``: an id or ``{"id": ...}`` (service.http.conversations_api runs the
+    turn in it); with ``previous_response_id`` it is 400, as OpenAI's."""
+    value = body.get("conversation")
+    if value is None:
+        return None
+    if isinstance(value, dict) and set(value) == {"id"}:
+        value = value["id"]
+    if not isinstance(value, str):
+        raise oa.HttpError(400, 'conversation must be a conversation id or {"id": ...}', param="conversation",
+                           code="invalid_type")  # fmt: skip
+    if body.get("previous_response_id") is not None:
+        raise oa.HttpError(400, "Mutually exclusive parameters: Ensure you are only providing one of: "
+                           "'previous_response_id' or 'conversation'.", param="conversation",
+                           code="mutually_exclusive_parameters")  # fmt: skip
+    return value
+
+
 def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     """A ``POST /v1/responses`` body as a domain turn; a field that would change the
     output and is not implemented is refused (400 naming it)."""
@@ -301,6 +321,7 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
         raise oa.unsupported("include", f"only {LOGPROBS_INCLUDE!r} is supported")
     oa.check_bookkeeping(body)
+    conversation = conversation_param(body)
     tools, tool_choice, parallel, echo_tools = response_tools(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -325,7 +346,7 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
     top = oa.number_field(body, "top_logprobs", int)
     logprobs = bool(include) or bool(top)
     messages, leading = _input_messages(body.get("input"), frozenset(t.name for t in tools))
-    if leading and prev is None:  # nothing before this input made calls
+    if leading and prev is None and conversation is None:  # nothing before this input made calls
         i, call_id = leading[0]
         raise no_call_found(f"input[{i}].call_id", call_id)
     if instructions:
@@ -345,7 +366,8 @@ def response_request(body: Any, default_max_new_tokens: int) -> ResponseRequest:
         "tools": echo_tools, "tool_choice": body.get("tool_choice") or "auto", "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
     }  # fmt: skip
-    return ResponseRequest(model, inp, bool(stream), store, prev, instructions, echo_fmt, logprobs, echo, tuple(leading))
+    return ResponseRequest(model, inp, bool(stream), store, prev, instructions, echo_fmt, logprobs, echo, tuple(leading),
+                           conversation)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the response object
@@ -389,6 +411,8 @@ def response_object(
         "safety_identifier": echo.get("safety_identifier"), "prompt_cache_key": echo.get("prompt_cache_key"),
         "reasoning": None, "usage": usage,
     }  # fmt: skip
+    if req is not None and req.conversation is not None:
+        out["conversation"] = {"id": req.conversation}
     if timings is not None:
         out["timings"] = timings
     if ext is not None:
@@ -427,9 +451,12 @@ def response_usage(start: Started, fin: Finished, block_size: int) -> dict[str, 
 class ResponsesRoutes:
     """The three routes, over the HTTP front's plumbing (``service.http.plumbing``)."""
 
-    def __init__(self, plumbing: Plumbing) -> None:
+    def __init__(self, plumbing: Plumbing, in_conversation: InConversation | None = None) -> None:
         self.front = plumbing
         self.conversations = plumbing.conversations
+        # a response in a conversation: its turn's input and the items its commit appends
+        # (service.http.conversations_api.ConversationRoutes.turn; None: 404 for every one)
+        self.in_conversation = in_conversation
 
     def _fail(self, exc: BaseException, request_id: str, method: str, names: Any = None) -> Response:
         err = self.front.error_of(exc, request_id, names)
@@ -537,6 +564,12 @@ class ResponsesRoutes:
             inp = dataclasses.replace(req.inp, session_id=rid)
             if req.previous_response_id is not None:  # 404 / 409 naming the field; the outputs that answer its calls checked
                 inp = _answering(inp, req.answers, await self._previous(owner, req.previous_response_id))
+            elif req.conversation is not None:  # its items as the whole history; the commit appends the turn's
+                if self.in_conversation is None:
+                    raise oa.HttpError(404, f"Conversation with id {req.conversation[:140]!r} not found.",
+                                       param="conversation", code="not_found")  # fmt: skip
+                inp, attach = await self.in_conversation(owner, req, body.get("input"), rid, self.call_id)
+                return TurnRequest(inp, oa.RESPONSES_NAMES, resent_history=True, attach=attach)
             return TurnRequest(inp, oa.RESPONSES_NAMES, fork_from=req.previous_response_id or "")
 
         def on_error(exc: BaseException, err: oa.HttpError) -> oa.HttpError:
@@ -618,7 +651,7 @@ class _Turn:
         the turn is closed: nobody can follow it up."""
 
         async def drop() -> None:
-            if ok and not self.req.store:
+            if ok and not self.req.store and self.req.conversation is None:  # (a conversation keeps its items)
                 try:
                     await self.routes.conversations.remove(self.owner, self.rid)
                 except Exception:  # noqa: BLE001 - best effort; the TTL reaps it otherwise

@@ -87,6 +87,9 @@ class SessionRecord:
     # The session this one was forked from ("" if none): deleting this one leaves the KV
     # blocks of the transcript prefix it still has in common with that one.
     forked_from: str = ""
+    # A front's own state for the session, written with its turns and ops (the
+    # Conversations API's items and metadata, as JSON; "" for a plain session).
+    attachment: str = ""
 
     @property
     def untracked_turns(self) -> int:
@@ -110,7 +113,7 @@ def copy_record(rec: SessionRecord, **changes: Any) -> SessionRecord:
     """A deep enough copy of ``rec`` (its own token and turn lists), with ``changes`` set on it."""
     out = SessionRecord(
         rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns,
-        rec.cache_salt, rec.etag, list(rec.turn_log), rec.forked_from,
+        rec.cache_salt, rec.etag, list(rec.turn_log), rec.forked_from, rec.attachment,
     )  # fmt: skip
     for name, value in changes.items():
         setattr(out, name, value)
@@ -125,7 +128,7 @@ _HEAD = struct.Struct("<4sHI")  # magic, version, metadata length
 _COUNT = struct.Struct("<I")
 _TURN = struct.Struct("<IIBdd")  # input tokens, output tokens, finish reason (index + 1), started, ended
 _CRC = struct.Struct("<I")
-_MAX_META = 1 << 16
+_MAX_META = 1 << 24  # a conversation's items ride in the metadata (``attachment``)
 
 
 def encode_record(rec: SessionRecord) -> bytes:
@@ -141,6 +144,7 @@ def encode_record(rec: SessionRecord) -> bytes:
             "cache_salt": rec.cache_salt,
             "etag": rec.etag,
             "forked_from": rec.forked_from,
+            **({"attachment": rec.attachment} if rec.attachment else {}),
         },
         separators=(",", ":"),
     ).encode()
@@ -205,6 +209,7 @@ def decode_record(data: bytes) -> SessionRecord:
             etag=_meta_str(meta, "etag", default=""),
             turn_log=turn_log,
             forked_from=_meta_str(meta, "forked_from", default=""),
+            attachment=_meta_str(meta, "attachment", default=""),
         )
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SessionRecordError(f"bad metadata: {type(e).__name__}: {e}"[:300]) from None

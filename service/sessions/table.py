@@ -246,12 +246,14 @@ class SessionManager:
         cache_salt: str = "",
         finish_reason: str = "stop",
         replace_last: bool = False,
+        attachment: str | None = None,
     ) -> SessionRecord:
         """The turn completed: the transcript becomes prompt + output, one more turn (its
         boundaries appended to the turn log). With ``replace_last`` the turn replaces the
         session's last completed turn instead (regenerate, edit): the prompt extends the
         transcript as it was before that turn, the turn count stays. ``cache_salt`` is
-        the turn's request salt (where its KV blocks are keyed).
+        the turn's request salt (where its KV blocks are keyed); ``attachment`` (not None)
+        replaces the record's front state in the same write.
 
         Raises SessionConflict (nothing written) when the store holds a version of the
         session this turn did not start from (another replica wrote it meanwhile)."""
@@ -270,7 +272,29 @@ class SessionManager:
             rec, token_ids=list(prompt_token_ids) + list(output_token_ids), cache_salt=cache_salt,
             turns=turns, turn_log=[*turn_log, info], last_used_at=now, etag=new_etag(),
         )  # fmt: skip
+        if attachment is not None:
+            new.attachment = attachment
         return await self._commit(turn, new)
+
+    async def attach(
+        self, owner: str, session_id: str, change: Callable[[SessionRecord], str], *, create: bool = False
+    ) -> SessionRecord:
+        """Write ``change(record)`` as the session's ``attachment`` (a front's state: the
+        Conversations API's items and metadata), under the turn lock (so it excludes a
+        turn in flight on any replica: SessionBusy), transcript untouched; with
+        ``create`` the session must not exist yet (SessionExists) and is created with it
+        (counted toward ``max_sessions_per_owner``), else it must (SessionNotFound).
+        ``change`` may raise to write nothing. The new record."""
+        turn = await (self.begin_turn(owner, session_id) if create else self.begin_op(owner, session_id))
+        try:
+            if create and not turn.created:
+                raise SessionExists(f"session {session_id!r} already exists")
+            rec = turn.record
+            new = copy_record(rec, attachment=change(rec), last_used_at=self._clock(),
+                              etag=new_etag(kept=rec.turns == 0))  # fmt: skip (no turn yet: never a placeholder)
+            return await self._commit(turn, new)
+        finally:
+            await self.end_turn(turn)
 
     async def _commit(self, turn: Turn, new: SessionRecord) -> SessionRecord:
         """Write ``new`` as the session's next version, conditional on what the turn expects."""

@@ -173,7 +173,7 @@ def test_store_false_leaves_nothing_to_retrieve(oai, model, server):
         ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
         ({"max_output_tokens": 10_000_000}, "max_output_tokens"),

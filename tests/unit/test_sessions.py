@@ -4,6 +4,7 @@ turn locking and commit/rollback, and chat turns rendered as continuations."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import struct
 import zlib
@@ -42,8 +43,10 @@ def _record(**kw: Any) -> SessionRecord:
 
 
 def test_record_round_trips():
-    for rec in (_record(), _record(token_ids=[]), _record(owner="", session_id="x" * 128)):
+    big = json.dumps({"items": ["\u00e9\"x" * 40_000]})  # a conversation's items, past the old 64 KiB metadata
+    for rec in (_record(), _record(token_ids=[]), _record(owner="", session_id="x" * 128), _record(attachment=big)):
         assert decode_record(encode_record(rec)) == rec
+    assert b"attachment" not in encode_record(_record())  # a plain session's record is as before
 
 
 def test_record_is_compact_uint32_tokens():
