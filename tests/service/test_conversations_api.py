@@ -7,6 +7,8 @@ deleted conversation is gone with its session and blocks."""
 
 from __future__ import annotations
 
+import threading
+
 import openai
 import pytest
 from openai.types.conversations import Conversation, ConversationItemList
@@ -228,4 +230,26 @@ def test_a_tool_loop_in_a_conversation_keeps_its_calls_and_finds_them_cached(oai
         ["function_call_output"] * len(calls) + [o.type for o in r2.output]  # fmt: skip
     assert [(it.id, it.call_id, it.arguments) for it in items[1 : 1 + len(calls)]] == \
         [(c.id, c.call_id, c.arguments) for c in calls]  # fmt: skip
+    oai.conversations.delete(conv.id)
+
+
+def test_writing_a_conversation_while_its_response_runs_is_409_and_changes_nothing(oai, model, server):
+    conv = oai.conversations.create(metadata={"k": "v"})
+    gate = threading.Event()  # the engine's loop held: the response's turn (its lock taken) waits for it
+    server.engine.engine.call_soon(lambda: gate.wait(30))
+    done: list = []
+    turn = threading.Thread(target=lambda: done.append(_respond(oai, model, conv.id, "hello")))
+    try:
+        turn.start()
+        assert wait_until(lambda: server.call(server.running.sessions.get("acme", conv.id))[1])  # busy
+        for call in (lambda: oai.conversations.items.create(conv.id, items=[{"role": "user", "content": "x"}]),
+                     lambda: oai.conversations.update(conv.id, metadata={}),
+                     lambda: oai.conversations.delete(conv.id)):  # fmt: skip
+            with pytest.raises(openai.ConflictError):
+                call()
+    finally:
+        gate.set()
+        turn.join(60)
+    assert _texts(_items(oai, conv.id)) == [("user", "hello"), ("assistant", done[0].output_text)]
+    assert oai.conversations.retrieve(conv.id).metadata == {"k": "v"}
     oai.conversations.delete(conv.id)
