@@ -198,9 +198,14 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
+ROW_ANCHOR_RE = re.compile(r'<a (?:id|name)="([^"]+)"></a>')
+
+
 def _anchors(page: Path) -> set[str]:
+    """A page's link targets: its headings' anchors and its ``<a id="...">`` (a table row's)."""
     text = FENCE_RE.sub("", page.read_text())
-    return {_slug(m) for m in re.findall(r"^#{1,6}\s+(.+)$", text, re.MULTILINE)}
+    headings = {_slug(m) for m in re.findall(r"^#{1,6}\s+(.+)$", text, re.MULTILINE)}
+    return headings | set(ROW_ANCHOR_RE.findall(text))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
@@ -216,6 +221,61 @@ def test_relative_links_resolve(page: Path):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target} (no such heading)")
     assert not broken, f"{page.relative_to(REPO)}: broken links {broken}"
+
+
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+
+
+def _benchmark_rows() -> dict[str, str]:
+    """Row anchor -> its table row, in docs/benchmarks.md."""
+    rows = {}
+    for line in BENCHMARKS.read_text().splitlines():
+        for anchor in ROW_ANCHOR_RE.findall(line):
+            assert anchor not in rows, f"benchmarks.md: anchor {anchor!r} twice"
+            rows[anchor] = line
+    return rows
+
+
+@pytest.mark.parametrize("page", [README, REPO / "docs" / "architecture.md"], ids=lambda p: p.name)
+def test_headline_figures_link_their_benchmark_row(page: Path):
+    """A figure README.md or architecture.md quotes links the row of docs/benchmarks.md it
+    comes from: every link there into benchmarks.md names a row's anchor (README's table of
+    pages aside), and that anchor exists."""
+    rows = _benchmark_rows()
+    bad = []
+    for line in FENCE_RE.sub("", page.read_text()).splitlines():
+        for target in LINK_RE.findall(line):
+            path, _, anchor = target.partition("#")
+            if not path.endswith("benchmarks.md"):
+                continue
+            if not anchor and line.startswith("| [docs/benchmarks.md]"):
+                continue  # the Documentation table
+            if anchor not in rows:
+                bad.append(target)
+    assert not bad, f"{page.name}: links into benchmarks.md that name no row: {bad}"
+
+
+def test_benchmarks_is_a_page_of_current_figures():
+    """docs/benchmarks.md stays short (its history lives in benchmarks-log.md), and every
+    row of a figures table names its machine (one of the page's machines table) and date."""
+    text = BENCHMARKS.read_text()
+    assert len(text.splitlines()) < 400, "benchmarks.md: move history to benchmarks-log.md"
+    machines = set(re.findall(r"^\| \*\*(\w+)\*\* \|", text, re.MULTILINE))
+    assert {"zen3", "zen4", "h200"} <= machines
+    tables = re.findall(r"((?:^\|.*\n)+)", text, re.MULTILINE)
+    checked = 0
+    for table in tables:
+        header, _, *body = table.splitlines()
+        cells = [c.strip() for c in header.strip("|").split("|")]
+        if "machine, date" not in cells:
+            continue
+        col = cells.index("machine, date")
+        for line in body:
+            cell = line.strip("|").split("|")[col]
+            assert re.search(r"\b20\d\d-\d\d-\d\d\b", cell), f"no date: {line}"
+            assert any(m in cell for m in machines) or "host" in cell, f"no machine: {line}"
+            checked += 1
+    assert checked >= 50
 
 
 def test_readme_links_every_doc():
