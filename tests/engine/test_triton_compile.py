@@ -6,7 +6,8 @@ the compiler (a dot of fewer than 16 rows, an int64 pointer offset, a constexpr 
 run there and fail on a GPU); CI has no GPU, so this is where a kernel that would not
 build for the device is caught.
 
-A subprocess (TRITON_INTERPRET unset: the kernels are JIT functions there) runs each
+Two subprocesses side by side (TRITON_INTERPRET unset: the kernels are JIT functions there;
+each compiles half of the shapes, so two cores take the time of one) run each
 launcher of ``_kernels`` on CPU tensors of the 1.1B shape's geometry (and the families'
 options) with each kernel's launch replaced by ``triton.compile`` for the sm_90 target
 (the wheel's own ptxas), then reads the cubin's resource usage (the wheel's cuobjdump).
@@ -81,6 +82,7 @@ for name in ("_write_rows_kernel", "_write_quant_kernel", "_attention_kernel", "
              "_rope_kernel", "_scatter_kernel"):
     setattr(K, name, Compile(getattr(K, name), name))
 
+SHARD = int(sys.argv[1])  # 0 or 1: every other shape, and the norms (0) or the restore (1)
 bf16 = torch.bfloat16
 for LABEL, model, fmt, nh, nkv, hd, bs, window, softcap in [
     ("llama-1.1B-bf16", bf16, bf16, 32, 4, 64, 16, None, None),
@@ -88,7 +90,7 @@ for LABEL, model, fmt, nh, nkv, hd, bs, window, softcap in [
     ("llama-1.1B-fp8", bf16, torch.float8_e4m3fn, 32, 4, 64, 16, 4096, None),
     ("gemma2-fp16", torch.float16, torch.float16, 8, 4, 256, 16, 4096, 50.0),
     ("qwen-f32-kv-bf16", torch.float32, bf16, 14, 2, 128, 32, None, None),
-]:
+][SHARD::2]:
     pool = KVPool(8, 1, bs, nkv, hd, fmt, compute_dtype=model)
     scales = (pool.k_scale(0), pool.v_scale(0)) if pool.spec.quantized else (None, None)
     rows = 32
@@ -104,6 +106,11 @@ for LABEL, model, fmt, nh, nkv, hd, bs, window, softcap in [
         q = torch.zeros(4096, nh, hd, dtype=model)
         K.attention(q, q, pool.k(0), pool.v(0), *scales, tables[:1], lens[:1], torch.zeros(2, dtype=torch.int32),
                     4096, None, scale=0.1, window=window, softcap=softcap)
+if SHARD == 1:
+    LABEL = "restore"
+    pool = KVPool(8, 2, 16, 4, 64, bf16)
+    K.scatter_blocks(pool.data, pool.data[:2].clone(), torch.zeros(2, dtype=torch.long))
+    sys.exit(0)
 LABEL = "norms"
 x = torch.zeros(4, 2048, dtype=bf16)
 w = torch.zeros(2048, dtype=bf16)
@@ -112,9 +119,6 @@ K.rms_norm(x, x, w, 1e-6, 1.0, x, w)
 qkv = torch.zeros(4, 48, 128, dtype=bf16)
 table = torch.zeros(64, 96, dtype=bf16)
 K.rope_(qkv[:, :40], torch.zeros(4, dtype=torch.long), table, table, 32, w[:128], w[:128], 1e-6, 0.0)
-LABEL = "restore"
-pool = KVPool(8, 2, 16, 4, 64, bf16)
-K.scatter_blocks(pool.data, pool.data[:2].clone(), torch.zeros(2, dtype=torch.long))
 '''
 
 
@@ -135,15 +139,24 @@ def test_every_kernel_compiles_for_hopper_without_spills(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_CACHE_DIR": str(tmp_path / "cache"),
            "TRITON_DEFAULT_FP_FUSION": "1"}  # fmt: skip
     env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = out.stdout.splitlines()
+    shards = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(shard)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env) for shard in (0, 1)]  # fmt: skip
+    try:
+        outs = [shard.communicate(timeout=600) for shard in shards]
+    finally:
+        for shard in shards:
+            if shard.poll() is None:
+                shard.kill()
+    for shard, (_, err) in zip(shards, outs):
+        assert shard.returncode == 0, err[-4000:]
+    stdout = "".join(out for out, _ in outs)
+    lines = stdout.splitlines()
     kernels = {line.split()[1] for line in lines}
     assert kernels == {"_write_rows_kernel", "_write_quant_kernel", "_attention_kernel", "_reduce_kernel",
-                       "_rms_norm_kernel", "_rope_kernel", "_scatter_kernel"}, out.stdout
+                       "_rms_norm_kernel", "_rope_kernel", "_scatter_kernel"}, stdout
     # a stack of a word or two is one value kept across the loop (one STL before it, one
     # LDL after it: seen in the int8 decode kernel's SASS); more is register spilling
     spilled = [line for line in lines if int(line.split("STACK=")[1].split()[0]) > 16 or "LOCAL=0 " not in line]
     assert not spilled, "\n".join(spilled)
     assert len([line for line in lines if "_attention_kernel" in line]) == 8
-    print(out.stdout)
+    print(stdout)
