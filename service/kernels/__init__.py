@@ -52,8 +52,8 @@ def passive_openmp(environ=os.environ) -> None:
     (``OMP_WAIT_POLICY=PASSIVE``, unless the environment already says). libgomp's default
     spins each idle thread for a while after every parallel op; on a host with few cores
     that spinning takes the cores the kernels' own threads need, as soon as a step runs
-    one torch op big enough to go parallel (the logits of a batch: a batch-8 step at ~110M
-    w8a8 on 2 cores took 21 ms instead of 13). libgomp reads this once, when torch loads,
+    one torch op big enough to go parallel (the logits of a batch; docs/benchmarks.md,
+    decode-omp-passive). libgomp reads this once, when torch loads,
     so callers (the server's command line, the benchmarks) call it before importing torch."""
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

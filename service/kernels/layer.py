@@ -30,9 +30,7 @@ from .binding import header_binding
 MAX_ROWS = ops.MAX_ROWS  # decode-sized work; more rows (prefill) are compute-bound: torch's GEMM
 # rows one native step takes: the decode rows, and a returning turn's new tokens over its
 # cached context as rows (engine/runner.py decode_step), which measured ahead of the
-# padded forward up to about this many (~110M, a 320-position context, one chunk: 80 rows
-# 133-146 against 159-188 ms, 128 rows 234-291 against 237-268, 256 rows 459-493 against
-# 394-419)
+# padded forward up to about this many (docs/benchmarks-log.md, "Measurement notes")
 STEP_ROWS = 2 * MAX_ROWS
 _H = header_binding()
 _C = _H.constants

@@ -39,24 +39,20 @@ Rope = tuple[Tensor, Tensor]  # (cos, signed sin), (B, T, 1, rot) each: rope.Rot
 SMALL_ROWS = range(2, 65)
 # Row counts that run on the oneDNN-packed weight when a ``Linear`` has one (``pack``).
 # One row joins them when torch runs more than one thread: MKL's one-row GEMV barely
-# gains from a second thread where oneDNN's packed GEMM does (a ~110M model's products at
-# one row, two threads: 34.8 ms MKL, 24.8 ms packed; one thread: 39.6 ms vs 45.2 ms).
+# gains from a second thread where oneDNN's packed GEMM does (measured: docs/benchmarks-log.md, "Measurement notes").
 PACKED_ROWS = range(2, 65)
-# Smaller weights are not packed: oneDNN's fixed cost per call (~35 us against ~20 us for
-# MKL) outweighs its faster read below ~256K elements (measured at 4 rows, one thread).
+# Smaller weights are not packed: oneDNN's fixed cost per call outweighs its faster read
+# below ~256K elements (measured: docs/benchmarks-log.md, "Measurement notes").
 PACK_MIN_ELEMENTS = 1 << 18
 # From this many rows (prefill: compute-bound) a float32 CPU ``Linear`` of at least
 # PACK_MIN_ELEMENTS runs oneDNN's GEMM on its dense weight (``mkldnn._linear_pointwise``:
 # the weight read in place, no second copy) instead of MKL's ``F.linear``: MKL takes its
-# generic path on AMD CPUs, oneDNN JITs for the ISA it finds. On this project's AMD EPYC
-# host (AVX-512, 2 threads), a ~110M model's products: 2.2-3.3x MKL's rate at 72-576 rows
-# (docs/benchmarks.md "Many users at once").
+# generic path on AMD CPUs, oneDNN JITs for the ISA it finds (docs/benchmarks.md,
+# choice-onednn-prefill; the products: docs/benchmarks-log.md, "Measurement notes").
 ONEDNN_MIN_ROWS = 65
 # The native causal attention (``attend_natively``) from this many query rows per kv head
 # (T * nh / n_kv): it packs each kv head's K and V once per call, which fewer rows do not
-# repay. Measured against torch's SDPA over a gathered context (2 threads, hd 64, 256-2048
-# keys): 0.9-1.1x at 4-8 rows of one head group, 1.2-1.6x from 8 rows with GQA, 1.15x at
-# 16 rows; a decode step's single row (T = 1, no GQA) 0.5-0.6x.
+# repay (measured against torch's SDPA: docs/benchmarks-log.md, "Measurement notes").
 NATIVE_ATTENTION_MIN_ROWS = 8
 ONEDNN_F32 = torch.backends.mkldnn.is_available()
 
@@ -103,10 +99,10 @@ class Linear(nn.Linear, UsesKernels):
 
     - ``pack()`` (called by the loader, ``pack_linears``) keeps a second copy of the
       weight in oneDNN's blocked layout; 2..64 rows run oneDNN's GEMM on it
-      (``mkldnn._linear_pointwise``): 1.4-1.7x MKL per weight byte at 2-64 rows; one row
-      runs there too when torch has more than one thread (1.4x MKL's GEMV at two), and
-      stays on MKL's GEMV at one thread (~5-15% faster there; docs/benchmarks.md). Costs
-      one more copy of the weight.
+      (``mkldnn._linear_pointwise``), which reads it faster than MKL at 2-64 rows; one row
+      runs there too when torch has more than one thread, and stays on MKL's GEMV at one
+      thread, where MKL is faster (measured: docs/benchmarks-log.md, "Measurement notes"). Costs one more copy of
+      the weight.
     - Unpacked, 2..64 rows compute ``W @ x.T`` instead of ``x @ W.T`` (MKL is several
       times slower per weight byte on the latter at a few rows on AVX2).
 
@@ -259,15 +255,14 @@ def causal_mask(T: int, window: int | None, dtype: torch.dtype, device: torch.de
 
 
 # torch's CUDA attention kernels a forward may use, in torch's order: all but cuDNN's, which
-# builds a graph for every new shape (on the H200, torch 2.11, 1.1B bf16: a cold prompt of a
-# length not seen before +65-80 ms, the process's first 1.3 s; a decode step's context is a
-# new length every step: 11 tok/s, against 95-100 by flash's split-KV decode kernel).
+# builds a graph for every new shape, and a decode step's context is a new length every step
+# (docs/benchmarks.md, gpu-sdpa; docs/benchmarks-log.md, "Measurement notes").
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attention_backends(device: torch.device) -> ContextManager:
     """The SDPA kernels for one forward's layers on ``device``: CUDA_SDPA_BACKENDS on
-    CUDA (entered once per forward: ~11 us a time), torch's own choice elsewhere."""
+    CUDA (entered once per forward), torch's own choice elsewhere."""
     return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -277,7 +272,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, 
     scaled-dot-product attention, grouped-query when n_kv < nh. On CUDA a masked call
     over grouped kv heads gets them expanded (repeat_interleave) first: torch runs GQA
     only in its flash kernel, which takes no mask, and in the math one, which writes out
-    every score (a 4096-token chunk over 8192 positions: 550-590 ms on the H200); the
+    every score (what that cost on the H200: docs/benchmarks-log.md, "Measurement notes"); the
     memory-efficient kernel takes the mask over the expanded heads (``expand_heads``:
     that choice forced either way, for tests)."""
     gqa = k.shape[1] != q.shape[1]

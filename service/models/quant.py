@@ -27,8 +27,8 @@ native kernels and without AVX-512 BF16 run their GEMM (``kernels/src/gemm.cpp``
 stored weight widened to float32 in cache-sized panels, each reused by every prompt row,
 so it is read at its own size and never copied whole (float32 activations, as decode).
 Otherwise they run a GEMM on the weight widened for the call: to bfloat16 where the CPU has AVX-512 BF16
-(``BF16_GEMM``: oneDNN's bfloat16 GEMM, ~2.3x float32's there; the activations and the
-product's output are rounded to bfloat16, as on CUDA and as llama.cpp rounds F16's
+(``BF16_GEMM``: oneDNN's bfloat16 GEMM, faster than float32's there: docs/benchmarks-log.md,
+"Measurement notes"; the activations and the product's output are rounded to bfloat16, as on CUDA and as llama.cpp rounds F16's
 activations; int8 values are exact in bfloat16, the scales are applied in float32 after),
 else to the compute dtype (without AVX-512 BF16 torch's bf16/int8 kernels are several
 times slower than float32 GEMM).

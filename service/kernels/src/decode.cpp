@@ -515,9 +515,8 @@ void attend_span(const PoolView<E>& pv, const int64_t* table, int64_t bs, int64_
 // instead (each kv head's R x G query heads are independent of the others': the same
 // arithmetic per head, so the same bits, on as many threads as there are kv heads, where
 // it would run on one). Not both: two threads reading one span's kv heads side by side
-// ran no faster than one on an Intel Xeon (a 4-row group over 2000 positions: 0.80 ms
-// for 4 layers on two threads, 0.77 on one), where spans by position ran 1.6x faster
-// (0.49). A unit's spans' states are merged into its rows' outputs.
+// ran no faster than one, where spans by position did (measured: docs/benchmarks-log.md, "Measurement notes").
+// A unit's spans' states are merged into its rows' outputs.
 template <class E>
 void attend_batch(const PoolView<E>& pv, const float* q, int64_t sq, int64_t B, int64_t nh, int64_t nkv, int64_t hd,
                   int64_t bs, const int64_t* tables, int64_t nb, const int64_t* lens, int64_t window, float scale,

@@ -18,11 +18,9 @@
 //               1 for the broadcast input; 12 x 32 on AVX-512: 24 of 32), one pass
 //               over the panel's KC values
 //
-// The AVX-512 library's 12 x 32 kernel ran ~1.8x the AVX2 one's GFLOP per CPU second on
-// the Zen 4 host of docs/benchmarks.md (issue 29); KC 256 measured ahead of 128 and 192
-// there. Packing the input rows too (BLIS's A panel, [k][MR]) measured 0-15% slower on
-// AVX2 there (an extra pass over the input, and the unpacked rows already stream from
-// L2), so the input stays unpacked.
+// KC 256 measured ahead of 128 and 192. Packing the input rows too (BLIS's A panel,
+// [k][MR]) measured slower on AVX2 (an extra pass over the input, and the unpacked rows
+// already stream from L2), so the input stays unpacked. Figures: docs/benchmarks-log.md, "Measurement notes".
 //
 // Each output's sum runs over K in blocks of KC, in order, so a row's result does not
 // depend on the other rows (bit for bit: each row is computed with the same operations

@@ -97,8 +97,8 @@ struct V {  // 8 floats
   // float32 and int8 4 x 2: 8 accumulators + 4 weight vectors + the input. bfloat16 2 x 4:
   // its 4 x 2 tile needs 8 accumulators + 8 widened weight vectors + the input and the mask,
   // and the compiler kept three accumulators on the stack (a store and a load per step);
-  // 2 x 4 fits (8 + 4 + 2 + 1). w8a8 keeps 4 x 2 (2 x 4, 2 x 3, 3 x 2 and 4 x 3 measured
-  // within the noise, 10%).
+  // 2 x 4 fits (8 + 4 + 2 + 1). w8a8 keeps 4 x 2 (other shapes measured within the noise:
+  // docs/benchmarks-log.md, "Measurement notes").
   static constexpr int NB_F32 = 4, RB_F32 = 2, NB_BF16 = 2, RB_BF16 = 4, NB_Q8 = 4, RB_Q8 = 2;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
@@ -158,11 +158,8 @@ inline void hsum_tile(typename V::T (&a)[NB][RB], float (*out)[V::NB]) {
 // next tile (the NB rows after it, contiguous), so the next tile streams in while this
 // one is computed. [k, k + step) of each row: this step's values. int8 tiles (a few KiB)
 // are fetched into L1; float tiles (up to 32 KiB at K = 2048) into L2, where they do not
-// evict the tile being read (measured: L1 for float lost 10-35%, L2 for int8 lost 30%).
-// Not for float32 on AVX2, where the hardware prefetchers do better alone (AMD Zen 3, two
-// threads, the ~110M step's 49 products at one row, the two builds alternating in one
-// process, five runs: 14.9-18.1 ms without against 15.9-19.2 ms with, 5-9% less in each;
-// 8 rows level; bfloat16 without lost 17-34%).
+// evict the tile being read. Not for float32 on AVX2, where the hardware prefetchers do
+// better alone (measured: docs/benchmarks-log.md, "Measurement notes").
 template <int NB, typename WT>
 inline void prefetch_next(const WT* w, int64_t K, int64_t k, int64_t step) {
   if constexpr (!KV_AVX512 && sizeof(WT) == 4) return;
@@ -350,16 +347,12 @@ inline int64_t grain_for(int64_t N, int nthreads) {
 template <int NBM, int RBM, typename WT, typename TileFn>
 void run_tiles(int64_t rows, int64_t K, const WT* W, int64_t N, const float* scales, const float* bias, float* y,
                int64_t ldy, int accumulate, int nthreads, const TileFn& tile_fn) {
-  // One bfloat16 input row on AVX-512: one weight row at a time (measured there over the
-  // products of a ~110M step, two threads: ~29 GB/s against ~27 for 4-row tiles; float32
-  // measured no better that way, int8 worse). On AVX2 the tiles: one row's chain of
-  // multiply-adds (two per 16 weights, 4-cycle latency) bounds it below the memory's speed
-  // (a ~110M step's 49 products at one row: 8.3-10.2 ms in tiles against 10.0-12.3, four
-  // alternating runs). The summation order does not depend on the tile, so no result
-  // changes.
+  // One bfloat16 input row on AVX-512: one weight row at a time (it read faster that way;
+  // float32 and int8 did not). On AVX2 the tiles: one row's chain of multiply-adds (two per
+  // 16 weights, 4-cycle latency) bounds it below the memory's speed. The summation order
+  // does not depend on the tile, so no result changes.
   // One or two input rows: tiles of V::NB weight rows for every format, which read the
-  // weights faster (bfloat16 at two rows: 9.1 ms in 4 x 2 tiles against 10.7 in 2 x 2, the
-  // ~110M step's products on AVX2); the formats' shapes from three rows on.
+  // weights faster; the formats' shapes from three rows on. Figures: docs/benchmarks-log.md, "Measurement notes".
   const bool few = rows <= 2;
   const int nbmax = few ? ((KV_AVX512 && rows == 1 && sizeof(WT) == 2) ? 1 : V::NB) : NBM;
   kvpool::parallel_for(N, grain_for(N, nthreads), nthreads, [&](int64_t n0, int64_t n1) {

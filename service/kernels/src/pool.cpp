@@ -67,9 +67,8 @@ void worker(Pool* p, int index) {
     // layer's products inside one call, layers microseconds apart), and between two steps
     // the caller's thread runs the engine's Python for 0.1-0.3 ms (planning, sampling,
     // the output): a worker that slept there costs the next step's first kernels their
-    // second thread while it wakes (the default model's single-row forward after a 150 us
-    // gap: 0.34 ms after a 0.1 ms spin against 0.29 ms after a 0.5 ms one, and 0.28 ms
-    // back to back). Longer than that the engine is idle or waiting on something else,
+    // second thread while it wakes (measured: docs/benchmarks-log.md, "Measurement notes").
+    // Longer than that the engine is idle or waiting on something else,
     // and a spinning worker would take the core the host's other threads need.
     uint32_t now;
     int spins = 0;

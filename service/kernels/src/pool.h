@@ -2,10 +2,10 @@
 // fork-join): the calling thread and the workers take chunks of a loop from one atomic
 // counter, and the call returns as soon as every chunk is done. A worker that the OS
 // has not scheduled yet (a loaded or oversubscribed host) finds the work gone and costs
-// nothing: with fork-join every parallel region waits for every thread of the team,
-// which on a busy 2-core host turned 10 ms decode steps into 300 ms ones.
+// nothing: with fork-join every parallel region waits for every thread of the team
+// (what that cost on a busy 2-core host: docs/benchmarks-log.md, "Measurement notes").
 //
-// Workers spin briefly between tasks (~0.1 ms: a decode step issues its kernels back to
+// Workers spin briefly between tasks (kSpinNs: a decode step issues its kernels back to
 // back), then sleep on the task counter (futex), so between steps they leave the cores to
 // the host's other threads. One task runs at a time; a second caller, from
 // another thread, runs its loop alone instead of waiting.
