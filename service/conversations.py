@@ -1,22 +1,26 @@
 """One turn of a conversation, front to engine and back: the rules of a Generate call
 that are not gRPC.
 
-    async for event in conversations.run_turn(owner, turn_input, request_id):
-        ...  # Started, then Delta..., then Finished (domain events)
+    prepared = await conversations.prepare(owner, turn_input, request_id)   # every check
+    async for event in conversations.stream(prepared, observer):            # Started, Delta..., Finished
+        ...
 
-A turn is two steps. ``prepare`` runs every check and builds what the turn runs, a
-frozen ``PreparedTurn``: the request's checks before the session is touched (one call,
+A turn is two calls, which the fronts make through ``service.turns.Turns.start``.
+``prepare`` runs every check and builds what the turn runs, a frozen ``PreparedTurn``:
+the request's checks before the session is touched (one call,
 ``validation.check_request``: sampling, cache salt, stop lists, input text and size
 limits, the session options, the roles), then the session's turn
 (``SessionManager.begin_turn``: the lock, the transcript) and the record it extends
 (a fork's source, a regenerate's or an edit's earlier transcript, a resent history's
-plan), the input tokenized (text that cannot fit refused first) and the prompt's checks
-(one call, ``validation.check_prompt``: vocabulary, prompt limit, context, which fits
-``max_new_tokens`` to the context left), and the request's ``CacheScope`` (tenant +
-request salt, or shared). ``stream`` runs it: the engine's events, counted and
-observed, the commit before the last event leaves (so the client's next turn never
-finds the session busy), the spill scheduler told the session went idle. A turn
-refused, failed or cancelled leaves the transcript as it was.
+plan), and the prompt's checks around the input's tokenizing (one call,
+``validation.check_prompt``, in a worker thread: text that cannot fit refused before
+``Prompts.input_tokens`` tokenizes it, then vocabulary, prompt limit, context, which
+fits ``max_new_tokens`` to the context left), and the request's ``CacheScope`` (tenant
++ request salt, or shared). ``stream`` runs it: the engine's events, counted and
+observed (with tools, the calls parsed out as they leave: ``ToolEvents``), the commit
+before the last event leaves (so the client's next turn never finds the session busy),
+the spill scheduler told the session went idle. A turn refused, failed or cancelled
+leaves the transcript as it was. ``run_turn`` is the two in one call.
 
 A session turn appends (``TurnMode.APPEND``) or replaces the last completed turn:
 ``REGENERATE`` generates again from that turn's input (the request has no input),
@@ -27,13 +31,9 @@ in the cache, and for a regenerate the input's blocks too) and commit with
 ``replace_last``; one that does not complete leaves the old turn in place.
 ``expected_turns`` makes any session turn conditional on the session's turn count.
 
-``rewind`` and ``fork`` are the session operations over the table
-(``SessionManager.rewind`` / ``fork``), telling the spill scheduler about the new
-transcript. Neither touches KV: blocks are content-addressed, so a rewound turn's
-blocks stay cached for a re-ask and a fork's prompts hash to its source's blocks.
-
-``forget(rec)`` stops a removed session's KV blocks from being found (DeleteSession
-and the reaper call it); ``block_locations(owner, rec)`` says which tiers hold them.
+The session operations outside a turn (Get, List, Rewind, Fork, Delete, Warm) are
+``service.session_ops.SessionOps``'; the tokenizer's side of a turn (its input as
+tokens, the bytes one token covers, logprobs' pieces) is ``service.prompts.Prompts``'.
 
 Errors are domain errors (``InvalidRequest``, the session errors,
 ``QueueFull``...); ``service.wire.status_of`` maps them to gRPC statuses.
@@ -49,15 +49,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
+import functools
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from .history import HistoryAction, HistoryPlan, plan_history
 from .metrics import ServiceMetrics
-from .models.tokenizer import ChatTemplateError
+from .prompts import Prompts
 from .sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
 from .sessions.records import copy_record
 from .spill import SpillScheduler
@@ -70,23 +70,16 @@ from .types import (
     Finished,
     FinishReason,
     GenerationRequest,
-    InvalidRequest,
     ModelInfo,
-    RetainedPrefix,
     SamplingParams,
     Started,
-    Tier,
     TurnInput,
     TurnMode,
-    WarmResult,
 )
-from .validation import Limits, check_input_size, check_prompt, check_request
+from .validation import Limits, check_prompt, check_request
 
 if TYPE_CHECKING:
     from .engine import AsyncEngine
-
-log = logging.getLogger(__name__)
-
 
 class TurnObserver(Protocol):
     """Hears of a turn's start event and of its finish (before the commit): a call's trace
@@ -136,9 +129,8 @@ class PreparedTurn:
 
 
 class Conversations:
-    """Turns of sessions (and one-off generations) over an engine and a session table.
-    (Over 400 lines: the turn's two steps and the session operations share one engine,
-    table and scope rule; the sessions' side is a candidate room of its own.)"""
+    """Turns of sessions (and one-off generations) over an engine and a session table:
+    ``prepare``, then ``stream`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -159,10 +151,7 @@ class Conversations:
         self.limits = limits
         self.shared_cache_salts = frozenset(shared_cache_salts)
         self.spill = spill
-        self._max_bytes_per_token: int | None = None
-        self.tool_call_parser = tool_call_parser
-        self._tools: ToolCalling | None = None
-        self._piece_bytes: list[bytes] | None = None  # token_pieces: sentencepiece's bytes per id, once
+        self.prompts = Prompts(engine, tool_call_parser)  # the tokenizer's side: input tokens, logprobs' pieces
 
     @property
     def model_info(self) -> ModelInfo:
@@ -171,10 +160,8 @@ class Conversations:
 
     @property
     def tools(self) -> ToolCalling:
-        """Tool calling over the engine's tokenizer (``service/tools``), built on first use."""
-        if self._tools is None or self._tools.tokenizer is not self.engine.tokenizer:
-            self._tools = ToolCalling(self.engine.tokenizer, self.tool_call_parser)
-        return self._tools
+        """Tool calling over the engine's tokenizer (``service/tools``, ``Prompts.tools``)."""
+        return self.prompts.tools
 
     # ------------------------------------------------------------------ the turn
 
@@ -209,7 +196,7 @@ class Conversations:
                                       attach=attach)  # fmt: skip
         try:
             async with aclosing(self.stream(prepared, observer)) as events:
-                async for event in self.tools.events(prepared.inp, events) if prepared.tooled else events:
+                async for event in events:
                     yield event
         finally:
             await self.release(prepared)  # a turn closed before its stream began
@@ -222,7 +209,7 @@ class Conversations:
         session's lock (``validation.check_request``; with tools, ``ToolCalling.prepare``
         first), the session's turn begun (the lock), the record it extends (a fork's
         source, a regenerate's or an edit's earlier transcript, a resent history's plan),
-        the input tokenised and the prompt's checks after (``validation.check_prompt``).
+        the prompt's checks around the input's tokenizing (``validation.check_prompt``).
         A refused turn ends the session's turn it began: the session stays as it was."""
         tooled = uses_tools(inp)
         if tooled:  # tools and the messages' calls checked; tool_choice required / named: its grammar
@@ -245,9 +232,7 @@ class Conversations:
             turn = await self.sessions.begin_op(owner, inp.session_id)
         try:
             inp, transcript, base, history = await self._base(turn, inp, source, resent_history)
-            new_tokens = await self._new_tokens(turn, inp, transcript)
-            sampling = check_prompt(inp, len(transcript), new_tokens, self.limits, vocab_size=info.vocab_size,
-                                    context_length=info.context_length)  # fmt: skip
+            new_tokens, sampling = await self._check_prompt(turn, inp, transcript)
         except BaseException:
             if turn is not None:  # refused: the transcript stays as before the turn
                 await asyncio.shield(self.sessions.end_turn(turn))
@@ -281,23 +266,32 @@ class Conversations:
         if resent_history:
             assert inp.messages is not None
             tok = self.tools.turn_encoder(inp.tools) if uses_tools(inp) else self.engine.tokenizer  # tool messages
-            history = await asyncio.to_thread(plan_history, tok, turn.record, inp.messages)  # as _input_tokens renders
+            history = await asyncio.to_thread(plan_history, tok, turn.record, inp.messages)  # as Prompts.input_tokens renders
             inp, rebased = self._apply_history(inp, turn.record, history)
             if rebased is not None:
                 base, transcript = rebased, rebased.token_ids
         return inp, transcript, base, history
 
-    async def _new_tokens(self, turn: Turn | None, inp: TurnInput, transcript: list[int]) -> list[int]:
-        """The turn's new input as tokens: a regenerate's the last turn's own; text and chat
-        refused before tokenising when they cannot fit, then tokenised off the event loop."""
-        await self._check_input_size(inp, transcript)
+    async def _check_prompt(
+        self, turn: Turn | None, inp: TurnInput, transcript: list[int]
+    ) -> tuple[list[int], SamplingParams]:
+        """The turn's new input as tokens and its sampling, through the prompt's checks
+        (``validation.check_prompt``): a regenerate's the last turn's own input tokens,
+        token ids as sent, text and chat tokenized (``Prompts.input_tokens``) in a worker
+        thread, refused before that when they cannot fit."""
+        info = self.engine.model_info
+        check = functools.partial(check_prompt, inp, len(transcript), limits=self.limits, vocab_size=info.vocab_size,
+                                  context_length=info.context_length)  # fmt: skip
         if inp.mode is TurnMode.REGENERATE:  # the last turn's own input tokens
             assert turn is not None
             rec = turn.record
-            return rec.token_ids[len(transcript) : len(transcript) + rec.turn_log[-1].input_tokens]
-        if inp.kind == "tokens":
-            return self._input_tokens(inp, transcript)
-        return await asyncio.to_thread(self._input_tokens, inp, transcript)  # a long text takes a while
+            start = len(transcript)
+            return check(functools.partial(list, rec.token_ids[start : start + rec.turn_log[-1].input_tokens]))
+        encode = functools.partial(self.prompts.input_tokens, inp, transcript)
+        if inp.text is None and inp.messages is None:  # token ids (or none): nothing to tokenize
+            return check(encode)
+        bpt = self.prompts.bytes_per_token_known or await asyncio.to_thread(self.prompts.max_bytes_per_token)
+        return await asyncio.to_thread(check, encode, bytes_per_token=bpt)  # a long text takes a while
 
     async def stream(self, p: PreparedTurn, observer: TurnObserver = NO_OBSERVER) -> AsyncIterator[Event]:
         """Run a prepared turn: the engine's events, counted and observed (``observer``
@@ -305,8 +299,10 @@ class Conversations:
         (stop, length) commits, is recorded (spill, metrics) and ends before that event
         leaves, so the client's next turn never finds the session busy. However it stops
         it ends the session's turn; one that failed or was cancelled leaves the session
-        exactly as it was."""
+        exactly as it was. With tools, the events leave with the calls parsed out
+        (``ToolEvents``), the commit's transcript keeping the tokens as the model wrote them."""
         turn = p.session
+        calls = self.tools.parsed(p.inp) if p.tooled else None  # with tools: parses each event as it leaves
         remaining = p.sampling.n  # the turn ends with the n-th Finished
         finished = False  # the last Finished came
         last_token_at: float | None = None
@@ -322,20 +318,21 @@ class Conversations:
                         if not event.token_ids and not event.text:
                             continue
                         last_token_at = self._observe_delta(event, p.arrival, last_token_at)
-                        yield event
+                        for out in calls.feed(event) if calls is not None else (event,):
+                            yield out
                     elif isinstance(event, Finished):
                         self.metrics.finished.labels(event.finish_reason.value).inc()
                         remaining -= 1
-                        if remaining:  # n > 1: another sequence ended; the others go on
-                            yield event
-                            continue
-                        finished = True
-                        observer.finished(event)
-                        if turn is not None:
-                            await self._record(p, turn, event)
-                            turn = None  # ended
-                        yield event
-                        return
+                        if not remaining:  # the last one (n > 1: the others go on before it)
+                            finished = True
+                            observer.finished(event)
+                            if turn is not None:
+                                await self._record(p, turn, event)
+                                turn = None  # ended
+                        for out in calls.feed(event) if calls is not None else (event,):
+                            yield out
+                        if finished:
+                            return
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:  # the client cancelled, went away or passed its deadline
                 self.metrics.finished.labels(FinishReason.CANCELLED.value).inc()
@@ -422,71 +419,6 @@ class Conversations:
         msgs = tuple(ChatMessage("system", m.content) if m.role == "developer" else m for m in inp.messages)
         return dataclasses.replace(inp, messages=msgs)
 
-    # ------------------------------------------------------------------ session operations
-
-    async def rewind(
-        self, owner: str, session_id: str, turns: int, expected_turns: int | None = None
-    ) -> tuple[SessionRecord, int]:
-        """Drop the last ``turns`` turns; returns the new record and the tokens dropped.
-        The dropped turns' KV stays cached (a re-ask restores it)."""
-        before, after = await self.sessions.rewind(owner, session_id, turns, expected_turns=expected_turns)
-        self.metrics.session_operations.labels("rewind").inc()
-        if self.spill is not None and after.token_ids:
-            self.spill.touch(owner, session_id, after.token_ids, self.cache_scope(owner, after.cache_salt))
-        return after, len(before.token_ids) - len(after.token_ids)
-
-    async def fork(self, owner: str, session_id: str, new_session_id: str, at_turn: int | None) -> SessionRecord:
-        """A new session sharing ``session_id``'s transcript up to turn ``at_turn``; no KV
-        is copied (same namespace, same tokens: the same block keys)."""
-        rec = await self.sessions.fork(owner, session_id, new_session_id, at_turn)
-        self.metrics.session_operations.labels("fork").inc()
-        if self.spill is not None and rec.token_ids:
-            self.spill.touch(owner, new_session_id, rec.token_ids, self.cache_scope(owner, rec.cache_salt))
-        return rec
-
-    async def get(self, owner: str, session_id: str) -> tuple[SessionRecord, bool]:
-        """A session's record and whether a turn is in flight (``SessionManager.get``).
-        Raises SessionNotFound."""
-        return await self.sessions.get(owner, session_id)
-
-    async def list_sessions(
-        self, owner: str, page_size: int, page_token: str
-    ) -> tuple[list[tuple[SessionRecord, bool]], str]:
-        """One page of ``owner``'s sessions with their busy flags, and the next page's
-        token (``SessionManager.list``). Raises InvalidSessionId for a token this server
-        did not issue, ValueError for a page size out of range."""
-        return await self.sessions.list(owner, page_size, page_token)
-
-    async def session(self, owner: str, session_id: str) -> tuple[SessionRecord, bool, str]:
-        """A session's record, whether a turn is in flight, and its last completed turn's
-        reply as text ("" before its first turn). Raises SessionNotFound."""
-        rec, busy = await self.sessions.get(owner, session_id)
-        reply = ""
-        if rec.turn_log:
-            out = rec.token_ids[len(rec.token_ids) - rec.turn_log[-1].output_tokens :]
-            reply = await asyncio.to_thread(self.engine.tokenizer.decode, out)
-        return rec, busy, reply
-
-    async def remove(self, owner: str, session_id: str) -> SessionRecord:
-        """Delete a session and stop its KV blocks from being found (``forget``); its last
-        record. Raises SessionNotFound, SessionBusy."""
-        rec = await self.sessions.delete(owner, session_id)
-        await self.forget(rec)
-        return rec
-
-    async def attach(
-        self, owner: str, session_id: str, change: Callable[[SessionRecord], str], *, create: bool = False
-    ) -> SessionRecord:
-        """Write ``change(record)`` as the session's ``attachment`` (a front's state: the
-        Conversations API's items and metadata) under its turn lock, the transcript as it
-        is (``SessionManager.attach``); ``create``: a new session. The new record."""
-        return await self.sessions.attach(owner, session_id, change, create=create)
-
-    async def reap_abandoned(self, owner: str, session_id: str) -> bool:
-        """Remove a first turn's placeholder whose turn can never complete (its replica
-        died): ``SessionManager.reap_abandoned``. It holds no tokens, so no KV to forget."""
-        return await self.sessions.reap_abandoned(owner, session_id)
-
     def _observe_start(self, ev: Started) -> None:
         self.metrics.prompt_tokens.inc(ev.prompt_tokens)
         for tier, n in ev.cached_by_tier.items():
@@ -513,123 +445,5 @@ class Conversations:
         """The block-hash namespace of a request: the tenant and the request's own salt.
         KV is never shared across tenants or across different request salts, except for
         a request salt the operator listed in ``shared_cache_salts``: that namespace
-        leaves the tenant out and is the same for every tenant."""
-        if self.is_shared_salt(request_salt):
-            return CacheScope.shared(request_salt)
-        return CacheScope(owner, request_salt)
-
-    def is_shared_salt(self, request_salt: str) -> bool:
-        return bool(request_salt) and request_salt in self.shared_cache_salts
-
-    # ------------------------------------------------------------------ sessions' KV
-
-    async def forget(self, rec: SessionRecord) -> dict[Tier, int]:
-        """Stop a removed session's KV blocks from being found (device, host, Redis).
-        Blocks in a shared namespace are left alone: they are not the session's own; so
-        are the leading blocks another live session still shares (its source, its
-        forks, theirs: ``SessionManager.shared_prefix``), so a deleted parent response
-        leaves its follow-ups' history cached."""
-        if self.spill is not None:
-            self.spill.forget(rec.owner, rec.session_id)
-        if self.is_shared_salt(rec.cache_salt) or not rec.token_ids:
-            return {}
-        try:
-            keep = await self.sessions.shared_prefix(rec) // self.engine.model_info.block_size
-            if keep >= len(rec.token_ids) // self.engine.model_info.block_size:
-                return {}
-            return await self.engine.forget(
-                rec.token_ids, self.cache_scope(rec.owner, rec.cache_salt), keep_blocks=keep
-            )
-        except Exception:  # the transcript is gone already; dropping its cache is best effort
-            log.exception("dropping the KV blocks of session %r failed", rec.session_id)
-            return {}
-
-    async def warm(self, owner: str, session_id: str) -> WarmResult:
-        """Warm the session's blocks up for its next turn (``AsyncEngine.warm``): the
-        caller's own session (another tenant's, an unknown or an expired one: raises
-        SessionNotFound), a turn in flight or not; counted against ``owner``'s warm-up share."""
-        rec, _busy = await self.sessions.get(owner, session_id)
-        return await self.engine.warm(rec.token_ids, self.cache_scope(owner, rec.cache_salt), owner)
-
-    async def retain(self, owner: str, session_id: str, ttl_s: float) -> RetainedPrefix:
-        """Pin the session's transcript for ``ttl_s`` seconds (``AsyncEngine.retain``):
-        the caller's own session (else SessionNotFound), counted against ``owner``'s
-        bound (``RetentionRefused`` past it); what was kept."""
-        rec, _busy = await self.sessions.get(owner, session_id)
-        return await self.engine.retain(rec.token_ids, self.cache_scope(owner, rec.cache_salt), ttl_s)
-
-    async def block_locations(self, owner: str, rec: SessionRecord) -> dict[Tier, int]:
-        """How many of the session's full blocks each tier holds now."""
-        return await self.engine.block_locations(rec.token_ids, self.cache_scope(owner, rec.cache_salt))
-
-    # ------------------------------------------------------------------ checks (once, here)
-
-    def token_pieces(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
-        """Each token's text and bytes as it appears in decoded text (logprobs): a
-        sentencepiece piece's own bytes (its leading space, a byte piece's one byte),
-        else the token decoded alone."""
-        tok = self.engine.tokenizer
-        if self._piece_bytes is None:
-            try:
-                self._piece_bytes = tok.token_bytes()[0]
-            except Exception:  # noqa: BLE001 - not sentencepiece: decode tokens alone
-                self._piece_bytes = []
-        out = []
-        for i in ids:
-            raw = self._piece_bytes[i] if i < len(self._piece_bytes) else tok.decode([i]).encode("utf-8", "replace")
-            out.append((raw.decode("utf-8", "replace"), raw))
-        return out
-
-    def max_bytes_per_token(self) -> int:
-        """An upper bound on the bytes of text one token covers: twice the longest
-        decoded vocabulary entry plus one (a leading space a decoder drops, text that
-        normalization shortens). Computed once."""
-        if self._max_bytes_per_token is None:
-            tok = self.engine.tokenizer
-            n = int(getattr(tok, "vocab_size", 0) or self.engine.model_info.vocab_size)
-            longest = 1
-            for i in range(n):
-                try:
-                    longest = max(longest, len(tok.decode([i]).encode("utf-8", "surrogatepass")))
-                except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode alone
-                    continue
-            self._max_bytes_per_token = 2 * (longest + 1)
-        return self._max_bytes_per_token
-
-    async def _check_input_size(self, inp: TurnInput, transcript: list[int]) -> None:
-        """Refuse text or chat input that cannot fit the prompt limit, before tokenizing it."""
-        if inp.text is not None:
-            n_bytes = len(inp.text.encode("utf-8", "surrogatepass"))
-        elif inp.messages is not None:
-            n_bytes = sum(m.text_bytes() for m in inp.messages)
-        else:
-            return
-        limit = self.limits.max_prompt_tokens or self.engine.model_info.context_length
-        which = "max_prompt_tokens" if self.limits.max_prompt_tokens else "the context length"
-        bpt = self._max_bytes_per_token or await asyncio.to_thread(self.max_bytes_per_token)
-        check_input_size(inp.kind or "", n_bytes, len(transcript), bpt, limit, which, inp.session_id)
-
-    def _input_tokens(self, inp: TurnInput, transcript: list[int]) -> list[int]:
-        """The new input as token ids (appended to ``transcript``); an empty one refused."""
-        tok = self.engine.tokenizer
-        if inp.text is not None:
-            if not inp.text:
-                raise InvalidRequest("empty input: text is empty")
-            return tok.encode_text_turn(transcript, inp.text)
-        if inp.messages is not None:
-            if not inp.messages:
-                raise InvalidRequest("empty input: chat.messages is empty")
-            if uses_tools(inp):  # tool calls and results, the tools: service/tools renders them
-                msgs, tools = self.tools.template_messages(inp.messages, inp.tools, first=not transcript)
-            else:
-                msgs, tools = [{"role": m.role, "content": m.content} for m in inp.messages], None
-            try:
-                return tok.encode_chat_turn(transcript, msgs, tools=tools)
-            except ChatTemplateError as e:
-                raise InvalidRequest(str(e)) from None
-        if inp.token_ids is None:
-            raise InvalidRequest("empty input: set one of text, chat or tokens")
-        ids = list(inp.token_ids)
-        if not ids:
-            raise InvalidRequest("empty input: tokens.ids is empty")
-        return ids  # checked against the vocabulary with the prompt (check_prompt)
+        leaves the tenant out and is the same for every tenant (``CacheScope.of``)."""
+        return CacheScope.of(owner, request_salt, self.shared_cache_salts)

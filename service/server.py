@@ -53,6 +53,7 @@ from .admission import Admission
 from .metrics import ServiceMetrics
 from .models import catalog
 from .conversations import Conversations
+from .session_ops import SessionOps
 from .servicer import SERVICE_NAME, GenerationServicer, add_to_server
 from .sessions import (
     FallbackSessionStore,
@@ -88,6 +89,7 @@ class RunningServer:
     servicer: GenerationServicer
     admission: Admission  # both fronts' stream count and drain
     conversations: Conversations
+    session_ops: SessionOps  # the session operations outside a turn (both fronts')
     sessions: SessionManager
     metrics: ServiceMetrics
     spill: SpillScheduler
@@ -343,14 +345,12 @@ def journal_left_behind(disk_cache_dir: Path) -> None:
                     "replayed when this directory is served with that --redis-url again", path, size)  # fmt: skip
 
 
-async def _reap_sessions(conversations: Conversations, period_s: float) -> None:
-    """Remove expired sessions and drop their KV blocks, every ``period_s``."""
+async def _reap_sessions(session_ops: SessionOps, period_s: float) -> None:
+    """Remove expired sessions and drop their KV blocks (``SessionOps.reap``), every ``period_s``."""
     while True:
         await asyncio.sleep(period_s)
         try:
-            for rec in await conversations.sessions.reap():
-                dropped = await conversations.forget(rec)
-                log.info("session %r of tenant %r expired; KV entries dropped: %s", rec.session_id, rec.owner, dropped)
+            await session_ops.reap()
         except Exception:
             log.exception("reaping expired sessions failed")
 
@@ -564,6 +564,7 @@ class _Service:
     sessions: SessionManager
     spill: SpillScheduler
     conversations: Conversations
+    session_ops: SessionOps
     admission: Admission
     servicer: GenerationServicer
     default_max_new_tokens: int
@@ -659,7 +660,7 @@ def _preflight(
 
 async def _build(start: _Startup, session_store: SessionStore | None) -> _Service:
     """The KV events publisher, the metrics endpoint, the Redis check, the engine (unless
-    one was given), then the session table, spill, conversations, admission, the servicer
+    one was given), then the session table, spill, conversations, session operations, admission, the servicer
     and the reaper over it; each kept in ``start`` as it is made, for ``_undo``."""
     config, metrics = start.config, start.metrics
     start.events = build_kv_events(config) if start.owns_engine else None  # an engine passed in was built without it
@@ -703,6 +704,7 @@ async def _build(start: _Startup, session_store: SessionStore | None) -> _Servic
         shared_cache_salts=config.shared_cache_salts,
         tool_call_parser=config.tool_call_parser,
     )
+    session_ops = SessionOps(engine, sessions, metrics, spill=spill, shared_cache_salts=config.shared_cache_salts)
     admission = Admission(  # one count and one drain for the gRPC and the HTTP front
         max_streams=config.max_streams,
         max_streams_per_tenant=config.max_streams_per_tenant,
@@ -712,6 +714,7 @@ async def _build(start: _Startup, session_store: SessionStore | None) -> _Servic
     servicer = GenerationServicer(
         conversations,
         metrics,
+        session_ops=session_ops,
         default_max_new_tokens=default_max_new_tokens,
         tenant_of=start.authenticator.tenant_of,
         admission=admission,
@@ -719,9 +722,9 @@ async def _build(start: _Startup, session_store: SessionStore | None) -> _Servic
     )
     if config.session_ttl:
         start.reaper = asyncio.create_task(
-            _reap_sessions(conversations, min(max(config.session_ttl / 4, 0.05), 30.0)), name="kvserve-session-reaper"
+            _reap_sessions(session_ops, min(max(config.session_ttl / 4, 0.05), 30.0)), name="kvserve-session-reaper"
         )
-    return _Service(sessions, spill, conversations, admission, servicer, default_max_new_tokens)
+    return _Service(sessions, spill, conversations, session_ops, admission, servicer, default_max_new_tokens)
 
 
 async def _start(start: _Startup, service: _Service) -> RunningServer:
@@ -745,6 +748,7 @@ async def _start(start: _Startup, service: _Service) -> RunningServer:
         servicer=service.servicer,
         admission=service.admission,
         conversations=service.conversations,
+        session_ops=service.session_ops,
         sessions=service.sessions,
         metrics=start.metrics,
         spill=service.spill,
@@ -792,6 +796,7 @@ async def _start_http(start: _Startup, service: _Service) -> tuple[Any, asyncio.
         service.admission,
         start.authenticator,
         start.metrics,
+        session_ops=service.session_ops,
         model_id=config.model or "kvserve-default",
         max_body_bytes=config.max_message_size,
         default_max_new_tokens=service.default_max_new_tokens,

@@ -1,8 +1,8 @@
 """The gRPC servicer: translates, nothing more.
 
 Each RPC turns its request into domain terms (``service.wire``), hands it to the
-conversation (``service.conversations``: Generate, Rewind, Fork, Warm) or the session table
-(Get, Delete, List), and turns the result or the error back into messages and a status
+turn prologue (``service.turns``: Generate) or the session operations
+(``service.session_ops``: Get, Delete, List, Rewind, Fork, Warm), and turns the result or the error back into messages and a status
 (``wire.status_of``: the status table is in ``service/wire.py``; every limit's message
 names the limit and its value). What stays here is what is gRPC's: the caller's tenant
 (``tenant_of``), per-method request counters, and request bytes that do not parse
@@ -35,6 +35,7 @@ from .admission import Admission
 from .conversations import Conversations
 from .metrics import ServiceMetrics
 from .errors import InvalidSessionId
+from .session_ops import SessionOps
 from .tracing import Tracing
 from .turns import RunningTurn, Turns
 from .types import Delta, Finished, SessionView, ToolCallDelta
@@ -62,7 +63,8 @@ def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    """Implements ``kvserve.v1.GenerationService`` over ``Conversations``.
+    """Implements ``kvserve.v1.GenerationService`` over ``Turns`` (Generate) and
+    ``SessionOps`` (the session RPCs).
 
     ``tenant_of(context)`` names the caller's tenant (the owner of its sessions and
     part of its KV namespace); it may raise ``Unauthenticated``. Without auth every
@@ -74,12 +76,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         conversations: Conversations,
         metrics: ServiceMetrics,
         *,
+        session_ops: SessionOps,
         default_max_new_tokens: int,
         tenant_of: Callable[[grpc.aio.ServicerContext], str] = lambda context: "",
         admission: Admission,
         tracing: Tracing | None = None,
     ) -> None:
         self.conversations = conversations
+        self.session_ops = session_ops  # Get, Delete, List, Rewind, Fork, Warm
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics
         self.default_max_new_tokens = default_max_new_tokens
@@ -137,13 +141,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, owner: str, rec: SessionView, busy: bool = False, token_ids: bool = False, turns: bool = True
     ) -> pb.Session:
         """A session's message with where its blocks are (GetSession, RewindSession, ForkSession)."""
-        where = await self.conversations.block_locations(owner, rec)
+        where = await self.session_ops.block_locations(owner, rec)
         return wire.session(rec, busy, self.conversations.model_info.block_size, token_ids, where, turns)
 
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.GetSessionResponse:
         async def handle() -> pb.GetSessionResponse:
             owner = self._tenant_of(context)
-            rec, busy = await self.conversations.get(owner, request.session_id)
+            rec, busy = await self.session_ops.get(owner, request.session_id)
             return pb.GetSessionResponse(
                 session=await self._session(owner, rec, busy, request.include_token_ids, request.include_turns)
             )
@@ -154,7 +158,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSessionResponse:
         async def handle() -> pb.DeleteSessionResponse:
-            await self.conversations.remove(self._tenant_of(context), request.session_id)
+            await self.session_ops.remove(self._tenant_of(context), request.session_id)
             return pb.DeleteSessionResponse()
 
         return await self._unary("DeleteSession", request, context, handle)
@@ -164,7 +168,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> pb.ListSessionsResponse:
         async def handle() -> pb.ListSessionsResponse:
             try:
-                page, next_token = await self.conversations.list_sessions(
+                page, next_token = await self.session_ops.list_sessions(
                     self._tenant_of(context), request.page_size, request.page_token
                 )
             except InvalidSessionId:
@@ -184,7 +188,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         async def handle() -> pb.RewindSessionResponse:
             owner = self._tenant_of(context)
             expected = request.expected_turns if request.HasField("expected_turns") else None
-            rec, dropped = await self.conversations.rewind(owner, request.session_id, request.turns, expected)
+            rec, dropped = await self.session_ops.rewind(owner, request.session_id, request.turns, expected)
             return pb.RewindSessionResponse(session=await self._session(owner, rec), dropped_tokens=dropped)
 
         return await self._unary("RewindSession", request, context, handle)
@@ -195,7 +199,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         async def handle() -> pb.ForkSessionResponse:
             owner = self._tenant_of(context)
             at_turn = request.at_turn if request.HasField("at_turn") else None
-            rec = await self.conversations.fork(owner, request.session_id, request.new_session_id, at_turn)
+            rec = await self.session_ops.fork(owner, request.session_id, request.new_session_id, at_turn)
             return pb.ForkSessionResponse(session=await self._session(owner, rec))
 
         return await self._unary("ForkSession", request, context, handle)
@@ -204,7 +208,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.WarmSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.WarmSessionResponse:
         async def handle() -> pb.WarmSessionResponse:
-            return wire.warm_response(await self.conversations.warm(self._tenant_of(context), request.session_id))
+            return wire.warm_response(await self.session_ops.warm(self._tenant_of(context), request.session_id))
 
         return await self._unary("WarmSession", request, context, handle)
 

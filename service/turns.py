@@ -14,9 +14,11 @@ completions and Responses, any new one) runs a turn.
     call.end(label, status, message)
 
 ``Turns.start`` admits the stream (``Admission.admit``: the stream limits and the drain,
-one count for every front), runs the turn (``Conversations.run_turn``, with the call's
-trace as its observer) and awaits its first event; if any of that fails, what it took
-is given back (the events closed, the ticket released) before the error leaves.
+one count for every front), prepares the turn (``Conversations.prepare``: every check),
+runs it (``Conversations.stream``, with the call's trace as its observer) and awaits
+its first event: two calls into the conversation, nothing calling back. If any of that
+fails, what it took is given back (the events closed, the prepared turn released, the
+ticket released) before the error leaves.
 ``TurnCall`` is the call's accounting: its trace, started with the call, and its one
 count in ``kvserve_requests_total``, both ended once, by ``end``. What stays in a front
 is its protocol: parsing into domain terms, rendering events, mapping errors.
@@ -32,7 +34,7 @@ from .types import Event, Started, TurnInput
 
 if TYPE_CHECKING:
     from .admission import Admission, Ticket
-    from .conversations import Attach, Conversations
+    from .conversations import Attach, Conversations, PreparedTurn
     from .metrics import ServiceMetrics
     from .tracing import Tracing
 
@@ -106,21 +108,26 @@ class Turns:
         self, owner: str, inp: TurnInput, request_id: str, call: TurnCall, *, resent_history: bool = False,
         fork_from: str = "", attach: Attach | None = None,
     ) -> RunningTurn:  # fmt: skip
-        """Admit ``owner``'s stream, run the turn (``Conversations.run_turn``: its checks,
-        ``resent_history``, ``fork_from`` and ``attach`` as there) and await its ``Started`` event.
-        Raises what refused or failed it, having closed what it opened."""
+        """Admit ``owner``'s stream, prepare the turn (``Conversations.prepare``: every check;
+        ``resent_history``, ``fork_from`` and ``attach`` as there), run it
+        (``Conversations.stream``, the call's trace its observer) and await its ``Started``
+        event. Raises what refused or failed it, having closed what it opened."""
         ticket = self.admission.admit(owner, request_id)
+        prepared: PreparedTurn | None = None
         events: Any = None
         try:
-            events = self.conversations.run_turn(owner, inp, request_id, call.trace, resent_history=resent_history,
-                                                 fork_from=fork_from, attach=attach)  # fmt: skip
+            prepared = await self.conversations.prepare(owner, inp, request_id, resent_history=resent_history,
+                                                        fork_from=fork_from, attach=attach)  # fmt: skip
+            events = self.conversations.stream(prepared, call.trace)
             start = await anext(events)
             if not isinstance(start, Started):
                 raise RuntimeError("the conversation did not start with a Started event")
         except BaseException:
             try:
                 if events is not None:
-                    await events.aclose()
+                    await events.aclose()  # its stream began: closing it ends the session's turn
+                if prepared is not None:
+                    await self.conversations.release(prepared)  # one that never began: ended here
             finally:
                 ticket.release()
             raise

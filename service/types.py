@@ -227,6 +227,12 @@ class CacheScope:
     def shared(cls, salt: str) -> CacheScope:
         return cls(None, salt)
 
+    @classmethod
+    def of(cls, owner: str, salt: str, shared_salts: frozenset[str]) -> CacheScope:
+        """A request's namespace: ``owner``'s own with its ``salt``, or every tenant's for a
+        salt the operator listed in ``shared_salts`` (``--shared-cache-salts``)."""
+        return cls.shared(salt) if salt and salt in shared_salts else cls(owner, salt)
+
 
 @dataclass(frozen=True, slots=True)
 class Retain:

@@ -10,11 +10,11 @@ Two callers, one set of messages:
   serves every stream; ``check_stop_lists``, ``check_salt``, ``check_turn_options``: the
   input's text valid Unicode, ``check_input_text``, and the session options:
   require_existing_session, turn_mode, expected_turns; a resent history's and a fork's
-  conditions; ``check_roles``), and ``check_prompt`` after tokenising (input token ids
-  against the vocabulary, ``check_prompt_limit``, ``check_context``, which also fits an
-  unset ``max_new_tokens`` to the context left). Between the two, under the lock, text
-  or chat input that cannot fit is refused before it is tokenised (``check_input_size``:
-  it needs the transcript's length);
+  conditions; ``check_roles``), and ``check_prompt`` under the lock, around the input's
+  tokenizing (text or chat input that cannot fit refused before it is tokenized,
+  ``check_input_size``: it needs the transcript's length; then input token ids against
+  the vocabulary, ``check_prompt_limit``, ``check_context``, which also fits an unset
+  ``max_new_tokens`` to the context left);
 - the engine (``LLMEngine.validate``) guards its own input with ``check_generation``:
   the same vocabulary, sampling and context checks by the same functions, and
   ``check_kv_capacity`` (whether the KV pool could ever hold the request), which only
@@ -33,7 +33,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .types import (
     MAX_RETAIN,
@@ -253,20 +253,31 @@ def check_request(
 
 
 def check_prompt(
-    inp: TurnInput, n_transcript: int, new_tokens: Sequence[int], limits: Limits, *, vocab_size: int,
-    context_length: int,
-) -> SamplingParams:  # fmt: skip
-    """Every check of the prompt a turn built (``n_transcript`` tokens + ``new_tokens``),
-    after tokenising: the request's own token ids against the vocabulary, the prompt
-    limit, the context. Returns the turn's sampling, an unset ``max_new_tokens`` (the
-    input's is None) fitted to the context left."""
+    inp: TurnInput, n_transcript: int, encode: Callable[[], Sequence[int]], limits: Limits, *, vocab_size: int,
+    context_length: int, bytes_per_token: int = 0,
+) -> tuple[list[int], SamplingParams]:  # fmt: skip
+    """Every check of the prompt a turn builds (``n_transcript`` tokens + its new input),
+    around its tokenizing: text or chat input that cannot fit the prompt limit refused
+    before ``encode`` tokenizes it (``check_input_size``, at ``bytes_per_token``, the most
+    one token covers), then the new tokens (``encode()``) checked: the request's own
+    token ids against the vocabulary, the prompt limit, the context. Returns the new
+    tokens and the turn's sampling, an unset ``max_new_tokens`` (the input's is None)
+    fitted to the context left. Pure but for ``encode``: a caller may run it in a worker
+    thread (a long text takes a while to tokenize)."""
+    if inp.text is not None or inp.messages is not None:
+        n_bytes = len(inp.text.encode("utf-8", "surrogatepass")) if inp.text is not None else sum(
+            m.text_bytes() for m in inp.messages or ())
+        limit = limits.max_prompt_tokens or context_length
+        which = "max_prompt_tokens" if limits.max_prompt_tokens else "the context length"
+        check_input_size(inp.kind or "", n_bytes, n_transcript, bytes_per_token, limit, which, inp.session_id)
+    new_tokens = list(encode())
     if inp.kind == "tokens":
         check_vocabulary(new_tokens, vocab_size, "tokens.ids")
     check_prompt_limit(n_transcript, len(new_tokens), limits.max_prompt_tokens, inp.session_id)
     explicit = inp.max_new_tokens is not None
     want = inp.sampling.max_new_tokens
     room = check_context(n_transcript, len(new_tokens), context_length, want if explicit else None, inp.session_id)
-    return dataclasses.replace(inp.sampling, max_new_tokens=want if explicit else min(want, room))
+    return new_tokens, dataclasses.replace(inp.sampling, max_new_tokens=want if explicit else min(want, room))
 
 
 def check_input_size(

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from ..auth import Authenticator
     from ..conversations import Conversations
     from ..metrics import ServiceMetrics
+    from ..session_ops import SessionOps
 
 
 class HttpFront:
@@ -56,16 +57,18 @@ class HttpFront:
         authenticator: Authenticator,
         metrics: ServiceMetrics,
         *,
+        session_ops: SessionOps,
         model_id: str,
         max_body_bytes: int,
         default_max_new_tokens: int,
         tracing: Tracing | None = None,
         limits: HttpLimits | None = None,
     ) -> None:
-        self.plumbing = Plumbing(conversations, admission, authenticator, metrics, model_id=model_id,
-                                 max_body_bytes=max_body_bytes, default_max_new_tokens=default_max_new_tokens,
-                                 tracing=tracing, limits=limits)  # fmt: skip
+        self.plumbing = Plumbing(conversations, admission, authenticator, metrics, session_ops=session_ops,
+                                 model_id=model_id, max_body_bytes=max_body_bytes,
+                                 default_max_new_tokens=default_max_new_tokens, tracing=tracing, limits=limits)  # fmt: skip
         self.conversations = conversations
+        self.session_ops = session_ops
         self.admission = admission
         self.model_id = model_id
         self.created = int(time.time())
@@ -145,7 +148,7 @@ class HttpFront:
         session_id = request.path_params["session_id"]
         try:
             self.admission.check_serving()
-            r = await self.conversations.warm(self.plumbing.tenant(request), session_id)
+            r = await self.session_ops.warm(self.plumbing.tenant(request), session_id)
         except Exception as exc:  # noqa: BLE001
             return self._fail("WarmSession", self.plumbing.error_of(exc, wire.new_request_id()))
         self.plumbing.count("WarmSession", 200)

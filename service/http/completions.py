@@ -95,7 +95,7 @@ class _Completion:
         self.chat, self.model, self.start, self.ext = chat, model, turn.start, ext
         self.n = n  # choices: the request's SamplingParams.n
         self.logprobs = logprobs  # the request asked for them
-        self.pieces = turn.plumbing.conversations.token_pieces if logprobs else None
+        self.pieces = turn.plumbing.conversations.prompts.token_pieces if logprobs else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + turn.request_id
         self.created = int(time.time())
 

@@ -321,6 +321,10 @@ class ConversationRoutes:
     def conversations(self) -> Any:
         return self.front.conversations
 
+    @property
+    def session_ops(self) -> Any:
+        return self.front.session_ops
+
     async def _answer(self, request: Request, work: Callable[[str], Any]) -> Response:
         """Serve a route: admission's check, the tenant, ``work(owner)``'s body or its error."""
         front = self.front
@@ -339,7 +343,7 @@ class ConversationRoutes:
         if not (isinstance(cid, str) and cid.startswith(CONVERSATION_PREFIX) and SESSION_ID_RE.fullmatch(cid)):
             raise not_found(cid, param)
         try:
-            rec, _busy = await self.conversations.get(owner, cid)
+            rec, _busy = await self.session_ops.get(owner, cid)
         except SessionNotFound:
             raise not_found(cid, param) from None
         state = ConversationState.load(rec.attachment)
@@ -362,7 +366,7 @@ class ConversationRoutes:
             return state.dump()
 
         try:
-            rec = await self.conversations.attach(owner, cid, write)
+            rec = await self.session_ops.attach(owner, cid, write)
         except SessionNotFound:
             raise not_found(cid) from None
         return rec, out[0]
@@ -381,7 +385,7 @@ class ConversationRoutes:
             state = ConversationState(check_metadata(body.get("metadata")), [] if items is None else
                                       self._new_items(items, []), 1)  # fmt: skip
             cid = new_conversation_id()
-            rec = await self.conversations.attach(owner, cid, lambda _rec: state.dump(), create=True)
+            rec = await self.session_ops.attach(owner, cid, lambda _rec: state.dump(), create=True)
             return self._object(cid, rec, state)
 
         return await self._answer(request, work)
@@ -422,7 +426,7 @@ class ConversationRoutes:
         async def work(owner: str) -> Any:
             await self._read(owner, cid)
             try:
-                await self.conversations.remove(owner, cid)
+                await self.session_ops.remove(owner, cid)
             except SessionNotFound:
                 raise not_found(cid) from None
             return {"id": cid, "object": "conversation.deleted", "deleted": True}

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ..auth import Authenticator
     from ..conversations import Attach, Conversations
     from ..metrics import ServiceMetrics
+    from ..session_ops import SessionOps
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Plumbing:
         authenticator: Authenticator,
         metrics: ServiceMetrics,
         *,
+        session_ops: SessionOps,
         model_id: str,
         max_body_bytes: int,
         default_max_new_tokens: int,
@@ -104,6 +106,7 @@ class Plumbing:
         limits: HttpLimits | None = None,
     ) -> None:
         self.conversations = conversations
+        self.session_ops = session_ops  # a session's operations outside a turn (the Responses and Conversations APIs)
         self.admission = admission
         self.authenticator = authenticator
         self.metrics = metrics

@@ -454,6 +454,7 @@ class ResponsesRoutes:
     def __init__(self, plumbing: Plumbing, in_conversation: InConversation | None = None) -> None:
         self.front = plumbing
         self.conversations = plumbing.conversations
+        self.session_ops = plumbing.session_ops
         # a response in a conversation: its turn's input and the items its commit appends
         # (service.http.conversations_api.ConversationRoutes.turn; None: 404 for every one)
         self.in_conversation = in_conversation
@@ -500,7 +501,7 @@ class ResponsesRoutes:
             if not rid.startswith(RESPONSE_PREFIX):
                 raise _not_found(rid)
             try:
-                await self.conversations.remove(owner, rid)
+                await self.session_ops.remove(owner, rid)
             except SessionNotFound:
                 raise _not_found(rid) from None
         except Exception as exc:  # noqa: BLE001
@@ -514,7 +515,7 @@ class ResponsesRoutes:
         if not is_response_id(rid):
             raise _not_found(rid)
         try:
-            found = await self.conversations.session(owner, rid)
+            found = await self.session_ops.session(owner, rid)
         except SessionNotFound:
             raise _not_found(rid) from None
         return await self._unfinished(owner, rid, found, lambda: _not_found(rid))
@@ -527,10 +528,10 @@ class ResponsesRoutes:
         rec, busy, _reply = found
         if rec.turns or busy:
             return found
-        if await self.conversations.reap_abandoned(owner, rid):
+        if await self.session_ops.reap_abandoned(owner, rid):
             raise gone()
         try:
-            found = await self.conversations.session(owner, rid)  # it committed (or started) meanwhile
+            found = await self.session_ops.session(owner, rid)  # it committed (or started) meanwhile
         except SessionNotFound:
             raise gone() from None
         if not found[0].turns and not found[1]:  # a session with no turn that no turn made: not a response
@@ -542,7 +543,7 @@ class ResponsesRoutes:
         when it is not there (or was abandoned), 409 while it is still in progress."""
         gone = lambda: _not_found(prev, param="previous_response_id")  # noqa: E731
         try:
-            found = await self.conversations.session(owner, prev)
+            found = await self.session_ops.session(owner, prev)
         except SessionNotFound:
             raise gone() from None
         rec, _busy, reply = await self._unfinished(owner, prev, found, gone)
@@ -620,7 +621,7 @@ class _Turn:
         self.created = int(time.time())
         self.model = req.model or self.front.model_id
         self.block_size = routes.conversations.model_info.block_size
-        self.pieces = routes.conversations.token_pieces if req.logprobs else None
+        self.pieces = routes.conversations.prompts.token_pieces if req.logprobs else None
         self.ext = {"request_id": turn.request_id,
                     "cached_tier": start.cached_tier.value if start.cached_tier is not None and start.cached_tokens
                     else None}  # fmt: skip
@@ -653,7 +654,7 @@ class _Turn:
         async def drop() -> None:
             if ok and not self.req.store and self.req.conversation is None:  # (a conversation keeps its items)
                 try:
-                    await self.routes.conversations.remove(self.owner, self.rid)
+                    await self.routes.session_ops.remove(self.owner, self.rid)
                 except Exception:  # noqa: BLE001 - best effort; the TTL reaps it otherwise
                     pass
 

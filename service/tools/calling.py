@@ -175,42 +175,58 @@ class ToolCalling:
 
     async def events(self, inp: TurnInput, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         """The turn's events with calls parsed out (see the module docstring)."""
-        if not self.parsing(inp):
-            async for ev in events:
-                yield ev
-            return
-        parsers: dict[int, ToolCallParser] = {}
-        seen: dict[int, list[Piece]] = {}
-        limit = 1 if not inp.parallel_tool_calls else None
-        for_parser = self.format.parser
+        parse = self.parsed(inp)
         async for ev in events:
-            if isinstance(ev, Delta):
-                p = parsers.get(ev.index) or parsers.setdefault(ev.index, for_parser())
-                pieces = _limit(p.push(ev.text), limit)
-                seen.setdefault(ev.index, []).extend(pieces)
-                yield Delta(ev.token_ids, "".join(x for x in pieces if isinstance(x, str)), ev.logprobs, ev.index)
-                for x in pieces:
-                    if isinstance(x, ToolCallDelta):
-                        x.index = ev.index
-                        yield x
-            elif isinstance(ev, Finished):
-                if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-                    yield ev
-                    continue
-                p = parsers.pop(ev.index, None) or for_parser()
-                pieces = _limit(p.finish(), limit)
-                tail = "".join(x for x in pieces if isinstance(x, str))
-                if tail:
-                    yield Delta([], tail, [], ev.index)
-                for x in pieces:
-                    if isinstance(x, ToolCallDelta):
-                        x.index = ev.index
-                        yield x
-                content, calls = fold(seen.pop(ev.index, []) + pieces)
-                reason = FinishReason.TOOL_CALLS if calls and ev.finish_reason == FinishReason.STOP else ev.finish_reason
-                yield dataclasses.replace(ev, text=content, tool_calls=tuple(calls), finish_reason=reason)
-            else:
-                yield ev
+            for out in parse.feed(ev) if parse is not None else (ev,):
+                yield out
+
+    def parsed(self, inp: TurnInput) -> ToolEvents | None:
+        """What parses the calls out of the turn's events, one at a time (``ToolEvents.feed``);
+        None when its output is not read for calls."""
+        return ToolEvents(self.format, inp) if self.parsing(inp) else None
+
+
+class ToolEvents:
+    """A turn's events with calls parsed out, fed one at a time: each ``Delta`` without its
+    calls' text and with a ``ToolCallDelta`` per piece of a call, each completed
+    ``Finished`` with its text, its calls and ``TOOL_CALLS`` as its reason when it stopped
+    on calls (``ToolCalling.events``)."""
+
+    def __init__(self, fmt: ToolFormat, inp: TurnInput) -> None:
+        self.parsers: dict[int, ToolCallParser] = {}
+        self.seen: dict[int, list[Piece]] = {}
+        self.limit = 1 if not inp.parallel_tool_calls else None
+        self.for_parser = fmt.parser
+
+    def feed(self, ev: Event) -> list[Event]:
+        """What ``ev`` becomes."""
+        out: list[Event] = []
+        if isinstance(ev, Delta):
+            p = self.parsers.get(ev.index) or self.parsers.setdefault(ev.index, self.for_parser())
+            pieces = _limit(p.push(ev.text), self.limit)
+            self.seen.setdefault(ev.index, []).extend(pieces)
+            out.append(Delta(ev.token_ids, "".join(x for x in pieces if isinstance(x, str)), ev.logprobs, ev.index))
+            out.extend(self._calls(pieces, ev.index))
+        elif isinstance(ev, Finished) and ev.finish_reason not in (FinishReason.ERROR, FinishReason.CANCELLED):
+            p = self.parsers.pop(ev.index, None) or self.for_parser()
+            pieces = _limit(p.finish(), self.limit)
+            tail = "".join(x for x in pieces if isinstance(x, str))
+            if tail:
+                out.append(Delta([], tail, [], ev.index))
+            out.extend(self._calls(pieces, ev.index))
+            content, calls = fold(self.seen.pop(ev.index, []) + pieces)
+            reason = FinishReason.TOOL_CALLS if calls and ev.finish_reason == FinishReason.STOP else ev.finish_reason
+            out.append(dataclasses.replace(ev, text=content, tool_calls=tuple(calls), finish_reason=reason))
+        else:
+            out.append(ev)
+        return out
+
+    @staticmethod
+    def _calls(pieces: list[Piece], index: int) -> list[ToolCallDelta]:
+        calls = [x for x in pieces if isinstance(x, ToolCallDelta)]
+        for x in calls:
+            x.index = index
+        return calls
 
 
 class TurnEncoder:

@@ -78,12 +78,12 @@ def test_a_session_pin(server: ServerThread) -> None:
     conv = server.running.conversations
     ids = tuple(range(50, 50 + 5 * BLOCK_SIZE + 1))
     server.call(turn(conv, "initech", ask(ids, 3, session_id="s4"), "i1"))
-    kept = server.call(conv.retain("initech", "s4", HOUR))
+    kept = server.call(server.running.session_ops.retain("initech", "s4", HOUR))
     rec, _ = server.call(server.running.sessions.get("initech", "s4"))
     assert kept.retained_tokens == len(rec.token_ids) // BLOCK_SIZE * BLOCK_SIZE
     assert kept.created_tokens == 0 and kept.tiers == (Tier.HOST,)
     with pytest.raises(SessionNotFound):
-        server.call(conv.retain("someone-else", "s4", HOUR))
+        server.call(server.running.session_ops.retain("someone-else", "s4", HOUR))
 
 
 def test_the_metrics_say_it(server: ServerThread) -> None:
