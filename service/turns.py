@@ -132,3 +132,11 @@ class Turns:
                 ticket.release()
             raise
         return RunningTurn(start, events, ticket)
+
+    async def prompt_tokens(self, owner: str, inp: TurnInput, request_id: str) -> int:
+        """The prompt's length as ``owner``'s turn would run it: every check the turn runs
+        (``Conversations.prepare``), then the prepared turn released unrun (the session as
+        it was). Anthropic's count_tokens."""
+        prepared = await self.conversations.prepare(owner, inp, request_id)
+        await self.conversations.release(prepared)
+        return len(prepared.prompt)

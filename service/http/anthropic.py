@@ -1,7 +1,7 @@
 """Anthropic's Messages API: ``POST /v1/messages`` (SSE events when ``stream``) and
 ``POST /v1/messages/count_tokens``, translated onto the chat path, over the HTTP front's
 plumbing (``service.http.plumbing``: ``start_turn`` runs the turn; count_tokens is
-``Conversations.prepare``, every check a turn runs, released unrun).
+``Turns.prompt_tokens``: ``Conversations.prepare``, every check a turn runs, released unrun).
 
 A Messages request becomes the ``TurnInput`` a chat completion would (``parse``: pure):
 ``system`` (a string or text blocks) is a system message, a user message's
@@ -531,14 +531,13 @@ class MessagesRoutes:
             owner = front.tenant(request)
             req = self._parse(await front.body(request), count=True)
             names = req.names
-            prepared = await front.conversations.prepare(owner, req.inp, request_id)  # every check the turn runs
-            await front.conversations.release(prepared)
+            counted = await front.turns.prompt_tokens(owner, req.inp, request_id)  # every check the turn runs
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
             err = self._anthropic_words(exc, front.error_of(exc, request_id, names))
             front.count("CountTokens", err)
             return self.error_response(err, request_id)
         front.count("CountTokens", 200)
-        return JSONResponse({"input_tokens": len(prepared.prompt)}, headers={"request-id": request_id})
+        return JSONResponse({"input_tokens": counted}, headers={"request-id": request_id})
 
     async def create(self, request: Request) -> Response:
         front = self.plumbing

@@ -401,6 +401,25 @@ def test_the_fronts_import_nothing_of_the_sessions_or_the_engine():
     assert "kvserve.service.turns.Turns" in _imports(REPO / "service" / "http" / "plumbing.py")
 
 
+TURN_CALLS = ("run_turn", "prepare", "stream", "release")
+
+
+def test_the_fronts_run_a_turn_through_turns_only():
+    """A front runs a turn through the fronts' one prologue (``Turns``: ``start``,
+    ``prompt_tokens``), never the conversation's turn calls itself (``prepare``,
+    ``stream``, ``release``, ``run_turn``): a request enters ``conversations.py`` twice,
+    both from ``turns.py`` (tests/service/test_request_path.py traces it)."""
+    import ast
+
+    for path in _front_files():
+        calls = [f"{ast.unparse(n)} (line {n.lineno})" for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in TURN_CALLS
+                 and ast.unparse(n.func.value).split(".")[-1] == "conversations"]  # fmt: skip
+        assert not calls, f"{path.relative_to(REPO)} runs a turn past Turns: {calls}"
+    turns = (REPO / "service" / "turns.py").read_text()
+    assert "self.conversations.prepare(" in turns and "self.conversations.stream(" in turns
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
