@@ -1,5 +1,5 @@
 """A resent chat history against a session's record: pure functions (no I/O, no
-locks), used by ``Conversations.run_turn`` under the session's turn lock.
+locks), used by ``Conversations.prepare`` under the session's turn lock.
 
 OpenAI clients resend the whole history. ``plan_history`` walks the session's
 transcript against it, turn by turn by the turn boundaries of the record

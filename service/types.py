@@ -310,7 +310,7 @@ class Started:
     cached_tier: Tier | None  # slowest tier that contributed (None when cached_tokens == 0)
     cached_by_tier: dict[Tier, int] = field(default_factory=dict)
     session_created: bool = False  # set by the conversation: this turn created its session (or started it over)
-    # set by the conversation for a resent history (Conversations.run_turn(resent_history=True)):
+    # set by the conversation for a resent history (Conversations.prepare(resent_history=True)):
     history_diverged_at: int | None = None  # the first message the session's transcript did not match
     history_rewound_turns: int | None = None  # the completed turns the divergence dropped
     # with ``retain``: the prompt's tokens the turn will retain (whole blocks of its longest

@@ -5,7 +5,7 @@
 the shared turn prologue); the events become OpenAI's response object or chunks here.
 
 Sessions (``X-Session-Id`` on chat): OpenAI clients resend the whole history. The turn
-runs with ``resent_history``: ``Conversations.run_turn`` matches it against the
+runs with ``resent_history``: ``Conversations.prepare`` matches it against the
 session's record under the turn lock, after every check of the request
 (``service.history``: it extends the session, rewinds it to the last turn the history
 follows, or starts it over), and a refused, failed or cancelled turn leaves the session

@@ -10,7 +10,7 @@ session's, its items and metadata are the session record's ``attachment`` (JSON,
 Redis when configured, every replica and a restart find them) and are written with the
 turn that makes them, in its one conditional write. Its transcript is the KV cache's
 key: a response in the conversation sends the conversation's items as the whole
-history (``Conversations.run_turn(resent_history=True)``), which ``service.history``
+history (``Conversations.prepare(resent_history=True)``), which ``service.history``
 matches against the transcript under the turn lock; the turns it follows are reused
 token for token (their KV blocks found, device, host, disk or Redis), the items after
 them are the turn's input. The items are the truth and the transcript follows them:

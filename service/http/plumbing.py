@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TurnRequest:
     """A protocol's parsed request, as the turn runs it: the domain input, the request's
-    field names (errors in its words), and the turn's options (``Conversations.run_turn``)."""
+    field names (errors in its words), and the turn's options (``Conversations.prepare``)."""
 
     inp: TurnInput
     names: Mapping[str, str] | None = None

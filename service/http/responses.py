@@ -6,7 +6,7 @@ of a session whose transcript is the conversation up to and including this respo
 (the Redis session records when Redis is configured, so any replica finds it, after a
 restart too). A follow-up with ``previous_response_id`` sends only the new input: its
 turn runs in a new session that starts with the previous response's transcript
-(``Conversations.run_turn(fork_from=...)``, as ``ForkSession`` would make it, in the
+(``Conversations.prepare(fork_from=...)``, as ``ForkSession`` would make it, in the
 turn's one write), so every earlier block hashes the same and is found in the cache;
 following up an older response is a fork of the conversation there. ``store: false``
 runs the turn the same way and removes its session afterwards (a response nobody can
@@ -30,7 +30,7 @@ leaves its children's history cached).
 
 Function tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, flat as the
 Responses API writes them) run through the same machinery as chat's (``service/tools``,
-applied by ``Conversations.run_turn``): each call is a ``function_call`` output item, and a
+applied by ``Conversations.prepare`` and ``stream``): each call is a ``function_call`` output item, and a
 follow-up's ``function_call_output`` items are tool messages of the next turn, so the
 previous response's calls stay in the transcript as the model wrote them (cached). The
 items' bookkeeping is checked as OpenAI checks it, naming the item (an output answering

@@ -207,16 +207,16 @@ def test_a_prepared_turn_released_before_it_streams_leaves_the_session_as_it_was
     event): the session is idle again and as it was; a second release does nothing."""
     _three_turns(oai, model, "prepared")
     before = _record(server, "prepared")
-    conv = server.running.conversations
+    conv, ops = server.running.conversations, server.running.session_ops
 
     async def prepare_then_release() -> tuple[bool, bool, int]:
         inp = TurnInput(text="one more thing", session_id="prepared", max_new_tokens=4,
                         sampling=SamplingParams(max_new_tokens=4))  # fmt: skip
         prepared = await conv.prepare("", inp, "prepared-1")
-        held = (await conv.get("", "prepared"))[1]
+        held = (await ops.get("", "prepared"))[1]
         await conv.release(prepared)
         await conv.release(prepared)
-        return held, (await conv.get("", "prepared"))[1], len(prepared.prompt)
+        return held, (await ops.get("", "prepared"))[1], len(prepared.prompt)
 
     held, after, prompt = server.call(prepare_then_release())
     assert held and not after
