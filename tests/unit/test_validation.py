@@ -21,6 +21,7 @@ from kvserve.service.validation import (
     check_generation,
     check_input_size,
     check_kv_capacity,
+    check_prompt,
     check_prompt_limit,
     check_salt,
     check_sampling,
@@ -122,6 +123,34 @@ def test_prompt_limit_and_input_size() -> None:
     assert message(check_input_size, "chat", 50, 6, 10, 10, "max_prompt_tokens", "s") == (
         "input too long: session 's' has 6 tokens and the new chat has 50 bytes, at least 11 tokens in all "
         "(a token covers at most 10 bytes); the limit is 10 (max_prompt_tokens)"
+    )
+
+
+def test_check_prompt_refuses_what_cannot_fit_before_it_tokenizes() -> None:
+    """``check_prompt`` brackets the tokenizing: text or chat that cannot fit is refused
+    without ``encode`` being called; what it encodes is then checked and returned with
+    ``max_new_tokens`` fitted to the context left."""
+    encoded: list[str] = []
+
+    def encode() -> list[int]:
+        encoded.append("called")
+        return [5] * 7
+
+    text = TurnInput(text="x" * 101, session_id="s", sampling=SamplingParams(max_new_tokens=16))
+    assert message(check_prompt, text, 3, encode, Limits(), vocab_size=10, context_length=12, bytes_per_token=10) == (
+        "input too long: session 's' has 3 tokens and the new text has 101 bytes, at least 14 tokens in all "
+        "(a token covers at most 10 bytes); the limit is 12 (the context length)"
+    )
+    chat = TurnInput(messages=(ChatMessage("user", "y" * 60),), sampling=SamplingParams(max_new_tokens=16))
+    assert "the limit is 5 (max_prompt_tokens)" in message(check_prompt, chat, 0, encode, Limits(max_prompt_tokens=5),
+                                                            vocab_size=10, context_length=12, bytes_per_token=10)  # fmt: skip
+    assert encoded == []  # refused before tokenizing
+    fits = TurnInput(text="x" * 20, sampling=SamplingParams(max_new_tokens=16))
+    tokens, sampling = check_prompt(fits, 3, encode, Limits(), vocab_size=10, context_length=12, bytes_per_token=10)
+    assert encoded == ["called"] and tokens == [5] * 7 and sampling.max_new_tokens == 2  # 12 - (3 + 7): fitted
+    ids = TurnInput(token_ids=(1, 12), sampling=SamplingParams(max_new_tokens=16))
+    assert message(check_prompt, ids, 0, lambda: [1, 12], Limits(), vocab_size=10, context_length=12) == (
+        "tokens.ids[1] = 12 is outside the vocabulary (ids must be < 10)"
     )
 
 
