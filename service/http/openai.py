@@ -44,6 +44,8 @@ prompt_cache_retention                     retain: the whole prompt for 5 min
 user, metadata, store, service_tier,       accepted; they change nothing
 prompt_cache_key, safety_identifier,
 stream_options
+the peers' and routers' fields             service/http/peers.py's table: honoured,
+(no_stop_trim, skip_special_tokens, ...)   ignored, or accepted at their default only
 =========================================  ==========================================
 
 Messages take what an SDK's own response message dumps (refusal, tool_calls,
@@ -63,6 +65,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
+from . import peers
 from .. import wire
 from ..auth import MISSING_CREDENTIALS, Unauthenticated
 from ..errors import SessionBusy, SessionConflict, SessionExists, SessionNotFound, TurnsChanged, TurnUnavailable
@@ -113,13 +116,13 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
     "response_format", "parallel_tool_calls", "reasoning_effort", "modalities", "verbosity", "prediction", "audio",
     "web_search_options", "prompt_cache_retention",
-}  # fmt: skip
+} | peers.names(peers.CHAT)  # fmt: skip
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # accepted; one tier here
 # Fields that change a reply only on models or features kvserve lacks: null (what SDKs send back) is accepted.
 _NULL_ONLY = ("reasoning_effort", "verbosity", "prediction", "audio", "web_search_options")
 # The message fields an SDK's own ChatCompletionMessage.model_dump() carries back, empty.
 _EMPTY_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "parsed")
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"} | peers.names(peers.COMPLETIONS)
 
 
 class HttpError(Exception):
@@ -272,12 +275,16 @@ def number_field(body: Mapping[str, Any], name: str, kind: type = float) -> Any:
     return value
 
 
-def _check_common(body: Mapping[str, Any], allowed: set[str], where: str) -> None:
+def _check_common(body: Mapping[str, Any], allowed: set[str], where: str, route: str) -> None:
     if not isinstance(body, dict):
         raise HttpError(400, "the request body must be a JSON object")
     for name in body:
         if name not in allowed:
             raise unsupported(name, f"unknown or unsupported parameter for {where}")
+    problem = peers.check(body, route)  # the peers' and routers' fields (service/http/peers.py)
+    if problem is not None:
+        name, message, code = problem
+        raise HttpError(400, message, param=name, code=code)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise HttpError(400, "model must be a string", param="model")
@@ -357,7 +364,8 @@ def sampling_fields(
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise HttpError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
-    ignore_eos = body.get("ignore_eos", False)
+    ignore_eos = body.get("ignore_eos")
+    ignore_eos = False if ignore_eos is None else ignore_eos
     if not isinstance(ignore_eos, bool):
         raise HttpError(400, "ignore_eos must be a boolean", param="ignore_eos")
     temperature = number_field(body, "temperature")
@@ -614,7 +622,7 @@ def check_null_only(body: Mapping[str, Any], names: tuple[str, ...] = _NULL_ONLY
 
 def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     """A /v1/chat/completions body as a domain request (the whole history as messages)."""
-    _check_common(body, CHAT_FIELDS, "/v1/chat/completions")
+    _check_common(body, CHAT_FIELDS, "/v1/chat/completions", peers.CHAT)
     for name in ("functions", "function_call"):
         if body.get(name) not in (None, [], "none"):
             raise unsupported(name, "kvserve does not support it (use tools and tool_choice)")
@@ -636,7 +644,7 @@ def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
 
 def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     """A /v1/completions body: the prompt is a string or a list of token ids (one prompt)."""
-    _check_common(body, COMPLETION_FIELDS, "/v1/completions")
+    _check_common(body, COMPLETION_FIELDS, "/v1/completions", peers.COMPLETIONS)
     if body.get("echo"):
         raise unsupported("echo")
     if body.get("suffix") is not None:
