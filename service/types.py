@@ -4,6 +4,7 @@ module imports no torch and no gRPC (tests/unit/test_imports.py keeps it so)."""
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -48,8 +49,10 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| <= 100
 MAX_TOP_LOGPROBS = 20  # alternatives per token
 MAX_N = 16  # sequences one request may ask for (SamplingParams.n)
 MAX_SPEC_DRAFT = 32  # SamplingParams.spec_max_draft at most (drafts of one sequence in one step)
-MAX_RESPONSE_FORMAT_CHARS = 32768  # a response_format's JSON schema or regex
-RESPONSE_FORMAT_KINDS = ("json_schema", "json_object", "regex")
+MAX_RESPONSE_FORMAT_CHARS = 32768  # a response_format's JSON schema, regex, choices or grammar
+# choice: one of a list of strings exactly (spec: their JSON list), as vLLM's structured_outputs.choice;
+# grammar: a client's context-free grammar, llguidance's lark or llama.cpp's GBNF (vLLM's EBNF)
+RESPONSE_FORMAT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # "lark": a full llguidance lark grammar, built by the server itself (service/tools/grammar.py:
 # tool_choice required or a named function); no front accepts it from a client
 INTERNAL_FORMAT_KINDS = ("lark",)
@@ -83,7 +86,9 @@ class TurnMode(str, enum.Enum):
 class ResponseFormat:
     """A constraint on the generated text (service/engine/grammar.py compiles it):
     ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON
-    object; ``spec`` empty) or ``regex`` (``spec``: the pattern the whole output matches)."""
+    object; ``spec`` empty), ``regex`` (``spec``: the pattern the whole output matches),
+    ``choice`` (``spec``: a JSON list of strings, the output one of them exactly) or
+    ``grammar`` (``spec``: a lark or GBNF grammar, the output a sentence of it)."""
 
     kind: str
     spec: str = ""
@@ -102,6 +107,13 @@ class ResponseFormat:
             raise InvalidRequest("response_format json_object takes no schema (use json_schema)")
         if self.kind != "json_object" and not self.spec:
             raise InvalidRequest(f"response_format {self.kind} is empty")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.spec)
+            except ValueError:
+                choices = None
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+                raise InvalidRequest("response_format choice must be a non-empty list of non-empty strings")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""Structured output: a ``ResponseFormat`` (JSON schema, any JSON object, a regex, or the
-lark grammar of a required or named tool call that service/tools builds)
+"""Structured output: a ``ResponseFormat`` (JSON schema, any JSON object, a regex, one of
+a list of strings, a client's lark or GBNF grammar, or the lark grammar of a required
+or named tool call that service/tools builds)
 compiled by llguidance into a matcher that gives, at every step, the bitmask of the
 tokens that keep the output inside the grammar (computed on CPU).
 
@@ -110,6 +111,13 @@ class GrammarCompiler:
             return llguidance.LLMatcher.grammar_from_regex(fmt.spec)
         if fmt.kind == "lark":  # the server's own (service/tools: a required or named tool call)
             return llguidance.LLMatcher.grammar_from_lark(fmt.spec)
+        if fmt.kind == "choice":  # one of the strings (validated: a list of them), as lark alternatives
+            return llguidance.grammar_from("choice", fmt.spec)
+        if fmt.kind == "grammar":  # a client's: lark, or GBNF (llama.cpp's, vLLM's EBNF) converted to lark
+            try:
+                return llguidance.grammar_from("grammar", fmt.spec)
+            except (ValueError, RecursionError) as e:
+                raise InvalidRequest(f"response_format grammar: {str(e)[:_MAX_ERROR_CHARS]}") from None
         if fmt.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
         try:

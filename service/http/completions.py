@@ -82,7 +82,8 @@ class CompletionRoutes:
         ctx = _Completion(turn, chat, parsed.model or front.model_id, ext, sampling.n, sampling.logprobs is not None)
         if parsed.stream:
             headers["Cache-Control"] = "no-cache"
-            return StreamingResponse(ctx.sse(parsed.include_usage), media_type="text/event-stream", headers=headers)
+            sse = ctx.sse(parsed.include_usage, parsed.continuous_usage)
+            return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
         return await whole_or_gone(request, ctx.whole(), headers)
 
 
@@ -161,8 +162,14 @@ class _Completion:
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
-        def data(obj: Any) -> bytes:
+    async def sse(self, include_usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
+        """The chunks; with ``continuous`` (vLLM's continuous_usage_stats) each carries
+        the usage so far (its choice's completion tokens)."""
+        made: dict[int, int] = {}  # choice -> tokens so far
+
+        def data(obj: Any, index: int | None = None) -> bytes:
+            if continuous and index is not None:
+                obj["usage"] = oa.running_usage(self.start, made.get(index, 0))
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
         status, failed = 200, None
@@ -171,14 +178,16 @@ class _Completion:
         try:
             if self.chat:
                 for i in range(self.n):
-                    yield data(self._chunk({"role": "assistant", "content": ""}, None, i))
+                    yield data(self._chunk({"role": "assistant", "content": ""}, None, i), i)
             async for ev in self.turn.events:
                 if isinstance(ev, Delta):
+                    made[ev.index] = made.get(ev.index, 0) + len(ev.token_ids)
                     if ev.text or (self.logprobs and ev.logprobs):
                         lp = self._logprobs(ev.logprobs)
-                        yield data(self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index, lp))
+                        chunk = self._chunk({"content": ev.text} if self.chat else ev.text, None, ev.index, lp)
+                        yield data(chunk, ev.index)
                 elif isinstance(ev, ToolCallDelta):  # a piece of a tool call (service/tools)
-                    yield data(self._chunk(oa.tool_call_delta(ev), None, ev.index))
+                    yield data(self._chunk(oa.tool_call_delta(ev), None, ev.index), ev.index)
                 elif isinstance(ev, Finished):
                     err = self.turn.finish_error(ev)
                     if err is not None:
@@ -192,7 +201,8 @@ class _Completion:
                     last["kvserve"] = self.ext
                     if include_usage:
                         last["usage"] = None
-                    yield data(last)
+                    made[ev.index] = ev.completion_tokens
+                    yield data(last, ev.index)
                     if left:  # n > 1: the other choices go on
                         continue
                     if include_usage:

@@ -252,6 +252,9 @@ _PARAMS = (
     "repetition_penalty", "seed", "stop_token_ids", "stop", "n", "min_p", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "cache_salt", "messages", "prompt", "input", "response_format",
     "text.format", "tools", "tool_choice", "parallel_tool_calls", "speculative.n_max", "speculative",
+    "n_probs", "json_schema", "grammar", "regex", "ebnf", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs", "structured_outputs.json", "structured_outputs.regex",
+    "structured_outputs.choice", "structured_outputs.grammar",
 )  # fmt: skip
 
 
@@ -262,6 +265,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     names: Mapping[str, str] = dataclasses.field(default_factory=chat_names)  # domain -> OpenAI field names
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
 
 
 def number_field(body: Mapping[str, Any], name: str, kind: type = float) -> Any:
@@ -329,7 +333,23 @@ def retention(body: Mapping[str, Any]) -> tuple[Retain, ...]:
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     """SamplingParams.logprobs: chat's ``logprobs: true`` with ``top_logprobs`` (0 to 20),
-    a completion's ``logprobs`` (the alternatives per token, an integer)."""
+    a completion's ``logprobs`` (the alternatives per token, an integer), or llama.cpp's
+    ``n_probs`` (N > 0: the top N alternatives of each token, as its OpenAI endpoints
+    return them: the route's own logprobs shape; 0: none)."""
+    n_probs = number_field(body, "n_probs", int)
+    asked = _openai_logprobs(body, chat)
+    if not n_probs:
+        if n_probs is not None and n_probs < 0:
+            raise HttpError(400, f"n_probs must be >= 0, got {n_probs}", param="n_probs", code="invalid_value")
+        return asked
+    if asked is not None and asked != n_probs:
+        other = "top_logprobs" if chat else "logprobs"
+        raise HttpError(400, f"n_probs ({n_probs}) and {other} ({asked}) ask for different numbers of alternatives; "
+                        "send one", param="n_probs", code="invalid_value")  # fmt: skip
+    return n_probs
+
+
+def _openai_logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     if chat:
         on = body.get("logprobs")
         if on is not None and not isinstance(on, bool):
@@ -434,7 +454,9 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+def _stream(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+    """stream, ``stream_options.include_usage`` and vLLM's ``continuous_usage_stats``
+    (usage on every chunk; with include_usage, as vLLM sends it only then)."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -442,14 +464,17 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise HttpError(400, "stream must be a boolean", param="stream")
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-        raise HttpError(400, "stream_options takes include_usage only", param="stream_options")
+        raise HttpError(400, "stream_options takes include_usage and continuous_usage_stats", param="stream_options")
     if not stream:
         raise HttpError(400, "stream_options needs stream: true", param="stream_options")
-    if opts.get("continuous_usage_stats"):
-        raise unsupported("stream_options.continuous_usage_stats")
-    return stream, bool(opts.get("include_usage", False))
+    for key in ("include_usage", "continuous_usage_stats"):
+        if opts.get(key) is not None and not isinstance(opts[key], bool):
+            raise HttpError(400, f"stream_options.{key} must be a boolean", param=f"stream_options.{key}",
+                            code="invalid_type")  # fmt: skip
+    include = bool(opts.get("include_usage"))
+    return stream, include, include and bool(opts.get("continuous_usage_stats"))
 
 
 def cache_salt_field(body: Mapping[str, Any]) -> str:
@@ -592,7 +617,8 @@ def chat_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoic
 
 def response_format(fmt: Any) -> ResponseFormat | None:
     """OpenAI's response_format: ``{"type": "text"}`` (None), ``{"type": "json_object"}``
-    or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``."""
+    or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``;
+    llama.cpp's ``{"type": "json_object", "schema": {...}}`` is the schema's constraint."""
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -600,6 +626,8 @@ def response_format(fmt: Any) -> ResponseFormat | None:
         return None
     if kind == "json_object" and set(fmt) == {"type"}:
         return ResponseFormat("json_object")
+    if kind == "json_object" and set(fmt) == {"type", "schema"}:  # llama.cpp's: constrained by the schema
+        return ResponseFormat("json_schema", schema_spec(fmt["schema"], "response_format.schema"))
     if kind == "json_schema" and set(fmt) == {"type", "json_schema"}:
         spec = fmt["json_schema"]
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
@@ -610,6 +638,94 @@ def response_format(fmt: Any) -> ResponseFormat | None:
         return ResponseFormat("json_schema", json.dumps(spec["schema"]))
     raise HttpError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or '
                     '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', param="response_format")  # fmt: skip
+
+
+def schema_spec(value: Any, where: str) -> str:
+    """A JSON schema as JSON text: an object or boolean, or (SGLang's ``json_schema``,
+    vLLM's ``guided_json``) a string holding one."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            parsed = None
+        if not isinstance(parsed, (dict, bool)):
+            raise HttpError(400, f"{where} must be a JSON schema (an object, or a string holding one)", param=where)
+        return value
+    if not isinstance(value, (dict, bool)):
+        raise HttpError(400, f"{where} must be a JSON schema (an object, or a string holding one)", param=where)
+    return json.dumps(value)
+
+
+def _choice_spec(value: Any, where: str) -> str:
+    if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise HttpError(400, f"{where} must be a non-empty list of non-empty strings", param=where)
+    return json.dumps(value)
+
+
+def _text_spec(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise HttpError(400, f"{where} must be a non-empty string", param=where)
+    return value
+
+
+# The peers' fields that constrain the output (service/http/peers.py's rows), each one
+# ResponseFormat: field -> (kind, the spec of its value). vLLM's structured_outputs keys
+# are "structured_outputs.<key>" here.
+_CONSTRAINT_FIELDS: Mapping[str, tuple[str, Callable[[Any, str], str]]] = {
+    "json_schema": ("json_schema", schema_spec),  # llama.cpp's (an object), SGLang's (a string)
+    "grammar": ("grammar", _text_spec),  # llama.cpp's GBNF
+    "regex": ("regex", _text_spec), "ebnf": ("grammar", _text_spec),  # SGLang's
+    "guided_json": ("json_schema", schema_spec), "guided_regex": ("regex", _text_spec),  # vLLM's older names
+    "guided_choice": ("choice", _choice_spec), "guided_grammar": ("grammar", _text_spec),
+    "structured_outputs.json": ("json_schema", schema_spec), "structured_outputs.regex": ("regex", _text_spec),
+    "structured_outputs.choice": ("choice", _choice_spec), "structured_outputs.grammar": ("grammar", _text_spec),
+}  # fmt: skip
+# structured_outputs' other keys: accepted when they ask for what kvserve does
+_STRUCTURED_DEFAULTS: Mapping[str, tuple[Any, ...]] = {
+    "json_object": (None, False, True),  # true: any JSON object (OpenAI's json_object); the constraint below
+    "disable_fallback": (None, False, True),  # there is no other backend to fall back to
+    "disable_any_whitespace": (None, False, True),  # JSON is generated compact either way
+    "disable_additional_properties": (None, False),
+    "whitespace_pattern": (None,),
+    "structural_tag": (None,),
+}
+
+
+def output_constraint(body: Mapping[str, Any], chat: bool) -> tuple[ResponseFormat | None, dict[str, str]]:
+    """The one output constraint a request asks for, from OpenAI's ``response_format``
+    (chat) or a peer's field (``_CONSTRAINT_FIELDS``), and the names that rename the
+    domain's messages about it to that field; two constraints are 400."""
+    found: list[tuple[str, ResponseFormat]] = []
+    fmt = response_format(body.get("response_format")) if chat else None
+    if fmt is not None:
+        found.append(("response_format", fmt))
+    values = {k: v for k, v in body.items() if k in _CONSTRAINT_FIELDS}
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise HttpError(400, "structured_outputs must be an object", param="structured_outputs", code="invalid_type")
+        for key, value in so.items():
+            name = f"structured_outputs.{key}"
+            if name in _CONSTRAINT_FIELDS:
+                values[name] = value
+            elif key not in _STRUCTURED_DEFAULTS:
+                raise unsupported(name, "unknown key of structured_outputs (json, regex, choice, grammar, json_object)")
+            elif value not in _STRUCTURED_DEFAULTS[key] or isinstance(value, (int, float)) and not isinstance(value, bool):
+                raise unsupported(name, "kvserve does not support it (null or its default only)")
+        if so.get("json_object") is True:
+            found.append(("structured_outputs.json_object", ResponseFormat("json_object")))
+    for name, value in values.items():
+        if value is not None:
+            kind, spec = _CONSTRAINT_FIELDS[name]
+            found.append((name, ResponseFormat(kind, spec(value, name))))
+    if len(found) > 1:
+        (a, _), (b, _) = found[:2]
+        raise HttpError(400, f"{b} cannot be used with {a}: one output constraint per request", param=b,
+                        code="invalid_value")  # fmt: skip
+    if not found:
+        return None, {}
+    name, fmt = found[0]
+    return fmt, ({} if name == "response_format" else {f"response_format {fmt.kind}": name})
 
 
 def check_null_only(body: Mapping[str, Any], names: tuple[str, ...] = _NULL_ONLY) -> None:
@@ -630,16 +746,17 @@ def chat_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
     check_null_only(body)
     if body.get("modalities") not in (None, ["text"]):
         raise unsupported("modalities", "only [\"text\"] is supported")
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     sampling, max_tokens = sampling_fields(body, "max_completion_tokens", default_max_new_tokens, _logprobs(body, True))
-    fmt = response_format(body.get("response_format"))
+    fmt, fmt_names = output_constraint(body, chat=True)
     if fmt is not None:
         sampling = dataclasses.replace(sampling, response_format=fmt)
     inp = TurnInput(messages=chat_messages(body), sampling=sampling, max_new_tokens=max_tokens, cache_salt=cache_salt_field(body),
                     tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, retain=retention(body))  # fmt: skip
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None or \
         body.get("max_tokens") is None else "max_tokens"  # fmt: skip
-    return ParsedRequest(body.get("model"), inp, stream, include_usage, chat_names(max_name))
+    names = {**chat_names(max_name), **fmt_names, **_logprobs_names(body)}
+    return ParsedRequest(body.get("model"), inp, stream, include_usage, names, continuous_usage)
 
 
 def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
@@ -664,10 +781,19 @@ def completion_request(body: Any, default_max_new_tokens: int) -> ParsedRequest:
         raise unsupported("prompt", "one prompt per request (a list of prompts is a batch)")
     else:
         raise HttpError(400, "prompt must be a string or a list of token ids", param="prompt")
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     sampling, max_tokens = sampling_fields(body, "max_tokens", default_max_new_tokens, _logprobs(body, False))
+    fmt, fmt_names = output_constraint(body, chat=False)
+    if fmt is not None:
+        sampling = dataclasses.replace(sampling, response_format=fmt)
     inp = TurnInput(text=text, token_ids=ids, sampling=sampling, max_new_tokens=max_tokens, cache_salt=cache_salt_field(body))
-    return ParsedRequest(body.get("model"), inp, stream, include_usage, COMPLETION_NAMES)
+    names = {**COMPLETION_NAMES, **fmt_names, **_logprobs_names(body)}
+    return ParsedRequest(body.get("model"), inp, stream, include_usage, names, continuous_usage)
+
+
+def _logprobs_names(body: Mapping[str, Any]) -> dict[str, str]:
+    """llama.cpp's n_probs names the domain's top_logprobs in errors when it asked for them."""
+    return {"top_logprobs": "n_probs"} if body.get("n_probs") else {}
 
 
 # ----------------------------------------------------------------------------- responses
@@ -750,6 +876,21 @@ def usage(start: Started | None, fin: Finished, completion_tokens: int | None = 
             "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
         },
     }
+
+
+def running_usage(start: Started, completion_tokens: int) -> dict[str, Any]:
+    """A stream chunk's usage with vLLM's ``continuous_usage_stats``: the prompt's (and
+    its cached) tokens and the completion tokens so far, in ``usage``'s shape."""
+    return {
+        "prompt_tokens": start.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": start.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": start.cached_tokens,
+            "kvserve_cached_by_tier": {t.value: start.cached_by_tier.get(t, 0)
+                                       for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
+        },
+    }  # fmt: skip
 
 
 def timings(fins: Sequence[Finished]) -> dict[str, Any]:

@@ -40,18 +40,23 @@ COMPLETIONS = "completions"  # /v1/completions
 BOTH = (CHAT, COMPLETIONS)
 
 _SGLANG_ROUTER = "sglang-router, SGLang"
+_LLAMA = "llama.cpp"
+_VLLM = "vLLM"
+_CONSTRAINT = "constrains the output as response_format does (service/engine/grammar.py, llguidance)"
 _ROUTERS = "sglang-router, vllm-router, SGLang, vLLM"
 
 
 @dataclass(frozen=True)
 class PeerField:
-    """One row: ``kind`` the JSON type a value must have (``dict``: an object), ``default``
-    the value that asks for nothing kvserve does not do (null is always accepted)."""
+    """One row: ``kind`` the JSON type(s) a value must have (``dict``: an object),
+    ``default`` the value that asks for nothing kvserve does not do (null is always
+    accepted). A name with a dot (``stream_options.continuous_usage_stats``) is a key
+    inside a field: documented here, checked where that field is parsed."""
 
     name: str
     sent_by: str
     routes: tuple[str, ...]
-    kind: type
+    kind: type | tuple[type, ...]
     default: Any
     disposition: str
     meaning: str  # what kvserve does with it (docs/api.md's row says the same)
@@ -86,13 +91,46 @@ PEER_FIELDS: tuple[PeerField, ...] = (
               "a LoRA adapter; kvserve serves no adapters (null only)"),
     PeerField("chat_template_kwargs", _ROUTERS, (CHAT,), dict, None, DEFAULT_ONLY,
               "extra chat-template variables would change the prompt; not implemented (null or {} only)"),
+    PeerField("json_schema", "llama.cpp (an object), SGLang (a string)", BOTH, (dict, bool, str), None, HONOURED,
+              f"a JSON schema the reply matches: {_CONSTRAINT}"),
+    PeerField("grammar", _LLAMA, BOTH, str, None, HONOURED,
+              f"a GBNF (or llguidance lark) grammar the reply is a sentence of: {_CONSTRAINT}"),
+    PeerField("n_probs", _LLAMA, BOTH, int, 0, HONOURED,
+              "N > 0: each token's logprob and its top N alternatives in the route's logprobs shape "
+              "(chat: logprobs.content[].top_logprobs; completions: logprobs.top_logprobs), as llama.cpp's "
+              "OpenAI endpoints; at most 20; one that differs from logprobs/top_logprobs is refused"),
+    PeerField("cache_prompt", _LLAMA, BOTH, bool, True, DEFAULT_ONLY,
+              "kvserve always reuses cached prefix blocks (true is what it does); false would recompute "
+              "the whole prompt for bit-exact results, which is not implemented"),
+    PeerField("structured_outputs", _VLLM, BOTH, dict, None, HONOURED,
+              f"one of json (a schema), regex, choice (a list of strings), grammar (lark or EBNF/GBNF) or "
+              f"json_object: true: {_CONSTRAINT}; disable_fallback and disable_any_whitespace accepted "
+              "(JSON is compact either way); structural_tag, whitespace_pattern and "
+              "disable_additional_properties: true refused"),
+    PeerField("guided_json", "vLLM (before structured_outputs)", BOTH, (dict, bool, str), None, HONOURED,
+              "structured_outputs.json"),
+    PeerField("guided_regex", "vLLM (before structured_outputs)", BOTH, str, None, HONOURED,
+              "structured_outputs.regex"),
+    PeerField("guided_choice", "vLLM (before structured_outputs)", BOTH, list, None, HONOURED,
+              "structured_outputs.choice"),
+    PeerField("guided_grammar", "vLLM (before structured_outputs)", BOTH, str, None, HONOURED,
+              "structured_outputs.grammar"),
+    PeerField("guided_decoding_backend", "vLLM (before structured_outputs)", BOTH, str, None, IGNORED,
+              "kvserve has one backend (llguidance), whatever is named"),
+    PeerField("guided_whitespace_pattern", "vLLM (before structured_outputs)", BOTH, str, None, DEFAULT_ONLY,
+              "a whitespace pattern for JSON; kvserve generates compact JSON (null only)"),
+    PeerField("regex", "SGLang, sglang-router", BOTH, str, None, HONOURED, f"a regex the whole reply matches: {_CONSTRAINT}"),
+    PeerField("ebnf", "SGLang, sglang-router", BOTH, str, None, HONOURED, "as grammar"),
+    PeerField("stream_options.continuous_usage_stats", _VLLM, BOTH, bool, False, HONOURED,
+              "with include_usage, every chunk carries usage (the prompt's tokens and cached tokens, the "
+              "choice's completion tokens so far), as vLLM sends it"),
 )  # fmt: skip
 _BY_NAME: Mapping[str, PeerField] = {f.name: f for f in PEER_FIELDS}
 
 
 def names(route: str) -> frozenset[str]:
-    """The peer fields ``route`` accepts."""
-    return frozenset(f.name for f in PEER_FIELDS if route in f.routes)
+    """The top-level peer fields ``route`` accepts."""
+    return frozenset(f.name for f in PEER_FIELDS if route in f.routes and "." not in f.name)
 
 
 def _typed(field: PeerField, value: Any) -> bool:
@@ -101,8 +139,11 @@ def _typed(field: PeerField, value: Any) -> bool:
     return isinstance(value, field.kind)
 
 
-def _type_name(kind: type) -> str:
-    return {bool: "a boolean", int: "an integer", str: "a string", dict: "an object"}[kind]
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "a list"}
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(_TYPE_NAMES[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
 
 
 def check(body: Mapping[str, Any], route: str) -> tuple[str, str, str] | None:
