@@ -111,6 +111,15 @@ def parse_event_tiers(text: str) -> tuple[Tier, ...]:
     return tuple(Tier(t) for t in names)
 
 
+def parse_regex(text: str) -> str:
+    """A regular expression, checked to compile (empty: none)."""
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise ValueError(f"not a valid regular expression: {e}") from None
+    return text
+
+
 def parse_names(text: str) -> tuple[str, ...]:
     """``"a,b"`` -> ("a", "b"); surrounding spaces and empty items dropped."""
     return tuple(t.strip() for t in text.split(",") if t.strip())
@@ -200,6 +209,7 @@ class ServerConfig:
     redis_compression: str = setting("none", "Lossless compression of KV blocks in Redis: none, zstd or lz4 (pays only on slow links: random-weight KV hardly compresses).", choice("none", "zstd", "lz4"))
     redis_read_connections: int = setting(4, "Connections one restore from Redis reads on at once (the blocks in consecutive runs, a reader thread each, at least 8 blocks a run): one redis-py reader is bound by its own CPU, ~1.3 GB/s; a cluster reads on one.", int, metavar="N")
     tool_call_parser: str = setting("auto", "How tool calls are read from (and, for tool_choice required or a named function, written into) the model's output: hermes (<tool_call> JSON blocks: Hermes, Qwen 2.5/3), mistral ([TOOL_CALLS]), llama3_json (Llama 3.1/3.2 JSON calls), or auto: chosen from the checkpoint's chat template and vocabulary, hermes when neither names a format (docs/api.md, Tools).", choice("auto", "hermes", "mistral", "llama3_json"))
+    strip_volatile_system: str = setting("", "A regular expression whose every match is removed from the system (and developer) messages of each chat turn before its prompt is rendered (a Messages request's system blocks included), so that a per-request block an agent client puts there (a billing or tracing header) does not make every later block of the prompt a cache miss; e.g. 'x-anthropic-billing-header:[^\\n]*\\n?'. Empty (the default): off; the model then sees the system text as sent (docs/api.md, Prefix guards).", parse_regex, metavar="REGEX")
     stream_interval: float = setting(0.02, "Least time between two messages of one stream (gRPC DeltaEvent, SSE chunk): the first token goes at once, tokens made within the interval after a message go together in the next one (a fast model on many streams sends several tokens per message instead of paying a message per token); 0 sends every token as it comes (20ms, 0, 50ms).", parse_duration, metavar="SECONDS")
     spill_after: float = setting(30.0, "Seconds a session is idle before its KV blocks are written to --spill-to in the background.", parse_duration, metavar="SECONDS")
     restore_policy: str = setting("auto", "auto: restore cached blocks from host/Redis only when the measured rates say it beats recomputing them; always: restore every hit.", choice("auto", "always"))

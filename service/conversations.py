@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from .history import HistoryAction, HistoryPlan, plan_history
 from .metrics import ServiceMetrics
+from .prefix_guard import VolatileSystem
 from .prompts import Prompts
 from .sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
 from .sessions.records import copy_record
@@ -143,8 +144,10 @@ class Conversations:
         limits: Limits = Limits(),
         shared_cache_salts: frozenset[str] | tuple[str, ...] = (),
         tool_call_parser: str = "auto",
+        strip_volatile_system: str = "",
     ) -> None:
         self.engine = engine
+        self.volatile_system = VolatileSystem(strip_volatile_system)  # --strip-volatile-system (service/prefix_guard.py)
         self.sessions = sessions
         self.metrics = metrics
         self.max_new_tokens_limit = max_new_tokens_limit
@@ -219,7 +222,7 @@ class Conversations:
         check_request(inp, self.limits, vocab_size=info.vocab_size, max_new_tokens_limit=self.max_new_tokens_limit,
                       roles=self.engine.tokenizer.known_roles, resent_history=resent_history,
                       fork_from=fork_from)  # fmt: skip
-        inp = self._with_template_roles(inp)
+        inp = self.volatile_system.apply(self._with_template_roles(inp))
         source: SessionRecord | None = None
         if fork_from:
             source, _busy = await self.sessions.get(owner, fork_from)  # its last committed version

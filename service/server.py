@@ -703,6 +703,7 @@ async def _build(start: _Startup, session_store: SessionStore | None) -> _Servic
         limits=limits,
         shared_cache_salts=config.shared_cache_salts,
         tool_call_parser=config.tool_call_parser,
+        strip_volatile_system=config.strip_volatile_system,
     )
     session_ops = SessionOps(engine, sessions, metrics, spill=spill, shared_cache_salts=config.shared_cache_salts)
     admission = Admission(  # one count and one drain for the gRPC and the HTTP front
