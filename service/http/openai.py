@@ -30,6 +30,9 @@ speculative.n_max (llama.cpp's name)       n_max 0: off, as llama.cpp reads it)
 response_format (chat)                     text: free text; json_object and
                                            json_schema (its ``schema``): the
                                            response_format of SamplingParams
+                                           (llama.cpp's json_object + schema: that
+                                           schema; the peers' constraint fields:
+                                           ``output_constraint``, one per request)
 logprobs + top_logprobs (chat),            logprobs (top_logprobs, or 0): OpenAI's
 logprobs (completions)                     shapes (chat_logprobs, completion_logprobs)
 tools, tool_choice, parallel_tool_calls    tools, tool_choice (none, auto, required, a

@@ -195,3 +195,14 @@ def test_continuous_usage_stats_puts_usage_on_every_chunk(oai, model):
         model=model, messages=msgs, max_tokens=6, temperature=0, stream=True,
         stream_options={"include_usage": False, "continuous_usage_stats": True}))  # fmt: skip
     assert all(c.usage is None for c in plain)  # as vLLM: continuous usage only with include_usage
+
+
+def test_router_forwarded_tools_with_the_choice_the_router_fills_in(http, model):
+    """sglang-router sets tool_choice when the client sent tools without one: "auto" for
+    a list of tools, "none" for an empty list."""
+    tool = {"type": "function", "function": {"name": "ls", "description": "list files",
+                                             "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+    for tools, choice in (([tool], "auto"), ([], "none")):
+        body = {**SGLANG_ROUTER_CHAT, "model": model, "tools": tools, "tool_choice": choice}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
