@@ -172,6 +172,11 @@ def test_greedy_constrained_json_object(loaded):
         (ResponseFormat("json_object", "{}"), "json_object takes no schema"),
         (ResponseFormat("yaml", "x"), "response_format kind 'yaml' is unknown"),
         (ResponseFormat("regex", "a" * 40000), "response_format regex has 40000 characters; the limit is 32768"),
+        (ResponseFormat("choice", "[]"), "response_format choice must be a non-empty list of non-empty strings"),
+        (ResponseFormat("choice", '["a", ""]'), "response_format choice must be a non-empty list"),
+        (ResponseFormat("choice", "not json"), "response_format choice must be a non-empty list"),
+        (ResponseFormat("grammar", 'root ::= "a'), "response_format grammar: Failed to convert the grammar"),
+        (ResponseFormat("grammar", "start: missing"), "response_format grammar cannot be used"),
     ],
 )
 def test_bad_formats_are_invalid_requests(loaded, fmt, message):
