@@ -41,6 +41,7 @@ BOTH = (CHAT, COMPLETIONS)
 
 _SGLANG_ROUTER = "sglang-router, SGLang"
 _LLAMA = "llama.cpp"
+_NUMBER = (int, float)
 _VLLM = "vLLM"
 _CONSTRAINT = "constrains the output as response_format does (service/engine/grammar.py, llguidance)"
 _ROUTERS = "sglang-router, vllm-router, SGLang, vLLM"
@@ -121,6 +122,19 @@ PEER_FIELDS: tuple[PeerField, ...] = (
               "a whitespace pattern for JSON; kvserve generates compact JSON (null only)"),
     PeerField("regex", "SGLang, sglang-router", BOTH, str, None, HONOURED, f"a regex the whole reply matches: {_CONSTRAINT}"),
     PeerField("ebnf", "SGLang, sglang-router", BOTH, str, None, HONOURED, "as grammar"),
+    PeerField("typical_p", _LLAMA, BOTH, _NUMBER, 1.0, DEFAULT_ONLY, "locally typical sampling; not implemented (1: off)"),
+    PeerField("mirostat", _LLAMA, BOTH, int, 0, DEFAULT_ONLY, "Mirostat sampling; not implemented (0: off)"),
+    PeerField("dynatemp_range", _LLAMA, BOTH, _NUMBER, 0.0, DEFAULT_ONLY, "dynamic temperature; not implemented (0: off)"),
+    PeerField("dry_multiplier", _LLAMA, BOTH, _NUMBER, 0.0, DEFAULT_ONLY, "the DRY penalty; not implemented (0: off)"),
+    PeerField("xtc_probability", _LLAMA, BOTH, _NUMBER, 0.0, DEFAULT_ONLY, "the XTC sampler; not implemented (0: off)"),
+    PeerField("t_max_predict_ms", _LLAMA, BOTH, int, 0, DEFAULT_ONLY, "a time limit on generation; not implemented (0: off)"),
+    PeerField("return_tokens", _LLAMA, BOTH, bool, False, DEFAULT_ONLY, "true would add the token ids to the reply; not implemented"),
+    PeerField("timings_per_token", _LLAMA, BOTH, bool, False, DEFAULT_ONLY,
+              "true would add timings to every chunk; kvserve sends them once per choice (timings)"),
+    PeerField("post_sampling_probs", _LLAMA, BOTH, bool, False, DEFAULT_ONLY,
+              "true would report probabilities after the sampler chain; kvserve's are before it"),
+    PeerField("id_slot", _LLAMA, BOTH, int, -1, IGNORED,
+              "llama.cpp's slot; kvserve has no slots (its cache is shared by content), so no value changes the reply"),
     PeerField("stream_options.continuous_usage_stats", _VLLM, BOTH, bool, False, HONOURED,
               "with include_usage, every chunk carries usage (the prompt's tokens and cached tokens, the "
               "choice's completion tokens so far), as vLLM sends it"),
@@ -134,15 +148,18 @@ def names(route: str) -> frozenset[str]:
 
 
 def _typed(field: PeerField, value: Any) -> bool:
-    if field.kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(value, bool):
+        return field.kind is bool or (isinstance(field.kind, tuple) and bool in field.kind)
     return isinstance(value, field.kind)
 
 
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "a list"}
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+               list: "a list"}  # fmt: skip
 
 
 def _type_name(kind: type | tuple[type, ...]) -> str:
+    if kind == _NUMBER:
+        return "a number"
     return " or ".join(_TYPE_NAMES[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
 
 

@@ -25,6 +25,12 @@ SGLANG_ROUTER_CHAT = {
 }  # fmt: skip
 # vllm-router's adds include_reasoning; its completions carry echo: false like SGLang's.
 VLLM_ROUTER_CHAT = {**SGLANG_ROUTER_CHAT, "include_reasoning": True}
+# llama.cpp's own sampler fields at their defaults (off), as a client written for it may send them.
+LLAMA_CPP_DEFAULTS = {
+    "cache_prompt": True, "n_probs": 0, "typical_p": 1.0, "mirostat": 0, "dynatemp_range": 0.0, "dry_multiplier": 0,
+    "xtc_probability": 0.0, "t_max_predict_ms": 0, "id_slot": -1, "return_tokens": False, "timings_per_token": False,
+    "post_sampling_probs": False,
+}  # fmt: skip
 ROUTER_COMPLETION = {
     "model": "m", "prompt": "once upon", "max_tokens": 8, "stream": False, "echo": False, "no_stop_trim": False,
     "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False,
@@ -45,6 +51,9 @@ def test_requests_as_the_routers_forward_them_are_accepted():
         assert req.inp.max_new_tokens == 8 and not req.inp.sampling.ignore_eos
         assert [m.content for m in req.inp.messages] == ["be brief", "hi"]
     assert completion_request(dict(ROUTER_COMPLETION), 64).inp.text == "once upon"
+    req = chat_request({"messages": MESSAGES, **LLAMA_CPP_DEFAULTS}, 64)
+    assert req.inp.sampling.logprobs is None and req.inp.sampling.response_format is None
+    assert completion_request({"prompt": "x", **LLAMA_CPP_DEFAULTS}, 64).inp.text == "x"
 
 
 def test_honoured_fields_reach_the_domain_request():
@@ -57,7 +66,8 @@ def test_ignored_fields_take_any_value_of_their_type():
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning"):
         chat_request({**VLLM_ROUTER_CHAT, name: False}, 64)
         refused(chat_request, {**VLLM_ROUTER_CHAT, name: "no"}, name, "invalid_type")
-    chat_request({**SGLANG_ROUTER_CHAT, "session_params": {"session_id": "s1"}}, 64)
+    chat_request({**SGLANG_ROUTER_CHAT, "session_params": {"session_id": "s1"}, "id_slot": 3}, 64)
+    refused(chat_request, {**SGLANG_ROUTER_CHAT, "id_slot": 1.5}, "id_slot", "invalid_type")
     completion_request({**ROUTER_COMPLETION, "session_params": {}}, 64)
     err = refused(chat_request, {**SGLANG_ROUTER_CHAT, "session_params": {"id": "x", "offset": 3}}, "session_params")
     assert "continual prompting" in err.message
@@ -66,7 +76,9 @@ def test_ignored_fields_take_any_value_of_their_type():
 @pytest.mark.parametrize("field", [f for f in peers.PEER_FIELDS if f.disposition == peers.DEFAULT_ONLY],
                          ids=lambda f: f.name)  # fmt: skip
 def test_default_only_fields_refuse_another_value(field):
-    other = {bool: not field.default, str: "adapter-1", dict: {"enable_thinking": False}}[field.kind]
+    other = {bool: not field.default, str: "adapter-1", dict: {"enable_thinking": False}, int: 1,
+             peers._NUMBER: 0.5}[field.kind]  # fmt: skip
+    wrong = "x" if field.kind in (int, peers._NUMBER) else 3
     for route in field.routes:
         parse, base = (chat_request, SGLANG_ROUTER_CHAT) if route == peers.CHAT else (completion_request,
                                                                                        ROUTER_COMPLETION)  # fmt: skip
@@ -74,7 +86,9 @@ def test_default_only_fields_refuse_another_value(field):
         parse({**base, field.name: None}, 64)
         err = refused(parse, {**base, field.name: other}, field.name)
         assert "is accepted" in err.message
-        refused(parse, {**base, field.name: 3}, field.name, "invalid_type")
+        refused(parse, {**base, field.name: wrong}, field.name, "invalid_type")
+        if field.kind is not bool:
+            refused(parse, {**base, field.name: True}, field.name, "invalid_type")
 
 
 def test_a_field_of_the_other_route_is_unknown_there():
