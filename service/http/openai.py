@@ -341,15 +341,16 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     return them: the route's own logprobs shape; 0: none)."""
     n_probs = number_field(body, "n_probs", int)
     asked = _openai_logprobs(body, chat)
+    if n_probs is not None and n_probs < 0:
+        raise HttpError(400, f"n_probs must be >= 0, got {n_probs}", param="n_probs", code="invalid_value")
     if not n_probs:
-        if n_probs is not None and n_probs < 0:
-            raise HttpError(400, f"n_probs must be >= 0, got {n_probs}", param="n_probs", code="invalid_value")
         return asked
-    if asked is not None and asked != n_probs:
-        other = "top_logprobs" if chat else "logprobs"
+    other = "top_logprobs" if chat else "logprobs"  # the OpenAI field that counts the alternatives
+    count = body.get(other)
+    if count is not None and count != n_probs:
         raise HttpError(400, f"n_probs ({n_probs}) and {other} ({asked}) ask for different numbers of alternatives; "
                         "send one", param="n_probs", code="invalid_value")  # fmt: skip
-    return n_probs
+    return n_probs  # with chat's logprobs: true and no top_logprobs, n_probs says how many
 
 
 def _openai_logprobs(body: Mapping[str, Any], chat: bool) -> int | None:

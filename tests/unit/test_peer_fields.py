@@ -104,3 +104,16 @@ def test_docs_list_every_row_of_the_table():
     table = [(f.name, ", ".join(f.routes), f.disposition, "null" if f.default is None else str(f.default).lower())
              for f in peers.PEER_FIELDS]  # fmt: skip
     assert [tuple(c.strip() for c in r) for r in rows] == table
+
+
+def test_n_probs_is_the_logprobs_count():
+    assert chat_request({"messages": MESSAGES, "n_probs": 3}, 64).inp.sampling.logprobs == 3
+    assert chat_request({"messages": MESSAGES, "n_probs": 3, "logprobs": True}, 64).inp.sampling.logprobs == 3
+    assert chat_request({"messages": MESSAGES, "n_probs": 3, "logprobs": True, "top_logprobs": 3},
+                        64).inp.sampling.logprobs == 3  # fmt: skip
+    assert completion_request({"prompt": "x", "n_probs": 2, "logprobs": 2}, 64).inp.sampling.logprobs == 2
+    refused(chat_request, {"messages": MESSAGES, "n_probs": 3, "logprobs": True, "top_logprobs": 1}, "n_probs",
+            "invalid_value")  # fmt: skip
+    refused(completion_request, {"prompt": "x", "n_probs": 2, "logprobs": 4}, "n_probs", "invalid_value")
+    refused(chat_request, {"messages": MESSAGES, "n_probs": -1}, "n_probs", "invalid_value")
+    assert chat_request({"messages": MESSAGES, "n_probs": 0}, 64).inp.sampling.logprobs is None
