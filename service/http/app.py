@@ -5,7 +5,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stre
 ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` (``service.http.responses``),
 ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (Anthropic's: ``service.http.anthropic``),
 ``/v1/conversations`` and its items (``service.http.conversations_api``),
-``GET /v1/models``, ``GET /health``. Each protocol is one module of routes over the
+``GET /v1/models``, ``GET /health``, and the discovery routes the routers in front of a
+fleet ask (``/server_info``, ``/model_info``: ``service.http.discovery``). Each protocol is one module of routes over the
 shared ``service.http.plumbing`` (``completions.py``: chat and text completions;
 ``responses.py``: the Responses API; ``anthropic.py``: Anthropic's Messages API); this module composes them into one Starlette app
 and serves the routes that run no turn. A turn runs through the same prologue as gRPC's
@@ -34,6 +35,7 @@ from . import openai as oa
 from .anthropic import MessagesRoutes
 from .completions import CompletionRoutes
 from .conversations_api import ConversationRoutes
+from .discovery import DiscoveryRoutes
 from .limits import HttpLimits, front_protocol
 from .plumbing import Plumbing
 from .responses import ResponsesRoutes
@@ -76,6 +78,8 @@ class HttpFront:
         self.conversation_routes = ConversationRoutes(self.plumbing)  # /v1/conversations (service.http.conversations_api)
         self.responses = ResponsesRoutes(self.plumbing, self.conversation_routes.turn)  # /v1/responses (service.http.responses)
         self.messages = MessagesRoutes(self.plumbing)  # Anthropic's /v1/messages (service.http.anthropic)
+        # sglang-router's worker discovery (service.http.discovery)
+        self.discovery = DiscoveryRoutes(self.plumbing, admission, lambda: conversations.model_info, model_id=model_id)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.completions.chat, methods=["POST"]),
@@ -90,6 +94,7 @@ class HttpFront:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                *self.discovery.routes(),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )

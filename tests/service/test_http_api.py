@@ -56,6 +56,28 @@ def test_models_lists_the_served_model(oai, model, server):
         oai.models.retrieve("no-such-model")
 
 
+def test_router_discovery_routes_name_the_served_model(model, server):
+    """What sglang-router asks a worker it registers (service/http/discovery.py): its model
+    id is served_model_name; the deprecated /get_* names answer the same."""
+    root = f"http://127.0.0.1:{server.running.http_port}"
+
+    def get(path: str) -> dict:
+        with urllib.request.urlopen(root + path, timeout=10) as r:
+            assert r.status == 200
+            return json.loads(r.read())
+
+    info = server.engine.model_info
+    server_info, model_info = get("/server_info"), get("/model_info")
+    assert server_info["served_model_name"] == model and "model_path" not in server_info
+    assert (server_info["dp_size"], server_info["page_size"]) == (1, info.block_size)
+    assert model_info["is_generation"] is True
+    assert (model_info["model_type"], model_info["architectures"]) == (info.model_type, [info.architecture])
+    assert get("/get_server_info") == server_info and get("/get_model_info") == model_info
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(root + "/server_info", method="POST"), timeout=10)
+    assert e.value.code == 405
+
+
 def test_chat_equals_grpc_streamed_or_not(oai, model, server):
     with KVServeClient(server.address, timeout=60) as g:
         ref = g.complete(messages=HELLO, max_new_tokens=12, ignore_eos=True, cache_salt="grpc-ref")

@@ -1,0 +1,83 @@
+"""The discovery routes the routers in front of a fleet ask a worker (docs/deploy.md,
+"Behind sglang-router and vllm-router"): translation of the served model's facts into
+SGLang's shapes, nothing more.
+
+``sglang-router`` (the SGLang Model Gateway) registers an HTTP worker by asking it
+``GET /server_info`` and ``GET /model_info`` (``/get_server_info`` and
+``/get_model_info``, the deprecated names, when those are 404) and names the worker's
+model from ``served_model_name`` (else ``model_path``; with neither it lists the model
+as ``unknown`` and routes every model name to every worker); it reads ``model_type`` and
+``architectures`` from the model info. Its health check is ``GET /health`` (served by
+``app.py``). ``vllm-router`` asks none of these: it passes ``/v1/models`` through.
+
+No ``model_path`` is given: the gateway would try to load a tokenizer from it, which an
+HTTP worker does not need (the worker tokenizes). Like ``/v1/models`` these answer a
+caller with a valid key (the router's ``--api-key`` is sent as ``Authorization: Bearer``)
+and are 503 while the server drains.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .. import wire
+from . import openai as oa
+
+if TYPE_CHECKING:
+    from ..admission import Admission
+    from ..types import ModelInfo
+    from .plumbing import Plumbing
+
+class DiscoveryRoutes:
+    """``/server_info``, ``/model_info`` and their ``/get_*`` aliases."""
+
+    def __init__(self, plumbing: Plumbing, admission: Admission, model_info: Callable[[], ModelInfo], *,
+                 model_id: str) -> None:  # fmt: skip
+        self.plumbing = plumbing
+        self.admission = admission
+        self.model_info = model_info
+        self.model_id = model_id
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(path, handler, methods=["GET"])
+            for path, handler in (("/server_info", self.server_info), ("/get_server_info", self.server_info),
+                                  ("/model_info", self.model_info_route), ("/get_model_info", self.model_info_route))
+        ]  # fmt: skip
+
+    async def _answer(self, request: Request, method: str, body: Callable[[ModelInfo], dict[str, Any]]) -> Response:
+        try:
+            self.admission.check_serving()
+            self.plumbing.tenant(request)
+        except Exception as exc:  # noqa: BLE001
+            err = oa.error_of(exc, wire.new_request_id())
+            self.plumbing.count(method, err)
+            return self.plumbing.error_response(err)
+        self.plumbing.count(method, 200)
+        return JSONResponse(body(self.model_info()))
+
+    async def server_info(self, request: Request) -> Response:
+        """SGLang's server info, the fields that hold for kvserve: the served name (the
+        gateway's model id), one engine (tp and dp 1), the context and the block size
+        (SGLang's ``page_size``)."""
+        return await self._answer(request, "server_info", lambda info: {
+            "served_model_name": self.model_id, "tp_size": 1, "dp_size": 1,
+            "context_length": info.context_length, "page_size": info.block_size,
+            "disaggregation_mode": "null", "engine": "kvserve",
+        })  # fmt: skip
+
+    async def model_info_route(self, request: Request) -> Response:
+        """SGLang's model info: a generation model, its Hugging Face ``model_type`` and
+        architecture, the served name."""
+        return await self._answer(request, "model_info", lambda info: {
+            "served_model_name": self.model_id, "is_generation": True, "model_type": info.model_type,
+            "architectures": [info.architecture], "max_context_length": info.context_length,
+            "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids),
+        })  # fmt: skip
+
+
+__all__ = ["DiscoveryRoutes"]
