@@ -1,0 +1,172 @@
+"""kvserve behind the routers people run in front of a fleet, as real processes on loopback:
+``sglang-router`` 0.3.2 and ``vllm-router`` (PyPI, the test extra) in front of three
+kvserve replicas (the packaged model, their HTTP front) sharing one real redis-server,
+driven by the official ``openai`` client as a stateless chat client (the whole history
+resent each turn).
+
+- sglang-router registers each replica through ``/server_info`` and ``/model_info``
+  (service/http/discovery.py) and lists the model by its real name; the fields it adds
+  to every request are accepted.
+- Without any session header, ``cache_aware`` (a prefix tree of what it sent where) sends
+  >= 90% of returning turns to the replica whose device pool holds their prefix; a
+  session-blind ``random`` policy lands near 1/3 (the same check failing).
+- With the routing key (sglang-router's ``manual`` policy on ``X-SMG-Routing-Key``;
+  vllm-router's ``consistent_hash`` on ``X-Session-Id``, which it also forwards, so the
+  replica runs the turn in that session) every returning turn is a device hit.
+- With a replica SIGKILLed between turns, every session's next turn completes through
+  the router, those of the killed replica from the blocks Redis holds, each reply equal
+  to the cold greedy reply to the same prompt.
+
+The figures (device-hit share, TTFT) come from each turn's usage
+(``prompt_tokens_details.kvserve_cached_by_tier``), not from timing assertions.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import urllib.request
+import uuid
+
+import openai
+import pytest
+
+from kvserve.clients import KVServeClient
+
+from tests.fixtures.routers import (
+    BLOCK_SIZE, MODEL, ChatRun, RouterProcess, chat_turn, run_chats, start_replicas, stop_replicas,
+)  # fmt: skip
+
+REPLICAS = 3
+SESSIONS = 9
+TURNS = 4
+
+pytestmark = pytest.mark.slow
+
+
+def _client(router: RouterProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _sessions(prefix: str) -> dict[str, list[dict[str, str]]]:
+    tag = uuid.uuid4().hex[:6]
+    return {f"{prefix}-{tag}-{i}": [] for i in range(SESSIONS)}
+
+
+def _prompt_tokens_served(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        m = re.search(r"^kvserve_prompt_tokens_total (\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server):
+    if not RouterProcess.installed("sglang"):
+        pytest.skip("sglang-router not installed (the test extra)")
+    with redis_server.client() as c:
+        c.flushall()
+    replicas = start_replicas(REPLICAS, redis_server.url)
+    try:
+        yield replicas
+    finally:
+        stop_replicas(replicas)
+
+
+def _print(rows: list[tuple[str, ChatRun]]) -> None:
+    print(f"\n{SESSIONS} sessions x {TURNS} turns, {REPLICAS} replicas, stateless chat (openai client)")
+    print("| router | returning turns | device hits | TTFT p50 | TTFT p99 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, run in rows:
+        print(f"| {name} | {len(run.returning())} | {run.device_share():.1%} | {run.ttft_ms(0.5):.1f} ms "
+              f"| {run.ttft_ms(0.99):.1f} ms |")  # fmt: skip
+
+
+def test_sglang_router_cache_aware_finds_the_prefix_without_a_header_and_survives_a_killed_replica(fleet):
+    workers = [r.url for r in fleet]
+    rows = []
+    router = RouterProcess("sglang", workers, "cache_aware")  # ready once /v1/models names MODEL
+    try:
+        assert router.models() == [MODEL]  # from /server_info's served_model_name, not "unknown"
+        with _client(router) as client:
+            histories = _sessions("ca")
+            aware = run_chats(client, histories, range(TURNS))
+            rows.append(("sglang-router cache_aware, no header", aware))
+            assert aware.device_share() >= 0.9, aware.device_share()
+
+            # One replica is killed between turns: the one that served the most.
+            victim = max(range(REPLICAS), key=lambda i: _prompt_tokens_served(fleet[i].metrics_port))
+            fleet[victim].proc.send_signal(signal.SIGKILL)
+            fleet[victim].proc.wait(timeout=10)
+            prompts_before = {t.session: t.prompt_tokens for t in aware.turns if t.index == TURNS - 1}
+            after = run_chats(client, histories, range(TURNS, TURNS + 1))  # no call fails
+    finally:
+        router.stop()
+    assert len(after.turns) == SESSIONS
+    for t in after.turns:  # every session continues from its cached prefix: device if it stayed, Redis if it moved
+        assert sum(t.cached_by_tier.values()) >= prompts_before[t.session] // BLOCK_SIZE * BLOCK_SIZE, t
+    moved = [t for t in after.turns if t.cached_by_tier.get("redis", 0) > 0]
+    assert moved  # the killed replica's sessions restored from Redis elsewhere
+    # Each reply is the cold greedy reply to the same prompt (a fresh cache salt shares no block).
+    survivor = next(r for i, r in enumerate(fleet) if i != victim)
+    with openai.OpenAI(base_url=survivor.url + "/v1", api_key="unused", max_retries=0, timeout=120) as direct:
+        for t in after.turns:
+            history = histories[t.session][:-1]
+            cold = direct.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True, "cache_salt": f"cold-{t.session}"})  # fmt: skip
+            assert cold.usage.prompt_tokens_details.cached_tokens == 0
+            assert cold.choices[0].message.content == t.text, t.session
+    _print(rows)
+
+
+@pytest.fixture(scope="module")
+def live_fleet(fleet):
+    """The fleet's replicas still running (the test above kills one)."""
+    return [r for r in fleet if r.proc.poll() is None]
+
+
+def test_sglang_router_random_is_the_session_blind_baseline(live_fleet):
+    router = RouterProcess("sglang", [r.url for r in live_fleet], "random")
+    try:
+        with _client(router) as client:
+            blind = run_chats(client, _sessions("rnd"), range(TURNS))
+    finally:
+        router.stop()
+    _print([(f"sglang-router random ({len(live_fleet)} replicas)", blind)])
+    # 1/N expected (27 returning turns): 0.75 is far above it and far below cache_aware's
+    assert blind.device_share() < 0.75, blind.device_share()
+
+
+def test_sglang_router_routing_key_keeps_each_session_on_one_replica(live_fleet):
+    router = RouterProcess("sglang", [r.url for r in live_fleet], "manual")
+    try:
+        with _client(router) as client:
+            keyed = run_chats(client, _sessions("key"), range(TURNS), headers=lambda sid: {"X-SMG-Routing-Key": sid})
+    finally:
+        router.stop()
+    _print([("sglang-router manual, X-SMG-Routing-Key", keyed)])
+    assert keyed.device_share() == 1.0, keyed.device_share()
+
+
+@pytest.mark.skipif(not RouterProcess.installed("vllm"), reason="vllm-router not installed (the test extra)")
+def test_vllm_router_consistent_hash_on_the_session_header_and_cache_aware_without(live_fleet):
+    workers = [r.url for r in live_fleet]
+    router = RouterProcess("vllm", workers, "consistent_hash")
+    try:
+        with _client(router) as client:
+            hashed = run_chats(client, _sessions("vh"), range(TURNS), headers=lambda sid: {"X-Session-Id": sid})
+            session = next(iter(_sessions("vs")))
+            history = [{"role": "user", "content": "hello"}]
+            chat_turn(client, session, 0, history, 4, {"X-Session-Id": session})
+    finally:
+        router.stop()
+    assert hashed.device_share() == 1.0, hashed.device_share()
+    with KVServeClient(f"127.0.0.1:{live_fleet[0].grpc_port}", timeout=30) as c:  # records are in Redis: any replica
+        assert c.get_session(session).turns == 1  # the header reached the replica: the turn ran in that session
+    router = RouterProcess("vllm", workers, "cache_aware")
+    try:
+        with _client(router) as client:
+            aware = run_chats(client, _sessions("vca"), range(TURNS))
+    finally:
+        router.stop()
+    _print([("vllm-router consistent_hash, X-Session-Id", hashed), ("vllm-router cache_aware, no header", aware)])
+    assert aware.device_share() >= 0.9, aware.device_share()
