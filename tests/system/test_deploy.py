@@ -268,8 +268,8 @@ def test_compose_kvserve_service_is_wired_to_the_image_settings_redis_and_probe(
     # Ports: published, exposed by the image.
     published = {int(p.split(":")[-1]) for p in svc["ports"]}
     exposed = {int(p.split("/")[0]) for args in dockerfile.all("EXPOSE") for p in args.split()}
-    assert {config.port, config.metrics_port} <= published
-    assert {config.port, config.metrics_port} <= exposed
+    assert {config.port, config.metrics_port, config.http_port} <= published
+    assert {config.port, config.metrics_port, config.http_port} <= exposed
 
     # `docker stop` sends SIGTERM, then SIGKILL after stop_grace_period: the drain must fit.
     assert compose_duration(svc["stop_grace_period"]) > config.drain_delay + config.drain_timeout
@@ -499,6 +499,7 @@ class ComposeServer:
             KVSERVE_REDIS_URL=urlunsplit(declared_url._replace(netloc=target.netloc)),
             KVSERVE_PORT=str(free_port()),
             KVSERVE_METRICS_PORT=str(free_port()),
+            KVSERVE_HTTP_PORT=str(free_port()),
         )
         if model_dir is not None:
             self.env_overrides["KVSERVE_MODEL"] = str(model_dir)

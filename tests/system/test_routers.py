@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import signal
+import tomllib
 import urllib.request
 import uuid
 
@@ -38,13 +39,32 @@ from kvserve.clients import KVServeClient
 from tests.fixtures.routers import (
     BLOCK_SIZE, MODEL, ChatRun, Replica, RouterProcess, chat_turn, run_chats, start_replicas, stop_replicas,
 )  # fmt: skip
-from tests.fixtures.serving import wait_until
+from tests.fixtures.serving import REPO, wait_until
+from tests.system.test_deploy import COMPOSE, compose_env, load_yaml
 
 REPLICAS = 3
 SESSIONS = 9
 TURNS = 4
 
-pytestmark = pytest.mark.slow
+
+
+def test_compose_router_profile_runs_the_tested_sglang_router_over_the_three_replicas_http_api():
+    services = load_yaml(COMPOSE)["services"]
+    gateway = services["sglang-router"]
+    assert gateway["profiles"] == ["router"]
+    assert all("router" in services[n]["profiles"] for n in ("kvserve-2", "kvserve-3"))  # started with it
+    script = " ".join(gateway["command"][2:])
+    pinned = re.search(r"pip install --no-cache-dir (sglang-router==\S+) &&", script)
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert pinned and pinned.group(1) in extra  # the version this file's tests run
+    argv = script.split("exec ", 1)[1].split()
+    http_port = compose_env(services["kvserve"])["KVSERVE_HTTP_PORT"]
+    workers = argv[argv.index("--worker-urls") + 1 : argv.index("--policy")]
+    assert workers == [f"http://{n}:{http_port}" for n in ("kvserve", "kvserve-2", "kvserve-3")]
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    published = {p.split(":")[1] for p in gateway["ports"]}
+    assert {argv[argv.index("--port") + 1], argv[argv.index("--prometheus-port") + 1]} == published
+    assert all(gateway["depends_on"][n]["condition"] == "service_healthy" for n in ("kvserve", "kvserve-2", "kvserve-3"))
 
 
 def _client(router: RouterProcess) -> openai.OpenAI:
@@ -96,6 +116,7 @@ def _print(rows: list[tuple[str, ChatRun]]) -> None:
               f"| {run.ttft_ms(0.99):.1f} ms |")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sglang_router_cache_aware_finds_the_prefix_without_a_header_and_survives_a_killed_replica(fleet):
     workers = [r.url for r in fleet]
     rows = []
@@ -137,6 +158,7 @@ def live_fleet(fleet, redis_server):
         stop_replicas(fresh)
 
 
+@pytest.mark.slow
 def test_sglang_router_random_is_the_session_blind_baseline(live_fleet):
     router = RouterProcess("sglang", [r.url for r in live_fleet], "random")
     try:
@@ -149,6 +171,7 @@ def test_sglang_router_random_is_the_session_blind_baseline(live_fleet):
     assert blind.device_share() < 0.75, blind.device_share()
 
 
+@pytest.mark.slow
 def test_sglang_router_routing_key_keeps_each_session_on_one_replica(live_fleet):
     router = RouterProcess("sglang", [r.url for r in live_fleet], "manual")
     try:
@@ -167,6 +190,7 @@ def _spilled(replica: Replica, sessions: list[str]) -> bool:
     return all(s.cached_blocks.get("redis", 0) == s.full_blocks > 0 for s in infos)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not RouterProcess.installed("vllm"), reason="vllm-router not installed (the test extra)")
 def test_vllm_router_hashes_the_session_header_and_a_killed_replicas_sessions_restore_from_redis(live_fleet):
     """vllm-router forwards X-Session-Id: each replica runs the turns in that session, whose

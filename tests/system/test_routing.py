@@ -245,7 +245,7 @@ def test_compose_replicas_profile_puts_haproxy_in_front_of_three_identical_repli
     base = services["kvserve"]
     for name in ("kvserve-2", "kvserve-3"):
         svc = services[name]
-        assert svc["profiles"] == ["replicas"] and "ports" not in svc  # reached through the proxy only
+        assert svc["profiles"] == ["replicas", "router"] and "ports" not in svc  # reached through a router only
         assert {k: v for k, v in svc.items() if k != "profiles"} == {k: v for k, v in base.items() if k != "ports"}
     proxy = services["haproxy"]
     assert proxy["profiles"] == ["replicas"] and proxy["image"].split(":") == ["haproxy", "2.6"]
