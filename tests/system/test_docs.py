@@ -58,6 +58,12 @@ EXTERNAL_FLAGS = {
         "--header",
     },
     "python -m dynamo.indexer": {"--port", "--workers", "--block-size"},  # docs/deploy.md: Dynamo's KV indexer
+    # docs/deploy.md: the routers tests/system/test_routers.py runs (their launch flags)
+    "sglang-router launch / vllm-router": {
+        "--worker-urls", "--policy", "--prometheus-port", "--cache-threshold", "--balance-abs-threshold",
+        "--balance-rel-threshold", "--assignment-mode", "--health-check-interval-secs", "--health-failure-threshold",
+        "--cb-failure-threshold", "--kv-event-source",
+    },
     "docker / docker compose": {
         "--build",
         "--build-arg",
