@@ -420,7 +420,7 @@ def test_k8s_deployment_probes_ports_and_grace_agree_with_the_configmap():
     (container,) = pod["containers"]
     assert {"configMapRef": {"name": "kvserve-config"}} in container["envFrom"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+    assert ports == {"grpc": config.port, "metrics": config.metrics_port, "http": config.http_port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == config.port, probe
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]

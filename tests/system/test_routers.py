@@ -41,6 +41,7 @@ from tests.fixtures.routers import (
 )  # fmt: skip
 from tests.fixtures.serving import REPO, wait_until
 from tests.system.test_deploy import COMPOSE, compose_env, load_yaml
+from tests.system.test_routing import HAPROXY_CFG, HAProxy, need_haproxy  # noqa: F401  (fixture)
 
 REPLICAS = 3
 SESSIONS = 9
@@ -221,3 +222,38 @@ def test_vllm_router_hashes_the_session_header_and_a_killed_replicas_sessions_re
         assert sum(t.cached_by_tier.values()) >= prompts_before[t.session] // BLOCK_SIZE * BLOCK_SIZE, t
     assert any(t.cached_by_tier["redis"] > 0 for t in after.turns)
     _assert_cold_replies(next(r for i, r in enumerate(live_fleet) if i != victim), histories, after)
+
+
+HTTP_LOG_LINE = re.compile(r" http (?P<backend>[\w-]+)/(?P<server>[\w-]+) (?P<status>-?\d+) \S+ session=(?P<session>\S*) ")
+
+
+@pytest.mark.slow
+def test_haproxy_hashes_http_requests_on_the_session_header_or_the_prompt_cache_key(live_fleet, need_haproxy):
+    """deploy/haproxy/haproxy.cfg as is, its HTTP frontend in front of the replicas' HTTP
+    API: X-Session-Id, else the JSON body's prompt_cache_key, picks the replica."""
+    proxy = HAProxy(HAPROXY_CFG, [f"127.0.0.1:{r.grpc_port}" for r in live_fleet], [r.metrics_port for r in live_fleet],
+                    http=[f"127.0.0.1:{r.http_port}" for r in live_fleet])  # fmt: skip
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=120) as client:  # fmt: skip
+            keyed_ids, headed_ids = _sessions("pck"), _sessions("hdr")
+            keyed = run_chats(client, keyed_ids, range(TURNS), body=lambda sid: {"prompt_cache_key": sid})
+            headed = run_chats(client, headed_ids, range(TURNS), headers=lambda sid: {"X-Session-Id": sid})
+            client.models.list()  # neither: the least-loaded replica
+        calls = SESSIONS * TURNS * 2 + 1
+        assert wait_until(lambda: sum(1 for l in proxy.lines if HTTP_LOG_LINE.search(l)) >= calls, timeout=10)
+        logged = [m.groupdict() for l in proxy.lines if (m := HTTP_LOG_LINE.search(l))]
+    finally:
+        proxy.stop()
+    _print([("haproxy, prompt_cache_key", keyed), ("haproxy, X-Session-Id", headed)])
+    assert keyed.device_share() == 1.0 and headed.device_share() == 1.0
+    servers: dict[str, set[str]] = {}
+    for call in logged:
+        assert call["status"] == "200", call
+        if call["session"] != "-":
+            assert call["backend"] == "http-sessions"
+            servers.setdefault(call["session"], set()).add(call["server"])
+    assert set(servers) == set(keyed_ids) | set(headed_ids)
+    assert all(len(s) == 1 for s in servers.values()), servers  # each key on one replica
+    assert len(set().union(*servers.values())) > 1  # the hash spreads keys over the replicas
+    assert [c["backend"] for c in logged if c["session"] == "-"] == ["http-any"]

@@ -65,10 +65,14 @@ class HAProxy:
     """``haproxy -db -f CFG`` with the replica addresses in its environment; its log
     lines (stdout) are kept."""
 
-    def __init__(self, cfg: Path, replicas: list[str], metrics_ports: list[int], up: int = REPLICAS) -> None:
-        self.port, self.stats_port = free_port(), free_port()
-        env = dict(subprocess_env(), GRPC_BIND=f"127.0.0.1:{self.port}", STATS_BIND=f"127.0.0.1:{self.stats_port}")
+    def __init__(self, cfg: Path, replicas: list[str], metrics_ports: list[int], up: int = REPLICAS,
+                 http: list[str] | None = None) -> None:  # fmt: skip
+        self.port, self.stats_port, self.http_port = free_port(), free_port(), free_port()
+        env = dict(subprocess_env(), GRPC_BIND=f"127.0.0.1:{self.port}", STATS_BIND=f"127.0.0.1:{self.stats_port}",
+                   HTTP_BIND=f"127.0.0.1:{self.http_port}")  # fmt: skip
         env.update({f"REPLICA_{i + 1}": r for i, r in enumerate(replicas)})
+        # the replicas' HTTP API (a gRPC-only test gives none: the HTTP backends then name the gRPC ports, unused)
+        env.update({f"REPLICA_{i + 1}_HTTP": r for i, r in enumerate(http or replicas)})
         env.update({f"REPLICA_{i + 1}_METRICS_PORT": str(p) for i, p in enumerate(metrics_ports)})
         self.proc = subprocess.Popen([haproxy_binary(), "-db", "-f", str(cfg)], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -254,10 +258,13 @@ def test_compose_replicas_profile_puts_haproxy_in_front_of_three_identical_repli
     env = compose_env(proxy)
     grpc_port = compose_env(base)["KVSERVE_PORT"]
     assert [env[f"REPLICA_{i}"] for i in (1, 2, 3)] == [f"{n}:{grpc_port}" for n in ("kvserve", "kvserve-2", "kvserve-3")]
+    http_port = compose_env(base)["KVSERVE_HTTP_PORT"]
+    assert [env[f"REPLICA_{i}_HTTP"] for i in (1, 2, 3)] == [f"{n}:{http_port}" for n in ("kvserve", "kvserve-2", "kvserve-3")]
     metrics_port = compose_env(base)["KVSERVE_METRICS_PORT"]
     assert [env[f"REPLICA_{i}_METRICS_PORT"] for i in (1, 2, 3)] == [metrics_port] * 3  # the readiness check
     published = {int(p.split(":")[0]): int(p.split(":")[1]) for p in proxy["ports"]}
     assert published[50050] == int(env["GRPC_BIND"].rsplit(":", 1)[1])
+    assert published[8080] == int(env["HTTP_BIND"].rsplit(":", 1)[1])
     assert all(proxy["depends_on"][n]["condition"] == "service_healthy" for n in ("kvserve", "kvserve-2", "kvserve-3"))
 
 
@@ -289,11 +296,16 @@ def test_k8s_router_finds_the_kvserve_pods_through_a_headless_service_and_mounts
     # The SRV records: one per ready kvserve pod, on the port named in the template.
     assert pods["spec"]["clusterIP"] == "None"
     assert pods["spec"]["selector"].items() <= pod_labels.items()
-    (port,) = pods["spec"]["ports"]
     container_ports = {p["name"]: p["containerPort"] for p in server["spec"]["template"]["spec"]["containers"][0]["ports"]}
-    assert port["targetPort"] in container_ports and port["port"] == container_ports[port["targetPort"]]
+    assert [p["name"] for p in pods["spec"]["ports"]] == ["grpc", "http"]  # gRPC and the HTTP API
+    for port in pods["spec"]["ports"]:
+        assert port["targetPort"] in container_ports and port["port"] == container_ports[port["targetPort"]]
     srv = re.findall(r"server-template \S+ \d+ (\S+) ", cfg)
-    assert srv and set(srv) == {f"_{port['name']}._tcp.kvserve-pods.default.svc.cluster.local"}
+    assert srv and set(srv) == {f"_{p['name']}._tcp.kvserve-pods.default.svc.cluster.local" for p in pods["spec"]["ports"]}
+    backends = {b.split()[0]: b for b in re.split(r"\n\s*backend ", cfg)[1:]}
+    assert set(backends) == {"sessions", "any", "http-sessions", "http-any"}
+    for name, block in backends.items():  # the HTTP backends reach the pods' HTTP port, the others gRPC
+        assert f" _{'http' if name.startswith('http-') else 'grpc'}._tcp." in block.split("frontend")[0], name
     # The router: its Service selects its pods only; the config is mounted where the image reads it.
     router = k8s_resource("Deployment", "kvserve-router")
     router_labels = router["spec"]["template"]["metadata"]["labels"]
