@@ -17,11 +17,12 @@ prompt came from the serving replica's device pool and nothing from Redis (the t
 ``usage.prompt_tokens_details.kvserve_cached_by_tier``); for an agent's first step, the
 share of its prompt found on the device (the shared system prompt, where the router sent
 the run to a replica that holds it). TTFT: to the first content chunk, returning turns only.
-The routers compared: sglang-router ``cache_aware`` (no header), ``manual`` with
-``X-SMG-Routing-Key`` = the session, ``random`` (the session-blind baseline), and
+The routers compared: deploy/haproxy/haproxy.cfg as is (its HTTP frontend; ``haproxy`` on
+PATH) hashing ``X-Session-Id``, the body's ``prompt_cache_key``, or neither (least
+connections); sglang-router ``cache_aware`` (no header), ``manual`` with
+``X-SMG-Routing-Key`` = the session, ``random`` (the session-blind baseline); and
 vllm-router ``consistent_hash`` with ``X-Session-Id`` (which it forwards: the replica
-runs the turn in that session). HAProxy is not among them: deploy/haproxy/haproxy.cfg
-routes gRPC only (its figures: docs/benchmarks.md#routing-hash).
+runs the turn in that session).
 
     python bench/bench_routers.py                 # both workloads, the defaults below
     python bench/bench_routers.py --sessions 8 --turns 4 --agents 8 --steps 3
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,12 +46,17 @@ from tests.fixtures.redis_server import start_redis_server  # noqa: E402
 from tests.fixtures.routers import (  # noqa: E402
     ChatRun, RouterProcess, chat_turn, run_chats, start_replicas, stop_replicas,
 )  # fmt: skip
+from tests.system.test_routing import HAPROXY_CFG, HAProxy, haproxy_binary  # noqa: E402
 
-ROUTERS = [  # (row name, kind, policy, header per session)
-    ("sglang-router cache_aware, no header", "sglang", "cache_aware", None),
-    ("sglang-router manual, X-SMG-Routing-Key", "sglang", "manual", lambda sid: {"X-SMG-Routing-Key": sid}),
-    ("sglang-router random (baseline)", "sglang", "random", None),
-    ("vllm-router consistent_hash, X-Session-Id", "vllm", "consistent_hash", lambda sid: {"X-Session-Id": sid}),
+KEY = lambda sid: {"X-Session-Id": sid}  # noqa: E731
+ROUTERS = [  # (row name, kind, policy, header per session, body fields per session)
+    ("HAProxy, X-Session-Id", "haproxy", "", KEY, None),
+    ("HAProxy, prompt_cache_key (no header)", "haproxy", "", None, lambda sid: {"prompt_cache_key": sid}),
+    ("HAProxy, no key (leastconn)", "haproxy", "", None, None),
+    ("sglang-router cache_aware, no header", "sglang", "cache_aware", None, None),
+    ("sglang-router manual, X-SMG-Routing-Key", "sglang", "manual", lambda sid: {"X-SMG-Routing-Key": sid}, None),
+    ("sglang-router random (baseline)", "sglang", "random", None, None),
+    ("vllm-router consistent_hash, X-Session-Id", "vllm", "consistent_hash", KEY, None),
 ]
 TOOLS = ("You are a careful agent. You may call these tools: search(query) finds documents, read(path) "
          "returns a file, write(path, text) stores a file, run(command) runs a shell command and returns "
@@ -61,7 +68,7 @@ def agent_prefix(tokens: int) -> str:
     return (TOOLS * (1 + int(tokens * 3.4) // len(TOOLS)))[: int(tokens * 3.4)]
 
 
-def run_agents(client: openai.OpenAI, prefix: str, agents: int, steps: int, headers) -> tuple[ChatRun, float]:
+def run_agents(client: openai.OpenAI, prefix: str, agents: int, steps: int, headers, body) -> tuple[ChatRun, float]:
     """``agents`` runs of ``steps`` steps over one system prompt; (the run, the share of
     the first steps' prompt tokens found on the serving replica's device: the shared
     prefix, when the router sent the run where it lives)."""
@@ -74,13 +81,28 @@ def run_agents(client: openai.OpenAI, prefix: str, agents: int, steps: int, head
         history = [{"role": "system", "content": prefix}]
         for k in range(steps):
             history.append({"role": "user", "content": f"Task {i}: step {k}. What next?" if k else f"Task {i}: {sid}"})
-            run.turns.append(chat_turn(client, sid, k, history, 8, headers(sid) if headers else None))
+            run.turns.append(chat_turn(client, sid, k, history, 8, headers(sid) if headers else None,
+                                       body(sid) if body else None))  # fmt: skip
 
     with ThreadPoolExecutor(6) as pool:
         for f in [pool.submit(one, i) for i in range(agents)]:
             f.result()
     firsts = [t for t in run.turns if t.index == 0]
     return run, sum(t.cached_by_tier.get("device", 0) for t in firsts) / sum(t.prompt_tokens for t in firsts)
+
+
+def start_router(kind: str, policy: str, replicas: list) -> tuple[str, Callable[[], None]] | None:
+    """(its OpenAI base URL, how to stop it), or None when it is not installed."""
+    if kind == "haproxy":
+        if haproxy_binary() is None:
+            return None
+        proxy = HAProxy(HAPROXY_CFG, [f"127.0.0.1:{r.grpc_port}" for r in replicas], [r.metrics_port for r in replicas],
+                        up=len(replicas), http=[f"127.0.0.1:{r.http_port}" for r in replicas])  # fmt: skip
+        return f"http://127.0.0.1:{proxy.http_port}/v1", proxy.stop
+    if not RouterProcess.installed(kind):
+        return None
+    router = RouterProcess(kind, [r.url for r in replicas], policy)
+    return router.base_url, router.stop
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,19 +120,20 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         prefix = agent_prefix(args.prefix_tokens)
-        for name, kind, policy, headers in ROUTERS:
-            if not RouterProcess.installed(kind):
-                print(f"{name}: {kind}-router not installed, skipped")
+        for name, kind, policy, headers, body in ROUTERS:
+            router = start_router(kind, policy, replicas)
+            if router is None:
+                print(f"{name}: {kind} not installed, skipped")
                 continue
-            router = RouterProcess(kind, [r.url for r in replicas], policy)
+            url, stop = router
             try:
-                with openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+                with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as client:
                     tag = uuid.uuid4().hex[:6]
                     chats = run_chats(client, {f"s-{tag}-{i}": [] for i in range(args.sessions)}, range(args.turns),
-                                      headers=headers)  # fmt: skip
-                    agents, first = run_agents(client, prefix, args.agents, args.steps, headers)
+                                      headers=headers, body=body)  # fmt: skip
+                    agents, first = run_agents(client, prefix, args.agents, args.steps, headers, body)
             finally:
-                router.stop()
+                stop()
             rows.append((name, chats, agents, first))
             print(f"done: {name}", flush=True)
     finally:
