@@ -21,8 +21,9 @@ The routers compared: deploy/haproxy/haproxy.cfg as is (its HTTP frontend; ``hap
 PATH) hashing ``X-Session-Id``, the body's ``prompt_cache_key``, or neither (least
 connections); sglang-router ``cache_aware`` (no header), ``manual`` with
 ``X-SMG-Routing-Key`` = the session, ``random`` (the session-blind baseline); and
-vllm-router ``consistent_hash`` with ``X-Session-Id`` (which it forwards: the replica
-runs the turn in that session).
+vllm-router ``cache_aware`` (by the token prefix each replica renders,
+``/v1/chat/completions/render``) and ``consistent_hash`` with ``X-Session-Id`` (which it
+forwards: the replica runs the turn in that session).
 
     python bench/bench_routers.py                 # both workloads, the defaults below
     python bench/bench_routers.py --sessions 8 --turns 4 --agents 8 --steps 3
@@ -56,6 +57,7 @@ ROUTERS = [  # (row name, kind, policy, header per session, body fields per sess
     ("sglang-router cache_aware, no header", "sglang", "cache_aware", None, None),
     ("sglang-router manual, X-SMG-Routing-Key", "sglang", "manual", lambda sid: {"X-SMG-Routing-Key": sid}, None),
     ("sglang-router random (baseline)", "sglang", "random", None, None),
+    ("vllm-router cache_aware, no header", "vllm", "cache_aware", None, None),
     ("vllm-router consistent_hash, X-Session-Id", "vllm", "consistent_hash", KEY, None),
 ]
 TOOLS = ("You are a careful agent. You may call these tools: search(query) finds documents, read(path) "

@@ -6,7 +6,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stre
 ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (Anthropic's: ``service.http.anthropic``),
 ``/v1/conversations`` and its items (``service.http.conversations_api``),
 ``GET /v1/models``, ``GET /health``, and the discovery routes the routers in front of a
-fleet ask (``/server_info``, ``/model_info``: ``service.http.discovery``). Each protocol is one module of routes over the
+fleet ask (``/server_info``, ``/model_info``, vLLM's ``/v1/chat/completions/render``:
+``service.http.discovery``). Each protocol is one module of routes over the
 shared ``service.http.plumbing`` (``completions.py``: chat and text completions;
 ``responses.py``: the Responses API; ``anthropic.py``: Anthropic's Messages API); this module composes them into one Starlette app
 and serves the routes that run no turn. A turn runs through the same prologue as gRPC's
@@ -79,7 +80,8 @@ class HttpFront:
         self.responses = ResponsesRoutes(self.plumbing, self.conversation_routes.turn)  # /v1/responses (service.http.responses)
         self.messages = MessagesRoutes(self.plumbing)  # Anthropic's /v1/messages (service.http.anthropic)
         # sglang-router's worker discovery (service.http.discovery)
-        self.discovery = DiscoveryRoutes(self.plumbing, admission, lambda: conversations.model_info, model_id=model_id)
+        self.discovery = DiscoveryRoutes(self.plumbing, admission, lambda: conversations.model_info, model_id=model_id,
+                                         default_max_new_tokens=default_max_new_tokens)  # fmt: skip
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.completions.chat, methods=["POST"]),

@@ -14,6 +14,14 @@ No ``model_path`` is given: the gateway would try to load a tokenizer from it, w
 HTTP worker does not need (the worker tokenizes). Like ``/v1/models`` these answer a
 caller with a valid key (the router's ``--api-key`` is sent as ``Authorization: Bearer``)
 and are 503 while the server drains.
+
+``vllm-router``'s ``cache_aware`` policy routes by token prefix: for each request it asks
+every worker ``POST /v1/chat/completions/render`` (``/v1/completions/render`` for a
+completion) with the request's body and reads vLLM's answer, ``{"request_id",
+"token_ids"}``, the prompt the worker would run. Without it the policy has no tokens and
+routes blind. The prompt is the turn's own (``Conversations.prepare``: every check a
+turn runs, then released unrun, as Anthropic's count_tokens), stateless (a session
+header is not applied: the render is the request's whole prompt).
 """
 
 from __future__ import annotations
@@ -33,11 +41,12 @@ if TYPE_CHECKING:
     from .plumbing import Plumbing
 
 class DiscoveryRoutes:
-    """``/server_info``, ``/model_info`` and their ``/get_*`` aliases."""
+    """``/server_info``, ``/model_info`` and their ``/get_*`` aliases; vLLM's render routes."""
 
     def __init__(self, plumbing: Plumbing, admission: Admission, model_info: Callable[[], ModelInfo], *,
-                 model_id: str) -> None:  # fmt: skip
+                 model_id: str, default_max_new_tokens: int) -> None:  # fmt: skip
         self.plumbing = plumbing
+        self.default_max_new_tokens = default_max_new_tokens
         self.admission = admission
         self.model_info = model_info
         self.model_id = model_id
@@ -47,6 +56,9 @@ class DiscoveryRoutes:
             Route(path, handler, methods=["GET"])
             for path, handler in (("/server_info", self.server_info), ("/get_server_info", self.server_info),
                                   ("/model_info", self.model_info_route), ("/get_model_info", self.model_info_route))
+        ] + [
+            Route("/v1/chat/completions/render", self.render_chat, methods=["POST"]),
+            Route("/v1/completions/render", self.render_completion, methods=["POST"]),
         ]  # fmt: skip
 
     async def _answer(self, request: Request, method: str, body: Callable[[ModelInfo], dict[str, Any]]) -> Response:
@@ -78,6 +90,34 @@ class DiscoveryRoutes:
             "architectures": [info.architecture], "max_context_length": info.context_length,
             "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids),
         })  # fmt: skip
+
+
+    async def render_chat(self, request: Request) -> Response:
+        return await self._render(request, chat=True)
+
+    async def render_completion(self, request: Request) -> Response:
+        return await self._render(request, chat=False)
+
+    async def _render(self, request: Request, *, chat: bool) -> Response:
+        """vLLM's render: the prompt's token ids as the turn would run them, nothing run."""
+        front, request_id = self.plumbing, wire.new_request_id()
+        method = "RenderChat" if chat else "RenderCompletion"
+        names = None
+        try:
+            self.admission.check_serving()
+            owner = front.tenant(request)
+            body = await front.body(request)
+            parsed = (oa.chat_request if chat else oa.completion_request)(body, self.default_max_new_tokens)
+            names = parsed.names
+            front.check_model(parsed.model)
+            prepared = await front.conversations.prepare(owner, parsed.inp, request_id)  # every check the turn runs
+            await front.conversations.release(prepared)
+        except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
+            err = front.error_of(exc, request_id, names)
+            front.count(method, err)
+            return front.error_response(err)
+        front.count(method, 200)
+        return JSONResponse({"request_id": request_id, "token_ids": list(prepared.prompt)})
 
 
 __all__ = ["DiscoveryRoutes"]

@@ -78,6 +78,34 @@ def test_router_discovery_routes_name_the_served_model(model, server):
     assert e.value.code == 405
 
 
+def test_render_gives_the_token_ids_the_turn_runs(oai, model, server):
+    """vLLM's render routes (what vllm-router's cache_aware asks every worker): the prompt's
+    token ids, equal to the prompt the same request runs; a bad request is refused as the
+    turn would be."""
+    root = f"http://127.0.0.1:{server.running.http_port}"
+
+    def post(path: str, body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(root + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, rendered = post("/v1/chat/completions/render", {"model": model, "messages": HELLO, "max_tokens": 4})
+    assert status == 200 and set(rendered) == {"request_id", "token_ids"}
+    oai.chat.completions.create(model=model, messages=HELLO, max_tokens=4, extra_headers={"X-Session-Id": "rendered"})
+    with KVServeClient(server.address, timeout=60) as g:
+        transcript = g.get_session("rendered", include_token_ids=True).token_ids
+        g.delete_session("rendered")  # the module's tenant may hold 3
+    assert rendered["token_ids"] == transcript[: len(rendered["token_ids"])] and len(transcript) == len(rendered["token_ids"]) + 4
+    status, text = post("/v1/completions/render", {"model": model, "prompt": [5, 6, 7], "max_tokens": 4})
+    assert status == 200 and text["token_ids"] == [5, 6, 7]
+    status, err = post("/v1/chat/completions/render", {"model": model, "messages": [], "max_tokens": 4})
+    assert status == 400 and err["error"]["param"] == "messages"
+
+
 def test_chat_equals_grpc_streamed_or_not(oai, model, server):
     with KVServeClient(server.address, timeout=60) as g:
         ref = g.complete(messages=HELLO, max_new_tokens=12, ignore_eos=True, cache_salt="grpc-ref")

@@ -193,6 +193,21 @@ def _spilled(replica: Replica, sessions: list[str]) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not RouterProcess.installed("vllm"), reason="vllm-router not installed (the test extra)")
+def test_vllm_router_cache_aware_routes_by_the_rendered_prompt_without_a_header(live_fleet):
+    """vllm-router's cache_aware asks each worker /v1/chat/completions/render for the
+    prompt's token ids (service/http/discovery.py) and routes by the longest token prefix."""
+    router = RouterProcess("vllm", [r.url for r in live_fleet], "cache_aware")
+    try:
+        with _client(router) as client:
+            aware = run_chats(client, _sessions("vca"), range(TURNS))
+    finally:
+        router.stop()
+    _print([("vllm-router cache_aware, no header", aware)])
+    assert aware.device_share() >= 0.9, aware.device_share()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RouterProcess.installed("vllm"), reason="vllm-router not installed (the test extra)")
 def test_vllm_router_hashes_the_session_header_and_a_killed_replicas_sessions_restore_from_redis(live_fleet):
     """vllm-router forwards X-Session-Id: each replica runs the turns in that session, whose
     blocks spill to Redis, so a killed replica's sessions continue elsewhere from Redis."""
