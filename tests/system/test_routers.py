@@ -6,10 +6,11 @@ resent each turn).
 
 - sglang-router registers each replica through ``/server_info`` and ``/model_info``
   (service/http/discovery.py) and lists the model by its real name; the fields it adds
-  to every request are accepted.
+  to every request are accepted. vllm-router's ``cache_aware`` renders each request on
+  every replica (``/v1/chat/completions/render``) and routes by token prefix.
 - Without any session header, ``cache_aware`` (a prefix tree of what it sent where) sends
-  >= 90% of returning turns to the replica whose device pool holds their prefix; a
-  session-blind ``random`` policy lands near 1/3 (the same check failing).
+  >= 90% of returning turns to the replica whose device pool holds their prefix, through
+  either router; a session-blind ``random`` policy lands near 1/3 (the same check failing).
 - With the routing key (sglang-router's ``manual`` policy on ``X-SMG-Routing-Key``;
   vllm-router's ``consistent_hash`` on ``X-Session-Id``, which it also forwards, so the
   replica runs the turn in that session) every returning turn is a device hit.
