@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         prefix = agent_prefix(args.prefix_tokens)
+        for r in replicas:  # warm each replica (first-call costs) before the first router's rows
+            with openai.OpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0, timeout=120) as direct:
+                run_chats(direct, {f"warm-{uuid.uuid4().hex[:6]}-{i}": [] for i in range(6)}, range(2))
         for name, kind, policy, headers, body in ROUTERS:
             router = start_router(kind, policy, replicas)
             if router is None:
