@@ -134,9 +134,14 @@ class Turns:
         return RunningTurn(start, events, ticket)
 
     async def prompt_tokens(self, owner: str, inp: TurnInput, request_id: str) -> int:
-        """The prompt's length as ``owner``'s turn would run it: every check the turn runs
-        (``Conversations.prepare``), then the prepared turn released unrun (the session as
-        it was). Anthropic's count_tokens."""
+        """The prompt's length as ``owner``'s turn would run it (``prompt``). Anthropic's
+        count_tokens."""
+        return len(await self.prompt(owner, inp, request_id))
+
+    async def prompt(self, owner: str, inp: TurnInput, request_id: str) -> list[int]:
+        """The prompt's token ids as ``owner``'s turn would run them: every check the turn
+        runs (``Conversations.prepare``), then the prepared turn released unrun (the
+        session as it was). vLLM's render routes."""
         prepared = await self.conversations.prepare(owner, inp, request_id)
         await self.conversations.release(prepared)
-        return len(prepared.prompt)
+        return list(prepared.prompt)

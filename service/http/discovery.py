@@ -19,8 +19,8 @@ and are 503 while the server drains.
 every worker ``POST /v1/chat/completions/render`` (``/v1/completions/render`` for a
 completion) with the request's body and reads vLLM's answer, ``{"request_id",
 "token_ids"}``, the prompt the worker would run. Without it the policy has no tokens and
-routes blind. The prompt is the turn's own (``Conversations.prepare``: every check a
-turn runs, then released unrun, as Anthropic's count_tokens), stateless (a session
+routes blind. The prompt is the turn's own (``Turns.prompt``: every check a turn runs,
+then released unrun, as Anthropic's count_tokens), stateless (a session
 header is not applied: the render is the request's whole prompt).
 """
 
@@ -104,20 +104,19 @@ class DiscoveryRoutes:
         method = "RenderChat" if chat else "RenderCompletion"
         names = None
         try:
-            self.admission.check_serving()
+            front.turns.check_serving()
             owner = front.tenant(request)
             body = await front.body(request)
             parsed = (oa.chat_request if chat else oa.completion_request)(body, self.default_max_new_tokens)
             names = parsed.names
             front.check_model(parsed.model)
-            prepared = await front.conversations.prepare(owner, parsed.inp, request_id)  # every check the turn runs
-            await front.conversations.release(prepared)
+            token_ids = await front.turns.prompt(owner, parsed.inp, request_id)  # every check the turn runs
         except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
             err = front.error_of(exc, request_id, names)
             front.count(method, err)
             return front.error_response(err)
         front.count(method, 200)
-        return JSONResponse({"request_id": request_id, "token_ids": list(prepared.prompt)})
+        return JSONResponse({"request_id": request_id, "token_ids": token_ids})
 
 
 __all__ = ["DiscoveryRoutes"]
