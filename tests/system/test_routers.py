@@ -98,8 +98,8 @@ def fleet(redis_server):
 
 
 def _assert_cold_replies(replica: Replica, histories: dict[str, list[dict[str, str]]], run: ChatRun) -> None:
-    """Each reply of ``run`` is the cold greedy reply to the same prompt on ``replica`` (a
-    fresh cache salt shares no block with anything)."""
+    """Each stateless reply of ``run`` is the cold greedy reply to the same messages on
+    ``replica`` (a fresh cache salt shares no block with anything)."""
     with openai.OpenAI(base_url=replica.url + "/v1", api_key="unused", max_retries=0, timeout=120) as direct:
         for t in run.turns:
             history = histories[t.session][: 2 * t.index + 1]  # the prompt of turn t.index
@@ -107,6 +107,19 @@ def _assert_cold_replies(replica: Replica, histories: dict[str, list[dict[str, s
                                                   extra_body={"ignore_eos": True, "cache_salt": f"cold-{t.session}"})  # fmt: skip
             assert cold.usage.prompt_tokens_details.cached_tokens == 0
             assert cold.choices[0].message.content == t.text, t.session
+
+
+def _assert_cold_session_replies(replica: Replica, run: ChatRun) -> None:
+    """Each session turn's reply of ``run`` is the cold greedy reply to the prompt the
+    session ran (its record's token ids: the earlier replies as generated, not as their
+    text re-tokenizes), computed on ``replica`` under a fresh cache salt."""
+    with KVServeClient(f"127.0.0.1:{replica.grpc_port}", timeout=120) as direct:
+        for t in run.turns:
+            transcript = direct.get_session(t.session, include_token_ids=True).token_ids
+            cold = direct.complete(token_ids=transcript[:-8], max_new_tokens=8, ignore_eos=True,
+                                   cache_salt=f"cold-{t.session}")  # fmt: skip
+            assert cold.start.cached_tokens == 0
+            assert cold.token_ids == transcript[-8:] and cold.text == t.text, t.session
 
 
 def _print(rows: list[tuple[str, ChatRun]]) -> None:
@@ -207,39 +220,6 @@ def test_vllm_router_cache_aware_routes_by_the_rendered_prompt_without_a_header(
     assert aware.device_share() >= 0.9, aware.device_share()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not RouterProcess.installed("vllm"), reason="vllm-router not installed (the test extra)")
-def test_vllm_router_hashes_the_session_header_and_a_killed_replicas_sessions_restore_from_redis(live_fleet):
-    """vllm-router forwards X-Session-Id: each replica runs the turns in that session, whose
-    blocks spill to Redis, so a killed replica's sessions continue elsewhere from Redis."""
-    router = RouterProcess("vllm", [r.url for r in live_fleet], "consistent_hash")
-    header = lambda sid: {"X-Session-Id": sid}  # noqa: E731
-    try:
-        with _client(router) as client:
-            histories = _sessions("vh")
-            served = [_prompt_tokens_served(r.metrics_port) for r in live_fleet]
-            hashed = run_chats(client, histories, range(TURNS), headers=header)
-            assert router.models() == [MODEL]  # passed through from a replica's /v1/models
-            assert hashed.device_share() == 1.0, hashed.device_share()
-            with KVServeClient(f"127.0.0.1:{live_fleet[0].grpc_port}", timeout=30) as c:  # records are in Redis
-                assert all(c.get_session(sid).turns == TURNS for sid in histories)  # the header reached the replica
-            assert wait_until(lambda: _spilled(live_fleet[0], list(histories)), timeout=30)
-
-            victim = max(range(REPLICAS), key=lambda i: _prompt_tokens_served(live_fleet[i].metrics_port) - served[i])
-            live_fleet[victim].proc.send_signal(signal.SIGKILL)
-            live_fleet[victim].proc.wait(timeout=10)
-            prompts_before = {t.session: t.prompt_tokens for t in hashed.turns if t.index == TURNS - 1}
-            after = run_chats(client, histories, range(TURNS, TURNS + 1), headers=header)  # no call fails
-    finally:
-        router.stop()
-    _print([("vllm-router consistent_hash, X-Session-Id", hashed)])
-    assert len(after.turns) == SESSIONS
-    for t in after.turns:  # every session continues from its blocks: on the device if it stayed, from Redis if it moved
-        assert sum(t.cached_by_tier.values()) >= prompts_before[t.session] // BLOCK_SIZE * BLOCK_SIZE, t
-    assert any(t.cached_by_tier["redis"] > 0 for t in after.turns)
-    _assert_cold_replies(next(r for i, r in enumerate(live_fleet) if i != victim), histories, after)
-
-
 HTTP_LOG_LINE = re.compile(r" http (?P<backend>[\w-]+)/(?P<server>[\w-]+) (?P<status>-?\d+) \S+ session=(?P<session>\S*) ")
 
 
@@ -273,3 +253,37 @@ def test_haproxy_hashes_http_requests_on_the_session_header_or_the_prompt_cache_
     assert all(len(s) == 1 for s in servers.values()), servers  # each key on one replica
     assert len(set().union(*servers.values())) > 1  # the hash spreads keys over the replicas
     assert [c["backend"] for c in logged if c["session"] == "-"] == ["http-any"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RouterProcess.installed("vllm"), reason="vllm-router not installed (the test extra)")
+def test_vllm_router_hashes_the_session_header_and_a_killed_replicas_sessions_restore_from_redis(live_fleet):
+    """vllm-router forwards X-Session-Id: each replica runs the turns in that session, whose
+    blocks spill to Redis, so a killed replica's sessions continue elsewhere from Redis.
+    (Last in this file: it kills one of the replicas the tests above share.)"""
+    router = RouterProcess("vllm", [r.url for r in live_fleet], "consistent_hash")
+    header = lambda sid: {"X-Session-Id": sid}  # noqa: E731
+    try:
+        with _client(router) as client:
+            histories = _sessions("vh")
+            served = [_prompt_tokens_served(r.metrics_port) for r in live_fleet]
+            hashed = run_chats(client, histories, range(TURNS), headers=header)
+            assert router.models() == [MODEL]  # passed through from a replica's /v1/models
+            assert hashed.device_share() == 1.0, hashed.device_share()
+            with KVServeClient(f"127.0.0.1:{live_fleet[0].grpc_port}", timeout=30) as c:  # records are in Redis
+                assert all(c.get_session(sid).turns == TURNS for sid in histories)  # the header reached the replica
+            assert wait_until(lambda: _spilled(live_fleet[0], list(histories)), timeout=30)
+
+            victim = max(range(REPLICAS), key=lambda i: _prompt_tokens_served(live_fleet[i].metrics_port) - served[i])
+            live_fleet[victim].proc.send_signal(signal.SIGKILL)
+            live_fleet[victim].proc.wait(timeout=10)
+            prompts_before = {t.session: t.prompt_tokens for t in hashed.turns if t.index == TURNS - 1}
+            after = run_chats(client, histories, range(TURNS, TURNS + 1), headers=header)  # no call fails
+    finally:
+        router.stop()
+    _print([("vllm-router consistent_hash, X-Session-Id", hashed)])
+    assert len(after.turns) == SESSIONS
+    for t in after.turns:  # every session continues from its blocks: on the device if it stayed, from Redis if it moved
+        assert sum(t.cached_by_tier.values()) >= prompts_before[t.session] // BLOCK_SIZE * BLOCK_SIZE, t
+    assert any(t.cached_by_tier["redis"] > 0 for t in after.turns)
+    _assert_cold_session_replies(next(r for i, r in enumerate(live_fleet) if i != victim), after)
