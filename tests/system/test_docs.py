@@ -62,7 +62,7 @@ EXTERNAL_FLAGS = {
     "sglang-router launch / vllm-router": {
         "--worker-urls", "--policy", "--prometheus-port", "--cache-threshold", "--balance-abs-threshold",
         "--balance-rel-threshold", "--assignment-mode", "--health-check-interval-secs", "--health-failure-threshold",
-        "--cb-failure-threshold", "--kv-event-source",
+        "--cb-failure-threshold", "--kv-event-source", "--api-key",
     },
     "docker / docker compose": {
         "--build",
