@@ -18,9 +18,9 @@ import pytest
 from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams
-from tests.fixtures.serving import ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
 
-VICTIM_TOKENS = 400  # long enough to be in flight while the bad requests come and go
+VICTIM_TOKENS = 400  # streams held running while the bad requests come and go
 SURROGATE = "\ud800"  # json.dumps writes it as the escape "\ud800", as a client's JSON would
 
 
@@ -286,27 +286,38 @@ class HttpVictim(threading.Thread):
 def test_bad_requests_beside_streams_in_flight_fail_alone(server, stub):
     """Two long streams (one per front) in flight; every bad request of this file comes and
     goes (400 / INVALID_ARGUMENT) while they run; both then finish with all their tokens
-    and no engine step ever failed."""
-    victims = [GrpcVictim(stub), HttpVictim(server)]
-    for v in victims:
-        v.start()
-    for v in victims:
-        assert v.started.wait(60)
-        assert v.error is None, v.error
+    and no engine step ever failed. The streams are held running (the engine's loop held
+    after their first step) while the bad requests come: a fast host could otherwise finish
+    them first, and a bad request that reached the engine would wait in its queue and go
+    into a step beside them once the hold ends."""
     engine = server.engine
-    assert engine.stats().running == 2
-    refused(server, "completions", completion(top_k=2**63))  # the request that used to kill the step
-    refused(server, "completions", completion(top_k=2**63, stream=True))
-    refused(server, "chat/completions", chat(top_k=2**63, temperature=1.0, n=2))
-    refused(server, "completions", completion(seed=2**70))
-    refused(server, "completions", completion(seed=-(2**64)))
-    refused(server, "completions", completion(cache_salt=SURROGATE))
-    refused(server, "completions", completion(prompt=SURROGATE))
-    refused(server, "chat/completions", chat(SURROGATE))
-    refused(server, "completions", completion(temperature=10**400))
-    err = raw_generate(server, with_surrogate_bytes(pb.GenerateRequest(text="hi", cache_salt="SLT"), "SLT"))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert engine.stats().running == 2, "a victim finished before the bad requests were all in: the test proved nothing"
+    victims = [GrpcVictim(stub), HttpVictim(server)]
+    with EngineHold(server):  # both wait in the queue, then start in one step
+        for v in victims:
+            v.start()
+        assert wait_until(lambda: engine.stats().waiting == 2)
+        running = EngineHold(server, when=lambda s: s.running == 2)
+    try:
+        for v in victims:
+            assert v.started.wait(60)
+            assert v.error is None, v.error
+        assert running.held.wait(60)  # both running, neither a token past its first step
+        refused(server, "completions", completion(top_k=2**63))  # the request that used to kill the step
+        refused(server, "completions", completion(top_k=2**63, stream=True))
+        refused(server, "chat/completions", chat(top_k=2**63, temperature=1.0, n=2))
+        refused(server, "completions", completion(seed=2**70))
+        refused(server, "completions", completion(seed=-(2**64)))
+        refused(server, "completions", completion(cache_salt=SURROGATE))
+        refused(server, "completions", completion(prompt=SURROGATE))
+        refused(server, "chat/completions", chat(SURROGATE))
+        refused(server, "completions", completion(temperature=10**400))
+        err = raw_generate(server, with_surrogate_bytes(pb.GenerateRequest(text="hi", cache_salt="SLT"), "SLT"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stats = engine.stats()
+        assert (stats.running, stats.waiting) == (2, 0)  # the victims still running; no bad request queued
+        assert victims[0].final is None and victims[1].finish is None
+    finally:
+        running.release()
     for v in victims:
         v.join(120)
         assert not v.is_alive() and v.error is None, v.error
