@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Callable
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
 from kvserve.service.types import Finished, GenerationRequest, SamplingParams
-from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, tiny_config, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -126,17 +127,67 @@ def test_cancelling_mid_stream_returns_free_blocks_to_baseline(server, client):
     assert client.complete(text="after cancel", max_new_tokens=4).end.completion_tokens == 4
 
 
+DEADLINE_S = 2.0  # past a request's arrival and first step on a loaded host; the stream is held longer
+
+
+async def _until(predicate: Callable[[], bool]) -> bool:
+    return await asyncio.to_thread(wait_until, predicate)
+
+
+async def _held_running(server: ServerThread, start: Callable[[], asyncio.Task]) -> tuple[asyncio.Task, EngineHold]:
+    """``start()`` a task that sends one stream; the stream is admitted and its sequence
+    then held running before its second step (its first token sent): it cannot end by
+    itself before the test lets it go. The task and the hold (released by the caller)."""
+    with EngineHold(server):  # admitted only once the next hold is in place
+        task = start()
+        assert await _until(lambda: server.engine.stats().waiting == 1)
+        running = EngineHold(server, when=lambda s: s.running == 1)
+    return task, running
+
+
+async def _the_engine_stops_it(server: ServerThread, running: EngineHold) -> None:
+    """The server has ended the stream (its abort is queued) while the engine still runs
+    its sequence; let go, the engine ends the sequence at its next step: the step the hold
+    was in runs on (it had taken its aborts before the hold), the abort takes effect before
+    the one after (a sequence left running would take hundreds of steps to its 480 tokens)."""
+
+    def seq_steps() -> int:  # sequence-steps that gave tokens, all sequences together
+        return sum(server.engine.stats().step_tokens)
+
+    try:
+        assert running.held.is_set()  # the sequence ran and is held
+        assert await _until(lambda: server.running.admission.inflight == 0)  # the server ended the call
+        assert server.engine.stats().running == 1  # the sequence is still in the engine, held
+        held_at = seq_steps()
+    finally:
+        running.release()
+    assert await _until(lambda: server.engine.stats().running == 0)
+    assert seq_steps() - held_at <= 1
+
+
 def test_deadline_and_async_task_cancellation_stop_the_engine(server):
+    """A stream's deadline, the cancellation of the task reading it and ``stream.cancel()``
+    each end the call and the engine stops the sequence. Each stream is held running
+    (``_held_running``) until the call has ended: the tiny model makes its 480 tokens in
+    tens of ms, so a stream could otherwise finish before its deadline or cancel."""
     baseline = _idle_baseline(server)
 
     async def scenario() -> None:
         async with AsyncKVServeClient(server.address) as c:
             # deadline: the call fails with DEADLINE_EXCEEDED and the engine stops the sequence
-            # (shorter than 480 tokens take even on a fast host: the tiny model makes ~5 a ms)
-            with pytest.raises(KVServeError) as err:
-                async for _ in c.generate(text="tell me everything", max_new_tokens=480, ignore_eos=True, timeout=0.03):
+            async def past_deadline() -> None:
+                async for _ in c.generate(text="tell me everything", max_new_tokens=480, ignore_eos=True,
+                                          timeout=DEADLINE_S):  # fmt: skip
                     pass
-            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            task, running = await _held_running(server, lambda: asyncio.create_task(past_deadline()))
+            try:
+                with pytest.raises(KVServeError) as err:
+                    await task
+                assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert running.held.is_set(), f"the deadline ({DEADLINE_S} s) passed before the sequence ran"
+            finally:
+                await _the_engine_stops_it(server, running)
 
             # task cancellation of an async stream
             got_token = asyncio.Event()
@@ -146,28 +197,33 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
                     if isinstance(ev, TextDelta) and ev.token_ids:
                         got_token.set()
 
-            task = asyncio.create_task(consume())
-            await asyncio.wait_for(got_token.wait(), 60)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            task, running = await _held_running(server, lambda: asyncio.create_task(consume()))
+            try:
+                await asyncio.wait_for(got_token.wait(), 60)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                await _the_engine_stops_it(server, running)
 
-            # stream.cancel() inside the loop ends the stream; the task carries on (the
-            # engine's loop held from the first text until the loop has ended: the tiny
-            # model's 480 tokens could otherwise all come before the cancel)
-            gate = threading.Event()
+            # stream.cancel() inside the loop ends the stream; the task carries on
             stream = c.generate(text="and then", max_new_tokens=480, ignore_eos=True)
             tokens = 0
-            try:
+
+            async def read() -> None:
+                nonlocal tokens
                 async for ev in stream:
                     if isinstance(ev, TextDelta) and ev.token_ids:
                         if not tokens:
-                            server.engine.engine.call_soon(lambda: gate.wait(30))
                             stream.cancel()
                         tokens += len(ev.token_ids)
+
+            task, running = await _held_running(server, lambda: asyncio.create_task(read()))
+            try:
+                await task  # no error: the stream ended, the task goes on
+                assert 1 <= tokens < 480
             finally:
-                gate.set()
-            assert 1 <= tokens < 480
+                await _the_engine_stops_it(server, running)
 
     asyncio.run(scenario())
     assert wait_until(lambda: server.engine.stats().running == 0)
