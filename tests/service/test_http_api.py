@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import urllib.error
 import urllib.request
 
@@ -21,7 +20,7 @@ from kvserve.service.auth import hash_key
 from kvserve.service.history import _turn_floor, match_history
 from kvserve.service.sessions.stores import copy_record
 from kvserve.service.types import ChatMessage
-from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
 
@@ -478,22 +477,30 @@ def test_session_regenerate_pattern_restores_the_earlier_turns(oai, model, serve
 
 
 def test_a_diverging_history_racing_a_turn_is_refused_and_rewinds_nothing(oai, model, server):
+    """The regenerate pattern (a history one turn short: a rewind) while the session's next
+    turn runs is 409 and rewinds nothing; the cancelled turn leaves the three turns. The
+    turn's sequence is held running from its first step (the engine's loop held,
+    ``EngineHold``) until the refusal is in: its 200 tokens take the tiny model some tens
+    of ms, so it could otherwise end first, and then the rewind is no race and is right."""
     msgs, _ = _three_turns(oai, model, "busy")
+    engine = server.engine
     with KVServeClient(server.address, timeout=60) as g:
         before = g.get_session("busy", include_token_ids=True)
-        stream = g.generate(session_id="busy", text=" more", max_new_tokens=200, ignore_eos=True)
-        events = iter(stream)
-        gate = threading.Event()  # the engine's loop held while the refused request runs (the tiny
-        # model's 200 tokens take some tens of ms: the turn could otherwise end first)
+        with EngineHold(server):  # the turn waits in the queue until the next hold is in place
+            stream = g.generate(session_id="busy", text=" more", max_new_tokens=200, ignore_eos=True)
+            assert wait_until(lambda: engine.stats().waiting == 1)
+            running = EngineHold(server, when=lambda s: s.running == 1)
         try:
+            events = iter(stream)
             assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
-            server.engine.engine.call_soon(lambda: gate.wait(30))
+            assert running.held.wait(60)  # the turn's sequence running, held before its second step
             with pytest.raises(openai.ConflictError) as e:  # the regenerate pattern needs a rewind: refused
                 _turn(oai, model, "busy", msgs[:-1])
             assert e.value.status_code == 409 and "in flight" in e.value.body["message"]
+            assert engine.stats().running == 1 and g.get_session("busy").busy  # the turn still ran
             stream.cancel()
         finally:
-            gate.set()
+            running.release()
         assert wait_until(lambda: not g.get_session("busy").busy, timeout=30)
         after = g.get_session("busy", include_token_ids=True)
         assert (after.turns, after.token_ids) == (3, before.token_ids)
