@@ -127,7 +127,7 @@ def test_cancelling_mid_stream_returns_free_blocks_to_baseline(server, client):
     assert client.complete(text="after cancel", max_new_tokens=4).end.completion_tokens == 4
 
 
-DEADLINE_S = 2.0  # past a request's arrival and first step on a loaded host; the stream is held longer
+DEADLINE_S = 2.0  # past a request's arrival on a loaded host (tens of ms); the stream is held longer
 
 
 async def _until(predicate: Callable[[], bool]) -> bool:
@@ -135,34 +135,36 @@ async def _until(predicate: Callable[[], bool]) -> bool:
 
 
 async def _held_running(server: ServerThread, start: Callable[[], asyncio.Task]) -> tuple[asyncio.Task, EngineHold]:
-    """``start()`` a task that sends one stream; the stream is admitted and its sequence
-    then held running before its second step (its first token sent): it cannot end by
-    itself before the test lets it go. The task and the hold (released by the caller)."""
+    """``start()`` a task that sends one stream; once its request waits in the engine's
+    queue it is admitted, and its sequence then held running before its second step (its
+    first token sent): it cannot end by itself before the test lets it go. The task and
+    the hold (the caller releases it)."""
     with EngineHold(server):  # admitted only once the next hold is in place
         task = start()
-        assert await _until(lambda: server.engine.stats().waiting == 1)
+        assert await _until(lambda: server.engine.stats().waiting == 1)  # the request reached the engine
         running = EngineHold(server, when=lambda s: s.running == 1)
     return task, running
 
 
-async def _the_engine_stops_it(server: ServerThread, running: EngineHold) -> None:
-    """The server has ended the stream (its abort is queued) while the engine still runs
-    its sequence; let go, the engine ends the sequence at its next step: the step the hold
-    was in runs on (it had taken its aborts before the hold), the abort takes effect before
-    the one after (a sequence left running would take hundreds of steps to its 480 tokens)."""
+def _seq_steps(server: ServerThread) -> int:
+    """Sequence-steps that gave tokens, all sequences together."""
+    return sum(server.engine.stats().step_tokens)
 
-    def seq_steps() -> int:  # sequence-steps that gave tokens, all sequences together
-        return sum(server.engine.stats().step_tokens)
 
-    try:
-        assert running.held.is_set()  # the sequence ran and is held
-        assert await _until(lambda: server.running.admission.inflight == 0)  # the server ended the call
-        assert server.engine.stats().running == 1  # the sequence is still in the engine, held
-        held_at = seq_steps()
-    finally:
-        running.release()
-    assert await _until(lambda: server.engine.stats().running == 0)
-    assert seq_steps() - held_at <= 1
+async def _ended_by_the_server(server: ServerThread) -> int:
+    """The client's call has ended: wait until the server has ended it too (it queued the
+    sequence's abort); the sequence-steps by then."""
+    assert await _until(lambda: server.running.admission.inflight == 0)
+    return _seq_steps(server)
+
+
+async def _stopped(server: ServerThread, ended_at: int) -> None:
+    """Let go after ``_ended_by_the_server``, the engine has run at most one more step of
+    the sequence (a step that had taken its aborts before that one came: the one a hold
+    holds) and has none of it left; a sequence left running would take hundreds of steps
+    to its 480 tokens."""
+    assert await _until(lambda: server.engine.stats().running == server.engine.stats().waiting == 0)
+    assert _seq_steps(server) - ended_at <= 1
 
 
 def test_deadline_and_async_task_cancellation_stop_the_engine(server):
@@ -174,7 +176,9 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
 
     async def scenario() -> None:
         async with AsyncKVServeClient(server.address) as c:
-            # deadline: the call fails with DEADLINE_EXCEEDED and the engine stops the sequence
+            # deadline: the call fails with DEADLINE_EXCEEDED (certain: the stream is held) and
+            # the engine stops the sequence (held running, or still queued where the deadline
+            # passed before the engine's next step)
             async def past_deadline() -> None:
                 async for _ in c.generate(text="tell me everything", max_new_tokens=480, ignore_eos=True,
                                           timeout=DEADLINE_S):  # fmt: skip
@@ -185,11 +189,12 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
                 with pytest.raises(KVServeError) as err:
                     await task
                 assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-                assert running.held.is_set(), f"the deadline ({DEADLINE_S} s) passed before the sequence ran"
+                ended_at = await _ended_by_the_server(server)
             finally:
-                await _the_engine_stops_it(server, running)
+                running.release()
+            await _stopped(server, ended_at)
 
-            # task cancellation of an async stream
+            # task cancellation of an async stream, its sequence held running
             got_token = asyncio.Event()
 
             async def consume() -> None:
@@ -203,8 +208,11 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
+                assert await asyncio.to_thread(running.held.wait, 60) and server.engine.stats().running == 1
+                ended_at = await _ended_by_the_server(server)
             finally:
-                await _the_engine_stops_it(server, running)
+                running.release()
+            await _stopped(server, ended_at)
 
             # stream.cancel() inside the loop ends the stream; the task carries on
             stream = c.generate(text="and then", max_new_tokens=480, ignore_eos=True)
@@ -222,8 +230,11 @@ def test_deadline_and_async_task_cancellation_stop_the_engine(server):
             try:
                 await task  # no error: the stream ended, the task goes on
                 assert 1 <= tokens < 480
+                assert await asyncio.to_thread(running.held.wait, 60) and server.engine.stats().running == 1
+                ended_at = await _ended_by_the_server(server)
             finally:
-                await _the_engine_stops_it(server, running)
+                running.release()
+            await _stopped(server, ended_at)
 
     asyncio.run(scenario())
     assert wait_until(lambda: server.engine.stats().running == 0)
