@@ -103,22 +103,26 @@ def test_two_concurrent_streams_both_progress_before_either_finishes(server, cli
 
 def test_cancelling_mid_stream_returns_free_blocks_to_baseline(server, client):
     baseline = _idle_baseline(server)
-    stream = client.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True)
-    # the engine's loop is held from the stream's first text until the cancel has reached the
-    # server (the tiny model makes its 400 tokens in ~30 ms: the end could otherwise come first)
-    gate = threading.Event()
+    engine = server.engine
+    # the sequence is held running from its first step until the cancel has reached the
+    # server (EngineHold: the tiny model makes its 400 tokens in ~30 ms, so a hold placed
+    # at the stream's first text could come after its end)
+    with EngineHold(server):  # admitted only once the next hold is in place
+        stream = client.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True)
+        assert wait_until(lambda: engine.stats().waiting == 1)
+        running = EngineHold(server, when=lambda s: s.running == 1)
     seen = 0
     try:
         for ev in stream:
             if isinstance(ev, TextDelta):
-                server.engine.engine.call_soon(lambda: gate.wait(30))
                 seen += len(ev.token_ids)
-                assert server.engine.stats().blocks_free < baseline  # the stream holds blocks
+                assert running.held.wait(60) and engine.stats().running == 1
+                assert engine.stats().blocks_free < baseline  # the stream holds blocks
                 stream.cancel()
                 break
         assert wait_until(lambda: server.running.admission.inflight == 0)  # the server saw the cancel
     finally:
-        gate.set()
+        running.release()
     assert 1 <= seen < 400
     assert wait_until(lambda: server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == baseline)
