@@ -24,6 +24,7 @@ from kvserve.cachestore.keys import block_hashes, make_namespace
 from kvserve.cachestore.tiered import DEFAULT_RESTORE_RATES, TieredStore
 from kvserve.common.dirlock import DiskCacheLocked
 from kvserve.common.tiers import Tier
+from tests.fixtures.dir_events import DirEvents
 
 SHAPE = (2, 2, 4, 2, 8)  # (L, 2, B, n_kv, hd)
 NS = make_namespace("weights-a", "float32", 4)
@@ -216,9 +217,13 @@ def _dir_bytes(root: Path) -> int:
 def test_the_size_bound_holds_before_a_write_lands(tmp_path: Path) -> None:
     """--disk-cache-size is never exceeded, not even for a moment: a write evicts what it
     displaces before its file is written (measured in the directory at every eviction,
-    when the displaced file is still there), and with four writers at once and a watcher
-    sampling the directory throughout, the bytes there never pass the capacity; writes
-    that find the capacity all taken by writes in flight are refused, not overrun."""
+    when the displaced file is still there), and with four writers at once the directory
+    never holds more than the capacity at any moment of its history (every file created,
+    renamed or removed under it, in the kernel's order: ``DirEvents``; a temporary counted
+    at its full size from its creation); writes that find the capacity all taken by writes
+    in flight are refused, not overrun. (A walk of the directory during the writes is no
+    measure of a moment: it reads one subdirectory after another and counted evicted
+    files beside the files that replaced them, up to twice the capacity.)"""
     import threading
 
     t = make_tier(tmp_path, blocks=3)
@@ -229,31 +234,31 @@ def test_the_size_bound_holds_before_a_write_lands(tmp_path: Path) -> None:
         seen.append(_dir_bytes(tmp_path))
     assert t.stats().evictions == 3 and max(seen) <= t.capacity_bytes == 3 * FILE, seen
 
-    done = threading.Event()
-    peak = [0]
-
-    def watch() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _dir_bytes(tmp_path))
-
+    demoted: list[BlockRef] = []
+    t.set_on_evict(lambda ref, block: demoted.append(ref))
+    subdirs = sorted({t.path(ref).parent for ref in REFS})
+    for d in subdirs:  # every block file's directory there (and watched) before the writes
+        d.mkdir(exist_ok=True)
     results: list[bool] = []
 
     def write(k: int) -> None:
         results.extend(t.put(REFS[i], value(i)) for i in range(6 + k, 38, 4))
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    writers = [threading.Thread(target=write, args=(k,)) for k in range(4)]
-    for w in writers:
-        w.start()
-    for w in writers:
-        w.join()
-    done.set()
-    watcher.join()
+    with DirEvents([tmp_path / "tmp", *subdirs]) as events:
+        assert events.counts() == [3]
+        writers = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+        for w in writers:
+            w.start()
+        for w in writers:
+            w.join()
+        held = events.counts()
     s = t.stats()
     assert len(results) == 32 and sum(results) >= 8 and s.blocks_held <= 3 and s.bytes_held <= t.capacity_bytes
-    assert max(seen) <= t.capacity_bytes and 0 < peak[0] <= t.capacity_bytes, (seen, peak)
-    assert _dir_bytes(tmp_path) == s.bytes_held
+    assert len(demoted) == s.evictions - 3 > 0
+    assert max(held) * FILE <= t.capacity_bytes, held
+    # the record is whole: a temporary created, moved out and moved in per write, a removal
+    # per eviction, and it ends where the directory is
+    assert len(held) == 1 + 3 * sum(results) + len(demoted) and held[-1] * FILE == _dir_bytes(tmp_path) == s.bytes_held
     t.close()
 
 
