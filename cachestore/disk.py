@@ -36,10 +36,13 @@ refresh a file's mtime, so the order survives a restart: at start the index is r
 from the files' mtimes, oldest first, and trimmed to the capacity). The bound holds at
 every moment, not only between writes: a write first reserves its file's bytes (the
 indexed files plus the writes in flight never exceed the capacity; a write that finds the
-capacity all reserved by writes in flight is refused), evicts the least recently used
-files the reservation displaces, and only then writes its temporary and renames it into
-place. A block the tier evicts is read back, verified, and handed to ``on_evict`` (the
-tiered store demotes it to the next tier, Redis) before its file is removed.
+capacity all reserved by writes and removals in flight is refused), evicts the least
+recently used files the reservation displaces, and only then writes its temporary and
+renames it into place; a file removed otherwise (``delete``, ``clear``, a file that failed
+verification) keeps its bytes reserved until it is unlinked, so no write takes its room
+while it is still there. A block the tier evicts is read back, verified, and handed to
+``on_evict`` (the tiered store demotes it to the next tier, Redis) before its file is
+removed.
 
 Retention (``cachestore.base``): a pinned file is never evicted (the LRU skips it; a
 write that only pinned files' room could take is refused) and its pin outlives the
@@ -137,7 +140,8 @@ class DiskTier(BlockTier):
         self._lock = threading.Lock()
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, oldest first
         self._bytes = 0  # of the files in the index
-        self._reserved = 0  # of the writes in flight (their temporaries, then their files)
+        self._reserved = 0  # of the writes in flight (their temporaries, then their files) and of the
+        # files on their way out (dropped from the index, not yet unlinked: ``_forget(going=True)``)
         self._seq = 0
         self._pins: dict[bytes, float] = {}  # retained block hash (all held) -> latest until
         self._entries: dict[tuple[bytes, str], float] = {}  # (hash, owner) -> until: the journal's live records
@@ -368,22 +372,37 @@ class DiskTier(BlockTier):
 
     def _drop_bad(self, ref: BlockRef, path: Path, st: os.stat_result, reason: str) -> None:
         """Remove a file that failed verification, unless a good one replaced it meanwhile."""
-        self._forget(bytes(ref.block_hash))
+        going = self._forget(bytes(ref.block_hash), going=True)
         try:
             now = os.stat(path)
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                 os.unlink(path)
         except OSError:
             pass
+        finally:
+            self._gone(going)
         log.warning("disk block %s failed verification (%s): removed; the next write stores it again", path, reason)
 
-    def _forget(self, digest: bytes) -> None:
+    def _forget(self, digest: bytes, *, going: bool = False) -> int:
+        """Drop ``digest`` from the index. ``going``: its file is still there, about to be
+        removed; its bytes stay reserved until ``_gone`` (returned: pass them there)."""
         with self._lock:
             size = self._lru.pop(digest, None)
-            if size is not None:
-                self._bytes -= size
-                self._removed([digest])
-                self._unpin(digest)
+            if size is None:
+                return 0
+            self._bytes -= size
+            self._removed([digest])
+            self._unpin(digest)
+            if not going:
+                return 0
+            self._reserved += size
+            return size
+
+    def _gone(self, size: int) -> None:
+        """The files of ``size`` reserved bytes on their way out are removed (or failed to be)."""
+        if size:
+            with self._lock:
+                self._reserved -= size
 
     def contains(self, ref: BlockRef) -> bool:
         with self._lock:
@@ -401,8 +420,8 @@ class DiskTier(BlockTier):
         first and the least recently used files beyond the capacity evicted (each demoted
         through ``on_evict``) before it is written, so the directory never holds more than
         the capacity; a pinned file is never one of them. False when the tier has no
-        capacity, the capacity is all reserved by writes in flight or pinned, or the
-        write failed."""
+        capacity, the capacity is all reserved by writes or removals in flight or pinned,
+        or the write failed."""
         if tuple(value.shape) != self.block_shape or value.dtype != self.dtype:
             raise ValueError(f"value must be {self.block_shape} {self.dtype}, got {tuple(value.shape)} {value.dtype}")
         digest = bytes(ref.block_hash)
@@ -522,15 +541,13 @@ class DiskTier(BlockTier):
     def delete(self, ref: BlockRef) -> bool:
         """Remove the block's file, pinned or not (the tiered store does not delete
         retained blocks)."""
-        digest = bytes(ref.block_hash)
-        with self._lock:
-            size = self._lru.pop(digest, None)
-            if size is None:
-                return False
-            self._bytes -= size
-            self._removed([digest])
-            self._unpin(digest)
-        _unlink(self.path(ref))
+        going = self._forget(bytes(ref.block_hash), going=True)
+        if not going:
+            return False
+        try:
+            _unlink(self.path(ref))
+        finally:
+            self._gone(going)  # its room another write may take only now
         return True
 
     def clear(self) -> None:
@@ -539,11 +556,15 @@ class DiskTier(BlockTier):
             digests = list(self._lru)
             self._removed(digests)
             self._lru.clear()
-            self._bytes = 0
+            going, self._bytes = self._bytes, 0
+            self._reserved += going  # the room is another write's once the files are gone
             self._pins.clear()
             self._entries.clear()
-        for d in digests:
-            _unlink(self._path_of(d))
+        try:
+            for d in digests:
+                _unlink(self._path_of(d))
+        finally:
+            self._gone(going)
         self._rewrite_journal()
 
     # ---- retention -----------------------------------------------------------------

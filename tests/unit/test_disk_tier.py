@@ -262,6 +262,54 @@ def test_the_size_bound_holds_before_a_write_lands(tmp_path: Path) -> None:
     t.close()
 
 
+@pytest.mark.parametrize("how", ["delete", "clear"])
+def test_a_removed_file_keeps_its_room_until_it_is_gone(tmp_path: Path, how: str) -> None:
+    """A block deleted (``delete``; every block: ``clear``) leaves the index before its
+    file is unlinked; until the unlink its bytes stay reserved, so a write meanwhile
+    evicts another file (delete) or is refused (clear: the capacity all on its way out)
+    rather than landing beside it. The removing thread is held at the unlink by a trace
+    function (as a debugger's breakpoint) while the write runs; nothing else moves, so a
+    walk of the directory then is a moment."""
+    import threading
+
+    from kvserve.cachestore import disk
+
+    t = make_tier(tmp_path, blocks=3)
+    for i in range(3):
+        assert t.put(REFS[i], value(i))
+    at_unlink, go = threading.Event(), threading.Event()
+
+    def hold(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is disk._unlink.__code__:
+            at_unlink.set()
+            go.wait(60)
+
+    def remove() -> None:
+        sys.settrace(hold)
+        try:
+            t.delete(REFS[0]) if how == "delete" else t.clear()
+        finally:
+            sys.settrace(None)
+
+    remover = threading.Thread(target=remove)
+    remover.start()
+    try:
+        assert at_unlink.wait(60), "the removal never reached its unlink"
+        assert t.path(REFS[0]).exists() and not t.contains(REFS[0])  # out of the index, the file still there
+        wrote = t.put(REFS[3], value(3))
+        assert _dir_bytes(tmp_path) <= t.capacity_bytes
+    finally:
+        go.set()
+        remover.join()
+    s = t.stats()
+    if how == "delete":
+        assert wrote and t.contains_many(REFS[:4]) == [False, False, True, True] and s.evictions == 1
+    else:
+        assert not wrote and len(t) == 0 and t.put(REFS[3], value(3)) and s.evictions == 0
+    assert _dir_bytes(tmp_path) == t.stats().bytes_held <= t.capacity_bytes
+    t.close()
+
+
 def test_eviction_hands_a_verified_copy_on(tmp_path: Path) -> None:
     t = make_tier(tmp_path, blocks=2)
     got: list[tuple[BlockRef, torch.Tensor]] = []
