@@ -63,7 +63,9 @@ overrun its bound.
 
 Thread safety: the index is under one lock; file reads and writes are outside it
 (a file being read stays readable after an eviction unlinks it; a rename replaces a
-name atomically).
+name atomically). A block whose file is on its way out (evicted, deleted) is not written
+again until the file is gone: the write is refused, as the removal would take its new
+file with it.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class DiskTier(BlockTier):
         self._bytes = 0  # of the files in the index
         self._reserved = 0  # of the writes in flight (their temporaries, then their files) and of the
         # files on their way out (dropped from the index, not yet unlinked: ``_forget(going=True)``)
+        self._going: set[bytes] = set()  # blocks whose files are on their way out (evicted, deleted):
+        # not written again until they are gone (the unlink would remove the new file)
         self._seq = 0
         self._pins: dict[bytes, float] = {}  # retained block hash (all held) -> latest until
         self._entries: dict[tuple[bytes, str], float] = {}  # (hash, owner) -> until: the journal's live records
@@ -380,12 +384,13 @@ class DiskTier(BlockTier):
         except OSError:
             pass
         finally:
-            self._gone(going)
+            self._gone([bytes(ref.block_hash)] if going else [], going)
         log.warning("disk block %s failed verification (%s): removed; the next write stores it again", path, reason)
 
     def _forget(self, digest: bytes, *, going: bool = False) -> int:
         """Drop ``digest`` from the index. ``going``: its file is still there, about to be
-        removed; its bytes stay reserved until ``_gone`` (returned: pass them there)."""
+        removed; its bytes stay reserved, and it is not written again, until ``_gone``
+        (the bytes returned: pass them there; 0 when it was not held)."""
         with self._lock:
             size = self._lru.pop(digest, None)
             if size is None:
@@ -396,13 +401,16 @@ class DiskTier(BlockTier):
             if not going:
                 return 0
             self._reserved += size
+            self._going.add(digest)
             return size
 
-    def _gone(self, size: int) -> None:
-        """The files of ``size`` reserved bytes on their way out are removed (or failed to be)."""
-        if size:
+    def _gone(self, digests: Sequence[bytes], size: int) -> None:
+        """The files of ``digests`` (``size`` reserved bytes) on their way out are removed
+        (or failed to be): their room and their names are free again."""
+        if digests or size:
             with self._lock:
                 self._reserved -= size
+                self._going.difference_update(digests)
 
     def contains(self, ref: BlockRef) -> bool:
         with self._lock:
@@ -432,6 +440,8 @@ class DiskTier(BlockTier):
                 self._lru.move_to_end(digest)
                 self._counters.add(put_skips=1)
                 return True
+            if digest in self._going:  # its old file is being removed: this one would go with it
+                return False
             if self._reserved + n + len(self._pins) * n > self.capacity_bytes:  # no room: all of it written or pinned
                 return False
             self._reserved += n
@@ -440,10 +450,14 @@ class DiskTier(BlockTier):
                 self._bytes -= size
                 victims.append(victim)
             self._removed(victims)
+            self._going.update(victims)
             self._seq += 1
             seq = self._seq
-        for victim in victims:  # their files gone before this one is written
-            self._evict(BlockRef(ref.namespace, victim))  # type: ignore[arg-type]
+        try:
+            for victim in victims:  # their files gone before this one is written
+                self._evict(BlockRef(ref.namespace, victim))  # type: ignore[arg-type]
+        finally:
+            self._gone(victims, 0)  # (their room is this write's reservation)
         t0 = time.perf_counter()
         path = self.path(ref)
         tmp = self._tmp_dir / f"{digest.hex()}.{os.getpid()}.{seq}.tmp"
@@ -541,13 +555,14 @@ class DiskTier(BlockTier):
     def delete(self, ref: BlockRef) -> bool:
         """Remove the block's file, pinned or not (the tiered store does not delete
         retained blocks)."""
-        going = self._forget(bytes(ref.block_hash), going=True)
+        digest = bytes(ref.block_hash)
+        going = self._forget(digest, going=True)
         if not going:
             return False
         try:
             _unlink(self.path(ref))
         finally:
-            self._gone(going)  # its room another write may take only now
+            self._gone([digest], going)  # its room (and name) another write may take only now
         return True
 
     def clear(self) -> None:
@@ -558,13 +573,14 @@ class DiskTier(BlockTier):
             self._lru.clear()
             going, self._bytes = self._bytes, 0
             self._reserved += going  # the room is another write's once the files are gone
+            self._going.update(digests)
             self._pins.clear()
             self._entries.clear()
         try:
             for d in digests:
                 _unlink(self._path_of(d))
         finally:
-            self._gone(going)
+            self._gone(digests, going)
         self._rewrite_journal()
 
     # ---- retention -----------------------------------------------------------------

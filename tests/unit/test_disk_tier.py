@@ -310,6 +310,35 @@ def test_a_removed_file_keeps_its_room_until_it_is_gone(tmp_path: Path, how: str
     t.close()
 
 
+def test_a_block_written_again_while_its_eviction_runs_is_not_lost(tmp_path: Path) -> None:
+    """Block 0 is evicted (its copy handed to ``on_evict``, its file removed after); a
+    write of block 0 from another thread while that runs is refused (False: not held),
+    as its file would go with the old one's removal and the index would hold a block with
+    no file; once the eviction is done the block is written again and read back."""
+    import threading
+
+    t = make_tier(tmp_path, blocks=2)
+    for i in range(2):
+        assert t.put(REFS[i], value(i))
+    again: list[bool] = []
+
+    def on_evict(ref: BlockRef, block: torch.Tensor) -> None:
+        if ref == REFS[0] and not again:  # (the write's own eviction, of block 1, passes through)
+            writer = threading.Thread(target=lambda: again.append(t.put(REFS[0], value(0))))
+            writer.start()
+            writer.join()
+
+    t.set_on_evict(on_evict)
+    assert t.put(REFS[2], value(2))  # evicts 0
+    assert again == [False] and not t.contains(REFS[0]) and not t.path(REFS[0]).exists()
+    assert t.contains_many(REFS[1:3]) == [True, True] and t.stats().evictions == 1
+    t.set_on_evict(None)
+    out = torch.empty(SHAPE)
+    assert t.put(REFS[0], value(0)) and t.get_into(REFS[0], out) and torch.equal(out, value(0))
+    assert _dir_bytes(tmp_path) == t.stats().bytes_held <= t.capacity_bytes
+    t.close()
+
+
 def test_eviction_hands_a_verified_copy_on(tmp_path: Path) -> None:
     t = make_tier(tmp_path, blocks=2)
     got: list[tuple[BlockRef, torch.Tensor]] = []
