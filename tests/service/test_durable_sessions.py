@@ -400,8 +400,8 @@ def test_without_a_journal_the_drain_waits_for_redis_to_answer(tiny_llama_dir, m
         rds._proc.send_signal(signal.SIGSTOP)
         try:
             _turns(srv.address, acked, ["tell me more"])
+            t0 = time.monotonic()  # before the timer starts: Redis resumes 2 s after t0 or later
             threading.Timer(2.0, rds._proc.send_signal, (signal.SIGCONT,)).start()
-            t0 = time.monotonic()
             srv.stop()
             assert time.monotonic() - t0 >= 1.9  # it waited for Redis
         finally:
