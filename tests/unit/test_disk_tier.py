@@ -202,7 +202,8 @@ def test_lru_by_size_and_the_order_survives_a_restart(tmp_path: Path) -> None:
 
 
 def _dir_bytes(root: Path) -> int:
-    """Bytes of the block files and temporaries under a tier's directory, as they are now."""
+    """Bytes of the block files and temporaries under a tier's directory: one subdirectory
+    after another, so a moment's only while nothing writes there (``DirEvents`` otherwise)."""
     total = 0
     for sub in ("blocks", "tmp"):
         for dirpath, _dirs, files in os.walk(root / sub):
