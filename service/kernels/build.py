@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent / "src"
-SOURCES = ("pool.cpp", "gemv.cpp", "gemm.cpp", "attention.cpp", "decode.cpp", "layer.cpp")
+SOURCES = ("pool.cpp", "gemv.cpp", "gemm.cpp", "qblocks.cpp", "attention.cpp", "decode.cpp", "layer.cpp")
 HEADERS = ("kvkernels.h", "pool.h", "reduce.h", "tile.h")
 FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno", "-ffp-contract=off", "-Wl,-Bsymbolic")
 # ISA levels, best first: (name, compiler flags, the /proc/cpuinfo flags the CPU needs).

@@ -35,8 +35,9 @@ STEP_ROWS = 2 * MAX_ROWS
 _H = header_binding()
 _C = _H.constants
 KvLinear, KvLayer, KvStep, KvModel = (_H.structs[n] for n in ("KvLinear", "KvLayer", "KvStep", "KvModel"))
-FORMATS = {"f32": _C["KV_F32"], "bf16": _C["KV_BF16"], "i8": _C["KV_I8"], "q8": _C["KV_Q8"]}
-_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i8": torch.int8, "q8": torch.int8}
+FORMATS = {"f32": _C["KV_F32"], "bf16": _C["KV_BF16"], "i8": _C["KV_I8"], "q8": _C["KV_Q8"], **ops.BLOCK_CODES}
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i8": torch.int8, "q8": torch.int8,
+           **{fmt: torch.uint8 for fmt in ops.BLOCK_FORMATS}}  # fmt: skip
 
 
 def _usable(t: Tensor | None, dtype: torch.dtype = torch.float32) -> bool:
@@ -46,31 +47,66 @@ def _usable(t: Tensor | None, dtype: torch.dtype = torch.float32) -> bool:
 @dataclass(frozen=True)
 class ProductWeights:
     """y = x W^T * scales + bias as the kernels read it. ``fmt``: "f32" (float32 W),
-    "bf16", "i8" (int8 W, float32 input) or "q8" (int8 W, the input quantized per block
-    of 32: w8a8; K % 32 == 0). ``scales`` (N,) float32 for the int8 formats."""
+    "bf16", "i8" (int8 W, float32 input), "q8" (int8 W, the input quantized per block
+    of 32: w8a8; K % 32 == 0), or one of ggml's block types (``ops.BLOCK_FORMATS``: W
+    (N, bytes per row) uint8, the rows as ggml stores them; the input quantized per block
+    as llama.cpp's dot products do), or "chain": the ``parts``' outputs side by side (a
+    product whose rows are stored in different formats, each part with its rows of the
+    bias). ``scales`` (N,) float32 for the int8 formats."""
 
-    w: Tensor  # (N, K)
+    w: Tensor | None  # (N, K); block types (N, bytes per row); chain: None
     scales: Tensor | None
     bias: Tensor | None
     fmt: str
+    parts: tuple[ProductWeights, ...] = ()
 
     @classmethod
     def of(cls, w: Tensor, scales: Tensor | None, bias: Tensor | None, fmt: str) -> ProductWeights | None:
         """The view, or None when the kernels cannot read these tensors (not CPU, not
-        contiguous, another dtype, a q8 K not a multiple of 32)."""
+        contiguous, another dtype, a q8 K not a multiple of 32, a block type's rows no
+        whole number of its blocks)."""
         int8 = fmt in ("i8", "q8")
         if fmt not in FORMATS or not _usable(w, _DTYPES[fmt]) or not _usable(bias) or w.dim() != 2:
             return None
         if int8 != (scales is not None) or not _usable(scales) or (fmt == "q8" and w.shape[1] % 32):
             return None
+        if fmt in ops.BLOCK_FORMATS:
+            try:
+                ops.block_row_values(fmt, w.shape[1])
+            except ValueError:
+                return None
         return cls(w, scales, bias, fmt)
+
+    @classmethod
+    def chain(cls, parts: list[ProductWeights]) -> ProductWeights | None:
+        """One product computing ``parts`` (each (N_i, K), any format) side by side: its
+        output their outputs concatenated. None where they differ in K or a part is a chain."""
+        if not parts or len({p.shape[1] for p in parts}) != 1 or any(p.fmt == "chain" for p in parts):
+            return None
+        return parts[0] if len(parts) == 1 else cls(None, None, None, "chain", tuple(parts))
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.parts:
+            return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+        if self.fmt in ops.BLOCK_FORMATS:
+            return (self.w.shape[0], ops.block_row_values(self.fmt, self.w.shape[1]))
         return tuple(self.w.shape)
 
     def struct(self) -> KvLinear:
-        N, K = self.w.shape
+        """The C struct (pointers into this view's tensors; a chain's parts linked through
+        ``next``, the structs after the first kept alive by this view)."""
+        if self.parts:
+            tail = self.__dict__.get("_tail")
+            if tail is None:  # built once: the pointers into it must outlive every copy of the head
+                tail = [p.struct() for p in self.parts[1:]]
+                for a, b in zip(tail, tail[1:]):
+                    a.next = ctypes.addressof(b)
+                object.__setattr__(self, "_tail", tail)
+            head = self.parts[0].struct()
+            head.next = ctypes.addressof(tail[0])
+            return head
+        N, K = self.shape
         return KvLinear(self.w.data_ptr(), None if self.scales is None else self.scales.data_ptr(),
                         None if self.bias is None else self.bias.data_ptr(), N, K, FORMATS[self.fmt])  # fmt: skip
 
@@ -79,14 +115,41 @@ def product(p: ProductWeights, x: Tensor, out: Tensor | None = None, accumulate:
     """x (..., K) float32, 1..MAX_ROWS rows, through the product: (..., N) float32."""
     if p.fmt == "q8":
         return ops.gemv_q8(x, p.w, p.scales, p.bias, out, accumulate)
+    if p.fmt in ops.BLOCK_FORMATS:
+        return ops.gemv_blocks(x, p.w, p.fmt, p.bias, out, accumulate)
+    if p.parts:
+        return _chain(p, x, out, accumulate)
     return ops.gemv(x, p.w, p.scales, p.bias, out, accumulate)
+
+
+def _chain(p: ProductWeights, x: Tensor, out: Tensor | None, accumulate: bool) -> Tensor:
+    """A chain's product in one native call (``kv_product``, as the decode step runs it)."""
+    N, K = p.shape
+    if x.shape[-1] != K or x.dtype != torch.float32:
+        raise ValueError(f"product: x has {x.shape[-1]} features, the weight expects {K} (float32)")
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        if accumulate:
+            raise ValueError("product: accumulate needs out")
+        out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.numel() != x2.shape[0] * N or not out.is_contiguous():
+        raise ValueError("product: out must be float32 contiguous with rows * N elements")
+    s = p.struct()
+    kernels.load().lib.kv_product(ctypes.byref(s), x2.data_ptr(), x2.shape[0], x2.stride(0), out.data_ptr(), N,
+                                  int(accumulate), torch.get_num_threads())  # fmt: skip
+    return out
 
 
 def product_gemm(p: ProductWeights, x: Tensor, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
     """x (..., K) float32, any number of rows (prefill), through the product of an f32,
-    bf16 or i8 weight (gemm.cpp; not q8: w8a8's prefill quantizes its input otherwise)."""
+    bf16 or i8 weight (gemm.cpp; not q8: w8a8's prefill quantizes its input otherwise), or
+    of ggml's blocks and chains of them (the same arithmetic as ``product``'s rows)."""
+    if p.fmt in ops.BLOCK_FORMATS or p.parts:
+        return product(p, x, out, accumulate)
     if p.fmt == "q8":
-        raise ValueError("product_gemm: f32, bf16 or i8 weights")
+        raise ValueError("product_gemm: f32, bf16, i8 or block-type weights")
     return ops.gemm(x, p.w, p.scales, p.bias, out, accumulate)
 
 

@@ -38,6 +38,9 @@ def block_row_bytes(fmt: str, K: int) -> int:
     return K // values * nbytes
 
 
+BLOCK_CODES = {fmt: _C[f"KV_{fmt.upper()}"] for fmt in BLOCK_FORMATS}  # kvkernels.h's KV_Q8_0..KV_Q6_K
+
+
 def block_row_values(fmt: str, row_bytes: int) -> int:
     """Values (K) in one stored row of ``row_bytes`` bytes in block format ``fmt``."""
     values, nbytes = BLOCK_FORMATS[fmt]
@@ -140,6 +143,42 @@ def gemv_q8(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = Non
         x2.data_ptr(), rows, x2.stride(0), K, weight.data_ptr(), N, scales.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), N, int(accumulate), torch.get_num_threads(),
         xq.data_ptr(), xs.data_ptr(),
+    )
+    return out
+
+
+def quantize_blocks(w: Tensor, fmt: str) -> Tensor:
+    """w (N, K) float32 -> (N, bytes per row) uint8 in block type ``fmt`` (``BLOCK_FORMATS``),
+    by ggml's reference quantizers (qblocks.cpp), rows in parallel. ValueError when K is no
+    whole number of the type's blocks."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block type {fmt!r}; one of {', '.join(BLOCK_FORMATS)}")
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+        raise ValueError("quantize_blocks: a float32 CPU (N, K) weight")
+    w = w.contiguous()
+    N, K = w.shape
+    out = torch.empty(N, block_row_bytes(fmt, K), dtype=torch.uint8)
+    if N:
+        _lib().kv_quantize_blocks(w.data_ptr(), N, K, BLOCK_CODES[fmt], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gemv_blocks(x: Tensor, weight: Tensor, fmt: str, bias: Tensor | None = None, out: Tensor | None = None,
+                accumulate: bool = False) -> Tensor:
+    """x (..., K) float32, any number of rows, @ the weight stored in block type ``fmt``
+    (``weight`` (N, bytes per row) uint8, ggml's blocks) .T + bias -> (..., N) float32: the
+    input quantized per block as llama.cpp's dot products do and the products in integers
+    (qblocks.cpp); a row's result does not depend on the other rows."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block type {fmt!r}; one of {', '.join(BLOCK_FORMATS)}")
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError("gemv_blocks: the weight is (N, bytes per row) uint8, contiguous")
+    N, K = weight.shape[0], block_row_values(fmt, weight.shape[1])
+    x2, out = _check(x, torch.empty(N, K, dtype=torch.uint8, device="meta"), None, bias, out, accumulate,
+                     max_rows=None, name="gemv_blocks")  # fmt: skip
+    _lib().kv_gemv_blocks(
+        x2.data_ptr(), x2.shape[0], x2.stride(0), K, weight.data_ptr(), N, BLOCK_CODES[fmt],
+        None if bias is None else bias.data_ptr(), out.data_ptr(), N, int(accumulate), torch.get_num_threads(),
     )
     return out
 

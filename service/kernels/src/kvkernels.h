@@ -14,6 +14,14 @@
 #define KV_BF16 1
 #define KV_I8 2
 #define KV_Q8 3
+// ggml's block types (qblocks.cpp): each row K / 32 or K / 256 blocks as ggml stores them, the
+// input quantized per block as llama.cpp's dot products do
+#define KV_Q8_0 5
+#define KV_Q4_0 6
+#define KV_Q4_1 7
+#define KV_Q5_0 8
+#define KV_Q4_K 9
+#define KV_Q6_K 10
 // KvStep.kv_fmt and kv_decode_attention's kv_fmt: the KV pool's element type (KV_F32, KV_BF16 or KV_F16;
 // KV_I8: int8 with per-(block, layer, K|V, row, kv head) float32 scales in each block, decode.cpp)
 #define KV_F16 4
@@ -28,12 +36,13 @@ extern "C" {
 
 // One product's weight in its stored format (layer.py's ProductWeights).
 struct KvLinear {
-  const void* w;         // (N, K) row-major: float32 | bf16 | int8
+  const void* w;         // (N, K) row-major: float32 | bf16 | int8; block types: N rows of ggml's blocks
   const float* scales;   // (N,) int8 formats only, else null
   const float* bias;     // (N,) or null
   int64_t N;
   int64_t K;
-  int64_t fmt;           // KV_F32, KV_BF16, KV_I8 (float32 input), KV_Q8 (input quantized per 32: w8a8)
+  int64_t fmt;           // KV_F32, KV_BF16, KV_I8 (float32 input), KV_Q8 (input quantized per 32: w8a8), KV_Q8_0..KV_Q6_K
+  const KvLinear* next;  // null, or the product's next rows (outputs N.. on), in their own format: a mixed product
 };
 
 // One decoder layer (layer.py's LayerWeights): the pre-norm block of every paged-attention family.
@@ -111,6 +120,20 @@ void kv_gemv_i8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8
 // x quantized per block of 32 into xq (rows, K) int8 and xs (rows, K/32), then integer products; K % 32 == 0.
 void kv_gemv_q8(const float* x, int64_t rows, int64_t ldx, int64_t K, const int8_t* W, int64_t N, const float* scales,
                 const float* bias, float* y, int64_t ldy, int accumulate, int nthreads, int8_t* xq, float* xs);
+
+// ggml's block types (qblocks.cpp), any number of rows: y (rows, N) = x (rows, K) W^T + bias (y += ...
+// when accumulate), W (N, K / values per block * bytes per block) in format fmt (KV_Q8_0..KV_Q6_K),
+// the input quantized per block (Q8_0 for the 32-value types, Q8_K for Q4_K and Q6_K) and the
+// products in integers; a row's result does not depend on the other rows. K a whole number of blocks.
+void kv_gemv_blocks(const float* x, int64_t rows, int64_t ldx, int64_t K, const uint8_t* W, int64_t N, int64_t fmt,
+                    const float* bias, float* y, int64_t ldy, int accumulate, int nthreads);
+// ggml's reference quantizers (quantize_row_*_ref): x (rows, K) -> out (rows, K / values * bytes) in
+// format fmt (KV_Q8_0..KV_Q6_K), rows in parallel; returns 0, or -1 for a format or K that does not fit.
+int64_t kv_quantize_blocks(const float* x, int64_t rows, int64_t K, int64_t fmt, uint8_t* out, int nthreads);
+// One product of any format (a KvLinear and the ones chained after it, side by side in y's columns),
+// as the decode step runs it (layer.cpp): y (rows, all N) at row stride ldy.
+void kv_product(const KvLinear* l, const float* x, int64_t rows, int64_t ldx, float* y, int64_t ldy, int accumulate,
+                int nthreads);
 
 // Prefill-sized products (gemm.cpp), any number of rows: y (rows, N) = x (rows, K) W^T * scales + bias
 // (y += ... when accumulate), the weight widened to float32 in cache-sized panels once per call

@@ -28,17 +28,15 @@ namespace {
 thread_local std::vector<int8_t> xq_buf;
 thread_local std::vector<float> xs_buf;
 
+// the product's total outputs (a mixed product: its parts')
+int64_t outputs(const KvLinear& l) {
+  int64_t n = 0;
+  for (const KvLinear* p = &l; p; p = p->next) n += p->N;
+  return n;
+}
+
 void linear(const KvLinear& l, const float* x, int64_t rows, float* y, int accumulate, int nt) {
-  switch (l.fmt) {
-    case KV_F32: kv_gemv_f32(x, rows, l.K, l.K, (const float*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
-    case KV_BF16: kv_gemv_bf16(x, rows, l.K, l.K, (const uint16_t*)l.w, l.N, nullptr, l.bias, y, l.N, accumulate, nt); break;
-    case KV_I8: kv_gemv_i8(x, rows, l.K, l.K, (const int8_t*)l.w, l.N, l.scales, l.bias, y, l.N, accumulate, nt); break;
-    default:  // KV_Q8
-      xq_buf.resize(rows * l.K);
-      xs_buf.resize(rows * (l.K / 32));
-      kv_gemv_q8(x, rows, l.K, l.K, (const int8_t*)l.w, l.N, l.scales, l.bias, y, l.N, accumulate, nt,
-                 xq_buf.data(), xs_buf.data());
-  }
+  kv_product(&l, x, rows, l.K, y, outputs(l), accumulate, nt);
 }
 
 // x += post_norm(lin(in)), or x += lin(in) added inside the product when there is no
@@ -56,11 +54,30 @@ void residual_add(const KvLayer& l, const KvLinear& lin, const float* post_norm,
 
 }  // namespace
 
+extern "C" void kv_product(const KvLinear* l, const float* x, int64_t rows, int64_t ldx, float* y, int64_t ldy,
+                           int accumulate, int nt) {
+  for (; l; y += l->N, l = l->next) {
+    switch (l->fmt) {
+      case KV_F32: kv_gemv_f32(x, rows, ldx, l->K, (const float*)l->w, l->N, nullptr, l->bias, y, ldy, accumulate, nt); break;
+      case KV_BF16: kv_gemv_bf16(x, rows, ldx, l->K, (const uint16_t*)l->w, l->N, nullptr, l->bias, y, ldy, accumulate, nt); break;
+      case KV_I8: kv_gemv_i8(x, rows, ldx, l->K, (const int8_t*)l->w, l->N, l->scales, l->bias, y, ldy, accumulate, nt); break;
+      case KV_Q8:
+        xq_buf.resize(rows * l->K);
+        xs_buf.resize(rows * (l->K / 32));
+        kv_gemv_q8(x, rows, ldx, l->K, (const int8_t*)l->w, l->N, l->scales, l->bias, y, ldy, accumulate, nt,
+                   xq_buf.data(), xs_buf.data());
+        break;
+      default:  // ggml's block types
+        kv_gemv_blocks(x, rows, ldx, l->K, (const uint8_t*)l->w, l->N, l->fmt, l->bias, y, ldy, accumulate, nt);
+    }
+  }
+}
+
 extern "C" void kv_decode_layer(const KvLayer* l, float* x, const KvStep* s, const float* cos, const float* sin,
                                 int64_t rot) {
   thread_local std::vector<float> h, qkv, att, tmp, gu, m;
   const int64_t B = s->B, D = s->D, nt = s->nthreads;
-  const int64_t nq = l->qkv.N, I = l->gate_up.N / 2, hd = l->hd;
+  const int64_t nq = outputs(l->qkv), I = outputs(l->gate_up) / 2, hd = l->hd;
   h.resize(B * D);
   qkv.resize(B * nq);
   att.resize(B * l->nh * hd);
