@@ -375,7 +375,7 @@ void quantize_q6_k(const float* x, uint8_t* y) {
 struct Act {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> bsums;
+  std::vector<int16_t> bsums;
 };
 
 // The Q8_0 quantization of gemv.cpp's w8a8 (amax / 127, round half to even), with s.
@@ -407,7 +407,7 @@ void quantize_act32(const float* x, int64_t K, int8_t* q, float* d, float* s) {
 
 // ggml's quantize_row_q8_K_ref: per 256 values, iscale = -127 / (the signed max), q =
 // nearest(iscale * x) capped at 127, d = 1 / iscale; bsums per 16.
-void quantize_act256(const float* x, int64_t K, int8_t* q, float* d, int32_t* bsums) {
+void quantize_act256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
   for (int64_t b = 0; b < K / QK_K; b++) {
     const float* src = x + b * QK_K;
     int8_t* qb = q + b * QK_K;
@@ -426,7 +426,7 @@ void quantize_act256(const float* x, int64_t K, int8_t* q, float* d, int32_t* bs
     for (int j = 0; j < QK_K / 16; j++) {
       int sum = 0;
       for (int i = 0; i < 16; i++) sum += qb[16 * j + i];
-      bsums[b * 16 + j] = sum;
+      bsums[b * 16 + j] = (int16_t)sum;  // |sum| <= 16 * 128
     }
     d[b] = 1 / iscale;
   }
@@ -459,127 +459,149 @@ inline __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes, 0xFF where th
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-// acc += (the block's integer dot) * d_w * d_x; m += the block's float term outside it (Q4_1's
-// min, Q4_K's mins). x: this row's quantized input at the block.
-template <int F>
-inline void block_dot(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs, const int32_t* bsums,
-                      __m256& acc, float& m) {
-  if constexpr (F == KV_Q8_0 || F == KV_Q4_0 || F == KV_Q5_0 || F == KV_Q4_1) {
-    const __m256i x = _mm256_loadu_si256((const __m256i*)xq);
-    __m256i p;
-    if constexpr (F == KV_Q8_0) {
-      p = dot_s8s8(_mm256_loadu_si256((const __m256i*)(w + 2)), x);
-    } else if constexpr (F == KV_Q4_0) {
-      p = dot_s8s8(_mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)), x);
-    } else if constexpr (F == KV_Q5_0) {  // (q | fifth bit << 4) - 16: 0xF0 or'ed in where the bit is clear
-      const __m256i hi = _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xF0));
-      p = dot_s8s8(_mm256_or_si256(nibbles32(w + 6), hi), x);
-    } else {  // Q4_1: unsigned values 0..15
-      p = dot_u8s8(nibbles32(w + 4), x);
-      m += f16(w + 2) * xs[0];
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xd[0]), acc);
-  } else if constexpr (F == KV_Q4_K) {
-    const uint8_t* sc = w + 4;
-    const uint8_t* q = w + 16;
-    __m256i sumi = _mm256_setzero_si256();
-    int summ = 0;
-    for (int j = 0; j < 4; j++) {  // 64 values: sub-block 2j in the low nibbles, 2j + 1 in the high
-      uint8_t s0, m0, s1, m1;
-      get_scale_min_k4(2 * j, sc, &s0, &m0);
-      get_scale_min_k4(2 * j + 1, sc, &s1, &m1);
-      const __m256i b = _mm256_loadu_si256((const __m256i*)(q + 32 * j));
-      const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F));
-      const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(xq + 64 * j)));
-      const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 64 * j + 32)));
-      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p0, _mm256_set1_epi16(s0)));
-      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p1, _mm256_set1_epi16(s1)));
-      summ += m0 * (bsums[4 * j] + bsums[4 * j + 1]) + m1 * (bsums[4 * j + 2] + bsums[4 * j + 3]);
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(f16(w) * xd[0]), acc);
-    m -= f16(w + 2) * xd[0] * (float)summ;
-  } else {  // KV_Q6_K: values 0..63 less 32, an int8 scale per 16
-    const uint8_t *ql = w, *qh = w + 128;
-    const int8_t* sc = (const int8_t*)(w + 192);
-    __m256i sumi = _mm256_setzero_si256();
-    int off = 0;  // 32 * sum(scale * x) over the block, taken off in integers
-    for (int j = 0; j < 16; j++) off += sc[j] * bsums[j];
-    for (int h = 0; h < 2; h++) {  // 128 values: 4 runs of 32 from ql[64h..], qh[32h..]
-      const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
-      const __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
-      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2)),
-          _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2)),
-      };
-      for (int t = 0; t < 4; t++) {
-        const int r = 4 * h + t;  // the run: values 32r..32r+31, scales 2r and 2r + 1
-        const __m256i p = _mm256_maddubs_epi16(v[t], _mm256_loadu_si256((const __m256i*)(xq + 32 * r)));
-        const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * r]), _mm_set1_epi16(sc[2 * r + 1]));
-        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+// The dot products of one weight row with RB input rows, block by block: each block of the
+// weight decoded once (its values as bytes, its scales), then multiplied by each input row's
+// block: the integer dot exact, then acc[r] += dot * d_w * d_x[r] (8 float lanes) and m[r] +=
+// the block's float term outside it (Q4_1's min, Q4_K's mins). The operations for one (block,
+// row) pair are the same whatever RB, so a row's result does not depend on the others.
+template <int F, int RB>
+inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int64_t r0, float* out) {
+  constexpr bool K_TYPE = F == KV_Q4_K || F == KV_Q6_K;
+  constexpr int bv = K_TYPE ? QK_K : QK;
+  constexpr int bb = F == KV_Q8_0 ? 34 : F == KV_Q4_0 ? 18 : F == KV_Q4_1 ? 20 : F == KV_Q5_0 ? 22 : F == KV_Q4_K ? 144 : 210;
+  const int64_t nd = K / bv;
+  __m256 acc[RB];
+  float m[RB];
+  const int8_t* xq[RB];
+  const float *xd[RB], *xs[RB];
+  const int16_t* bs[RB];
+  for (int r = 0; r < RB; r++) {
+    acc[r] = _mm256_setzero_ps();
+    m[r] = 0.0f;
+    xq[r] = a.q.data() + (r0 + r) * K;
+    xd[r] = a.d.data() + (r0 + r) * nd;
+    xs[r] = K_TYPE ? nullptr : a.s.data() + (r0 + r) * nd;
+    bs[r] = K_TYPE ? a.bsums.data() + (r0 + r) * (K / 16) : nullptr;
+  }
+  for (int64_t b = 0; b < nblocks; b++) {
+    const uint8_t* wb = w + b * bb;
+    if constexpr (!K_TYPE) {
+      __m256i u, sgn;  // the unsigned operand, and (signed types) the weight whose sign goes onto x
+      if constexpr (F == KV_Q8_0) {
+        sgn = _mm256_loadu_si256((const __m256i*)(wb + 2));
+      } else if constexpr (F == KV_Q4_0) {
+        sgn = _mm256_sub_epi8(nibbles32(wb + 2), _mm256_set1_epi8(8));
+      } else if constexpr (F == KV_Q5_0) {  // (q | fifth bit << 4) - 16: 0xF0 or'ed in where the bit is clear
+        sgn = _mm256_or_si256(nibbles32(wb + 6), _mm256_andnot_si256(bits32(wb + 2), _mm256_set1_epi8((char)0xF0)));
+      } else {  // Q4_1: unsigned values 0..15
+        u = nibbles32(wb + 4);
+      }
+      if constexpr (F != KV_Q4_1) u = _mm256_sign_epi8(sgn, sgn);
+      const float dw = f16(wb);
+      for (int r = 0; r < RB; r++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(xq[r] + b * QK));
+        __m256i p;
+        if constexpr (F == KV_Q4_1) {
+          p = dot_u8s8(u, x);
+          m[r] += f16(wb + 2) * xs[r][b];
+        } else {
+          p = dot_u8s8(u, _mm256_sign_epi8(x, sgn));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[r][b]), acc[r]);
+      }
+    } else if constexpr (F == KV_Q4_K) {
+      // the 12 bytes of 6-bit (scale, min) pairs -> 8 scales then 8 mins, one byte each (ggml's utmp)
+      uint32_t u[4];
+      memcpy(u, wb + 4, 12);
+      constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+      u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+      const uint32_t mins_lo = u[1] & k1;
+      u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+      u[2] = mins_lo;
+      u[0] &= k1;
+      uint8_t sc[16];
+      memcpy(sc, u, 16);
+      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + 8)));
+      __m256i v[8];  // sub-block 2j: the low nibbles of bytes 32j.., 2j + 1: the high ones
+      for (int j = 0; j < 4; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(wb + 16 + 32 * j));
+        v[2 * j] = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+        v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+      }
+      const float dw = f16(wb), dmin = f16(wb + 2);
+      for (int r = 0; r < RB; r++) {
+        const int8_t* x = xq[r] + b * QK_K;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+          const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(x + 32 * j)));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+        }
+        // sum over sub-blocks of min * (the input's sum over its 32 values): bsums in pairs
+        const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16));
+        const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bsv), _mm256_extracti128_si256(bsv, 1));
+        __m128i mm = _mm_madd_epi16(mins, pairs);
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xB1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dw * xd[r][b]), acc[r]);
+        m[r] -= dmin * xd[r][b] * (float)_mm_cvtsi128_si32(mm);
+      }
+    } else {  // KV_Q6_K: values 0..63 less 32, an int8 scale per 16
+      const int8_t* sc = (const int8_t*)(wb + 192);
+      __m256i v[8], s[8];  // run t: values 32t..32t+31, scales 2t (first 16) and 2t + 1
+      for (int h = 0; h < 2; h++) {  // 128 values: 4 runs of 32 from ql[64h..], qh[32h..]
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(wb + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(wb + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(wb + 128 + 32 * h));
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+        v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
+        v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
+        v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2));
+        v[4 * h + 3] =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
+      }
+      for (int t = 0; t < 8; t++) s[t] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * t]), _mm_set1_epi16(sc[2 * t + 1]));
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
+      const float dw = f16(wb + 208);
+      for (int r = 0; r < RB; r++) {
+        const int8_t* x = xq[r] + b * QK_K;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+          const __m256i p = _mm256_maddubs_epi16(v[t], _mm256_loadu_si256((const __m256i*)(x + 32 * t)));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s[t]));
+        }
+        // 32 * sum(scale_j * bsum_j), taken off in integers (8 lanes of pairs)
+        const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16)));
+        sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(off, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dw * xd[r][b]), acc[r]);
       }
     }
-    sumi = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(f16(w + 208) * xd[0]), acc);
   }
-}
-
-// out[i] = the dot of weight rows w + i * row_bytes (i < NB) with input row r, block by block
-template <int F, int NB>
-inline void tile(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const Act& a, int64_t K, int64_t r, float* out) {
-  constexpr int bv = F == KV_Q4_K || F == KV_Q6_K ? QK_K : QK;
-  constexpr int bb = F == KV_Q8_0 ? 34 : F == KV_Q4_0 ? 18 : F == KV_Q4_1 ? 20 : F == KV_Q5_0 ? 22 : F == KV_Q4_K ? 144 : 210;
-  __m256 acc[NB];
-  float m[NB];
-  for (int i = 0; i < NB; i++) {
-    acc[i] = _mm256_setzero_ps();
-    m[i] = 0.0f;
-  }
-  const int8_t* xq = a.q.data() + r * K;
-  const int64_t nd = K / bv;
-  const float* xd = a.d.data() + r * nd;
-  const float* xs = bv == QK ? a.s.data() + r * nd : nullptr;
-  const int32_t* bs = bv == QK_K ? a.bsums.data() + r * (K / 16) : nullptr;
-  for (int64_t b = 0; b < nblocks; b++) {
-    for (int i = 0; i < NB; i++)
-      block_dot<F>(w + i * row_bytes + b * bb, xq + b * bv, xd + b, xs ? xs + b : nullptr, bs ? bs + b * 16 : nullptr,
-                   acc[i], m[i]);
-  }
-  for (int i = 0; i < NB; i++) out[i] = reduce_add8(acc[i]) + m[i];
+  for (int r = 0; r < RB; r++) out[r] = reduce_add8(acc[r]) + m[r];
 }
 
 template <int F>
 void gemv_blocks(const Act& a, int64_t rows, int64_t K, const uint8_t* W, int64_t N, const float* bias, float* y,
                  int64_t ldy, int accumulate, int nthreads) {
-  constexpr int NB = 4;
-  const int64_t row_bytes = K / block_values(F) * block_bytes(F), nblocks = K / block_values(F);
+  constexpr int RB = 4;  // input rows per pass over a weight row's blocks (decoded once for them)
+  const int64_t nblocks = K / block_values(F), row_bytes = nblocks * block_bytes(F);
   int64_t grain = (N + 4 * nthreads - 1) / (4 * nthreads);
-  grain = (grain < 16 ? 16 : grain + NB - 1) / NB * NB;
-  // rows of the input per pass over a tile of weight rows: the tile stays in L1 while they run
-  const int64_t RB = 16;
+  grain = grain < 16 ? 16 : grain;
   kvpool::parallel_for(N, grain, nthreads, [&](int64_t n0, int64_t n1) {
-    float out[NB];
-    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-      const int64_t r1 = r0 + RB < rows ? r0 + RB : rows;
-      for (int64_t n = n0; n < n1; n += NB) {
-        const int nb = n1 - n < NB ? (int)(n1 - n) : NB;
-        for (int64_t r = r0; r < r1; r++) {
-          const uint8_t* w = W + n * row_bytes;
-          switch (nb) {
-            case 4: tile<F, 4>(w, row_bytes, nblocks, a, K, r, out); break;
-            case 3: tile<F, 3>(w, row_bytes, nblocks, a, K, r, out); break;
-            case 2: tile<F, 2>(w, row_bytes, nblocks, a, K, r, out); break;
-            default: tile<F, 1>(w, row_bytes, nblocks, a, K, r, out);
-          }
-          for (int i = 0; i < nb; i++) {
-            float* yv = y + r * ldy + n + i;
-            const float v = bias ? out[i] + bias[n + i] : out[i];
-            *yv = accumulate ? *yv + v : v;
-          }
+    float out[RB];
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* w = W + n * row_bytes;
+      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+        const int rb = rows - r0 < RB ? (int)(rows - r0) : RB;
+        switch (rb) {
+          case 4: tile<F, 4>(w, nblocks, a, K, r0, out); break;
+          case 3: tile<F, 3>(w, nblocks, a, K, r0, out); break;
+          case 2: tile<F, 2>(w, nblocks, a, K, r0, out); break;
+          default: tile<F, 1>(w, nblocks, a, K, r0, out);
+        }
+        for (int r = 0; r < rb; r++) {
+          float* yv = y + (r0 + r) * ldy + n;
+          const float v = bias ? out[r] + bias[n] : out[r];
+          *yv = accumulate ? *yv + v : v;
         }
       }
     }
