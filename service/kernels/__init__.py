@@ -6,7 +6,8 @@ Decode reads every weight once per token, so its speed is the speed of a one-row
 product; torch's CPU kernels for that are slower than the memory allows (MKL's float32
 GEMV), scalar (the int8 weight-only kernel on AVX2) or missing (bfloat16 on CPUs
 without AVX-512 BF16). The kernels read the weights in their own storage ((out, in)
-row-major: float32, bfloat16, int8 with per-row scales), so nothing is repacked.
+row-major: float32, bfloat16, int8 with per-row scales, or ggml's blocks as a GGUF file
+stores them: src/qblocks.cpp), so nothing is repacked.
 
 The room:
 

@@ -46,12 +46,17 @@ values with their own scales, byte for byte as ggml lays them out (``BLOCK_TYPES
 each the block type llama.cpp's ``llama-quantize`` gives every tensor of that file type
 (src/llama-quant.cpp, no importance matrix; a K-quant on rows that are no whole number of
 256-value blocks falls back as there: Q4_K to Q5_0, Q6_K to Q8_0), quantized by ggml's own
-reference algorithms (the kernels' ``kv_quantize_blocks``). A GGUF file's tensors are the
-same blocks (``QuantLinear.from_blocks``). The products run on the native kernels with the
-activations quantized per block as llama.cpp's dot products do (Q8_0 / Q8_K: int8 with one
-scale per 32 or 256 values), the same arithmetic for one row and a prompt's many, so a row's
-result never depends on the batch (``kernels/src/qblocks.cpp``). Without the kernels a block
-product dequantizes its weight per call (slow; the kernels' absence is logged). CPU only.
+reference algorithms ported to the kernels (``kv_quantize_blocks``, rows in parallel; bit
+for bit the ``gguf`` package's quantizers for Q8_0, Q4_0, Q4_1 and Q5_0, which has none for
+the K types). Quantizing needs the kernels' library: without it these formats are refused
+at load. A GGUF file's tensors are the same blocks (``QuantLinear.from_blocks``). The
+products run on the native kernels (``kernels/src/qblocks.cpp``) with the activations
+quantized per block as llama.cpp's dot products do: the 32-value types' input as int8 per
+32 values (ggml's Q8_0, its scale kept in float32), the K types' per 256 (ggml's Q8_K, with
+its sums per 16), integer dot products per block, one float multiply-add per block; the
+same arithmetic for one row and a prompt's many, so a row's result never depends on the
+batch. Where the kernels do not run the model (``native_kernels`` off, a bfloat16 model) a
+block product dequantizes its weight per call (slow). CPU only.
 
 The format is part of the model fingerprint (``format_fingerprint``): KV computed with
 other weights is never restored. New model families get this for free as long as their
@@ -410,6 +415,8 @@ def quantize_model(model: nn.Module, fmt: str, progress: bool = False) -> int:
     from tqdm import tqdm
 
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    if fmt in BLOCK_WEIGHT_FORMATS and any(m.weight.device.type != "cpu" for _, m in targets):
+        raise ValueError(f"weight format {fmt} runs on the CPU only (use int8 or bf16 on CUDA)")
     n_layers = len({int(m[1]) for name, _ in targets if (m := re.search(r"\.(\d+)\.", name))})
     done = 0
     for name, linear in tqdm(targets, desc=f"weights to {fmt}", unit="matrix", disable=not progress):
