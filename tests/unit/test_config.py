@@ -138,3 +138,14 @@ def test_storage_format_names_are_the_codecs() -> None:
     from kvserve.service.config import STORAGE_FORMAT_NAMES
 
     assert STORAGE_FORMAT_NAMES == tuple(STORAGE_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", ["w8a8", "q8_0", "q6_k", "q4_k_m", "q4_1", "q4_0"])
+def test_a_cpu_only_weight_format_with_cuda_is_refused_before_anything_loads(fmt):
+    from kvserve.service.server import StartupError, check_device
+
+    cfg = ServerConfig.from_args(["--weight-format", fmt, "--device", "cuda"], {})
+    assert cfg.weight_format == fmt
+    with pytest.raises(StartupError, match=f"--weight-format {fmt} .* runs on the CPU only"):
+        check_device(cfg)
+    check_device(ServerConfig.from_args(["--weight-format", fmt], {}))  # the CPU: fine
