@@ -498,6 +498,7 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
       }
       if constexpr (F != KV_Q4_1) u = _mm256_sign_epi8(sgn, sgn);
       const float dw = f16(wb);
+      const __m256 dwv = _mm256_set1_ps(dw);
       for (int r = 0; r < RB; r++) {
         const __m256i x = _mm256_loadu_si256((const __m256i*)(xq[r] + b * QK));
         __m256i p;
@@ -507,7 +508,7 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
         } else {
           p = dot_u8s8(u, _mm256_sign_epi8(x, sgn));
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[r][b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dwv, _mm256_broadcast_ss(xd[r] + b)), acc[r]);
       }
     } else if constexpr (F == KV_Q4_K) {
       // the 12 bytes of 6-bit (scale, min) pairs -> 8 scales then 8 mins, one byte each (ggml's utmp)
@@ -528,13 +529,15 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
         v[2 * j] = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
         v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
       }
+      __m256i s[8];
+      for (int j = 0; j < 8; j++) s[j] = _mm256_set1_epi16(sc[j]);
       const float dw = f16(wb), dmin = f16(wb + 2);
       for (int r = 0; r < RB; r++) {
         const int8_t* x = xq[r] + b * QK_K;
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
           const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(x + 32 * j)));
-          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s[j]));
         }
         // sum over sub-blocks of min * (the input's sum over its 32 values): bsums in pairs
         const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16));
