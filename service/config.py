@@ -185,6 +185,7 @@ class ServerConfig:
     max_queue: int = setting(256, "Waiting requests before new ones get RESOURCE_EXHAUSTED.", int)
     speculative: str = setting("ngram", "Speculative decoding drafted from the sequence's own history (session transcript, prompt, output so far): ngram drafts the continuation of the longest repeated suffix and checks the drafts in one forward (greedy tokens identical to plain decoding; sampled ones from the same distribution); off decodes one token a step. The default of a request that does not set SamplingParams.speculative (HTTP: speculative, speculative.n_max).", choice("ngram", "off"))
     spec_max_draft: int = setting(16, "Most tokens drafted for one sequence in one step (--speculative ngram); below it each step drafts as many as pay for their rows, from how often drafts were taken at that match length and where the draft's context went on as it before (always, once, mostly, or less; the sequence's and the server's) and what a row measured to cost.", int)
+    draft_pool_memory: int = setting(64 << 20, "Memory of the draft pool (0 = off): the recent outputs of each tenant and cache_salt, each after the last 32 tokens of its prompt, that speculative decoding drafts from across requests where one matches the sequence's end for longer than its own history does (a regenerate, a repeated agent step, the same question again; a session's answers that a regenerate, edit or rewind dropped come back with its next turn, on any replica). Never read across tenants or salts. Charged per token held and n-gram indexed; the oldest entries are evicted first.", parse_bytes, fmt=format_bytes, metavar="BYTES")
     metrics_port: int = setting(0, "Port of the Prometheus /metrics HTTP endpoint (0 = off).", int)
     http_port: int = setting(0, "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; 0 = off). Same engine, sessions, API keys, limits and TLS certificates as the gRPC port (docs/api.md).", int)
     http_max_connections: int = setting(1024, "Most connections the HTTP front holds at once; one more gets 503 and is closed at once (each holds a file descriptor).", int, metavar="N")
@@ -267,6 +268,7 @@ class ServerConfig:
             ("default_max_new_tokens", self.default_max_new_tokens > 0, "must be > 0"),
             ("max_queue", self.max_queue >= 0, "must be >= 0"),
             ("spec_max_draft", self.spec_max_draft >= 1, "must be >= 1"),
+            ("draft_pool_memory", self.draft_pool_memory >= 0, "must be >= 0"),
             ("drain_timeout", math.isfinite(self.drain_timeout) and self.drain_timeout >= 0, "must be >= 0"),
             ("drain_delay", math.isfinite(self.drain_delay) and self.drain_delay >= 0, "must be >= 0"),
             ("torch_threads", self.torch_threads >= 0, "must be >= 0"),
@@ -386,6 +388,7 @@ class ServerConfig:
             max_queue=self.max_queue,
             speculative=self.speculative,
             spec_max_draft=self.spec_max_draft,
+            draft_pool_memory=self.draft_pool_memory,
             host_cache_memory=self.host_cache_memory,
             disk_cache_dir=self.disk_cache_dir,
             disk_cache_size=self.disk_cache_size,

@@ -294,6 +294,12 @@ class GenerationRequest:
     scope: CacheScope = CacheScope()  # tenant + request salt: the block-hash namespace
     session_id: str | None = None
     retain: tuple[Retain, ...] = ()  # retentions of prefixes of the prompt (``Retain``)
+    # who asked: with scope.salt, the draft pool's key (engine/draft_pool.py; a shared
+    # salt's scope names no tenant, its drafts still stay the tenant's own)
+    tenant: str = ""
+    # earlier answers of the request's session it may draft from (each after the last
+    # tokens of its prompt): the ones a regenerate, edit or rewind dropped (SessionRecord.recall)
+    recall: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(slots=True)

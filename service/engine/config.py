@@ -62,6 +62,9 @@ class EngineConfig:
     # "ngram" or "off"; drafts per step at most
     speculative: str = "ngram"
     spec_max_draft: int = 16
+    # drafts that remember (engine/draft_pool.py): bytes of recent outputs, per tenant and
+    # cache salt, drafted from across requests; 0: none
+    draft_pool_memory: int = 64 << 20
     # session warm-ups (engine/warm.py): shares of the device pool's blocks they may hold
     # at once, in all and per tenant, and how long a warmed block waits for its turn
     warm_pool_fraction: float = 0.25

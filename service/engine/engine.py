@@ -604,6 +604,8 @@ class LLMEngine:
         if plan is not None and completed and plan.blocks and not plan.started:
             self._start_retention(seq, plan)  # before retire: the sequence still holds the blocks
         self.scheduler.retire(seq)
+        if completed or reason is FinishReason.CANCELLED:  # a stopped answer is often regenerated
+            self.scheduler.remember(seq)
         events = self.output.finished(seq, reason, error, rejected)
         if plan is not None and plan.started:
             if completed and plan.kept is None:  # the store has not answered: the end waits (_late)

@@ -22,6 +22,8 @@ from typing import Callable
 from kvserve.cachestore.keys import BlockHash
 from .config import EngineConfig
 from .sequence import Sequence, SeqStatus, StepPlan
+from .draft_pool import CONTEXT as POOL_CONTEXT
+from .draft_pool import DraftPool, PoolView, pool_key
 from .speculative import MAX_STEP_ROWS, MatchStats, NgramDrafter, SpecConfig, StepCost
 from ..kv.block_manager import Block, BlockManager, NoFreeBlocks
 from ..kv.keys import BlockKeys
@@ -105,6 +107,8 @@ class Scheduler:
         self.step_cost = StepCost()  # what a step and a draft row cost, from the engine's timed decode steps
         self.max_step_rows = MAX_STEP_ROWS  # decode rows + drafts of one step at most (drafts never pass it)
         self.match_stats = MatchStats()  # how often drafts continued, per match length: every sequence's drafter's
+        # recent outputs per tenant and cache salt, drafted from across requests (None: --draft-pool-memory 0)
+        self.draft_pool = DraftPool(cfg.draft_pool_memory) if cfg.draft_pool_memory > 0 else None
         # the measured prefill tokens/s (the runner's), for how many prefills share a step
         self.prefill_rate = prefill_rate or (lambda: None)
         self.block_size = cfg.block_size
@@ -377,7 +381,7 @@ class Scheduler:
             config = self.spec
             if p.spec_max_draft is not None:
                 config = dataclasses.replace(config, max_draft=p.spec_max_draft)
-            seq.drafter = NgramDrafter(config, self.match_stats)
+            seq.drafter = NgramDrafter(config, self.match_stats, pool=self._pool_view(seq))
         drafts = seq.drafter.propose(seq.token_ids, limit, row_cost)
         while drafts and not seq.long_rope and self.keys.is_long(L + len(drafts)):
             drafts.pop()
@@ -393,6 +397,22 @@ class Scheduler:
             room = len(seq.blocks) * self.block_size - seq.num_computed - 1
             del drafts[max(room, 0) :]
         return drafts
+
+    def _pool_view(self, seq: Sequence) -> PoolView | None:
+        """The draft pool's side of the sequence's tenant and cache salt, the request's
+        recalled answers (a session's dropped ones) added to it first; None without a pool."""
+        if self.draft_pool is None:
+            return None
+        key = pool_key(seq.request)
+        for text in seq.request.recall:
+            self.draft_pool.add(key, text)
+        return PoolView(self.draft_pool, key)
+
+    def remember(self, seq: Sequence) -> None:
+        """A finished sequence's output, after its prompt's last tokens, joins the draft
+        pool under its tenant and cache salt (nothing without a pool or an output)."""
+        if self.draft_pool is not None and seq.num_output > 0:
+            self.draft_pool.add(pool_key(seq.request), seq.token_ids[max(seq.num_prompt - POOL_CONTEXT, 0) :])
 
     def trim(self, seq: Sequence) -> None:
         """After a verification: the blocks past what the sequence's tokens need (they

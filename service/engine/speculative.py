@@ -65,6 +65,12 @@ Two pure parts, no engine state:
   whatever was drafted, so seeded requests speculate and still give the same tokens
   whatever else is in the batch.
 
+Drafts that remember (engine/draft_pool.py): besides the sequence's own history, a
+bounded pool of recent outputs of the same tenant and cache salt (``NgramDrafter.pool``),
+whose continuation is drafted where it matches the history's end for longer than the
+history's own index does (a regenerate, a repeated agent step, the same question again);
+its drafts are scored and sized like any other, by the length of their match.
+
 Grammar rows (a response_format) draft too: the scheduler cuts a draft before the first
 token the grammar refuses (the matcher's ``validate_tokens``, which moves nothing), and
 row i gets the grammar's mask after drafts[:i] (grammar.GrammarCompiler.fill_draft_masks),
@@ -75,7 +81,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -203,6 +209,8 @@ class NgramDrafter:
     # this sequence's decayed counts per rate_slot: tokens scored, and how many the candidate predicted
     hits: list[float] = field(default_factory=lambda: [0.0] * NUM_SLOTS)
     scored: list[float] = field(default_factory=lambda: [0.0] * NUM_SLOTS)
+    # the cross-request pool's view for the sequence's tenant and salt (draft_pool.PoolView), or None
+    pool: Any = None
     # figures of this sequence (the engine sums them): verification steps, drafted, accepted
     steps: int = 0
     drafted: int = 0
@@ -297,6 +305,18 @@ class NgramDrafter:
         return (self.hits[slot] + SEQUENCE_WEIGHT * self.stats.rate(slot)) / (self.scored[slot] + SEQUENCE_WEIGHT)
 
     def candidate_for(self, tokens: Sequence[int]) -> list[int]:
+        """The continuation of the longest suffix of ``tokens`` found earlier in them
+        (``own_candidate``), or, with a ``pool`` (engine/draft_pool.py: recent outputs of
+        the request's tenant and cache salt), the pool's continuation where its match is
+        longer. Sets ``match``: how long the match is."""
+        out = self.own_candidate(tokens)
+        if self.pool is not None and self.match < MATCH_CAP:
+            got = self.pool.lookup(tokens, self.config.max_draft, self.match, self.config.min_ngram)
+            if got is not None:
+                out, self.match = got
+        return out
+
+    def own_candidate(self, tokens: Sequence[int]) -> list[int]:
         """The continuation of the longest suffix of ``tokens`` found earlier in them, up
         to ``max_draft`` tokens, past the end of the history as the period the match
         found (the continuation at c of a suffix ending at L - 1 repeats every L - c
