@@ -28,7 +28,10 @@ A session turn appends (``TurnMode.APPEND``) or replaces the last completed turn
 turn (a racing turn, on this replica or another, gets ``SessionBusy``), build the
 prompt from the transcript as it was before that turn (every earlier block is found
 in the cache, and for a regenerate the input's blocks too) and commit with
-``replace_last``; one that does not complete leaves the old turn in place.
+``replace_last``; one that does not complete leaves the old turn in place. The answer it
+replaces joins the record's ``recall`` (sessions/records.py), as a rewind's dropped
+answers do: every later turn of the session drafts from them (``GenerationRequest.recall``,
+engine/draft_pool.py), on any replica.
 ``expected_turns`` makes any session turn conditional on the session's turn count.
 
 The session operations outside a turn (Get, List, Rewind, Fork, Delete, Warm) are
@@ -60,7 +63,7 @@ from .metrics import ServiceMetrics
 from .prefix_guard import VolatileSystem
 from .prompts import Prompts
 from .sessions import SessionExists, SessionManager, SessionRecord, Turn, TurnUnavailable
-from .sessions.records import copy_record
+from .sessions.records import copy_record, dropped_answers, with_recall
 from .spill import SpillScheduler
 from .tools import ToolCalling, uses_tools
 from .types import (
@@ -121,12 +124,24 @@ class PreparedTurn:
     tooled: bool  # the input uses tools (its events leave through ToolCalling.events)
     arrival: float  # perf_counter at prepare (time to first token)
     attach: Attach | None = None  # the session's new attachment, written by the commit (run_turn)
+    recall: tuple[tuple[int, ...], ...] = ()  # the session's dropped answers the turn drafts from
 
     def request(self) -> GenerationRequest:
         return GenerationRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt, sampling=self.sampling, scope=self.scope,
-            session_id=self.inp.session_id or None, retain=self.inp.retain,
+            session_id=self.inp.session_id or None, retain=self.inp.retain, tenant=self.owner, recall=self.recall,
         )  # fmt: skip
+
+
+def _recall(turn: Turn | None, base: SessionRecord | None, mode: TurnMode) -> tuple[tuple[int, ...], ...]:
+    """The answers a session turn drafts from besides its prompt (``GenerationRequest.recall``):
+    the record's dropped ones (``SessionRecord.recall``; a rewound or reset ``base``'s, which
+    holds the answers it dropped) and, for a regenerate or an edit, the answer it replaces."""
+    if turn is None:
+        return ()
+    rec = base if base is not None else turn.record
+    recall = rec.recall if mode is TurnMode.APPEND else with_recall(rec.recall, dropped_answers(rec, 1))
+    return tuple(tuple(t) for t in recall)
 
 
 class Conversations:
@@ -241,7 +256,8 @@ class Conversations:
                 await asyncio.shield(self.sessions.end_turn(turn))
             raise
         return PreparedTurn(owner, request_id, inp, turn, base, history, transcript + new_tokens, sampling,
-                            self.cache_scope(owner, inp.cache_salt), tooled, arrival, attach)  # fmt: skip
+                            self.cache_scope(owner, inp.cache_salt), tooled, arrival, attach,
+                            _recall(turn, base, inp.mode))  # fmt: skip
 
     async def _base(
         self, turn: Turn | None, inp: TurnInput, source: SessionRecord | None, resent_history: bool
@@ -404,13 +420,15 @@ class Conversations:
         """The turn's input and the record it extends (None: the stored one) under ``plan``."""
         assert inp.messages is not None
         messages = inp.messages[plan.first :]
-        if plan.action is HistoryAction.REWIND:
+        if plan.action is HistoryAction.REWIND:  # the dropped turns' answers are recalled
             keep = plan.keep_turns
             base = copy_record(rec, token_ids=rec.token_ids[: rec.turn_end(keep)], turns=keep,
-                               turn_log=rec.turn_log[: keep - rec.untracked_turns])  # fmt: skip
+                               turn_log=rec.turn_log[: keep - rec.untracked_turns],
+                               recall=with_recall(rec.recall, dropped_answers(rec, rec.turns - keep)))  # fmt: skip
             return dataclasses.replace(inp, messages=messages), base
         if plan.action is HistoryAction.RESET:  # the old transcript's KV stays cached by content
-            return inp, copy_record(rec, token_ids=[], turns=0, turn_log=[])
+            return inp, copy_record(rec, token_ids=[], turns=0, turn_log=[],
+                                    recall=with_recall(rec.recall, dropped_answers(rec, rec.turns)))  # fmt: skip
         return dataclasses.replace(inp, messages=messages), None
 
     def _with_template_roles(self, inp: TurnInput) -> TurnInput:

@@ -11,10 +11,25 @@ transcript is ``untracked prefix + (input_1 + output_1) + (input_2 + output_2) +
 the log covers the *last* ``len(turn_log)`` turns. A record written before turn
 boundaries existed (codec version 1) loads with an empty log, so all its turns are
 untracked (``untracked_turns``, ``untracked_tokens``): they can be kept, continued and
-forked after, but not rewound, regenerated or edited one by one."""
+forked after, but not rewound, regenerated or edited one by one.
+
+Recall
+------
+``SessionRecord.recall`` keeps the answers the session dropped (the turn a regenerate or an
+edit replaced, the turns a rewind or a resent history's rewind dropped), each after the
+last ``RECALL_CONTEXT`` tokens of its prompt, the most recent last, at most
+``MAX_RECALL`` of them and ``MAX_RECALL_TOKENS`` tokens in all: a later turn of the session
+drafts from them (``GenerationRequest.recall``, engine/draft_pool.py), on any replica and
+after a restart, so a regenerate drafts from the answer it replaces even where the
+replica's draft pool never held it. They ride in the metadata (``"recall"``: base64 of
+little-endian uint32 ids, only when there are some), so a record without them, written
+before they existed, loads with none, and a replica that predates them reads a record
+that has them (it ignores the key)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import struct
@@ -90,6 +105,9 @@ class SessionRecord:
     # A front's own state for the session, written with its turns and ops (the
     # Conversations API's items and metadata, as JSON; "" for a plain session).
     attachment: str = ""
+    # answers the session dropped (regenerate, edit, rewind), each after the last tokens
+    # of its prompt, most recent last (module docstring, Recall)
+    recall: list[list[int]] = field(default_factory=list)
 
     @property
     def untracked_turns(self) -> int:
@@ -113,11 +131,42 @@ def copy_record(rec: SessionRecord, **changes: Any) -> SessionRecord:
     """A deep enough copy of ``rec`` (its own token and turn lists), with ``changes`` set on it."""
     out = SessionRecord(
         rec.session_id, rec.owner, list(rec.token_ids), rec.created_at, rec.last_used_at, rec.turns,
-        rec.cache_salt, rec.etag, list(rec.turn_log), rec.forked_from, rec.attachment,
+        rec.cache_salt, rec.etag, list(rec.turn_log), rec.forked_from, rec.attachment, [list(t) for t in rec.recall],
     )  # fmt: skip
     for name, value in changes.items():
         setattr(out, name, value)
     return out
+
+
+RECALL_CONTEXT = 32  # prompt tokens kept before a dropped answer (draft_pool.CONTEXT)
+MAX_RECALL = 4  # dropped answers a record keeps
+MAX_RECALL_TOKENS = 4096  # their tokens at most, contexts included
+
+
+def dropped_answers(rec: SessionRecord, turns: int) -> list[list[int]]:
+    """The answers of the last ``turns`` tracked turns of ``rec`` (fewer where fewer are
+    tracked), each after the last RECALL_CONTEXT tokens of its prompt, oldest first."""
+    out: list[list[int]] = []
+    end = len(rec.token_ids)
+    for info in reversed(rec.turn_log[len(rec.turn_log) - min(turns, len(rec.turn_log)) :]):
+        start = end - info.output_tokens
+        if info.output_tokens:
+            out.append(rec.token_ids[max(start - RECALL_CONTEXT, 0) : end])
+        end = start - info.input_tokens
+    return out[::-1]
+
+
+def with_recall(recall: list[list[int]], dropped: list[list[int]]) -> list[list[int]]:
+    """``recall`` with ``dropped`` after it, the oldest let go past MAX_RECALL entries or
+    MAX_RECALL_TOKENS tokens (an answer longer than that keeps its first tokens)."""
+    out: list[list[int]] = []
+    left = MAX_RECALL_TOKENS
+    for text in reversed([*recall, *dropped]):
+        if len(out) == MAX_RECALL or left <= 0:
+            break
+        out.append(list(text[:left]))
+        left -= len(out[-1])
+    return out[::-1]
 
 
 # ----------------------------------------------------------------------------- record codec
@@ -145,6 +194,7 @@ def encode_record(rec: SessionRecord) -> bytes:
             "etag": rec.etag,
             "forked_from": rec.forked_from,
             **({"attachment": rec.attachment} if rec.attachment else {}),
+            **({"recall": [_pack_ids(t) for t in rec.recall]} if rec.recall else {}),
         },
         separators=(",", ":"),
     ).encode()
@@ -210,8 +260,9 @@ def decode_record(data: bytes) -> SessionRecord:
             turn_log=turn_log,
             forked_from=_meta_str(meta, "forked_from", default=""),
             attachment=_meta_str(meta, "attachment", default=""),
+            recall=_meta_recall(meta),
         )
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError, binascii.Error) as e:
         raise SessionRecordError(f"bad metadata: {type(e).__name__}: {e}"[:300]) from None
     if not SESSION_ID_RE.fullmatch(rec.session_id):
         raise SessionRecordError(f"bad session id {rec.session_id[:140]!r}")
@@ -241,3 +292,21 @@ def _meta_int(meta: dict, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
         raise ValueError(f"{name} must be an integer in [0, 2^32), got {str(value)[:40]}")
     return value
+
+
+def _pack_ids(ids: list[int]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(ids)}I", *ids)).decode("ascii")
+
+
+def _meta_recall(meta: dict) -> list[list[int]]:
+    """The metadata's ``recall`` (absent in records written before it: none)."""
+    value = meta.get("recall", [])
+    if not isinstance(value, list) or len(value) > MAX_TURN_LOG:
+        raise TypeError(f"recall must be a list, got {type(value).__name__}")
+    out = []
+    for item in value:
+        raw = base64.b64decode(_meta_str({"recall": item}, "recall"), validate=True)
+        if len(raw) % 4:
+            raise ValueError(f"a recall entry of {len(raw)} bytes is not uint32 token ids")
+        out.append(list(struct.unpack(f"<{len(raw) // 4}I", raw)))
+    return out

@@ -26,6 +26,8 @@ from .records import (
     TurnUnavailable,
     check_session_id,
     copy_record,
+    dropped_answers,
+    with_recall,
 )
 from .stores import (
     CONFLICT,
@@ -251,17 +253,20 @@ class SessionManager:
         """The turn completed: the transcript becomes prompt + output, one more turn (its
         boundaries appended to the turn log). With ``replace_last`` the turn replaces the
         session's last completed turn instead (regenerate, edit): the prompt extends the
-        transcript as it was before that turn, the turn count stays. ``cache_salt`` is
+        transcript as it was before that turn, the turn count stays, and the replaced
+        answer joins the record's ``recall`` (records.py, Recall). ``cache_salt`` is
         the turn's request salt (where its KV blocks are keyed); ``attachment`` (not None)
         replaces the record's front state in the same write.
 
         Raises SessionConflict (nothing written) when the store holds a version of the
         session this turn did not start from (another replica wrote it meanwhile)."""
         rec = turn.record
+        recall = rec.recall
         if replace_last:
             if not rec.turn_log:
                 raise RuntimeError("no tracked turn to replace")
             base, turn_log, turns = rec.turn_end(rec.turns - 1), rec.turn_log[:-1], rec.turns
+            recall = with_recall(rec.recall, dropped_answers(rec, 1))  # the replaced answer, drafted from later
         else:
             base, turn_log, turns = len(rec.token_ids), rec.turn_log, rec.turns + 1
         if list(prompt_token_ids[:base]) != rec.token_ids[:base] or len(prompt_token_ids) < base:
@@ -270,7 +275,7 @@ class SessionManager:
         info = TurnInfo(len(prompt_token_ids) - base, len(output_token_ids), finish_reason, turn.started_at, now)
         new = copy_record(
             rec, token_ids=list(prompt_token_ids) + list(output_token_ids), cache_salt=cache_salt,
-            turns=turns, turn_log=[*turn_log, info], last_used_at=now, etag=new_etag(),
+            turns=turns, turn_log=[*turn_log, info], last_used_at=now, etag=new_etag(), recall=recall,
         )  # fmt: skip
         if attachment is not None:
             new.attachment = attachment
@@ -363,7 +368,8 @@ class SessionManager:
     ) -> tuple[SessionRecord, SessionRecord]:
         """Drop the last ``turns`` completed turns (under the turn lock, so it excludes a
         turn in flight on any replica). Returns the records before and after. The KV
-        blocks of the dropped turns are left cached (content-addressed: a re-ask finds them).
+        blocks of the dropped turns are left cached (content-addressed: a re-ask finds them),
+        their answers kept in the record's ``recall`` (a re-ask drafts from them).
 
         Raises InvalidSessionId, BadTurnCount, SessionNotFound, SessionBusy, TurnsChanged,
         TurnUnavailable (the turns predate turn boundaries), SessionConflict."""
@@ -387,7 +393,7 @@ class SessionManager:
             end = rec.turn_end(keep)
             new = copy_record(
                 rec, token_ids=rec.token_ids[:end], turns=keep, turn_log=rec.turn_log[: keep - rec.untracked_turns],
-                last_used_at=self._clock(), etag=new_etag(),
+                last_used_at=self._clock(), etag=new_etag(), recall=with_recall(rec.recall, dropped_answers(rec, turns)),
             )  # fmt: skip
             before = copy_record(rec)
             return before, await self._commit(turn, new)

@@ -30,6 +30,13 @@ from kvserve.service.sessions import (
     decode_record,
     encode_record,
 )
+from kvserve.service.sessions.records import (
+    MAX_RECALL,
+    MAX_RECALL_TOKENS,
+    RECALL_CONTEXT,
+    dropped_answers,
+    with_recall,
+)
 from tests.fixtures.models import LLAMA_CHAT_TEMPLATE
 
 # ----------------------------------------------------------------------------- codec
@@ -100,6 +107,38 @@ def test_record_turn_boundaries_round_trip_and_version_1_records_still_load():
     body = v2[:4] + struct.pack("<H", 1) + v2[6:-8]  # drop "u32 0 turns" and the crc
     old = decode_record(body + struct.pack("<I", zlib.crc32(body)))
     assert old.turn_log == [] and old.turns == 2 and old.untracked_tokens == 2 and old.turn_end(2) == 2
+
+
+def test_record_recall_round_trips_and_records_without_it_load_as_before():
+    rec = _record(recall=[[1, 2, 2**32 - 1], [7] * 300])
+    assert decode_record(encode_record(rec)) == rec
+    plain = encode_record(_record())
+    assert b"recall" not in plain and decode_record(plain).recall == []  # as written before recall existed
+    # a replica that predates recall reads only the keys it knows: the record's other fields as they are
+    meta_len = struct.unpack_from("<I", encode_record(rec), 6)[0]
+    meta = json.loads(encode_record(rec)[10 : 10 + meta_len])
+    assert set(meta) - set(json.loads(plain[10 : 10 + struct.unpack_from("<I", plain, 6)[0]])) == {"recall"}
+
+
+@pytest.mark.parametrize("recall", ['"AQID"', "[1]", '["AQID"]', '["!!!!"]', '{"a": 1}'])
+def test_record_with_a_bad_recall_is_refused(recall):
+    good = encode_record(_record(recall=[[1]]))
+    meta_len = struct.unpack_from("<I", good, 6)[0]
+    meta = good[10 : 10 + meta_len].replace(b'["AQAAAA=="]', recall.encode())
+    body = good[:6] + struct.pack("<I", len(meta)) + meta + good[10 + meta_len : -4]
+    with pytest.raises(SessionRecordError, match="bad metadata"):
+        decode_record(body + struct.pack("<I", zlib.crc32(body)))
+
+
+def test_recall_keeps_the_latest_dropped_answers_within_its_bounds():
+    log = [TurnInfo(2, 3, "stop", 0.0, 0.0), TurnInfo(1, 0, "stop", 0.0, 0.0), TurnInfo(40, 2, "stop", 0.0, 0.0)]
+    rec = _record(token_ids=list(range(1, 50)), turns=3, turn_log=log)  # 1 untracked token, 5, 1, 42
+    assert dropped_answers(rec, 1) == [list(range(50 - 2 - RECALL_CONTEXT, 50))]
+    assert dropped_answers(rec, 9) == [[1, 2, 3, 4, 5, 6], list(range(50 - 2 - RECALL_CONTEXT, 50))]  # no empty one
+    many = with_recall([[1]] * MAX_RECALL, [[2], [3]])
+    assert many == [[1]] * (MAX_RECALL - 2) + [[2], [3]]
+    big = with_recall([[1] * 10], [[2] * (MAX_RECALL_TOKENS - 4), [3] * 8])
+    assert big == [[2] * (MAX_RECALL_TOKENS - 8), [3] * 8]  # the oldest cut to its first tokens, the older gone
 
 
 def test_record_with_turn_boundaries_that_do_not_fit_is_refused():
@@ -292,6 +331,7 @@ def test_manager_rewind_fork_and_replace_last(store):
             rec, _ = await m.get("", "s")
             assert rec.token_ids == [1, 2, 3, 4, 5, 6, 9, 9, 10] and rec.turns == 3
             assert (rec.turn_log[-1].input_tokens, rec.turn_log[-1].output_tokens) == (2, 1)
+            assert rec.recall == [[1, 2, 3, 4, 5, 6, 7, 8]]  # the replaced answer after its prompt's tokens
             # fork at turn 2, then from the fork; the source is untouched
             child = await m.fork("", "s", "c", 2)
             assert child.token_ids == [1, 2, 3, 4, 5, 6] and child.turn_log == rec.turn_log[:2]
@@ -317,6 +357,7 @@ def test_manager_rewind_fork_and_replace_last(store):
                 await m.rewind("", "s", 1, expected_turns=2)
             before, after = await m.rewind("", "s", 2, expected_turns=3)
             assert before.turns == 3 and after.token_ids == [1, 2, 3] and after.turns == 1
+            assert after.recall == [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 9, 9, 10]]
             assert (await m.get("", "s"))[0] == after
             assert (await m.get("", "c"))[0].token_ids == [1, 2, 3, 4, 5, 6]
             with pytest.raises(BadTurnCount, match="'s' has 1 completed turn; cannot rewind 2"):  # singular
