@@ -1,6 +1,15 @@
-"""Speculative decoding on a chat-editing workload against llama.cpp (issue 29): kvserve's
-``--speculative off`` and ``ngram`` servers and llama-server without and with its own n-gram
-speculation, on the same weights, the same token ids, greedy, over HTTP on loopback.
+"""Speculative decoding on a chat-editing workload against llama.cpp (issues 29, 47): kvserve's
+``--speculative off`` and ``ngram`` servers (``ngram`` without a draft pool, ``pool`` with
+one: ``--draft-pool-memory``, engine/draft_pool.py) and llama-server without and with its own
+n-gram speculation, on the same weights, the same token ids, greedy, over HTTP on loopback.
+
+Two modes (``--mode``, both by default, one after the other on the same servers):
+``fresh`` sends a different text each round (the workloads below built from other openings,
+``OPENINGS``: nothing a server saw before but what the model likes to write anyway);
+``repeated`` sends the same requests every round (a regenerate, an agent step repeating an
+earlier one, the same question from many users: the untimed round 0 sent them first, so
+a server that keeps drafts across requests, llama.cpp's ``ngram-mod`` or kvserve's pool,
+has them).
 
 The servers (each ``--threads`` threads: kvserve's ``--torch-threads``, llama-server's
 ``-t``) are all started first and then serve one request at a time: never two compute at
@@ -36,6 +45,7 @@ go in one chunk, the first at once), llama-server sends a chunk per token; ``--s
     python bench/bench_chat_edit.py --weight-format bf16 ...   # kvserve bf16 weights, GGUF F16
     python bench/bench_chat_edit.py --llama-spec 'ngram-simple' --llama-spec 'ngram-mod:--spec-ngram-mod-n-min 2'
     python bench/bench_chat_edit.py --no-llama --repo /tmp/base   # A/B: another checkout's servers in the same rounds
+    python bench/bench_chat_edit.py --no-llama --mode repeated --model ~/.cache/kvserve/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations
@@ -66,15 +76,23 @@ from tests.fixtures.serving import start_server_process  # noqa: E402
 EDITS = {" was ": " had been ", " the ": " that ", " not ": " never "}  # the rewrite workload's word swaps
 TYPOS = {" was ": " wsa ", " the ": " teh "}  # the code-fix workload's typos
 CODE_HEAD = 'def principal():\n    return "The principal'
+# each variant's openings: the rewrite's and code-fix's paragraph, the summary's document
+OPENINGS = [
+    ("The principal", "I had been"), ("The old man", "We had come"), ("In the morning", "She had gone"),
+    ("The captain", "He had been"), ("The house", "They had seen"), ("The doctor", "It had been"),
+    ("The river", "You have been"), ("The letter", "I have never"), ("The village", "We were all"),
+    ("The young lady", "He was not"), ("The garden", "She was very"), ("The king", "There was a"),
+]  # fmt: skip
 LLAMA_SPEC_DEFAULT = ["ngram-simple", "ngram-simple:--spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16"]
 
 
 # ---- workloads ---------------------------------------------------------------------------
 
 
-def build_workloads(model_dir: str, tokens: int) -> dict[str, list[int]]:
+def build_workloads(model_dir: str, tokens: int, variants: int = 1) -> list[dict[str, list[int]]]:
     """The workloads' prompts (token ids), from the model's own greedy text (in this
-    process, before any server starts)."""
+    process, before any server starts), one set per variant (``OPENINGS``: each variant's
+    texts start from other words, so its prompts and replies are new to every server)."""
     import torch
 
     from kvserve.service.engine.config import EngineConfig
@@ -104,27 +122,33 @@ def build_workloads(model_dir: str, tokens: int) -> dict[str, list[int]]:
 
     room = loaded.config.max_position_embeddings - tokens - 8  # the prompt's room in the context
     para_n = min(tokens + 32, room // 2)
-    try:
-        p0 = tok.encode("The principal")
+
+    def build(opening: str, doc_opening: str) -> dict[str, list[int]]:
+        p0 = tok.encode(opening)
         para = tok.decode(p0 + greedy(p0, para_n))
         ids = tok.encode(para)
         rewrite = tok.encode(swap(para, EDITS)) + tok.encode_plain("\n\n") + ids[1:9]
-        c0 = tok.encode(CODE_HEAD)
-        code = tok.decode(c0 + greedy(c0, para_n)).replace("\n", " ").replace(CODE_HEAD.replace("\n", " "), CODE_HEAD, 1)
+        head = CODE_HEAD.replace("The principal", opening)
+        c0 = tok.encode(head)
+        code = tok.decode(c0 + greedy(c0, para_n)).replace("\n", " ").replace(head.replace("\n", " "), head, 1)
         buggy = swap(code, TYPOS)
         code_fix = (tok.encode("```python\n" + buggy + '"\n```\n\nFixed:\n\n```python\n')
-                    + tok.encode_plain(CODE_HEAD))  # fmt: skip
-        d0 = tok.encode("I had been")
+                    + tok.encode_plain(head))  # fmt: skip
+        d0 = tok.encode(doc_opening)
         doc = d0 + greedy(d0, min(200, room - 24))
         mid = len(doc) // 2
         summary = doc + tok.encode_plain('\n\nIn short, it says: "') + doc[mid : mid + 8]
+        return {"rewrite": rewrite, "code-fix": code_fix, "summary": summary}
+
+    try:
+        sets = [build(*OPENINGS[v % len(OPENINGS)]) for v in range(variants)]
     finally:
         eng.close()
-    out = {"rewrite": rewrite, "code-fix": code_fix, "summary": summary}
-    for name, prompt in out.items():
-        if len(prompt) + tokens > loaded.config.max_position_embeddings:
-            raise SystemExit(f"workload {name}: {len(prompt)} prompt tokens + {tokens} do not fit the context")
-    return out
+    for out in sets:
+        for name, prompt in out.items():
+            if len(prompt) + tokens > loaded.config.max_position_embeddings:
+                raise SystemExit(f"workload {name}: {len(prompt)} prompt tokens + {tokens} do not fit the context")
+    return sets
 
 
 # ---- HTTP --------------------------------------------------------------------------------
@@ -212,8 +236,8 @@ class Server:
 
 class Kvserve(Server):
     def __init__(self, model_dir: str, spec: str, threads: int, weight_format: str, max_draft: int,
-                 stream_interval: str = "", repo: str = "") -> None:  # fmt: skip
-        self.name = f"{'base' if repo else 'kvserve'} {spec}"
+                 stream_interval: str = "", repo: str = "", pool: str = "0") -> None:  # fmt: skip
+        self.name = f"{'base' if repo else 'kvserve'} {spec if pool == '0' or repo else 'pool'}"
         self.spec = spec
         port = free_port()
         flags = ["--model", model_dir, "--device", "cpu", "--dtype", "float32", "--weight-format", weight_format,
@@ -222,6 +246,8 @@ class Kvserve(Server):
                  "--host-cache-memory", "0", "--log-level", "info"]  # fmt: skip
         if stream_interval:
             flags += ["--stream-interval", stream_interval]
+        if not repo:  # (another checkout runs with its own default, whether it has a draft pool or not)
+            flags += ["--draft-pool-memory", pool]
         self.proc, _, self.log = start_server_process(flags, timeout=300, **({"repo": Path(repo)} if repo else {}))
         self.url = f"http://127.0.0.1:{port}"
         wait_health(self.url, self.proc, self.name)
@@ -268,11 +294,12 @@ def convert(model_dir: str, src: Path, outtype: str, workdir: Path) -> Path:
 # ---- the run -----------------------------------------------------------------------------
 
 
-def measure(servers: list[Server], work: dict[str, list[int]], tokens: int, rounds: int) -> dict:
-    """results[workload][server] = list of per-round dicts (round 0 untimed)."""
-    res: dict[str, dict[str, list[dict]]] = {w: {s.name: [] for s in servers} for w in work}
+def measure(servers: list[Server], works: list[dict[str, list[int]]], tokens: int, rounds: int) -> dict:
+    """results[workload][server] = list of per-round dicts (round 0 untimed); round r sends
+    ``works[r]``'s prompts."""
+    res: dict[str, dict[str, list[dict]]] = {w: {s.name: [] for s in servers} for w in works[0]}
     for rnd in range(rounds + 1):
-        for wname, prompt in work.items():
+        for wname, prompt in works[rnd].items():
             order = servers if rnd % 2 == 0 else servers[::-1]  # alternate the order too
             for srv in order:
                 body = srv.body(prompt, tokens)
@@ -305,7 +332,7 @@ def report(res: dict, servers: list[Server], work: dict[str, list[int]], tokens:
     """One row per workload: each ratio as "median (best)" of the servers' timings rates."""
     rows = []
     names = [s.name for s in servers]
-    kv_off, kv_on, llama_plain = "kvserve off", "kvserve ngram", "llama plain"
+    kv_off, kv_on, kv_pool, llama_plain = "kvserve off", "kvserve ngram", "kvserve pool", "llama plain"
 
     def ratio(r: dict, a: str, b: str) -> str:
         return f"{med(r[a], 'server_tok_s') / med(r[b], 'server_tok_s'):.2f} ({best(r[a], 'server_tok_s') / best(r[b], 'server_tok_s'):.2f})"
@@ -316,22 +343,65 @@ def report(res: dict, servers: list[Server], work: dict[str, list[int]], tokens:
         for n in names:
             if n.startswith("llama"):
                 row[f"kv spec / {n}"] = ratio(r, kv_on, n)
+                if kv_pool in names:
+                    row[f"kv pool / {n}"] = ratio(r, kv_pool, n)
         row["kv spec / kv plain"] = ratio(r, kv_on, kv_off)
+        if kv_pool in names:
+            row["kv pool / kv plain"] = ratio(r, kv_pool, kv_off)
+            row["kv pool / kv spec"] = ratio(r, kv_pool, kv_on)
         # token for token (round 0's logprobs tokens) and text for text in every round
-        same_tokens = r[kv_on][0]["pieces"] == r[kv_off][0]["pieces"] and bool(r[kv_on][0]["pieces"])
-        same_text = all(a["text"] == b["text"] for a, b in zip(r[kv_on], r[kv_off]))
-        row["kv spec == kv plain"] = "yes" if same_tokens and same_text else "NO"
+        for which, name in (("spec", kv_on), ("pool", kv_pool)):
+            if name not in names:
+                continue
+            same_tokens = r[name][0]["pieces"] == r[kv_off][0]["pieces"] and bool(r[name][0]["pieces"])
+            same_text = all(a["text"] == b["text"] for a, b in zip(r[name], r[kv_off]))
+            row[f"kv {which} == kv plain"] = "yes" if same_tokens and same_text else "NO"
         if llama_plain in names:
             row["llama plain == kv plain (text)"] = "yes" if r[llama_plain][-1]["text"] == r[kv_off][-1]["text"] else "no"
         rows.append(row)
     return rows
 
 
+def print_tables(mode: str, res: dict, servers: list[Server], work: dict[str, list[int]], args) -> None:
+    rows = report(res, servers, work, args.tokens)
+    names = [s.name for s in servers]
+    print(f"## {mode}: " + ("a different text each round (OPENINGS)" if mode == "fresh" else
+                            "the same requests every round (the untimed round 0 sent them first)"))  # fmt: skip
+    print("| workload | prompt | server | decode tok/s median (best) | client tok/s | CPU ms/token | acceptance | tokens/step |")
+    print("|" + " --- |" * 8)
+    for wname in work:
+        r = res[wname]
+        for n in names:
+            t = r[n][-1]["timings"]
+            d = int(t.get("draft_n", 0))
+            acc = f"{int(t.get('draft_n_accepted', 0)) / d:.2f}" if d else "-"
+            tps = f"{t['tokens_per_step']:.2f}" if "tokens_per_step" in t else "-"
+            print(f"| {wname} | {len(work[wname])} | {n} | {med(r[n], 'server_tok_s'):.1f} ({best(r[n], 'server_tok_s'):.1f}) "
+                  f"| {med(r[n], 'client_tok_s'):.1f} | {med(r[n], 'cpu_ms_tok'):.2f} | {acc} | {tps} |")
+    if rows:
+        ratio_cols = [c for c in rows[0] if c != "workload"]
+        print()
+        print(f"{mode}: ratios of the servers' decode tok/s, median (best) of the rounds (kv spec: kvserve ngram "
+              "without a draft pool; kv pool: with it)")
+        print("| workload | " + " | ".join(ratio_cols) + " |")
+        print("|" + " --- |" * (len(ratio_cols) + 1))
+        for row in rows:
+            print(f"| {row['workload']} | " + " | ".join(str(row[c]) for c in ratio_cols) + " |")
+        if args.json:
+            for row in rows:
+                print(json.dumps({"mode": mode, **row}))
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="", help="model directory (default: the packaged default model)")
+    ap.add_argument("--model", default="", help="model directory or name (default: the packaged default model)")
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after one untimed)")
+    ap.add_argument("--mode", choices=["fresh", "repeated", "both"], default="both",
+                    help="fresh: a different text each round; repeated: the same requests every round; both (default)")
+    ap.add_argument("--pool-memory", default="64MiB", help="the 'kvserve pool' server's --draft-pool-memory "
+                    "(0: no such server); 'kvserve ngram' runs with 0")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-format", default="exact", choices=["exact", "bf16"],
                     help="kvserve's --weight-format; llama.cpp gets GGUF F32 for exact, F16 for bf16")
@@ -353,16 +423,23 @@ def main() -> None:
     from kvserve.service.engine.config import DEFAULT_MODEL_DIR
 
     model_dir = args.model or str(DEFAULT_MODEL_DIR)
-    work = build_workloads(model_dir, args.tokens)
+    modes = ["fresh", "repeated"] if args.mode == "both" else [args.mode]
+    sets = build_workloads(model_dir, args.tokens, args.rounds + 1 if "fresh" in modes else 1)
+    if "fresh" in modes and args.rounds + 1 > len(OPENINGS):
+        print(f"# note: {args.rounds + 1} rounds, {len(OPENINGS)} openings: fresh rounds past them repeat earlier texts")
+    works = {"fresh": sets, "repeated": [sets[0]] * (args.rounds + 1)}
     workdir = Path(tempfile.mkdtemp(prefix="chatedit-bench-"))
     servers: list[Server] = []
+    res: dict[str, dict] = {}
     try:
-        servers.append(Kvserve(model_dir, "off", args.threads, args.weight_format, args.max_draft, args.stream_interval))
-        servers.append(Kvserve(model_dir, "ngram", args.threads, args.weight_format, args.max_draft, args.stream_interval))
+        kv = (model_dir, args.threads, args.weight_format, args.max_draft, args.stream_interval)
+        servers.append(Kvserve(kv[0], "off", *kv[1:]))
+        servers.append(Kvserve(kv[0], "ngram", *kv[1:]))
+        if args.pool_memory not in ("", "0"):
+            servers.append(Kvserve(kv[0], "ngram", *kv[1:], pool=args.pool_memory))
         if args.repo:
             for spec in ("off", "ngram"):
-                servers.append(Kvserve(model_dir, spec, args.threads, args.weight_format, args.max_draft,
-                                       args.stream_interval, repo=args.repo))  # fmt: skip
+                servers.append(Kvserve(kv[0], spec, *kv[1:], repo=args.repo))
         if not args.no_llama:
             bin_dir = Path(args.llama_bin)
             src = Path(args.llama_src) if args.llama_src else next(
@@ -370,7 +447,7 @@ def main() -> None:
             if src is None or not (bin_dir / "llama-server").exists():
                 raise SystemExit(f"need {bin_dir / 'llama-server'} and convert_hf_to_gguf.py (--llama-src)")
             gguf = convert(model_dir, src, "f32" if args.weight_format == "exact" else "f16", workdir)
-            ctx = max(len(p) for p in work.values()) + args.tokens + 64
+            ctx = max(len(p) for w in sets for p in w.values()) + args.tokens + 64
             servers.append(Llama(bin_dir / "llama-server", gguf, args.threads, ctx, None, workdir, "llama plain",
                                  "" if args.llama_poll is None else f"--poll {args.llama_poll}"))  # fmt: skip
             for i, spec in enumerate(args.llama_spec or LLAMA_SPEC_DEFAULT):
@@ -378,40 +455,21 @@ def main() -> None:
                 servers.append(Llama(bin_dir / "llama-server", gguf, args.threads, ctx, spec, workdir,
                                      f"llama spec{i + 1}", "" if args.llama_poll is None else f"--poll {args.llama_poll}"))  # fmt: skip
         load = os.getloadavg()
-        res = measure(servers, work, args.tokens, args.rounds)
+        for mode in modes:
+            print(f"# {mode}", flush=True)
+            res[mode] = measure(servers, works[mode], args.tokens, args.rounds)
         load_end = os.getloadavg()
     finally:
         for s in servers:
             s.stop()
-    rows = report(res, servers, work, args.tokens)
     print(f"# threads={args.threads} tokens={args.tokens} rounds={args.rounds} weight_format={args.weight_format} "
-          f"max_draft={args.max_draft} load average at start {load[0]:.2f}, at end {load_end[0]:.2f}")
-    names = [s.name for s in servers]
+          f"max_draft={args.max_draft} pool_memory={args.pool_memory} load average at start {load[0]:.2f}, "
+          f"at end {load_end[0]:.2f}")
     print("decode tok/s: the server's timings.predicted_per_second, median (best) of the rounds; client tok/s: "
           "first streamed text to the end, median; CPU ms/token: the server process's user+system CPU over the whole request / tokens; "
           "acceptance: draft_n_accepted / draft_n of the last round")
-    print("| workload | prompt | server | decode tok/s median (best) | client tok/s | CPU ms/token | acceptance | tokens/step |")
-    print("|" + " --- |" * 8)
-    for wname in work:
-        r = res[wname]
-        for n in names:
-            t = r[n][-1]["timings"]
-            d = int(t.get("draft_n", 0))
-            acc = f"{int(t.get('draft_n_accepted', 0)) / d:.2f}" if d else "-"
-            tps = f"{t['tokens_per_step']:.2f}" if "tokens_per_step" in t else "-"
-            print(f"| {wname} | {len(work[wname])} | {n} | {med(r[n], 'server_tok_s'):.1f} ({best(r[n], 'server_tok_s'):.1f}) "
-                  f"| {med(r[n], 'client_tok_s'):.1f} | {med(r[n], 'cpu_ms_tok'):.2f} | {acc} | {tps} |")
-    if rows:
-        ratio_cols = [c for c in rows[0] if c != "workload"]
-        print()
-        print("ratios of the servers' decode tok/s, median (best) of the rounds (kv spec: kvserve ngram)")
-        print("| workload | " + " | ".join(ratio_cols) + " |")
-        print("|" + " --- |" * (len(ratio_cols) + 1))
-        for row in rows:
-            print(f"| {row['workload']} | " + " | ".join(str(row[c]) for c in ratio_cols) + " |")
-        if args.json:
-            for row in rows:
-                print(json.dumps(row))
+    for mode in modes:
+        print_tables(mode, res[mode], servers, works[mode][0], args)
 
 
 if __name__ == "__main__":
