@@ -308,10 +308,14 @@ class NgramDrafter:
         """The continuation of the longest suffix of ``tokens`` found earlier in them
         (``own_candidate``), or, with a ``pool`` (engine/draft_pool.py: recent outputs of
         the request's tenant and cache salt), the pool's continuation where its match is
-        longer. Sets ``match``: how long the match is."""
+        longer, or as long as the longest measured (MATCH_CAP: an earlier answer to what the
+        sequence has just repeated, at least MATCH_CAP tokens of it, is likelier to go on
+        as the sequence does than an older part of its own history). Sets ``match``: how
+        long the match is."""
         out = self.own_candidate(tokens)
-        if self.pool is not None and self.match < MATCH_CAP:
-            got = self.pool.lookup(tokens, self.config.max_draft, self.match, self.config.min_ngram)
+        if self.pool is not None:
+            beat = min(self.match, MATCH_CAP - 1)
+            got = self.pool.lookup(tokens, self.config.max_draft, beat, self.config.min_ngram)
             if got is not None:
                 out, self.match = got
         return out

@@ -66,6 +66,13 @@ def test_the_longer_match_wins_between_the_history_and_the_pool():
     d = drafter(pool, max_draft=4)
     assert d.propose(history) == long_own[25:29] and d.match == 25
     assert drafter(None, max_draft=4).propose(answer[:20]) == []  # no pool: no draft
+    # both as long as measured (MATCH_CAP): the earlier answer's continuation
+    long = text(9, 120)
+    pool.add(A, long)
+    history = long[:100] + [5, 5, 5] + long[:100]
+    d = drafter(pool, max_draft=4)
+    assert d.propose(history) == long[100:104] and d.match == MATCH_CAP
+    assert drafter(None, max_draft=4).propose(history) == [5, 5, 5] + long[:1]
 
 
 def test_the_match_is_measured_past_the_longest_ngram_and_capped():
