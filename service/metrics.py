@@ -74,7 +74,7 @@ class EngineStatsCollector:
             value=s.spec_steps,
         )  # fmt: skip
         yield CounterMetricFamily(
-            f"{p}_spec_draft_tokens", "Tokens drafted from the sequences' own history and verified.",
+            f"{p}_spec_draft_tokens", "Tokens drafted (from the sequences' own history or the draft pool) and verified.",
             value=s.spec_draft_tokens,
         )  # fmt: skip
         yield CounterMetricFamily(
@@ -83,6 +83,18 @@ class EngineStatsCollector:
         )  # fmt: skip
         if s.step_tokens:
             yield step_tokens_histogram(f"{p}_spec_tokens_per_step", s.step_tokens)
+        yield from self._draft_pool(p, s)
+
+    @staticmethod
+    def _draft_pool(p: str, s: EngineStats) -> Iterable[Metric]:
+        """The draft pool's figures (engine/draft_pool.py; zeros with --draft-pool-memory 0)."""
+        yield GaugeMetricFamily(f"{p}_spec_pool_bytes", "Bytes the draft pool charges now (--draft-pool-memory bounds it).",
+                                value=s.spec_pool_bytes)  # fmt: skip
+        yield GaugeMetricFamily(f"{p}_spec_pool_tokens", "Tokens the draft pool holds now.", value=s.spec_pool_tokens)
+        yield CounterMetricFamily(f"{p}_spec_pool_evictions", "Draft pool entries evicted to stay within its memory.",
+                                  value=s.spec_pool_evictions)  # fmt: skip
+        yield CounterMetricFamily(f"{p}_spec_pool_hits", "Draft pool lookups that gave a candidate (longer than the "
+                                  "sequence's own match).", value=s.spec_pool_hits)  # fmt: skip
 
 
 class GatewayCollector:

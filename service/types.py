@@ -505,6 +505,12 @@ class EngineStats:
     spec_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the draft pool (engine/draft_pool.py; zeros without one): bytes charged and tokens
+    # held now, entries evicted and lookups that gave a candidate (cumulative)
+    spec_pool_bytes: int = 0
+    spec_pool_tokens: int = 0
+    spec_pool_evictions: int = 0
+    spec_pool_hits: int = 0
     # output tokens per sequence-step: entry n counts the steps (a decode row, a prompt's
     # last chunk, a verification) that gave one sequence n tokens (entry 0 unused; the
     # last entry counts that many or more): the kvserve_spec_tokens_per_step histogram

@@ -323,7 +323,16 @@ class LLMEngine:
             spec_draft_tokens=self.runner.num_draft_tokens,
             spec_accepted_tokens=self.runner.num_accepted_tokens,
             step_tokens=tuple(self.output.step_tokens),
+            **self._pool_stats(),
         )
+
+    def _pool_stats(self) -> dict[str, int]:
+        """The draft pool's figures for EngineStats (none without a pool)."""
+        pool = self.scheduler.draft_pool
+        if pool is None:
+            return {}
+        return dict(spec_pool_bytes=pool.bytes, spec_pool_tokens=pool.tokens, spec_pool_evictions=pool.evictions,
+                    spec_pool_hits=pool.hits)  # fmt: skip
 
     def cache_stats(self) -> CacheStats:
         """A snapshot of the device pool and the store (see ``CacheStats``)."""

@@ -50,9 +50,12 @@ def test_a_repeated_request_drafts_its_earlier_answer_and_stays_plain_greedy(loa
     assert again.timings.accepted_draft_tokens > 0
     assert first.output_token_ids == again.output_token_ids == plain.output_token_ids
     assert again.timings.tokens_per_step > 1.0
+    stats = engine.stats()  # the metrics' snapshot: two answers of one key, the same tokens kept once
+    assert stats.spec_pool_tokens == min(len(prompt), 32) + N and stats.spec_pool_hits > 0
+    assert 0 < stats.spec_pool_bytes <= engine.cfg.draft_pool_memory and stats.spec_pool_evictions == 0
     # no pool: the repeat drafts nothing either, and its tokens are the same
     engine = make_engine(loaded, draft_pool_memory=0)
-    assert engine.scheduler.draft_pool is None
+    assert engine.scheduler.draft_pool is None and engine.stats().spec_pool_bytes == 0
     for rid in ("first", "again"):
         got = ask(engine, rid, prompt)
         assert got.timings.draft_tokens == 0 and got.output_token_ids == plain.output_token_ids
