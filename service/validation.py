@@ -369,12 +369,15 @@ def check_generation(
     block_size: int,
     kv_blocks: int,
 ) -> None:
-    """The engine's guard of its own input: a non-empty prompt inside the vocabulary,
-    the sampling fields, the context, the KV pool's capacity."""
+    """The engine's guard of its own input: a non-empty prompt (and the recalled answers
+    it drafts from) inside the vocabulary, the sampling fields, the context, the KV
+    pool's capacity."""
     n = len(req.prompt_token_ids)
     if n == 0:
         raise InvalidRequest("the prompt is empty")
     check_vocabulary(req.prompt_token_ids, vocab_size, "prompt_token_ids")
+    for text in req.recall:  # drafted, so run through the model as the prompt is
+        check_vocabulary(text, vocab_size, "recall")
     check_sampling(req.sampling, vocab_size=vocab_size, max_new_tokens_limit=max_new_tokens_limit)
     check_context(0, n, context_length)
     check_kv_capacity(n, req.sampling.max_new_tokens, context_length, block_size, kv_blocks, req.sampling.n)

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from kvserve.service.models.loading import load_model
-from kvserve.service.types import CacheScope, Finished
+from kvserve.service.types import CacheScope, Finished, InvalidRequest
 from tests.fixtures.engine import finished, make_engine, prompts, req, run
 
 N = 16
@@ -98,3 +98,11 @@ def test_a_recalled_answer_is_drafted_on_an_engine_that_never_saw_it(loaded, pro
     assert got.timings.accepted_draft_tokens > 0 and got.output_token_ids == plain.output_token_ids
     other = ask(engine, "b", prompt, tenant="b")  # recalled under tenant a: nothing for b
     assert other.timings.draft_tokens == 0
+
+
+def test_a_recalled_answer_outside_the_vocabulary_is_refused_before_it_runs(loaded, prompt):
+    engine = make_engine(loaded)
+    bad = dataclasses.replace(req("bad", prompt, n=N), tenant="a", recall=((1, 2, loaded.config.vocab_size),))
+    with pytest.raises(InvalidRequest, match=r"recall\[2\] = 400 is outside the vocabulary"):
+        engine.add_request(bad)
+    assert engine.scheduler.draft_pool is not None and len(engine.scheduler.draft_pool) == 0
