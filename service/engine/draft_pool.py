@@ -18,7 +18,7 @@ key's entries alone. What one key can learn of another is how much the pool hold
 (its entries evicted sooner), as with the device KV pool.
 
 **Bounded.** Every entry is charged ``TOKEN_BYTES`` per token it holds plus
-``INDEX_BYTES`` per n-gram it indexes (``NGRAMS``), upper bounds of what Python's
+``INDEX_BYTES`` per n-gram it indexes (``NGRAMS``: 8 and 16), upper bounds of what Python's
 structures take for them (tests/unit/test_draft_pool.py measures them with tracemalloc);
 past ``memory`` bytes the least recently added or repeated entries go first, whatever
 their key. ``memory`` 0: no pool (service/config.py ``--draft-pool-memory``).
@@ -28,7 +28,8 @@ entry to where its most recent occurrence continues (entry, position); a lookup 
 the history's last n tokens from the longest n down, checks the tokens (a hash can
 collide), measures the match (how many tokens before the continuation agree with the
 history's end, up to speculative.MATCH_CAP) and returns the continuation when the match
-is longer than the one the history's own index found. An entry added again (the same
+is longer than the one the history's own index found. Matches shorter than the shortest
+n (8) are not drafted from: a few tokens in common with another answer are weak evidence. An entry added again (the same
 tokens under the same key: a repeated greedy answer) is not stored twice: it moves to the
 back of the eviction order and its n-grams point at it again.
 
@@ -46,7 +47,11 @@ from typing import Sequence
 from ..types import GenerationRequest
 from .speculative import MATCH_CAP
 
-NGRAMS = (16, 8, 4, 3, 2)  # n-gram lengths indexed, longest first (the lookup's order)
+# n-gram lengths indexed, longest first (the lookup's order); the shortest is the shortest
+# match the pool drafts from: a few tokens in common with another answer (a common phrase,
+# right after the sequence's own text diverged from what it repeats) are weak evidence,
+# and cost the rows of a wrong draft where the sequence's own, shorter match was right
+NGRAMS = (16, 8)
 CONTEXT = 32  # prompt tokens kept before an output
 MAX_ENTRY = 1 << 16  # tokens of one entry at most (an output past it is kept to its first ones)
 TOKEN_BYTES = 4  # an entry's token (array('I'))
@@ -156,19 +161,17 @@ class DraftPool:
         self.tokens -= len(toks)
         self.evictions += 1
 
-    def lookup(
-        self, key: Key, history: Sequence[int], max_draft: int, beat: int = 0, min_n: int = NGRAMS[-1]
-    ) -> tuple[list[int], int] | None:
+    def lookup(self, key: Key, history: Sequence[int], max_draft: int, beat: int = 0) -> tuple[list[int], int] | None:
         """The continuation (up to ``max_draft`` tokens) of the longest n-gram of the
-        history's end (n >= ``min_n``) found in ``key``'s entries, and its match length
-        (tokens before it agreeing with the history's end, up to MATCH_CAP); None when
-        nothing under ``key`` matches for longer than ``beat`` tokens."""
+        history's end found in ``key``'s entries, and its match length (tokens before it
+        agreeing with the history's end, up to MATCH_CAP); None when nothing under ``key``
+        matches for longer than ``beat`` tokens (or for NGRAMS[-1])."""
         scope = self._scopes.get(key)
         if scope is None or max_draft < 1:
             return None
         L = len(history)
         for n in NGRAMS:
-            if n > L or n < min_n:
+            if n > L:
                 continue
             tail = list(history[L - n :])
             v = scope.index.get(hash(tuple(tail)))
@@ -207,5 +210,5 @@ class PoolView:
     pool: DraftPool
     key: Key
 
-    def lookup(self, history: Sequence[int], max_draft: int, beat: int, min_n: int) -> tuple[list[int], int] | None:
-        return self.pool.lookup(self.key, history, max_draft, beat, min_n)
+    def lookup(self, history: Sequence[int], max_draft: int, beat: int) -> tuple[list[int], int] | None:
+        return self.pool.lookup(self.key, history, max_draft, beat)

@@ -315,7 +315,7 @@ class NgramDrafter:
         out = self.own_candidate(tokens)
         if self.pool is not None:
             beat = min(self.match, MATCH_CAP - 1)
-            got = self.pool.lookup(tokens, self.config.max_draft, beat, self.config.min_ngram)
+            got = self.pool.lookup(tokens, self.config.max_draft, beat)
             if got is not None:
                 out, self.match = got
         return out
