@@ -161,10 +161,13 @@ class DraftPool:
         self.tokens -= len(toks)
         self.evictions += 1
 
-    def lookup(self, key: Key, history: Sequence[int], max_draft: int, beat: int = 0) -> tuple[list[int], int] | None:
+    def lookup(
+        self, key: Key, history: Sequence[int], max_draft: int, beat: int = 0, cap: int = MATCH_CAP,
+        count: bool = True,
+    ) -> tuple[list[int], int] | None:  # fmt: skip
         """The continuation (up to ``max_draft`` tokens) of the longest n-gram of the
         history's end found in ``key``'s entries, and its match length (tokens before it
-        agreeing with the history's end, up to MATCH_CAP); None when nothing under ``key``
+        agreeing with the history's end, up to ``cap``); None when nothing under ``key``
         matches for longer than ``beat`` tokens (or for NGRAMS[-1])."""
         scope = self._scopes.get(key)
         if scope is None or max_draft < 1:
@@ -181,23 +184,25 @@ class DraftPool:
             ent = scope.entries.get(serial)
             if ent is None or ent[c - n : c].tolist() != tail:
                 continue  # a hash collision
-            m = _match(ent, c, history, n)
+            m = _match(ent, c, history, n, cap)
             if m <= beat:  # the longest n-gram found matches no longer than the history's own
                 return None
             out = ent[c : c + max_draft].tolist()
             if not out:
                 return None
-            self.hits += 1
+            self.hits += count
             return out, m
         return None
 
 
-def _match(ent: array, c: int, history: Sequence[int], n: int) -> int:
-    """The longest m in [n, min(MATCH_CAP, c, len(history))] with ent[c - m : c] equal to
-    the history's last m tokens (the last n agree)."""
+def _match(ent: array, c: int, history: Sequence[int], n: int, cap: int) -> int:
+    """The longest m in [n, min(cap, c, len(history))] with ent[c - m : c] equal to the
+    history's last m tokens (the last n agree): 16 tokens a comparison, then one by one."""
     L = len(history)
-    hi = min(MATCH_CAP, c, L)
+    hi = min(cap, c, L)
     m = n
+    while m + 16 <= hi and ent[c - m - 16 : c - m].tolist() == list(history[L - m - 16 : L - m]):
+        m += 16
     while m < hi and ent[c - m - 1] == history[L - m - 1]:
         m += 1
     return m
@@ -210,5 +215,6 @@ class PoolView:
     pool: DraftPool
     key: Key
 
-    def lookup(self, history: Sequence[int], max_draft: int, beat: int) -> tuple[list[int], int] | None:
-        return self.pool.lookup(self.key, history, max_draft, beat)
+    def lookup(self, history: Sequence[int], max_draft: int, beat: int, cap: int = MATCH_CAP,
+               count: bool = True) -> tuple[list[int], int] | None:  # fmt: skip
+        return self.pool.lookup(self.key, history, max_draft, beat, cap, count)

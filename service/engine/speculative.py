@@ -97,6 +97,7 @@ DEFAULT_ROW_COST = 0.05  # a draft row's cost (of a plain step) before StepCost 
 # torch reference, engine/runner.py). The scheduler's ``max_step_rows`` starts at it.
 MAX_STEP_ROWS = STEP_ROWS
 MATCH_CAP = 64  # longest match measured (tokens before the candidate agreeing with the history's end)
+COMPARE_CAP = 1024  # longest measured to choose between the history's and the draft pool's candidates
 MATCH_CLASSES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # the match-length classes' lower ends (bisect)
 # How a draft's context (its last max_ngram tokens) went on where it came before in the history:
 AGREED = 0  # two or more times, every one with the draft's token
@@ -211,6 +212,7 @@ class NgramDrafter:
     scored: list[float] = field(default_factory=lambda: [0.0] * NUM_SLOTS)
     # the cross-request pool's view for the sequence's tenant and salt (draft_pool.PoolView), or None
     pool: Any = None
+    _own_at: int = 0  # where the own candidate continues the history (own_candidate)
     # figures of this sequence (the engine sums them): verification steps, drafted, accepted
     steps: int = 0
     drafted: int = 0
@@ -308,16 +310,20 @@ class NgramDrafter:
         """The continuation of the longest suffix of ``tokens`` found earlier in them
         (``own_candidate``), or, with a ``pool`` (engine/draft_pool.py: recent outputs of
         the request's tenant and cache salt), the pool's continuation where its match is
-        longer, or as long as the longest measured (MATCH_CAP: an earlier answer to what the
-        sequence has just repeated, at least MATCH_CAP tokens of it, is likelier to go on
-        as the sequence does than an older part of its own history). Sets ``match``: how
-        long the match is."""
+        longer (both at MATCH_CAP, the longest measured for the rates: the longer measured
+        up to COMPARE_CAP, the pool's on a tie there; a regenerate's earlier answer matches
+        back into its prompt, an older part of the sequence's own history it repeats back to
+        its last edit). Sets ``match``: how long the match is (up to MATCH_CAP)."""
         out = self.own_candidate(tokens)
         if self.pool is not None:
             beat = min(self.match, MATCH_CAP - 1)
             got = self.pool.lookup(tokens, self.config.max_draft, beat)
+            if got is not None and got[1] >= MATCH_CAP and self.match >= MATCH_CAP:
+                own = match_length(tokens, self._own_at, MATCH_CAP, COMPARE_CAP)
+                if self.pool.lookup(tokens, self.config.max_draft, own - 1, COMPARE_CAP, count=False) is None:
+                    got = None  # the sequence's own match is the longer
             if got is not None:
-                out, self.match = got
+                out, self.match = got[0], min(got[1], MATCH_CAP)
         return out
 
     def own_candidate(self, tokens: Sequence[int]) -> list[int]:
@@ -330,6 +336,7 @@ class NgramDrafter:
             c = self.index[n].get(tuple(tokens[L - n : L]))
             if c is not None and c < L:  # (c >= L: indexed from a longer history than this one)
                 self.match = match_length(tokens, c, n)
+                self._own_at = c
                 out = list(tokens[c : min(c + self.config.max_draft, L)])
                 period = L - c
                 while len(out) < self.config.max_draft:

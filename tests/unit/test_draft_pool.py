@@ -73,6 +73,12 @@ def test_the_longer_match_wins_between_the_history_and_the_pool():
     d = drafter(pool, max_draft=4)
     assert d.propose(history) == long[100:104] and d.match == MATCH_CAP
     assert drafter(None, max_draft=4).propose(history) == [5, 5, 5] + long[:1]
+    # both past the cap: the longer measured further (here the sequence's own, 200 to 100)
+    t = text(10, 300)
+    pool.add(A, t[100:200] + text(11, 20))
+    history = t[:200] + [5, 5] + t[:200]
+    d = drafter(pool, max_draft=4)
+    assert d.propose(history) == [5, 5] + t[:2] and d.match == MATCH_CAP
 
 
 def test_the_match_is_measured_past_the_longest_ngram_and_capped():
