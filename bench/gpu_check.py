@@ -800,7 +800,7 @@ def speculative(ctx: Ctx) -> bool:
     from bench.bench_speculative import engine_for, generate
 
     s = ctx.sizes
-    work = build_workloads(str(DEFAULT_MODEL_DIR), s.spec_tokens)
+    work = build_workloads(str(DEFAULT_MODEL_DIR), s.spec_tokens)[0]  # one variant: the same prompts on both engines
     loaded = load_model(str(DEFAULT_MODEL_DIR), dtype="float32", device=ctx.device, progress=False)
     engines = {mode: engine_for(loaded, mode, 16) for mode in ("off", "ngram")}
     rates: dict[str, list[float]] = {}

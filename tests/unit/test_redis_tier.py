@@ -388,11 +388,17 @@ def test_parallel_readers_read_what_one_reader_reads_on_several_connections(redi
     """A restore of 40 blocks on 4 connections at once (runs of 10) loads exactly what one
     connection loads, leading blocks in order."""
     one = make_tier(redis_url, read_connections=1)
-    four = make_tier(redis_url, read_connections=4, min_blocks_per_reader=4)
+    # timeouts past the pause below (a read waiting it out is not a hung Redis here)
+    four = make_tier(redis_url, read_connections=4, min_blocks_per_reader=4, read_timeout_s=5.0, socket_timeout_s=5.0)
     one.put_many(REFS[:40], [value(i) for i in range(40)])
     a, b = torch.full((40, *SHAPE), 7.0), torch.full((40, *SHAPE), 8.0)
     with redis_server.client() as c:
         before = _clients(c)
+        # Redis holds every command for half a second: each run's first GET waits on its own
+        # connection, so the four runs are in flight at once whatever the host's load
+        # (without it a loaded host could finish one run before the next reader started
+        # and reuse its connection)
+        c.client_pause(500)
         assert four.get_many_into(REFS[:40], list(b)) == 40
         assert _clients(c) - before >= 4  # its read connections stay pooled
     assert one.get_many_into(REFS[:40], list(a)) == 40
