@@ -21,7 +21,7 @@ from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError
 from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.auth import hash_key
-from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, tiny_config, wait_until
 
 MSGS = ["hello, tell me a short story about a fox", "what is the fox doing now", "and the dog?"]
 KEY_A, KEY_B = "key-of-acme-0123456789", "key-of-bravo-0123456789"
@@ -304,13 +304,20 @@ def test_regenerate_and_edit_of_a_first_text_turn(client):
     assert not r.start.session_created and r.token_ids == first.token_ids
 
 
-def test_a_cancelled_regenerate_keeps_the_old_answer(client):
+def test_a_cancelled_regenerate_keeps_the_old_answer(server, client):
+    """The regenerate is held running (``_held_running``) until the server has ended the
+    cancelled call: its 200 tokens could otherwise end, and commit, before the cancel."""
     client.chat("keep", MSGS[0], max_new_tokens=6)
     before = client.get_session("keep", include_token_ids=True).token_ids
-    stream = client.generate(session_id="keep", turn_mode="regenerate", max_new_tokens=200, ignore_eos=True)
-    events = iter(stream)
-    next(events)  # the start: the turn holds the lock
-    stream.cancel()
+    stream, running = _held_running(
+        server, lambda: client.generate(session_id="keep", turn_mode="regenerate", max_new_tokens=200, ignore_eos=True))
+    try:
+        next(iter(stream))  # the start: the turn holds the lock
+        assert running.held.wait(60) and server.engine.stats().running == 1  # the regenerate runs, held
+        stream.cancel()
+        assert wait_until(lambda: server.running.admission.inflight == 0)  # the server ended the call
+    finally:
+        running.release()
     assert wait_until(lambda: not client.get_session("keep").busy, timeout=30)
     assert client.get_session("keep", include_token_ids=True).token_ids == before
 
@@ -342,28 +349,45 @@ def test_the_async_client_has_every_operation(client, server):
 
 
 # The held turn's length: the server does not wait for the client to read a stream, so
-# the turn must outlast the racing calls (12 tokens of the tiny model could finish and
-# release the lock before them on a quiet machine).
+# the turn is held running (EngineHold) while the racing calls come; its tokens are the
+# hundreds of steps it would still take if a hold let it go early.
 HOLD_TOKENS = 200
 
 
-def _racing(holder: KVServeClient, other: KVServeClient, sid: str, hold: dict, race, engine: Any) -> None:
+def _held_running(server: ServerThread, start: Any) -> tuple[Any, EngineHold]:
+    """``start()`` one stream on ``server``; once its request waits in the engine's queue
+    it is admitted and its sequence held running before its second step: it cannot end
+    (nor release its session) before the caller releases the hold it gets back. Held once
+    it computes, not while its blocks are restored (``stats().running`` counts those too):
+    a turn on a replica without the session's blocks restores them from Redis, and its
+    start event comes only once they have landed."""
+    scheduler = server.engine.engine.scheduler  # read on the engine thread, in the hold's check
+    with EngineHold(server):  # admitted only once the next hold is in place
+        stream = start()
+        assert wait_until(lambda: server.engine.stats().waiting == 1)
+        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    return stream, running
+
+
+def _racing(holder: KVServeClient, other: KVServeClient, sid: str, hold: dict, race, server: ServerThread) -> None:
     """Start ``hold`` (a Generate) on ``holder``, and while its turn is in flight run each
     of ``race`` on ``other``: every one gets FAILED_PRECONDITION. Then let ``hold`` finish.
-    ``engine``: the holder's engine, whose loop is held from the turn's start until the
-    race is over (the tiny model's HOLD_TOKENS take only some tens of ms: the turn could
-    otherwise end before a call on another replica has checked its lock)."""
-    stream = holder.generate(session_id=sid, max_new_tokens=HOLD_TOKENS, ignore_eos=True, **hold)
-    events = iter(stream)
-    gate = threading.Event()
+    ``server``: the holder's, whose engine holds the turn's sequence running from its first
+    step until the race is over, asserted still running then (the tiny model's HOLD_TOKENS
+    take only some tens of ms: a hold placed after the turn's first event could come after
+    its end, and a call on either replica then is rightly served)."""
+    stream, running = _held_running(
+        server, lambda: holder.generate(session_id=sid, max_new_tokens=HOLD_TOKENS, ignore_eos=True, **hold))
     try:
+        events = iter(stream)
         assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on
-        engine.call_soon(lambda: gate.wait(30))
+        assert running.held.wait(60)  # the turn's sequence running, held before its second step
         for call in race:
             code, msg = _code(call)
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "in flight" in msg, msg
+        assert server.engine.stats().running == 1 and holder.get_session(sid).busy  # the turn still ran
     finally:
-        gate.set()
+        running.release()
     for _ in events:
         pass
 
@@ -377,7 +401,7 @@ def test_regenerate_racing_a_new_turn_is_refused_and_the_transcript_stays_whole(
         lambda: client.edit("race", "changed", max_new_tokens=4),
         lambda: client.rewind_session("race", 1),
         lambda: client.chat("race", "also", max_new_tokens=4),
-    ], server.engine.engine)  # fmt: skip
+    ], server)  # fmt: skip
     after = client.get_session("race", include_turns=True, include_token_ids=True)
     assert after.turns == 2 and after.token_ids[: len(base)] == base and after.turn_log[1].output_tokens == HOLD_TOKENS
     _check_log(after)
@@ -385,7 +409,7 @@ def test_regenerate_racing_a_new_turn_is_refused_and_the_transcript_stays_whole(
     _racing(client, client, "race", {"turn_mode": "regenerate"}, [
         lambda: client.chat("race", "again", max_new_tokens=4),
         lambda: client.rewind_session("race", 1),
-    ], server.engine.engine)  # fmt: skip
+    ], server)  # fmt: skip
     final = client.get_session("race", include_turns=True, include_token_ids=True)
     assert final.turns == 2 and final.token_ids[: after.turn_log[1].start_token + after.turn_log[1].input_tokens] \
         == after.token_ids[: after.turn_log[1].start_token + after.turn_log[1].input_tokens]  # fmt: skip
@@ -440,9 +464,8 @@ def test_a_regenerate_on_another_replica_is_refused_while_a_turn_runs(tiny_llama
             lambda: b.regenerate("two", max_new_tokens=4),
             lambda: b.edit("two", "changed", max_new_tokens=4),
             lambda: b.rewind_session("two", 1),
-        ], sa.engine.engine)  # fmt: skip
-        _racing(b, a, "two", {"turn_mode": "regenerate"}, [lambda: a.chat("two", "and?", max_new_tokens=4)],
-                sb.engine.engine)
+        ], sa)  # fmt: skip
+        _racing(b, a, "two", {"turn_mode": "regenerate"}, [lambda: a.chat("two", "and?", max_new_tokens=4)], sb)
         info = b.get_session("two", include_turns=True)
         assert info.turns == 2
         _check_log(info)
