@@ -16,12 +16,12 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.clients import KVServeClient, TextDelta
+from kvserve.clients import KVServeClient
 from kvserve.service.kv_events import hash64
 from kvserve.service.types import CacheScope
 from tests.fixtures.kv_events import Subscriber
 from tests.fixtures.redis_server import free_port
-from tests.fixtures.serving import BLOCK_SIZE, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, tiny_config, wait_until
 
 TURNS = ["tell me about foxes", "and what do they eat"]
 
@@ -198,28 +198,32 @@ def test_a_kv_events_port_in_use_is_one_line_before_the_model_loads(tiny_llama_d
 
 def test_the_scheduler_figures_under_vllms_names_from_a_live_server(tiny_llama_dir):
     """One running sequence (held mid-stream on the engine's loop) and one waiting request:
-    the endpoint picker's metrics say so, labelled as vLLM's, and agree with kvserve's own."""
+    the endpoint picker's metrics say so, labelled as vLLM's, and agree with kvserve's own.
+    The running one is held from its first step (``EngineHold``, in place before it starts):
+    its 400 tokens take the tiny model some tens of ms, so a hold placed at its first text
+    could come after its end, and the one behind it would run instead of wait."""
     import threading
 
     cfg = tiny_config(tiny_llama_dir, metrics_port=free_port(), max_num_seqs=1, host_cache_memory=0)
-    gate = threading.Event()
     with ServerThread(cfg) as srv, KVServeClient(srv.address, timeout=60) as c:
         key = ("0", str(tiny_llama_dir))  # (engine, model_name): label values by label name
         idle = _scrape(srv)
         assert idle["vllm:num_requests_running"][key] == 0 and idle["vllm:kv_cache_usage_perc"][key] == 0.0
-        stream = c.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True)
+        scheduler = srv.engine.engine.scheduler  # read on the engine thread, in the hold's check
+        with EngineHold(srv):  # admitted only once the next hold is in place
+            stream = c.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True)
+            assert wait_until(lambda: srv.engine.stats().waiting == 1)
+            running = EngineHold(srv, when=lambda s: len(scheduler.running) == 1)
         try:
-            for ev in stream:
-                if isinstance(ev, TextDelta):
-                    srv.engine.engine.call_soon(lambda: gate.wait(30))  # the loop holds here, the sequence running
-                    break
+            assert running.held.wait(60)  # the loop holds here, the sequence running
             second: list = []  # queued behind it (max_num_seqs 1), then served
             behind = threading.Thread(target=lambda: second.extend(c.generate(text="and another one", max_new_tokens=4)))
             behind.start()
             assert wait_until(lambda: srv.engine.stats().waiting == 1)
             busy = _scrape(srv)
+            assert srv.engine.stats().running == 1  # still the first, held
         finally:
-            gate.set()
+            running.release()
             stream.cancel()
         behind.join(60)
         assert second and type(second[-1]).__name__ == "StreamEnd"
