@@ -14,7 +14,7 @@ import pytest
 from kvserve.clients import KVServeClient, KVServeError, TextDelta
 from kvserve.service.types import InvalidRequest
 from kvserve.service.validation import check_context
-from tests.fixtures.serving import ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
 
 CONTEXT = 128
 LIMIT = 64
@@ -122,9 +122,8 @@ def test_a_session_turn_that_would_exceed_the_context_gives_the_numbers(client):
 
 @pytest.fixture
 def long_turns(tiny_llama_dir):
-    """A client of a server like ``server`` whose turns can run long enough (480 tokens) to
-    still hold the running slot while a test makes several calls: 64 tiny-model tokens
-    take ~15 ms on a fast host."""
+    """A client of a server like ``server`` with one running slot and one queue place, whose
+    turns can run long (480 tokens) when a test holds one running (``EngineHold``)."""
     cfg = tiny_config(tiny_llama_dir, max_model_len=512, max_new_tokens_limit=480, default_max_new_tokens=8,
                       max_num_seqs=1, max_queue=1)  # fmt: skip
     with ServerThread(cfg) as s, KVServeClient(s.address, timeout=60) as c:
@@ -132,30 +131,42 @@ def long_turns(tiny_llama_dir):
 
 
 def test_busy_session_is_failed_precondition_and_queue_full_is_resource_exhausted(long_turns):
+    """The long turn is held running from its first step (``EngineHold``, in place before it
+    starts) until its cancel has ended it on the server: its 480 tokens take the tiny model
+    some tens of ms, so unheld it could end before the calls that need it in flight."""
     server, client = long_turns
     sid = "busy"
     client.complete(text="first turn", session_id=sid, max_new_tokens=2)
-    stream = client.generate(text="long running turn", session_id=sid, max_new_tokens=480, ignore_eos=True)
-    events = iter(stream)
-    next(events)  # Started: the turn holds the session and the only running slot
+    scheduler = server.engine.engine.scheduler  # read on the engine thread, in the hold's check
+    with EngineHold(server):  # admitted only once the next hold is in place
+        stream = client.generate(text="long running turn", session_id=sid, max_new_tokens=480, ignore_eos=True)
+        assert wait_until(lambda: server.engine.stats().waiting == 1)
+        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    try:
+        events = iter(stream)
+        next(events)  # Started: the turn holds the session
+        assert running.held.wait(60)  # and the only running slot, held before its second step
 
-    err = _status(lambda: client.complete(text="second turn", session_id=sid))
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "already has a turn in flight" in err.details
-    assert client.get_session(sid).busy
-    err = _status(lambda: client.delete_session(sid))
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+        err = _status(lambda: client.complete(text="second turn", session_id=sid))
+        assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "already has a turn in flight" in err.details
+        assert client.get_session(sid).busy
+        err = _status(lambda: client.delete_session(sid))
+        assert err.code == grpc.StatusCode.FAILED_PRECONDITION
 
-    # one running (max_num_seqs=1), one waiting (max_queue=1): the next is refused
-    waiting = client.generate(text="waits in the queue", max_new_tokens=4)
-    waiter = threading.Thread(target=lambda: list(waiting))
-    waiter.start()
-    assert wait_until(lambda: server.engine.stats().waiting == 1)
-    err = _status(lambda: client.complete(text="one too many", max_new_tokens=4))
-    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details
+        # one running (max_num_seqs=1), one waiting (max_queue=1): the next is refused
+        waiting = client.generate(text="waits in the queue", max_new_tokens=4)
+        waiter = threading.Thread(target=lambda: list(waiting))
+        waiter.start()
+        assert wait_until(lambda: server.engine.stats().waiting == 1)
+        err = _status(lambda: client.complete(text="one too many", max_new_tokens=4))
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details
+        assert server.engine.stats().running == 1  # the long turn still ran
 
-    stream.cancel()
+        stream.cancel()
+        assert wait_until(lambda: not client.get_session(sid).busy)  # the server ended the turn
+    finally:
+        running.release()
     waiter.join(60)
-    assert wait_until(lambda: not client.get_session(sid).busy)
     assert client.get_session(sid).turns == 1  # the cancelled turn left nothing
     _good_request_works(client)
 
