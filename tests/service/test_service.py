@@ -295,14 +295,26 @@ def test_text_turns_and_token_turns_append_to_the_transcript(client):
 
 
 def test_a_cancelled_turn_leaves_the_transcript_as_before(server, client):
+    """The turn is held running from its first step (``EngineHold``, in place before it
+    starts) until the server has ended the cancelled call: its 400 tokens could otherwise
+    end, and commit, before the cancel."""
     sid = "cancel-turn"
     client.chat(sid, "first message", max_new_tokens=6)
     before = client.get_session(sid, include_token_ids=True)
-    stream = client.generate(messages=[("user", "second message")], session_id=sid, max_new_tokens=400, ignore_eos=True)
-    for ev in stream:
-        if isinstance(ev, TextDelta) and ev.token_ids:
-            stream.cancel()
-    assert wait_until(lambda: not client.get_session(sid).busy)
+    engine, scheduler = server.engine, server.engine.engine.scheduler  # (computing, not restoring)
+    with EngineHold(server):  # admitted only once the next hold is in place
+        stream = client.generate(messages=[("user", "second message")], session_id=sid, max_new_tokens=400,
+                                 ignore_eos=True)  # fmt: skip
+        assert wait_until(lambda: engine.stats().waiting == 1)
+        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    try:
+        for ev in stream:
+            if isinstance(ev, TextDelta) and ev.token_ids:
+                assert running.held.wait(60) and engine.stats().running == 1  # the turn runs, held
+                stream.cancel()
+        assert wait_until(lambda: not client.get_session(sid).busy)  # the server ended the turn
+    finally:
+        running.release()
     after = client.get_session(sid, include_token_ids=True)
     assert after.token_ids == before.token_ids and after.turns == before.turns == 1
     # a retry works and finds the old transcript's full blocks on the device
