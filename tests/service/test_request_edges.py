@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvserve.clients import KVServeClient, KVServeError, TextDelta
-from tests.fixtures.serving import ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
 
 GENERATE = "/kvserve.v1.GenerationService/Generate"
 GET_SESSION = "/kvserve.v1.GenerationService/GetSession"
@@ -66,14 +66,27 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server):
 
 
 def test_client_cancellations_are_counted(server):
+    """Each stream is held running from its first step (``EngineHold``, in place before it
+    starts) until the server has ended its cancelled call: its 400 tokens could otherwise
+    end (counted as ``length``) before the cancel."""
     finished = server.running.metrics.finished.labels("cancelled")
     before = finished._value.get()
+    engine, scheduler = server.engine, server.engine.engine.scheduler
     with KVServeClient(server.address, timeout=60) as c:
         for _ in range(3):
-            stream = c.generate(text="count to a thousand", max_new_tokens=400, ignore_eos=True)
-            for event in stream:
-                if isinstance(event, TextDelta) and event.token_ids:
-                    stream.cancel()
+            with EngineHold(server):  # admitted only once the next hold is in place
+                stream = c.generate(text="count to a thousand", max_new_tokens=400, ignore_eos=True)
+                assert wait_until(lambda: engine.stats().waiting == 1)
+                running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+            try:
+                for event in stream:
+                    if isinstance(event, TextDelta) and event.token_ids:
+                        assert running.held.wait(60) and engine.stats().running == 1  # the stream runs, held
+                        stream.cancel()
+                assert wait_until(lambda: server.running.admission.inflight == 0)  # the server ended the call
+            finally:
+                running.release()
+            assert wait_until(lambda: engine.stats().running == 0)
     assert wait_until(lambda: finished._value.get() == before + 3)
 
 
