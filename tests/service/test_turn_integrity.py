@@ -16,7 +16,7 @@ from kvserve.clients import KVServeClient, KVServeError
 from kvserve.service.history import HistoryAction, plan_history
 from kvserve.service.sessions.stores import copy_record
 from kvserve.service.types import ChatMessage, SamplingParams, TurnInput
-from tests.fixtures.serving import ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
 USERS = [HELLO, [{"role": "user", "content": "what is the fox doing now"}], [{"role": "user", "content": "and the dog?"}]]
@@ -131,15 +131,23 @@ def test_a_refused_turn_on_a_record_without_turn_boundaries_leaves_it_as_it_was(
 def test_a_cancelled_http_turn_that_diverged_leaves_the_session_as_it_was(oai, model, server):
     msgs = _three_turns(oai, model, "cancel")
     before = _record(server, "cancel")
-    with oai.chat.completions.with_streaming_response.create(
-        model=model, messages=msgs[:-1], max_tokens=300, stream=True, extra_headers={"X-Session-Id": "cancel"},
-        extra_body={"ignore_eos": True},
-    ) as resp:  # fmt: skip
-        lines = resp.iter_lines()
-        for _ in range(3):
-            next(lines)
-    # the stream is closed: the turn is cancelled in the engine and not recorded
-    assert wait_until(lambda: not server.running.sessions.in_flight_here("", "cancel"), timeout=30)
+    # the turn is held running from its first step until the server has ended it: its 300
+    # tokens could otherwise end, and commit, before the connection closes (the hold is in
+    # place before the request comes, the engine's loop stepping idle until it runs)
+    scheduler = server.engine.engine.scheduler
+    running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    try:
+        with oai.chat.completions.with_streaming_response.create(
+            model=model, messages=msgs[:-1], max_tokens=300, stream=True, extra_headers={"X-Session-Id": "cancel"},
+            extra_body={"ignore_eos": True},
+        ) as resp:  # fmt: skip
+            next(resp.iter_lines())  # the role chunk: the turn started
+            # its sequence runs, held (its first token may have no text yet: no chunk for it)
+            assert running.held.wait(60) and server.engine.stats().running == 1
+        # the stream is closed: the turn is cancelled in the engine and not recorded
+        assert wait_until(lambda: not server.running.sessions.in_flight_here("", "cancel"), timeout=30)
+    finally:
+        running.release()
     assert _record(server, "cancel") == before
 
 
@@ -172,13 +180,22 @@ def test_refused_grpc_turns_and_session_operations_leave_the_session_as_it_was(g
                                 grpc.StatusCode.ALREADY_EXISTS), (name, e.value)  # fmt: skip
         assert _record(server, "g-int") == before, name
     assert _record(server, "g-int-fork") is None
-    # cancelled mid-stream
-    stream = g.generate(session_id="g-int", text=" more", max_new_tokens=300, ignore_eos=True)
-    events = iter(stream)
-    next(events)
-    next(events)
-    stream.cancel()
-    assert wait_until(lambda: not g.get_session("g-int").busy, timeout=30)
+    # cancelled mid-stream: held running from its first step (in place before it starts)
+    # until the server has ended it, its 300 tokens could otherwise end, and commit, first
+    scheduler = server.engine.engine.scheduler
+    with EngineHold(server):  # admitted only once the next hold is in place
+        stream = g.generate(session_id="g-int", text=" more", max_new_tokens=300, ignore_eos=True)
+        assert wait_until(lambda: server.engine.stats().waiting == 1)
+        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    try:
+        events = iter(stream)
+        next(events)
+        next(events)
+        assert running.held.wait(60) and server.engine.stats().running == 1  # the turn runs, held
+        stream.cancel()
+        assert wait_until(lambda: not g.get_session("g-int").busy, timeout=30)
+    finally:
+        running.release()
     assert _record(server, "g-int") == before
 
 
