@@ -178,12 +178,21 @@ def test_a_client_that_goes_away_frees_its_stream(oai, model, server):
     free = server.engine.stats().blocks_free
     cancelled = server.running.metrics.requests.labels("http:ChatCompletions", "CANCELLED")
     before = cancelled._value.get()
-    stream = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=400, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})  # fmt: skip
-    it = iter(stream)
-    next(it), next(it)
-    stream.close()  # the connection closes mid-stream
-    assert wait_until(lambda: server.running.admission.inflight == 0 and server.engine.stats().running == 0)
+    # held running from its first step until the server has ended the call: its 400 tokens
+    # could otherwise end before the connection closes (the hold is in place before the
+    # request comes, the engine's loop stepping idle until it runs)
+    scheduler = server.engine.engine.scheduler
+    running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    try:
+        stream = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=400, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(stream))  # the role chunk: the turn started
+        assert running.held.wait(60) and server.engine.stats().running == 1  # its sequence runs, held
+        stream.close()  # the connection closes mid-stream
+        assert wait_until(lambda: server.running.admission.inflight == 0)  # the server ended the call
+    finally:
+        running.release()
+    assert wait_until(lambda: server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == free)
     assert cancelled._value.get() == before + 1  # stopped early, not run to its end
 
@@ -196,12 +205,20 @@ def test_a_client_that_goes_away_before_a_whole_response_stops_its_turn(model, s
     before = cancelled._value.get()
     body = json.dumps({"model": model, "messages": HELLO, "max_tokens": 400, "n": 2, "temperature": 0,
                        "ignore_eos": True}).encode()  # fmt: skip
-    with socket.create_connection(("127.0.0.1", server.running.http_port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
-        assert wait_until(lambda: server.engine.stats().running == 2)
-        sock.shutdown(socket.SHUT_RDWR)
-    assert wait_until(lambda: server.running.admission.inflight == 0 and server.engine.stats().running == 0)
+    # both sequences held running from their first step until the server has ended the call
+    # (in place before the request comes): their 400 tokens could otherwise end first
+    scheduler = server.engine.engine.scheduler
+    running = EngineHold(server, when=lambda s: len(scheduler.running) == 2)
+    try:
+        with socket.create_connection(("127.0.0.1", server.running.http_port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            assert running.held.wait(60) and server.engine.stats().running == 2
+            sock.shutdown(socket.SHUT_RDWR)
+        assert wait_until(lambda: server.running.admission.inflight == 0)  # the server ended the call
+    finally:
+        running.release()
+    assert wait_until(lambda: server.engine.stats().running == 0)
     assert wait_until(lambda: server.engine.stats().blocks_free == free)
     assert cancelled._value.get() == before + 1  # stopped early, not run to its end
 
