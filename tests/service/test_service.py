@@ -89,8 +89,12 @@ def test_two_concurrent_streams_both_progress_before_either_finishes(server, cli
             errors.append(e)
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
+    # both admitted in one step (EngineHold keeps the queue until both wait in it): on a
+    # loaded host the second thread's call could otherwise arrive after the first ended
+    with EngineHold(server):
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: server.engine.stats().waiting == 2)
     for t in threads:
         t.join(120)
     assert not errors
