@@ -376,6 +376,7 @@ struct Act {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int16_t> bsums;
+  std::vector<float> d8;  // the AVX-512 build's 32-value types: d with each block's scale repeated 8 times
 };
 
 // The Q8_0 quantization of gemv.cpp's w8a8 (amax / 127, round half to even), with s.
@@ -464,9 +465,87 @@ inline __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes, 0xFF where th
 // block: the integer dot exact, then acc[r] += dot * d_w * d_x[r] (8 float lanes) and m[r] +=
 // the block's float term outside it (Q4_1's min, Q4_K's mins). The operations for one (block,
 // row) pair are the same whatever RB, so a row's result does not depend on the others.
+#if KV_VNNI
+// One block of a 32-value type as the bytes its dot product takes: the signed types' values
+// (their sign goes onto x), Q4_1's unsigned values 0..15.
+template <int F>
+inline __m256i values32(const uint8_t* wb) {
+  if constexpr (F == KV_Q8_0) return _mm256_loadu_si256((const __m256i*)(wb + 2));
+  if constexpr (F == KV_Q4_0) return _mm256_sub_epi8(nibbles32(wb + 2), _mm256_set1_epi8(8));
+  if constexpr (F == KV_Q5_0)  // (q | fifth bit << 4) - 16: 0xF0 or'ed in where the bit is clear
+    return _mm256_or_si256(nibbles32(wb + 6), _mm256_andnot_si256(bits32(wb + 2), _mm256_set1_epi8((char)0xF0)));
+  return nibbles32(wb + 4);
+}
+
+// The AVX-512 build's tile of the 32-value types: two blocks per 512-bit operation, block 2i
+// in the low 8 lanes and 2i + 1 in the high 8 (an odd count's last block with zeros above),
+// each (block, row) pair's arithmetic the AVX2 tile's: the exact integer dot (dpbusd, the
+// weight's sign moved onto x), then acc += dot * (d_w * d_x) in float32. The two halves
+// are two accumulators (even and odd blocks), added at the end before reduce_add8; Q4_1's
+// min terms likewise summed as two scalars. The same operations for any RB.
+template <int F, bool PAIR, int RB>
+inline void pair32(const uint8_t* wb, int64_t b, const int8_t* const* xq, const float* const* xd8,
+                   const float* const* xs, __m512* acc, float* m0, float* m1) {
+  constexpr int bb = F == KV_Q8_0 ? 34 : F == KV_Q4_0 ? 18 : F == KV_Q4_1 ? 20 : 22;
+  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(values32<F>(wb)),
+                                       PAIR ? values32<F>(wb + bb) : _mm256_setzero_si256(), 1);
+  const __m512 dwv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16(wb))),
+                                        _mm256_set1_ps(PAIR ? f16(wb + bb) : 0.0f), 1);
+  const __m512i u = F == KV_Q4_1 ? v : _mm512_abs_epi8(v);
+  const __mmask64 neg = _mm512_movepi8_mask(v);
+  for (int r = 0; r < RB; r++) {
+    __m512i x;
+    __m512 dx;
+    if constexpr (PAIR) {
+      x = _mm512_loadu_si512((const void*)(xq[r] + b * QK));
+      dx = _mm512_loadu_ps(xd8[r] + b * 8);
+    } else {
+      x = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(xq[r] + b * QK)));
+      dx = _mm512_zextps256_ps512(_mm256_loadu_ps(xd8[r] + b * 8));
+    }
+    if constexpr (F != KV_Q4_1) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dwv, dx), acc[r]);
+    if constexpr (F == KV_Q4_1) {
+      m0[r] += f16(wb + 2) * xs[r][b];
+      if constexpr (PAIR) m1[r] += f16(wb + bb + 2) * xs[r][b + 1];
+    }
+  }
+}
+
+template <int F, int RB>
+inline void tile32_wide(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int64_t r0, float* out) {
+  constexpr int bb = F == KV_Q8_0 ? 34 : F == KV_Q4_0 ? 18 : F == KV_Q4_1 ? 20 : 22;
+  const int64_t nd = K / QK;
+  __m512 acc[RB];
+  float m0[RB], m1[RB];
+  const int8_t* xq[RB];
+  const float *xd8[RB], *xs[RB];
+  for (int r = 0; r < RB; r++) {
+    acc[r] = _mm512_setzero_ps();
+    m0[r] = m1[r] = 0.0f;
+    xq[r] = a.q.data() + (r0 + r) * K;
+    xd8[r] = a.d8.data() + (r0 + r) * nd * 8;
+    xs[r] = a.s.data() + (r0 + r) * nd;
+  }
+  int64_t b = 0;
+  for (; b + 2 <= nblocks; b += 2) pair32<F, true, RB>(w + b * bb, b, xq, xd8, xs, acc, m0, m1);
+  if (b < nblocks) pair32<F, false, RB>(w + b * bb, b, xq, xd8, xs, acc, m0, m1);
+  for (int r = 0; r < RB; r++)
+    out[r] = reduce_add8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1))) +
+             (m0[r] + m1[r]);
+}
+#endif
+
 template <int F, int RB>
 inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int64_t r0, float* out) {
   constexpr bool K_TYPE = F == KV_Q4_K || F == KV_Q6_K;
+#if KV_VNNI
+  if constexpr (!K_TYPE) {
+    tile32_wide<F, RB>(w, nblocks, a, K, r0, out);
+    return;
+  }
+#endif
   constexpr int bv = K_TYPE ? QK_K : QK;
   constexpr int bb = F == KV_Q8_0 ? 34 : F == KV_Q4_0 ? 18 : F == KV_Q4_1 ? 20 : F == KV_Q5_0 ? 22 : F == KV_Q4_K ? 144 : 210;
   const int64_t nd = K / bv;
@@ -591,9 +670,15 @@ void gemv_blocks(const Act& a, int64_t rows, int64_t K, const uint8_t* W, int64_
   grain = grain < 16 ? 16 : grain;
   kvpool::parallel_for(N, grain, nthreads, [&](int64_t n0, int64_t n1) {
     float out[RB];
-    for (int64_t n = n0; n < n1; n++) {
+    // NC weight rows at a time, each tile of input rows over all of them: the tile's input
+    // stays in L1 while the chunk's weight rows come from L2 (not every input row's block
+    // streamed from L2 again for each weight row)
+    constexpr int64_t NC = 16;
+    for (int64_t c0 = n0; c0 < n1; c0 += NC)
+    for (int64_t r0 = 0; r0 < rows; r0 += RB)
+    for (int64_t n = c0; n < (c0 + NC < n1 ? c0 + NC : n1); n++) {
       const uint8_t* w = W + n * row_bytes;
-      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      {
         const int rb = rows - r0 < RB ? (int)(rows - r0) : RB;
         switch (rb) {
           case 4: tile<F, 4>(w, nblocks, a, K, r0, out); break;
@@ -643,6 +728,7 @@ void kv_gemv_blocks(const float* x, int64_t rows, int64_t ldx, int64_t K, const 
     a.bsums.resize(rows * (K / 16));
   else
     a.s.resize(rows * nd);
+  if (KV_VNNI && !k) a.d8.resize(rows * nd * 8);
   Act* ap = &a;  // the caller's thread_local, filled by the pool's threads
   kvpool::parallel_for(rows, 8, nthreads, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
@@ -650,6 +736,8 @@ void kv_gemv_blocks(const float* x, int64_t rows, int64_t ldx, int64_t K, const 
         quantize_act256(x + r * ldx, K, ap->q.data() + r * K, ap->d.data() + r * nd, ap->bsums.data() + r * (K / 16));
       else
         quantize_act32(x + r * ldx, K, ap->q.data() + r * K, ap->d.data() + r * nd, ap->s.data() + r * nd);
+      if (KV_VNNI && !k)
+        for (int64_t b = 0; b < nd; b++) _mm256_storeu_ps(ap->d8.data() + (r * nd + b) * 8, _mm256_set1_ps(ap->d[r * nd + b]));
     }
   });
   switch (fmt) {
