@@ -465,6 +465,35 @@ inline __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes, 0xFF where th
 // block: the integer dot exact, then acc[r] += dot * d_w * d_x[r] (8 float lanes) and m[r] +=
 // the block's float term outside it (Q4_1's min, Q4_K's mins). The operations for one (block,
 // row) pair are the same whatever RB, so a row's result does not depend on the others.
+// A K-type block's 8 runs of 32 values (v: bytes 0..63, s: each pair's int16 scale) times
+// the input's: the sum over runs of madd(maddubs(v, x), s), 8 int32 lanes, exact. The
+// AVX-512 build, for tiles of 2 rows or more, takes two runs per operation (v2, s2: runs 2j
+// and 2j + 1) and adds the halves at the end: the same integers.
+inline __m256i sub_dots(const int8_t* x, const __m256i* v, const __m256i* s) {
+  __m256i sumi = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j++) {
+    const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(x + 32 * j)));
+    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s[j]));
+  }
+  return sumi;
+}
+#if KV_VNNI
+inline void pair_runs(const __m256i* v, const __m256i* s, __m512i* v2, __m512i* s2) {
+  for (int j = 0; j < 4; j++) {
+    v2[j] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * j]), v[2 * j + 1], 1);
+    s2[j] = _mm512_inserti64x4(_mm512_castsi256_si512(s[2 * j]), s[2 * j + 1], 1);
+  }
+}
+inline __m256i sub_dots2(const int8_t* x, const __m512i* v2, const __m512i* s2) {
+  __m512i sumi = _mm512_setzero_si512();
+  for (int j = 0; j < 4; j++) {
+    const __m512i p = _mm512_maddubs_epi16(v2[j], _mm512_loadu_si512((const void*)(x + 64 * j)));
+    sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s2[j]));
+  }
+  return _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+}
+#endif
+
 #if KV_VNNI
 // One block of a 32-value type as the bytes its dot product takes: the signed types' values
 // (their sign goes onto x), Q4_1's unsigned values 0..15.
@@ -493,6 +522,7 @@ inline void pair32(const uint8_t* wb, int64_t b, const int8_t* const* xq, const 
                                         _mm256_set1_ps(PAIR ? f16(wb + bb) : 0.0f), 1);
   const __m512i u = F == KV_Q4_1 ? v : _mm512_abs_epi8(v);
   const __mmask64 neg = _mm512_movepi8_mask(v);
+  const float mw0 = F == KV_Q4_1 ? f16(wb + 2) : 0.0f, mw1 = F == KV_Q4_1 && PAIR ? f16(wb + bb + 2) : 0.0f;
   for (int r = 0; r < RB; r++) {
     __m512i x;
     __m512 dx;
@@ -507,8 +537,8 @@ inline void pair32(const uint8_t* wb, int64_t b, const int8_t* const* xq, const 
     const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dwv, dx), acc[r]);
     if constexpr (F == KV_Q4_1) {
-      m0[r] += f16(wb + 2) * xs[r][b];
-      if constexpr (PAIR) m1[r] += f16(wb + bb + 2) * xs[r][b + 1];
+      m0[r] += mw0 * xs[r][b];
+      if constexpr (PAIR) m1[r] += mw1 * xs[r][b + 1];
     }
   }
 }
@@ -549,13 +579,13 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
   constexpr int bv = K_TYPE ? QK_K : QK;
   constexpr int bb = F == KV_Q8_0 ? 34 : F == KV_Q4_0 ? 18 : F == KV_Q4_1 ? 20 : F == KV_Q5_0 ? 22 : F == KV_Q4_K ? 144 : 210;
   const int64_t nd = K / bv;
-  __m256 acc[RB];
+  __m256 acc[RB], macc[RB];  // macc: Q4_K's min terms, taken off at the end
   float m[RB];
   const int8_t* xq[RB];
   const float *xd[RB], *xs[RB];
   const int16_t* bs[RB];
   for (int r = 0; r < RB; r++) {
-    acc[r] = _mm256_setzero_ps();
+    acc[r] = macc[r] = _mm256_setzero_ps();
     m[r] = 0.0f;
     xq[r] = a.q.data() + (r0 + r) * K;
     xd[r] = a.d.data() + (r0 + r) * nd;
@@ -601,7 +631,9 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
       u[0] &= k1;
       uint8_t sc[16];
       memcpy(sc, u, 16);
-      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + 8)));
+      // the 8 mins as 16 int16, each twice: min j beside the input's sums of 16 at 2j and 2j + 1
+      const __m128i mins8 = _mm_loadl_epi64((const __m128i*)(sc + 8));
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));
       __m256i v[8];  // sub-block 2j: the low nibbles of bytes 32j.., 2j + 1: the high ones
       for (int j = 0; j < 4; j++) {
         const __m256i q = _mm256_loadu_si256((const __m256i*)(wb + 16 + 32 * j));
@@ -611,21 +643,23 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
       __m256i s[8];
       for (int j = 0; j < 8; j++) s[j] = _mm256_set1_epi16(sc[j]);
       const float dw = f16(wb), dmin = f16(wb + 2);
+#if KV_VNNI
+      __m512i v2[4], s2[4];  // runs 2j and 2j + 1 side by side: one 512-bit operation for both
+      if constexpr (RB > 1) pair_runs(v, s, v2, s2);
+#endif
       for (int r = 0; r < RB; r++) {
         const int8_t* x = xq[r] + b * QK_K;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-          const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(x + 32 * j)));
-          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s[j]));
-        }
-        // sum over sub-blocks of min * (the input's sum over its 32 values): bsums in pairs
-        const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16));
-        const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bsv), _mm256_extracti128_si256(bsv, 1));
-        __m128i mm = _mm_madd_epi16(mins, pairs);
-        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
-        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xB1));
+        __m256i sumi;
+#if KV_VNNI
+        if constexpr (RB > 1)
+          sumi = sub_dots2(x, v2, s2);
+        else
+#endif
+          sumi = sub_dots(x, v, s);
+        // min j * (the input's sum over sub-block j) in lane j, exact; its float term in macc
+        const __m256i mm = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dw * xd[r][b]), acc[r]);
-        m[r] -= dmin * xd[r][b] * (float)_mm_cvtsi128_si32(mm);
+        macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(dmin * xd[r][b]), macc[r]);
       }
     } else {  // KV_Q6_K: values 0..63 less 32, an int8 scale per 16
       const int8_t* sc = (const int8_t*)(wb + 192);
@@ -644,13 +678,19 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
       for (int t = 0; t < 8; t++) s[t] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * t]), _mm_set1_epi16(sc[2 * t + 1]));
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
       const float dw = f16(wb + 208);
+#if KV_VNNI
+      __m512i v2[4], s2[4];  // runs 2j and 2j + 1 side by side: one 512-bit operation for both
+      if constexpr (RB > 1) pair_runs(v, s, v2, s2);
+#endif
       for (int r = 0; r < RB; r++) {
         const int8_t* x = xq[r] + b * QK_K;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int t = 0; t < 8; t++) {
-          const __m256i p = _mm256_maddubs_epi16(v[t], _mm256_loadu_si256((const __m256i*)(x + 32 * t)));
-          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s[t]));
-        }
+        __m256i sumi;
+#if KV_VNNI
+        if constexpr (RB > 1)
+          sumi = sub_dots2(x, v2, s2);
+        else
+#endif
+          sumi = sub_dots(x, v, s);
         // 32 * sum(scale_j * bsum_j), taken off in integers (8 lanes of pairs)
         const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16)));
         sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(off, 5));
@@ -658,7 +698,10 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
       }
     }
   }
-  for (int r = 0; r < RB; r++) out[r] = reduce_add8(acc[r]) + m[r];
+  for (int r = 0; r < RB; r++) {
+    out[r] = reduce_add8(acc[r]) + m[r];
+    if constexpr (F == KV_Q4_K) out[r] -= reduce_add8(macc[r]);
+  }
 }
 
 template <int F>
@@ -670,26 +713,28 @@ void gemv_blocks(const Act& a, int64_t rows, int64_t K, const uint8_t* W, int64_
   grain = grain < 16 ? 16 : grain;
   kvpool::parallel_for(N, grain, nthreads, [&](int64_t n0, int64_t n1) {
     float out[RB];
-    // NC weight rows at a time, each tile of input rows over all of them: the tile's input
+    // NC weight rows at a time, each tile of input rows over all of them: a tile's input
     // stays in L1 while the chunk's weight rows come from L2 (not every input row's block
-    // streamed from L2 again for each weight row)
+    // streamed from L2 again for each weight row); one tile: the whole range
     constexpr int64_t NC = 16;
-    for (int64_t c0 = n0; c0 < n1; c0 += NC)
-    for (int64_t r0 = 0; r0 < rows; r0 += RB)
-    for (int64_t n = c0; n < (c0 + NC < n1 ? c0 + NC : n1); n++) {
-      const uint8_t* w = W + n * row_bytes;
-      {
+    const int64_t nc = rows <= RB ? n1 - n0 : NC;
+    for (int64_t c0 = n0; c0 < n1; c0 += nc) {
+      const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
+      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
         const int rb = rows - r0 < RB ? (int)(rows - r0) : RB;
-        switch (rb) {
-          case 4: tile<F, 4>(w, nblocks, a, K, r0, out); break;
-          case 3: tile<F, 3>(w, nblocks, a, K, r0, out); break;
-          case 2: tile<F, 2>(w, nblocks, a, K, r0, out); break;
-          default: tile<F, 1>(w, nblocks, a, K, r0, out);
-        }
-        for (int r = 0; r < rb; r++) {
-          float* yv = y + (r0 + r) * ldy + n;
-          const float v = bias ? out[r] + bias[n] : out[r];
-          *yv = accumulate ? *yv + v : v;
+        for (int64_t n = c0; n < c1; n++) {
+          const uint8_t* w = W + n * row_bytes;
+          switch (rb) {
+            case 4: tile<F, 4>(w, nblocks, a, K, r0, out); break;
+            case 3: tile<F, 3>(w, nblocks, a, K, r0, out); break;
+            case 2: tile<F, 2>(w, nblocks, a, K, r0, out); break;
+            default: tile<F, 1>(w, nblocks, a, K, r0, out);
+          }
+          for (int r = 0; r < rb; r++) {
+            float* yv = y + (r0 + r) * ldy + n;
+            const float v = bias ? out[r] + bias[n] : out[r];
+            *yv = accumulate ? *yv + v : v;
+          }
         }
       }
     }
