@@ -1,7 +1,8 @@
 """The native decode kernels alone, and two builds of them side by side.
 
 Times the products of one decode step of a bench_engine.py shape (every decoder layer's
-q/k/v, o, gate/up and down products and the LM head: 49 at ~110M) in each weight format,
+q/k/v, o, gate/up and down products and the LM head: 49 at ~110M) in each weight format
+(ggml's block types too: q8_0, q4_0, q4_1, q5_0, q4_k, q6_k, random weights in each),
 at a few input-row counts (1: one stream; 8: a batch), and optionally the decode
 attention of every layer over a paged context; through ctypes, no model, no torch ops in
 the timed region.
@@ -14,6 +15,7 @@ have the entry points' current signatures.
 
     python bench/bench_kernels.py                                     # ~110M, every format, 1 and 8 rows
     python bench/bench_kernels.py --formats f32 --rows 1,8 --against HEAD~1
+    python bench/bench_kernels.py --formats w8a8,q8_0,q4_0,q4_k,q6_k --rows 1,8,64 --threads 1 --against main
     python bench/bench_kernels.py --formats bf16 --rows 1,2,4,8,16 --steps 50 --against main
     python bench/bench_kernels.py --formats none --attention 1x1024,8x1024 --against HEAD~1
     python bench/bench_kernels.py --shape default --formats none --attention 1x320,g4x320 --warm
@@ -44,6 +46,8 @@ from kvserve.service.kernels.binding import header_binding  # noqa: E402
 kernels.passive_openmp()
 import torch  # noqa: E402
 
+from kvserve.service.kernels import ops  # noqa: E402
+
 from bench.bench_engine import BLOCK_SIZE, SHAPES  # noqa: E402
 
 FORMATS = {  # name: (entry point, weight dtype)
@@ -51,6 +55,7 @@ FORMATS = {  # name: (entry point, weight dtype)
     "bf16": ("kv_gemv_bf16", torch.bfloat16),
     "int8": ("kv_gemv_i8", torch.int8),
     "w8a8": ("kv_gemv_q8", torch.int8),
+    **{fmt: ("kv_gemv_blocks", torch.uint8) for fmt in ops.BLOCK_FORMATS},  # ggml's blocks (qblocks.cpp)
 }
 
 
@@ -113,7 +118,10 @@ class Products:
         self.entry, dtype = FORMATS[fmt]
         g = torch.Generator().manual_seed(0)
         self.shapes = shapes
-        if dtype == torch.int8:
+        if dtype == torch.uint8:  # random float32 weights quantized to the format's blocks
+            self.weights = [ops.quantize_blocks(torch.randn(s, generator=g) * 0.02, fmt) for s in shapes]
+            self.scales = [None] * len(shapes)
+        elif dtype == torch.int8:
             self.weights = [torch.randint(-127, 128, s, dtype=torch.int8, generator=g) for s in shapes]
             self.scales = [torch.rand(n, generator=g) / 127 for n, _ in shapes]
         else:
@@ -129,6 +137,10 @@ class Products:
     def step(self, lib: ctypes.CDLL) -> None:
         fn = getattr(lib, self.entry)
         for w, s, y, (n, k) in zip(self.weights, self.scales, self.y, self.shapes):
+            if self.fmt in ops.BLOCK_CODES:
+                fn(self.x[k].data_ptr(), self.rows, k, k, w.data_ptr(), n, ops.BLOCK_CODES[self.fmt], None, y.data_ptr(),
+                   n, 0, self.threads)  # fmt: skip
+                continue
             args = [self.x[k].data_ptr(), self.rows, k, k, w.data_ptr(), n, None if s is None else s.data_ptr(), None,
                     y.data_ptr(), n, 0, self.threads]  # fmt: skip
             if self.fmt == "w8a8":
