@@ -707,7 +707,7 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
 template <int F>
 void gemv_blocks(const Act& a, int64_t rows, int64_t K, const uint8_t* W, int64_t N, const float* bias, float* y,
                  int64_t ldy, int accumulate, int nthreads) {
-  constexpr int RB = 4;  // input rows per pass over a weight row's blocks (decoded once for them)
+  constexpr int RB = 8;  // input rows per pass over a weight row's blocks (decoded once for them)
   const int64_t nblocks = K / block_values(F), row_bytes = nblocks * block_bytes(F);
   int64_t grain = (N + 4 * nthreads - 1) / (4 * nthreads);
   grain = grain < 16 ? 16 : grain;
@@ -720,11 +720,13 @@ void gemv_blocks(const Act& a, int64_t rows, int64_t K, const uint8_t* W, int64_
     const int64_t nc = rows <= RB ? n1 - n0 : NC;
     for (int64_t c0 = n0; c0 < n1; c0 += nc) {
       const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
-      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-        const int rb = rows - r0 < RB ? (int)(rows - r0) : RB;
+      for (int64_t r0 = 0, rb; r0 < rows; r0 += rb) {
+        const int64_t left = rows - r0;  // a tile of 8, 4, 3, 2 or 1 rows
+        rb = left >= 8 ? 8 : left >= 4 ? 4 : left;
         for (int64_t n = c0; n < c1; n++) {
           const uint8_t* w = W + n * row_bytes;
           switch (rb) {
+            case 8: tile<F, 8>(w, nblocks, a, K, r0, out); break;
             case 4: tile<F, 4>(w, nblocks, a, K, r0, out); break;
             case 3: tile<F, 3>(w, nblocks, a, K, r0, out); break;
             case 2: tile<F, 2>(w, nblocks, a, K, r0, out); break;
