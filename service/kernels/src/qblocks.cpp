@@ -17,11 +17,17 @@
 // quantized per block (the 32-value types: symmetric int8 per 32 values with a float32
 // scale, ggml's Q8_0 but the scale kept in float32; the K types: ggml's Q8_K, int8 per 256
 // values with float32 scale and the sums of each 16), each block's integer dot product
-// exact (AVX2 maddubs/madd; the AVX-512 build's VNNI dpbusd for the 32-value types), then
-// one float multiply-add per block into a per-output accumulator of 8 lanes, summed at
-// the end in reduce_add8's order. Every output is computed by the same operations whatever
-// the number of rows or the tile it is in, so a row's result never depends on the batch;
-// decode's rows and a prompt's many run this one function.
+// exact (AVX2 maddubs/madd; the AVX-512 build's VNNI dpbusd for the 32-value types, and
+// its 512-bit maddubs/madd over two of a K block's runs of 32 at once), then one float
+// multiply-add per block into a per-output accumulator of 8 lanes (AVX2, and the K types)
+// or of 16 (the AVX-512 build's 32-value types: even blocks in the low 8 lanes, odd ones in
+// the high 8, the halves added before the end), summed at the end in reduce_add8's order
+// (Q4_K's min terms: 8 exact int32 lanes per block into an accumulator of their own,
+// taken off at the end). A weight block is decoded once for a tile of up to 8 input rows,
+// and many rows run in chunks of 16 weight rows, a tile's input kept in L1 over a chunk.
+// Every output is computed by the same operations whatever the number of rows or the tile
+// it is in, so a row's result never depends on the batch; decode's rows and a prompt's
+// many run this one function.
 
 #include <immintrin.h>
 #include <math.h>
@@ -460,11 +466,6 @@ inline __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes, 0xFF where th
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-// The dot products of one weight row with RB input rows, block by block: each block of the
-// weight decoded once (its values as bytes, its scales), then multiplied by each input row's
-// block: the integer dot exact, then acc[r] += dot * d_w * d_x[r] (8 float lanes) and m[r] +=
-// the block's float term outside it (Q4_1's min, Q4_K's mins). The operations for one (block,
-// row) pair are the same whatever RB, so a row's result does not depend on the others.
 // A K-type block's 8 runs of 32 values (v: bytes 0..63, s: each pair's int16 scale) times
 // the input's: the sum over runs of madd(maddubs(v, x), s), 8 int32 lanes, exact. The
 // AVX-512 build, for tiles of 2 rows or more, takes two runs per operation (v2, s2: runs 2j
@@ -567,6 +568,12 @@ inline void tile32_wide(const uint8_t* w, int64_t nblocks, const Act& a, int64_t
 }
 #endif
 
+// The dot products of one weight row with RB input rows, block by block: each block of the
+// weight decoded once (its values as bytes, its scales), then multiplied by each input row's
+// block: the integer dot exact, then acc[r] += dot * d_w * d_x[r] (8 float lanes), m[r] +=
+// Q4_1's min term (a float), macc[r] += Q4_K's min terms (8 int32 lanes) * dmin * d_x[r].
+// The operations for one (block, row) pair are the same whatever RB, so a row's result does
+// not depend on the others.
 template <int F, int RB>
 inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int64_t r0, float* out) {
   constexpr bool K_TYPE = F == KV_Q4_K || F == KV_Q6_K;
