@@ -383,6 +383,9 @@ struct Act {
   std::vector<float> d, s;
   std::vector<int16_t> bsums;
   std::vector<float> d8;  // the AVX-512 build's 32-value types: d with each block's scale repeated 8 times
+  // and for Q4_0 / Q5_0 (their values taken unsigned, 0..15 / 0..31): per block the 8 int32
+  // lanes of -8 / -16 times the sum of each 4 of its values, dpbusd's starting sums
+  std::vector<int32_t> off;
 };
 
 // The Q8_0 quantization of gemv.cpp's w8a8 (amax / 127, round half to even), with s.
@@ -441,6 +444,16 @@ void quantize_act256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs
 
 // ---- integer dot products of one block ----------------------------------------------------
 
+// Per block of 32 int8 values: 8 int32 lanes, lane l = -offset * (the sum of values 4l..4l+3)
+// (dpbusd's lanes), so that dpbusd from them over unsigned values q gives the dot of q - offset.
+inline void input_offsets(const int8_t* q, int64_t nblocks, int offset, int32_t* out) {
+  for (int64_t b = 0; b < nblocks; b++) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(q + b * QK));
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), _mm256_set1_epi16(1));
+    _mm256_storeu_si256((__m256i*)(out + b * 8), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-offset)));
+  }
+}
+
 inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 int32 lanes, each the sum of 4 byte products
 #if KV_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
@@ -496,46 +509,58 @@ inline __m256i sub_dots2(const int8_t* x, const __m512i* v2, const __m512i* s2) 
 #endif
 
 #if KV_VNNI
-// One block of a 32-value type as the bytes its dot product takes: the signed types' values
-// (their sign goes onto x), Q4_1's unsigned values 0..15.
-template <int F>
+// One block of a 32-value type as the bytes its dot product takes: signed values (Q8_0's,
+// and with OFF false Q4_0's q - 8 and Q5_0's q - 16: their sign goes onto x) or unsigned
+// ones (Q4_1's 0..15; with OFF Q4_0's 0..15 and Q5_0's 0..31, the offset then coming in as
+// Act::off).
+template <int F, bool OFF>
 inline __m256i values32(const uint8_t* wb) {
   if constexpr (F == KV_Q8_0) return _mm256_loadu_si256((const __m256i*)(wb + 2));
-  if constexpr (F == KV_Q4_0) return _mm256_sub_epi8(nibbles32(wb + 2), _mm256_set1_epi8(8));
-  if constexpr (F == KV_Q5_0)  // (q | fifth bit << 4) - 16: 0xF0 or'ed in where the bit is clear
-    return _mm256_or_si256(nibbles32(wb + 6), _mm256_andnot_si256(bits32(wb + 2), _mm256_set1_epi8((char)0xF0)));
+  if constexpr (F == KV_Q4_0)
+    return OFF ? nibbles32(wb + 2) : _mm256_sub_epi8(nibbles32(wb + 2), _mm256_set1_epi8(8));
+  if constexpr (F == KV_Q5_0) {  // q | fifth bit << 4, or that - 16: 0xF0 or'ed in where the bit is clear
+    const __m256i bits = bits32(wb + 2);
+    return _mm256_or_si256(nibbles32(wb + 6), OFF ? _mm256_and_si256(bits, _mm256_set1_epi8(0x10))
+                                                  : _mm256_andnot_si256(bits, _mm256_set1_epi8((char)0xF0)));
+  }
   return nibbles32(wb + 4);
 }
 
 // The AVX-512 build's tile of the 32-value types: two blocks per 512-bit operation, block 2i
 // in the low 8 lanes and 2i + 1 in the high 8 (an odd count's last block with zeros above),
-// each (block, row) pair's arithmetic the AVX2 tile's: the exact integer dot (dpbusd, the
-// weight's sign moved onto x), then acc += dot * (d_w * d_x) in float32. The two halves
+// each (block, row) pair's arithmetic the AVX2 tile's: the exact integer dot (dpbusd: Q8_0
+// with the weight's sign moved onto x; Q4_0 and Q5_0 as their unsigned values from the
+// input's -8 / -16 times its sums of 4, the same integers), then acc += dot * (d_w * d_x) in float32. The two halves
 // are two accumulators (even and odd blocks), added at the end before reduce_add8; Q4_1's
 // min terms likewise summed as two scalars. The same operations for any RB.
 template <int F, bool PAIR, int RB>
 inline void pair32(const uint8_t* wb, int64_t b, const int8_t* const* xq, const float* const* xd8,
-                   const float* const* xs, __m512* acc, float* m0, float* m1) {
+                   const float* const* xs, const int32_t* const* xo, __m512* acc, float* m0, float* m1) {
   constexpr int bb = F == KV_Q8_0 ? 34 : F == KV_Q4_0 ? 18 : F == KV_Q4_1 ? 20 : 22;
-  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(values32<F>(wb)),
-                                       PAIR ? values32<F>(wb + bb) : _mm256_setzero_si256(), 1);
+  // Q4_0's and Q5_0's offsets from the input in tiles of up to 4 rows (fewer operations a row);
+  // in tiles of 8 the sign trick (the offsets' reads would take the tile's input out of L1)
+  constexpr bool OFF = (F == KV_Q4_0 || F == KV_Q5_0) && RB <= 4, SIGNED = F != KV_Q4_1 && !OFF;
+  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(values32<F, OFF>(wb)),
+                                       PAIR ? values32<F, OFF>(wb + bb) : _mm256_setzero_si256(), 1);
   const __m512 dwv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16(wb))),
                                         _mm256_set1_ps(PAIR ? f16(wb + bb) : 0.0f), 1);
-  const __m512i u = F == KV_Q4_1 ? v : _mm512_abs_epi8(v);
+  const __m512i u = SIGNED ? _mm512_abs_epi8(v) : v;
   const __mmask64 neg = _mm512_movepi8_mask(v);
   const float mw0 = F == KV_Q4_1 ? f16(wb + 2) : 0.0f, mw1 = F == KV_Q4_1 && PAIR ? f16(wb + bb + 2) : 0.0f;
   for (int r = 0; r < RB; r++) {
-    __m512i x;
+    __m512i x, p0 = _mm512_setzero_si512();
     __m512 dx;
     if constexpr (PAIR) {
       x = _mm512_loadu_si512((const void*)(xq[r] + b * QK));
       dx = _mm512_loadu_ps(xd8[r] + b * 8);
+      if constexpr (OFF) p0 = _mm512_loadu_si512((const void*)(xo[r] + b * 8));
     } else {
       x = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(xq[r] + b * QK)));
       dx = _mm512_zextps256_ps512(_mm256_loadu_ps(xd8[r] + b * 8));
+      if constexpr (OFF) p0 = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(xo[r] + b * 8)));
     }
-    if constexpr (F != KV_Q4_1) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+    if constexpr (SIGNED) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    const __m512i p = _mm512_dpbusd_epi32(p0, u, x);
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dwv, dx), acc[r]);
     if constexpr (F == KV_Q4_1) {
       m0[r] += mw0 * xs[r][b];
@@ -552,7 +577,9 @@ inline void tile32_wide(const uint8_t* w, int64_t nblocks, const Act& a, int64_t
   float m0[RB], m1[RB];
   const int8_t* xq[RB];
   const float *xd8[RB], *xs[RB];
+  const int32_t* xo[RB];
   for (int r = 0; r < RB; r++) {
+    xo[r] = F == KV_Q4_0 || F == KV_Q5_0 ? a.off.data() + (r0 + r) * nd * 8 : nullptr;
     acc[r] = _mm512_setzero_ps();
     m0[r] = m1[r] = 0.0f;
     xq[r] = a.q.data() + (r0 + r) * K;
@@ -560,8 +587,8 @@ inline void tile32_wide(const uint8_t* w, int64_t nblocks, const Act& a, int64_t
     xs[r] = a.s.data() + (r0 + r) * nd;
   }
   int64_t b = 0;
-  for (; b + 2 <= nblocks; b += 2) pair32<F, true, RB>(w + b * bb, b, xq, xd8, xs, acc, m0, m1);
-  if (b < nblocks) pair32<F, false, RB>(w + b * bb, b, xq, xd8, xs, acc, m0, m1);
+  for (; b + 2 <= nblocks; b += 2) pair32<F, true, RB>(w + b * bb, b, xq, xd8, xs, xo, acc, m0, m1);
+  if (b < nblocks) pair32<F, false, RB>(w + b * bb, b, xq, xd8, xs, xo, acc, m0, m1);
   for (int r = 0; r < RB; r++)
     out[r] = reduce_add8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1))) +
              (m0[r] + m1[r]);
@@ -782,7 +809,9 @@ void kv_gemv_blocks(const float* x, int64_t rows, int64_t ldx, int64_t K, const 
     a.bsums.resize(rows * (K / 16));
   else
     a.s.resize(rows * nd);
+  const int offset = !KV_VNNI ? 0 : fmt == KV_Q4_0 ? 8 : fmt == KV_Q5_0 ? 16 : 0;
   if (KV_VNNI && !k) a.d8.resize(rows * nd * 8);
+  if (offset) a.off.resize(rows * nd * 8);
   Act* ap = &a;  // the caller's thread_local, filled by the pool's threads
   kvpool::parallel_for(rows, 8, nthreads, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
@@ -792,6 +821,7 @@ void kv_gemv_blocks(const float* x, int64_t rows, int64_t ldx, int64_t K, const 
         quantize_act32(x + r * ldx, K, ap->q.data() + r * K, ap->d.data() + r * nd, ap->s.data() + r * nd);
       if (KV_VNNI && !k)
         for (int64_t b = 0; b < nd; b++) _mm256_storeu_ps(ap->d8.data() + (r * nd + b) * 8, _mm256_set1_ps(ap->d[r * nd + b]));
+      if (offset) input_offsets(ap->q.data() + r * K, nd, offset, ap->off.data() + r * nd * 8);
     }
   });
   switch (fmt) {
