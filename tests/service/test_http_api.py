@@ -20,7 +20,7 @@ from kvserve.service.auth import hash_key
 from kvserve.service.history import _turn_floor, match_history
 from kvserve.service.sessions.stores import copy_record
 from kvserve.service.types import ChatMessage
-from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, held_running, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
 
@@ -183,8 +183,7 @@ def test_a_client_that_goes_away_frees_its_stream(oai, model, server):
     # held running from its first step until the server has ended the call: its 400 tokens
     # could otherwise end before the connection closes (the hold is in place before the
     # request comes, the engine's loop stepping idle until it runs)
-    scheduler = server.engine.engine.scheduler
-    running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    running = EngineHold(server, running=1)
     try:
         stream = oai.chat.completions.create(model=model, messages=HELLO, max_tokens=400, temperature=0, stream=True,
                                              extra_body={"ignore_eos": True})  # fmt: skip
@@ -209,8 +208,7 @@ def test_a_client_that_goes_away_before_a_whole_response_stops_its_turn(model, s
                        "ignore_eos": True}).encode()  # fmt: skip
     # both sequences held running from their first step until the server has ended the call
     # (in place before the request comes): their 400 tokens could otherwise end first
-    scheduler = server.engine.engine.scheduler
-    running = EngineHold(server, when=lambda s: len(scheduler.running) == 2)
+    running = EngineHold(server, running=2)
     try:
         with socket.create_connection(("127.0.0.1", server.running.http_port)) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
@@ -505,10 +503,8 @@ def test_a_diverging_history_racing_a_turn_is_refused_and_rewinds_nothing(oai, m
     engine = server.engine
     with KVServeClient(server.address, timeout=60) as g:
         before = g.get_session("busy", include_token_ids=True)
-        with EngineHold(server):  # the turn waits in the queue until the next hold is in place
-            stream = g.generate(session_id="busy", text=" more", max_new_tokens=200, ignore_eos=True)
-            assert wait_until(lambda: engine.stats().waiting == 1)
-            running = EngineHold(server, when=lambda s: s.running == 1)
+        stream, running = held_running(
+            server, lambda: g.generate(session_id="busy", text=" more", max_new_tokens=200, ignore_eos=True))
         try:
             events = iter(stream)
             assert type(next(events)).__name__ == "StreamStart"  # the turn lock is held from here on

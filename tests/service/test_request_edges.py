@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvserve.clients import KVServeClient, KVServeError, TextDelta
-from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import ServerThread, held_running, tiny_config, wait_until
 
 GENERATE = "/kvserve.v1.GenerationService/Generate"
 GET_SESSION = "/kvserve.v1.GenerationService/GetSession"
@@ -71,13 +71,11 @@ def test_client_cancellations_are_counted(server):
     end (counted as ``length``) before the cancel."""
     finished = server.running.metrics.finished.labels("cancelled")
     before = finished._value.get()
-    engine, scheduler = server.engine, server.engine.engine.scheduler
+    engine = server.engine
     with KVServeClient(server.address, timeout=60) as c:
         for _ in range(3):
-            with EngineHold(server):  # admitted only once the next hold is in place
-                stream = c.generate(text="count to a thousand", max_new_tokens=400, ignore_eos=True)
-                assert wait_until(lambda: engine.stats().waiting == 1)
-                running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+            stream, running = held_running(
+                server, lambda: c.generate(text="count to a thousand", max_new_tokens=400, ignore_eos=True))
             try:
                 for event in stream:
                     if isinstance(event, TextDelta) and event.token_ids:

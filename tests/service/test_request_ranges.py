@@ -18,7 +18,7 @@ import pytest
 from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.types import GenerationRequest, InvalidRequest, SamplingParams
-from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import ServerThread, held_running, tiny_config, wait_until
 
 VICTIM_TOKENS = 400  # streams held running while the bad requests come and go
 SURROGATE = "\ud800"  # json.dumps writes it as the escape "\ud800", as a client's JSON would
@@ -292,11 +292,7 @@ def test_bad_requests_beside_streams_in_flight_fail_alone(server, stub):
     into a step beside them once the hold ends."""
     engine = server.engine
     victims = [GrpcVictim(stub), HttpVictim(server)]
-    with EngineHold(server):  # both wait in the queue, then start in one step
-        for v in victims:
-            v.start()
-        assert wait_until(lambda: engine.stats().waiting == 2)
-        running = EngineHold(server, when=lambda s: s.running == 2)
+    _, running = held_running(server, lambda: [v.start() for v in victims], n=2)  # both start in one step
     try:
         # both running on the engine, neither a token past its first step (their first
         # tokens may reach the clients only once the hold ends: the step's output goes out

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError, StreamEnd, StreamStart, TextDelta
 from kvserve.service.types import Finished, GenerationRequest, SamplingParams
-from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, held_running, tiny_config, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +111,8 @@ def test_cancelling_mid_stream_returns_free_blocks_to_baseline(server, client):
     # the sequence is held running from its first step until the cancel has reached the
     # server (EngineHold: the tiny model makes its 400 tokens in ~30 ms, so a hold placed
     # at the stream's first text could come after its end)
-    with EngineHold(server):  # admitted only once the next hold is in place
-        stream = client.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True)
-        assert wait_until(lambda: engine.stats().waiting == 1)
-        running = EngineHold(server, when=lambda s: s.running == 1)
+    stream, running = held_running(
+        server, lambda: client.generate(text="a long story about a server", max_new_tokens=400, ignore_eos=True))
     seen = 0
     try:
         for ev in stream:
@@ -150,7 +148,7 @@ async def _held_running(server: ServerThread, start: Callable[[], asyncio.Task])
     with EngineHold(server):  # admitted only once the next hold is in place
         task = start()
         assert await _until(lambda: server.engine.stats().waiting == 1)  # the request reached the engine
-        running = EngineHold(server, when=lambda s: s.running == 1)
+        running = EngineHold(server, running=1)
     return task, running
 
 
@@ -305,12 +303,9 @@ def test_a_cancelled_turn_leaves_the_transcript_as_before(server, client):
     sid = "cancel-turn"
     client.chat(sid, "first message", max_new_tokens=6)
     before = client.get_session(sid, include_token_ids=True)
-    engine, scheduler = server.engine, server.engine.engine.scheduler  # (computing, not restoring)
-    with EngineHold(server):  # admitted only once the next hold is in place
-        stream = client.generate(messages=[("user", "second message")], session_id=sid, max_new_tokens=400,
-                                 ignore_eos=True)  # fmt: skip
-        assert wait_until(lambda: engine.stats().waiting == 1)
-        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    engine = server.engine
+    stream, running = held_running(server, lambda: client.generate(
+        messages=[("user", "second message")], session_id=sid, max_new_tokens=400, ignore_eos=True))
     try:
         for ev in stream:
             if isinstance(ev, TextDelta) and ev.token_ids:

@@ -14,7 +14,7 @@ import pytest
 from kvserve.clients import KVServeClient, KVServeError, TextDelta
 from kvserve.service.types import InvalidRequest
 from kvserve.service.validation import check_context
-from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import ServerThread, held_running, tiny_config, wait_until
 
 CONTEXT = 128
 LIMIT = 64
@@ -137,11 +137,8 @@ def test_busy_session_is_failed_precondition_and_queue_full_is_resource_exhauste
     server, client = long_turns
     sid = "busy"
     client.complete(text="first turn", session_id=sid, max_new_tokens=2)
-    scheduler = server.engine.engine.scheduler  # read on the engine thread, in the hold's check
-    with EngineHold(server):  # admitted only once the next hold is in place
-        stream = client.generate(text="long running turn", session_id=sid, max_new_tokens=480, ignore_eos=True)
-        assert wait_until(lambda: server.engine.stats().waiting == 1)
-        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    stream, running = held_running(
+        server, lambda: client.generate(text="long running turn", session_id=sid, max_new_tokens=480, ignore_eos=True))
     try:
         events = iter(stream)
         next(events)  # Started: the turn holds the session

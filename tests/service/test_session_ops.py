@@ -11,7 +11,6 @@ import json
 import struct
 import threading
 import zlib
-from typing import Any
 
 import grpc
 import pytest
@@ -21,7 +20,7 @@ from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError
 from kvserve.proto.kvserve.v1 import generation_pb2 as pb
 from kvserve.proto.kvserve.v1 import generation_pb2_grpc as pb_grpc
 from kvserve.service.auth import hash_key
-from tests.fixtures.serving import BLOCK_SIZE, EngineHold, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import BLOCK_SIZE, ServerThread, held_running, tiny_config, wait_until
 
 MSGS = ["hello, tell me a short story about a fox", "what is the fox doing now", "and the dog?"]
 KEY_A, KEY_B = "key-of-acme-0123456789", "key-of-bravo-0123456789"
@@ -305,11 +304,11 @@ def test_regenerate_and_edit_of_a_first_text_turn(client):
 
 
 def test_a_cancelled_regenerate_keeps_the_old_answer(server, client):
-    """The regenerate is held running (``_held_running``) until the server has ended the
+    """The regenerate is held running (``held_running``) until the server has ended the
     cancelled call: its 200 tokens could otherwise end, and commit, before the cancel."""
     client.chat("keep", MSGS[0], max_new_tokens=6)
     before = client.get_session("keep", include_token_ids=True).token_ids
-    stream, running = _held_running(
+    stream, running = held_running(
         server, lambda: client.generate(session_id="keep", turn_mode="regenerate", max_new_tokens=200, ignore_eos=True))
     try:
         next(iter(stream))  # the start: the turn holds the lock
@@ -354,20 +353,6 @@ def test_the_async_client_has_every_operation(client, server):
 HOLD_TOKENS = 200
 
 
-def _held_running(server: ServerThread, start: Any) -> tuple[Any, EngineHold]:
-    """``start()`` one stream on ``server``; once its request waits in the engine's queue
-    it is admitted and its sequence held running before its second step: it cannot end
-    (nor release its session) before the caller releases the hold it gets back. Held once
-    it computes, not while its blocks are restored (``stats().running`` counts those too):
-    a turn on a replica without the session's blocks restores them from Redis, and its
-    start event comes only once they have landed."""
-    scheduler = server.engine.engine.scheduler  # read on the engine thread, in the hold's check
-    with EngineHold(server):  # admitted only once the next hold is in place
-        stream = start()
-        assert wait_until(lambda: server.engine.stats().waiting == 1)
-        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
-    return stream, running
-
 
 def _racing(holder: KVServeClient, other: KVServeClient, sid: str, hold: dict, race, server: ServerThread) -> None:
     """Start ``hold`` (a Generate) on ``holder``, and while its turn is in flight run each
@@ -376,7 +361,7 @@ def _racing(holder: KVServeClient, other: KVServeClient, sid: str, hold: dict, r
     step until the race is over, asserted still running then (the tiny model's HOLD_TOKENS
     take only some tens of ms: a hold placed after the turn's first event could come after
     its end, and a call on either replica then is rightly served)."""
-    stream, running = _held_running(
+    stream, running = held_running(
         server, lambda: holder.generate(session_id=sid, max_new_tokens=HOLD_TOKENS, ignore_eos=True, **hold))
     try:
         events = iter(stream)

@@ -16,7 +16,7 @@ from kvserve.clients import KVServeClient, KVServeError
 from kvserve.service.history import HistoryAction, plan_history
 from kvserve.service.sessions.stores import copy_record
 from kvserve.service.types import ChatMessage, SamplingParams, TurnInput
-from tests.fixtures.serving import EngineHold, ServerThread, tiny_config, wait_until
+from tests.fixtures.serving import EngineHold, ServerThread, held_running, tiny_config, wait_until
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, tell me about the fox"}]
 USERS = [HELLO, [{"role": "user", "content": "what is the fox doing now"}], [{"role": "user", "content": "and the dog?"}]]
@@ -134,8 +134,7 @@ def test_a_cancelled_http_turn_that_diverged_leaves_the_session_as_it_was(oai, m
     # the turn is held running from its first step until the server has ended it: its 300
     # tokens could otherwise end, and commit, before the connection closes (the hold is in
     # place before the request comes, the engine's loop stepping idle until it runs)
-    scheduler = server.engine.engine.scheduler
-    running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    running = EngineHold(server, running=1)
     try:
         with oai.chat.completions.with_streaming_response.create(
             model=model, messages=msgs[:-1], max_tokens=300, stream=True, extra_headers={"X-Session-Id": "cancel"},
@@ -182,11 +181,8 @@ def test_refused_grpc_turns_and_session_operations_leave_the_session_as_it_was(g
     assert _record(server, "g-int-fork") is None
     # cancelled mid-stream: held running from its first step (in place before it starts)
     # until the server has ended it, its 300 tokens could otherwise end, and commit, first
-    scheduler = server.engine.engine.scheduler
-    with EngineHold(server):  # admitted only once the next hold is in place
-        stream = g.generate(session_id="g-int", text=" more", max_new_tokens=300, ignore_eos=True)
-        assert wait_until(lambda: server.engine.stats().waiting == 1)
-        running = EngineHold(server, when=lambda s: len(scheduler.running) == 1)
+    stream, running = held_running(
+        server, lambda: g.generate(session_id="g-int", text=" more", max_new_tokens=300, ignore_eos=True))
     try:
         events = iter(stream)
         next(events)
