@@ -865,36 +865,30 @@ def tool_call_delta(d: ToolCallDelta) -> dict[str, Any]:
     return {"tool_calls": [call]}
 
 
-def usage(start: Started | None, fin: Finished, completion_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage with ``prompt_tokens_details.cached_tokens`` always present, and the
-    per-tier split in ``prompt_tokens_details.kvserve_cached_by_tier``. With n > 1,
-    ``completion_tokens`` is every choice's together (the prompt is counted once)."""
-    by_tier = start.cached_by_tier if start is not None else {}
-    completion = fin.completion_tokens if completion_tokens is None else completion_tokens
+def _usage(prompt: int, completion: int, cached: int, by_tier: Mapping[Tier, int]) -> dict[str, Any]:
     return {
-        "prompt_tokens": fin.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": fin.prompt_tokens + completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {
-            "cached_tokens": fin.cache_read_tokens,
+            "cached_tokens": cached,
             "kvserve_cached_by_tier": {t.value: by_tier.get(t, 0) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
         },
     }
 
 
+def usage(start: Started | None, fin: Finished, completion_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage with ``prompt_tokens_details.cached_tokens`` always present, and the
+    per-tier split in ``prompt_tokens_details.kvserve_cached_by_tier``. With n > 1,
+    ``completion_tokens`` is every choice's together (the prompt is counted once)."""
+    completion = fin.completion_tokens if completion_tokens is None else completion_tokens
+    return _usage(fin.prompt_tokens, completion, fin.cache_read_tokens, start.cached_by_tier if start is not None else {})
+
+
 def running_usage(start: Started, completion_tokens: int) -> dict[str, Any]:
     """A stream chunk's usage with vLLM's ``continuous_usage_stats``: the prompt's (and
     its cached) tokens and the completion tokens so far, in ``usage``'s shape."""
-    return {
-        "prompt_tokens": start.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": start.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": start.cached_tokens,
-            "kvserve_cached_by_tier": {t.value: start.cached_by_tier.get(t, 0)
-                                       for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REDIS)},
-        },
-    }  # fmt: skip
+    return _usage(start.prompt_tokens, completion_tokens, start.cached_tokens, start.cached_by_tier)
 
 
 def timings(fins: Sequence[Finished]) -> dict[str, Any]:
