@@ -507,6 +507,27 @@ inline __m256i sub_dots2(const int8_t* x, const __m512i* v2, const __m512i* s2) 
   return _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
 }
 #endif
+// A K-type block's runs, filled by the tile (v, s), then ``ready()`` once per block: ``dot``
+// is sub_dots, or in the AVX-512 build for tiles of 2 rows or more sub_dots2 over the runs
+// paired once for all the tile's rows.
+template <int RB>
+struct KRuns {
+  __m256i v[8], s[8];
+#if KV_VNNI
+  __m512i v2[4], s2[4];
+#endif
+  void ready() {
+#if KV_VNNI
+    if constexpr (RB > 1) pair_runs(v, s, v2, s2);
+#endif
+  }
+  __m256i dot(const int8_t* x) const {
+#if KV_VNNI
+    if constexpr (RB > 1) return sub_dots2(x, v2, s2);
+#endif
+    return sub_dots(x, v, s);
+  }
+};
 
 #if KV_VNNI
 // One block of a 32-value type as the bytes its dot product takes: signed values (Q8_0's,
@@ -668,28 +689,17 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
       // the 8 mins as 16 int16, each twice: min j beside the input's sums of 16 at 2j and 2j + 1
       const __m128i mins8 = _mm_loadl_epi64((const __m128i*)(sc + 8));
       const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));
-      __m256i v[8];  // sub-block 2j: the low nibbles of bytes 32j.., 2j + 1: the high ones
+      KRuns<RB> k;  // sub-block 2j: the low nibbles of bytes 32j.., 2j + 1: the high ones
       for (int j = 0; j < 4; j++) {
         const __m256i q = _mm256_loadu_si256((const __m256i*)(wb + 16 + 32 * j));
-        v[2 * j] = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-        v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+        k.v[2 * j] = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+        k.v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
       }
-      __m256i s[8];
-      for (int j = 0; j < 8; j++) s[j] = _mm256_set1_epi16(sc[j]);
+      for (int j = 0; j < 8; j++) k.s[j] = _mm256_set1_epi16(sc[j]);
+      k.ready();
       const float dw = f16(wb), dmin = f16(wb + 2);
-#if KV_VNNI
-      __m512i v2[4], s2[4];  // runs 2j and 2j + 1 side by side: one 512-bit operation for both
-      if constexpr (RB > 1) pair_runs(v, s, v2, s2);
-#endif
       for (int r = 0; r < RB; r++) {
-        const int8_t* x = xq[r] + b * QK_K;
-        __m256i sumi;
-#if KV_VNNI
-        if constexpr (RB > 1)
-          sumi = sub_dots2(x, v2, s2);
-        else
-#endif
-          sumi = sub_dots(x, v, s);
+        const __m256i sumi = k.dot(xq[r] + b * QK_K);
         // min j * (the input's sum over sub-block j) in lane j, exact; its float term in macc
         const __m256i mm = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dw * xd[r][b]), acc[r]);
@@ -697,34 +707,24 @@ inline void tile(const uint8_t* w, int64_t nblocks, const Act& a, int64_t K, int
       }
     } else {  // KV_Q6_K: values 0..63 less 32, an int8 scale per 16
       const int8_t* sc = (const int8_t*)(wb + 192);
-      __m256i v[8], s[8];  // run t: values 32t..32t+31, scales 2t (first 16) and 2t + 1
+      KRuns<RB> k;  // run t: values 32t..32t+31, scales 2t (first 16) and 2t + 1
       for (int h = 0; h < 2; h++) {  // 128 values: 4 runs of 32 from ql[64h..], qh[32h..]
         const __m256i l0 = _mm256_loadu_si256((const __m256i*)(wb + 64 * h));
         const __m256i l1 = _mm256_loadu_si256((const __m256i*)(wb + 64 * h + 32));
         const __m256i hb = _mm256_loadu_si256((const __m256i*)(wb + 128 + 32 * h));
         const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
-        v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
-        v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
-        v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2));
-        v[4 * h + 3] =
+        k.v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
+        k.v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
+        k.v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2));
+        k.v[4 * h + 3] =
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
       }
-      for (int t = 0; t < 8; t++) s[t] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * t]), _mm_set1_epi16(sc[2 * t + 1]));
+      for (int t = 0; t < 8; t++) k.s[t] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * t]), _mm_set1_epi16(sc[2 * t + 1]));
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
       const float dw = f16(wb + 208);
-#if KV_VNNI
-      __m512i v2[4], s2[4];  // runs 2j and 2j + 1 side by side: one 512-bit operation for both
-      if constexpr (RB > 1) pair_runs(v, s, v2, s2);
-#endif
+      k.ready();
       for (int r = 0; r < RB; r++) {
-        const int8_t* x = xq[r] + b * QK_K;
-        __m256i sumi;
-#if KV_VNNI
-        if constexpr (RB > 1)
-          sumi = sub_dots2(x, v2, s2);
-        else
-#endif
-          sumi = sub_dots(x, v, s);
+        __m256i sumi = k.dot(xq[r] + b * QK_K);
         // 32 * sum(scale_j * bsum_j), taken off in integers (8 lanes of pairs)
         const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bs[r] + b * 16)));
         sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(off, 5));
