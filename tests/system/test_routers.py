@@ -38,7 +38,7 @@ import pytest
 from kvserve.clients import KVServeClient
 
 from tests.fixtures.routers import (
-    BLOCK_SIZE, MODEL, ChatRun, Replica, RouterProcess, chat_turn, run_chats, start_replicas, stop_replicas,
+    BLOCK_SIZE, MODEL, ChatRun, Replica, RouterProcess, run_chats, start_replicas, stop_replicas,
 )  # fmt: skip
 from tests.fixtures.serving import REPO, wait_until
 from tests.system.test_deploy import COMPOSE, compose_env, load_yaml

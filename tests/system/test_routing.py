@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import threading
 import time
@@ -41,6 +40,7 @@ import pytest
 
 from kvserve.clients import AsyncKVServeClient, KVServeClient, StreamStart, TextDelta
 from tests.fixtures.redis_server import free_port
+from tests.fixtures.routers import SessionRuns
 from tests.fixtures.serving import REPO, ServerThread, start_server_process, subprocess_env, tiny_config, wait_until
 from tests.system.test_deploy import COMPOSE, compose_env, k8s_resource, load_yaml
 from tests.system.test_node_client import node_client  # noqa: F401  (fixture)
@@ -117,18 +117,8 @@ class Turn:
 
 
 @dataclass
-class Run:
+class Run(SessionRuns):
     turns: list[Turn] = field(default_factory=list)
-
-    def returning(self) -> list[tuple[Turn, Turn]]:
-        """(previous turn, turn) for every turn after a session's first."""
-        last: dict[str, Turn] = {}
-        out = []
-        for t in sorted(self.turns, key=lambda t: (t.session, t.index)):
-            if t.session in last:
-                out.append((last[t.session], t))
-            last[t.session] = t
-        return out
 
     @staticmethod
     def device_hit(prev: Turn, turn: Turn) -> bool:
@@ -137,14 +127,6 @@ class Run:
         transcript = prev.start.prompt_tokens + len(prev.token_ids)
         by_tier = turn.start.cached_by_tier
         return by_tier.get("device", 0) >= transcript // BLOCK_SIZE * BLOCK_SIZE and turn.start.cached_tokens == by_tier.get("device", 0)
-
-    def device_share(self) -> float:
-        pairs = self.returning()
-        return sum(self.device_hit(p, t) for p, t in pairs) / len(pairs)
-
-    def ttft_ms(self, q: float) -> float:
-        xs = sorted(t.ttft_s for _, t in self.returning())
-        return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def _turn(client: AsyncKVServeClient, session: str, index: int, message: str) -> Turn:
