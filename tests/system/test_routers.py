@@ -31,6 +31,7 @@ import signal
 import tomllib
 import urllib.request
 import uuid
+from typing import Callable
 
 import openai
 import pytest
@@ -173,14 +174,21 @@ def live_fleet(fleet, redis_server):
         stop_replicas(fresh)
 
 
-@pytest.mark.slow
-def test_sglang_router_random_is_the_session_blind_baseline(live_fleet):
-    router = RouterProcess("sglang", [r.url for r in live_fleet], "random")
+def _chats_through(fleet: list[Replica], kind: str, policy: str, prefix: str,
+                   headers: Callable[[str], dict[str, str]] | None = None) -> ChatRun:  # fmt: skip
+    """_sessions(prefix)'s chats, TURNS turns each, through a ``kind`` router with ``policy``
+    in front of ``fleet`` (stopped after)."""
+    router = RouterProcess(kind, [r.url for r in fleet], policy)
     try:
         with _client(router) as client:
-            blind = run_chats(client, _sessions("rnd"), range(TURNS))
+            return run_chats(client, _sessions(prefix), range(TURNS), headers=headers)
     finally:
         router.stop()
+
+
+@pytest.mark.slow
+def test_sglang_router_random_is_the_session_blind_baseline(live_fleet):
+    blind = _chats_through(live_fleet, "sglang", "random", "rnd")
     _print([(f"sglang-router random ({len(live_fleet)} replicas)", blind)])
     # 1/N expected (27 returning turns): 0.75 is far above it and far below cache_aware's
     assert blind.device_share() < 0.75, blind.device_share()
@@ -188,12 +196,7 @@ def test_sglang_router_random_is_the_session_blind_baseline(live_fleet):
 
 @pytest.mark.slow
 def test_sglang_router_routing_key_keeps_each_session_on_one_replica(live_fleet):
-    router = RouterProcess("sglang", [r.url for r in live_fleet], "manual")
-    try:
-        with _client(router) as client:
-            keyed = run_chats(client, _sessions("key"), range(TURNS), headers=lambda sid: {"X-SMG-Routing-Key": sid})
-    finally:
-        router.stop()
+    keyed = _chats_through(live_fleet, "sglang", "manual", "key", headers=lambda sid: {"X-SMG-Routing-Key": sid})
     _print([("sglang-router manual, X-SMG-Routing-Key", keyed)])
     assert keyed.device_share() == 1.0, keyed.device_share()
 
@@ -210,12 +213,7 @@ def _spilled(replica: Replica, sessions: list[str]) -> bool:
 def test_vllm_router_cache_aware_routes_by_the_rendered_prompt_without_a_header(live_fleet):
     """vllm-router's cache_aware asks each worker /v1/chat/completions/render for the
     prompt's token ids (service/http/discovery.py) and routes by the longest token prefix."""
-    router = RouterProcess("vllm", [r.url for r in live_fleet], "cache_aware")
-    try:
-        with _client(router) as client:
-            aware = run_chats(client, _sessions("vca"), range(TURNS))
-    finally:
-        router.stop()
+    aware = _chats_through(live_fleet, "vllm", "cache_aware", "vca")
     _print([("vllm-router cache_aware, no header", aware)])
     assert aware.device_share() >= 0.9, aware.device_share()
 
